@@ -1,0 +1,34 @@
+# Two entry points, both self-contained on a fresh machine (Python 3.11, no GPU):
+#   make demo   build the venv if needed, then chat with the embedded demo model
+#   make test   build the venv if needed, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+IMAGE ?= $(VENV)/demo.png
+
+.PHONY: demo test venv kt-kernel clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned to the CPU wheel: an unpinned torch would pull a CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/make_demo_image.py $(IMAGE)
+	$(BIN)/vismmoe-kt chat --demo --image $(IMAGE) --prompt "Describe the image." --max_new_tokens 16 --stats
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Optional: kt-kernel's CPU MoE kernels (metadata pins an old torch, so no deps).
+kt-kernel: $(STAMP)
+	$(BIN)/pip install -q --no-deps kt-kernel==0.7.2
+	$(BIN)/pip install -q -e '.[cpu-kernels]'
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,46 @@
+"""The Qwen3-VL-MoE adapter finds the parts operators need, and the registry rejects unknown families."""
+
+import pytest
+import torch
+
+from vismmoe_kt.errors import LoadError
+from vismmoe_kt.models import adapter_for, supported_model_types
+from vismmoe_kt.tiny_models import SPECS
+
+
+def test_structure_of_the_tiny_model(reference):
+    model, processor = reference
+    adapter = adapter_for(model.config.model_type)
+    spec = SPECS["tiny-4x16"]
+    layers = adapter.decoder_layers(model)
+    assert len(layers) == spec.layers
+    assert adapter.moe_layer_indices(model) == list(range(spec.layers))
+    layer = layers[1]
+    assert adapter.router(layer) is layer.mlp.gate and adapter.router(layer).top_k == spec.top_k
+    assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
+    assert adapter.shared_experts(layer) is None
+    assert adapter.vision_tower(model) is model.model.visual
+    assert adapter.text_config(model.config).num_experts == spec.experts
+
+
+def test_image_token_mask(reference, image_inputs):
+    model, processor = reference
+    adapter = adapter_for(model.config.model_type)
+    mask = adapter.image_token_mask(model.config, image_inputs["input_ids"])
+    grid = image_inputs["image_grid_thw"][0]
+    assert mask.dtype == torch.bool and int(mask.sum()) == int(grid.prod()) // 4  # merge 2x2
+
+
+def test_hub_layout_fix_only_touches_expert_tensors(reference):
+    adapter = adapter_for("qwen3_vl_moe")
+    stored = torch.randn(4, 8, 6)
+    fixed = adapter.to_model_layout("model.language_model.layers.0.mlp.experts.gate_up_proj", stored, torch.Size([4, 6, 8]))
+    assert torch.equal(fixed, stored.transpose(1, 2))
+    other = adapter.to_model_layout("model.visual.blocks.0.attn.qkv.weight", stored, torch.Size([4, 6, 8]))
+    assert other is stored
+
+
+def test_unknown_family_lists_supported():
+    assert supported_model_types() == ["qwen3_vl_moe"]
+    with pytest.raises(LoadError, match=r"unsupported architecture model_type='deepseek_vl_v2'; supported: qwen3_vl_moe"):
+        adapter_for("deepseek_vl_v2")

@@ -1,0 +1,169 @@
+"""`vismmoe-kt` command line. Flags follow ktransformers' local_chat where they mean the same thing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from .errors import InputError, VismmoeError
+
+MULTILINE = '"""'
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def parse_set(values: list[str]) -> dict[str, Any]:
+    """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings)."""
+    import yaml
+
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {item!r}: expected key=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model_path", help="local Hugging Face model directory (config, safetensors, processor)")
+    group.add_argument("--demo", action="store_true", help="use the embedded demo model (built on first use, random weights)")
+    group.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
+    group.add_argument("--generate_device", help="put every module on this device for decode (overrides the rules)")
+    group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="replace a kwarg in every rule that has it (repeatable)")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
+    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
+                       help="CPU threads for CPU compute (default: physical cores - 3)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vismmoe-kt", description="Vision-language MoE inference with VisMMOE/ReaLB operators.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    chat = commands.add_parser("chat", help="chat with a model about images (interactive unless --prompt)")
+    add_model_flags(chat)
+    chat.add_argument("--image", action="append", default=[], help="image file for the first turn (repeatable)")
+    chat.add_argument("--prompt", help="ask this and exit (non-interactive)")
+    chat.add_argument("--prompt_file", help="read the (first) prompt from this file")
+    chat.add_argument("--max_new_tokens", type=int, default=1000)
+    chat.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
+    chat.add_argument("--temperature", type=float)
+    chat.add_argument("--top_p", type=float)
+    chat.add_argument("--stats", action="store_true", help="print runtime statistics after each answer")
+    return parser
+
+
+def resolve_model_path(args: argparse.Namespace) -> Path:
+    if args.demo and args.model_path:
+        raise InputError("give either --demo or --model_path, not both")
+    if args.demo:
+        from .tiny_models import demo_model_dir
+
+        return demo_model_dir()
+    if not args.model_path:
+        raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
+    return Path(args.model_path)
+
+
+def load_from_args(args: argparse.Namespace):
+    import torch
+
+    from .loader import load
+
+    if args.cpu_infer < 1:
+        raise InputError(f"--cpu_infer must be at least 1, got {args.cpu_infer}")
+    torch.set_num_threads(args.cpu_infer)
+    model_path = resolve_model_path(args)
+    if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
+        raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
+    overrides = parse_set(args.set)
+    for flag in ("generate_device", "prefill_device"):
+        if getattr(args, flag):
+            overrides[flag] = getattr(args, flag)
+    return load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
+
+
+def read_user_turn(ask: Callable[[str], str]) -> str | None:
+    """One turn of ktransformers' input habits: `\"\"\"` opens/closes multi-line input, a path reads a file."""
+    try:
+        line = ask("Chat: ")
+    except EOFError:
+        return None
+    if line.strip().startswith(MULTILINE):
+        lines = [line.strip()[len(MULTILINE):]]
+        while not lines[-1].rstrip().endswith(MULTILINE):
+            try:
+                lines.append(ask(""))
+            except EOFError:
+                break
+        lines[-1] = lines[-1].rstrip().removesuffix(MULTILINE)
+        return "\n".join(lines).strip()
+    if line.strip() and os.path.isfile(line.strip()):
+        return Path(line.strip()).read_text(encoding="utf-8")
+    return line
+
+
+def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from .images import load_image
+
+    out = out or sys.stdout
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    images = [load_image(path) for path in args.image]  # fail on a bad image before loading the model
+    first_prompt = args.prompt
+    if args.prompt_file:
+        try:
+            first_prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"--prompt_file {args.prompt_file}: {exc.strerror or exc}") from None
+    model, processor = load_from_args(args)
+    from .chat_session import ChatSession
+    from .stats import collect_stats, format_stats
+
+    session = ChatSession(model, processor, args.max_new_tokens, args.greedy, args.temperature, args.top_p)
+
+    def answer(text: str, turn_images: list) -> None:
+        _, timings = session.ask(text, turn_images, out=out)
+        print(timings.ollama_lines(), file=out)
+        if args.stats:
+            print(format_stats(collect_stats(model)), file=out)
+        out.flush()
+
+    if args.prompt is not None or args.prompt_file:
+        answer(first_prompt, images)
+        return 0
+    pending = images
+    while (text := read_user_turn(input)) is not None:
+        if not text.strip():
+            continue
+        answer(text, pending)
+        pending = []
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "chat":
+            return run_chat(args)
+    except VismmoeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

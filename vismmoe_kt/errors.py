@@ -1,0 +1,17 @@
+"""Errors a user can act on. The CLI prints their message (no traceback) and exits non-zero."""
+
+
+class VismmoeError(Exception):
+    """Base class: the message names the problem and what to do about it."""
+
+
+class RuleError(VismmoeError):
+    """A rule file or an override is wrong (the message names the file and rule index)."""
+
+
+class LoadError(VismmoeError):
+    """A model directory, config or checkpoint cannot be used."""
+
+
+class InputError(VismmoeError):
+    """A user input (image, prompt file, flag value) cannot be used."""

@@ -1,0 +1,34 @@
+"""Model adapters, one module per family, looked up by `config.model_type`.
+
+Adapters are imported only when a model of their family is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import LoadError
+from .base import ModelAdapter
+
+# model_type -> "module:Class" (imported on first use)
+REGISTRY: dict[str, str] = {
+    "qwen3_vl_moe": "vismmoe_kt.models.qwen3_vl_moe:Qwen3VLMoeAdapter",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def adapter_for(model_type: str | None, where: Any = "config") -> ModelAdapter:
+    if model_type not in REGISTRY:
+        raise LoadError(
+            f"{where}: unsupported architecture model_type={model_type!r}; "
+            f"supported: {', '.join(supported_model_types())}"
+        )
+    module_name, _, class_name = REGISTRY[model_type].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+__all__ = ["ModelAdapter", "adapter_for", "supported_model_types", "REGISTRY"]

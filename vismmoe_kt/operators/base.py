@@ -1,0 +1,104 @@
+"""BaseInjectedModule: the constructor contract and attribute forwarding every operator shares.
+
+An operator replaces one submodule of a Hugging Face model. It keeps the module it replaced as the
+registered child `orig_module` (so rules may keep injecting into that module's children, as in
+KTransformers), and it knows its checkpoint key, its loader, the model config and its devices.
+
+Attribute forwarding is explicit. HF code reads a few attributes of the modules it calls (e.g. the
+multimodal model reads `language_model.embed_tokens`, the vision path reads `visual.dtype`); each
+class lists the names it forwards to `orig_module` in `forwarded_attributes`, and anything else is an
+AttributeError that says what is forwarded. (Upstream forwards every unknown name through bare
+excepts, which turns typos into silent reads of the wrong module.)
+
+If upstream KTransformers' framework is importable, our base class also derives from its
+BaseInjectedModule, so its `optimize_and_load_gguf` accepts our operators and calls their `load()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _upstream_bases() -> tuple[type, ...]:
+    try:  # present only where the upstream framework (archive/ of ktransformers) is installed
+        from ktransformers.operators.base_operator import BaseInjectedModule as Upstream
+    except Exception:
+        return (nn.Module,)
+    return (Upstream,)
+
+
+# Names Hugging Face modelling code reads on modules it calls, by the kind of module replaced:
+# text model (embed_tokens, layers, norm, rotary_emb, get_input_embeddings, which the multimodal
+# model calls on its language model), vision tower (dtype, spatial_merge_size,
+# deepstack_visual_indexes), attention (layer_idx, head_dim, is_causal), decoder layer
+# (attention_type), MoE block/experts/router (num_experts, top_k, hidden_dim, intermediate_dim).
+HF_READ_ATTRIBUTES = (
+    "embed_tokens", "layers", "norm", "rotary_emb", "has_sliding_layers",
+    "get_input_embeddings", "set_input_embeddings",
+    "dtype", "spatial_merge_size", "deepstack_visual_indexes", "patch_size",
+    "layer_idx", "head_dim", "is_causal", "num_key_value_groups", "scaling",
+    "attention_type", "num_experts", "top_k", "hidden_dim", "intermediate_dim",
+)
+
+
+class BaseInjectedModule(*_upstream_bases()):
+    """Pass-through operator: runs `orig_module` unchanged. Subclasses override `forward`."""
+
+    forwarded_attributes: tuple[str, ...] = HF_READ_ATTRIBUTES
+    is_injected_operator = True  # duck-typed marker for the weight loader (avoids an import cycle)
+
+    def __init__(
+        self,
+        key: str,
+        gguf_loader: Any,
+        config: Any,
+        orig_module: nn.Module,
+        prefill_device: str = "cuda",
+        generate_device: str = "cuda",
+        **kwargs: Any,
+    ):
+        if kwargs:
+            raise TypeError(f"unexpected kwargs {sorted(kwargs)}")
+        nn.Module.__init__(self)
+        self.orig_module = orig_module
+        self.key = key
+        self.gguf_loader = gguf_loader
+        self.config = config
+        self.prefill_device = str(prefill_device)
+        self.generate_device = str(generate_device)
+
+    # nn.Module.__getattr__ runs only when normal lookup failed; we add the explicit forwarding.
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            pass
+        if name in type(self).forwarded_attributes:
+            return getattr(nn.Module.__getattr__(self, "orig_module"), name)
+        raise AttributeError(
+            f"{type(self).__name__} (replacing {self.__dict__.get('key', '?')!r}) has no attribute {name!r}; "
+            f"it forwards only {', '.join(type(self).forwarded_attributes)} to the module it replaced"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        nn.Module.__setattr__(self, name, value)
+
+    @property
+    def weights_device(self) -> torch.device:
+        """Where this operator's weights live; operators that keep them elsewhere override it."""
+        return torch.device(self.generate_device)
+
+    def load(self) -> None:
+        """Fill this operator's weights from `gguf_loader` (ours, or upstream's safetensors loader)."""
+        from ..weights import load_module_tree
+
+        load_module_tree(self, self.gguf_loader, self.key, self.weights_device, operator_root=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.orig_module(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"key={self.key!r}, prefill_device={self.prefill_device}, generate_device={self.generate_device}"
