@@ -122,6 +122,8 @@ def test_a_path_to_an_existing_file_reads_the_prompt(tmp_path):
     ("bad_set", r"--set 'weights_device': expected key=value"),
     ("unknown_set", r"override 'colour' is not a kwarg of any rule"),
     ("bad_max_tokens", r"--max_new_tokens must be at least 1"),
+    ("two_prompts", r"give either --prompt or --prompt_file, not both"),
+    ("two_models", r"give either --demo or --model_path, not both"),
 ])
 def test_bad_input_gives_a_clear_error_and_nonzero_exit(case, message, tmp_path, image_file, capsys):
     corrupt = tmp_path / "corrupt.png"
@@ -143,6 +145,8 @@ def test_bad_input_gives_a_clear_error_and_nonzero_exit(case, message, tmp_path,
         "bad_set": chat("--set", "weights_device", "--prompt", "x"),
         "unknown_set": chat("--set", "colour=red", "--prompt", "x"),
         "bad_max_tokens": chat("--prompt", "x", "--max_new_tokens", "0"),
+        "two_prompts": chat("--prompt", "x", "--prompt_file", bad_rules),
+        "two_models": chat("--model_path", tmp_path, "--prompt", "x"),
     }[case]
     rc = main(args)
     err = capsys.readouterr().err

@@ -68,6 +68,7 @@ def resolve_model_path(args: argparse.Namespace) -> Path:
     if args.demo:
         from .tiny_models import demo_model_dir
 
+        print("demo model: random weights, so its replies are noise; timings and stats are real", file=sys.stderr)
         return demo_model_dir()
     if not args.model_path:
         raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
@@ -119,6 +120,8 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.prompt is not None and args.prompt_file:
+        raise InputError("give either --prompt or --prompt_file, not both")
     images = [load_image(path) for path in args.image]  # fail on a bad image before loading the model
     first_prompt = args.prompt
     if args.prompt_file:
