@@ -10,11 +10,12 @@ from torch import nn
 
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n:.1f} GiB"
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def collect_stats(model: nn.Module) -> dict[str, Any]:
