@@ -83,7 +83,7 @@ def test_tied_embeddings_are_loaded_once(tmp_path, image_inputs):
 
 
 def test_overrides_replace_rule_kwargs(tiny_dir):
-    offload = "optimize_rules/qwen3vl-offload.yaml"
+    offload = "optimize_rules/qwen3vl.yaml"
     model, _ = load(tiny_dir, offload, progress=False, weights_device="cpu:0", **CPU)
     assert all(str(m.weights_device) == "cpu:0" for m in model.modules() if isinstance(m, PlacedExperts))
     with pytest.raises(RuleError, match=r"override 'weight_device' is not a kwarg of any rule; known kwargs: weights_device"):

@@ -1,7 +1,8 @@
 """vismmoe-kt: VisMMOE offloading and ReaLB mixed-precision operators for vision-language MoE models,
 applied to Hugging Face models through KTransformers-compatible injection rules.
 
-Public API: `vismmoe_kt.load(model_path, optimize_config_path, **overrides) -> (model, processor)`.
+Public API: `vismmoe_kt.load(model_path, optimize_config_path, **overrides) -> (model, processor)`,
+`vismmoe_kt.stats(model) -> dict`.
 Nothing heavy is imported until it is used.
 """
 
@@ -15,4 +16,11 @@ def load(model_path, optimize_config_path=None, **overrides):
     return _load(model_path, optimize_config_path, **overrides)
 
 
-__all__ = ["load", "__version__"]
+def stats(model):
+    """Runtime statistics of a loaded model (what `--stats` prints), as a dict."""
+    from .stats import collect_stats
+
+    return collect_stats(model)
+
+
+__all__ = ["load", "stats", "__version__"]

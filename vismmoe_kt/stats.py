@@ -8,14 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _human_bytes(n: float) -> str:
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
+from .runtime.budget import human_bytes
 
 
 def collect_stats(model: nn.Module) -> dict[str, Any]:
@@ -45,14 +38,24 @@ def format_stats(stats: dict[str, Any]) -> str:
     lines = ["runtime stats:"]
     if "model_dir" in stats:
         lines.append(f"  model: {stats['model_dir']}  rules: {stats['rules'] or '(none)'}  load: {stats['load_seconds']:.2f}s")
-        weights = ", ".join(f"{dev} {_human_bytes(n)}" for dev, n in sorted(stats["weights_by_device"].items()))
+        weights = ", ".join(f"{dev} {human_bytes(n)}" for dev, n in sorted(stats["weights_by_device"].items()))
         lines.append(f"  weights: {weights}")
     lines.append(f"  torch threads: {stats['torch_threads']}")
     if "cuda_max_allocated" in stats:
-        lines.append(f"  cuda peak allocated: {_human_bytes(stats['cuda_max_allocated'])}")
+        lines.append(f"  cuda peak allocated: {human_bytes(stats['cuda_max_allocated'])}")
     if not stats["operators"]:
         lines.append("  operators: none (stock Hugging Face modules)")
     for name, entry in sorted(stats["operators"].items()):
-        fields = ", ".join(f"{k}={_human_bytes(v) if k.startswith('bytes') else v}" for k, v in entry.items() if k != "count")
-        lines.append(f"  {name} x{entry['count']}: {fields}")
+        fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k != "count"]
+        lines.append(f"  {name} x{entry['count']}:")
+        for start in range(0, len(fields), 6):
+            lines.append("    " + ", ".join(fields[start:start + 6]))
     return "\n".join(lines)
+
+
+def _show(key: str, value: Any) -> str:
+    if key.startswith("bytes"):
+        return human_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)

@@ -45,6 +45,10 @@ class ModelAdapter:
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         raise NotImplementedError
 
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        """Indices of the decoder layers that are MoE layers, from the config alone (before the model exists)."""
+        raise NotImplementedError
+
     def moe_layer_indices(self, model: nn.Module) -> list[int]:
         return [i for i, layer in enumerate(self.decoder_layers(model)) if self.experts(layer) is not None]
 

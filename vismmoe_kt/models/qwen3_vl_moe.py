@@ -80,6 +80,11 @@ class Qwen3VLMoeAdapter(ModelAdapter):
     def text_config(self, config: Any) -> Any:
         return config.text_config
 
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        text = self.text_config(config)  # the rule Qwen3VLMoeTextDecoderLayer applies
+        return [i for i in range(text.num_hidden_layers)
+                if i not in (text.mlp_only_layers or []) and text.num_experts > 0 and (i + 1) % text.decoder_sparse_step == 0]
+
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.model.language_model.layers
 

@@ -1,0 +1,85 @@
+"""The offload runtime on the CPU gives the reference model's logits and 32 greedy tokens at every budget.
+
+Budgets run from "everything fits" (every layer pinned, no transfers) down to the smallest the
+runtime accepts: one pinned layer plus one layer of slabs for `vismmoe` (Eq. 10 with L_semantic=1,
+C_safe=one layer), one layer of slabs for `lru`; at the minimum a decode step evicts every step.
+"""
+
+import pytest
+import torch
+
+from vismmoe_kt import load
+from vismmoe_kt.errors import RuleError
+from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.stats import collect_stats
+from vismmoe_kt.tiny_models import SPECS, build_tiny_model, save_tiny_model
+
+from conftest import make_image
+
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+RULES = {"vismmoe": "optimize_rules/qwen3vl-offload.yaml", "lru": "optimize_rules/qwen3vl-lru.yaml"}
+
+
+def layer_bytes(spec):
+    return spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # fp32
+
+
+@pytest.fixture(scope="module", params=["tiny-4x16", "tiny-6x64"])
+def shape(request, tmp_path_factory):
+    name = request.param
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(name), name, seed=1)
+    ref, processor = build_tiny_model(name, seed=1)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(160, 128, seed=2)], return_tensors="pt")
+    with torch.no_grad():
+        expected = (ref(**inputs).logits, ref.generate(**inputs, max_new_tokens=32, do_sample=False))
+    return name, model_dir, inputs, expected
+
+
+CASES = [  # (policy, budget in layers of experts, extra kwargs, expect transfers)
+    ("vismmoe", "all", {}, False),
+    ("vismmoe", 3, {}, True),
+    ("vismmoe", 2, {}, True),                     # the minimum: 1 pinned + 1 layer of slabs
+    ("vismmoe", 2.5, {"pinned_layers": 1}, True),
+    ("lru", 1, {}, True),                         # the minimum for lru: 1 layer of slabs
+]
+
+
+@pytest.mark.parametrize("policy,layers,extra,transfers", CASES)
+def test_offloaded_model_matches_reference(shape, policy, layers, extra, transfers):
+    name, model_dir, inputs, (ref_logits, ref_tokens) = shape
+    spec = SPECS[name]
+    budget = layer_bytes(spec) * (spec.layers if layers == "all" else layers)
+    model, _ = load(model_dir, RULES[policy], expert_budget=int(budget), **extra, **CPU)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+    stats = collect_stats(model)["operators"]["VisExperts"]
+    assert stats["count"] == spec.layers
+    assert (stats["bytes_copied"] > 0) == transfers
+    if layers == 2 and policy == "vismmoe":
+        assert stats["pinned_layers"] == 1 and stats["slabs"] == spec.experts
+        assert stats["evictions"] > 0 and stats["decode_misses"] > 0
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    runtime.cache.check_invariants()
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_budget_below_the_minimum_is_a_clear_error_at_load(tiny_dir):
+    minimum = 2 * layer_bytes(SPECS["tiny-4x16"])
+    with pytest.raises(RuleError, match=r"VisExperts rejects .* expert budget .* is too small: .* at least .* \(%d bytes\)" % minimum):
+        load(tiny_dir, RULES["vismmoe"], expert_budget=minimum - 1, **CPU)
+    with pytest.raises(RuleError, match=r"expert budget .* is too small: .* \(%d bytes\)" % layer_bytes(SPECS["tiny-4x16"])):
+        load(tiny_dir, RULES["lru"], expert_budget=layer_bytes(SPECS["tiny-4x16"]) - 1, **CPU)
+
+
+def test_bad_runtime_kwargs_are_clear_errors(tiny_dir):
+    with pytest.raises(RuleError, match=r"not a byte size: 'lots'"):
+        load(tiny_dir, RULES["vismmoe"], expert_budget="lots", **CPU)
+    with pytest.raises(RuleError, match=r"policy 'fifo' is not one of: vismmoe, lru"):
+        load(tiny_dir, RULES["vismmoe"], policy="fifo", **CPU)
+    with pytest.raises(RuleError, match=r"pinned_layers=4 is outside the valid range"):
+        load(tiny_dir, RULES["vismmoe"], expert_budget=3 * layer_bytes(SPECS["tiny-4x16"]), pinned_layers=4, **CPU)

@@ -1,0 +1,231 @@
+"""OffloadRuntime: the state all VisExperts operators of one model share.
+
+Owns the pinned prefix (each pinned layer's experts as one GPU bank), the ExpertStore (host blocks
+of every other layer), the slab pool and its SlabCache, and the Transfers. Per MoE layer and step:
+
+    route (done by the model) -> need: which experts the tokens chose  [the one device->host sync]
+      -> place: hit / late prefetch (wait on its event) / miss (urgent fetch)
+      -> prefetch: hand the priority list for the coming layers to the transfer worker
+      -> compute: grouped GEMM over the bank rows -> release the slabs for eviction
+
+The prefetch policy here is the history policy (the experts the next `window` layers used in the
+previous step, priority gamma**(d-1) at distance d); `prefetch()` is the interface the lookahead
+predictor feeds instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .budget import BudgetError, choose_pinned_layers, human_bytes, parse_bytes
+from .expert_compute import bank_experts
+from .slab_cache import Key, SlabCache
+from .store import ExpertStore, block_views
+from .transfers import Transfers
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    expert_budget: int                 # bytes of GPU memory for routed experts (pinned + slabs)
+    policy: str = "vismmoe"            # "vismmoe" (pinned prefix + prefetch + safe eviction) or "lru"
+    pinned_layers: int | None = None   # None: Eq. 10's choice
+    min_pinned_layers: int = 1         # L_semantic
+    min_cache_bytes: int | None = None  # C_safe; None: one layer of experts (prefill can always progress)
+    prefetch_window: int = 2           # W: layers ahead to prefetch
+    prefetch_gamma: float = 0.8        # priority decay with distance
+    max_in_flight: int = 16            # prefetch copies outstanding at once
+
+    @classmethod
+    def from_kwargs(cls, expert_budget: Any, policy: str = "vismmoe", pinned_layers: Any = "auto",
+                    min_pinned_layers: int = 1, min_cache_bytes: Any = None, prefetch_window: int = 2,
+                    prefetch_gamma: float = 0.8, max_in_flight: int = 16) -> "OffloadSettings":
+        if expert_budget is None:
+            raise BudgetError("expert_budget is required (bytes or a size like '24GiB')")
+        if policy not in ("vismmoe", "lru"):
+            raise BudgetError(f"policy {policy!r} is not one of: vismmoe, lru")
+        pinned = None if pinned_layers in (None, "auto") else int(pinned_layers)
+        if policy == "lru":  # the baseline: the whole budget is an on-demand cache, no prefetch
+            pinned, min_pinned_layers, prefetch_window = 0, 0, 0
+        if not 0 < prefetch_gamma <= 1:
+            raise BudgetError(f"prefetch_gamma must be in (0, 1], got {prefetch_gamma}")
+        return cls(parse_bytes(expert_budget), policy, pinned, int(min_pinned_layers),
+                   None if min_cache_bytes is None else parse_bytes(min_cache_bytes),
+                   int(prefetch_window), float(prefetch_gamma), int(max_in_flight))
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    late: int = 0
+    misses: int = 0
+    calls: int = 0
+
+
+class OffloadRuntime:
+    def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
+                 inter: int, dtype: torch.dtype, device: torch.device | str):
+        self.settings, self.moe_layers = settings, list(moe_layers)
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.device = torch.device(device)
+        self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available())
+        self.layer_bytes = num_experts * self.store.block_bytes
+        c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
+        n_pinned = choose_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe, settings.min_pinned_layers,
+                                        len(self.moe_layers), settings.pinned_layers)
+        self.pinned = set(self.moe_layers[:n_pinned])
+        offloaded = len(self.moe_layers) - n_pinned
+        slab_budget = settings.expert_budget - n_pinned * self.layer_bytes
+        self.num_slabs = min(slab_budget // self.store.block_bytes, offloaded * num_experts)
+        if offloaded and self.num_slabs < num_experts:
+            raise BudgetError(
+                f"expert budget {human_bytes(settings.expert_budget)} leaves {self.num_slabs} slabs after "
+                f"{n_pinned} pinned layer(s); at least one layer's {num_experts} experts must fit "
+                f"(minimum {human_bytes(n_pinned * self.layer_bytes + self.layer_bytes)})")
+        self.lock = threading.RLock()
+        self.cache = SlabCache(self.num_slabs, [l for l in self.moe_layers if l not in self.pinned], settings.policy)
+        self.banks: dict[int, torch.Tensor] = {}
+        self.pool: torch.Tensor | None = None
+        self.transfers: Transfers | None = None
+        self.row_map: torch.Tensor | None = None   # (num MoE layers, E) bank row per expert, on the device
+        self._row_host: list[list[int]] = []
+        self._identity: torch.Tensor | None = None
+        self.last_routed: dict[int, list[int]] = {}
+        self.counters = {phase: {} for phase in PHASES}
+        self.loaded: set[int] = set()
+
+    # --- start-up ------------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
+        if self.pool is not None:
+            return
+        self.pool = torch.zeros(max(self.num_slabs, 1), self.store.block_elems, dtype=self.store.dtype, device=self.device)
+        self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
+        self.row_map = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long, device=self.device)
+        self._row_host = [[0] * self.num_experts for _ in self.moe_layers]
+        self._identity = torch.arange(self.num_experts, device=self.device)
+        self._index = {layer: i for i, layer in enumerate(self.moe_layers)}
+
+    def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Take one layer's experts (E, 2I, H) and (E, H, I): to a GPU bank if pinned, else to the store."""
+        if layer not in self.moe_layers:
+            raise ValueError(f"layer {layer} is not an MoE layer of this model ({self.moe_layers})")
+        self._allocate()
+        if layer in self.pinned:
+            bank = torch.empty(self.num_experts, self.store.block_elems, dtype=self.store.dtype, device=self.device)
+            gu, dn = block_views(bank, self.inter, self.hidden)
+            gu.copy_(gate_up)
+            dn.copy_(down)
+            self.banks[layer] = bank
+        else:
+            self.store.fill_layer(layer, gate_up, down)
+        self.loaded.add(layer)
+
+    # --- per layer ------------------------------------------------------------------------------
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+        phase = "prefill" if hidden.shape[0] > 1 else "decode"
+        counters = self.counters[phase].setdefault(layer, LayerCounters())
+        counters.calls += 1
+        if layer in self.pinned:
+            self._prefetch_after(layer)
+            gu, dn = block_views(self.banks[layer], self.inter, self.hidden)
+            return bank_experts(hidden, top_k_index, top_k_weights, self._identity, gu, dn, act)
+        needed = torch.unique(top_k_index).tolist()  # the one device->host sync of this layer
+        with self.lock:
+            self.transfers.poll()
+            placed = self.cache.begin_layer(layer, needed)
+            counters.hits += len(placed["hit"])
+            counters.late += len(placed["late"])
+            counters.misses += len(placed["miss"])
+            self.transfers.fetch([(layer, e) for e in placed["miss"]])
+            slabs = [self.cache.where[(layer, e)] for e in needed]
+            self.transfers.wait_for(slabs)
+            self._upload_rows(layer, needed, slabs)
+        self._prefetch_after(layer)
+        self.last_routed[layer] = needed
+        gu, dn = block_views(self.pool, self.inter, self.hidden)
+        out = bank_experts(hidden, top_k_index, top_k_weights, self.row_map[self._index[layer]], gu, dn, act)
+        with self.lock:
+            self.transfers.release(slabs)
+            self.cache.end_layer(layer)
+        return out
+
+    def _upload_rows(self, layer: int, experts: list[int], slabs: list[int]) -> None:
+        """Refresh this layer's row map on the device, only when an expert moved to another slab."""
+        host = self._row_host[self._index[layer]]
+        changed = [(e, s) for e, s in zip(experts, slabs) if host[e] != s]
+        if not changed:
+            return
+        for e, s in changed:
+            host[e] = s
+        self.row_map[self._index[layer]].copy_(torch.tensor(host), non_blocking=True)
+
+    def _prefetch_after(self, layer: int) -> None:
+        """History policy: the next `window` offloaded layers' experts from the previous step."""
+        window = self.settings.prefetch_window
+        if window <= 0:
+            return
+        order = self.moe_layers
+        start = order.index(layer)
+        items: list[tuple[Key, float]] = []
+        distance = 0
+        for step in range(1, len(order)):
+            ahead = order[(start + step) % len(order)]
+            if ahead in self.pinned:
+                continue
+            distance += 1
+            if distance > window:
+                break
+            priority = self.settings.prefetch_gamma ** (distance - 1)
+            items += [((ahead, e), priority) for e in self.last_routed.get(ahead, [])]
+        if items:
+            self.prefetch(items)
+
+    def prefetch(self, items: list[tuple[Key, float]]) -> None:
+        """Replace the prefetch list: (layer, expert) pairs with priorities (higher sooner)."""
+        if self.transfers is not None and self.num_slabs:
+            self.transfers.prefetch([(k, p) for k, p in items if k[0] not in self.pinned])
+
+    # --- statistics -------------------------------------------------------------------------------
+    def layer_stats(self, layer: int) -> dict[str, int]:
+        out = {}
+        for phase in PHASES:
+            c = self.counters[phase].get(layer, LayerCounters())
+            out.update({f"{phase}_hits": c.hits, f"{phase}_late": c.late, f"{phase}_misses": c.misses})
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-runtime figures (copies, stalls, evictions), resolving pending CUDA timings."""
+        t = self.transfers
+        if t is not None and t.cuda:
+            torch.cuda.synchronize(self.device)
+            t.counters.resolve()
+        c = self.cache.counters
+        return {
+            "policy": self.settings.policy,
+            "pinned_layers": len(self.pinned),
+            "slabs": self.num_slabs,
+            "expert_budget": human_bytes(self.settings.expert_budget),
+            "bytes_host_store": self.store.nbytes,
+            "bytes_gpu_experts": sum(b.numel() * b.element_size() for b in self.banks.values())
+            + (self.pool.numel() * self.pool.element_size() if self.pool is not None and self.num_slabs else 0),
+            "evictions": c.evictions, "prefetches": c.prefetches, "fetches": c.fetches,
+            "bytes_copied": t.counters.bytes_copied if t else 0,
+            "copy_seconds": round(t.counters.copy_seconds, 6) if t else 0.0,
+            "stall_seconds": round(t.counters.stall_seconds, 6) if t else 0.0,
+        }
+
+    def summary_once(self, layer: int) -> dict[str, Any]:
+        """`summary()` for the first MoE layer only, so per-operator statistics can simply be summed."""
+        return self.summary() if layer == self.moe_layers[0] else {}
+
+    def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()

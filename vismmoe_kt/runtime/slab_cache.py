@@ -1,0 +1,206 @@
+"""SlabCache: which logical expert each GPU slab holds, and which slab to give up next.
+
+Pure host-side state and policy (no tensors, no streams), so it is tested exhaustively on the CPU.
+The runtime tells it when a layer starts (with the experts that layer needs), when a copy is issued
+and completes, and when the layer ends; it answers lookups and picks eviction victims.
+
+Policies:
+- `vismmoe` (VisMMOE 3.4.2): victims are Expired experts first, then Speculative ones; among
+  Expired the one needed furthest in the future (layers run in a cycle, so the layer that ran last
+  comes back last), among Speculative the lowest prefetch priority. A prefetch may only evict an
+  Expired expert or a Speculative one of lower priority than what it brings in.
+- `lru`: the least recently used resident expert, whatever its layer (on-demand caching as in
+  earlier MoE offloading work).
+Never a victim: a slab whose copy is in flight, or whose expert the executing layer uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class SlabState(Enum):
+    FREE = "free"
+    IN_FLIGHT = "in_flight"
+    RESIDENT = "resident"
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0          # needed and resident when the layer started
+    late: int = 0          # needed while its prefetch was still in flight (compute waits on it)
+    misses: int = 0        # needed, neither resident nor in flight: fetched urgently
+    evictions: int = 0
+    prefetches: int = 0    # copies issued from a priority list
+    fetches: int = 0       # urgent copies
+
+
+@dataclass
+class SlabCache:
+    num_slabs: int
+    layer_order: list[int]  # MoE layers in execution order (one step runs them in this order)
+    policy: str = "vismmoe"
+    owner: list[Key | None] = field(init=False)
+    state: list[SlabState] = field(init=False)
+    where: dict[Key, int] = field(init=False, default_factory=dict)
+    in_use: set[int] = field(init=False, default_factory=set)
+    priority: dict[Key, float] = field(init=False, default_factory=dict)
+    last_use: list[int] = field(init=False)
+    executed: set[int] = field(init=False, default_factory=set)  # layers that ran in this step
+    executing: int | None = field(init=False, default=None)
+    counters: CacheCounters = field(init=False, default_factory=CacheCounters)
+    _tick: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("vismmoe", "lru"):
+            raise ValueError(f"unknown cache policy {self.policy!r}; choose vismmoe or lru")
+        self.owner = [None] * self.num_slabs
+        self.state = [SlabState.FREE] * self.num_slabs
+        self.last_use = [0] * self.num_slabs
+        self._position = {layer: i for i, layer in enumerate(self.layer_order)}
+        self._free = list(range(self.num_slabs - 1, -1, -1))  # pop() gives slab 0 first
+
+    # --- layer lifecycle ------------------------------------------------------------------
+    def begin_layer(self, layer: int, needed: list[int]) -> dict[str, list[int]]:
+        """Start `layer`; classify its needed experts as hit / late / miss (misses get no slab yet)."""
+        if self.executing is not None:
+            raise RuntimeError(f"layer {layer} started while layer {self.executing} is still executing")
+        if layer in self.executed or (self.executed and self._position[layer] <= max(self._position[l] for l in self.executed)):
+            self.executed.clear()  # a new step: every layer is ahead again
+        self.executing = layer
+        self._tick += 1
+        result: dict[str, list[int]] = {"hit": [], "late": [], "miss": []}
+        for expert in needed:
+            slab = self.where.get((layer, expert))
+            if slab is None:
+                result["miss"].append(expert)
+                continue
+            result["hit" if self.state[slab] is SlabState.RESIDENT else "late"].append(expert)
+            self.in_use.add(slab)
+            self.last_use[slab] = self._tick
+        self.counters.hits += len(result["hit"])
+        self.counters.late += len(result["late"])
+        self.counters.misses += len(result["miss"])
+        return result
+
+    def use(self, slab: int) -> None:
+        """Mark a freshly fetched slab as used by the executing layer."""
+        self.in_use.add(slab)
+        self.last_use[slab] = self._tick
+
+    def end_layer(self, layer: int) -> None:
+        if self.executing != layer:
+            raise RuntimeError(f"layer {layer} ended but layer {self.executing} was executing")
+        self.in_use.clear()
+        self.executed.add(layer)
+        self.executing = None
+
+    # --- copies ---------------------------------------------------------------------------
+    def assign(self, key: Key, priority: float | None = None, urgent: bool = False) -> int | None:
+        """Give `key` a slab (free, else a victim) in state IN_FLIGHT; None if no slab may be taken."""
+        return self.assign_many([key], None if priority is None else [priority], urgent)[0]
+
+    def assign_many(self, keys: list[Key], priorities: list[float] | None = None, urgent: bool = False) -> list[int | None]:
+        """Slabs for several experts at once (one ranking pass). Prefetches come in priority order and
+        stop at the first that may not evict anything; urgent fetches take any non-Required victim."""
+        out: list[int | None] = []
+        ranked: list[int] | None = None
+        for i, key in enumerate(keys):
+            if key in self.where:
+                raise RuntimeError(f"expert {key} already has slab {self.where[key]}")
+            priority = priorities[i] if priorities is not None else None
+            slab = self._free.pop() if self._free else None
+            if slab is None:
+                if ranked is None:
+                    ranked = self._ranked_victims()
+                slab = self._take_victim(ranked, None if urgent else priority)
+                if slab is None:
+                    out.extend([None] * (len(keys) - i))
+                    return out
+                self._evict(slab)
+            self.owner[slab], self.state[slab] = key, SlabState.IN_FLIGHT
+            self.where[key] = slab
+            if priority is not None:
+                self.priority[key] = priority
+            if urgent:
+                self.counters.fetches += 1
+            else:
+                self.counters.prefetches += 1
+            out.append(slab)
+        return out
+
+    def complete(self, slab: int) -> None:
+        if self.state[slab] is not SlabState.IN_FLIGHT:
+            raise RuntimeError(f"slab {slab} completed a copy it was not waiting for ({self.state[slab].value})")
+        self.state[slab] = SlabState.RESIDENT
+
+    def set_priorities(self, priorities: dict[Key, float]) -> None:
+        self.priority = dict(priorities)
+
+    # --- policy ---------------------------------------------------------------------------
+    def classify(self, slab: int) -> str:
+        if self.state[slab] is SlabState.FREE:
+            return "free"
+        if self.state[slab] is SlabState.IN_FLIGHT or slab in self.in_use:
+            return "required"
+        return "expired" if self.owner[slab][0] in self.executed else "speculative"
+
+    def victim(self, for_priority: float | None = None) -> int | None:
+        """The slab to give up next, or None. `for_priority` set: a prefetch of that priority asks."""
+        return self._take_victim(self._ranked_victims(), for_priority, consume=False)
+
+    def _ranked_victims(self) -> list[int]:
+        """Evictable slabs, the first to go last (so pop() takes it)."""
+        candidates = [s for s in range(self.num_slabs) if self.classify(s) in ("expired", "speculative")]
+        if self.policy == "lru":
+            return sorted(candidates, key=lambda s: self.last_use[s], reverse=True)
+        return sorted(candidates, key=self._eviction_rank, reverse=True)
+
+    def _take_victim(self, ranked: list[int], for_priority: float | None, consume: bool = True) -> int | None:
+        while ranked and self.classify(ranked[-1]) not in ("expired", "speculative"):
+            ranked.pop()  # became Required since the ranking (fetched for this layer)
+        if not ranked:
+            return None
+        best = ranked[-1]
+        if (for_priority is not None and self.policy == "vismmoe" and self.classify(best) == "speculative"
+                and self._priority_of(best) >= for_priority):
+            return None  # never trade a more important speculative expert for a prefetch
+        return ranked.pop() if consume else best
+
+    def _eviction_rank(self, slab: int) -> tuple:
+        cls = self.classify(slab)
+        if cls == "expired":  # needed again furthest in the future goes first
+            return (0, -self._distance(self.owner[slab][0]), self.last_use[slab])
+        return (1, self._priority_of(slab), -self._distance(self.owner[slab][0]), self.last_use[slab])
+
+    def _priority_of(self, slab: int) -> float:
+        key = self.owner[slab]
+        if key in self.priority:
+            return self.priority[key]
+        return -self._distance(key[0]) / max(len(self.layer_order), 1) - 1.0  # below any listed priority
+
+    def _distance(self, layer: int) -> int:
+        """Layers from the executing one until `layer` runs again (cyclic: steps repeat the order)."""
+        here = self._position[self.executing] if self.executing is not None else (
+            max((self._position[l] for l in self.executed), default=-1))
+        return (self._position[layer] - here) % len(self.layer_order)
+
+    def _evict(self, slab: int) -> None:
+        if self.classify(slab) not in ("expired", "speculative"):
+            raise RuntimeError(f"refusing to evict slab {slab} ({self.classify(slab)}): it is in flight or in use")
+        del self.where[self.owner[slab]]
+        self.owner[slab], self.state[slab] = None, SlabState.FREE
+        self.counters.evictions += 1  # the slab is refilled at once, so it does not go back to _free
+
+    # --- checks (used by tests; cheap enough to call in debug runs) -------------------------
+    def check_invariants(self) -> None:
+        held = [key for key in self.owner if key is not None]
+        assert len(held) == len(set(held)), "an expert is held by two slabs"
+        assert {k: s for s, k in enumerate(self.owner) if k is not None} == self.where, "slab map out of sync"
+        for slab, key in enumerate(self.owner):
+            assert (key is None) == (self.state[slab] is SlabState.FREE), f"slab {slab} state/owner mismatch"
+        assert self.in_use <= {s for s in range(self.num_slabs) if self.owner[s] is not None}
+        assert sorted(self._free) == [s for s in range(self.num_slabs) if self.owner[s] is None], "free list out of sync"

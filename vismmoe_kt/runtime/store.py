@@ -1,0 +1,42 @@
+"""ExpertStore: one contiguous host block per logical expert of the offloaded layers.
+
+A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype, the same layout as a GPU slab,
+so a fetch is one copy. A layer's blocks are one tensor `(E, block_elems)`, page-locked when CUDA is
+present (copies from pageable memory run at about a fifth of the speed and cannot overlap compute).
+Layers are filled one at a time from tensors the loader reads through mmap, so the checkpoint is
+never held twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block) -> gate_up (rows, 2I, H) and down (rows, H, I) views of the same memory."""
+    rows = blocks.shape[0]
+    split = 2 * inter * hidden
+    return blocks[:, :split].view(rows, 2 * inter, hidden), blocks[:, split:].view(rows, hidden, inter)
+
+
+class ExpertStore:
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool):
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.dtype, self.pin_memory = dtype, pin_memory
+        self.block_elems = 3 * inter * hidden
+        self.block_bytes = self.block_elems * torch.tensor([], dtype=dtype).element_size()
+        self.layers: dict[int, torch.Tensor] = {}
+
+    def fill_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        blocks = torch.empty(self.num_experts, self.block_elems, dtype=self.dtype, pin_memory=self.pin_memory)
+        gu, dn = block_views(blocks, self.inter, self.hidden)
+        gu.copy_(gate_up)
+        dn.copy_(down)
+        self.layers[layer] = blocks
+
+    def block(self, layer: int, expert: int) -> torch.Tensor:
+        return self.layers[layer][expert]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layers) * self.num_experts * self.block_bytes

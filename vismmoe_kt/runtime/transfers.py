@@ -1,0 +1,190 @@
+"""Transfers: copies of host blocks into GPU slabs, ahead of compute where possible.
+
+On CUDA there are two copy streams. A host worker thread drains the prefetch queue (a priority list
+of logical experts, replaced whenever the runtime learns more) onto the transfer stream, keeping at
+most `max_in_flight` copies outstanding so that a newer list takes effect quickly. Urgent fetches
+(a needed expert that was not queued) go on a high-priority stream, ahead of the queue. Each copy
+records one event; the compute stream waits only on the events of the experts it needs now. A copy
+into a slab first waits on the compute that last read the slab, so eviction never races a kernel.
+
+On the CPU (tests, or a machine without a GPU) copies are synchronous and the queue is drained at
+once, so the same runtime logic runs everywhere.
+
+All cache state is touched under the runtime's lock, which this class shares.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .slab_cache import Key, SlabCache
+from .store import ExpertStore
+
+
+@dataclass
+class TransferCounters:
+    bytes_copied: int = 0
+    copies: int = 0
+    stall_events: list = None  # (start, end) CUDA timing events around compute-stream waits
+    copy_events: list = None   # (start, end) CUDA timing events around copies
+    stall_seconds: float = 0.0
+    copy_seconds: float = 0.0
+
+    def __post_init__(self):
+        self.stall_events, self.copy_events = [], []
+
+    def resolve(self) -> None:
+        """Turn finished CUDA timing events into seconds (keeps the lists short)."""
+        for attr, total in (("stall_events", "stall_seconds"), ("copy_events", "copy_seconds")):
+            pending = []
+            for start, end in getattr(self, attr):
+                if end.query():
+                    setattr(self, total, getattr(self, total) + start.elapsed_time(end) / 1000)
+                else:
+                    pending.append((start, end))
+            setattr(self, attr, pending)
+
+
+class Transfers:
+    def __init__(self, store: ExpertStore, pool: torch.Tensor, cache: SlabCache, lock: threading.RLock,
+                 max_in_flight: int = 16):
+        self.store, self.pool, self.cache, self.lock = store, pool, cache, lock
+        self.cuda = pool.device.type == "cuda"
+        self.max_in_flight = max_in_flight
+        self.events: dict[int, torch.cuda.Event] = {}     # slab -> copy done
+        self.read_done: dict[int, torch.cuda.Event] = {}  # slab -> compute that last read it is done
+        self.queue: list[tuple[float, Key]] = []          # prefetch candidates, highest priority last
+        self.counters = TransferCounters()
+        self._wake = threading.Condition(lock)
+        self._stop = False
+        self._worker = None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(pool.device)
+            self.urgent_stream = torch.cuda.Stream(pool.device, priority=-1)
+            self._worker = threading.Thread(target=self._drain_forever, name="vismmoe-prefetch", daemon=True)
+            self._worker.start()
+
+    # --- copies (lock held) -----------------------------------------------------------------
+    def _copy(self, slab: int, key: Key, urgent: bool) -> None:
+        src, dst = self.store.block(*key), self.pool[slab]
+        self.counters.bytes_copied += self.store.block_bytes
+        self.counters.copies += 1
+        if not self.cuda:
+            start = time.perf_counter()
+            dst.copy_(src)
+            elapsed = time.perf_counter() - start
+            self.counters.copy_seconds += elapsed
+            if urgent:  # synchronous: compute waits for the whole copy
+                self.counters.stall_seconds += elapsed
+            self.cache.complete(slab)
+            return
+        stream = self.urgent_stream if urgent else self.stream
+        if slab in self.read_done:
+            stream.wait_event(self.read_done.pop(slab))
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        self.events[slab] = done
+        self.counters.copy_events.append((begin, done))
+
+    def poll(self) -> None:
+        """Mark finished copies resident."""
+        for slab, event in list(self.events.items()):
+            if event.query():
+                del self.events[slab]
+                self.cache.complete(slab)
+
+    def fetch(self, keys: list[Key]) -> list[int]:
+        """Urgent copies for needed experts that have no slab; waits for in-flight copies if it must."""
+        slabs = self.cache.assign_many(keys, urgent=True)
+        while None in slabs:  # every other slab is Required or in flight: let a copy land, then retry
+            if not self.events:
+                raise RuntimeError("expert cache has no slab to give up; the budget is below one layer")
+            slab, event = next(iter(self.events.items()))
+            event.synchronize()
+            self.poll()
+            missing = [k for k, s in zip(keys, slabs) if s is None]
+            got = iter(self.cache.assign_many(missing, urgent=True))
+            slabs = [s if s is not None else next(got) for s in slabs]
+        for key, slab in zip(keys, slabs):
+            self._copy(slab, key, urgent=True)
+            self.cache.use(slab)
+        return slabs
+
+    def wait_for(self, slabs: list[int]) -> None:
+        """Make the current (compute) stream wait for these slabs' copies, timing the wait."""
+        pending = [self.events[s] for s in slabs if s in self.events]
+        if not pending:
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(compute)
+        for event in pending:
+            compute.wait_event(event)
+        end.record(compute)
+        self.counters.stall_events.append((begin, end))
+
+    def release(self, slabs: list[int]) -> None:
+        """The current stream's work reads these slabs: later copies into them wait for it."""
+        if not self.cuda or not slabs:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.pool.device))
+        for slab in slabs:
+            self.read_done[slab] = event
+
+    # --- prefetch ---------------------------------------------------------------------------
+    def prefetch(self, items: list[tuple[Key, float]]) -> None:
+        """Replace the prefetch queue with `items` (logical expert, priority: higher first)."""
+        with self.lock:
+            self.queue = sorted(((p, k) for k, p in items if k not in self.cache.where), key=lambda x: x[0])
+            if self.cuda:
+                self._wake.notify()
+            else:
+                self._drain(limit=len(self.queue))
+
+    def _drain(self, limit: int) -> bool:
+        """Issue up to `limit` queued prefetches (lock held). False when the cache refuses more."""
+        batch: list[tuple[float, Key]] = []
+        while self.queue and len(batch) < limit:
+            priority, key = self.queue.pop()
+            if key not in self.cache.where:
+                batch.append((priority, key))
+        if not batch:
+            return True
+        slabs = self.cache.assign_many([k for _, k in batch], [p for p, _ in batch])
+        for (priority, key), slab in zip(batch, slabs):
+            if slab is not None:
+                self._copy(slab, key, urgent=False)
+        if None in slabs:
+            self.queue.clear()  # lower priorities cannot take a slab either
+            return False
+        return True
+
+    def _drain_forever(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and not self.queue:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                self.poll()
+                room = self.max_in_flight - len(self.events)
+                if room > 0:
+                    self._drain(limit=room)
+                oldest = next(iter(self.events.values()), None) if self.queue else None
+            if oldest is not None:
+                oldest.synchronize()  # outside the lock; frees the GIL while the copy engine works
+
+    def close(self) -> None:
+        if self._worker is not None:
+            with self.lock:
+                self._stop = True
+                self._wake.notify()
+            self._worker.join(timeout=5)
