@@ -37,8 +37,8 @@ def main() -> int:
     rules = sorted(Path("optimize_rules").glob("*.yaml"))
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
 
-    def run(rule_file):
-        model, processor = load(model_dir, rule_file, progress=False)
+    def run(rule_file, **overrides):
+        model, processor = load(model_dir, rule_file, progress=False, **overrides)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[prompt], images=[image], return_tensors="pt").to("cuda:0")
@@ -50,13 +50,18 @@ def main() -> int:
         return logits, tokens, seconds, collect_stats(model)
 
     ref_logits, ref_tokens, _, _ = run("optimize_rules/qwen3vl-gpu.yaml")
+    # the offload runtimes again at their smallest budgets, so that every step copies and evicts
+    layer = 64 * 3 * 40 * 96 * 4  # tiny-6x64: one layer of fp32 experts
+    cases = [(str(r), {}) for r in rules] + [("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": 2 * layer}),
+                                            ("optimize_rules/qwen3vl-lru.yaml", {"expert_budget": layer})]
     results, ok = [], True
-    for rule_file in rules:
-        logits, tokens, seconds, stats = run(str(rule_file))
+    for rule_file, overrides in cases:
+        logits, tokens, seconds, stats = run(rule_file, **overrides)
+        rule_file = Path(rule_file)
         diff = (logits - ref_logits).abs().max().item()
         same = torch.equal(tokens, ref_tokens)
         ok &= diff <= 1e-5 and same
-        row = {"rules": rule_file.name, "max_abs_logit_diff": diff, "greedy_tokens_equal": same,
+        row = {"rules": rule_file.name, "overrides": overrides, "max_abs_logit_diff": diff, "greedy_tokens_equal": same,
                "generate_8_tokens_s": round(seconds, 3), "weights_by_device": stats.get("weights_by_device"),
                "operators": stats["operators"]}
         results.append(row)

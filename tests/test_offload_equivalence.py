@@ -83,3 +83,36 @@ def test_bad_runtime_kwargs_are_clear_errors(tiny_dir):
         load(tiny_dir, RULES["vismmoe"], policy="fifo", **CPU)
     with pytest.raises(RuleError, match=r"pinned_layers=4 is outside the valid range"):
         load(tiny_dir, RULES["vismmoe"], expert_budget=3 * layer_bytes(SPECS["tiny-4x16"]), pinned_layers=4, **CPU)
+
+
+def test_row_chunks_respect_the_group_limit():
+    from vismmoe_kt.runtime.expert_compute import row_chunks
+
+    counts = [(5, 2), (1500, 1), (3, 4), (1027, 3), (2000, 5)]
+    chunks = row_chunks(counts, max_groups=1024)
+    # rows sorted: 3(4) 5(2) 1027(3) 1500(1) 2000(5); pairs in that order 0..15
+    assert chunks == [(3, 6, 0, 6), (1027, 2001, 6, 15)]
+    assert all(hi - lo <= 1024 for lo, hi, _, _ in chunks)
+
+
+def test_chunked_bank_compute_equals_one_call(reference):
+    """The same routed experts spread over a bank of more rows than one grouped GEMM takes."""
+    from vismmoe_kt.runtime.expert_compute import bank_experts, row_chunks
+
+    experts = reference[0].model.language_model.layers[0].mlp.experts
+    E = experts.num_experts
+    torch.manual_seed(3)
+    hidden = torch.randn(7, experts.hidden_dim)
+    index = torch.stack([torch.randperm(E)[:4] for _ in range(7)])
+    weights = torch.softmax(torch.randn(7, 4), dim=-1)
+    placement = torch.randperm(2500)[:E]  # expert e sits at bank row placement[e]
+    gate_up = torch.zeros(2500, *experts.gate_up_proj.shape[1:])
+    down = torch.zeros(2500, *experts.down_proj.shape[1:])
+    gate_up[placement], down[placement] = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    used, pairs = torch.unique(index, return_counts=True)
+    chunks = row_chunks(list(zip(placement[used].tolist(), pairs.tolist())), max_groups=1024)
+    assert len(chunks) > 1
+    with torch.no_grad():
+        out = bank_experts(hidden, index, weights, placement, gate_up, down, experts.act_fn, chunks)
+        ref = experts(hidden, index, weights)
+    assert (out - ref).abs().max().item() <= 1e-5

@@ -129,15 +129,9 @@ def load(
     start = time.perf_counter()
     model_dir = Path(model_path)
     config, adapter = read_model_config(model_dir)
-    target_dtype = parse_dtype(dtype)
     device = default_device or overrides.get("generate_device") or pick_default_device()
-    reader = CheckpointReader(model_dir, dtype=target_dtype, layout_fix=adapter.to_model_layout, default_device=device)
-    model = _build_on_meta(adapter, config)
-    rules = optimize_config_path if optimize_config_path is not None else []
-    plan = inject(model, rules, config, loader=reader, default_device=device, overrides=overrides)
-    _check_devices(plan, optimize_config_path)
-    _load_weights(model, reader, device, progress)
-    model.eval()
+    reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout, default_device=device)
+    model, plan = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():
         from transformers import GenerationConfig
@@ -149,6 +143,18 @@ def load(
     info.bytes_by_device = _bytes_by_device(model)
     model.vismmoe = info
     return model, processor
+
+
+def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device: str, progress: bool,
+             overrides: dict[str, Any]) -> tuple[nn.Module, dict[str, dict]]:
+    """Meta model -> injected operators -> weights from `reader` (a checkpoint, or synthetic weights)."""
+    model = _build_on_meta(adapter, config)
+    plan = inject(model, rules if rules is not None else [], config, loader=reader, default_device=device,
+                  overrides=overrides)
+    _check_devices(plan, rules)
+    _load_weights(model, reader, device, progress)
+    model.eval()
+    return model, plan
 
 
 def _load_weights(model: nn.Module, reader: CheckpointReader, device: str, progress: bool) -> None:

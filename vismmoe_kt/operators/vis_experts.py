@@ -74,7 +74,10 @@ class VisExperts(BaseInjectedModule):
         from ..weights import read_tensor
 
         experts = self.orig_module
-        tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"), getattr(experts, name).shape)
+        # where the loader hands tensors over fastest: host memory for a checkpoint (mmap), the GPU for
+        # synthetic weights (made there); the runtime copies them into its store or banks either way
+        staging = torch.device(getattr(self.gguf_loader, "staging_device", "cpu"))
+        tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", staging, getattr(experts, name).shape)
                    for name in _WEIGHTS]
         self.runtime.load_layer(self.layer, *tensors)
         for name in _WEIGHTS:  # the runtime owns the weights now; no meta parameters stay behind

@@ -3,13 +3,12 @@
 Vocabulary (used with these meanings everywhere in the project):
 - logical expert: one expert of one MoE layer, the key `(layer, expert)`; the same index in two
   layers names two different weights.
-- block: one logical expert's weights as one contiguous run of memory, `[gate_up (2I x H) | down (H x I)]`,
-  the layout the GPU compute reads. The ExpertStore keeps a block per non-pinned logical expert in
-  page-locked host memory.
+- block: one logical expert's weights as one contiguous run of host memory, `[gate_up (2I x H) |
+  down (H x I)]`. The ExpertStore keeps a block per non-pinned logical expert in page-locked memory.
 - pinned prefix: the first `L_pinned` MoE layers, whose whole expert pool stays on the GPU (VisMMOE
   Eq. 10 picks L_pinned from the budget). Their routing is seen without any transfer.
-- slab: one block-sized piece of the GPU expert cache, allocated once at start-up; it holds one
-  logical expert or nothing.
+- slab: one block-sized piece of the GPU expert cache, allocated once at start-up (row s of the
+  gate_up pool and row s of the down pool); it holds one logical expert or nothing.
 - resident: a slab holds the expert and its copy has completed. in flight: the copy is issued and
   not yet complete.
 - Required / Speculative / Expired (VisMMOE 3.4.2): a resident expert is Required while the layer

@@ -34,6 +34,28 @@ def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch
     return out
 
 
+MAX_GROUPS = 1024  # torch._grouped_mm's limit on groups per call
+
+
+def row_chunks(row_counts: list[tuple[int, int]], max_groups: int = MAX_GROUPS) -> list[tuple[int, int, int, int]]:
+    """Split used bank rows into runs of at most `max_groups` rows.
+
+    `row_counts`: (bank row, token-expert pairs routed to it), known on the host after the layer's
+    one sync. Returns (first row, last row + 1, first pair, last pair + 1) per chunk, where pairs are
+    counted in row order (the order `bank_experts` sorts them in).
+    """
+    chunks: list[tuple[int, int, int, int]] = []
+    pair = 0
+    for row, count in sorted(row_counts):
+        if chunks and row < chunks[-1][0] + max_groups:
+            lo, _, start, end = chunks[-1]
+            chunks[-1] = (lo, row + 1, start, end + count)
+        else:
+            chunks.append((row, row + 1, pair, pair + count))
+        pair += count
+    return chunks
+
+
 def bank_experts(
     hidden: torch.Tensor,          # (T, H)
     top_k_index: torch.Tensor,     # (T, K) expert ids
@@ -42,6 +64,7 @@ def bank_experts(
     gate_up: torch.Tensor,         # (R, 2I, H)
     down: torch.Tensor,            # (R, H, I)
     act: Any,
+    chunks: list[tuple[int, int, int, int]] | None = None,  # from row_chunks; None: all R rows at once
 ) -> torch.Tensor:
     num_rows, k = gate_up.shape[0], top_k_index.shape[1]
     pair_rows = rows[top_k_index].reshape(-1)
@@ -50,9 +73,16 @@ def bank_experts(
     # histc, not bincount: bincount's output size depends on data, which CUDA graphs cannot capture
     counts = torch.histc(sorted_rows.float() if hidden.device.type == "cpu" else sorted_rows.int(),
                          bins=num_rows, min=0, max=num_rows - 1)
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     x = hidden[token].to(gate_up.dtype)
-    gate, up = _grouped(x, gate_up, offs).chunk(2, dim=-1)
-    y = _grouped(act(gate) * up, down, offs)
+    if chunks is None:
+        if num_rows > MAX_GROUPS:
+            raise ValueError(f"a bank of {num_rows} rows needs chunks (grouped GEMM takes {MAX_GROUPS} groups)")
+        chunks = [(0, num_rows, 0, x.shape[0])]
+    parts = []
+    for lo, hi, start, end in chunks:
+        offs = torch.cumsum(counts[lo:hi], dim=0, dtype=torch.int32)
+        gate, up = _grouped(x[start:end], gate_up[lo:hi], offs).chunk(2, dim=-1)
+        parts.append(_grouped(act(gate) * up, down[lo:hi], offs))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, y.to(hidden.dtype))

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from .budget import BudgetError, choose_pinned_layers, human_bytes, parse_bytes
-from .expert_compute import bank_experts
+from .expert_compute import bank_experts, row_chunks
 from .slab_cache import Key, SlabCache
-from .store import ExpertStore, block_views
+from .store import ExpertStore
 from .transfers import Transfers
 
 PHASES = ("prefill", "decode")
@@ -90,8 +90,8 @@ class OffloadRuntime:
                 f"(minimum {human_bytes(n_pinned * self.layer_bytes + self.layer_bytes)})")
         self.lock = threading.RLock()
         self.cache = SlabCache(self.num_slabs, [l for l in self.moe_layers if l not in self.pinned], settings.policy)
-        self.banks: dict[int, torch.Tensor] = {}
-        self.pool: torch.Tensor | None = None
+        self.banks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned layer -> (gate_up, down)
+        self.pool: tuple[torch.Tensor, torch.Tensor] | None = None      # slabs: gate_up (S, 2I, H), down (S, H, I)
         self.transfers: Transfers | None = None
         self.row_map: torch.Tensor | None = None   # (num MoE layers, E) bank row per expert, on the device
         self._row_host: list[list[int]] = []
@@ -105,12 +105,17 @@ class OffloadRuntime:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
         if self.pool is not None:
             return
-        self.pool = torch.zeros(max(self.num_slabs, 1), self.store.block_elems, dtype=self.store.dtype, device=self.device)
+        self.pool = self._bank(max(self.num_slabs, 1))
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
         self.row_map = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long, device=self.device)
         self._row_host = [[0] * self.num_experts for _ in self.moe_layers]
         self._identity = torch.arange(self.num_experts, device=self.device)
         self._index = {layer: i for i, layer in enumerate(self.moe_layers)}
+
+    def _bank(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous (rows, 2I, H) and (rows, H, I): the layout grouped GEMM reads without copying."""
+        kw = dict(dtype=self.store.dtype, device=self.device)
+        return (torch.zeros(rows, 2 * self.inter, self.hidden, **kw), torch.zeros(rows, self.hidden, self.inter, **kw))
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Take one layer's experts (E, 2I, H) and (E, H, I): to a GPU bank if pinned, else to the store."""
@@ -118,10 +123,9 @@ class OffloadRuntime:
             raise ValueError(f"layer {layer} is not an MoE layer of this model ({self.moe_layers})")
         self._allocate()
         if layer in self.pinned:
-            bank = torch.empty(self.num_experts, self.store.block_elems, dtype=self.store.dtype, device=self.device)
-            gu, dn = block_views(bank, self.inter, self.hidden)
-            gu.copy_(gate_up)
-            dn.copy_(down)
+            bank = self._bank(self.num_experts)
+            bank[0].copy_(gate_up)
+            bank[1].copy_(down)
             self.banks[layer] = bank
         else:
             self.store.fill_layer(layer, gate_up, down)
@@ -135,9 +139,10 @@ class OffloadRuntime:
         counters.calls += 1
         if layer in self.pinned:
             self._prefetch_after(layer)
-            gu, dn = block_views(self.banks[layer], self.inter, self.hidden)
-            return bank_experts(hidden, top_k_index, top_k_weights, self._identity, gu, dn, act)
-        needed = torch.unique(top_k_index).tolist()  # the one device->host sync of this layer
+            return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
+        experts, pairs = torch.unique(top_k_index, return_counts=True)
+        routed = torch.cat([experts, pairs]).tolist()  # the one device->host sync of this layer
+        needed, pair_counts = routed[:len(routed) // 2], routed[len(routed) // 2:]
         with self.lock:
             self.transfers.poll()
             placed = self.cache.begin_layer(layer, needed)
@@ -150,8 +155,8 @@ class OffloadRuntime:
             self._upload_rows(layer, needed, slabs)
         self._prefetch_after(layer)
         self.last_routed[layer] = needed
-        gu, dn = block_views(self.pool, self.inter, self.hidden)
-        out = bank_experts(hidden, top_k_index, top_k_weights, self.row_map[self._index[layer]], gu, dn, act)
+        chunks = row_chunks(list(zip(slabs, pair_counts)))
+        out = bank_experts(hidden, top_k_index, top_k_weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
         with self.lock:
             self.transfers.release(slabs)
             self.cache.end_layer(layer)
@@ -170,10 +175,10 @@ class OffloadRuntime:
     def _prefetch_after(self, layer: int) -> None:
         """History policy: the next `window` offloaded layers' experts from the previous step."""
         window = self.settings.prefetch_window
-        if window <= 0:
+        if window <= 0 or not self.num_slabs:
             return
         order = self.moe_layers
-        start = order.index(layer)
+        start = self._index[layer]
         items: list[tuple[Key, float]] = []
         distance = 0
         for step in range(1, len(order)):
@@ -214,8 +219,8 @@ class OffloadRuntime:
             "slabs": self.num_slabs,
             "expert_budget": human_bytes(self.settings.expert_budget),
             "bytes_host_store": self.store.nbytes,
-            "bytes_gpu_experts": sum(b.numel() * b.element_size() for b in self.banks.values())
-            + (self.pool.numel() * self.pool.element_size() if self.pool is not None and self.num_slabs else 0),
+            "bytes_gpu_experts": sum(t.numel() * t.element_size() for bank in self.banks.values() for t in bank)
+            + (sum(t.numel() * t.element_size() for t in self.pool) if self.pool is not None and self.num_slabs else 0),
             "evictions": c.evictions, "prefetches": c.prefetches, "fetches": c.fetches,
             "bytes_copied": t.counters.bytes_copied if t else 0,
             "copy_seconds": round(t.counters.copy_seconds, 6) if t else 0.0,

@@ -1,7 +1,8 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
-A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype, the same layout as a GPU slab,
-so a fetch is one copy. A layer's blocks are one tensor `(E, block_elems)`, page-locked when CUDA is
+A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
+slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
+`(slabs, out, in)` tensor that grouped GEMM reads without a copy), so a fetch is two copies. A layer's blocks are one tensor `(E, block_elems)`, page-locked when CUDA is
 present (copies from pageable memory run at about a fifth of the speed and cannot overlap compute).
 Layers are filled one at a time from tensors the loader reads through mmap, so the checkpoint is
 never held twice.
@@ -36,6 +37,11 @@ class ExpertStore:
 
     def block(self, layer: int, expert: int) -> torch.Tensor:
         return self.layers[layer][expert]
+
+    def block_parts(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's gate_up (2I, H) and down (H, I) as views, to copy into the two slab pools."""
+        gate_up, down = block_views(self.layers[layer][expert:expert + 1], self.inter, self.hidden)
+        return gate_up[0], down[0]
 
     @property
     def nbytes(self) -> int:

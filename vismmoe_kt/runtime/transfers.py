@@ -50,10 +50,11 @@ class TransferCounters:
 
 
 class Transfers:
-    def __init__(self, store: ExpertStore, pool: torch.Tensor, cache: SlabCache, lock: threading.RLock,
-                 max_in_flight: int = 16):
+    def __init__(self, store: ExpertStore, pool: tuple[torch.Tensor, torch.Tensor], cache: SlabCache,
+                 lock: threading.RLock, max_in_flight: int = 16):
         self.store, self.pool, self.cache, self.lock = store, pool, cache, lock
-        self.cuda = pool.device.type == "cuda"
+        self.device = pool[0].device
+        self.cuda = self.device.type == "cuda"
         self.max_in_flight = max_in_flight
         self.events: dict[int, torch.cuda.Event] = {}     # slab -> copy done
         self.read_done: dict[int, torch.cuda.Event] = {}  # slab -> compute that last read it is done
@@ -63,19 +64,21 @@ class Transfers:
         self._stop = False
         self._worker = None
         if self.cuda:
-            self.stream = torch.cuda.Stream(pool.device)
-            self.urgent_stream = torch.cuda.Stream(pool.device, priority=-1)
+            self.stream = torch.cuda.Stream(self.device)
+            self.urgent_stream = torch.cuda.Stream(self.device, priority=-1)
             self._worker = threading.Thread(target=self._drain_forever, name="vismmoe-prefetch", daemon=True)
             self._worker.start()
 
     # --- copies (lock held) -----------------------------------------------------------------
     def _copy(self, slab: int, key: Key, urgent: bool) -> None:
-        src, dst = self.store.block(*key), self.pool[slab]
+        sources = self.store.block_parts(*key)
+        targets = (self.pool[0][slab], self.pool[1][slab])
         self.counters.bytes_copied += self.store.block_bytes
         self.counters.copies += 1
         if not self.cuda:
             start = time.perf_counter()
-            dst.copy_(src)
+            for dst, src in zip(targets, sources):
+                dst.copy_(src)
             elapsed = time.perf_counter() - start
             self.counters.copy_seconds += elapsed
             if urgent:  # synchronous: compute waits for the whole copy
@@ -88,7 +91,8 @@ class Transfers:
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             begin.record(stream)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in zip(targets, sources):
+                dst.copy_(src, non_blocking=True)
             done.record(stream)
         self.events[slab] = done
         self.counters.copy_events.append((begin, done))
@@ -122,7 +126,7 @@ class Transfers:
         pending = [self.events[s] for s in slabs if s in self.events]
         if not pending:
             return
-        compute = torch.cuda.current_stream(self.pool.device)
+        compute = torch.cuda.current_stream(self.device)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record(compute)
         for event in pending:
@@ -135,7 +139,7 @@ class Transfers:
         if not self.cuda or not slabs:
             return
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.pool.device))
+        event.record(torch.cuda.current_stream(self.device))
         for slab in slabs:
             self.read_done[slab] = event
 
