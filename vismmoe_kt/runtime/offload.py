@@ -24,9 +24,9 @@ import torch
 
 from .budget import BudgetError, choose_pinned_layers, human_bytes, parse_bytes
 from .expert_compute import bank_experts, row_chunks
-from .slab_cache import Key, SlabCache
+from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore
-from .transfers import Transfers
+from .transfers import TransferCounters, Transfers
 
 PHASES = ("prefill", "decode")
 
@@ -98,6 +98,10 @@ class OffloadRuntime:
         self._identity: torch.Tensor | None = None
         self.last_routed: dict[int, list[int]] = {}
         self.counters = {phase: {} for phase in PHASES}
+        # cache and copy counters per phase: the live objects are swapped when the phase changes
+        self._cache_counters = {phase: CacheCounters() for phase in PHASES}
+        self._copy_counters = {phase: TransferCounters() for phase in PHASES}
+        self.phase = "prefill"
         self.loaded: set[int] = set()
 
     # --- start-up ------------------------------------------------------------------------------
@@ -107,6 +111,7 @@ class OffloadRuntime:
             return
         self.pool = self._bank(max(self.num_slabs, 1))
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
+        self._switch_phase(self.phase)
         self.row_map = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long, device=self.device)
         self._row_host = [[0] * self.num_experts for _ in self.moe_layers]
         self._identity = torch.arange(self.num_experts, device=self.device)
@@ -135,6 +140,9 @@ class OffloadRuntime:
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
         phase = "prefill" if hidden.shape[0] > 1 else "decode"
+        if phase != self.phase:
+            with self.lock:
+                self._switch_phase(phase)
         counters = self.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
         if layer in self.pinned:
@@ -161,6 +169,13 @@ class OffloadRuntime:
             self.transfers.release(slabs)
             self.cache.end_layer(layer)
         return out
+
+    def _switch_phase(self, phase: str) -> None:
+        """Attribute cache and copy events from now on to `phase` (lock held)."""
+        self.phase = phase
+        self.cache.counters = self._cache_counters[phase]
+        if self.transfers is not None:
+            self.transfers.counters = self._copy_counters[phase]
 
     def _upload_rows(self, layer: int, experts: list[int], slabs: list[int]) -> None:
         """Refresh this layer's row map on the device, only when an expert moved to another slab."""
@@ -207,13 +222,10 @@ class OffloadRuntime:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Whole-runtime figures (copies, stalls, evictions), resolving pending CUDA timings."""
-        t = self.transfers
-        if t is not None and t.cuda:
+        """Whole-runtime figures per phase (copies, stalls, evictions), resolving pending CUDA timings."""
+        if self.transfers is not None and self.transfers.cuda:
             torch.cuda.synchronize(self.device)
-            t.counters.resolve()
-        c = self.cache.counters
-        return {
+        out: dict[str, Any] = {
             "policy": self.settings.policy,
             "pinned_layers": len(self.pinned),
             "slabs": self.num_slabs,
@@ -221,11 +233,20 @@ class OffloadRuntime:
             "bytes_host_store": self.store.nbytes,
             "bytes_gpu_experts": sum(t.numel() * t.element_size() for bank in self.banks.values() for t in bank)
             + (sum(t.numel() * t.element_size() for t in self.pool) if self.pool is not None and self.num_slabs else 0),
-            "evictions": c.evictions, "prefetches": c.prefetches, "fetches": c.fetches,
-            "bytes_copied": t.counters.bytes_copied if t else 0,
-            "copy_seconds": round(t.counters.copy_seconds, 6) if t else 0.0,
-            "stall_seconds": round(t.counters.stall_seconds, 6) if t else 0.0,
         }
+        for phase in PHASES:
+            cache, copies = self._cache_counters[phase], self._copy_counters[phase]
+            copies.resolve()
+            out.update({
+                f"{phase}_evictions": cache.evictions, f"{phase}_prefetches": cache.prefetches,
+                f"{phase}_fetches": cache.fetches, f"bytes_copied_{phase}": copies.bytes_copied,
+                f"{phase}_copy_seconds": round(copies.copy_seconds, 6),
+                f"{phase}_stall_seconds": round(copies.stall_seconds, 6),
+            })
+        for total in ("evictions", "prefetches", "fetches", "copy_seconds", "stall_seconds"):
+            out[total] = round(sum(out[f"{phase}_{total}"] for phase in PHASES), 6)
+        out["bytes_copied"] = sum(out[f"bytes_copied_{phase}"] for phase in PHASES)
+        return out
 
     def summary_once(self, layer: int) -> dict[str, Any]:
         """`summary()` for the first MoE layer only, so per-operator statistics can simply be summed."""
