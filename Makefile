@@ -7,15 +7,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 IMAGE ?= $(VENV)/demo.png
 
-.PHONY: demo test venv kt-kernel clean
+.PHONY: demo test venv clean
 
 venv: $(STAMP)
 
 # torch is installed first and pinned to the CPU wheel: an unpinned torch would pull a CUDA build.
+# kt-kernel (the CPU MoE kernels) pins an old torch in its metadata but does not link libtorch: no deps.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps kt-kernel==0.7.2 gguf==0.19.0
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,11 +26,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-
-# Optional: kt-kernel's CPU MoE kernels (metadata pins an old torch, so no deps).
-kt-kernel: $(STAMP)
-	$(BIN)/pip install -q --no-deps kt-kernel==0.7.2
-	$(BIN)/pip install -q -e '.[cpu-kernels]'
 
 clean:
 	rm -rf $(VENV)

@@ -36,11 +36,14 @@ from vismmoe_kt.operators.vis_experts import VisExperts  # noqa: E402
 from vismmoe_kt.synthetic import load_synthetic  # noqa: E402
 
 RULES = {"gpu": "optimize_rules/qwen3vl-gpu.yaml", "vismmoe": "optimize_rules/qwen3vl-offload.yaml",
-         "lru": "optimize_rules/qwen3vl-lru.yaml", "pinned": "optimize_rules/qwen3vl-offload.yaml"}
+         "lru": "optimize_rules/qwen3vl-lru.yaml", "pinned": "optimize_rules/qwen3vl-offload.yaml",
+         "hybrid": "optimize_rules/qwen3vl.yaml", "ktcpu": "optimize_rules/qwen3vl-kt-cpu.yaml"}
 NAMES = {"gpu": "all-on-GPU (stock HF)", "pinned": "all pinned (our runtime, no transfers)",
-         "lru": "lru", "vismmoe": "vismmoe offload-only"}
+         "lru": "lru", "vismmoe": "vismmoe offload-only", "hybrid": "vismmoe hybrid (miss_policy auto)",
+         "ktcpu": "KTransformers-style: every routed expert on the CPU"}
 RUNTIME_KEYS = ("bytes_copied", "copy_seconds", "stall_seconds", "evictions", "prefetches", "fetches",
-                "prefill_hits", "prefill_late", "prefill_misses", "decode_hits", "decode_late", "decode_misses")
+                "prefill_hits", "prefill_late", "prefill_misses", "decode_hits", "decode_late", "decode_misses",
+                "prefill_cpu_experts", "decode_cpu_experts", "prefill_cpu_wait_seconds", "decode_cpu_wait_seconds")
 
 
 def make_inputs(processor, size: int):
@@ -76,6 +79,13 @@ def runtime_figures(model) -> dict:
     return {k: ops.get(k, 0) for k in RUNTIME_KEYS} if ops else {}
 
 
+def cpu_backend_of(model) -> str | None:
+    for section in runtime_stats(model)["operators"].values():
+        if "cpu_backend" in section:
+            return section["cpu_backend"]
+    return None
+
+
 def close(model) -> None:
     for module in model.modules():
         if isinstance(module, VisExperts):
@@ -109,6 +119,7 @@ def run_config(name: str, policy: str, budget: str | None, args) -> dict:
         "decode_tok_s_median": statistics.median(decode), "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "experts_impl": getattr(model.config.get_text_config(), "_experts_implementation", None),
+        "cpu_backend": cpu_backend_of(model),
     }
     if delta:
         ops = runtime_stats(model)["operators"]["VisExperts"]
@@ -142,7 +153,7 @@ def main() -> int:
             parser.error(f"unknown config {spec!r}")
         if policy == "pinned":
             budget = "1TiB"  # more than every layer: Eq. 10 pins them all
-        configs.append((NAMES[policy] + (f" @ {budget}" if policy in ("lru", "vismmoe") else ""), policy, budget or None))
+        configs.append((NAMES[policy] + (f" @ {budget}" if policy in ("lru", "vismmoe", "hybrid") else ""), policy, budget or None))
     rows = [run_config(name, policy, budget, args) for name, policy, budget in configs]
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
             "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,

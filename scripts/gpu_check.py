@@ -21,7 +21,7 @@ from PIL import Image
 
 from vismmoe_kt import load
 from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import save_tiny_model
+from vismmoe_kt.tiny_models import SPECS, save_tiny_model
 
 
 def main() -> int:
@@ -51,7 +51,8 @@ def main() -> int:
 
     ref_logits, ref_tokens, _, _ = run("optimize_rules/qwen3vl-gpu.yaml")
     # the offload runtimes again at their smallest budgets, so that every step copies and evicts
-    layer = 64 * 3 * 40 * 96 * 4  # tiny-6x64: one layer of fp32 experts
+    spec = SPECS["tiny-6x64"]
+    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # one layer of fp32 experts
     cases = [(str(r), {}) for r in rules] + [("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": 2 * layer}),
                                             ("optimize_rules/qwen3vl-lru.yaml", {"expert_budget": layer})]
     results, ok = [], True

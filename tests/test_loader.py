@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from vismmoe_kt import load
 from vismmoe_kt.errors import LoadError, RuleError
-from vismmoe_kt.operators.experts import PlacedExperts
+from vismmoe_kt.operators.cpu_experts import CpuExperts
+from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.tiny_models import SPECS, TinySpec, build_tiny_model, save_tiny_model
 
 CPU = {"generate_device": "cpu", "prefill_device": "cpu"}
@@ -42,9 +43,9 @@ def test_round_trip_gives_the_reference_logits(tiny_dir, reference, image_inputs
 
 def test_rule_file_operators_are_loaded_with_weights(tiny_dir, reference, image_inputs):
     model, _ = load(tiny_dir, RULES, progress=False, **CPU)
-    experts = [m for m in model.modules() if isinstance(m, PlacedExperts)]
+    experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
     assert len(experts) == SPECS["tiny-4x16"].layers
-    assert all(not m.orig_module.gate_up_proj.is_meta for m in experts)
+    assert all(m.layer in m.backend.layers for m in experts)  # the weights went to the CPU backend
     assert_same_logits(model, reference[0], image_inputs)
 
 
@@ -83,11 +84,12 @@ def test_tied_embeddings_are_loaded_once(tmp_path, image_inputs):
 
 
 def test_overrides_replace_rule_kwargs(tiny_dir):
-    offload = "optimize_rules/qwen3vl.yaml"
-    model, _ = load(tiny_dir, offload, progress=False, weights_device="cpu:0", **CPU)
-    assert all(str(m.weights_device) == "cpu:0" for m in model.modules() if isinstance(m, PlacedExperts))
-    with pytest.raises(RuleError, match=r"override 'weight_device' is not a kwarg of any rule; known kwargs: weights_device"):
-        load(tiny_dir, offload, progress=False, weight_device="cpu", **CPU)
+    offload = "optimize_rules/qwen3vl-offload.yaml"
+    model, _ = load(tiny_dir, offload, progress=False, pinned_layers=2, **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    assert len(runtime.pinned) == 2  # the override replaced the rule's "auto"
+    with pytest.raises(RuleError, match=r"override 'pinned_layer' is not a kwarg of any rule; known kwargs: expert_budget, pinned_layers, policy"):
+        load(tiny_dir, offload, progress=False, pinned_layer=2, **CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")

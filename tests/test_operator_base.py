@@ -78,9 +78,9 @@ def test_operators_derive_from_upstream_base_when_upstream_is_importable(tmp_pat
     script = textwrap.dedent("""
         import torch
         from ktransformers.operators.base_operator import BaseInjectedModule as Upstream
-        from vismmoe_kt.operators.experts import PlacedExperts
+        from vismmoe_kt.operators.vis_experts import VisExperts
         from vismmoe_kt.operators.base import BaseInjectedModule
-        assert issubclass(PlacedExperts, Upstream) and issubclass(BaseInjectedModule, Upstream)
+        assert issubclass(VisExperts, Upstream) and issubclass(BaseInjectedModule, Upstream)
         op = BaseInjectedModule("k", None, None, torch.nn.Linear(2, 2), "cpu", "cpu")
         assert op(torch.ones(1, 2)).shape == (1, 2)
         print("ok")

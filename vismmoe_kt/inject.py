@@ -6,8 +6,8 @@ The schema and semantics are KTransformers' optimize rules, so rule files move b
         name: "^model\\.language_model\\.layers\\.\\d+\\.mlp\\.experts$"   # re.search on the dotted name
         class: transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextExperts
       replace:
-        class: vismmoe_kt.operators.experts.PlacedExperts                  # or "default"
-        kwargs: {generate_device: "cpu", prefill_device: "cpu"}
+        class: vismmoe_kt.operators.vis_experts.VisExperts                 # or "default"
+        kwargs: {generate_device: "cuda:0", expert_budget: "16GiB"}
       recursive: False
 
 Semantics (each one tested in tests/test_inject_rules.py):

@@ -48,11 +48,12 @@ class TinySpec:
 
 SPECS: dict[str, TinySpec] = {
     "tiny-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48),
-    "tiny-6x64": TinySpec(layers=6, experts=64, top_k=8, hidden=96, moe_intermediate=40, vision_depth=3,
+    # sizes that are multiples of 32, so kt-kernel's CPU kernels can serve it too
+    "tiny-6x64": TinySpec(layers=6, experts=64, top_k=8, hidden=96, moe_intermediate=64, vision_depth=3,
                           vision_hidden=48),
 }
 DEMO_SPEC, DEMO_SEED = "tiny-6x64", 0
-FORMAT_VERSION = 1  # bump when the builder changes, so cached demo models are rebuilt
+FORMAT_VERSION = 2  # bump when the builder changes, so cached demo models are rebuilt
 
 
 def build_tokenizer():

@@ -12,6 +12,11 @@ Rule kwargs (all operators of a model must agree; the first one creates the runt
     min_pinned_layers  L_semantic of Eq. 10 (default 1)
     min_cache_bytes    C_safe of Eq. 10 (default: one layer of experts)
     prefetch_window, prefetch_gamma, max_in_flight
+    miss_policy        wait (default: fetch a missing expert, stall on it) | cpu (run its tokens on the
+                       CPU backend, overlapped with the GPU's hits) | auto (per expert, by a cost model
+                       measured at start-up, or `cost_model: {fetch_seconds, cpu_seconds_fixed,
+                       cpu_seconds_per_token}`)
+    cpu_backend        torch (default: reads the host store in place) | kt-kernel | auto
 Compute runs on `generate_device` (its slabs and banks live there).
 """
 
@@ -44,7 +49,7 @@ def shared_runtime(loader: Any, config: Any, settings: OffloadSettings, device: 
         dtype = loader.dtype or getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         runtime = OffloadRuntime(settings, adapter.moe_layers_from_config(config), text.num_experts,
-                                 text.hidden_size, text.moe_intermediate_size, dtype, device)
+                                 text.hidden_size, text.moe_intermediate_size, dtype, device, text.num_experts_per_tok)
         context[CONTEXT_KEY] = runtime
     elif runtime.settings != settings or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
@@ -58,14 +63,16 @@ class VisExperts(BaseInjectedModule):
                  prefill_device: str = "cuda", generate_device: str = "cuda", expert_budget: Any = None,
                  policy: str = "vismmoe", pinned_layers: Any = "auto", min_pinned_layers: int = 1,
                  min_cache_bytes: Any = None, prefetch_window: int = 2, prefetch_gamma: float = 0.8,
-                 max_in_flight: int = 16, **kwargs: Any):
+                 max_in_flight: int = 16, miss_policy: str = "wait", cpu_backend: str = "torch",
+                 cost_model: dict | None = None, **kwargs: Any):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         match = re.search(r"layers\.(\d+)\.", key)
         if not match:
             raise ValueError(f"cannot tell the layer index from module name {key!r}")
         self.layer = int(match.group(1))
         settings = OffloadSettings.from_kwargs(expert_budget, policy, pinned_layers, min_pinned_layers,
-                                               min_cache_bytes, prefetch_window, prefetch_gamma, max_in_flight)
+                                               min_cache_bytes, prefetch_window, prefetch_gamma, max_in_flight,
+                                               miss_policy, cpu_backend, cost_model)
         self.runtime = shared_runtime(gguf_loader, config, settings, self.generate_device)
         if self.layer not in self.runtime.moe_layers:
             raise ValueError(f"{key} is not an MoE layer of this model")

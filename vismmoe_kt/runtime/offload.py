@@ -25,7 +25,8 @@ import torch
 from .budget import BudgetError, choose_pinned_layers, human_bytes, parse_bytes
 from .expert_compute import bank_experts, row_chunks
 from .slab_cache import CacheCounters, Key, SlabCache
-from .store import ExpertStore
+from .cost_model import CostModel, calibrate
+from .store import ExpertStore, block_views
 from .transfers import TransferCounters, Transfers
 
 PHASES = ("prefill", "decode")
@@ -41,11 +42,15 @@ class OffloadSettings:
     prefetch_window: int = 2           # W: layers ahead to prefetch
     prefetch_gamma: float = 0.8        # priority decay with distance
     max_in_flight: int = 16            # prefetch copies outstanding at once
+    miss_policy: str = "wait"          # wait (fetch, stall on it) | cpu (compute misses on the CPU) | auto
+    cpu_backend: str = "torch"         # torch (reads the store in place) | kt-kernel (own copy) | auto
+    cost_model: tuple | None = None    # (fetch_s, cpu_fixed_s, cpu_per_token_s) to pin `auto`; None: measure
 
     @classmethod
     def from_kwargs(cls, expert_budget: Any, policy: str = "vismmoe", pinned_layers: Any = "auto",
                     min_pinned_layers: int = 1, min_cache_bytes: Any = None, prefetch_window: int = 2,
-                    prefetch_gamma: float = 0.8, max_in_flight: int = 16) -> "OffloadSettings":
+                    prefetch_gamma: float = 0.8, max_in_flight: int = 16, miss_policy: str = "wait",
+                    cpu_backend: str = "torch", cost_model: dict | None = None) -> "OffloadSettings":
         if expert_budget is None:
             raise BudgetError("expert_budget is required (bytes or a size like '24GiB')")
         if policy not in ("vismmoe", "lru"):
@@ -55,22 +60,31 @@ class OffloadSettings:
             pinned, min_pinned_layers, prefetch_window = 0, 0, 0
         if not 0 < prefetch_gamma <= 1:
             raise BudgetError(f"prefetch_gamma must be in (0, 1], got {prefetch_gamma}")
+        if miss_policy not in ("wait", "cpu", "auto"):
+            raise BudgetError(f"miss_policy {miss_policy!r} is not one of: wait, cpu, auto")
+        cost = None
+        if cost_model is not None:
+            model = CostModel.from_kwargs(cost_model)
+            cost = (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token)
         return cls(parse_bytes(expert_budget), policy, pinned, int(min_pinned_layers),
                    None if min_cache_bytes is None else parse_bytes(min_cache_bytes),
-                   int(prefetch_window), float(prefetch_gamma), int(max_in_flight))
+                   int(prefetch_window), float(prefetch_gamma), int(max_in_flight), miss_policy, cpu_backend, cost)
 
 
 @dataclass
 class LayerCounters:
     hits: int = 0
     late: int = 0
-    misses: int = 0
+    misses: int = 0      # fetched and waited for
+    cpu: int = 0         # computed on the CPU instead (hybrid mode)
+    cpu_pairs: int = 0   # token-expert pairs computed on the CPU
+    cpu_seconds: float = 0.0  # host time waiting for the CPU backend after the GPU work was queued
     calls: int = 0
 
 
 class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
-                 inter: int, dtype: torch.dtype, device: torch.device | str):
+                 inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8):
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
@@ -103,8 +117,36 @@ class OffloadRuntime:
         self._copy_counters = {phase: TransferCounters() for phase in PHASES}
         self.phase = "prefill"
         self.loaded: set[int] = set()
+        self.top_k = top_k
+        self.cpu = self._make_cpu_backend() if settings.miss_policy != "wait" else None
+        self.cost = CostModel(*settings.cost_model) if settings.cost_model else None
 
     # --- start-up ------------------------------------------------------------------------------
+    def _make_cpu_backend(self):
+        """The CPU backend of hybrid mode. kt-kernel keeps its own BF16 copy of every expert it serves,
+        which on top of the page-locked store doubles host memory: refuse it where that cannot fit."""
+        import psutil
+
+        from cpu_kernels.isa import choose_backend
+        from cpu_kernels.kt_backend import kt_kernel_supports
+
+        name = choose_backend(self.settings.cpu_backend, shape_ok=kt_kernel_supports(self.hidden, self.inter))
+        if name == "torch":
+            from cpu_kernels.torch_backend import TorchCpuBackend
+
+            return TorchCpuBackend()
+        offloaded = len(self.moe_layers) - len(self.pinned)
+        needed = offloaded * (self.layer_bytes + self.num_experts * 3 * self.inter * self.hidden * 2)
+        total = psutil.virtual_memory().total
+        if needed > 0.9 * total:
+            raise BudgetError(
+                f"cpu_backend kt-kernel keeps its own copy of the experts beside the store: "
+                f"{human_bytes(needed)} of host memory for {offloaded} offloaded layers, this host has "
+                f"{human_bytes(total)}; use cpu_backend: torch (reads the store in place)")
+        from cpu_kernels.kt_backend import KtKernelBackend
+
+        return KtKernelBackend(self.num_experts, self.top_k, self.hidden, self.inter)
+
     def _allocate(self) -> None:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
         if self.pool is not None:
@@ -134,6 +176,8 @@ class OffloadRuntime:
             self.banks[layer] = bank
         else:
             self.store.fill_layer(layer, gate_up, down)
+            if self.cpu is not None:
+                self.cpu.add_layer(layer, *block_views(self.store.layers[layer], self.inter, self.hidden))
         self.loaded.add(layer)
 
     # --- per layer ------------------------------------------------------------------------------
@@ -154,21 +198,61 @@ class OffloadRuntime:
         with self.lock:
             self.transfers.poll()
             placed = self.cache.begin_layer(layer, needed)
+            on_cpu = self._cpu_choice(layer, placed["miss"], dict(zip(needed, pair_counts)))
             counters.hits += len(placed["hit"])
             counters.late += len(placed["late"])
-            counters.misses += len(placed["miss"])
-            self.transfers.fetch([(layer, e) for e in placed["miss"]])
-            slabs = [self.cache.where[(layer, e)] for e in needed]
+            counters.misses += len(placed["miss"]) - len(on_cpu)
+            counters.cpu += len(on_cpu)
+            self.transfers.fetch([(layer, e) for e in placed["miss"] if e not in on_cpu])
+            on_gpu = [e for e in needed if e not in on_cpu]
+            slabs = [self.cache.where[(layer, e)] for e in on_gpu]
             self.transfers.wait_for(slabs)
-            self._upload_rows(layer, needed, slabs)
+            if on_gpu:  # experts computed on the CPU read a slab in use (weight 0): never a slab being copied
+                self._upload_rows(layer, on_gpu + sorted(on_cpu), slabs + [slabs[0]] * len(on_cpu))
         self._prefetch_after(layer)
         self.last_routed[layer] = needed
-        chunks = row_chunks(list(zip(slabs, pair_counts)))
-        out = bank_experts(hidden, top_k_index, top_k_weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
+        task = self._submit_cpu(layer, hidden, top_k_index, top_k_weights, on_cpu, counters) if on_cpu else None
+        out = None
+        if on_gpu:
+            weights = top_k_weights
+            if on_cpu:
+                cpu_ids = torch.tensor(sorted(on_cpu), device=top_k_index.device)
+                weights = top_k_weights.masked_fill(torch.isin(top_k_index, cpu_ids), 0)
+            counts = dict(zip(needed, pair_counts))
+            rows = {}
+            for e, slab in zip(on_gpu, slabs):
+                rows[slab] = rows.get(slab, 0) + counts[e]
+            rows[slabs[0]] += sum(counts[e] for e in on_cpu)
+            chunks = row_chunks(list(rows.items()))
+            out = bank_experts(hidden, top_k_index, weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
+        if task is not None:
+            start = time.perf_counter()
+            cpu_out = task.wait().to(hidden.device, non_blocking=True)
+            counters.cpu_seconds += time.perf_counter() - start
+            out = cpu_out if out is None else out + cpu_out
         with self.lock:
             self.transfers.release(slabs)
             self.cache.end_layer(layer)
         return out
+
+    def _cpu_choice(self, layer: int, missing: list[int], pairs: dict[int, int]) -> set[int]:
+        """Which missing experts run on the CPU backend (the rest are fetched)."""
+        policy = self.settings.miss_policy
+        if policy == "wait" or not missing:
+            return set()
+        if policy == "cpu":
+            return set(missing)
+        if self.cost is None:
+            self.cost = calibrate(self.store, layer, self.cpu, self.device, self.top_k)
+        return {e for e in missing if self.cost.prefers_cpu(pairs[e])}
+
+    def _submit_cpu(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    on_cpu: set[int], counters: LayerCounters):
+        """Ship the activations to the CPU backend; only pairs of `on_cpu` experts count there."""
+        ids = top_k_index.cpu()
+        keep = torch.isin(ids, torch.tensor(sorted(on_cpu)))
+        counters.cpu_pairs += int(keep.sum())
+        return self.cpu.submit(layer, hidden.cpu(), ids.masked_fill(~keep, -1), top_k_weights.float().cpu())
 
     def _switch_phase(self, phase: str) -> None:
         """Attribute cache and copy events from now on to `phase` (lock held)."""
@@ -219,6 +303,9 @@ class OffloadRuntime:
         for phase in PHASES:
             c = self.counters[phase].get(layer, LayerCounters())
             out.update({f"{phase}_hits": c.hits, f"{phase}_late": c.late, f"{phase}_misses": c.misses})
+            if self.cpu is not None:
+                out.update({f"{phase}_cpu_experts": c.cpu, f"{phase}_cpu_pairs": c.cpu_pairs,
+                            f"{phase}_cpu_wait_seconds": round(c.cpu_seconds, 6)})
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -230,6 +317,7 @@ class OffloadRuntime:
             "pinned_layers": len(self.pinned),
             "slabs": self.num_slabs,
             "expert_budget": human_bytes(self.settings.expert_budget),
+            "miss_policy": self.settings.miss_policy,
             "bytes_host_store": self.store.nbytes,
             "bytes_gpu_experts": sum(t.numel() * t.element_size() for bank in self.banks.values() for t in bank)
             + (sum(t.numel() * t.element_size() for t in self.pool) if self.pool is not None and self.num_slabs else 0),
@@ -243,6 +331,9 @@ class OffloadRuntime:
                 f"{phase}_copy_seconds": round(copies.copy_seconds, 6),
                 f"{phase}_stall_seconds": round(copies.stall_seconds, 6),
             })
+        if self.cpu is not None:
+            out["cpu_backend"] = self.cpu.describe()
+            out["bytes_cpu_backend"] = self.cpu.host_bytes
         for total in ("evictions", "prefetches", "fetches", "copy_seconds", "stall_seconds"):
             out[total] = round(sum(out[f"{phase}_{total}"] for phase in PHASES), 6)
         out["bytes_copied"] = sum(out[f"bytes_copied_{phase}"] for phase in PHASES)

@@ -1,0 +1,102 @@
+"""Hybrid mode: missing experts computed on the CPU give the reference model's outputs; `auto` decides
+per expert by the cost model; the KTransformers-style rule runs every routed expert on the CPU."""
+
+import pytest
+import torch
+
+from vismmoe_kt import load
+from vismmoe_kt.operators.cpu_experts import CpuExperts
+from vismmoe_kt.stats import collect_stats
+from vismmoe_kt.tiny_models import SPECS, build_tiny_model, save_tiny_model
+
+from conftest import make_image
+
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+HYBRID = "optimize_rules/qwen3vl.yaml"
+
+
+def layer_bytes(spec):
+    return spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+
+
+@pytest.fixture(scope="module", params=["tiny-4x16", "tiny-6x64"])
+def shape(request, tmp_path_factory):
+    name = request.param
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(name), name, seed=2)
+    ref, processor = build_tiny_model(name, seed=2)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(128, 96, seed=4)], return_tensors="pt")
+    with torch.no_grad():
+        expected = ref.generate(**inputs, max_new_tokens=24, do_sample=False)
+    return name, model_dir, inputs, expected
+
+
+def run(model_dir, inputs, **overrides):
+    model, _ = load(model_dir, HYBRID, **overrides, **CPU)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    return tokens, collect_stats(model)["operators"]["VisExperts"]
+
+
+def test_cpu_miss_policy_matches_reference(shape):
+    name, model_dir, inputs, expected = shape
+    tokens, stats = run(model_dir, inputs, expert_budget=2 * layer_bytes(SPECS[name]), miss_policy="cpu")
+    assert torch.equal(tokens, expected)
+    assert stats["decode_cpu_experts"] > 0 and stats["prefill_cpu_experts"] > 0
+    assert stats["decode_misses"] == 0 and stats["prefill_misses"] == 0  # nothing waited on a fetch
+    assert stats["bytes_cpu_backend"] == 0  # the torch backend reads the store in place
+
+
+def test_auto_takes_both_branches_on_a_forced_cost_model(shape):
+    name, model_dir, inputs, expected = shape
+    # a fetch costs 1 s, the CPU 0.3 s per token: experts with <= 3 tokens go to the CPU, others are fetched
+    cost = {"fetch_seconds": 1.0, "cpu_seconds_fixed": 0.0, "cpu_seconds_per_token": 0.3}
+    tokens, stats = run(model_dir, inputs, expert_budget=2 * layer_bytes(SPECS[name]), miss_policy="auto", cost_model=cost)
+    assert torch.equal(tokens, expected)
+    assert stats["prefill_misses"] > 0 and stats["prefill_cpu_experts"] > 0  # both branches in prefill
+    assert stats["decode_cpu_experts"] > 0 and stats["decode_misses"] == 0   # one token per expert: CPU
+    assert stats["prefill_cpu_pairs"] <= 3 * stats["prefill_cpu_experts"]
+
+
+def test_auto_with_a_measured_cost_model_runs(shape):
+    name, model_dir, inputs, expected = shape
+    tokens, stats = run(model_dir, inputs, expert_budget=2 * layer_bytes(SPECS[name]), miss_policy="auto")
+    assert torch.equal(tokens, expected)
+    total = sum(stats[f"{p}_{k}"] for p in ("prefill", "decode") for k in ("misses", "cpu_experts"))
+    assert total > 0
+
+
+def test_kt_style_rule_runs_every_routed_expert_on_the_cpu(tiny_dir, reference, image_inputs):
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl-kt-cpu.yaml", **CPU)
+    operators = [m for m in model.modules() if isinstance(m, CpuExperts)]
+    assert len(operators) == SPECS["tiny-4x16"].layers
+    with torch.no_grad():
+        logits = model(**image_inputs).logits
+        ref = reference[0](**image_inputs).logits
+    assert (logits - ref).abs().max().item() <= 1e-5  # tiny-4x16's sizes leave kt-kernel out: torch, fp32
+    stats = collect_stats(model)["operators"]["CpuExperts"]
+    assert stats["calls"] == SPECS["tiny-4x16"].layers and stats["cpu_backend"].startswith("torch")
+
+
+def test_bad_miss_policy_is_a_clear_error(tiny_dir):
+    from vismmoe_kt.errors import RuleError
+
+    with pytest.raises(RuleError, match="miss_policy 'sometimes' is not one of: wait, cpu, auto"):
+        load(tiny_dir, HYBRID, miss_policy="sometimes", **CPU)
+    with pytest.raises(RuleError, match="cost_model needs numbers"):
+        load(tiny_dir, HYBRID, miss_policy="auto", cost_model={"fetch_seconds": 1}, **CPU)
+
+
+@pytest.mark.skipif(not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed")
+def test_kt_style_rule_with_kt_kernel(tmp_path):
+    """tiny-6x64's sizes suit kt-kernel: BF16 kernels, so logits agree to BF16 precision."""
+    model_dir = save_tiny_model(tmp_path / "m", "tiny-6x64", seed=0)
+    ref, processor = build_tiny_model("tiny-6x64", seed=0)
+    inputs = processor(text=["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-kt-cpu.yaml", cpu_backend="kt-kernel", **CPU)
+    with torch.no_grad():
+        logits, expected = model(**inputs).logits, ref(**inputs).logits
+    assert ((logits - expected).norm() / expected.norm()).item() < 3e-2
+    stats = collect_stats(model)["operators"]["CpuExperts"]
+    assert stats["cpu_backend"].startswith("kt-kernel") and stats["bytes_cpu_backend"] > 0
