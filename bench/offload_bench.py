@@ -87,13 +87,11 @@ def cpu_backend_of(model) -> str | None:
 
 
 def close(model) -> None:
+    """Stop the runtime's worker so nothing keeps the model alive; the caller drops its references."""
     for module in model.modules():
         if isinstance(module, VisExperts):
             module.runtime.close()
             break
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def run_config(name: str, policy: str, budget: str | None, args) -> dict:
@@ -128,6 +126,9 @@ def run_config(name: str, policy: str, budget: str | None, args) -> dict:
         row["copy_gb_s"] = delta["bytes_copied"] / copy_s / 1e9 if copy_s else None
         row["hidden_copy_fraction"] = 1 - delta["stall_seconds"] / copy_s if copy_s else None
     close(model)
+    del model, processor, inputs  # host memory (store, kt-kernel's copy) must be free before the next load
+    gc.collect()
+    torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
     return row
 
