@@ -33,7 +33,7 @@ def shape(request, tmp_path_factory):
 
 
 def run(model_dir, inputs, **overrides):
-    model, _ = load(model_dir, HYBRID, **overrides, **CPU)
+    model, _ = load(model_dir, HYBRID, keep_ratio=1.0, **overrides, **CPU)  # no token pruning here
     with torch.no_grad():
         tokens = model.generate(**inputs, max_new_tokens=24, do_sample=False)
     return tokens, collect_stats(model)["operators"]["VisExperts"]
@@ -83,7 +83,7 @@ def test_bad_miss_policy_is_a_clear_error(tiny_dir):
     from vismmoe_kt.errors import RuleError
 
     with pytest.raises(RuleError, match="miss_policy 'sometimes' is not one of: wait, cpu, auto"):
-        load(tiny_dir, HYBRID, miss_policy="sometimes", **CPU)
+        load(tiny_dir, HYBRID, miss_policy="sometimes", keep_ratio=1.0, **CPU)
     with pytest.raises(RuleError, match="cost_model needs numbers"):
         load(tiny_dir, HYBRID, miss_policy="auto", cost_model={"fetch_seconds": 1}, **CPU)
 

@@ -1,0 +1,111 @@
+"""VisDecoder: mid-model visual-token pruning after the pinned prefix."""
+
+import math
+
+import pytest
+import torch
+
+from vismmoe_kt import load
+from vismmoe_kt.errors import RuleError
+from vismmoe_kt.operators.vis_decoder import VisDecoder, causal_mask
+from vismmoe_kt.stats import collect_stats
+from vismmoe_kt.tiny_models import SPECS
+
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+HYBRID = "optimize_rules/qwen3vl.yaml"
+
+
+def rules(**decoder):
+    kwargs = {"generate_device": "cpu", "prefill_device": "cpu", "compression": "affinity", "keep_ratio": 0.5,
+              "prune_layer": 2, **decoder}
+    return [
+        {"match": {"name": r"^model\.visual$"}, "replace": {"class": "vismmoe_kt.operators.vis_decoder.VisionSaliency"}},
+        {"match": {"name": r"^model\.language_model$"},
+         "replace": {"class": "vismmoe_kt.operators.vis_decoder.VisDecoder", "kwargs": kwargs}},
+    ]
+
+
+def decoder_of(model):
+    return next(m for m in model.modules() if isinstance(m, VisDecoder))
+
+
+def test_keep_ratio_one_gives_the_reference_exactly(tiny_dir, reference, image_inputs):
+    model, _ = load(tiny_dir, rules(keep_ratio=1.0), **CPU)
+    with torch.no_grad():
+        logits, tokens = model(**image_inputs).logits, model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
+        ref_logits = reference[0](**image_inputs).logits
+        ref_tokens = reference[0].generate(**image_inputs, max_new_tokens=32, do_sample=False)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+    assert decoder_of(model).counters.pruned_prefills == 0
+
+
+def test_half_the_visual_tokens_continue_with_their_original_positions(tiny_dir, image_inputs):
+    model, _ = load(tiny_dir, rules(), **CPU)
+    decoder = decoder_of(model)
+    text = decoder.orig_module
+    seen = {}
+    text.layers[2].register_forward_pre_hook(lambda m, a, k: seen.update(cos=k["position_embeddings"][0]), with_kwargs=True)
+    with torch.no_grad():
+        out = model(**image_inputs, use_cache=True)
+    visual = image_inputs["input_ids"][0] == model.config.image_token_id
+    n = int(visual.sum())
+    keep = decoder.last_keep
+    assert int(visual[keep].sum()) == math.floor(0.5 * n)          # exactly floor(beta * N) visual tokens
+    assert int((~visual[keep]).sum()) == int((~visual).sum())       # every text token
+    full_positions, _ = model.model.get_rope_index(image_inputs["input_ids"], image_inputs["mm_token_type_ids"],
+                                                   image_grid_thw=image_inputs["image_grid_thw"])
+    cos_full, _ = text.rotary_emb(torch.zeros(1, 1, dtype=torch.float32), full_positions)
+    assert torch.equal(seen["cos"], cos_full[:, keep])              # kept tokens keep their M-RoPE positions
+    cache = out.past_key_values
+    lengths = [cache.layers[i].keys.shape[-2] for i in range(len(text.layers))]
+    assert lengths[:2] == [visual.numel()] * 2 and lengths[2:] == [keep.numel()] * 2
+    assert out.logits.shape[1] == visual.numel()                    # the output keeps the input's length
+
+
+def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs):
+    layer = SPECS["tiny-4x16"].experts * 3 * SPECS["tiny-4x16"].moe_intermediate * SPECS["tiny-4x16"].hidden * 4
+    model, _ = load(tiny_dir, HYBRID, expert_budget=2 * layer, miss_policy="wait", **CPU)
+    with torch.no_grad():
+        tokens = model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
+    assert tokens.shape[1] == image_inputs["input_ids"].shape[1] + 32
+    stats = collect_stats(model)["operators"]
+    decoder = stats["VisDecoder"]
+    assert decoder["pruned_prefills"] == 1 and decoder["visual_tokens_after"] == decoder["visual_tokens_before"] // 2
+    assert stats["VisExperts"]["pinned_layers"] == 1 and decoder_of(model)._prune_at() == 1
+
+
+@pytest.mark.parametrize("method", ["saliency", "random"])
+def test_baselines_run(tiny_dir, image_inputs, method):
+    model, _ = load(tiny_dir, rules(compression=method), **CPU)
+    with torch.no_grad():
+        model.generate(**image_inputs, max_new_tokens=4, do_sample=False)
+    assert decoder_of(model).counters.pruned_prefills == 1
+
+
+def test_batch_of_two_images_is_a_clear_error(tiny_dir, reference):
+    from conftest import make_image
+
+    _, processor = reference
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[prompt, prompt], images=[make_image(), make_image(seed=1)], return_tensors="pt")
+    model, _ = load(tiny_dir, rules(), **CPU)
+    with pytest.raises(ValueError, match="batch size 1 without padding"):
+        model(**batch)
+
+
+def test_rule_errors(tiny_dir):
+    with pytest.raises(RuleError, match="keep_ratio must be in"):
+        load(tiny_dir, rules(keep_ratio=0.0), **CPU)
+    with pytest.raises(RuleError, match="compression 'zip' is not one of"):
+        load(tiny_dir, rules(compression="zip"), **CPU)
+    with pytest.raises(RuleError, match="needs the vision tower's saliency"):
+        load(tiny_dir, rules()[1:], **CPU)
+
+
+def test_causal_mask():
+    assert causal_mask(1, 5, torch.float32, torch.device("cpu")) is None
+    m = causal_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0]
+    assert m.shape == (3, 5)
+    assert (m == 0).tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
