@@ -41,6 +41,10 @@ class CompressionStats:
     visual_tokens_after: int = 0
     tokens_before: int = 0
     tokens_after: int = 0
+    # experts the visual tokens route to in the prefix layers (union over those layers), all vs kept:
+    # the working set that Algorithm 1 shrinks
+    prefix_experts_visual_all: int = 0
+    prefix_experts_visual_kept: int = 0
     compression_seconds: float = 0.0
 
 
@@ -150,6 +154,8 @@ class VisDecoder(BaseInjectedModule):
             saliency = torch.zeros(n)
         kept = select(self.compression, saliency.cpu(), masks.cpu(), self.keep_ratio, self.salient_ratio,
                       self.tradeoff, self.seed).to(visual.device)
+        self.counters.prefix_experts_visual_all += int(masks.any(dim=0).sum())
+        self.counters.prefix_experts_visual_kept += int(masks[kept].any(dim=0).sum())
         keep = ~visual
         keep[positions[kept]] = True
         return torch.nonzero(keep, as_tuple=True)[0]

@@ -339,6 +339,20 @@ class OffloadRuntime:
         out["bytes_copied"] = sum(out[f"bytes_copied_{phase}"] for phase in PHASES)
         return out
 
+    def reset_cache(self) -> None:
+        """Forget every slab's expert (a cold cache), e.g. between benchmark configurations."""
+        with self.lock:
+            if self.transfers is not None and self.transfers.cuda:
+                torch.cuda.synchronize(self.device)
+                self.transfers.poll()
+            counters = self.cache.counters
+            self.cache = SlabCache(self.num_slabs, self.cache.layer_order, self.settings.policy)
+            self.cache.counters = counters
+            self.last_routed.clear()
+            if self.transfers is not None:
+                self.transfers.cache = self.cache
+                self.transfers.read_done.clear()
+
     def summary_once(self, layer: int) -> dict[str, Any]:
         """`summary()` for the first MoE layer only, so per-operator statistics can simply be summed."""
         return self.summary() if layer == self.moe_layers[0] else {}

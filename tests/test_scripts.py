@@ -1,0 +1,19 @@
+"""The measurement scripts run end to end on tiny models (their numbers go to BENCHMARKS.md)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_compression_study_writes_rows_and_a_heatmap(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/compression_study.py", "--out", str(tmp_path), "--model", "tiny-4x16",
+                             "--image-size", "96", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "compression_study.json").read_text())
+    rows = {(r["compression"], r["keep_ratio"]): r for r in data["rows"]}
+    assert len(rows) == 7 and rows[("none", 1.0)]["tokens_after_prefix"] == data["meta"]["prompt_tokens"]
+    visual = data["meta"]["visual_tokens"]
+    assert rows[("affinity", 0.5)]["tokens_after_prefix"] == data["meta"]["prompt_tokens"] - visual + visual // 2
+    assert all(len(r["distinct_experts_per_layer"]) == 4 for r in rows.values())
+    png = (tmp_path / "expert_heatmap.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
