@@ -75,9 +75,10 @@ def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs)
     assert stats["VisExperts"]["pinned_layers"] == 1 and decoder_of(model)._prune_at() == 1
 
 
-@pytest.mark.parametrize("method", ["saliency", "random"])
-def test_baselines_run(tiny_dir, image_inputs, method):
-    model, _ = load(tiny_dir, rules(compression=method), **CPU)
+@pytest.mark.parametrize("method,source", [("saliency", "vision"), ("random", "vision"), ("affinity", "llm"),
+                                           ("saliency", "llm")])
+def test_baselines_and_saliency_sources_run(tiny_dir, image_inputs, method, source):
+    model, _ = load(tiny_dir, rules(compression=method, saliency_source=source), **CPU)
     with torch.no_grad():
         model.generate(**image_inputs, max_new_tokens=4, do_sample=False)
     assert decoder_of(model).counters.pruned_prefills == 1
@@ -109,3 +110,22 @@ def test_causal_mask():
     m = causal_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0]
     assert m.shape == (3, 5)
     assert (m == 0).tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+
+
+def test_llm_saliency_is_the_last_tokens_attention(tiny_dir, image_inputs):
+    """FastV-style saliency against eager attention's own probabilities in the same layer."""
+    from vismmoe_kt.saliency import last_token_attention
+
+    model, _ = load(tiny_dir, rules(keep_ratio=1.0), **CPU)
+    text = decoder_of(model).orig_module
+    layer = text.layers[1]
+    captured = {}
+    layer.self_attn.register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
+    text.config._attn_implementation = "eager"
+    layer.self_attn.register_forward_hook(lambda m, a, out: captured.update(weights=out[1]))
+    with torch.no_grad():
+        model(**image_inputs)
+        visual = torch.nonzero(image_inputs["input_ids"][0] == model.config.image_token_id, as_tuple=True)[0]
+        mine = last_token_attention(layer.self_attn, captured["hidden_states"], captured["position_embeddings"], visual)
+    expected = captured["weights"][0, :, -1, visual].mean(dim=0)
+    assert torch.allclose(mine, expected, atol=1e-6)

@@ -1,5 +1,6 @@
 """Visual-token saliency: head-averaged attention each merged visual token receives in the vision
-encoder's last block (DESIGN.md "Decisions"), per image.
+encoder's last block (DESIGN.md "Decisions"), per image; or (`saliency_source: llm`, FastV-style)
+the attention the last prompt token pays to each visual token in the last layer of the LLM prefix.
 
 The vision tower runs fused attention, so the probabilities are never materialised; a forward
 pre-hook on the last block's attention recomputes them from its inputs for that block only:
@@ -62,3 +63,20 @@ class SaliencyRecorder:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def last_token_attention(attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                         positions: torch.Tensor) -> torch.Tensor:
+    """Head-averaged attention of the last token to `positions`, in a Qwen3 text attention layer
+    (`hidden` is that layer's input after its input norm; batch 1)."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb
+
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+    _, k = apply_rotary_pos_emb(k, k, cos, sin)
+    k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention
+    probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
+    return probs.mean(dim=1)[0, 0, positions]

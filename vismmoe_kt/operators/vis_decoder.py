@@ -14,7 +14,8 @@ visual token (vismmoe_kt.saliency) for the decoder to read.
 
 Rule kwargs: compression (affinity | saliency | random | none), keep_ratio (beta; 1.0 = off),
 salient_ratio (alpha; default 0.4 * beta), tradeoff (lambda, 2.0), prune_layer (auto = the offload
-runtime's pinned prefix depth, or a decoder-layer index), saliency_source (vision).
+runtime's pinned prefix depth, or a decoder-layer index), saliency_source (vision: attention received
+in the vision encoder's last block | llm: the last token's attention in the last prefix layer).
 Limitation: pruning needs batch size 1 without padding; other batches raise a clear error.
 """
 
@@ -98,14 +99,15 @@ class VisDecoder(BaseInjectedModule):
         self.salient_ratio = float(salient_ratio) if salient_ratio is not None else 0.4 * self.keep_ratio
         if not 0 < self.salient_ratio <= self.keep_ratio:
             raise ValueError(f"salient_ratio must be in (0, keep_ratio], got {self.salient_ratio}")
-        if saliency_source != "vision":
-            raise ValueError(f"saliency_source {saliency_source!r} is not supported (vision)")
+        if saliency_source not in ("vision", "llm"):
+            raise ValueError(f"saliency_source {saliency_source!r} is not one of: vision, llm")
+        self.saliency_source = saliency_source
         if prune_layer != "auto" and not (isinstance(prune_layer, int) and prune_layer >= 1):
             raise ValueError(f"prune_layer must be 'auto' or a decoder-layer index >= 1, got {prune_layer!r}")
         self.compression, self.tradeoff, self.prune_layer, self.seed = compression, float(tradeoff), prune_layer, seed
         self.active = compression != "none" and self.keep_ratio < 1
         self.shared = shared_context(gguf_loader)
-        if self.active and compression in ("affinity", "saliency"):
+        if self.active and compression in ("affinity", "saliency") and saliency_source == "vision":
             if self.shared.recorder is None:
                 raise ValueError(f"compression {compression!r} needs the vision tower's saliency: add a rule replacing "
                                  f"model.visual with vismmoe_kt.operators.vis_decoder.VisionSaliency before this one")
@@ -114,6 +116,7 @@ class VisDecoder(BaseInjectedModule):
         self._routes: dict[int, torch.Tensor] = {}
         self._recording = False
         self.last_keep: torch.Tensor | None = None  # sequence indices kept by the last pruned prefill
+        self._llm_saliency: torch.Tensor | None = None
         for index, layer in enumerate(orig_module.layers):
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
@@ -146,7 +149,10 @@ class VisDecoder(BaseInjectedModule):
             if index in self._routes:
                 routes = self._routes[index][positions]
                 masks.scatter_(1, routes, True)
-        saliency = self.shared.recorder.take() if self.shared.recorder is not None else None
+        if self.saliency_source == "llm":
+            saliency = self._llm_saliency
+        else:
+            saliency = self.shared.recorder.take() if self.shared.recorder is not None else None
         if saliency is None or saliency.numel() != n:
             if self.compression in ("affinity", "saliency"):
                 raise RuntimeError(f"saliency for {n} visual tokens is missing (got "
@@ -217,6 +223,8 @@ class VisDecoder(BaseInjectedModule):
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
                 self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
+            if prune and self.saliency_source == "llm" and index == prune_at - 1:
+                self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
             layer_past = past_key_values.get_seq_length(index) if past_key_values is not None else 0
             mask = causal_mask(hidden.shape[1], layer_past, hidden.dtype, hidden.device)
             hidden = layer(hidden, attention_mask=mask, position_ids=text_positions, past_key_values=past_key_values,
@@ -230,6 +238,15 @@ class VisDecoder(BaseInjectedModule):
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
+        """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""
+        from ..saliency import last_token_attention
+
+        with torch.no_grad():
+            normed = layer.input_layernorm(hidden)
+            return last_token_attention(layer.self_attn, normed, position_embeddings,
+                                        torch.nonzero(visual, as_tuple=True)[0]).cpu()
 
     def _count(self, kept_visual_mask: torch.Tensor, before: int, after: int, seconds: float) -> None:
         c = self.counters
