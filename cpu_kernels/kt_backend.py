@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 
 import torch
 
@@ -43,6 +44,13 @@ def quiet_native_stdout():
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+def _release_quietly(holder: list) -> None:
+    """Drop the last reference to a CPUInfer with stdout silenced: its destructor prints a farewell
+    line, which at interpreter exit would land after the caller's own last words."""
+    with quiet_native_stdout():
+        holder.clear()
 
 
 class _KtTask:
@@ -77,13 +85,18 @@ class KtKernelBackend:
         self.num_experts, self.top_k, self.hidden, self.inter = num_experts, top_k, hidden, inter
         self.threads = threads or torch.get_num_threads()
         with quiet_native_stdout():
-            self.cpu_infer = ext.CPUInfer(self.threads)
+            self._infer = [ext.CPUInfer(self.threads)]  # the only reference, so the finalizer can free it
+        weakref.finalize(self, _release_quietly, self._infer)
         self.moe_class = getattr(ext.moe, "AMXBF16_MOE", None) or ext.moe.AVX2BF16_MOE
         self.max_len = max_len
         self.gpu_mask = torch.zeros(num_experts, dtype=torch.bool)  # no expert of these layers is on a GPU
         self.layers: dict[int, object] = {}
         self._configs: list = []
         self._bytes = 0
+
+    @property
+    def cpu_infer(self):
+        return self._infer[0]
 
     def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         inter = self.inter

@@ -72,6 +72,13 @@ class OffloadSettings:
 
 
 @dataclass
+class Placement:
+    on_gpu: list[int]   # experts computed from slabs (resident, waited on, or fetched)
+    on_cpu: set[int]    # missing experts computed by the CPU backend instead
+    slabs: list[int]    # the slab of each on_gpu expert
+
+
+@dataclass
 class LayerCounters:
     hits: int = 0
     late: int = 0
@@ -194,11 +201,31 @@ class OffloadRuntime:
             return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
         experts, pairs = torch.unique(top_k_index, return_counts=True)
         routed = torch.cat([experts, pairs]).tolist()  # the one device->host sync of this layer
-        needed, pair_counts = routed[:len(routed) // 2], routed[len(routed) // 2:]
+        pairs_of = dict(zip(routed[:len(routed) // 2], routed[len(routed) // 2:]))
+        placement = self._place(layer, pairs_of, counters)
+        self._prefetch_after(layer)
+        self.last_routed[layer] = list(pairs_of)
+        task = self._submit_cpu(layer, hidden, top_k_index, top_k_weights, placement.on_cpu, counters) \
+            if placement.on_cpu else None
+        out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
+            if placement.on_gpu else None
+        if task is not None:
+            start = time.perf_counter()
+            cpu_out = task.wait().to(hidden.device, non_blocking=True)
+            counters.cpu_seconds += time.perf_counter() - start
+            out = cpu_out if out is None else out + cpu_out
+        with self.lock:
+            self.transfers.release(placement.slabs)
+            self.cache.end_layer(layer)
+        return out
+
+    def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
+        """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
+        needed = list(pairs_of)
         with self.lock:
             self.transfers.poll()
             placed = self.cache.begin_layer(layer, needed)
-            on_cpu = self._cpu_choice(layer, placed["miss"], dict(zip(needed, pair_counts)))
+            on_cpu = self._cpu_choice(layer, placed["miss"], pairs_of)
             counters.hits += len(placed["hit"])
             counters.late += len(placed["late"])
             counters.misses += len(placed["miss"]) - len(on_cpu)
@@ -209,31 +236,20 @@ class OffloadRuntime:
             self.transfers.wait_for(slabs)
             if on_gpu:  # experts computed on the CPU read a slab in use (weight 0): never a slab being copied
                 self._upload_rows(layer, on_gpu + sorted(on_cpu), slabs + [slabs[0]] * len(on_cpu))
-        self._prefetch_after(layer)
-        self.last_routed[layer] = needed
-        task = self._submit_cpu(layer, hidden, top_k_index, top_k_weights, on_cpu, counters) if on_cpu else None
-        out = None
-        if on_gpu:
-            weights = top_k_weights
-            if on_cpu:
-                cpu_ids = torch.tensor(sorted(on_cpu), device=top_k_index.device)
-                weights = top_k_weights.masked_fill(torch.isin(top_k_index, cpu_ids), 0)
-            counts = dict(zip(needed, pair_counts))
-            rows = {}
-            for e, slab in zip(on_gpu, slabs):
-                rows[slab] = rows.get(slab, 0) + counts[e]
-            rows[slabs[0]] += sum(counts[e] for e in on_cpu)
-            chunks = row_chunks(list(rows.items()))
-            out = bank_experts(hidden, top_k_index, weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
-        if task is not None:
-            start = time.perf_counter()
-            cpu_out = task.wait().to(hidden.device, non_blocking=True)
-            counters.cpu_seconds += time.perf_counter() - start
-            out = cpu_out if out is None else out + cpu_out
-        with self.lock:
-            self.transfers.release(slabs)
-            self.cache.end_layer(layer)
-        return out
+        return Placement(on_gpu, on_cpu, slabs)
+
+    def _compute_on_gpu(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        act: Any, placement: "Placement", pairs_of: dict[int, int]) -> torch.Tensor:
+        weights = top_k_weights
+        if placement.on_cpu:  # their pairs add nothing here (the CPU returns them)
+            cpu_ids = torch.tensor(sorted(placement.on_cpu), device=top_k_index.device)
+            weights = top_k_weights.masked_fill(torch.isin(top_k_index, cpu_ids), 0)
+        pairs_per_slab: dict[int, int] = {}
+        for expert, slab in zip(placement.on_gpu, placement.slabs):
+            pairs_per_slab[slab] = pairs_per_slab.get(slab, 0) + pairs_of[expert]
+        pairs_per_slab[placement.slabs[0]] += sum(pairs_of[e] for e in placement.on_cpu)
+        chunks = row_chunks(list(pairs_per_slab.items()))
+        return bank_experts(hidden, top_k_index, weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
 
     def _cpu_choice(self, layer: int, missing: list[int], pairs: dict[int, int]) -> set[int]:
         """Which missing experts run on the CPU backend (the rest are fetched)."""
