@@ -59,6 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float)
     chat.add_argument("--top_p", type=float)
     chat.add_argument("--stats", action="store_true", help="print runtime statistics after each answer")
+
+    calibrate = commands.add_parser("calibrate", help="record routing traces and train the lookahead predictor")
+    add_model_flags(calibrate)
+    calibrate.add_argument("--images", help="a directory of images or a comma-separated list of files")
+    calibrate.add_argument("--prompts", help="a text file, one prompt per line (cycled over the images)")
+    calibrate.add_argument("--synthetic", type=int, default=0, metavar="N", help="use N synthetic images and prompts")
+    calibrate.add_argument("--image_size", type=int, default=224, help="size of synthetic images")
+    calibrate.add_argument("--decode_tokens", type=int, default=8, help="tokens generated per request")
+    calibrate.add_argument("--out", required=True, help="directory for traces/, predictor.pt and calibration.json")
+    calibrate.add_argument("--window", type=int, default=5, help="lookahead window W (layers)")
+    calibrate.add_argument("--gamma", type=float, default=0.8, help="priority decay per layer of distance")
+    calibrate.add_argument("--predictor_output", choices=["window", "vector"], default="window")
+    calibrate.add_argument("--epochs", type=int, default=80)
+    calibrate.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -159,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return run_chat(args)
+        if args.command == "calibrate":
+            from .calibrate import run
+
+            return run(args)
     except VismmoeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,35 @@
+"""`vismmoe-kt calibrate` end to end on the demo model, and the trace format."""
+
+import json
+
+import pytest
+import torch
+
+from vismmoe_kt.cli import main
+from vismmoe_kt.traces import read_trace
+
+
+def test_calibrate_on_the_demo_model(tmp_path, capsys):
+    rc = main(["calibrate", "--demo", "--synthetic", "6", "--decode_tokens", "3", "--epochs", "4", "--out", str(tmp_path),
+               "--window", "3", "--generate_device", "cpu", "--prefill_device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Hot Recall" in out and "predictor" in out and "random" in out
+    traces = sorted((tmp_path / "traces").glob("request-*.safetensors"))
+    assert len(traces) == 6 and (tmp_path / "predictor.pt").exists()
+    steps = read_trace(traces[0])
+    assert [s["phase"] for s in steps] == ["prefill", "decode", "decode"]
+    active = steps[0]["active"]
+    assert active.shape == (6, 64) and active.dtype == torch.bool
+    assert (active.sum(dim=1) >= 8).all()          # top-8: every layer used at least 8 experts in prefill
+    assert (steps[1]["active"].sum(dim=1) == 8).all()  # one decoded token: exactly its 8 experts
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(report["predictor"]["all"]) == {"@10", "@20", "@30"}
+    assert 0 <= report["random"]["decode"]["@20"] <= 1
+
+
+def test_calibrate_input_errors(tmp_path, capsys):
+    assert main(["calibrate", "--demo", "--out", str(tmp_path)]) == 2
+    assert "calibrate needs --images" in capsys.readouterr().err
+    assert main(["calibrate", "--demo", "--out", str(tmp_path), "--images", str(tmp_path)]) == 2
+    assert "no image files found" in capsys.readouterr().err

@@ -1,0 +1,219 @@
+"""Compression-guided lookahead predictor (VisMMOE 3.3): which experts the next W MoE layers will need.
+
+Shapes: L MoE layers, E experts per layer, W lookahead window, R history length, H hidden size,
+V visual-summary size, B prefetch budget.
+
+Features at MoE layer l (Eq. 7), x_l = [h_r ; h_h ; h_v]:
+  h_r  routing history: which experts the last R layers (l-R+1 .. l) used in this step, (R, E) 0/1,
+       projected to D_r by the model's first layer;
+  h_h  the layer's hidden-state summary (mean over the tokens the layer processed; over the kept
+       visual tokens in a compressed prefill);
+  h_v  the static visual summary (mean of the kept visual tokens' embeddings), reused through decode.
+Model (Eq. 8): z = psi(W2 psi(W1 x)), psi = BatchNorm-ReLU-Dropout, y = W_o z, plus a learned
+embedding of l (one predictor serves every layer). Output per DESIGN.md: a (W, E) score map, one
+row per distance d = 1..W; the runtime ranks (layer l+d, expert e) pairs by sigmoid(y[d, e]) *
+gamma**(d-1) and prefetches the top B. `output: vector` gives the paper's E-vector instead, trained
+on Eq. 9's decayed targets (`paper_targets`) and applied to every layer of the window.
+Training: soft binary cross-entropy. Quality: Hot Recall@B (DESIGN.md), against a random-B guess
+and the same model without hidden/visual features (history only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def paper_targets(active: torch.Tensor, layer: int, window: int, gamma: float) -> torch.Tensor:
+    """Eq. 9: g[e] = max over d in 1..W of gamma**(d-1) * [e active at layer + d]. active: (L, E) bool."""
+    if not 0 < gamma <= 1:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    target = torch.zeros(active.shape[1])
+    for d in range(1, window + 1):
+        if layer + d >= active.shape[0]:
+            break
+        target = torch.maximum(target, (gamma ** (d - 1)) * active[layer + d].float())
+    return target
+
+
+def window_targets(active: torch.Tensor, layer: int, window: int) -> torch.Tensor:
+    """DESIGN.md's (W, E) target map: row d-1 marks the experts layer + d uses (zeros past the last layer)."""
+    out = torch.zeros(window, active.shape[1])
+    for d in range(1, window + 1):
+        if layer + d < active.shape[0]:
+            out[d - 1] = active[layer + d].float()
+    return out
+
+
+def history(active: torch.Tensor, layer: int, length: int) -> torch.Tensor:
+    """(R, E) routing history ending at `layer` (zeros before layer 0)."""
+    out = torch.zeros(length, active.shape[1])
+    for r in range(length):
+        source = layer - length + 1 + r
+        if source >= 0:
+            out[r] = active[source].float()
+    return out
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    num_layers: int
+    num_experts: int
+    hidden_size: int
+    visual_size: int
+    window: int = 5
+    gamma: float = 0.8
+    history_length: int = 3
+    history_dim: int = 128       # D_r
+    width: int = 512             # bottleneck widths
+    dropout: float = 0.1
+    output: str = "window"       # "window" (W, E) map | "vector" (the paper's E-vector)
+    use_features: bool = True    # False: the history-only ablation
+
+
+def _block(inputs: int, outputs: int, dropout: float) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, outputs), nn.BatchNorm1d(outputs), nn.ReLU(), nn.Dropout(dropout))
+
+
+class LookaheadPredictor(nn.Module):
+    def __init__(self, config: PredictorConfig):
+        super().__init__()
+        if config.output not in ("window", "vector"):
+            raise ValueError(f"predictor output {config.output!r} is not one of: window, vector")
+        self.config = config
+        c = config
+        self.history_proj = nn.Linear(c.history_length * c.num_experts, c.history_dim)
+        self.layer_embedding = nn.Embedding(c.num_layers, c.history_dim)
+        features = c.history_dim + (c.hidden_size + c.visual_size if c.use_features else 0)
+        self.body = nn.Sequential(_block(features, c.width, c.dropout), _block(c.width, c.width // 2, c.dropout))
+        rows = c.window if c.output == "window" else 1
+        self.head = nn.Linear(c.width // 2, rows * c.num_experts)
+
+    def forward(self, layer: torch.Tensor, past: torch.Tensor, hidden: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+        """layer (N,), past (N, R, E), hidden (N, H), visual (N, V) -> scores (N, W or 1, E)."""
+        x = self.history_proj(past.flatten(1)) + self.layer_embedding(layer)
+        if self.config.use_features:
+            x = torch.cat([x, hidden.to(x.dtype), visual.to(x.dtype)], dim=1)
+        rows = self.config.window if self.config.output == "window" else 1
+        return self.head(self.body(x)).view(-1, rows, self.config.num_experts)
+
+    def priorities(self, layer: int, scores: torch.Tensor, moe_layers: int, top: int) -> list[tuple[tuple[int, int], float]]:
+        """Top-B (layer l+d, expert) pairs from one layer's scores (W or 1, E), as prefetch items."""
+        c = self.config
+        probs = torch.sigmoid(scores.float())
+        if c.output == "vector":
+            probs = probs.expand(c.window, -1)
+        decay = torch.tensor([c.gamma ** d for d in range(c.window)], device=probs.device)[:, None]
+        ranked = (probs * decay).flatten()  # index d * E + e: layer l + 1 + d, expert e
+        valid = min(c.window, moe_layers - 1 - layer) * c.num_experts
+        if valid <= 0:
+            return []
+        values, index = torch.topk(ranked[:valid], min(top, valid))
+        return [((layer + 1 + i // c.num_experts, i % c.num_experts), v) for i, v in zip(index.tolist(), values.tolist())]
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"config": asdict(self.config), "state": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: str | Path, expect: dict | None = None) -> "LookaheadPredictor":
+        """Load a saved predictor; `expect` (e.g. num_layers, num_experts, hidden_size) must match."""
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            config = PredictorConfig(**blob["config"])
+        except Exception as exc:  # torch raises its own unpickling errors for foreign files
+            raise ValueError(f"predictor {path}: unreadable ({exc})") from None
+        for key, value in (expect or {}).items():
+            if getattr(config, key) != value:
+                raise ValueError(f"predictor {path} was trained for {key}={getattr(config, key)}, this model has {value}")
+        model = cls(config)
+        model.load_state_dict(blob["state"])
+        return model.eval()
+
+
+@dataclass
+class Samples:
+    """Training rows: one per (request, step, MoE layer)."""
+
+    layer: torch.Tensor    # (N,)
+    past: torch.Tensor     # (N, R, E)
+    hidden: torch.Tensor   # (N, H)
+    visual: torch.Tensor   # (N, V)
+    target: torch.Tensor   # (N, W, E) window targets, or (N, 1, E) paper targets
+    nxt: torch.Tensor      # (N, E) experts the next layer actually used (for Hot Recall)
+
+
+def samples_from_steps(steps: list[dict], config: PredictorConfig) -> Samples:
+    """steps: dicts with `active` (L, E) bool, `hidden` (L, H), `visual` (V,)."""
+    rows: dict[str, list] = {k: [] for k in ("layer", "past", "hidden", "visual", "target", "nxt")}
+    for step in steps:
+        active = step["active"]
+        for layer in range(active.shape[0] - 1):
+            rows["layer"].append(layer)
+            rows["past"].append(history(active, layer, config.history_length))
+            rows["hidden"].append(step["hidden"][layer].float())
+            rows["visual"].append(step["visual"].float())
+            if config.output == "window":
+                rows["target"].append(window_targets(active, layer, config.window))
+            else:
+                rows["target"].append(paper_targets(active, layer, config.window, config.gamma)[None])
+            rows["nxt"].append(active[layer + 1])
+    return Samples(torch.tensor(rows["layer"]), torch.stack(rows["past"]), torch.stack(rows["hidden"]),
+                   torch.stack(rows["visual"]), torch.stack(rows["target"]), torch.stack(rows["nxt"]))
+
+
+def hot_recall(model: LookaheadPredictor | None, data: Samples, budget: int, seed: int = 0) -> float:
+    """Share of layer l+1's experts in the predicted top-B for layer l+1 (None: a random-B guess)."""
+    if model is None:
+        generator = torch.Generator().manual_seed(seed)
+        guess = torch.stack([torch.randperm(data.nxt.shape[1], generator=generator)[:budget] for _ in range(len(data.layer))])
+    else:
+        with torch.no_grad():
+            scores = model.eval()(data.layer, data.past, data.hidden, data.visual)[:, 0]
+        guess = torch.topk(scores, budget, dim=1).indices
+    chosen = torch.zeros_like(data.nxt).scatter_(1, guess, True)
+    hit = (chosen & data.nxt).sum(dim=1).float()
+    return float((hit / data.nxt.sum(dim=1).clamp(min=1)).mean())
+
+
+def train(config: PredictorConfig, train_data: Samples, valid_data: Samples, epochs: int = 80, lr: float = 1e-2,
+          budget: int = 20, patience: int = 10, min_epochs: int = 10, seed: int = 0,
+          progress=None) -> tuple[LookaheadPredictor, list[dict]]:
+    """Soft-BCE training with early stopping on validation Hot Recall@budget (not before `min_epochs`:
+    BCE first pushes every score down, which leaves recall flat for a while). Returns the best model."""
+    torch.manual_seed(seed)
+    model = LookaheadPredictor(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    loss_fn = nn.BCEWithLogitsLoss()
+    best, best_state, log, waited = -math.inf, None, [], 0
+    batch = 256
+    for epoch in range(epochs):
+        model.train()
+        order = torch.randperm(len(train_data.layer))
+        total = 0.0
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            if len(idx) < 2:  # BatchNorm needs two rows
+                continue
+            scores = model(train_data.layer[idx], train_data.past[idx], train_data.hidden[idx], train_data.visual[idx])
+            loss = loss_fn(scores, train_data.target[idx])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(idx)
+        recall = hot_recall(model, valid_data, budget)
+        log.append({"epoch": epoch, "loss": total / len(order), "valid_hot_recall": recall})
+        if progress is not None:
+            progress(log[-1])
+        if recall > best:
+            best, waited = recall, 0
+            best_state = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            waited += 1
+            if waited >= patience and epoch >= min_epochs:
+                break
+    model.load_state_dict(best_state)
+    return model.eval(), log
