@@ -82,3 +82,36 @@ def test_save_load_round_trip_and_shape_check(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a predictor")
     with pytest.raises(ValueError, match="unreadable"):
         LookaheadPredictor.load(tmp_path / "junk.pt")
+
+
+def test_generation_with_the_predictor_matches_the_reference(tmp_path, reference, image_inputs, tiny_dir):
+    """Prediction changes what is copied when, never the result: smallest budget, evictions every step."""
+    from vismmoe_kt import load
+    from vismmoe_kt.stats import collect_stats
+    from vismmoe_kt.tiny_models import SPECS
+
+    spec = SPECS["tiny-4x16"]
+    config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
+                             visual_size=spec.hidden, window=2, width=32, history_dim=16)
+    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl.yaml", generate_device="cpu", prefill_device="cpu", progress=False,
+                    expert_budget=2 * layer, keep_ratio=1.0, miss_policy="wait", predictor=str(tmp_path / "predictor.pt"),
+                    prefetch_topk=6)
+    with torch.no_grad():
+        tokens = model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
+        expected = reference[0].generate(**image_inputs, max_new_tokens=32, do_sample=False)
+    assert torch.equal(tokens, expected)
+    stats = collect_stats(model)["operators"]["VisExperts"]
+    assert stats["prefetches"] > 0 and stats["evictions"] > 0
+
+
+def test_a_predictor_for_another_model_is_refused(tmp_path, tiny_dir):
+    from vismmoe_kt import load
+    from vismmoe_kt.errors import RuleError
+
+    config = PredictorConfig(num_layers=4, num_experts=128, hidden_size=64, visual_size=64)
+    LookaheadPredictor(config).save(tmp_path / "other.pt")
+    with pytest.raises(RuleError, match="trained for num_experts=128, this model has 16"):
+        load(tiny_dir, "optimize_rules/qwen3vl.yaml", generate_device="cpu", prefill_device="cpu", progress=False,
+             predictor=str(tmp_path / "other.pt"))

@@ -96,7 +96,7 @@ def record_traces(model, processor, requests: list[tuple[Any, str]], out: Path, 
                 model.generate(**inputs, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
             visual = inputs["input_ids"][0] == model.config.image_token_id
             path = out / f"request-{i:06d}.safetensors"
-            recorder.finish(path, visual, decoder.last_keep if decoder is not None else None)
+            recorder.finish(path, visual, decoder.last_keep if decoder is not None else None, with_visual=decoder is not None)
             paths.append(path)
     finally:
         recorder.remove()

@@ -57,8 +57,11 @@ class TraceRecorder:
             embeds = output[1] if len(output) > 1 else output[0]
         self._visual_embeds = embeds.detach().float().cpu() if isinstance(embeds, torch.Tensor) else None
 
-    def finish(self, path: Path, visual_mask: torch.Tensor, kept: torch.Tensor | None) -> dict[str, Any]:
-        """Write the steps recorded since the last reset as one request; returns its summary."""
+    def finish(self, path: Path, visual_mask: torch.Tensor, kept: torch.Tensor | None,
+               with_visual: bool = True) -> dict[str, Any]:
+        """Write the steps recorded since the last reset as one request; returns its summary.
+        `with_visual=False` stores a zero visual summary: what the runtime feeds the predictor when no
+        VisDecoder computes h_v, so training and serving see the same features."""
         tensors: dict[str, torch.Tensor] = {"modality": visual_mask.to(torch.uint8).cpu().contiguous()}
         if kept is not None:
             tensors["kept"] = kept.cpu().to(torch.int64).contiguous()
@@ -73,7 +76,7 @@ class TraceRecorder:
             hidden_size = hidden.shape[1]
             tensors[f"s{s}.hidden"] = hidden.half().contiguous()
         visual = torch.zeros(hidden_size or 1)
-        if self._visual_embeds is not None and self._visual_embeds.numel():
+        if with_visual and self._visual_embeds is not None and self._visual_embeds.numel():
             embeds = self._visual_embeds
             if kept is not None and visual_mask.any():
                 visual_positions = torch.nonzero(visual_mask, as_tuple=True)[0]

@@ -203,6 +203,8 @@ class VisDecoder(BaseInjectedModule):
                                 deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
 
         hidden = inputs_embeds
+        if prefill and visual_pos_masks is not None and bool(visual_pos_masks.any()):
+            self._visual_summary(inputs_embeds, visual_pos_masks)
         cos, sin = text.rotary_emb(hidden, position_ids)
         prune_at = self._prune_at() if prune else None
         self._routes.clear()
@@ -222,6 +224,7 @@ class VisDecoder(BaseInjectedModule):
                     order = torch.cumsum(visual_pos_masks[0].long(), 0)[keep][kept_visual] - 1
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
+                self._visual_summary(hidden, visual_pos_masks)
                 self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
             if prune and self.saliency_source == "llm" and index == prune_at - 1:
                 self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
@@ -238,6 +241,12 @@ class VisDecoder(BaseInjectedModule):
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor) -> None:
+        """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""
+        runtime = self.gguf_loader.context.get("offload_runtime")
+        if runtime is not None:
+            runtime.visual_summary = inputs_embeds[visual].float().mean(dim=0)
 
     def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
         """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""

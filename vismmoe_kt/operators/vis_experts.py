@@ -17,6 +17,9 @@ Rule kwargs (all operators of a model must agree; the first one creates the runt
                        measured at start-up, or `cost_model: {fetch_seconds, cpu_seconds_fixed,
                        cpu_seconds_per_token}`)
     cpu_backend        torch (default: reads the host store in place) | kt-kernel | auto
+    predictor          path of a trained lookahead predictor (vismmoe-kt calibrate writes predictor.pt);
+                       null: the history policy (prefetch_window, prefetch_gamma)
+    prefetch_topk      B, the (layer, expert) pairs the predictor queues at each layer (20)
 Compute runs on `generate_device` (its slabs and banks live there).
 """
 
@@ -64,7 +67,8 @@ class VisExperts(BaseInjectedModule):
                  policy: str = "vismmoe", pinned_layers: Any = "auto", min_pinned_layers: int = 1,
                  min_cache_bytes: Any = None, prefetch_window: int = 2, prefetch_gamma: float = 0.8,
                  max_in_flight: int = 16, miss_policy: str = "wait", cpu_backend: str = "torch",
-                 cost_model: dict | None = None, **kwargs: Any):
+                 cost_model: dict | None = None, predictor: str | None = None, prefetch_topk: int = 20,
+                 **kwargs: Any):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         match = re.search(r"layers\.(\d+)\.", key)
         if not match:
@@ -72,7 +76,7 @@ class VisExperts(BaseInjectedModule):
         self.layer = int(match.group(1))
         settings = OffloadSettings.from_kwargs(expert_budget, policy, pinned_layers, min_pinned_layers,
                                                min_cache_bytes, prefetch_window, prefetch_gamma, max_in_flight,
-                                               miss_policy, cpu_backend, cost_model)
+                                               miss_policy, cpu_backend, cost_model, predictor, prefetch_topk)
         self.runtime = shared_runtime(gguf_loader, config, settings, self.generate_device)
         if self.layer not in self.runtime.moe_layers:
             raise ValueError(f"{key} is not an MoE layer of this model")

@@ -45,12 +45,15 @@ class OffloadSettings:
     miss_policy: str = "wait"          # wait (fetch, stall on it) | cpu (compute misses on the CPU) | auto
     cpu_backend: str = "torch"         # torch (reads the store in place) | kt-kernel (own copy) | auto
     cost_model: tuple | None = None    # (fetch_s, cpu_fixed_s, cpu_per_token_s) to pin `auto`; None: measure
+    predictor: str | None = None       # a trained LookaheadPredictor (vismmoe-kt calibrate); None: history policy
+    prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
 
     @classmethod
     def from_kwargs(cls, expert_budget: Any, policy: str = "vismmoe", pinned_layers: Any = "auto",
                     min_pinned_layers: int = 1, min_cache_bytes: Any = None, prefetch_window: int = 2,
                     prefetch_gamma: float = 0.8, max_in_flight: int = 16, miss_policy: str = "wait",
-                    cpu_backend: str = "torch", cost_model: dict | None = None) -> "OffloadSettings":
+                    cpu_backend: str = "torch", cost_model: dict | None = None, predictor: str | None = None,
+                    prefetch_topk: int = 20) -> "OffloadSettings":
         if expert_budget is None:
             raise BudgetError("expert_budget is required (bytes or a size like '24GiB')")
         if policy not in ("vismmoe", "lru"):
@@ -68,7 +71,8 @@ class OffloadSettings:
             cost = (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token)
         return cls(parse_bytes(expert_budget), policy, pinned, int(min_pinned_layers),
                    None if min_cache_bytes is None else parse_bytes(min_cache_bytes),
-                   int(prefetch_window), float(prefetch_gamma), int(max_in_flight), miss_policy, cpu_backend, cost)
+                   int(prefetch_window), float(prefetch_gamma), int(max_in_flight), miss_policy, cpu_backend, cost,
+                   None if predictor is None else str(predictor), int(prefetch_topk))
 
 
 @dataclass
@@ -127,8 +131,18 @@ class OffloadRuntime:
         self.top_k = top_k
         self.cpu = self._make_cpu_backend() if settings.miss_policy != "wait" else None
         self.cost = CostModel(*settings.cost_model) if settings.cost_model else None
+        self.predictor = self._load_predictor() if settings.predictor else None
+        self.visual_summary: torch.Tensor | None = None  # h_v, set by VisDecoder at each prefill with an image
+        self._step_active: torch.Tensor | None = None    # (MoE layers, E): experts used so far in this step
 
     # --- start-up ------------------------------------------------------------------------------
+    def _load_predictor(self):
+        from ..predictor import LookaheadPredictor
+
+        predictor = LookaheadPredictor.load(self.settings.predictor, expect={
+            "num_layers": len(self.moe_layers), "num_experts": self.num_experts, "hidden_size": self.hidden})
+        return predictor.to(self.device)
+
     def _make_cpu_backend(self):
         """The CPU backend of hybrid mode. kt-kernel keeps its own BF16 copy of every expert it serves,
         which on top of the page-locked store doubles host memory: refuse it where that cannot fit."""
@@ -196,14 +210,16 @@ class OffloadRuntime:
                 self._switch_phase(phase)
         counters = self.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
+        if self.predictor is not None:
+            self._note_routing(layer, top_k_index)
         if layer in self.pinned:
-            self._prefetch_after(layer)
+            self._prefetch_after(layer, hidden)
             return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
         experts, pairs = torch.unique(top_k_index, return_counts=True)
         routed = torch.cat([experts, pairs]).tolist()  # the one device->host sync of this layer
         pairs_of = dict(zip(routed[:len(routed) // 2], routed[len(routed) // 2:]))
         placement = self._place(layer, pairs_of, counters)
-        self._prefetch_after(layer)
+        self._prefetch_after(layer, hidden)
         self.last_routed[layer] = list(pairs_of)
         task = self._submit_cpu(layer, hidden, top_k_index, top_k_weights, placement.on_cpu, counters) \
             if placement.on_cpu else None
@@ -287,10 +303,37 @@ class OffloadRuntime:
             host[e] = s
         self.row_map[self._index[layer]].copy_(torch.tensor(host), non_blocking=True)
 
-    def _prefetch_after(self, layer: int) -> None:
-        """History policy: the next `window` offloaded layers' experts from the previous step."""
+    def _note_routing(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """The predictor's routing history: which experts each MoE layer used so far in this step."""
+        index = self._index[layer]
+        if self._step_active is None or index == 0:
+            self._step_active = torch.zeros(len(self.moe_layers), self.num_experts, device=top_k_index.device)
+        self._step_active[index].index_fill_(0, top_k_index.flatten(), 1.0)
+
+    def _predicted(self, layer: int, hidden: torch.Tensor) -> list[tuple[Key, float]]:
+        """The predictor's top-B (layer, expert) pairs for the coming layers (Eq. 7 features)."""
+        from ..predictor import history
+
+        c = self.predictor.config
+        index = self._index[layer]
+        past = history(self._step_active, index, c.history_length).to(self.device)
+        visual = self.visual_summary if self.visual_summary is not None else torch.zeros(c.visual_size, device=self.device)
+        with torch.no_grad():
+            scores = self.predictor(torch.tensor([index], device=self.device), past[None],
+                                    hidden.float().mean(dim=0, keepdim=True), visual.float().to(self.device)[None])[0]
+        items = self.predictor.priorities(index, scores, len(self.moe_layers), self.settings.prefetch_topk)
+        return [((self.moe_layers[i], e), p) for (i, e), p in items]
+
+    def _prefetch_after(self, layer: int, hidden: torch.Tensor | None = None) -> None:
+        """Queue the coming layers' experts: the predictor's top-B, else the history policy (the next
+        `window` offloaded layers' experts from the previous step)."""
         window = self.settings.prefetch_window
-        if window <= 0 or not self.num_slabs:
+        if not self.num_slabs:
+            return
+        if self.predictor is not None and hidden is not None:
+            self.prefetch(self._predicted(layer, hidden))
+            return
+        if window <= 0:
             return
         order = self.moe_layers
         start = self._index[layer]
