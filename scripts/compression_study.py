@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -28,6 +27,7 @@ from scripts.make_demo_image import make_image  # noqa: E402
 from vismmoe_kt import load, stats  # noqa: E402
 from vismmoe_kt.operators.vis_decoder import VisDecoder  # noqa: E402
 from vismmoe_kt.operators.vis_experts import VisExperts  # noqa: E402
+from vismmoe_kt.plots import heatmap_png  # noqa: E402
 
 CASES = [("none", 1.0)] + [(m, b) for b in (0.7, 0.5) for m in ("random", "saliency", "affinity")]
 
@@ -111,28 +111,9 @@ def main():
             "visual_tokens": int((inputs["input_ids"] == model.config.image_token_id).sum()),
             "pinned_layers": len(runtime.pinned), "routing": "random weights"}
     (out / "compression_study.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    heatmap(maps[("none", 1.0)], maps[("affinity", 0.5)], out / "expert_heatmap.png", name)
+    heatmap_png([(f"no compression ({name})", maps[("none", 1.0)]), (f"affinity, keep 0.5 ({name})", maps[("affinity", 0.5)])],
+                out / "expert_heatmap.png")
     print(json.dumps(meta))
-
-
-def heatmap(before: np.ndarray, after: np.ndarray, path: Path, title: str, cell: int = 6) -> None:
-    """Two layer x expert panels (activation share, darker = more), drawn with PIL."""
-    layers, experts = before.shape
-    scale = max(before.max(), after.max())
-    cell = max(cell, 600 // experts)  # readable at 16 experts and at 128
-    width, height, pad = experts * cell, layers * cell * 3, 24
-    image = Image.new("RGB", (2 * width + 3 * pad, height + 2 * pad), "white")
-    draw = ImageDraw.Draw(image)
-    for panel, (data, label) in enumerate([(before, "no compression"), (after, "affinity, keep 0.5")]):
-        x0 = pad + panel * (width + pad)
-        draw.text((x0, 4), f"{label} ({title}); rows: layers, columns: experts", fill="black")
-        for layer in range(layers):
-            for expert in range(experts):
-                shade = int(255 * (1 - data[layer, expert] / scale))
-                y = pad + layer * cell * 3
-                draw.rectangle([x0 + expert * cell, y, x0 + (expert + 1) * cell - 1, y + cell * 3 - 1],
-                               fill=(shade, shade, 255))
-    image.save(path)
 
 
 if __name__ == "__main__":

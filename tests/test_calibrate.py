@@ -27,9 +27,20 @@ def test_calibrate_on_the_demo_model(tmp_path, capsys):
     assert set(report["predictor"]["all"]) == {"@10", "@20", "@30"}
     assert 0 <= report["random"]["decode"]["@20"] <= 1
 
+    views = tmp_path / "views"
+    assert main(["trace", "plot", "--traces", str(tmp_path / "traces"), "--out", str(views),
+                 "--predictor", str(tmp_path / "predictor.pt")]) == 0
+    for name in ("expert_heatmap.png", "layer_similarity.png", "hot_recall.png"):
+        assert (views / name).read_bytes().startswith(b"\x89PNG")
+    summary = json.loads((views / "trace_views.json").read_text())
+    similarity = summary["layer_similarity"]["decode"]
+    assert len(similarity) == 5 and all(0 <= v <= 1 for v in similarity)
+
 
 def test_calibrate_input_errors(tmp_path, capsys):
     assert main(["calibrate", "--demo", "--out", str(tmp_path)]) == 2
     assert "calibrate needs --images" in capsys.readouterr().err
     assert main(["calibrate", "--demo", "--out", str(tmp_path), "--images", str(tmp_path)]) == 2
     assert "no image files found" in capsys.readouterr().err
+    assert main(["trace", "plot", "--traces", str(tmp_path), "--out", str(tmp_path / "v")]) == 2
+    assert "no request-*.safetensors trace files" in capsys.readouterr().err

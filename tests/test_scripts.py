@@ -17,3 +17,14 @@ def test_compression_study_writes_rows_and_a_heatmap(tmp_path):
     assert all(len(r["distinct_experts_per_layer"]) == 4 for r in rows.values())
     png = (tmp_path / "expert_heatmap.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def test_anchor_depth_study_sweeps_the_valid_depths(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/anchor_depth_study.py", "--out", str(tmp_path), "--model", "tiny-4x16",
+                             "--budget-layers", "3", "--decode-tokens", "2", "--reps", "1", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "anchor_depth.json").read_text())
+    assert [r["pinned_layers"] for r in data["rows"]] == [1, 2]  # Eq. 10 at 3 layers of budget, 1 layer of cache kept
+    assert data["auto_pinned_layers"] == 1
+    assert all(r["seconds_median"] > 0 for r in data["rows"])

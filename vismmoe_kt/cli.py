@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--predictor_output", choices=["window", "vector"], default="window")
     calibrate.add_argument("--epochs", type=int, default=80)
     calibrate.add_argument("--seed", type=int, default=0)
+
+    trace = commands.add_parser("trace", help="figures from routing traces")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    plot = trace_commands.add_parser("plot", help="expert heatmap, layer similarity, per-layer Hot Recall (PNG)")
+    plot.add_argument("--traces", required=True, help="the traces/ directory written by calibrate")
+    plot.add_argument("--out", required=True)
+    plot.add_argument("--predictor", help="predictor.pt, to add per-layer Hot Recall")
     return parser
 
 
@@ -177,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             from .calibrate import run
 
             return run(args)
+        if args.command == "trace":
+            from .trace_views import plot
+
+            summary = plot(args.traces, args.out, args.predictor)
+            print(f"wrote {', '.join(summary['files'])} to {args.out}")
+            return 0
     except VismmoeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

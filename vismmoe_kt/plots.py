@@ -1,0 +1,57 @@
+"""Small PNG figures drawn with PIL (no plotting library needed): heatmaps and grouped bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+PALETTE = [(66, 103, 210), (230, 126, 34), (46, 160, 67), (150, 150, 150)]
+
+
+def heatmap_png(panels: list[tuple[str, np.ndarray]], path: str | Path, note: str = "rows: layers, columns: experts") -> None:
+    """Side-by-side (layers x experts) panels, darker = larger share; one colour scale for all."""
+    scale = max(float(data.max()) for _, data in panels) or 1.0
+    layers, experts = panels[0][1].shape
+    cell = max(2, 600 // experts)
+    row = max(3, 240 // layers)
+    width, height, pad = experts * cell, layers * row, 28
+    image = Image.new("RGB", (len(panels) * (width + pad) + pad, height + 2 * pad), "white")
+    draw = ImageDraw.Draw(image)
+    for index, (label, data) in enumerate(panels):
+        x0 = pad + index * (width + pad)
+        draw.text((x0, 4), f"{label}; {note}", fill="black")
+        for layer in range(layers):
+            for expert in range(experts):
+                shade = int(255 * (1 - float(data[layer, expert]) / scale))
+                y = pad + layer * row
+                draw.rectangle([x0 + expert * cell, y, x0 + (expert + 1) * cell - 1, y + row - 1], fill=(shade, shade, 255))
+    image.save(path)
+
+
+def bars_png(series: dict[str, list[float]], labels: list[str], path: str | Path, title: str, top: float = 1.0) -> None:
+    """Grouped bars: one group per label, one bar per series (values in [0, top])."""
+    groups, names = len(labels), list(series)
+    bar, gap, pad, height = 10, 8, 34, 220
+    width = groups * (len(names) * bar + gap) + 2 * pad
+    image = Image.new("RGB", (max(width, 360), height + 2 * pad + 14 * len(names)), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((pad, 6), title, fill="black")
+    base = pad + height
+    draw.line([(pad - 4, base), (width - pad, base)], fill="black")
+    draw.line([(pad - 4, base), (pad - 4, pad)], fill="black")
+    draw.text((2, pad - 6), f"{top:g}", fill="black")
+    draw.text((2, base - 6), "0", fill="black")
+    for g, label in enumerate(labels):
+        x = pad + g * (len(names) * bar + gap)
+        for s, name in enumerate(names):
+            value = max(0.0, min(series[name][g], top))
+            y = base - int(height * value / top)
+            draw.rectangle([x + s * bar, y, x + (s + 1) * bar - 2, base], fill=PALETTE[s % len(PALETTE)])
+        draw.text((x, base + 2), str(label), fill="black")
+    for s, name in enumerate(names):
+        y = base + 18 + 14 * s
+        draw.rectangle([pad, y, pad + 10, y + 10], fill=PALETTE[s % len(PALETTE)])
+        draw.text((pad + 16, y - 1), name, fill="black")
+    image.save(path)
