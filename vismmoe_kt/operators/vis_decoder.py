@@ -54,6 +54,9 @@ class CompressionContext:
 
     def __init__(self):
         self.recorder = None  # SaliencyRecorder, set by VisionSaliency
+        # which rows of the hidden states the layers are processing now are image tokens (flattened
+        # batch x sequence), for operators that treat modalities differently (ReaLB)
+        self.token_is_visual: torch.Tensor | None = None
 
 
 def shared_context(loader: Any) -> CompressionContext:
@@ -203,6 +206,9 @@ class VisDecoder(BaseInjectedModule):
                                 deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
 
         hidden = inputs_embeds
+        self.shared.token_is_visual = visual_pos_masks.reshape(-1) if visual_pos_masks is not None and \
+            visual_pos_masks.shape[:2] == inputs_embeds.shape[:2] else torch.zeros(batch * length, dtype=torch.bool,
+                                                                                  device=inputs_embeds.device)
         if prefill and visual_pos_masks is not None and bool(visual_pos_masks.any()):
             self._visual_summary(inputs_embeds, visual_pos_masks)
         cos, sin = text.rotary_emb(hidden, position_ids)
@@ -224,6 +230,7 @@ class VisDecoder(BaseInjectedModule):
                     order = torch.cumsum(visual_pos_masks[0].long(), 0)[keep][kept_visual] - 1
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
+                self.shared.token_is_visual = visual_pos_masks.reshape(-1)
                 self._visual_summary(hidden, visual_pos_masks)
                 self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
             if prune and self.saliency_source == "llm" and index == prune_at - 1:

@@ -1,0 +1,81 @@
+"""MixedPrecisionExperts (ReaLB) on the tiny model: exact with LB off, switches under load, errors."""
+
+import pytest
+import torch
+
+from vismmoe_kt import load
+from vismmoe_kt.errors import RuleError
+from vismmoe_kt.operators.mixed_precision import MixedPrecisionExperts
+from vismmoe_kt.stats import collect_stats
+
+from conftest import make_image
+
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+RULES = "optimize_rules/qwen3vl-realb.yaml"
+
+
+@pytest.fixture(scope="module")
+def big_image_inputs(reference):
+    """An image-heavy prompt: 196 visual tokens of 236."""
+    _, processor = reference
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor(text=[prompt], images=[make_image(448, 448, seed=5)], return_tensors="pt")
+
+
+def run(model, inputs, tokens=8):
+    with torch.no_grad():
+        return model(**inputs).logits, model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mode": "bf16", "lb_gate_tokens": 0}])
+def test_lb_off_is_exactly_the_reference(tiny_dir, reference, big_image_inputs, overrides):
+    model, _ = load(tiny_dir, RULES, **overrides, **CPU)  # the default gate (2048) is above this batch
+    logits, tokens = run(model, big_image_inputs)
+    ref_logits, ref_tokens = run(reference[0], big_image_inputs)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+    stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+    assert stats["lowprec_pairs"] == 0
+
+
+def test_realb_switches_vision_heavy_experts_and_stays_close(tiny_dir, reference, big_image_inputs):
+    model, _ = load(tiny_dir, RULES, lb_gate_tokens=64, md_start=0.5, **CPU)
+    logits, _ = run(model, big_image_inputs, tokens=2)
+    ref_logits, _ = run(reference[0], big_image_inputs, tokens=2)
+    stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+    assert stats["switched_experts"] > 0 and 0 < stats["lowprec_pairs"] < stats["pairs"]
+    assert stats["imbalance_after"] < stats["imbalance_before"]
+    error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert 0 < error < 0.2  # NVFP4 on part of the image rows: changed, but not destroyed
+
+
+def test_fp4_all_changes_more_than_realb(tiny_dir, reference, big_image_inputs):
+    ref_logits, _ = run(reference[0], big_image_inputs, tokens=1)
+    errors = {}
+    for mode in ("all", "realb"):
+        model, _ = load(tiny_dir, RULES, mode=mode, lb_gate_tokens=64, md_start=0.5, **CPU)
+        logits, _ = run(model, big_image_inputs, tokens=1)
+        errors[mode] = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert errors["all"] > errors["realb"] > 0
+
+
+def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs):
+    model, _ = load(tiny_dir, RULES, lb_gate_tokens=64, md_start=0.5, **CPU)
+    op = next(m for m in model.modules() if isinstance(m, MixedPrecisionExperts))
+    seen = {}
+    original = op._lowprec_pairs
+    op._lowprec_pairs = lambda h, i, w, lowprec: seen.setdefault("rows", lowprec.any(dim=1)) is not None and original(h, i, w, lowprec)
+    with torch.no_grad():
+        model(**big_image_inputs)
+    visual = (big_image_inputs["input_ids"][0] == model.config.image_token_id)
+    assert seen["rows"].any() and not (seen["rows"] & ~visual).any()
+
+
+def test_bad_kwargs(tiny_dir):
+    with pytest.raises(RuleError, match="mode 'fp2' is not one of"):
+        load(tiny_dir, RULES, mode="fp2", **CPU)
+    with pytest.raises(RuleError, match="precision_backend 'nvfp4' is not available in this build"):
+        load(tiny_dir, RULES, precision_backend="nvfp4", **CPU)
+    with pytest.raises(RuleError, match="ep_size must be between 1 and the 16 experts"):
+        load(tiny_dir, RULES, ep_size=32, **CPU)

@@ -1,0 +1,146 @@
+"""MixedPrecisionExperts: ReaLB's modality-aware mixed precision for one MoE layer's experts.
+
+Per call (one layer, one step):
+    route (the model's router) -> statistics: per-expert load and image-token load, per virtual rank
+      -> plan: LB gate, overloaded vision-dominant ranks, greedy switch of vision-heavy experts
+         (vismmoe_kt.lb.policy), with M_d under AIMD control (vismmoe_kt.lb.aimd)
+      -> compute: BF16 pairs with the model's own experts; low-precision pairs with weights and
+         activations passed through the precision backend; sum.
+Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // E); with one device
+the ranks are virtual, their times estimated from their loads. The image-token mask comes from the
+VisDecoder rule (compression none is enough) through the loader's shared context.
+
+Rule kwargs: mode (bf16 | all = FP4-All, every pair of every expert | realb | realb-seq | fixed), fixed_threshold (M_d for `fixed`),
+precision_backend (nvfp4-emulated: quantize-dequantize in torch, the accuracy reference and the CPU
+path; fp8 and nvfp4 GEMM backends come with the GPU work), ep_size (4), lb_gate_tokens (Gamma,
+2048), fp4_scope (vision_tokens | expert), eps (0.05), lowprec_cost (0.5: a low-precision pair's
+time relative to BF16, for the plan), md_start (0.9), md_min (0.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..lb.aimd import AIMDController
+from ..lb.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from ..lb.policy import plan_precision
+from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
+from .vis_decoder import shared_context
+
+MODES = ("bf16", "all", "realb", "realb-seq", "fixed")
+BACKENDS = ("nvfp4-emulated",)
+
+
+def fake_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize along the last dimension (blocks of 16), back in x's dtype."""
+    return nvfp4_dequantize(nvfp4_quantize(x), x.dtype)
+
+
+@dataclass
+class RealbStats:
+    calls: int = 0
+    gated_calls: int = 0
+    pairs: int = 0
+    lowprec_pairs: int = 0
+    switched_experts: int = 0
+    imbalance_before: float = 0.0  # summed over ungated calls; divide by calls - gated_calls
+    imbalance_after: float = 0.0
+
+
+class MixedPrecisionExperts(BaseInjectedModule):
+    forwarded_attributes = HF_READ_ATTRIBUTES + ("gate_up_proj", "down_proj", "act_fn")
+
+    def __init__(self, key: str, gguf_loader: Any, config: Any, orig_module: nn.Module, prefill_device: str = "cuda",
+                 generate_device: str = "cuda", mode: str = "realb", fixed_threshold: float = 0.7,
+                 precision_backend: str = "nvfp4-emulated", ep_size: int = 4, lb_gate_tokens: int = 2048,
+                 fp4_scope: str = "vision_tokens", eps: float = 0.05, lowprec_cost: float = 0.5,
+                 md_start: float = 0.9, md_min: float = 0.0, **kwargs: Any):
+        super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of: {', '.join(MODES)}")
+        if precision_backend not in BACKENDS:
+            raise ValueError(f"precision_backend {precision_backend!r} is not available in this build "
+                             f"(available: {', '.join(BACKENDS)})")
+        if fp4_scope not in ("vision_tokens", "expert"):
+            raise ValueError(f"fp4_scope {fp4_scope!r} is not one of: vision_tokens, expert")
+        num_experts = orig_module.num_experts
+        if not 1 <= int(ep_size) <= num_experts:
+            raise ValueError(f"ep_size must be between 1 and the {num_experts} experts, got {ep_size}")
+        self.mode, self.fixed_threshold, self.backend = mode, float(fixed_threshold), precision_backend
+        self.ep_size, self.gate_tokens, self.scope = int(ep_size), int(lb_gate_tokens), fp4_scope
+        self.eps, self.lowprec_cost = float(eps), float(lowprec_cost)
+        self.aimd = AIMDController(threshold=float(md_start), minimum=float(md_min))
+        self.expert_rank = torch.arange(num_experts) * self.ep_size // num_experts
+        self.shared = shared_context(gguf_loader)
+        self.counters = RealbStats()
+
+    def _visual_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        mask = self.shared.token_is_visual
+        if mask is None or mask.numel() != rows:
+            return torch.zeros(rows, dtype=torch.bool, device=device)  # no image tokens in sight
+        return mask.to(device)
+
+    def _plan(self, top_k_index: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+        """Which experts run in low precision this call (bool, E)."""
+        num_experts = self.expert_rank.numel()
+        if self.mode == "bf16":
+            return torch.zeros(num_experts, dtype=torch.bool)
+        if self.mode == "all":
+            return torch.ones(num_experts, dtype=torch.bool)
+        flat = top_k_index.reshape(-1).cpu()
+        load = torch.bincount(flat, minlength=num_experts).float()
+        vision = torch.bincount(top_k_index[visual].reshape(-1).cpu(), minlength=num_experts).float()
+        threshold = self.fixed_threshold if self.mode == "fixed" else self.aimd.threshold
+        plan = plan_precision(load, vision, self.expert_rank, self.ep_size, tokens=top_k_index.shape[0],
+                              gate_tokens=self.gate_tokens, eps=self.eps, vision_threshold=threshold,
+                              lowprec_cost=self.lowprec_cost, scope=self.scope)
+        c = self.counters
+        if plan.gated:
+            c.gated_calls += 1
+        else:
+            c.imbalance_before += plan.imbalance(after=False)
+            c.imbalance_after += plan.imbalance()
+            if self.mode in ("realb", "realb-seq"):
+                self.aimd.update(plan.imbalance(), plan.lowprec_share(load))
+        return plan.lowprec
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        experts = self.orig_module
+        visual = self._visual_rows(hidden_states.shape[0], hidden_states.device)
+        switched = self._plan(top_k_index, visual).to(top_k_index.device)
+        lowprec = switched[top_k_index]  # (T, K) pairs whose expert switched
+        if self.scope == "vision_tokens" and self.mode != "all":  # FP4-All means every pair
+            lowprec &= visual[:, None]
+        c = self.counters
+        c.calls += 1
+        c.pairs += top_k_index.numel()
+        c.lowprec_pairs += int(lowprec.sum())
+        c.switched_experts += int(switched.sum())
+        out = experts(hidden_states, top_k_index, top_k_weights.masked_fill(lowprec, 0))
+        if lowprec.any():
+            out = out + self._lowprec_pairs(hidden_states, top_k_index, top_k_weights, lowprec)
+        return out
+
+    def _lowprec_pairs(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                       lowprec: torch.Tensor) -> torch.Tensor:
+        """W4A4 emulation: each switched expert quantized on demand (no copy kept), its pairs computed."""
+        experts = self.orig_module
+        out = torch.zeros_like(hidden)
+        for expert in torch.unique(index[lowprec]).tolist():
+            token, slot = torch.where((index == expert) & lowprec)
+            gate_up, down = fake_nvfp4(experts.gate_up_proj[expert]), fake_nvfp4(experts.down_proj[expert])
+            x = fake_nvfp4(hidden[token])
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+            y = F.linear(fake_nvfp4(experts.act_fn(gate) * up), down) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        # settings as text (summing them over layers would mean nothing); counters are summed
+        return {"mode": self.mode, "precision_backend": self.backend, "ep_size": str(self.ep_size),
+                "m_d_first_layer": f"{self.aimd.threshold:.2f}", **asdict(self.counters)}
