@@ -75,7 +75,46 @@ def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs):
 def test_bad_kwargs(tiny_dir):
     with pytest.raises(RuleError, match="mode 'fp2' is not one of"):
         load(tiny_dir, RULES, mode="fp2", **CPU)
-    with pytest.raises(RuleError, match="precision_backend 'nvfp4' is not available in this build"):
+    with pytest.raises(RuleError, match="nvfp4 needs flashinfer's FP4 GEMMs on a Blackwell GPU"):
         load(tiny_dir, RULES, precision_backend="nvfp4", **CPU)
+    with pytest.raises(RuleError, match="precision_backend 'int3' is not one of"):
+        load(tiny_dir, RULES, precision_backend="int3", **CPU)
+
+
+@pytest.mark.parametrize("backend,bound", [("nvfp4-emulated", 0.25), ("fp8", 0.08)])
+def test_backend_expert_output_against_float64(backend, bound):
+    """Each backend against a float64 computation with the exact (unquantized) weights."""
+    from vismmoe_kt.lb.precision import expert_mlp_fn
+
+    g = torch.Generator().manual_seed(0)
+    x, gate_up, down = torch.randn(7, 64, generator=g), torch.randn(96, 64, generator=g) * 0.1, torch.randn(64, 48, generator=g) * 0.1
+    act = torch.nn.functional.silu
+    gate, up = (x.double() @ gate_up.double().T).chunk(2, dim=-1)
+    ref = (act(gate) * up) @ down.double().T
+    out = expert_mlp_fn(backend)(x, gate_up, down, act)
+    error = ((out.double() - ref).norm() / ref.norm()).item()
+    assert 0 < error < bound
+
+
+def test_emulated_backend_equals_float64_on_dequantized_weights():
+    from vismmoe_kt.lb.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+    from vismmoe_kt.lb.precision import expert_mlp_fn
+
+    g = torch.Generator().manual_seed(1)
+    x, gate_up, down = torch.randn(5, 32, generator=g), torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
+    fq = lambda t: nvfp4_dequantize(nvfp4_quantize(t), torch.float64)
+    act = torch.nn.functional.silu
+    gate, up = (fq(x) @ fq(gate_up).T).chunk(2, dim=-1)
+    ref = fq((act(gate) * up).float()) @ fq(down).T
+    out = expert_mlp_fn("nvfp4-emulated")(x, gate_up, down, act)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_realb_with_the_fp8_backend(tiny_dir, big_image_inputs):
+    model, _ = load(tiny_dir, RULES, precision_backend="fp8", lb_gate_tokens=64, md_start=0.5, **CPU)
+    with torch.no_grad():
+        model(**big_image_inputs)
+    stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+    assert stats["precision_backend"] == "fp8" and stats["lowprec_pairs"] > 0
     with pytest.raises(RuleError, match="ep_size must be between 1 and the 16 experts"):
         load(tiny_dir, RULES, ep_size=32, **CPU)

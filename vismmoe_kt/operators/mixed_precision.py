@@ -11,8 +11,7 @@ the ranks are virtual, their times estimated from their loads. The image-token m
 VisDecoder rule (compression none is enough) through the loader's shared context.
 
 Rule kwargs: mode (bf16 | all = FP4-All, every pair of every expert | realb | realb-seq | fixed), fixed_threshold (M_d for `fixed`),
-precision_backend (nvfp4-emulated: quantize-dequantize in torch, the accuracy reference and the CPU
-path; fp8 and nvfp4 GEMM backends come with the GPU work), ep_size (4), lb_gate_tokens (Gamma,
+precision_backend (auto | nvfp4-emulated | fp8 | nvfp4; see vismmoe_kt.lb.precision), ep_size (4), lb_gate_tokens (Gamma,
 2048), fp4_scope (vision_tokens | expert), eps (0.05), lowprec_cost (0.5: a low-precision pair's
 time relative to BF16, for the plan), md_start (0.9), md_min (0.0).
 """
@@ -23,22 +22,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..lb.aimd import AIMDController
-from ..lb.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from ..lb.policy import plan_precision
+from ..lb.precision import expert_mlp_fn, resolve_backend
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
 from .vis_decoder import shared_context
 
 MODES = ("bf16", "all", "realb", "realb-seq", "fixed")
-BACKENDS = ("nvfp4-emulated",)
-
-
-def fake_nvfp4(x: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize along the last dimension (blocks of 16), back in x's dtype."""
-    return nvfp4_dequantize(nvfp4_quantize(x), x.dtype)
 
 
 @dataclass
@@ -63,15 +55,14 @@ class MixedPrecisionExperts(BaseInjectedModule):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of: {', '.join(MODES)}")
-        if precision_backend not in BACKENDS:
-            raise ValueError(f"precision_backend {precision_backend!r} is not available in this build "
-                             f"(available: {', '.join(BACKENDS)})")
         if fp4_scope not in ("vision_tokens", "expert"):
             raise ValueError(f"fp4_scope {fp4_scope!r} is not one of: vision_tokens, expert")
         num_experts = orig_module.num_experts
         if not 1 <= int(ep_size) <= num_experts:
             raise ValueError(f"ep_size must be between 1 and the {num_experts} experts, got {ep_size}")
-        self.mode, self.fixed_threshold, self.backend = mode, float(fixed_threshold), precision_backend
+        self.backend = resolve_backend(precision_backend, self.generate_device)
+        self.lowprec_mlp = expert_mlp_fn(self.backend)
+        self.mode, self.fixed_threshold = mode, float(fixed_threshold)
         self.ep_size, self.gate_tokens, self.scope = int(ep_size), int(lb_gate_tokens), fp4_scope
         self.eps, self.lowprec_cost = float(eps), float(lowprec_cost)
         self.aimd = AIMDController(threshold=float(md_start), minimum=float(md_min))
@@ -128,16 +119,13 @@ class MixedPrecisionExperts(BaseInjectedModule):
 
     def _lowprec_pairs(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                        lowprec: torch.Tensor) -> torch.Tensor:
-        """W4A4 emulation: each switched expert quantized on demand (no copy kept), its pairs computed."""
+        """Each switched expert quantized on demand by the backend (no copy kept), its pairs computed."""
         experts = self.orig_module
         out = torch.zeros_like(hidden)
         for expert in torch.unique(index[lowprec]).tolist():
             token, slot = torch.where((index == expert) & lowprec)
-            gate_up, down = fake_nvfp4(experts.gate_up_proj[expert]), fake_nvfp4(experts.down_proj[expert])
-            x = fake_nvfp4(hidden[token])
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-            y = F.linear(fake_nvfp4(experts.act_fn(gate) * up), down) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            y = self.lowprec_mlp(hidden[token], experts.gate_up_proj[expert], experts.down_proj[expert], experts.act_fn)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
     def stats(self) -> dict[str, Any]:
