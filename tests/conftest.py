@@ -48,3 +48,18 @@ def image_file(tmp_path):
     path = tmp_path / "image.png"
     make_image(64, 48).save(path)
     return path
+
+
+def layer_bytes(spec):
+    """GPU memory for one layer of a tiny (fp32) model's experts: the unit of expert budgets in tests."""
+    return spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+
+
+def tiny_case(tmp_path_factory, name, seed, question, image_size, image_seed):
+    """A saved tiny model, its reference model and an image prompt for it."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(name), name, seed=seed)
+    ref, processor = build_tiny_model(name, seed=seed)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(*image_size, seed=image_seed)], return_tensors="pt")
+    return model_dir, ref, inputs

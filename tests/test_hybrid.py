@@ -9,24 +9,16 @@ from vismmoe_kt.operators.cpu_experts import CpuExperts
 from vismmoe_kt.stats import collect_stats
 from vismmoe_kt.tiny_models import SPECS, build_tiny_model, save_tiny_model
 
-from conftest import make_image
+from conftest import layer_bytes, tiny_case
 
 CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
 HYBRID = "optimize_rules/qwen3vl.yaml"
 
 
-def layer_bytes(spec):
-    return spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
-
-
 @pytest.fixture(scope="module", params=["tiny-4x16", "tiny-6x64"])
 def shape(request, tmp_path_factory):
     name = request.param
-    model_dir = save_tiny_model(tmp_path_factory.mktemp(name), name, seed=2)
-    ref, processor = build_tiny_model(name, seed=2)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[prompt], images=[make_image(128, 96, seed=4)], return_tensors="pt")
+    model_dir, ref, inputs = tiny_case(tmp_path_factory, name, 2, "What is this?", (128, 96), 4)
     with torch.no_grad():
         expected = ref.generate(**inputs, max_new_tokens=24, do_sample=False)
     return name, model_dir, inputs, expected

@@ -12,26 +12,18 @@ from vismmoe_kt import load
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import SPECS, build_tiny_model, save_tiny_model
+from vismmoe_kt.tiny_models import SPECS
 
-from conftest import make_image
+from conftest import layer_bytes, tiny_case
 
 CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
 RULES = {"vismmoe": "optimize_rules/qwen3vl-offload.yaml", "lru": "optimize_rules/qwen3vl-lru.yaml"}
 
 
-def layer_bytes(spec):
-    return spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # fp32
-
-
 @pytest.fixture(scope="module", params=["tiny-4x16", "tiny-6x64"])
 def shape(request, tmp_path_factory):
     name = request.param
-    model_dir = save_tiny_model(tmp_path_factory.mktemp(name), name, seed=1)
-    ref, processor = build_tiny_model(name, seed=1)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[prompt], images=[make_image(160, 128, seed=2)], return_tensors="pt")
+    model_dir, ref, inputs = tiny_case(tmp_path_factory, name, 1, "What is in the picture?", (160, 128), 2)
     with torch.no_grad():
         expected = (ref(**inputs).logits, ref.generate(**inputs, max_new_tokens=32, do_sample=False))
     return name, model_dir, inputs, expected
