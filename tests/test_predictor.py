@@ -94,7 +94,9 @@ def test_generation_with_the_predictor_matches_the_reference(tmp_path, reference
     config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
                              visual_size=spec.hidden, window=2, width=32, history_dim=16)
     LookaheadPredictor(config).save(tmp_path / "predictor.pt")
-    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+    from conftest import layer_bytes
+
+    layer = layer_bytes(spec)
     model, _ = load(tiny_dir, "optimize_rules/qwen3vl.yaml", generate_device="cpu", prefill_device="cpu", progress=False,
                     expert_budget=2 * layer, keep_ratio=1.0, miss_policy="wait", predictor=str(tmp_path / "predictor.pt"),
                     prefetch_topk=6)

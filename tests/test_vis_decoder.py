@@ -11,6 +11,8 @@ from vismmoe_kt.operators.vis_decoder import VisDecoder, causal_mask
 from vismmoe_kt.stats import collect_stats
 from vismmoe_kt.tiny_models import SPECS
 
+from conftest import layer_bytes
+
 CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
 HYBRID = "optimize_rules/qwen3vl.yaml"
 
@@ -64,7 +66,7 @@ def test_half_the_visual_tokens_continue_with_their_original_positions(tiny_dir,
 
 
 def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs):
-    layer = SPECS["tiny-4x16"].experts * 3 * SPECS["tiny-4x16"].moe_intermediate * SPECS["tiny-4x16"].hidden * 4
+    layer = layer_bytes(SPECS["tiny-4x16"])
     model, _ = load(tiny_dir, HYBRID, expert_budget=2 * layer, miss_policy="wait", **CPU)
     with torch.no_grad():
         tokens = model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
