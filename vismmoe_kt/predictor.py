@@ -101,19 +101,26 @@ class LookaheadPredictor(nn.Module):
         rows = self.config.window if self.config.output == "window" else 1
         return self.head(self.body(x)).view(-1, rows, self.config.num_experts)
 
-    def priorities(self, layer: int, scores: torch.Tensor, moe_layers: int, top: int) -> list[tuple[tuple[int, int], float]]:
-        """Top-B (layer l+d, expert) pairs from one layer's scores (W or 1, E), as prefetch items."""
+    def top_pairs(self, layer: int, scores: torch.Tensor, moe_layers: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device tensors (values, flat indices d * E + e) of the top-B pairs ahead of `layer` (no sync)."""
         c = self.config
         probs = torch.sigmoid(scores.float())
         if c.output == "vector":
             probs = probs.expand(c.window, -1)
         decay = torch.tensor([c.gamma ** d for d in range(c.window)], device=probs.device)[:, None]
         ranked = (probs * decay).flatten()  # index d * E + e: layer l + 1 + d, expert e
-        valid = min(c.window, moe_layers - 1 - layer) * c.num_experts
-        if valid <= 0:
-            return []
-        values, index = torch.topk(ranked[:valid], min(top, valid))
-        return [((layer + 1 + i // c.num_experts, i % c.num_experts), v) for i, v in zip(index.tolist(), values.tolist())]
+        valid = max(min(c.window, moe_layers - 1 - layer), 0) * c.num_experts
+        return torch.topk(ranked[:valid], min(top, valid))
+
+    def to_items(self, layer: int, values: list[float], flat: list[int]) -> list[tuple[tuple[int, int], float]]:
+        """Host-side prefetch items ((MoE-layer index, expert), priority) from `top_pairs` results."""
+        experts = self.config.num_experts
+        return [((layer + 1 + i // experts, i % experts), v) for i, v in zip(flat, values)]
+
+    def priorities(self, layer: int, scores: torch.Tensor, moe_layers: int, top: int) -> list[tuple[tuple[int, int], float]]:
+        """Top-B (layer l+d, expert) pairs from one layer's scores (W or 1, E), as prefetch items."""
+        values, flat = self.top_pairs(layer, scores, moe_layers, top)
+        return self.to_items(layer, values.tolist(), flat.tolist())
 
     def save(self, path: str | Path) -> None:
         torch.save({"config": asdict(self.config), "state": self.state_dict()}, path)

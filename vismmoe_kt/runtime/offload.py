@@ -310,8 +310,10 @@ class OffloadRuntime:
             self._step_active = torch.zeros(len(self.moe_layers), self.num_experts, device=top_k_index.device)
         self._step_active[index].index_fill_(0, top_k_index.flatten(), 1.0)
 
-    def _predicted(self, layer: int, hidden: torch.Tensor) -> list[tuple[Key, float]]:
-        """The predictor's top-B (layer, expert) pairs for the coming layers (Eq. 7 features)."""
+    def _predict_and_prefetch(self, layer: int, hidden: torch.Tensor) -> None:
+        """Run the predictor on the compute stream (Eq. 7 features) and queue its top-B pairs. On CUDA
+        the priorities go to the host by an asynchronous copy that the transfer worker waits for, so
+        the compute thread never stops for them."""
         from ..predictor import history
 
         c = self.predictor.config
@@ -321,8 +323,18 @@ class OffloadRuntime:
         with torch.no_grad():
             scores = self.predictor(torch.tensor([index], device=self.device), past[None],
                                     hidden.float().mean(dim=0, keepdim=True), visual.float().to(self.device)[None])[0]
-        items = self.predictor.priorities(index, scores, len(self.moe_layers), self.settings.prefetch_topk)
-        return [((self.moe_layers[i], e), p) for (i, e), p in items]
+            values, flat = self.predictor.top_pairs(index, scores, len(self.moe_layers), self.settings.prefetch_topk)
+        if values.numel() == 0:
+            return
+
+        def items(v: list[float], i: list[int]) -> list[tuple[Key, float]]:
+            return [((self.moe_layers[l], e), p) for (l, e), p in self.predictor.to_items(index, v, i)
+                    if self.moe_layers[l] not in self.pinned]
+
+        if self.transfers.cuda:
+            self.transfers.prefetch_later(values, flat, items)
+        else:
+            self.prefetch(items(values.tolist(), flat.tolist()))
 
     def _prefetch_after(self, layer: int, hidden: torch.Tensor | None = None) -> None:
         """Queue the coming layers' experts: the predictor's top-B, else the history policy (the next
@@ -331,7 +343,7 @@ class OffloadRuntime:
         if not self.num_slabs:
             return
         if self.predictor is not None and hidden is not None:
-            self.prefetch(self._predicted(layer, hidden))
+            self._predict_and_prefetch(layer, hidden)
             return
         if window <= 0:
             return

@@ -62,6 +62,9 @@ class Transfers:
         self.counters = TransferCounters()
         self._wake = threading.Condition(lock)
         self._stop = False
+        self._ring: list[tuple[torch.Tensor, torch.Tensor]] = []  # page-locked slots for `prefetch_later`
+        self._ring_next = 0
+        self._pending_list = None  # (event, values, indices, n, to_items) waiting for the worker
         self._worker = None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
@@ -153,6 +156,38 @@ class Transfers:
             else:
                 self._drain(limit=len(self.queue))
 
+    def prefetch_later(self, values: torch.Tensor, flat: torch.Tensor, to_items) -> None:
+        """Queue a priority list still on the GPU: copy it to page-locked host buffers asynchronously and
+        let the worker turn it into the prefetch queue once the copy's event has passed."""
+        with self.lock:
+            if not self._ring or self._ring[0][0].numel() < values.numel():
+                self._ring = [(torch.empty(values.numel(), pin_memory=True),
+                               torch.empty(values.numel(), dtype=torch.long, pin_memory=True)) for _ in range(8)]
+            # eight slots: a newer list replaces an older one long before its slot comes round again
+            self._ring_next = (self._ring_next + 1) % len(self._ring)
+            host_values, host_index = self._ring[self._ring_next]
+            n = values.numel()
+            host_values[:n].copy_(values, non_blocking=True)
+            host_index[:n].copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._pending_list = (event, host_values, host_index, n, to_items)
+            self._wake.notify()
+
+    def _take_pending_list(self) -> None:
+        """Worker side of `prefetch_later` (lock held on entry and exit; released while waiting)."""
+        pending, self._pending_list = self._pending_list, None
+        if pending is None:
+            return
+        event, host_values, host_index, n, to_items = pending
+        self.lock.release()
+        try:
+            event.synchronize()
+            items = to_items(host_values[:n].tolist(), host_index[:n].tolist())
+        finally:
+            self.lock.acquire()
+        self.queue = sorted(((p, k) for k, p in items if k not in self.cache.where), key=lambda x: x[0])
+
     def _drain(self, limit: int) -> bool:
         """Issue up to `limit` queued prefetches (lock held). False when the cache refuses more."""
         batch: list[tuple[float, Key]] = []
@@ -174,10 +209,11 @@ class Transfers:
     def _drain_forever(self) -> None:
         while True:
             with self.lock:
-                while not self._stop and not self.queue:
+                while not self._stop and not self.queue and self._pending_list is None:
                     self._wake.wait()
                 if self._stop:
                     return
+                self._take_pending_list()
                 self.poll()
                 room = self.max_in_flight - len(self.events)
                 if room > 0:
