@@ -118,3 +118,12 @@ def test_realb_with_the_fp8_backend(tiny_dir, big_image_inputs):
     assert stats["precision_backend"] == "fp8" and stats["lowprec_pairs"] > 0
     with pytest.raises(RuleError, match="ep_size must be between 1 and the 16 experts"):
         load(tiny_dir, RULES, ep_size=32, **CPU)
+
+
+def test_eplb_mode_is_bf16_exact_and_reports_its_rank_balance(tiny_dir, reference, big_image_inputs):
+    model, _ = load(tiny_dir, RULES, mode="eplb", eplb_period=1, **CPU)
+    logits, tokens = run(model, big_image_inputs, tokens=4)
+    ref_logits, ref_tokens = run(reference[0], big_image_inputs, tokens=4)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5 and torch.equal(tokens, ref_tokens)
+    stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+    assert stats["lowprec_pairs"] == 0 and stats["imbalance_after"] > 0

@@ -10,7 +10,9 @@ Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // 
 the ranks are virtual, their times estimated from their loads. The image-token mask comes from the
 VisDecoder rule (compression none is enough) through the loader's shared context.
 
-Rule kwargs: mode (bf16 | all = FP4-All, every pair of every expert | realb | realb-seq | fixed), fixed_threshold (M_d for `fixed`),
+Rule kwargs: mode (bf16 | all = FP4-All, every pair of every expert | realb | realb-seq | fixed |
+eplb = the history-based replication baseline, BF16 compute with rank loads under EPLB's placement;
+eplb_redundant (extra copies, default one per rank), eplb_period (8 steps), eplb_window (16 steps)), fixed_threshold (M_d for `fixed`),
 precision_backend (auto | nvfp4-emulated | fp8 | nvfp4; see vismmoe_kt.lb.precision), ep_size (4), lb_gate_tokens (Gamma,
 2048), fp4_scope (vision_tokens | expert), eps (0.05), lowprec_cost (0.5: a low-precision pair's
 time relative to BF16, for the plan), md_start (0.9), md_min (0.0).
@@ -30,7 +32,7 @@ from ..lb.precision import expert_mlp_fn, resolve_backend
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
 from .vis_decoder import shared_context
 
-MODES = ("bf16", "all", "realb", "realb-seq", "fixed")
+MODES = ("bf16", "all", "realb", "realb-seq", "fixed", "eplb")
 
 
 @dataclass
@@ -51,7 +53,8 @@ class MixedPrecisionExperts(BaseInjectedModule):
                  generate_device: str = "cuda", mode: str = "realb", fixed_threshold: float = 0.7,
                  precision_backend: str = "nvfp4-emulated", ep_size: int = 4, lb_gate_tokens: int = 2048,
                  fp4_scope: str = "vision_tokens", eps: float = 0.05, lowprec_cost: float = 0.5,
-                 md_start: float = 0.9, md_min: float = 0.0, **kwargs: Any):
+                 md_start: float = 0.9, md_min: float = 0.0, eplb_redundant: int | None = None,
+                 eplb_period: int = 8, eplb_window: int = 16, **kwargs: Any):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of: {', '.join(MODES)}")
@@ -67,6 +70,12 @@ class MixedPrecisionExperts(BaseInjectedModule):
         self.eps, self.lowprec_cost = float(eps), float(lowprec_cost)
         self.aimd = AIMDController(threshold=float(md_start), minimum=float(md_min))
         self.expert_rank = torch.arange(num_experts) * self.ep_size // num_experts
+        self.eplb = None
+        if mode == "eplb":
+            from ..lb.eplb import EPLBPlacement
+
+            redundant = self.ep_size if eplb_redundant is None else int(eplb_redundant)
+            self.eplb = EPLBPlacement(num_experts, self.ep_size, redundant, int(eplb_window), int(eplb_period))
         self.shared = shared_context(gguf_loader)
         self.counters = RealbStats()
 
@@ -85,6 +94,12 @@ class MixedPrecisionExperts(BaseInjectedModule):
             return torch.ones(num_experts, dtype=torch.bool)
         flat = top_k_index.reshape(-1).cpu()
         load = torch.bincount(flat, minlength=num_experts).float()
+        if self.eplb is not None:  # the baseline balances by placement, never by precision
+            static = torch.zeros(self.ep_size, dtype=torch.float64).index_add_(0, self.expert_rank, load.double())
+            placed = self.eplb.observe(load)
+            self.counters.imbalance_before += float(static.max() / static.mean().clamp(min=1e-9))
+            self.counters.imbalance_after += float(placed.max() / placed.mean().clamp(min=1e-9))
+            return torch.zeros(num_experts, dtype=torch.bool)
         vision = torch.bincount(top_k_index[visual].reshape(-1).cpu(), minlength=num_experts).float()
         threshold = self.fixed_threshold if self.mode == "fixed" else self.aimd.threshold
         plan = plan_precision(load, vision, self.expert_rank, self.ep_size, tokens=top_k_index.shape[0],
