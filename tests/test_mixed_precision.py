@@ -127,3 +127,20 @@ def test_eplb_mode_is_bf16_exact_and_reports_its_rank_balance(tiny_dir, referenc
     assert (logits - ref_logits).abs().max().item() <= 1e-5 and torch.equal(tokens, ref_tokens)
     stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
     assert stats["lowprec_pairs"] == 0 and stats["imbalance_after"] > 0
+
+
+def test_ptq_scales_weights_at_load_and_activations_online(tiny_dir, big_image_inputs):
+    model, _ = load(tiny_dir, RULES, **CPU)
+    op = next(m for m in model.modules() if isinstance(m, MixedPrecisionExperts))
+    amax = op.orig_module.gate_up_proj.abs().amax(dim=(1, 2))
+    assert torch.allclose(op.weight_scales["gate_up_proj"], 448 * 6 / amax)
+    assert (op.activation_amax == 0).all()
+    with torch.no_grad():
+        model(**big_image_inputs)
+    first = op.activation_amax.clone()
+    assert (first > 0).any()
+    with torch.no_grad():
+        model(**big_image_inputs)
+    assert (op.activation_amax >= first).all()  # a running maximum
+    scales = op._scales(int(torch.argmax(first)))
+    assert set(scales) == {"gate_up", "down", "input"}

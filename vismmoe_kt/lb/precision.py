@@ -22,13 +22,16 @@ E4M3_MAX = 448.0
 BACKENDS = ("auto", "nvfp4-emulated", "fp8", "nvfp4")
 
 
-def fake_nvfp4(x: torch.Tensor) -> torch.Tensor:
-    return nvfp4_dequantize(nvfp4_quantize(x), x.dtype)
+def fake_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    return nvfp4_dequantize(nvfp4_quantize(x, global_scale), x.dtype)
 
 
-def _emulated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
-    gate, up = F.linear(fake_nvfp4(x), fake_nvfp4(gate_up)).chunk(2, dim=-1)
-    return F.linear(fake_nvfp4(act(gate) * up), fake_nvfp4(down))
+def _emulated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable,
+              scales: dict | None = None) -> torch.Tensor:
+    """`scales`: calibrated NVFP4 global scales {"input", "gate_up", "down"} (missing ones: from the data)."""
+    scales = scales or {}
+    gate, up = F.linear(fake_nvfp4(x, scales.get("input")), fake_nvfp4(gate_up, scales.get("gate_up"))).chunk(2, dim=-1)
+    return F.linear(fake_nvfp4(act(gate) * up), fake_nvfp4(down, scales.get("down")))
 
 
 def _fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +47,8 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=out_dtype)
 
 
-def _fp8(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
+def _fp8(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable, scales: dict | None = None) -> torch.Tensor:
+    """W8A8 with per-row scales measured on the fly (FP8 has the range for it; `scales` is unused)."""
     gate, up = _fp8_linear(x, gate_up).chunk(2, dim=-1)
     return _fp8_linear(act(gate) * up, down)
 

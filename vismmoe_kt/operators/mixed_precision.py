@@ -6,7 +6,10 @@ Per call (one layer, one step):
          (vismmoe_kt.lb.policy), with M_d under AIMD control (vismmoe_kt.lb.aimd)
       -> compute: BF16 pairs with the model's own experts; low-precision pairs with weights and
          activations passed through the precision backend; sum.
-Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // E); with one device
+NVFP4 scales (post-training, no second copy of the weights): each expert's weight global scales are
+computed once at load; its input-activation global scale comes from the amax of the activations it
+has seen in BF16 (the first requests calibrate it), so switching an expert quantizes its weights on
+demand with fixed scales. Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // E); with one device
 the ranks are virtual, their times estimated from their loads. The image-token mask comes from the
 VisDecoder rule (compression none is enough) through the loader's shared context.
 
@@ -78,6 +81,40 @@ class MixedPrecisionExperts(BaseInjectedModule):
             self.eplb = EPLBPlacement(num_experts, self.ep_size, redundant, int(eplb_window), int(eplb_period))
         self.shared = shared_context(gguf_loader)
         self.counters = RealbStats()
+        self.weight_scales: dict[str, torch.Tensor] = {}                 # per expert, set at load
+        self.activation_amax = torch.zeros(num_experts)                  # per expert, calibrated online
+
+    def load(self) -> None:
+        super().load()
+        self.calibrate_weights()
+
+    def calibrate_weights(self) -> None:
+        """NVFP4 global scale of every expert's gate_up and down weights (448 * 6 / amax)."""
+        from ..lb.nvfp4 import E2M1_MAX, E4M3_MAX
+
+        experts = self.orig_module
+        for name in ("gate_up_proj", "down_proj"):
+            amax = getattr(experts, name).detach().abs().amax(dim=(1, 2)).float().cpu()
+            self.weight_scales[name] = (E4M3_MAX * E2M1_MAX) / amax.clamp(min=1e-12)
+
+    def _observe_activations(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Running amax of each expert's inputs (vectorised: per-token amax scattered to the routed experts)."""
+        per_token = hidden.detach().abs().amax(dim=1).float()
+        per_pair = per_token.repeat_interleave(top_k_index.shape[1])
+        seen = torch.zeros_like(self.activation_amax).to(per_pair.device).scatter_reduce_(
+            0, top_k_index.reshape(-1), per_pair, reduce="amax")
+        self.activation_amax = torch.maximum(self.activation_amax, seen.cpu())
+
+    def _scales(self, expert: int) -> dict:
+        from ..lb.nvfp4 import E2M1_MAX, E4M3_MAX
+
+        if not self.weight_scales:
+            self.calibrate_weights()  # injected into an already loaded model
+        amax = float(self.activation_amax[expert])
+        scales = {"gate_up": self.weight_scales["gate_up_proj"][expert], "down": self.weight_scales["down_proj"][expert]}
+        if amax > 0:
+            scales["input"] = torch.tensor(E4M3_MAX * E2M1_MAX / amax)
+        return scales
 
     def _visual_rows(self, rows: int, device: torch.device) -> torch.Tensor:
         mask = self.shared.token_is_visual
@@ -118,6 +155,7 @@ class MixedPrecisionExperts(BaseInjectedModule):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         experts = self.orig_module
         visual = self._visual_rows(hidden_states.shape[0], hidden_states.device)
+        self._observe_activations(hidden_states, top_k_index)
         switched = self._plan(top_k_index, visual).to(top_k_index.device)
         lowprec = switched[top_k_index]  # (T, K) pairs whose expert switched
         if self.scope == "vision_tokens" and self.mode != "all":  # FP4-All means every pair
@@ -139,7 +177,8 @@ class MixedPrecisionExperts(BaseInjectedModule):
         out = torch.zeros_like(hidden)
         for expert in torch.unique(index[lowprec]).tolist():
             token, slot = torch.where((index == expert) & lowprec)
-            y = self.lowprec_mlp(hidden[token], experts.gate_up_proj[expert], experts.down_proj[expert], experts.act_fn)
+            y = self.lowprec_mlp(hidden[token], experts.gate_up_proj[expert], experts.down_proj[expert], experts.act_fn,
+                                 self._scales(expert))
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
