@@ -74,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--epochs", type=int, default=80)
     calibrate.add_argument("--seed", type=int, default=0)
 
+    serve = commands.add_parser("serve", help="OpenAI- and Ollama-compatible HTTP server with a web chat page")
+    add_model_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=10002)
+    serve.add_argument("--api_key", help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max_new_tokens", type=int, default=1000)
+    serve.add_argument("--temperature", type=float)
+    serve.add_argument("--top_p", type=float)
+    serve.add_argument("--max_queue", type=int, default=8, help="requests that may wait; more get 429")
+    serve.add_argument("--limit_mm_per_prompt", type=int, default=4, help="images per request")
+    serve.add_argument("--max_image_mb", type=float, default=20)
+    serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
+
     trace = commands.add_parser("trace", help="figures from routing traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
     plot = trace_commands.add_parser("plot", help="expert heatmap, layer similarity, per-layer Hot Recall (PNG)")
@@ -175,6 +188,28 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+def build_server(args: argparse.Namespace):
+    """The app for these flags (tests start it on a free port)."""
+    from .server.app import create_app
+    from .server.engine import Engine
+    from .server.inputs import Limits
+
+    model, processor = load_from_args(args)
+    name = "vismmoe-demo" if args.demo else Path(args.model_path).name
+    engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue)
+    limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path)
+    return create_app(engine, limits, args.api_key)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_server(args)
+    print(f"serving on http://{args.host}:{args.port}  (web chat at /, OpenAI API at /v1)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -184,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             from .calibrate import run
 
             return run(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "trace":
             from .trace_views import plot
 

@@ -1,0 +1,151 @@
+"""`vismmoe-kt serve` on the demo model: the official openai client, Ollama endpoints, bad input,
+concurrent load. The server runs in this process on a free loopback port."""
+
+import base64
+import concurrent.futures
+import io
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import make_image
+from vismmoe_kt.cli import build_parser, build_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--demo", "--generate_device", "cpu", "--prefill_device", "cpu",
+                                      "--max_new_tokens", "8", "--port", str(port), "--max_queue", "4", "--max_image_mb", "1"])
+    app = build_server(args)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def data_url(width=64, height=48, seed=0) -> str:
+    buffer = io.BytesIO()
+    make_image(width, height, seed=seed).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(text, url=None):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url or data_url()}},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_openai_client_streamed_and_plain_answers_agree(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["vismmoe-demo"]
+    plain = client.chat.completions.create(model="vismmoe-demo", messages=image_message("Describe the image."), max_tokens=8)
+    assert plain.choices[0].message.role == "assistant" and plain.usage.completion_tokens == 8
+    assert plain.usage.prompt_tokens > 20
+    stream = client.chat.completions.create(model="vismmoe-demo", messages=image_message("Describe the image."),
+                                            max_tokens=8, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert streamed == plain.choices[0].message.content
+
+
+def good(server):
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("case,status,message", [
+    ("malformed", 400, "not valid JSON"),
+    ("wrong_type", 400, "'temperature' must be a number"),
+    ("empty", 400, "'messages' must be a non-empty list"),
+    ("not_image", 400, "not a readable image"),
+    ("too_big", 400, "over the 1 MiB limit"),
+    ("too_many", 400, "at most 4 images per request"),
+    ("too_long", 400, "over this model's context"),
+    ("unsupported", 400, "'n' other than 1 is not supported"),
+    ("remote", 400, "remote image URLs are not fetched"),
+    ("unknown_model", 404, "the model 'gpt-9' does not exist"),
+])
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, case, status, message):
+    bodies = {
+        "wrong_type": {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+        "empty": {"messages": []},
+        "not_image": {"messages": image_message("x", "data:image/png;base64," + base64.b64encode(b"nope" * 50).decode())},
+        "too_big": {"messages": image_message("x", "data:image/png;base64," + "A" * (2 * 2**20))},
+        "too_many": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url()}}] * 5}]},
+        "too_long": {"messages": [{"role": "user", "content": "x" * 5000}]},
+        "unsupported": {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+        "remote": {"messages": image_message("x", "https://example.com/cat.png")},
+        "unknown_model": {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    if case == "malformed":
+        r = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server + "/v1/chat/completions", json=bodies[case], timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
+    good(server)
+
+
+def test_ollama_endpoints(server):
+    tags = httpx.get(server + "/api/tags").json()
+    assert tags["models"][0]["name"] == "vismmoe-demo"
+    image = data_url().split(",", 1)[1]
+    with httpx.stream("POST", server + "/api/chat", timeout=60,
+                      json={"messages": [{"role": "user", "content": "What is this?", "images": [image]}]}) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 8 and not lines[0]["done"]
+    text = "".join(l["message"]["content"] for l in lines)
+    plain = httpx.post(server + "/api/generate", json={"prompt": "What is this?", "images": [image], "stream": False},
+                       timeout=60).json()
+    assert plain["done"] and isinstance(plain["response"], str) and isinstance(text, str)
+
+
+def test_health_metrics_and_page(server):
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    good(server)
+    metrics = httpx.get(server + "/metrics").text
+    assert 'vismmoe_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert "vismmoe_time_to_first_token_seconds_count" in metrics and "vismmoe_num_requests_waiting 0" in metrics
+    page = httpx.get(server + "/").text
+    assert "<form" in page and "/v1/chat/completions" in page
+    assert 'src="http' not in page and 'href="http' not in page and "import(" not in page  # nothing fetched from outside
+
+
+def test_concurrent_clients_get_their_own_answers_or_a_clean_429(server):
+    prompts = [f"Tell me about number {i}" for i in range(5)]
+
+    def ask(prompt):
+        r = httpx.post(server + "/v1/chat/completions", timeout=120,
+                       json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 6})
+        return r.status_code, (r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.headers.get("retry-after"))
+
+    expected = {p: ask(p)[1] for p in prompts}  # greedy: each prompt has one answer
+    jobs = [prompts[i % len(prompts)] for i in range(50)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(ask, jobs))
+    answered = [(p, text) for p, (status, text) in zip(jobs, results) if status == 200]
+    refused = [text for status, text in results if status == 429]
+    assert len(answered) + len(refused) == 50
+    assert answered and all(text == expected[p] for p, text in answered)  # nobody got another's reply
+    assert all(retry == "1" for retry in refused)
+    good(server)
