@@ -149,3 +149,55 @@ def test_concurrent_clients_get_their_own_answers_or_a_clean_429(server):
     assert answered and all(text == expected[p] for p, text in answered)  # nobody got another's reply
     assert all(retry == "1" for retry in refused)
     good(server)
+
+
+def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference):
+    """Closing the stream (a client that went away) stops generate() early and releases the turn."""
+    import asyncio
+
+    from vismmoe_kt import load
+    from vismmoe_kt.server.engine import Engine, Usage
+    from vismmoe_kt.server.inputs import ChatRequest
+    from vismmoe_kt.tiny_models import demo_model_dir
+
+    model, processor = load(demo_model_dir(), None, generate_device="cpu", prefill_device="cpu", progress=False)
+    engine = Engine(model, processor, "demo", max_new_tokens=400)
+    request = ChatRequest([{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
+
+    async def scenario():
+        usage = Usage()
+
+        async def consume():
+            async for _ in engine.stream(request, usage):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        assert not engine._turn.locked() and engine.metrics.running == 0
+        second = Usage()
+        text = "".join([p async for p in engine.stream(ChatRequest(request.messages, max_tokens=2), second)])
+        return usage, second, text
+
+    usage, second, text = asyncio.run(scenario())
+    assert 0 < usage.completion_tokens < 400  # stopped early, not run to the limit
+    assert second.completion_tokens == 2
+
+
+def test_memory_is_stable_under_repeated_requests(server):
+    import psutil
+
+    def burst():
+        for i in range(15):
+            r = httpx.post(server + "/v1/chat/completions", timeout=60,
+                           json={"messages": image_message(f"picture {i}"), "max_tokens": 4})
+            assert r.status_code == 200
+    burst()  # warm-up: allocator pools, lazily built kernels
+    before = psutil.Process().memory_info().rss
+    burst()
+    burst()
+    growth = psutil.Process().memory_info().rss - before
+    assert growth < 150 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB over 30 requests"
