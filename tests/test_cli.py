@@ -56,6 +56,8 @@ def test_rule_file_with_cpu_overrides_runs_and_reports_operators(image_file, cap
 
 def test_every_rule_file_works_on_cpu(capsys):
     for rules in sorted(os.listdir("optimize_rules")):
+        if rules == "qwen3vl-ep.yaml":  # needs a process group: tests/test_expert_parallel.py runs it under gloo
+            continue
         rc = main(chat("--prompt", "hi", "--max_new_tokens", "2", "--optimize_config_path", f"optimize_rules/{rules}",
                        "--generate_device", "cpu", "--prefill_device", "cpu"))
         assert rc == 0, rules

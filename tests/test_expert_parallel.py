@@ -1,0 +1,96 @@
+"""Expert parallelism on gloo: 2 and 4 CPU processes spawned by the test, bounded in time.
+The EP outputs must equal the single-process computation (fp32) for random routings, with ranks that
+bring no tokens and experts that receive none."""
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+
+def function_worker(rank, world, port, out_dir):
+    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward
+
+    init(rank, world, port)
+    E, K, H, I = 16, 4, 64, 48
+    g = torch.Generator().manual_seed(0)  # the same experts everywhere
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    tokens = [5, 0, 9, 3][rank]  # rank 1 brings no tokens
+    mine = torch.Generator().manual_seed(100 + rank)
+    hidden = torch.randn(tokens, H, generator=mine)
+    index = torch.stack([torch.randperm(10, generator=mine)[:K] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, K, dtype=torch.long)  # experts 10..15 receive nothing
+    weights = torch.softmax(torch.randn(tokens, K, generator=mine), dim=-1)
+    rank_of = contiguous_map(E, world)
+    local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
+    out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu)
+    ref = torch.zeros(tokens, H)
+    for t in range(tokens):
+        for j in range(K):
+            e = int(index[t, j])
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.save({"diff": (out - ref).abs().max().item() if tokens else 0.0, "shape": tuple(out.shape)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_forward_equals_single_process(world, tmp_path):
+    mp.spawn(function_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["diff"] <= 1e-5
+        assert result["shape"][0] == [5, 0, 9, 3][rank]
+
+
+def model_worker(rank, world, port, model_dir, out_dir):
+    from conftest import make_image
+    from vismmoe_kt import load
+    from vismmoe_kt.tiny_models import build_tiny_model
+
+    init(rank, world, port)
+    model, processor = load(model_dir, "optimize_rules/qwen3vl-ep.yaml", generate_device="cpu", prefill_device="cpu",
+                            progress=False)
+    reference, _ = build_tiny_model("tiny-4x16", seed=0)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Request {rank}"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(64 + 32 * rank, 64, seed=rank)], return_tensors="pt")
+    with torch.no_grad():
+        diff = (model(**inputs).logits - reference(**inputs).logits).abs().max().item()
+    local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
+    torch.save({"diff": diff, "local": local}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ep_rule_file_on_the_tiny_model(tiny_dir, tmp_path):
+    world = 2
+    mp.spawn(model_worker, args=(world, free_port(), str(tiny_dir), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["diff"] <= 1e-5
+        assert result["local"] == 4 * 16 // world  # each rank holds half of every layer's experts
+
+
+def test_without_a_process_group_the_rule_says_how_to_launch(tiny_dir):
+    from vismmoe_kt import load
+    from vismmoe_kt.errors import RuleError
+
+    with pytest.raises(RuleError, match="launch with torchrun"):
+        load(tiny_dir, "optimize_rules/qwen3vl-ep.yaml", generate_device="cpu", prefill_device="cpu", progress=False)
