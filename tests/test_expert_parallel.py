@@ -94,3 +94,54 @@ def test_without_a_process_group_the_rule_says_how_to_launch(tiny_dir):
 
     with pytest.raises(RuleError, match="launch with torchrun"):
         load(tiny_dir, "optimize_rules/qwen3vl-ep.yaml", generate_device="cpu", prefill_device="cpu", progress=False)
+
+
+def realb_worker(rank, world, port, out_dir):
+    from vismmoe_kt.lb.policy import plan_precision
+    from vismmoe_kt.lb.precision import expert_mlp_fn
+    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward
+
+    init(rank, world, port)
+    E, K, H, I = 16, 2, 64, 48
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    mine = torch.Generator().manual_seed(200 + rank)
+    tokens = 120
+    hidden = torch.randn(tokens, H, generator=mine)
+    hot = torch.randint(0, 4, (tokens, 1), generator=mine)            # experts 0..3 (rank 0) are hot
+    index = torch.cat([hot, 4 + torch.randint(0, 12, (tokens, 1), generator=mine)], dim=1)
+    weights = torch.softmax(torch.randn(tokens, K, generator=mine), dim=-1)
+    visual = torch.arange(tokens) < (100 if rank < 2 else 10)  # vision-heavy requests on ranks 0, 1: 46% of the hot pairs
+    rank_of = contiguous_map(E, world)
+    local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
+    plans = []
+
+    def plan(load, vision, total):
+        result = plan_precision(load, vision, rank_of, world, total, gate_tokens=64, vision_threshold=0.4)
+        plans.append(result.lowprec.clone())
+        return result.lowprec
+    out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu,
+                     visual=visual, plan=plan, lowprec_mlp=expert_mlp_fn("nvfp4-emulated"))
+    ref = torch.zeros(tokens, H)
+    for t in range(tokens):
+        for j in range(K):
+            e = int(index[t, j])
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    text_rows = ~visual
+    torch.save({"plan": plans[0], "rel": ((out - ref).norm() / ref.norm()).item(),
+                "text_exact": (out[text_rows] - ref[text_rows]).abs().max().item()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_realb_plan_is_the_same_on_every_rank(tmp_path):
+    world = 4
+    mp.spawn(realb_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    assert results[0]["plan"].any() and results[0]["plan"][:4].any()  # the overloaded rank's experts switched
+    assert all(torch.equal(r["plan"], results[0]["plan"]) for r in results)
+    rel = [r["rel"] for r in results]
+    assert all(0 < x < 0.3 for x in rel[:2]), rel  # image rows of switched experts in W4A4 NVFP4: changed, bounded
+    text = [r["text_exact"] for r in results]
+    assert all(x <= 1e-5 for x in text), text                            # text rows stay BF16 (here fp32)

@@ -7,11 +7,18 @@ Per MoE layer, on every rank (data parallel over requests: each rank brings its 
     results back with the reverse all-to-all, weighted and summed per token.
 Shapes: T tokens here, K experts per token, P pairs (T*K), E experts, R ranks, H hidden.
 The expert-to-rank map is contiguous (expert e on rank e * R // E) unless one is given.
+
+With a `plan` callback (ReaLB on real ranks) each rank also contributes its per-expert loads and
+image-token loads to one small all-reduce, issued before the dispatch and waited for after it, so
+the metadata exchange hides behind the token exchange; every rank then computes the same precision
+plan from the same global numbers (vismmoe_kt.lb.policy, shared with the single-process operator).
+Each dispatched pair carries its modality (packed into the expert id: id + E for image tokens), so
+the receiving rank can keep text rows of a switched expert in BF16.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,12 +32,26 @@ def contiguous_map(num_experts: int, ranks: int) -> torch.Tensor:
 
 def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                local_gate_up: torch.Tensor, local_down: torch.Tensor, local_experts: torch.Tensor,
-               expert_rank: torch.Tensor, act: Any, group: Any = None) -> torch.Tensor:
-    """The layer's routed-expert output for this rank's tokens, experts spread over the group."""
+               expert_rank: torch.Tensor, act: Any, group: Any = None, visual: torch.Tensor | None = None,
+               plan: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+               lowprec_mlp: Callable | None = None, whole_expert: bool = False) -> torch.Tensor:
+    """The layer's routed-expert output for this rank's tokens, experts spread over the group.
+
+    visual (T,) bool: image tokens; plan(global_load[E], global_vision[E], global_tokens) -> switched
+    (E,) bool; lowprec_mlp(x, gate_up, down, act) computes a switched expert's pairs."""
     ranks = dist.get_world_size(group)
     device = hidden.device
     tokens, k = top_k_index.shape
+    num_experts = int(expert_rank.numel())
     expert = top_k_index.reshape(-1)
+    visual = torch.zeros(tokens, dtype=torch.bool, device=device) if visual is None else visual.to(device)
+    pair_visual = visual.repeat_interleave(k)
+    pending = None
+    if plan is not None:  # one small all-reduce, overlapped with the dispatch below
+        metadata = torch.stack([torch.bincount(expert, minlength=num_experts),
+                                torch.bincount(expert[pair_visual], minlength=num_experts)]).to(torch.float64)
+        metadata = torch.cat([metadata.flatten(), torch.tensor([float(tokens)], dtype=torch.float64, device=device)])
+        pending = (metadata, dist.all_reduce(metadata, group=group, async_op=True))
     dest = expert_rank.to(device)[expert]
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=ranks)
@@ -41,17 +62,29 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     send_rows = hidden[token].contiguous()
     recv_rows = hidden.new_empty(sum(recv_split), hidden.shape[1])
     dist.all_to_all_single(recv_rows, send_rows, recv_split, send_split, group=group)
-    recv_experts = expert.new_empty(sum(recv_split))
-    dist.all_to_all_single(recv_experts, expert[order].contiguous(), recv_split, send_split, group=group)
-    # local compute: every received pair is a one-expert "token"
-    local_index = torch.full((int(expert_rank.numel()),), -1, dtype=torch.long, device=device)
-    local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
+    codes = (expert + num_experts * pair_visual.long())[order].contiguous()
+    recv_codes = codes.new_empty(sum(recv_split))
+    dist.all_to_all_single(recv_codes, codes, recv_split, send_split, group=group)
+    recv_experts, recv_visual = recv_codes % num_experts, recv_codes >= num_experts
+    switched = torch.zeros(num_experts, dtype=torch.bool, device=device)
+    if pending is not None:
+        metadata, work = pending
+        work.wait()
+        load, vision = metadata[:-1].view(2, num_experts)
+        switched = plan(load.float().cpu(), vision.float().cpu(), int(metadata[-1])).to(device)
+    results = recv_rows
     if recv_rows.shape[0]:
+        local_index = torch.full((num_experts,), -1, dtype=torch.long, device=device)
+        local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
         rows = local_index[recv_experts][:, None]
-        results = bank_experts(recv_rows, rows, torch.ones_like(rows, dtype=hidden.dtype),
-                               torch.arange(local_experts.numel(), device=device), local_gate_up, local_down, act)
-    else:
-        results = recv_rows
+        lowprec = switched[recv_experts] & (recv_visual | whole_expert)
+        ones = (~lowprec).to(hidden.dtype)[:, None]
+        results = bank_experts(recv_rows, rows, ones, torch.arange(local_experts.numel(), device=device),
+                               local_gate_up, local_down, act)
+        for e in torch.unique(recv_experts[lowprec]).tolist():
+            pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
+            i = int(local_index[e])
+            results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
     back = hidden.new_empty(send_rows.shape)
     dist.all_to_all_single(back, results.contiguous(), send_split, recv_split, group=group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
