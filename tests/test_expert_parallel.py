@@ -145,3 +145,31 @@ def test_realb_plan_is_the_same_on_every_rank(tmp_path):
     assert all(0 < x < 0.3 for x in rel[:2]), rel  # image rows of switched experts in W4A4 NVFP4: changed, bounded
     text = [r["text_exact"] for r in results]
     assert all(x <= 1e-5 for x in text), text                            # text rows stay BF16 (here fp32)
+
+
+def dying_worker(rank, world, port, out_dir):
+    import time
+
+    from vismmoe_kt.parallel.expert_parallel import PeerLostError, contiguous_map, ep_forward
+
+    init(rank, world, port)
+    if rank == 1:
+        os._exit(0)  # a rank that dies before the layer's exchange
+    E, H = 8, 32
+    start = time.time()
+    try:
+        ep_forward(torch.randn(3, H), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2),
+                   torch.zeros(4, 32, H), torch.zeros(4, H, 16), torch.arange(4), contiguous_map(E, world),
+                   torch.nn.functional.silu)
+        message = "no error"
+    except PeerLostError as exc:
+        message = str(exc)
+    with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+        f.write(f"{time.time() - start:.1f}\n{message}")
+
+
+def test_a_dead_rank_makes_the_others_fail_cleanly(tmp_path):
+    mp.spawn(dying_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "lost a peer" in message and "rank 0" in message
+    assert float(seconds) < 70  # within the group's timeout (60 s here), not a hang

@@ -23,7 +23,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import VismmoeError
 from ..runtime.expert_compute import bank_experts
+
+
+class PeerLostError(VismmoeError):
+    """A rank of the expert-parallel group stopped answering; the others stop instead of hanging."""
+
+
+def guarded(fn: Callable) -> Callable:
+    """Turn the transport's errors (a closed connection, a timeout) into one clear error."""
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            raise PeerLostError(f"rank {rank}: the expert-parallel group lost a peer during an exchange "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); stopping") from exc
+    run.__doc__ = fn.__doc__
+    return run
 
 
 def contiguous_map(num_experts: int, ranks: int) -> torch.Tensor:
@@ -89,3 +107,6 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     dist.all_to_all_single(back, results.contiguous(), send_split, recv_split, group=group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, back * weights[:, None])
+
+
+ep_forward = guarded(ep_forward)
