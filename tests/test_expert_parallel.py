@@ -173,3 +173,67 @@ def test_a_dead_rank_makes_the_others_fail_cleanly(tmp_path):
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert "lost a peer" in message and "rank 0" in message
     assert float(seconds) < 70  # within the group's timeout (60 s here), not a hang
+
+
+def moving_worker(rank, world, port, out_dir):
+    from vismmoe_kt.parallel.replication import move_weights, placement_table
+
+    init(rank, world, port)
+    E = 8
+    full = {e: torch.full((6,), float(e)) for e in range(E)}          # expert e's weights are all e
+    old = [[e * world // E] for e in range(E)]                         # contiguous, one copy each
+    mine = {e: full[e] for e in range(E) if rank in old[e]}
+    load = torch.tensor([90.0, 5, 5, 5, 60, 5, 5, 5])
+    new = placement_table(load, redundant=world, ranks=world)
+    moved = move_weights(mine, old, new)
+    ok = set(moved) == {e for e in range(E) if rank in new[e]} and all(torch.equal(moved[e], full[e]) for e in moved)
+    torch.save({"ok": ok, "held": sorted(moved), "copies": [len(h) for h in new]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_eplb_re_placement_moves_the_right_weights(tmp_path):
+    world = 4
+    mp.spawn(moving_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    assert all(r["ok"] for r in results)
+    copies = results[0]["copies"]
+    assert sum(copies) == 8 + world and copies[0] > 1 and copies[4] > 1  # the hot experts got replicas
+    assert sum(len(r["held"]) for r in results) >= 8
+
+
+def replicated_worker(rank, world, port, out_dir):
+    from vismmoe_kt.parallel.expert_parallel import ep_forward
+    from vismmoe_kt.parallel.replication import holders_tensor, move_weights, placement_table
+
+    init(rank, world, port)
+    E, K, H, I = 8, 2, 32, 16
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    flat = {e: torch.cat([gate_up[e].flatten(), down[e].flatten()]) for e in range(E)}
+    old = [[e * world // E] for e in range(E)]
+    new = placement_table(torch.tensor([90.0, 5, 5, 5, 60, 5, 5, 5]), redundant=world, ranks=world)
+    held = move_weights({e: flat[e] for e in range(E) if rank in old[e]}, old, new)
+    local = torch.tensor(sorted(held))
+    local_gate_up = torch.stack([held[e][: 2 * I * H].view(2 * I, H) for e in local.tolist()])
+    local_down = torch.stack([held[e][2 * I * H:].view(H, I) for e in local.tolist()])
+    mine = torch.Generator().manual_seed(300 + rank)
+    tokens = 7
+    hidden = torch.randn(tokens, H, generator=mine)
+    index = torch.stack([torch.randperm(E, generator=mine)[:K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, K, generator=mine), dim=-1)
+    out = ep_forward(hidden, index, weights, local_gate_up, local_down, local, torch.zeros(E, dtype=torch.long),
+                     torch.nn.functional.silu, holders=holders_tensor(new))
+    ref = torch.zeros(tokens, H)
+    for t in range(tokens):
+        for j in range(K):
+            e = int(index[t, j])
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.save({"diff": (out - ref).abs().max().item()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_replicated_experts_keep_outputs_exact(tmp_path):
+    world = 4
+    mp.spawn(replicated_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    assert all(torch.load(tmp_path / f"rank{r}.pt")["diff"] <= 1e-5 for r in range(world))

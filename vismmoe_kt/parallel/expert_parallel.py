@@ -52,11 +52,14 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                local_gate_up: torch.Tensor, local_down: torch.Tensor, local_experts: torch.Tensor,
                expert_rank: torch.Tensor, act: Any, group: Any = None, visual: torch.Tensor | None = None,
                plan: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-               lowprec_mlp: Callable | None = None, whole_expert: bool = False) -> torch.Tensor:
+               lowprec_mlp: Callable | None = None, whole_expert: bool = False,
+               holders: torch.Tensor | None = None) -> torch.Tensor:
     """The layer's routed-expert output for this rank's tokens, experts spread over the group.
 
     visual (T,) bool: image tokens; plan(global_load[E], global_vision[E], global_tokens) -> switched
-    (E,) bool; lowprec_mlp(x, gate_up, down, act) computes a switched expert's pairs."""
+    (E,) bool; lowprec_mlp(x, gate_up, down, act) computes a switched expert's pairs. holders (E, C)
+    lists the ranks with a copy of each expert (-1 pads; EPLB replication): pair p of expert e goes to
+    copy p mod copies(e); without it, expert e lives on expert_rank[e] only."""
     ranks = dist.get_world_size(group)
     device = hidden.device
     tokens, k = top_k_index.shape
@@ -70,7 +73,13 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                                 torch.bincount(expert[pair_visual], minlength=num_experts)]).to(torch.float64)
         metadata = torch.cat([metadata.flatten(), torch.tensor([float(tokens)], dtype=torch.float64, device=device)])
         pending = (metadata, dist.all_reduce(metadata, group=group, async_op=True))
-    dest = expert_rank.to(device)[expert]
+    if holders is None:
+        dest = expert_rank.to(device)[expert]
+    else:  # spread an expert's pairs over its copies, deterministically
+        table = holders.to(device)
+        copies = (table >= 0).sum(dim=1)
+        pick = torch.arange(expert.numel(), device=device) % copies[expert]
+        dest = table[expert, pick]
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=ranks)
     recv_counts = torch.empty_like(send_counts)
