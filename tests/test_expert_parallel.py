@@ -18,6 +18,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reference_moe(hidden, index, weights, gate_up, down):
+    """Single-process SwiGLU experts, token by token: what every EP variant must reproduce."""
+    out = torch.zeros(hidden.shape[0], hidden.shape[1])
+    for t in range(hidden.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
 def init(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -40,12 +51,7 @@ def function_worker(rank, world, port, out_dir):
     rank_of = contiguous_map(E, world)
     local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
     out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu)
-    ref = torch.zeros(tokens, H)
-    for t in range(tokens):
-        for j in range(K):
-            e = int(index[t, j])
-            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
-            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    ref = reference_moe(hidden, index, weights, gate_up, down)
     torch.save({"diff": (out - ref).abs().max().item() if tokens else 0.0, "shape": tuple(out.shape)},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -122,12 +128,7 @@ def realb_worker(rank, world, port, out_dir):
         return result.lowprec
     out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu,
                      visual=visual, plan=plan, lowprec_mlp=expert_mlp_fn("nvfp4-emulated"))
-    ref = torch.zeros(tokens, H)
-    for t in range(tokens):
-        for j in range(K):
-            e = int(index[t, j])
-            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
-            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    ref = reference_moe(hidden, index, weights, gate_up, down)
     text_rows = ~visual
     torch.save({"plan": plans[0], "rel": ((out - ref).norm() / ref.norm()).item(),
                 "text_exact": (out[text_rows] - ref[text_rows]).abs().max().item()},
@@ -223,12 +224,7 @@ def replicated_worker(rank, world, port, out_dir):
     weights = torch.softmax(torch.randn(tokens, K, generator=mine), dim=-1)
     out = ep_forward(hidden, index, weights, local_gate_up, local_down, local, torch.zeros(E, dtype=torch.long),
                      torch.nn.functional.silu, holders=holders_tensor(new))
-    ref = torch.zeros(tokens, H)
-    for t in range(tokens):
-        for j in range(K):
-            e = int(index[t, j])
-            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
-            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    ref = reference_moe(hidden, index, weights, gate_up, down)
     torch.save({"diff": (out - ref).abs().max().item()}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
