@@ -4,7 +4,7 @@ Replaces `...mlp.experts`; each rank keeps only its own experts (read from the c
 dropped), so host and device memory per rank fall with the group size. Attention and everything
 else stay replicated: each rank serves its own requests (data parallel), as in ReaLB's setting.
 Rule kwargs: expert_map (null: contiguous; or a list giving each expert's rank); ReaLB on real ranks:
-mode (bf16 | realb | fixed | all), fixed_threshold, precision_backend, lb_gate_tokens, fp4_scope,
+mode (bf16 | realb | realb-seq | fixed | all), fixed_threshold, precision_backend, lb_gate_tokens, fp4_scope,
 eps, lowprec_cost, md_start, md_min -- the same plan and AIMD code as MixedPrecisionExperts, fed by
 the group's summed per-expert loads, so every rank takes the same decision.
 The process group must exist (torchrun + init_process_group); without one this is a clear error.
@@ -45,15 +45,13 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.layer = int(match.group(1)) if match else -1
         self.local_gate_up: torch.Tensor | None = None
         self.local_down: torch.Tensor | None = None
-        if mode not in ("bf16", "realb", "fixed", "all"):
-            raise ValueError(f"mode {mode!r} is not one of: bf16, realb, fixed, all")
-        from ..lb.aimd import AIMDController
+        from ..lb.controller import RealbController
         from ..lb.precision import expert_mlp_fn, resolve_backend
         from .vis_decoder import shared_context
 
-        self.mode, self.fixed_threshold, self.gate_tokens = mode, float(fixed_threshold), int(lb_gate_tokens)
-        self.scope, self.eps, self.lowprec_cost = fp4_scope, float(eps), float(lowprec_cost)
-        self.aimd = AIMDController(threshold=float(md_start), minimum=float(md_min))
+        self.mode, self.scope = mode, fp4_scope
+        self.controller = RealbController(mode, float(fixed_threshold), int(lb_gate_tokens), float(eps),
+                                          float(lowprec_cost), fp4_scope, float(md_start), float(md_min))
         self.lowprec_mlp = expert_mlp_fn(resolve_backend(precision_backend, self.generate_device))
         self.shared = shared_context(gguf_loader)
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
@@ -71,19 +69,8 @@ class ExpertParallelExperts(BaseInjectedModule):
             del experts._parameters[name]
 
     def _plan(self, load: torch.Tensor, vision: torch.Tensor, tokens: int) -> torch.Tensor:
-        from ..lb.policy import plan_precision
-
-        if self.mode == "all":
-            switched = torch.ones(load.numel(), dtype=torch.bool)
-        else:
-            threshold = self.fixed_threshold if self.mode == "fixed" else self.aimd.threshold
-            result = plan_precision(load, vision, self.expert_rank, dist.get_world_size(), tokens, self.gate_tokens,
-                                    self.eps, threshold, self.lowprec_cost, self.scope)
-            if self.mode == "realb" and not result.gated:
-                self.aimd.update(result.imbalance(), result.lowprec_share(load))
-            switched = result.lowprec
-        self.last_plan = switched
-        return switched
+        self.last_plan, _ = self.controller.decide(load, vision, self.expert_rank, dist.get_world_size(), tokens)
+        return self.last_plan
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         visual = self.shared.token_is_visual

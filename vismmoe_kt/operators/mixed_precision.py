@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lb.aimd import AIMDController
-from ..lb.policy import plan_precision
+from ..lb.controller import MODES as PRECISION_MODES
+from ..lb.controller import RealbController
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
 from .vis_decoder import shared_context
 
-MODES = ("bf16", "all", "realb", "realb-seq", "fixed", "eplb")
+MODES = PRECISION_MODES + ("eplb",)
 
 
 @dataclass
@@ -61,17 +61,15 @@ class MixedPrecisionExperts(BaseInjectedModule):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of: {', '.join(MODES)}")
-        if fp4_scope not in ("vision_tokens", "expert"):
-            raise ValueError(f"fp4_scope {fp4_scope!r} is not one of: vision_tokens, expert")
         num_experts = orig_module.num_experts
         if not 1 <= int(ep_size) <= num_experts:
             raise ValueError(f"ep_size must be between 1 and the {num_experts} experts, got {ep_size}")
         self.backend = resolve_backend(precision_backend, self.generate_device)
         self.lowprec_mlp = expert_mlp_fn(self.backend)
-        self.mode, self.fixed_threshold = mode, float(fixed_threshold)
-        self.ep_size, self.gate_tokens, self.scope = int(ep_size), int(lb_gate_tokens), fp4_scope
-        self.eps, self.lowprec_cost = float(eps), float(lowprec_cost)
-        self.aimd = AIMDController(threshold=float(md_start), minimum=float(md_min))
+        self.mode, self.ep_size, self.scope = mode, int(ep_size), fp4_scope
+        self.controller = RealbController("bf16" if mode == "eplb" else mode, float(fixed_threshold), int(lb_gate_tokens),
+                                          float(eps), float(lowprec_cost), fp4_scope, float(md_start), float(md_min))
+        self.aimd = self.controller.aimd
         self.expert_rank = torch.arange(num_experts) * self.ep_size // num_experts
         self.eplb = None
         if mode == "eplb":
@@ -125,10 +123,9 @@ class MixedPrecisionExperts(BaseInjectedModule):
     def _plan(self, top_k_index: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
         """Which experts run in low precision this call (bool, E)."""
         num_experts = self.expert_rank.numel()
-        if self.mode == "bf16":
-            return torch.zeros(num_experts, dtype=torch.bool)
-        if self.mode == "all":
-            return torch.ones(num_experts, dtype=torch.bool)
+        if self.mode in ("bf16", "all"):
+            return self.controller.decide(torch.zeros(num_experts), torch.zeros(num_experts), self.expert_rank,
+                                          self.ep_size, top_k_index.shape[0])[0]
         flat = top_k_index.reshape(-1).cpu()
         load = torch.bincount(flat, minlength=num_experts).float()
         if self.eplb is not None:  # the baseline balances by placement, never by precision
@@ -138,19 +135,14 @@ class MixedPrecisionExperts(BaseInjectedModule):
             self.counters.imbalance_after += float(placed.max() / placed.mean().clamp(min=1e-9))
             return torch.zeros(num_experts, dtype=torch.bool)
         vision = torch.bincount(top_k_index[visual].reshape(-1).cpu(), minlength=num_experts).float()
-        threshold = self.fixed_threshold if self.mode == "fixed" else self.aimd.threshold
-        plan = plan_precision(load, vision, self.expert_rank, self.ep_size, tokens=top_k_index.shape[0],
-                              gate_tokens=self.gate_tokens, eps=self.eps, vision_threshold=threshold,
-                              lowprec_cost=self.lowprec_cost, scope=self.scope)
+        switched, plan = self.controller.decide(load, vision, self.expert_rank, self.ep_size, top_k_index.shape[0])
         c = self.counters
-        if plan.gated:
+        if plan is not None and plan.gated:
             c.gated_calls += 1
-        else:
+        elif plan is not None:
             c.imbalance_before += plan.imbalance(after=False)
             c.imbalance_after += plan.imbalance()
-            if self.mode in ("realb", "realb-seq"):
-                self.aimd.update(plan.imbalance(), plan.lowprec_share(load))
-        return plan.lowprec
+        return switched
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         experts = self.orig_module
