@@ -162,3 +162,14 @@ def test_installed_command_exits_nonzero_on_bad_input(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.startswith("error: model path") and "Traceback" not in result.stderr
+
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the fallback on machines without CUDA")
+def test_rule_files_run_on_the_cpu_without_device_flags(capsys):
+    """`vismmoe-kt chat --optimize_config_path optimize_rules/qwen3vl-kt-cpu.yaml --demo` on a CPU-only machine."""
+    assert main(["chat", "--demo", "--optimize_config_path", "optimize_rules/qwen3vl-kt-cpu.yaml", "--prompt", "hi",
+                 "--max_new_tokens", "3", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert "no CUDA device: running every module on the CPU" in captured.err
+    assert "CpuExperts x6" in captured.out and "eval count:" in captured.out

@@ -124,7 +124,14 @@ def load_from_args(args: argparse.Namespace):
     for flag in ("generate_device", "prefill_device"):
         if getattr(args, flag):
             overrides[flag] = getattr(args, flag)
-    return load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
+    fallback = not torch.cuda.is_available() and not (args.generate_device or args.prefill_device)
+    if fallback:  # rule files name cuda:0; without CUDA the command line runs them on the CPU (the API stays strict)
+        overrides.update(generate_device="cpu", prefill_device="cpu")
+    loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
+    if fallback:
+        print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
+              file=sys.stderr)
+    return loaded
 
 
 def read_user_turn(ask: Callable[[str], str]) -> str | None:
