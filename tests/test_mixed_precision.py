@@ -65,7 +65,11 @@ def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs):
     op = next(m for m in model.modules() if isinstance(m, MixedPrecisionExperts))
     seen = {}
     original = op._lowprec_pairs
-    op._lowprec_pairs = lambda h, i, w, lowprec: seen.setdefault("rows", lowprec.any(dim=1)) is not None and original(h, i, w, lowprec)
+
+    def recording(hidden, index, weights, lowprec):
+        seen.setdefault("rows", lowprec.any(dim=1))  # the rows of the first layer's low-precision pairs
+        return original(hidden, index, weights, lowprec)
+    op._lowprec_pairs = recording
     with torch.no_grad():
         model(**big_image_inputs)
     visual = (big_image_inputs["input_ids"][0] == model.config.image_token_id)

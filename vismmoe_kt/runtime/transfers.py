@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,13 +29,10 @@ from .store import ExpertStore
 class TransferCounters:
     bytes_copied: int = 0
     copies: int = 0
-    stall_events: list = None  # (start, end) CUDA timing events around compute-stream waits
-    copy_events: list = None   # (start, end) CUDA timing events around copies
+    stall_events: list = field(default_factory=list)  # (start, end) CUDA timing events around compute-stream waits
+    copy_events: list = field(default_factory=list)   # (start, end) CUDA timing events around copies
     stall_seconds: float = 0.0
     copy_seconds: float = 0.0
-
-    def __post_init__(self):
-        self.stall_events, self.copy_events = [], []
 
     def resolve(self) -> None:
         """Turn finished CUDA timing events into seconds (keeps the lists short)."""

@@ -109,7 +109,7 @@ class Engine:
         start = time.perf_counter()
         thread = threading.Thread(target=work, name="vismmoe-generate", daemon=True)
         thread.start()
-        text, first = "", None
+        text, first, hit_stop = "", None, False
         try:
             pieces = iter(streamer)
             while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
@@ -120,7 +120,7 @@ class Engine:
                 if cut >= 0:
                     yield piece[: len(piece) - (len(text) - cut)]
                     cancel.set()
-                    usage.finish_reason = "stop"
+                    hit_stop = True
                     break
                 if piece:
                     yield piece
@@ -134,8 +134,7 @@ class Engine:
             usage.total_seconds = end - start
             if "ids" in result:
                 usage.completion_tokens = int(result["ids"].shape[1]) - usage.prompt_tokens
-                if usage.completion_tokens >= limit and usage.finish_reason == "stop" and not cancel_reason(text, request):
-                    usage.finish_reason = "length"
+                usage.finish_reason = "length" if usage.completion_tokens >= limit and not hit_stop else "stop"
             m.prompt_tokens += usage.prompt_tokens
             m.generation_tokens += usage.completion_tokens
             if first is not None:
@@ -144,6 +143,3 @@ class Engine:
         if "error" in result:
             raise ApiError(500, f"generation failed: {result['error']}", type_="internal_error")
 
-
-def cancel_reason(text: str, request: ChatRequest) -> bool:
-    return any(s in text for s in request.stop)
