@@ -10,6 +10,8 @@ from typing import Any, TextIO
 import torch
 from transformers import TextStreamer
 
+from .decode.generation import generate
+
 
 @dataclass
 class TurnTimings:
@@ -82,7 +84,7 @@ class ChatSession:
         streamer = TimingStreamer(self.processor.tokenizer, out)
         start = time.perf_counter()
         with torch.inference_mode():
-            output = self.model.generate(**inputs, streamer=streamer, max_new_tokens=self.max_new_tokens, **self.sampling)
+            output = generate(self.model, inputs, self.max_new_tokens, streamer=streamer, **self.sampling)
         end = time.perf_counter()
         new_tokens = output[0, inputs["input_ids"].shape[1]:]
         reply = self.processor.tokenizer.decode(new_tokens, skip_special_tokens=True)

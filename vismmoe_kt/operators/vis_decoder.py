@@ -15,7 +15,10 @@ visual token (vismmoe_kt.saliency) for the decoder to read.
 Rule kwargs: compression (affinity | saliency | random | none), keep_ratio (beta; 1.0 = off),
 salient_ratio (alpha; default 0.4 * beta), tradeoff (lambda, 2.0), prune_layer (auto = the offload
 runtime's pinned prefix depth, or a decoder-layer index), saliency_source (vision: attention received
-in the vision encoder's last block | llm: the last token's attention in the last prefix layer).
+in the vision encoder's last block | llm: the last token's attention in the last prefix layer),
+decode (lean: our decode path, vismmoe_kt.decode, with a static cache and captured segments | hf: the
+transformers loop), graphs (auto: CUDA graphs on a CUDA device | cuda | replay: the CPU twin of the
+graph plumbing | off).
 Limitation: pruning needs batch size 1 without padding; other batches raise a clear error.
 """
 
@@ -92,8 +95,16 @@ class VisDecoder(BaseInjectedModule):
     def __init__(self, key, gguf_loader, config, orig_module, prefill_device="cuda", generate_device="cuda",
                  compression: str = "affinity", keep_ratio: float = 0.5, salient_ratio: float | None = None,
                  tradeoff: float = 2.0, prune_layer: Any = "auto", saliency_source: str = "vision", seed: int = 0,
-                 **kwargs):
+                 decode: str = "lean", graphs: str = "auto", **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
+        if decode not in ("lean", "hf"):
+            raise ValueError(f"decode {decode!r} is not one of: lean, hf")
+        if graphs not in ("auto", "cuda", "replay", "off"):
+            raise ValueError(f"graphs {graphs!r} is not one of: auto, cuda, replay, off")
+        if graphs == "cuda" and torch.device(self.generate_device).type != "cuda":
+            raise ValueError(f"graphs: cuda needs a CUDA generate_device, this rule has {self.generate_device}")
+        self.decode, self.graphs = decode, graphs
+        self._lean = None  # vismmoe_kt.decode.generation.LeanEngine, made at the first lean request
         if compression not in METHODS:
             raise ValueError(f"compression {compression!r} is not one of: {', '.join(METHODS)}")
         if not 0 < float(keep_ratio) <= 1:
@@ -274,5 +285,18 @@ class VisDecoder(BaseInjectedModule):
         c.visual_tokens_before += kept_visual + (before - after)
         c.compression_seconds += seconds
 
+    # --- decode ----------------------------------------------------------------------------------
+    def lean_engine(self, lm_head: nn.Module):
+        if self._lean is None:
+            from ..decode.generation import LeanEngine
+
+            self._lean = LeanEngine(self, lm_head, self.graphs)
+        return self._lean
+
+    def set_token_is_visual(self, flag: torch.Tensor) -> None:
+        self.shared.token_is_visual = flag
+
     def stats(self) -> dict[str, Any]:
-        return {"compression": self.compression, "keep_ratio": self.keep_ratio, **asdict(self.counters)}
+        lean = {f"decode_{k}": v for k, v in self._lean.stats().items()} if self._lean is not None else {}
+        return {"compression": self.compression, "keep_ratio": self.keep_ratio if self.active else 1.0,
+                **asdict(self.counters), **lean}

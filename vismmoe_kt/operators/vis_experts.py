@@ -97,6 +97,9 @@ class VisExperts(BaseInjectedModule):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return self.runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.orig_module.act_fn)
 
+    def decode_capturable(self) -> bool:
+        return self.runtime.decode_capturable(self.layer)
+
     def stats(self) -> dict[str, Any]:
         return {**self.runtime.summary_once(self.layer), **self.runtime.layer_stats(self.layer)}
 

@@ -134,6 +134,7 @@ class OffloadRuntime:
         self.predictor = self._load_predictor() if settings.predictor else None
         self.visual_summary: torch.Tensor | None = None  # h_v, set by VisDecoder at each prefill with an image
         self._step_active: torch.Tensor | None = None    # (MoE layers, E): experts used so far in this step
+        self.host_reads = 0  # device->host synchronisations, one per offloaded layer call
 
     # --- start-up ------------------------------------------------------------------------------
     def _load_predictor(self):
@@ -215,14 +216,14 @@ class OffloadRuntime:
         if layer in self.pinned:
             self._prefetch_after(layer, hidden)
             return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
-        experts, pairs = torch.unique(top_k_index, return_counts=True)
-        routed = torch.cat([experts, pairs]).tolist()  # the one device->host sync of this layer
-        pairs_of = dict(zip(routed[:len(routed) // 2], routed[len(routed) // 2:]))
+        # the layer's one device->host read: the routing (and, when the CPU may compute, its inputs)
+        host = self._to_host(top_k_index, *((hidden, top_k_weights) if self.cpu is not None else ()))
+        experts, pairs = torch.unique(host[0], return_counts=True)  # on the host: no further sync
+        pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
         placement = self._place(layer, pairs_of, counters)
         self._prefetch_after(layer, hidden)
         self.last_routed[layer] = list(pairs_of)
-        task = self._submit_cpu(layer, hidden, top_k_index, top_k_weights, placement.on_cpu, counters) \
-            if placement.on_cpu else None
+        task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
         out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
             if placement.on_gpu else None
         if task is not None:
@@ -278,13 +279,28 @@ class OffloadRuntime:
             self.cost = calibrate(self.store, layer, self.cpu, self.device, self.top_k)
         return {e for e in missing if self.cost.prefers_cpu(pairs[e])}
 
-    def _submit_cpu(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Device->host copies issued together and waited for once (counted in `host_reads`)."""
+        self.host_reads += 1
+        if self.device.type != "cuda":
+            return list(tensors)
+        copies = [t.to("cpu", non_blocking=True) for t in tensors]  # page-locked destinations
+        torch.cuda.current_stream(self.device).synchronize()
+        return copies
+
+    def _submit_cpu(self, layer: int, ids: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                     on_cpu: set[int], counters: LayerCounters):
-        """Ship the activations to the CPU backend; only pairs of `on_cpu` experts count there."""
-        ids = top_k_index.cpu()
+        """Hand the activations (already on the host) to the CPU backend; only pairs of `on_cpu`
+        experts count there."""
         keep = torch.isin(ids, torch.tensor(sorted(on_cpu)))
         counters.cpu_pairs += int(keep.sum())
-        return self.cpu.submit(layer, hidden.cpu(), ids.masked_fill(~keep, -1), top_k_weights.float().cpu())
+        return self.cpu.submit(layer, hidden, ids.masked_fill(~keep, -1), top_k_weights.float())
+
+    def decode_capturable(self, layer: int) -> bool:
+        """Whether this layer's decode forward is device work only (a CUDA graph can hold it): a pinned
+        layer of a model with nothing offloaded. With slabs, even pinned layers hand prefetch lists to
+        the transfer worker from the host, which a replayed graph would skip."""
+        return layer in self.pinned and self.num_slabs == 0 and self.predictor is None and self.cpu is None
 
     def _switch_phase(self, phase: str) -> None:
         """Attribute cache and copy events from now on to `phase` (lock held)."""

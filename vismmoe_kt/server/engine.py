@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
+from ..decode.generation import generate
 from .inputs import ApiError, ChatRequest
 
 
@@ -98,9 +99,9 @@ class Engine:
         def work() -> None:
             try:
                 with torch.inference_mode():
-                    result["ids"] = self.model.generate(**inputs, max_new_tokens=limit, streamer=streamer,
-                                                        stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
-                                                        **self._sampling(request))
+                    result["ids"] = generate(self.model, inputs, limit, streamer=streamer,
+                                             stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
+                                             **self._sampling(request))
             except Exception as exc:  # reported to the client below; the server keeps serving
                 result["error"] = exc
                 streamer.end()

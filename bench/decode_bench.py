@@ -1,0 +1,227 @@
+"""Decode speed: transformers' generation vs our lean decode path, same run, same inputs.
+
+    PYTHONPATH=. python3 bench/decode_bench.py --out DIR [--layers 48] [--profile]
+        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB]
+    PYTHONPATH=. python3 bench/decode_bench.py --out DIR --device cpu --tiny tiny-6x64   # a CPU sanity run
+
+Configurations (all greedy, batch 1, an image prompt):
+  hf            stock transformers, everything on the device (optimize_rules/qwen3vl-gpu.yaml)
+  lean-eager    our decode path, every expert resident (a budget above the model), no graphs
+  lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
+  lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
+Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
+tokens agree with `hf` from the start, and for offloaded ones the bytes copied per decode token and
+the physical bound max(bytes per token / copy bandwidth measured in this run, lean-graphs' time per
+token). `--profile` adds one profiled request per lean configuration: seconds per step by piece
+(embed, attention + router per layer, experts per layer, head), each piece timed to its end.
+
+Random weights route almost uniformly, so hit rates and bytes per token are not a trained model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vismmoe_kt import load  # noqa: E402
+from vismmoe_kt.chat_session import TimingStreamer  # noqa: E402
+from vismmoe_kt.decode.generation import generate, lean_decoder_of  # noqa: E402
+from vismmoe_kt.operators.vis_experts import VisExperts  # noqa: E402
+from vismmoe_kt.synthetic import load_synthetic  # noqa: E402
+from vismmoe_kt.tiny_models import save_tiny_model  # noqa: E402
+
+GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
+
+
+class _NoText:
+    @staticmethod
+    def decode(*args, **kwargs) -> str:
+        return ""
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(model, inputs, tokens: int, device: str) -> tuple[float, float, torch.Tensor]:
+    """(seconds to the first token, decode tokens/s over the rest, the tokens)."""
+    streamer = TimingStreamer(_NoText(), io.StringIO())
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = generate(model, inputs, tokens, streamer=streamer)
+    sync(device)
+    end = time.perf_counter()
+    first = streamer.token_times[0]
+    return first - start, (tokens - 1) / (end - first), out[0, inputs["input_ids"].shape[1]:].cpu()
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Page-locked host -> device copy, GB/s (what a slab fetch gets); None without CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    host = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    sync(device)
+    return 5 * host.numel() / (time.perf_counter() - start) / 1e9
+
+
+def runtime_of(model):
+    return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
+
+
+def parse_config(spec: str) -> tuple[str, dict]:
+    if spec == "hf":
+        return GPU_RULES, {}
+    if spec == "lean-eager":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "off"}
+    if spec == "lean-graphs":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "cuda"}
+    if spec.startswith("lean:"):
+        return OFFLOAD_RULES, {"expert_budget": spec.split(":", 1)[1]}
+    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET)")
+
+
+def load_model(args, rules: str, overrides: dict):
+    devices = {"generate_device": args.device, "prefill_device": args.device}
+    if args.tiny_dir:
+        return load(args.tiny_dir, rules, progress=False, **devices, **overrides)
+    return load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
+
+
+def make_inputs(processor, size: int, device: str):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor(text=[prompt], images=[image], return_tensors="pt").to(device)
+
+
+def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
+    if b is None:
+        return None
+    same = (a[:len(b)] == b[:len(a)]).long()
+    return int(same.cumprod(0).sum())
+
+
+def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    rules, overrides = parse_config(spec)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    model, processor = load_model(args, rules, overrides)
+    inputs = make_inputs(processor, args.image_size, args.device)
+    timed(model, inputs, 3, args.device)  # warm-up (and, with graphs, the capture)
+    runtime = runtime_of(model)
+    copied = runtime.summary()["bytes_copied_decode"] if runtime else 0
+    prefill, decode, tokens = [], [], None
+    for _ in range(args.reps):
+        p, d, tokens = timed(model, inputs, args.decode_tokens, args.device)
+        prefill.append(p)
+        decode.append(d)
+    row = {"config": spec, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+           "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
+           "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
+           "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
+           "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference)}
+    if runtime is not None:
+        summary = runtime.summary()
+        row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
+                   decode_bytes_per_token=(summary["bytes_copied_decode"] - copied) / (args.reps * (args.decode_tokens - 1)))
+    decoder = lean_decoder_of(model)
+    if decoder is not None:
+        row["lean"] = decoder.stats()
+        if args.profile:
+            engine = decoder.lean_engine(model.lm_head)
+            engine.profiling = True
+            timed(model, inputs, args.decode_tokens, args.device)
+            row["profile"] = engine.profile()
+            engine.profiling = False
+    if args.device.startswith("cuda"):
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if runtime is not None:
+        runtime.close()
+    del model, processor, inputs
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return row, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"])
+    parser.add_argument("--layers", type=int, default=48, help="synthetic model: decoder layers (48 = the real count)")
+    parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    for spec in args.configs:
+        parse_config(spec)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
+    if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
+        parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
+    args.tiny_dir = save_tiny_model(tempfile.mkdtemp(), args.tiny, seed=0) if args.tiny else None
+    torch.manual_seed(0)
+    rows, reference = [], None
+    for spec in args.configs:
+        row, tokens = run_config(spec, args, reference)
+        if spec == "hf":
+            reference = tokens
+        rows.append(row)
+    bandwidth = copy_bandwidth(args.device)
+    resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
+    for r in rows:
+        if "decode_bytes_per_token" in r and bandwidth:
+            bound = r["decode_bytes_per_token"] / (bandwidth * 1e9)
+            if resident:
+                bound = max(bound, 1 / resident["decode_tok_s_median"])
+            r["bound_s_per_token"] = bound
+            r["ratio_to_bound"] = (1 / r["decode_tok_s_median"]) / bound if bound else None
+    meta = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__, "model": args.tiny or f"qwen3-vl-30b-a3b shapes, {args.layers} layers",
+            "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
+            "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
+            "routing": "random weights (near-uniform routing)"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\n{meta}\n")
+    print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | bytes/token | vs bound |")
+    print("|---|---|---|---|---|---|---|")
+    hf = next((r for r in rows if r["config"] == "hf"), None)
+    for r in rows:
+        speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
+        per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f} MB" if "decode_bytes_per_token" in r else "-"
+        bound = f"{r['ratio_to_bound']:.2f}x" if r.get("ratio_to_bound") else "-"
+        agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
+        print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
+              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {bound} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

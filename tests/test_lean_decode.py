@@ -1,0 +1,237 @@
+"""The lean decode path (vismmoe_kt.decode) against transformers' generation, on the CPU.
+
+The CPU has no CUDA graphs; `graphs: replay` runs the same segment plumbing (fixed input and output
+buffers, copies between segments) with an eager re-run in place of a graph replay, and `graphs: off`
+runs every piece eagerly. Both must give the reference model's greedy tokens, all experts resident
+or offloaded, with visual tokens pruned or not. Per decode step the path may read from the device once
+per offloaded MoE layer, and must not allocate more as the sequence grows.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vismmoe_kt import load
+from vismmoe_kt.decode.generation import generate, next_token
+from vismmoe_kt.decode.graphs import ReplayCapture
+from vismmoe_kt.decode.static_cache import CacheFullError, StaticKVCache
+from vismmoe_kt.errors import RuleError
+from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.tiny_models import SPECS
+
+from conftest import layer_bytes, tiny_case
+
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    model_dir, ref, inputs = tiny_case(tmp_path_factory, "tiny-4x16", 1, "Describe the image.", (160, 128), 2)
+    with torch.no_grad():
+        expected = ref.generate(**inputs, max_new_tokens=TOKENS, do_sample=False)
+    return model_dir, inputs, expected
+
+
+def budget(layers):
+    return int(layer_bytes(SPECS["tiny-4x16"]) * layers)
+
+
+def decoder_of(model):
+    return model.model.language_model
+
+
+@pytest.mark.parametrize("layers,graphs", [(4, "off"), (4, "replay"), (2, "replay"), (2, "off")])
+def test_lean_tokens_equal_the_reference(case, layers, graphs):
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(layers), graphs=graphs, **CPU)
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = decoder_of(model).stats()
+    assert stats["decode_steps"] == TOKENS - 1  # the first token comes from the prefill
+    if graphs == "replay":
+        assert stats["decode_graphed_steps"] == stats["decode_steps"] and stats["decode_check_failures"] == 0
+        resident = layers == 4  # nothing offloaded: the whole step is one segment
+        assert stats["decode_segments_captured"] == (1 if resident else 5)
+        assert stats["decode_eager_pieces_per_step"] == (0 if resident else 4)
+
+
+def test_lean_path_follows_pruned_layers(case):
+    """With visual tokens pruned after layer 1, the layers' caches have different lengths; the lean
+    path must give the tokens of transformers' loop over the same pruned model."""
+    model_dir, inputs, _ = case
+    kwargs = dict(expert_budget=budget(4), keep_ratio=0.5, prune_layer=1, **CPU)
+    hf, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", decode="hf", **kwargs)
+    lean, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", graphs="replay", **kwargs)
+    with torch.no_grad():
+        expected = generate(hf, inputs, TOKENS)
+        tokens = generate(lean, inputs, TOKENS)
+    assert decoder_of(lean).counters.pruned_prefills == 1
+    assert torch.equal(tokens, expected)
+    cache = decoder_of(lean)._lean.cache
+    assert cache.host_lengths[0] > cache.host_lengths[1] == cache.host_lengths[3]  # layer 0 keeps every token
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts ops that make a CUDA device wait for the host (data-dependent shapes, scalar reads) and
+    the bytes each op allocates (outputs not sharing an input's storage)."""
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+               "aten::unique_dim", "aten::unique_consecutive", "aten::bincount")
+
+    def __init__(self):
+        super().__init__()
+        self.syncing: list[str] = []
+        self.allocated = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name in self.SYNCING:
+            self.syncing.append(name)
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.allocated += o.untyped_storage().nbytes()
+        return out
+
+
+def run_steps(model, inputs, steps):
+    """Prefill, then `steps` lean steps, each watched by its own DeviceReads."""
+    engine = decoder_of(model).lean_engine(model.lm_head)
+    with torch.no_grad():
+        generate(model, inputs, 1)  # prefill into the engine's cache
+        token = torch.tensor([5])
+        watched = []
+        for _ in range(steps):
+            with DeviceReads() as mode:
+                logits = engine.step(token)
+            watched.append(mode)
+            token = next_token(logits, False, 1.0, 1.0)
+    return engine, watched
+
+
+def test_resident_step_neither_syncs_nor_grows(case):
+    model_dir, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="off", **CPU)
+    engine, watched = run_steps(model, inputs, 6)
+    buffers = [t.data_ptr() for t in engine.cache.keys + engine.cache.values]
+    assert all(w.syncing == [] for w in watched), [w.syncing for w in watched]
+    assert len({w.allocated for w in watched[1:]}) == 1  # the same bytes at every step: nothing grows
+    assert [t.data_ptr() for t in engine.cache.keys + engine.cache.values] == buffers
+
+
+def test_offloaded_step_reads_the_host_once_per_offloaded_layer(case):
+    model_dir, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="off", **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    offloaded = len(runtime.moe_layers) - len(runtime.pinned)
+    before = runtime.host_reads
+    _, watched = run_steps(model, inputs, 4)
+    per_step = (runtime.host_reads - before - offloaded) / 4  # the prefill (in generate) read once per layer too
+    assert per_step == offloaded == 3
+    # the routing is read once, then grouped on the host: the only syncing ops are those host-side uniques
+    assert all(w.syncing == ["aten::_unique2"] * offloaded for w in watched), [w.syncing for w in watched]
+
+
+class BrokenCapture(ReplayCapture):
+    def capture(self, run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+class WrongReplay(ReplayCapture):
+    def capture(self, run):
+        replay, outputs = super().capture(run)
+
+        def wrong():
+            replay()
+            outputs[0].add_(1.0)
+        return wrong, outputs
+
+
+@pytest.mark.parametrize("backend,counter", [(BrokenCapture, "capture_failures"), (WrongReplay, "check_failures")])
+def test_graph_trouble_falls_back_to_eager_and_says_so(case, backend, counter):
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay", **CPU)
+    engine = decoder_of(model).lean_engine(model.lm_head)
+    engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
+    engine.step.backend = backend()
+    with pytest.warns(RuntimeWarning, match="decode runs without graphs"), torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = engine.stats()
+    assert stats[counter] == 1 and stats["graphed_steps"] == 0 and stats["graphs"] == "off"
+
+
+def test_cache_reuse_across_requests_and_growth(case):
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="replay", **CPU)
+    with torch.no_grad():
+        first = generate(model, inputs, TOKENS)
+        engine = decoder_of(model)._lean
+        cache = engine.cache
+        again = generate(model, inputs, TOKENS)
+        assert engine.cache is cache  # same buffers, same captured segments
+        longer = generate(model, inputs, cache.capacity)  # needs more room: a new, larger cache
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    assert engine.cache.capacity > cache.capacity
+    assert torch.equal(longer[:, :expected.shape[1]], expected)
+    assert engine.stats()["segments_captured"] == 2  # one per cache
+
+
+def test_static_cache_refuses_overflow_and_tracks_layers_apart():
+    cache = StaticKVCache(layers=2, kv_heads=1, head_dim=4, capacity=5, dtype=torch.float32, device="cpu")
+    keys, _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    assert keys.shape[2] == 3 and cache.get_seq_length(0) == 3 and cache.get_seq_length(1) == 0
+    with pytest.raises(CacheFullError, match="layer 0 needs 6 positions, the cache holds 5"):
+        cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 1)
+    masks = cache.decode_masks(torch.float32)
+    assert masks.shape == (2, 1, 1, 5)
+    assert (masks[0, 0, 0] == 0).tolist() == [True, True, True, True, False]  # 3 filled + the slot written now
+    assert (masks[1, 0, 0] == 0).tolist() == [True, True, False, False, False]
+
+
+def test_sampling_respects_top_p_and_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    assert next_token(logits, False, 1.0, 1.0).item() == logits.argmax().item()
+    draws = {next_token(logits, True, 1.0, 1e-6).item() for _ in range(20)}
+    assert draws == {logits.argmax().item()}  # a tiny nucleus holds only the most likely token
+    wide = {next_token(logits, True, 5.0, 1.0).item() for _ in range(50)}
+    assert len(wide) > 5
+
+
+def test_bad_decode_kwargs_are_clear_errors(tiny_dir):
+    with pytest.raises(RuleError, match=r"decode 'fast' is not one of: lean, hf"):
+        load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), decode="fast", **CPU)
+    with pytest.raises(RuleError, match=r"graphs 'always' is not one of: auto, cuda, replay, off"):
+        load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="always", **CPU)
+
+
+def test_profile_breaks_a_step_down_per_layer(case):
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), **CPU)
+    engine = decoder_of(model).lean_engine(model.lm_head)
+    engine.profiling = True
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    profile = engine.profile()
+    assert profile["steps"] == TOKENS - 1
+    columns = profile["seconds_per_step"]
+    assert set(columns) == {"embed", "attention", "experts", "head"}
+    assert set(columns["attention"]) == set(columns["experts"]) == {"0", "1", "2", "3"}
+    assert all(t > 0 for column in columns.values() for t in column.values())
+
+
+def test_realb_operator_runs_between_segments(case):
+    """MixedPrecisionExperts (host-side control) is not capturable: it runs eagerly between the
+    captured segments and sees decode tokens as text (BF16 in mode realb: the reference tokens)."""
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-realb.yaml", graphs="replay", **CPU)
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = decoder_of(model).stats()
+    assert stats["decode_eager_pieces_per_step"] == 4 and stats["decode_segments_captured"] == 5

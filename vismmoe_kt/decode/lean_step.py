@@ -1,0 +1,265 @@
+"""One decode step of the text model, owned by us: static cache, no host logic between MoE layers.
+
+Shapes: H hidden, V vocabulary, C the cache's capacity, K experts per token; one token per step.
+
+The step is a list of pieces, each a function from a tuple of tensors to the next tuple:
+    embed            token -> hidden, rotary cos/sin for the next position, the layers' masks
+    attention l      input norm, attention over layer l's static cache, residual, post-attention norm,
+                     and for an MoE layer the router (softmax, top-k, renormalisation)
+    experts l        the routed experts (the injected operator), residual
+    head             final norm, lm_head -> logits (1, V); the cache lengths move on by one
+A piece is `capturable` when it launches device work only: then consecutive capturable pieces form a
+segment that is captured once (a CUDA graph on the GPU, `ReplayCapture` as its CPU twin) and replayed
+at every step. Expert operators say whether their decode forward is capturable through
+`decode_capturable()`; those that are not (offloaded layers: they read the routing on the host,
+place experts, maybe compute on the CPU) run eagerly between segments, with their one host read each.
+Per step this leaves one host synchronisation per offloaded MoE layer plus the sampled token.
+
+The first graphed step captures, then checks the graphed logits against an eager run of the same
+step; on a mismatch or a capture error it goes back to eager pieces and counts why (`stats()`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .graphs import State, capture_backend
+from .static_cache import StaticKVCache
+
+
+@dataclass
+class Piece:
+    name: str
+    run: Callable[[State], State]
+    capturable: bool
+    layer: int | None = None
+    kind: str = ""  # embed | attention | experts | head: the profile's columns
+
+
+@dataclass
+class Segment:
+    pieces: list[Piece]
+    capturable: bool
+    inputs: State = ()          # captured segments: the tensors the capture reads
+    outputs: State = ()         # ... and the ones it writes
+    replay: Callable[[], None] | None = None
+
+
+@dataclass
+class LeanCounters:
+    steps: int = 0
+    graphed_steps: int = 0
+    segments_captured: int = 0
+    eager_pieces_per_step: int = 0   # pieces that run between segments (or all, without graphs)
+    capture_failures: int = 0
+    check_failures: int = 0          # graphed logits that differed from the eager step: graphs turned off
+    reason_eager: str = ""
+    profile: dict[str, dict[str, float]] = field(default_factory=dict)  # piece kind -> layer -> seconds
+    profile_steps: int = 0
+
+
+def experts_capturable(experts: nn.Module) -> bool:
+    probe = getattr(experts, "decode_capturable", None)
+    return bool(probe()) if callable(probe) else False  # unknown modules may sync or branch on the host
+
+
+class LeanDecodeStep:
+    def __init__(self, text_model: nn.Module, lm_head: nn.Module, cache: StaticKVCache, graphs: str = "auto",
+                 visual_flag: Callable[[torch.Tensor], None] | None = None):
+        self.text, self.lm_head, self.cache = text_model, lm_head, cache
+        device = cache.device
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)    # the step's input
+        self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
+        self.not_visual = torch.zeros(1, dtype=torch.bool, device=device)
+        self.visual_flag = visual_flag
+        self.pieces = self._build_pieces()
+        self.backend = capture_backend(graphs, device)
+        self.segments: list[Segment] | None = None
+        self.counters = LeanCounters()
+        self.profiling = False
+
+    # --- pieces -----------------------------------------------------------------------------------
+    def _build_pieces(self) -> list[Piece]:
+        text, cache = self.text, self.cache
+        pieces = [Piece("embed", self._embed, True, kind="embed")]
+        for index, layer in enumerate(text.layers):
+            moe = hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+            pieces.append(Piece(f"attention {index}", self._attention(index, layer, moe), True, index, "attention"))
+            if moe:
+                pieces.append(Piece(f"experts {index}", self._experts(layer.mlp.experts),
+                                    experts_capturable(layer.mlp.experts), index, "experts"))
+        pieces.append(Piece("head", self._head, True, kind="head"))
+        if len(text.layers) != cache.num_layers:
+            raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(text.layers)}")
+        return pieces
+
+    def _embed(self, state: State) -> State:
+        hidden = self.text.embed_tokens(self.token)
+        position = (self.cache.lengths[0] + self.rope_delta).view(1, 1, 1).expand(3, 1, 1)
+        cos, sin = self.text.rotary_emb(hidden, position)
+        return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)
+
+    def _attention(self, index: int, layer: nn.Module, moe: bool) -> Callable[[State], State]:
+        cache = self.cache
+
+        def run(state: State) -> State:
+            hidden, cos, sin, masks = state[0], *state[-3:]
+            attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=(cos, sin),
+                                          attention_mask=masks[index:index + 1], past_key_values=cache)
+            hidden = hidden + attended
+            normed = layer.post_attention_layernorm(hidden)
+            if not moe:
+                return hidden + layer.mlp(normed), cos, sin, masks
+            flat = normed.view(-1, normed.shape[-1])
+            _, weights, chosen = layer.mlp.gate(flat)
+            return hidden, flat, chosen, weights, cos, sin, masks
+        return run
+
+    @staticmethod
+    def _experts(experts: nn.Module) -> Callable[[State], State]:
+        def run(state: State) -> State:
+            hidden, flat, chosen, weights, cos, sin, masks = state
+            return hidden + experts(flat, chosen, weights).view_as(hidden), cos, sin, masks
+        return run
+
+    def _head(self, state: State) -> State:
+        logits = self.lm_head(self.text.norm(state[0]))[:, -1]
+        self.cache.advance_on_device()
+        return (logits,)
+
+    # --- segments -----------------------------------------------------------------------------------
+    def _group(self) -> list[Segment]:
+        segments: list[Segment] = []
+        for piece in self.pieces:
+            if segments and segments[-1].capturable == piece.capturable:
+                segments[-1].pieces.append(piece)
+            else:
+                segments.append(Segment([piece], piece.capturable))
+        return segments
+
+    @staticmethod
+    def _run_pieces(pieces: list[Piece], state: State) -> State:
+        for piece in pieces:
+            state = piece.run(state)
+        return state
+
+    def _eager_step(self) -> torch.Tensor:
+        if self.profiling:
+            return self._profiled_step()
+        return self._run_pieces(self.pieces, ())[0]
+
+    def _capture(self) -> torch.Tensor:
+        """Capture every capturable segment while running the step for real (segment by segment:
+        each capture needs the real inputs its predecessor produced)."""
+        segments = self._group()
+        state: State = ()
+        for segment in segments:
+            if not segment.capturable:
+                state = self._run_pieces(segment.pieces, state)
+                continue
+            segment.inputs = state
+            lengths = self.cache.lengths.clone()  # warm-up and capture may run the head's `advance`
+            segment.replay, segment.outputs = self.backend.capture(
+                lambda s=segment: self._run_pieces(s.pieces, s.inputs))
+            self.cache.lengths.copy_(lengths)
+            segment.replay()
+            state = segment.outputs
+            self.counters.segments_captured += 1
+        self.segments = segments
+        return state[0]
+
+    def _replay(self) -> torch.Tensor:
+        state: State = ()
+        for segment in self.segments:
+            if not segment.capturable:
+                state = self._run_pieces(segment.pieces, state)
+                continue
+            for fixed, fresh in zip(segment.inputs, state):
+                if fixed is not fresh:
+                    fixed.copy_(fresh)
+            segment.replay()
+            state = segment.outputs
+        return state[0]
+
+    def _graphed_step(self) -> torch.Tensor:
+        if self.segments is not None:
+            return self._replay()
+        lengths = self.cache.lengths.clone()
+        try:
+            logits = self._capture().clone()
+        except Exception as exc:  # a piece that cannot be captured: eager from now on, and say why
+            self._give_up_graphs(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            self.counters.capture_failures += 1
+            self.cache.lengths.copy_(lengths)
+            return self._eager_step()
+        after = self.cache.lengths.clone()
+        self.cache.lengths.copy_(lengths)  # the same step again, eagerly: the graphs must agree with it
+        reference = self._eager_step()
+        self.cache.lengths.copy_(after)
+        if not torch.allclose(logits.float(), reference.float(), rtol=2e-2, atol=2e-2):
+            self.counters.check_failures += 1
+            self._give_up_graphs("graphed logits differ from the eager step")
+            return reference
+        return logits
+
+    def _give_up_graphs(self, reason: str) -> None:
+        warnings.warn(f"decode runs without graphs: {reason}", RuntimeWarning, stacklevel=3)
+        self.backend, self.segments = None, None
+        self.counters.reason_eager = reason
+
+    # --- the step -----------------------------------------------------------------------------------
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits (1, V) for the next position, given the last token (1, 1) or (1,)."""
+        if self.cache.room() < 1:
+            from .static_cache import CacheFullError
+            raise CacheFullError(f"the decode cache is full ({self.cache.capacity} positions)")
+        self.token.copy_(token.view(1, 1))
+        if self.visual_flag is not None:
+            self.visual_flag(self.not_visual)
+        self.cache.decoding = True
+        try:
+            if self.backend is None or self.profiling:
+                logits = self._eager_step()
+            else:
+                logits = self._graphed_step()
+        finally:
+            self.cache.decoding = False
+        self.cache.advance_on_host()
+        c = self.counters
+        c.steps += 1
+        graphed = self.segments is not None
+        c.graphed_steps += graphed
+        c.eager_pieces_per_step = sum(len(s.pieces) for s in self.segments if not s.capturable) if graphed \
+            else len(self.pieces)
+        return logits
+
+    # --- profile ------------------------------------------------------------------------------------
+    def _profiled_step(self) -> torch.Tensor:
+        """Eager, each piece timed to its end (a device sync after each: slower, for the breakdown)."""
+        sync = torch.cuda.synchronize if self.cache.device.type == "cuda" else (lambda: None)
+        state: State = ()
+        for piece in self.pieces:
+            sync()
+            start = time.perf_counter()
+            state = piece.run(state)
+            sync()
+            column = self.counters.profile.setdefault(piece.kind, {})
+            key = "-" if piece.layer is None else str(piece.layer)
+            column[key] = column.get(key, 0.0) + time.perf_counter() - start
+        self.counters.profile_steps += 1
+        return state[0]
+
+    def stats(self) -> dict[str, Any]:
+        out = asdict(self.counters)
+        out.pop("profile")
+        out.pop("profile_steps")
+        out["graphs"] = self.backend.name if self.backend is not None else "off"
+        out["capturable_pieces"] = sum(p.capturable for p in self.pieces)
+        out["pieces"] = len(self.pieces)
+        return out
