@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from .errors import InputError, VismmoeError
+from .errors import FollowerDone, InputError, PeerLostError, VismmoeError
 
 MULTILINE = '"""'
 
@@ -44,6 +44,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
     group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
                        help="CPU threads for CPU compute (default: physical cores - 3)")
+    group.add_argument("--ep_size", "--ep-size", type=int,
+                       help="expert-parallel group size: the torchrun process count (rank 0 serves, the others follow)")
+    group.add_argument("--ep_timeout", type=float, default=300.0,
+                       help="seconds a rank waits for the others before it stops with an error (torchrun launches)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,13 +128,21 @@ def load_from_args(args: argparse.Namespace):
     for flag in ("generate_device", "prefill_device"):
         if getattr(args, flag):
             overrides[flag] = getattr(args, flag)
+    from .parallel import launch
+
+    group = launch.join_from_env(args.ep_size, args.ep_timeout)
+    if group is not None and group.device != "cpu":  # each torchrun rank on its own GPU
+        overrides.setdefault("generate_device", group.device)
+        overrides.setdefault("prefill_device", group.device)
     fallback = not torch.cuda.is_available() and not (args.generate_device or args.prefill_device)
     if fallback:  # rule files name cuda:0; without CUDA the command line runs them on the CPU (the API stays strict)
         overrides.update(generate_device="cpu", prefill_device="cpu")
     loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
-    if fallback:
+    if fallback and (group is None or group.leader):
         print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
               file=sys.stderr)
+    if group is not None:
+        launch.start(loaded[0], group)  # a follower stays there until rank 0 is done (FollowerDone)
     return loaded
 
 
@@ -234,12 +246,21 @@ def main(argv: list[str] | None = None) -> int:
             summary = plot(args.traces, args.out, args.predictor)
             print(f"wrote {', '.join(summary['files'])} to {args.out}")
             return 0
+    except FollowerDone:
+        return 0
+    except PeerLostError as exc:  # the group cannot be torn down cleanly: leave at once
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
     except VismmoeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        launch = sys.modules.get("vismmoe_kt.parallel.launch")
+        if launch is not None:  # a torchrun launch: release the followers, leave the group
+            launch.finish()
     return 1
 
 

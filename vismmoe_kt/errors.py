@@ -15,3 +15,14 @@ class LoadError(VismmoeError):
 
 class InputError(VismmoeError):
     """A user input (image, prompt file, flag value) cannot be used."""
+
+
+class PeerLostError(VismmoeError):
+    """A rank of the expert-parallel group stopped answering; the others stop instead of hanging.
+
+    The group is unusable afterwards and cannot be destroyed cleanly (gloo's teardown may abort the
+    process), so whoever catches this should report it and leave with os._exit."""
+
+
+class FollowerDone(Exception):
+    """A follower rank's work ended (rank 0 said STOP): the command returns without doing its own."""

@@ -23,15 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import VismmoeError
+from ..errors import PeerLostError
 from ..runtime.expert_compute import bank_experts
-
-
-class PeerLostError(VismmoeError):
-    """A rank of the expert-parallel group stopped answering; the others stop instead of hanging.
-
-    The group is unusable afterwards and cannot be destroyed cleanly (gloo's teardown may abort the
-    process), so whoever catches this should report it and leave with os._exit."""
 
 
 def guarded(fn: Callable) -> Callable:

@@ -1,0 +1,99 @@
+"""`vismmoe-kt chat` and `serve` under torchrun with the expert-parallel rule file (2 CPU processes,
+gloo): rank 0 answers, rank 1 follows with its half of the experts, and the answer is the single-process
+one (fp32, exact). Then everything exits: rank 0 releases the follower."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+EP_RULES = "optimize_rules/qwen3vl-ep.yaml"
+PROMPT = "Hello there"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat(model_dir, *prefix, extra=()):
+    cmd = [*prefix, "chat", "--model_path", str(model_dir), "--prompt", PROMPT, "--greedy", "--max_new_tokens", "8",
+           "--cpu_infer", "1", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def torchrun(port):
+    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt.cli"]
+
+
+def reply_of(stdout: str) -> str:
+    return stdout[: stdout.index("prompt eval count:")].strip()
+
+
+@pytest.fixture(scope="module")
+def single(tiny_dir):
+    result = chat(tiny_dir, os.path.join(BIN, "vismmoe-kt"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return reply_of(result.stdout)
+
+
+def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single):
+    result = chat(tiny_dir, *torchrun(free_port()), extra=("--optimize_config_path", EP_RULES, "--ep-size", "2",
+                                                           "--stats"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert reply_of(result.stdout) == single
+    assert "ep_size=2, local_experts=32" in result.stdout  # summed over 4 layers: 8 of 16 experts each
+    assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
+
+
+def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single):
+    port = free_port()
+    cmd = [*torchrun(free_port()), "serve", "--model_path", str(tiny_dir), "--optimize_config_path", EP_RULES,
+           "--port", str(port), "--cpu_infer", "1"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        time.sleep(6)  # long enough for a heartbeat: the follower must treat it as a no-op
+        body = {"model": tiny_dir.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"].strip() == single
+    finally:
+        rank0 = next(p for p in psutil.Process(server.pid).children(recursive=True) if p.environ().get("RANK") == "0")
+        rank0.send_signal(signal.SIGINT)  # rank 0 stops serving and releases the follower
+        try:
+            out, _ = server.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            pytest.fail("the launch did not exit after rank 0 stopped")
+    assert server.returncode == 0, out[-3000:]  # both ranks ended cleanly: the follower got STOP
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_ep_size_without_torchrun_says_how_to_launch(tiny_dir):
+    result = chat(tiny_dir, os.path.join(BIN, "vismmoe-kt"), extra=("--optimize_config_path", EP_RULES, "--ep-size", "2"))
+    assert result.returncode == 2
+    assert "--ep-size 2 needs 2 processes: launch with `torchrun --nproc-per-node 2" in result.stderr
+
+
+def test_several_processes_need_the_expert_parallel_rules(tiny_dir):
+    result = chat(tiny_dir, *torchrun(free_port()))
+    assert result.returncode != 0
+    assert "the rule file has no expert-parallel operators" in result.stderr + result.stdout

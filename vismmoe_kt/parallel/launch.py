@@ -1,0 +1,170 @@
+"""Running a command under torchrun: rank 0 does the work (chat, serve, bench), the other ranks follow.
+
+Expert parallelism splits each MoE layer's experts over the ranks, so every rank must enter every MoE
+layer's exchange. With one front end (the HTTP server, the chat prompt) only rank 0 has requests; the
+others follow it: before each forward of the language model rank 0 broadcasts STEP, and each follower
+calls its expert-parallel operators, layer by layer in the model's order, with no tokens of its own,
+which serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
+so a follower can tell a quiet leader from a lost one (the group's timeout); STOP ends the followers.
+A lock keeps a heartbeat from landing inside a forward's exchanges (collectives must be issued in the
+same order on every rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FollowerDone, InputError
+from .expert_parallel import guarded
+
+STOP, STEP, HEARTBEAT = 0, 1, 2
+current_leader: "Leader | None" = None
+
+
+@dataclass
+class Group:
+    rank: int
+    world: int
+    device: str  # this rank's device: cuda:LOCAL_RANK, or cpu
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def join_from_env(ep_size: int | None, timeout_s: float) -> Group | None:
+    """The torchrun launch's process group (None when not launched by torchrun with several processes)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if ep_size not in (None, 1):
+            raise InputError(f"--ep-size {ep_size} needs {ep_size} processes: launch with "
+                             f"`torchrun --nproc-per-node {ep_size} -m vismmoe_kt.cli ...`")
+        return None
+    if ep_size not in (None, world):
+        raise InputError(f"--ep-size {ep_size}: this launch has {world} processes and expert parallelism spans all "
+                         f"of them; pass --ep-size {world} or leave it out")
+    if timeout_s <= 0:
+        raise InputError(f"--ep_timeout must be positive, got {timeout_s}")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise InputError(f"rank with LOCAL_RANK {local} has no GPU: this host has {torch.cuda.device_count()}")
+        torch.cuda.set_device(local)
+        device, backend = f"cuda:{local}", "nccl"
+    else:
+        device, backend = "cpu", "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Group(dist.get_rank(), world, device)
+
+
+def expert_parallel_operators(model: Any) -> list:
+    from ..operators.ep_experts import ExpertParallelExperts
+
+    ops = sorted((m for m in model.modules() if isinstance(m, ExpertParallelExperts)), key=lambda m: m.layer)
+    if not ops:
+        raise InputError("this launch has several processes, but the rule file has no expert-parallel operators: "
+                         "use optimize_rules/qwen3vl-ep.yaml (or run a single process)")
+    return ops
+
+
+@guarded
+def _broadcast(command: torch.Tensor) -> None:
+    dist.broadcast(command, src=0)
+
+
+class Leader:
+    """Rank 0: announces each forward of the language model, keeps the followers company when idle."""
+
+    def __init__(self, model: Any, group: Group, heartbeat_s: float = 5.0):
+        global current_leader
+        expert_parallel_operators(model)
+        if getattr(model.model.language_model, "decode", None) == "lean":
+            raise InputError("expert parallelism under torchrun follows the language model's forwards, which the "
+                             "lean decode path bypasses: set decode: hf in the VisDecoder rule (--set decode=hf)")
+        self.device = torch.device(group.device)
+        self.lock = threading.RLock()
+        self.stopped = threading.Event()
+        language = model.model.language_model
+        self._hooks = [language.register_forward_pre_hook(self._before),
+                       language.register_forward_hook(self._after, always_call=True)]
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="vismmoe-ep-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+        current_leader = self
+
+    def _send(self, value: int) -> None:
+        _broadcast(torch.tensor([value], device=self.device))
+
+    def _before(self, module: Any, args: Any) -> None:
+        self.lock.acquire()  # released by _after, also when the forward raises
+        self._send(STEP)
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        self.lock.release()
+
+    def _beat(self, every_s: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while not self.stopped.wait(every_s):
+            with self.lock:
+                if not self.stopped.is_set():
+                    self._send(HEARTBEAT)
+
+    def stop(self) -> None:
+        """Tell the followers to leave (once)."""
+        with self.lock:
+            if self.stopped.is_set():
+                return
+            self.stopped.set()
+            self._send(STOP)
+        for hook in self._hooks:
+            hook.remove()
+
+
+def follow(model: Any, group: Group) -> int:
+    """A follower's life: serve this rank's experts to rank 0's forwards until STOP. Returns the steps."""
+    ops = expert_parallel_operators(model)
+    text = model.config.get_text_config()
+    dtype = model.get_input_embeddings().weight.dtype
+    device = torch.device(group.device)
+    hidden = torch.zeros(0, text.hidden_size, dtype=dtype, device=device)
+    chosen = torch.zeros(0, text.num_experts_per_tok, dtype=torch.long, device=device)
+    weights = torch.zeros(0, text.num_experts_per_tok, dtype=dtype, device=device)
+    command = torch.zeros(1, dtype=torch.long, device=device)
+    steps = 0
+    with torch.inference_mode():
+        while True:
+            _broadcast(command)
+            value = int(command)
+            if value == STOP:
+                return steps
+            if value == STEP:
+                for op in ops:
+                    op(hidden, chosen, weights)
+                steps += 1
+
+
+def finish() -> None:
+    """At the end of a command on any rank: rank 0 releases the followers; everyone leaves the group."""
+    global current_leader
+    if current_leader is not None:
+        current_leader.stop()
+        current_leader = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start(model: Any, group: Group) -> None:
+    """After loading: rank 0 becomes the leader and goes on with the command; a follower follows, then
+    ends the command with FollowerDone."""
+    if group.leader:
+        Leader(model, group)
+        return
+    raise FollowerDone(follow(model, group))
