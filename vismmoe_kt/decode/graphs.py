@@ -48,7 +48,9 @@ class CudaGraphCapture:
             run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the offload runtime's transfer worker keeps copying on its own stream and
+        # thread while a segment is captured; only this thread's work belongs to the graph
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = run()
         self.graphs.append(graph)
         return graph.replay, tuple(outputs)
