@@ -151,7 +151,8 @@ def test_concurrent_clients_get_their_own_answers_or_a_clean_429(server):
     good(server)
 
 
-def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference):
+@pytest.mark.parametrize("rules", [None, "optimize_rules/qwen3vl-offload.yaml"])  # transformers' loop; lean decode
+def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference, rules):
     """Closing the stream (a client that went away) stops generate() early and releases the turn."""
     import asyncio
 
@@ -160,7 +161,7 @@ def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference):
     from vismmoe_kt.server.inputs import ChatRequest
     from vismmoe_kt.tiny_models import demo_model_dir
 
-    model, processor = load(demo_model_dir(), None, generate_device="cpu", prefill_device="cpu", progress=False)
+    model, processor = load(demo_model_dir(), rules, generate_device="cpu", prefill_device="cpu", progress=False)
     engine = Engine(model, processor, "demo", max_new_tokens=400)
     request = ChatRequest([{"role": "user", "content": [{"type": "text", "text": "hello"}]}])
 
@@ -201,3 +202,33 @@ def test_memory_is_stable_under_repeated_requests(server):
     burst()
     growth = psutil.Process().memory_info().rss - before
     assert growth < 150 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB over 30 requests"
+
+
+def test_lean_decode_server_answers_like_transformers_loop():
+    """The engine on the lean decode path (rules with a VisDecoder) streams the text of the plain
+    transformers loop, greedy, for an image request, and honours `stop`."""
+    import asyncio
+
+    from vismmoe_kt import load
+    from vismmoe_kt.server.engine import Engine, Usage
+    from vismmoe_kt.server.inputs import ChatRequest, Limits, parse_chat
+    from vismmoe_kt.tiny_models import demo_model_dir
+
+    request = parse_chat({"messages": image_message("Describe the image."), "max_tokens": 12, "temperature": 0},
+                         Limits(4, 2**20, None))
+    answers = {}
+    for rules in (None, "optimize_rules/qwen3vl-offload.yaml"):
+        model, processor = load(demo_model_dir(), rules, generate_device="cpu", prefill_device="cpu", progress=False)
+        engine = Engine(model, processor, "demo", max_new_tokens=12)
+
+        async def ask(req):
+            usage = Usage()
+            return "".join([p async for p in engine.stream(req, usage)]), usage
+        answers[rules] = asyncio.run(ask(request))
+        if rules is not None:
+            text = answers[rules][0]
+            cut = text[len(text) // 2:][:2] or text[:1]
+            stopped, _ = asyncio.run(ask(ChatRequest(request.messages, request.images, 12, 0, stop=[cut])))
+            assert stopped == text[:text.index(cut)]
+    (hf_text, hf_usage), (lean_text, lean_usage) = answers.values()
+    assert lean_text == hf_text and lean_usage.completion_tokens == hf_usage.completion_tokens == 12
