@@ -235,3 +235,46 @@ def test_realb_operator_runs_between_segments(case):
     assert torch.equal(tokens, expected)
     stats = decoder_of(model).stats()
     assert stats["decode_eager_pieces_per_step"] == 4 and stats["decode_segments_captured"] == 5
+
+
+@pytest.mark.parametrize("rules,extra", [("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": budget(2)}),
+                                         ("optimize_rules/qwen3vl.yaml", {"expert_budget": budget(4), "keep_ratio": 0.5,
+                                                                           "prune_layer": 1})])
+def test_chat_turns_reuse_the_cached_history(case, tiny_dir, rules, extra):
+    """A follow-up question prefills only the new tokens (the vision tower runs once), and the
+    replies equal those of transformers' loop re-reading the whole conversation each turn."""
+    from conftest import make_image
+    from vismmoe_kt.chat_session import ChatSession
+
+    model_dir = case[0]
+    replies, towers = {}, {}
+    for decode in ("hf", "lean"):
+        model, processor = load(model_dir, rules, decode=decode, graphs="replay", **extra, **CPU)
+        calls = []
+        model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+        session = ChatSession(model, processor, max_new_tokens=12, greedy=True)
+        with torch.no_grad():
+            first, timings = session.ask("Describe the image.", [make_image(120, 96, 3)], out=_Sink())
+            turns = [first, session.ask("What colour is it?", out=_Sink())[0],
+                     session.ask("And the shape?", out=_Sink())[0]]
+        replies[decode], towers[decode] = turns, len(calls)
+        if decode == "lean":
+            stats = decoder_of(model).stats()
+            assert stats["decode_reused_prefixes"] == 2
+            # each later turn kept at least the whole first prompt (image included)
+            assert stats["decode_reused_tokens"] >= 2 * timings.prompt_tokens
+            engine = decoder_of(model)._lean  # every layer holds the history minus what pruning left out
+            held, pruned = len(engine.sequence), len(engine.pruned)
+            assert engine.cache.host_lengths == [held] + [held - pruned] * 3
+            assert (pruned > 0) == ("keep_ratio" in extra)
+    assert replies["lean"] == replies["hf"]
+    assert towers == {"hf": 3, "lean": 1}
+
+
+class _Sink:
+    def write(self, text):
+        pass
+
+    def flush(self):
+        pass
+

@@ -6,6 +6,12 @@ once (vision tower, M-RoPE positions, pruning) into a StaticKVCache, and every f
 from `LeanDecodeStep`: no DynamicCache growth, no HF generation loop, and one host read per token
 (the sampled id, which the streamer and the stop check need anyway). Otherwise it is
 `model.generate`, unchanged.
+
+Conversations: the cache remembers which token ids it holds. When the next request starts with the
+same tokens (a chat's next turn re-sends the history) and adds no image, only the new tokens are
+prefilled on top of the kept prefix: the vision tower and the earlier turns do not run again. Image
+tokens the cache holds must all lie inside the reused prefix (their M-RoPE offset then still holds);
+under visual-token pruning the kept prefix is cut per layer, counting the pruned positions before it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,47 @@ class LeanEngine:
         self.step: LeanDecodeStep | None = None
         self.retired_steps: list[dict] = []
         self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
+        self.sequence: list[int] = []   # the token ids the cache holds, in order
+        self.pruned: list[int] = []     # positions of `sequence` without an entry in layers >= pruned_from
+        self.pruned_from: int | None = None
+        self.reuses = self.reused_tokens = 0
+
+    def reusable_prefix(self, ids: list[int], image_token_id: int | None) -> int:
+        """How many leading tokens of `ids` can stay in the cache (0: prefill everything)."""
+        held = self.sequence
+        if self.cache is None or not held or self.cache.host_lengths[0] != len(held):
+            return 0
+        common = 0
+        for a, b in zip(held, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # at least one token to prefill: it gives the next logits
+        if image_token_id is not None and (image_token_id in ids[common:] or image_token_id in held[common:]):
+            return 0  # a new image needs the vision tower; a dropped one would leave stale M-RoPE offsets
+        return common
+
+    def keep_prefix(self, tokens: int) -> None:
+        """Cut the cache back to the first `tokens` of its sequence, per layer."""
+        pruned_before = sum(1 for p in self.pruned if p < tokens)
+        lengths = [tokens - pruned_before if self.pruned_from is not None and layer >= self.pruned_from else tokens
+                   for layer in range(self.cache.num_layers)]
+        self.cache.truncate(lengths)
+        self.pruned = [p for p in self.pruned if p < tokens]
+        self.sequence = self.sequence[:tokens]
+        self.reuses += 1
+        self.reused_tokens += tokens
+
+    def note_prefill(self, ids: list[int], pruned: bool) -> None:
+        """After a full prefill: what the cache holds, and which positions pruning left out."""
+        decoder = self.decoder
+        self.sequence = list(ids)
+        if pruned:
+            kept = set(decoder.last_keep.tolist())
+            self.pruned = [p for p in range(len(ids)) if p not in kept]
+            self.pruned_from = decoder.last_prune_at
+        else:
+            self.pruned, self.pruned_from = [], None
 
     def prepare(self, positions: int) -> StaticKVCache:
         """An empty cache with room for `positions` (the old buffers and graphs when they suffice)."""
@@ -46,7 +93,11 @@ class LeanEngine:
             self.step = LeanDecodeStep(text, self.lm_head, self.cache, self.graphs, self.decoder.set_token_is_visual)
         self.step.profiling = self.profiling
         self.cache.reset()
+        self.sequence, self.pruned, self.pruned_from = [], [], None
         return self.cache
+
+    def fits(self, positions: int) -> bool:
+        return self.cache is not None and self.cache.capacity >= positions
 
     def profile(self) -> dict[str, Any]:
         """Seconds per decode step by piece kind and layer, from the profiled steps so far."""
@@ -63,6 +114,7 @@ class LeanEngine:
         for old in self.retired_steps:  # totals over every cache this engine made
             for key in ("steps", "graphed_steps", "segments_captured", "capture_failures", "check_failures"):
                 out[key] += old[key]
+        out["reused_prefixes"], out["reused_tokens"] = self.reuses, self.reused_tokens
         out["cache_capacity"] = self.cache.capacity
         out["cache_bytes"] = self.cache.nbytes()
         return out
@@ -110,16 +162,29 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
     if max_new_tokens < 1:
         return prompt
     engine = decoder.lean_engine(model.lm_head)
-    cache = engine.prepare(prompt.shape[1] + max_new_tokens)
+    ids = prompt[0].tolist()
+    reuse = engine.reusable_prefix(ids, getattr(model.config, "image_token_id", None)) \
+        if engine.fits(len(ids) + max_new_tokens) else 0
     if streamer is not None:
         streamer.put(prompt.cpu())
-    model.model.rope_deltas = None  # a new request: M-RoPE positions come from this prompt
-    logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if reuse:  # the history is in the cache: prefill the new tokens only (no vision tower)
+        engine.keep_prefix(reuse)
+        cache = engine.cache
+        engine.sequence = list(ids)
+        logits = model(input_ids=prompt[:, reuse:], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    else:
+        cache = engine.prepare(len(ids) + max_new_tokens)
+        model.model.rope_deltas = None  # a new request: M-RoPE positions come from this prompt
+        pruned_before = decoder.counters.pruned_prefills
+        logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        engine.note_prefill(ids, decoder.counters.pruned_prefills > pruned_before)
     delta = model.model.rope_deltas
     engine.step.rope_delta.copy_(delta.reshape(-1)[:1] if delta is not None else torch.zeros(1, dtype=torch.long))
     eos, produced = _eos_ids(model), []
     temperature = 1.0 if temperature is None else temperature
     top_p = 1.0 if top_p is None else top_p
+    held = engine.sequence
+    engine.sequence = []  # unknown until the loop ends normally (an error leaves the cache unusable)
     try:
         for index in range(max_new_tokens):
             token = next_token(logits, do_sample, temperature, top_p)
@@ -134,6 +199,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
                 if bool(torch.as_tensor(stopping_criteria(so_far, logits)).all()):
                     break
             logits = engine.step(token)
+        engine.sequence = held + produced[:-1]  # every produced token but the last went through a step
     finally:
         if streamer is not None:
             streamer.end()

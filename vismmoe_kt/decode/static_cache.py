@@ -56,6 +56,14 @@ class StaticKVCache:
         self.lengths.zero_()
         self.decoding = False
 
+    def truncate(self, lengths: list[int]) -> None:
+        """Keep the first lengths[l] entries of each layer (a conversation's reused prefix)."""
+        if len(lengths) != self.num_layers or any(not 0 <= n <= h for n, h in zip(lengths, self.host_lengths)):
+            raise ValueError(f"cannot truncate layers holding {self.host_lengths} to {lengths}")
+        self.host_lengths = list(lengths)
+        self.lengths.copy_(torch.tensor(lengths))
+        self.decoding = False
+
     # --- the interface transformers' attention and our decoder call ----------------------------------
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.host_lengths[layer_idx or 0]

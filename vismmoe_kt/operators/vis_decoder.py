@@ -129,7 +129,8 @@ class VisDecoder(BaseInjectedModule):
         self.counters = CompressionStats()
         self._routes: dict[int, torch.Tensor] = {}
         self._recording = False
-        self.last_keep: torch.Tensor | None = None  # sequence indices kept by the last pruned prefill
+        self.last_keep: torch.Tensor | None = None  # sequence indices kept by the last pruned prefill ...
+        self.last_prune_at: int | None = None        # ... in the layers from this one on
         self._llm_saliency: torch.Tensor | None = None
         for index, layer in enumerate(orig_module.layers):
             gate = getattr(layer.mlp, "gate", None)
@@ -231,6 +232,7 @@ class VisDecoder(BaseInjectedModule):
             if index == prune_at:
                 start = time.perf_counter()
                 keep = self.last_keep = self._keep(visual_pos_masks[0], list(range(prune_at)))
+                self.last_prune_at = prune_at
                 self._recording = False
                 full = hidden
                 hidden = hidden[:, keep]
