@@ -278,3 +278,25 @@ class _Sink:
     def flush(self):
         pass
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_equal_the_model_modules(dtype):
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (Qwen3VLMoeTextRMSNorm,
+                                                                        Qwen3VLMoeTextTopKRouter)
+
+    from vismmoe_kt.decode.fused_ops import rms_norm, route
+    from vismmoe_kt.tiny_models import build_tiny_model
+
+    torch.manual_seed(0)
+    norm = Qwen3VLMoeTextRMSNorm(64, eps=1e-6).to(dtype)
+    norm.weight.data.normal_()
+    x = torch.randn(5, 64, dtype=dtype) * 3
+    assert torch.allclose(rms_norm(norm, x).float(), norm(x).float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    config = build_tiny_model("tiny-4x16", seed=0)[0].config.text_config
+    gate = Qwen3VLMoeTextTopKRouter(config).to(dtype)
+    gate.weight.data.normal_()
+    _, ref_weights, ref_ids = gate(x)
+    weights, ids = route(gate, x)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(weights.float(), ref_weights.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)

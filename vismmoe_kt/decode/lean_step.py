@@ -5,7 +5,7 @@ Shapes: H hidden, V vocabulary, C the cache's capacity, K experts per token; one
 The step is a list of pieces, each a function from a tuple of tensors to the next tuple:
     embed            token -> hidden, rotary cos/sin for the next position, the layers' masks
     attention l      input norm, attention over layer l's static cache, residual, post-attention norm,
-                     and for an MoE layer the router (softmax, top-k, renormalisation)
+                     and for an MoE layer the router (norms and router fused: decode/fused_ops.py)
     experts l        the routed experts (the injected operator), residual
     head             final norm, lm_head -> logits (1, V); the cache lengths move on by one
 A piece is `capturable` when it launches device work only: then consecutive capturable pieces form a
@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .fused_ops import is_qwen_rms_norm, is_top_k_router, rms_norm, route
 from .graphs import State, capture_backend
 from .static_cache import StaticKVCache
 
@@ -62,6 +63,18 @@ class LeanCounters:
     reason_eager: str = ""
     profile: dict[str, dict[str, float]] = field(default_factory=dict)  # piece kind -> layer -> seconds
     profile_steps: int = 0
+
+
+def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fused RMSNorm where the module is Qwen's, else the module itself."""
+    return (lambda x: rms_norm(norm, x)) if is_qwen_rms_norm(norm) else norm
+
+
+def router_fn(gate: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(weights, expert ids) from the fused top-k router where the gate is Qwen's top-k router."""
+    if is_top_k_router(gate):
+        return lambda x: route(gate, x)
+    return lambda x: gate(x)[1:]
 
 
 def experts_capturable(experts: nn.Module) -> bool:
@@ -107,17 +120,19 @@ class LeanDecodeStep:
 
     def _attention(self, index: int, layer: nn.Module, moe: bool) -> Callable[[State], State]:
         cache = self.cache
+        norm_in, norm_post = norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm)
+        router = router_fn(layer.mlp.gate) if moe else None
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
-            attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), position_embeddings=(cos, sin),
+            attended, _ = layer.self_attn(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
                                           attention_mask=masks[index:index + 1], past_key_values=cache)
             hidden = hidden + attended
-            normed = layer.post_attention_layernorm(hidden)
+            normed = norm_post(hidden)
             if not moe:
                 return hidden + layer.mlp(normed), cos, sin, masks
             flat = normed.view(-1, normed.shape[-1])
-            _, weights, chosen = layer.mlp.gate(flat)
+            weights, chosen = router(flat)
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
 
@@ -129,7 +144,7 @@ class LeanDecodeStep:
         return run
 
     def _head(self, state: State) -> State:
-        logits = self.lm_head(self.text.norm(state[0]))[:, -1]
+        logits = self.lm_head(norm_fn(self.text.norm)(state[0]))[:, -1]
         self.cache.advance_on_device()
         return (logits,)
 
