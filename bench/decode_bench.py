@@ -12,7 +12,8 @@ Configurations (all greedy, batch 1, an image prompt):
 Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
 tokens agree with `hf` from the start, and for offloaded ones the bytes copied per decode token and
 the physical bound max(bytes per token / copy bandwidth measured in this run, lean-graphs' time per
-token). `--profile` adds one profiled request per lean configuration: seconds per step by piece
+token). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
+path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
 Random weights route almost uniformly, so hit rates and bytes per token are not a trained model's.
@@ -60,6 +61,9 @@ def sync(device: str) -> None:
 def timed(model, inputs, tokens: int, device: str) -> tuple[float, float, torch.Tensor]:
     """(seconds to the first token, decode tokens/s over the rest, the tokens)."""
     streamer = TimingStreamer(_NoText(), io.StringIO())
+    decoder = lean_decoder_of(model)
+    if decoder is not None:  # cold prefill each time: the same prompt again would reuse the cache
+        decoder.lean_engine(model.lm_head).forget()
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -122,6 +126,22 @@ def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
     return int(same.cumprod(0).sum())
 
 
+def conversation(model, processor, args) -> list[float]:
+    """Seconds to the first token of each turn of a chat about one image (median over --reps chats)."""
+    from vismmoe_kt.chat_session import ChatSession
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (args.image_size, args.image_size, 3),
+                                                              dtype=np.uint8))
+    per_turn: list[list[float]] = [[] for _ in range(args.turns)]
+    for _ in range(args.reps):
+        session = ChatSession(model, processor, max_new_tokens=args.decode_tokens, greedy=True)
+        for turn in range(args.turns):
+            _, timings = session.ask(f"Question {turn}: what else is in the picture?", [image] if turn == 0 else [],
+                                     out=io.StringIO())
+            per_turn[turn].append(timings.prompt_seconds)
+    return [statistics.median(t) for t in per_turn]
+
+
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     rules, overrides = parse_config(spec)
     if args.device.startswith("cuda"):
@@ -141,6 +161,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
            "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
            "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference)}
+    if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
+        row["turn_prompt_s"] = conversation(model, processor, args)
     if runtime is not None:
         summary = runtime.summary()
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
@@ -177,6 +199,7 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
     args = parser.parse_args()
     for spec in args.configs:
         parse_config(spec)
@@ -220,6 +243,11 @@ def main() -> int:
         agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {bound} |")
+    if args.turns > 1:
+        print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
+        print("|---" * (args.turns + 1) + "|")
+        for r in rows:
+            print(f"| {r['config']} | " + " | ".join(f"{t:.3f}" for t in r["turn_prompt_s"]) + " |")
     return 0
 
 

@@ -55,6 +55,10 @@ class LeanEngine:
             return 0  # a new image needs the vision tower; a dropped one would leave stale M-RoPE offsets
         return common
 
+    def forget(self) -> None:
+        """The next request prefills whole (benchmarks of cold prefill)."""
+        self.sequence = []
+
     def keep_prefix(self, tokens: int) -> None:
         """Cut the cache back to the first `tokens` of its sequence, per layer."""
         pruned_before = sum(1 for p in self.pruned if p < tokens)
