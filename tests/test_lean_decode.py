@@ -300,3 +300,15 @@ def test_fused_ops_equal_the_model_modules(dtype):
     weights, ids = route(gate, x)
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(weights.float(), ref_weights.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_min_new_tokens_decodes_past_the_end_token(case):
+    """Benchmarks decode a fixed count: with min_new_tokens the end-of-sequence token does not stop it."""
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), **CPU)
+    model.generation_config.eos_token_id = int(expected[0, inputs["input_ids"].shape[1] + 2])  # the 3rd token
+    with torch.no_grad():
+        short = generate(model, inputs, TOKENS)
+        full = generate(model, inputs, TOKENS, min_new_tokens=TOKENS)
+    prompt = inputs["input_ids"].shape[1]
+    assert short.shape[1] - prompt <= 3 and torch.equal(full, expected)

@@ -152,14 +152,15 @@ def _eos_ids(model: Any) -> set[int]:
 
 def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, streamer: Any = None,
              do_sample: bool = False, temperature: float | None = None, top_p: float | None = None,
-             stopping_criteria: Any = None) -> torch.Tensor:
-    """(1, prompt + new) token ids, like `model.generate` (batch 1)."""
+             stopping_criteria: Any = None, min_new_tokens: int = 0) -> torch.Tensor:
+    """(1, prompt + new) token ids, like `model.generate` (batch 1). End-of-sequence tokens do not stop
+    it before `min_new_tokens` (benchmarks decode a fixed count)."""
     decoder = lean_decoder_of(model)
     if decoder is None:
         sampling = {"do_sample": do_sample} if not do_sample else {"do_sample": True, "temperature": temperature,
                                                                      "top_p": top_p}
-        return model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=streamer,
-                              stopping_criteria=stopping_criteria, **sampling)
+        return model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                              streamer=streamer, stopping_criteria=stopping_criteria, **sampling)
     prompt = inputs["input_ids"]
     if prompt.shape[0] != 1:
         raise ValueError(f"the lean decode path takes one request at a time, got a batch of {prompt.shape[0]}")
@@ -196,7 +197,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
             produced.append(value)
             if streamer is not None:
                 streamer.put(token.cpu())
-            if value in eos or index == max_new_tokens - 1:
+            if (value in eos and index + 1 >= min_new_tokens) or index == max_new_tokens - 1:
                 break
             if stopping_criteria is not None:
                 so_far = torch.cat([prompt, torch.tensor([produced], device=prompt.device)], dim=1)
