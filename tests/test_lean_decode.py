@@ -312,3 +312,71 @@ def test_min_new_tokens_decodes_past_the_end_token(case):
         full = generate(model, inputs, TOKENS, min_new_tokens=TOKENS)
     prompt = inputs["input_ids"].shape[1]
     assert short.shape[1] - prompt <= 3 and torch.equal(full, expected)
+
+
+def _first_logits(monkeypatch):
+    """Record the logits each generate() call samples its first token from."""
+    import vismmoe_kt.decode.generation as generation
+
+    seen, original = [], generation.next_token
+
+    def recording(logits, *args):
+        seen.append(logits.detach().clone())
+        return original(logits, *args)
+    monkeypatch.setattr(generation, "next_token", recording)
+    return seen
+
+
+def test_a_different_image_of_the_same_size_is_never_reused(case, monkeypatch):
+    """Two images of one size give identical token ids; the cache must tell them apart by content."""
+    from conftest import make_image
+
+    model_dir, inputs, _ = case
+    model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), **CPU)
+    ref, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), decode="hf", **CPU)
+    other = processor(text=[processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}],
+        add_generation_prompt=True, tokenize=False)], images=[make_image(160, 128, 7)], return_tensors="pt")
+    assert torch.equal(other["input_ids"], inputs["input_ids"])  # the same tokens, another picture
+    with torch.no_grad():
+        generate(model, inputs, 4)
+        tokens = generate(model, other, TOKENS)
+        expected = generate(ref, other, TOKENS)
+    assert decoder_of(model).stats()["decode_reused_prefixes"] == 0
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("rules,extra,reused", [
+    ("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": budget(2)}, 2),
+    # pruning picks among all visual tokens at once: the turn that adds an image is prefilled whole
+    ("optimize_rules/qwen3vl.yaml", {"expert_budget": budget(4), "keep_ratio": 0.5, "prune_layer": 1}, 1)])
+def test_a_turn_with_a_new_image_runs_the_vision_tower_on_it_alone(case, monkeypatch, rules, extra, reused):
+    """Turn 2 adds an image, turn 3 none: the lean path's first-token logits of every turn equal a
+    fresh full forward over the whole conversation, and the vision tower only ever sees new images."""
+    from conftest import make_image
+
+    model_dir = case[0]
+    sampled = _first_logits(monkeypatch)
+    model, processor = load(model_dir, rules, graphs="replay", **extra, **CPU)
+    fresh, _ = load(model_dir, rules, decode="hf", **extra, **CPU)
+    rows = []
+    model.model.visual.register_forward_hook(lambda m, args, out: rows.append(int(args[0].shape[0])))
+    turns = [("Describe the image.", make_image(120, 96, 3)), ("And this one?", make_image(64, 64, 4)),
+             ("Which is brighter?", None)]
+    messages, images = [], []
+    with torch.no_grad():
+        for text, image in turns:
+            images += [image] if image is not None else []
+            content = ([{"type": "image"}] if image is not None else []) + [{"type": "text", "text": text}]
+            messages.append({"role": "user", "content": content})
+            prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = processor(text=[prompt], images=images, return_tensors="pt")
+            sampled.clear()
+            out = generate(model, inputs, 8)
+            expected = fresh(**inputs).logits[:, -1]
+            assert (sampled[0] - expected).abs().max().item() <= 1e-4
+            reply = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": reply}]})
+    assert decoder_of(model).stats()["decode_reused_prefixes"] == reused
+    first, second = inputs["image_grid_thw"].prod(dim=-1).tolist()  # pixel rows of each image
+    assert rows == ([first, second] if reused == 2 else [first, first + second])

@@ -7,15 +7,19 @@ from `LeanDecodeStep`: no DynamicCache growth, no HF generation loop, and one ho
 (the sampled id, which the streamer and the stop check need anyway). Otherwise it is
 `model.generate`, unchanged.
 
-Conversations: the cache remembers which token ids it holds. When the next request starts with the
-same tokens (a chat's next turn re-sends the history) and adds no image, only the new tokens are
-prefilled on top of the kept prefix: the vision tower and the earlier turns do not run again. Image
-tokens the cache holds must all lie inside the reused prefix (their M-RoPE offset then still holds);
-under visual-token pruning the kept prefix is cut per layer, counting the pruned positions before it.
+Conversations: the cache remembers which token ids and which images (by content) it holds. When the
+next request starts with the same tokens and the same images (a chat's next turn re-sends the
+history), only the tokens after the common prefix are prefilled on top of it: the vision tower runs
+on the new images only, the earlier turns not at all. The images the cache holds must all lie inside
+the reused prefix (their M-RoPE offsets then hold; positions of the new part come from the whole
+prompt). Under visual-token pruning a turn that adds an image is prefilled whole (pruning picks among
+all visual tokens at once), and the kept prefix is cut per layer, counting the pruned positions.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +28,30 @@ from .lean_step import LeanDecodeStep
 from .static_cache import StaticKVCache
 
 CAPACITY_STEP = 256  # caches grow in these steps, so most requests reuse the buffers (and the graphs)
+
+
+@dataclass(frozen=True)
+class ImageKey:
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    digest: bytes               # of its pixel rows: two images of one size give the same tokens
+
+    def patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def image_keys(inputs: dict[str, torch.Tensor]) -> list[ImageKey]:
+    """One key per image of a processed request, in prompt order."""
+    grids = inputs.get("image_grid_thw")
+    if grids is None:
+        return []
+    pixels = inputs["pixel_values"].detach().cpu().contiguous()
+    keys, start = [], 0
+    for grid in grids.tolist():
+        rows = grid[0] * grid[1] * grid[2]
+        digest = hashlib.blake2b(pixels[start:start + rows].numpy().tobytes(), digest_size=16).digest()
+        keys.append(ImageKey(tuple(grid), digest))
+        start += rows
+    return keys
 
 
 class LeanEngine:
@@ -36,23 +64,35 @@ class LeanEngine:
         self.retired_steps: list[dict] = []
         self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
         self.sequence: list[int] = []   # the token ids the cache holds, in order
+        self.images: list[ImageKey] = []  # the images among them, in order
         self.pruned: list[int] = []     # positions of `sequence` without an entry in layers >= pruned_from
         self.pruned_from: int | None = None
         self.reuses = self.reused_tokens = 0
 
-    def reusable_prefix(self, ids: list[int], image_token_id: int | None) -> int:
+    def reusable_prefix(self, ids: list[int], images: list[ImageKey], image_token_id: int | None,
+                        tokens_per_patch: float, new_images_ok: bool) -> int:
         """How many leading tokens of `ids` can stay in the cache (0: prefill everything)."""
         held = self.sequence
         if self.cache is None or not held or self.cache.host_lengths[0] != len(held):
             return 0
+        if images[:len(self.images)] != self.images:
+            return 0  # another image where one was: same tokens, different keys and values
         common = 0
         for a, b in zip(held, ids):
             if a != b:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # at least one token to prefill: it gives the next logits
-        if image_token_id is not None and (image_token_id in ids[common:] or image_token_id in held[common:]):
-            return 0  # a new image needs the vision tower; a dropped one would leave stale M-RoPE offsets
+        if image_token_id is None:
+            return common
+        if image_token_id in held[common:]:
+            return 0  # a held image would be cut: its M-RoPE offsets would go stale
+        new = images[len(self.images):]
+        if new and not new_images_ok:
+            return 0
+        # the new part must hold exactly the new images, whole
+        if ids[common:].count(image_token_id) != round(sum(k.patches() for k in new) * tokens_per_patch):
+            return 0
         return common
 
     def forget(self) -> None:
@@ -70,10 +110,10 @@ class LeanEngine:
         self.reuses += 1
         self.reused_tokens += tokens
 
-    def note_prefill(self, ids: list[int], pruned: bool) -> None:
+    def note_prefill(self, ids: list[int], images: list[ImageKey], pruned: bool) -> None:
         """After a full prefill: what the cache holds, and which positions pruning left out."""
         decoder = self.decoder
-        self.sequence = list(ids)
+        self.sequence, self.images = list(ids), list(images)
         if pruned:
             kept = set(decoder.last_keep.tolist())
             self.pruned = [p for p in range(len(ids)) if p not in kept]
@@ -97,7 +137,7 @@ class LeanEngine:
             self.step = LeanDecodeStep(text, self.lm_head, self.cache, self.graphs, self.decoder.set_token_is_visual)
         self.step.profiling = self.profiling
         self.cache.reset()
-        self.sequence, self.pruned, self.pruned_from = [], [], None
+        self.sequence, self.images, self.pruned, self.pruned_from = [], [], [], None
         return self.cache
 
     def fits(self, positions: int) -> bool:
@@ -150,6 +190,23 @@ def _eos_ids(model: Any) -> set[int]:
     return set() if eos is None else set([eos] if isinstance(eos, int) else eos)
 
 
+def continuation(model: Any, inputs: dict[str, torch.Tensor], start: int, images: list[ImageKey],
+                 held_images: int) -> dict[str, torch.Tensor]:
+    """The model inputs for the tokens from `start` on, the first `held_images` images being cached."""
+    prompt = inputs["input_ids"]
+    part = {"input_ids": prompt[:, start:]}
+    if len(images) == held_images:
+        return part  # text only: positions continue from the cached length plus the held rope offset
+    rows = sum(k.patches() for k in images[:held_images])
+    types = inputs["mm_token_type_ids"]
+    # M-RoPE positions of a new image depend on everything before it: take them from the whole prompt
+    positions, deltas = model.model.get_rope_index(prompt, types, image_grid_thw=inputs["image_grid_thw"])
+    model.model.rope_deltas = deltas
+    part.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=inputs["image_grid_thw"][held_images:],
+                mm_token_type_ids=types[:, start:], position_ids=positions[:, :, start:])
+    return part
+
+
 def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, streamer: Any = None,
              do_sample: bool = False, temperature: float | None = None, top_p: float | None = None,
              stopping_criteria: Any = None, min_new_tokens: int = 0) -> torch.Tensor:
@@ -168,21 +225,27 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
         return prompt
     engine = decoder.lean_engine(model.lm_head)
     ids = prompt[0].tolist()
-    reuse = engine.reusable_prefix(ids, getattr(model.config, "image_token_id", None)) \
-        if engine.fits(len(ids) + max_new_tokens) else 0
+    images = image_keys(inputs)
+    reuse = 0
+    if engine.fits(len(ids) + max_new_tokens) and "pixel_values_videos" not in inputs:
+        merge = model.config.vision_config.spatial_merge_size
+        reuse = engine.reusable_prefix(ids, images, getattr(model.config, "image_token_id", None), 1 / merge ** 2,
+                                       new_images_ok=not decoder.active)
     if streamer is not None:
         streamer.put(prompt.cpu())
-    if reuse:  # the history is in the cache: prefill the new tokens only (no vision tower)
+    if reuse:  # the history is in the cache: prefill the rest only (the vision tower sees new images only)
+        held_images = len(engine.images)
         engine.keep_prefix(reuse)
         cache = engine.cache
-        engine.sequence = list(ids)
-        logits = model(input_ids=prompt[:, reuse:], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        engine.sequence, engine.images = list(ids), list(images)
+        logits = model(**continuation(model, inputs, reuse, images, held_images), past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
     else:
         cache = engine.prepare(len(ids) + max_new_tokens)
         model.model.rope_deltas = None  # a new request: M-RoPE positions come from this prompt
         pruned_before = decoder.counters.pruned_prefills
         logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        engine.note_prefill(ids, decoder.counters.pruned_prefills > pruned_before)
+        engine.note_prefill(ids, images, decoder.counters.pruned_prefills > pruned_before)
     delta = model.model.rope_deltas
     engine.step.rope_delta.copy_(delta.reshape(-1)[:1] if delta is not None else torch.zeros(1, dtype=torch.long))
     eos, produced = _eos_ids(model), []
