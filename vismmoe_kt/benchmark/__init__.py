@@ -1,0 +1,104 @@
+"""`vismmoe-kt bench`: every configuration side by side, same machine, same run, same inputs.
+
+    configs.py             the configurations (baselines and VisMMOE's ablation) as rule lists
+    source.py              the model: a directory, the demo model, or synthetic full-size shapes
+    inputs.py, timing.py   the requests; prefill latency and decode speed, median and spread
+    bandwidth.py           the copy bandwidth of this machine, measured in the run
+    figures.py             hit rates, bytes moved, copy time hidden, CPU share, the copy bound
+    accelerate_offload.py  the accelerate `device_map` baseline
+    runner.py              one configuration at one budget
+    report.py              table, JSON, PNG
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..runtime.budget import BudgetError, parse_bytes
+
+DEFAULT_BUDGETS = ("16GiB", "32GiB")       # expert budgets standing for a 24 GB and a 40 GB card (rule files)
+DEFAULT_DEMO_BUDGETS = ("10MiB", "16MiB")  # the demo model: 1 pinned layer + 1 of slabs, and about 3 of 6 layers
+
+
+def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
+    budgets = list(values or (DEFAULT_DEMO_BUDGETS if demo else DEFAULT_BUDGETS))
+    for value in budgets:
+        try:
+            parse_bytes(value)
+        except BudgetError as exc:
+            raise InputError(f"--budgets {value!r}: {exc}") from None
+    return budgets
+
+
+def check_counts(args) -> None:
+    for flag, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--repeats", args.repeats, 1),
+                               ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1)):
+        if value < least:
+            raise InputError(f"{flag} must be at least {least}, got {value}")
+    bad = [s for s in args.image_sizes if s < 32]
+    if bad:
+        raise InputError(f"--image-sizes must be at least 32 px, got {bad[0]}")
+    if args.profile and not args.output:
+        raise InputError("--profile writes profile.json into the --output directory: give --output DIR")
+    if args.predictor and not Path(args.predictor).is_file():
+        raise InputError(f"--predictor {args.predictor}: no such file (vismmoe-kt calibrate writes predictor.pt)")
+
+
+def run(args) -> int:
+    """The `bench` subcommand: validate everything, then measure, print and write."""
+    import torch
+    from tqdm import tqdm
+
+    from .bandwidth import measure_copy_bandwidth
+    from .configs import parse_configs
+    from .inputs import PROMPT
+    from .report import describe_meta, markdown_table, write_outputs
+    from .runner import Settings, run_config
+    from .source import model_source
+
+    configs = parse_configs(args.configs)
+    budgets = parse_budgets(args.budgets, args.demo)
+    check_counts(args)
+    source = model_source(args)
+    torch.set_num_threads(args.cpu_infer)
+    cuda = torch.cuda.is_available()
+    bandwidth = measure_copy_bandwidth(torch.device("cuda:0" if cuda else "cpu"))
+    settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
+                        bandwidth["bytes_per_s"], args.predictor, args.profile)
+    notes = ["budgets are the offload runtime's expert budgets (GPU memory for routed experts); accelerate's "
+             "GPU cap is the budget plus the non-expert weights"]
+    if source.random_weights:
+        notes.append("random weights: routing is near-uniform, so hit rates, bytes moved, CPU share and the "
+                     "copy bound are not a trained model's")
+    if not cuda:
+        notes.append("no CUDA: every configuration runs on the CPU; copies are synchronous there, so 'copy "
+                     "hidden' counts prefetch copies the compute thread itself ran")
+    meta: dict[str, Any] = {
+        "model": source.describe(), "layers": args.layers, "device": torch.cuda.get_device_name(0) if cuda else
+        f"CPU only ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "prompt": PROMPT, "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens,
+        "warmup": args.warmup, "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor,
+        "copy_bandwidth": bandwidth, "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
+    print(describe_meta(meta), file=sys.stderr)
+    runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
+    steps = len(runs) * len(args.image_sizes) * (args.warmup + args.repeats)
+    rows, profile = [], {}
+    with tqdm(total=steps, desc="bench", unit="run") as progress:
+        for config, budget in runs:
+            progress.set_postfix_str(f"{config.name}{' @ ' + budget if budget else ''}")
+            config_rows, config_profile = run_config(config, budget, source, settings, progress)
+            rows += config_rows
+            if config_profile is not None:
+                profile[f"{config.name}{' @ ' + budget if budget else ''}"] = config_profile
+    print(describe_meta(meta))
+    print(markdown_table(rows))
+    if args.output:
+        written = write_outputs(Path(args.output), meta, rows, profile if args.profile else None)
+        print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
