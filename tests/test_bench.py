@@ -43,6 +43,14 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert "model.language_model.orig_module.layers.5.mlp.experts" in profile["vismmoe-full @ 10MiB"]
 
+    # the parts of a long run merge into one table and chart (scripts/bench_h200.sh + merge_bench.py)
+    from scripts.merge_bench import main as merge
+
+    assert merge([str(tmp_path / "merged"), str(tmp_path / "bench.json"), str(tmp_path / "bench.json")]) == 0
+    merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
+    assert len(merged["parts"]) == 2 and len(merged["rows"]) == 2 * len(CONFIGS)
+    assert (tmp_path / "merged" / "bench.png").exists()
+
 
 def _expert_kwargs(rules):
     return next(r["replace"]["kwargs"] for r in rules if r["replace"].get("class") == EXPERTS_OPERATOR)
@@ -75,3 +83,15 @@ def test_bad_input_gives_a_clear_error(args, message, capsys):
 def test_bench_needs_exactly_one_model(capsys):
     assert main(["bench", "--decode-tokens", "2"]) == 2
     assert "give exactly one of --model_path DIR, --demo or --synthetic NAME" in capsys.readouterr().err
+
+
+def test_accelerate_baseline_caps_the_gpu_by_whole_blocks(reference):
+    """The AC placement (planned without a GPU): non-expert weights plus a budget of experts gets the
+    first blocks on the GPU and leaves later decoder layers on the host."""
+    from vismmoe_kt.benchmark.accelerate_offload import non_expert_bytes, plan_device_map
+
+    model, _ = reference
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    placement = plan_device_map(model, non_expert_bytes(model) + expert_bytes // 2)
+    assert placement["model.language_model.layers.0"] == 0
+    assert placement[max(k for k in placement if ".layers." in k)] == "cpu"

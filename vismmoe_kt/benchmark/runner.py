@@ -51,11 +51,12 @@ def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, A
             "pinned_layers": None, "slabs": None, "placement": None, **dict.fromkeys(FIGURE_KEYS)}
 
 
+def skipped_row(config: BenchConfig, budget: str | None, size: int, reason: str) -> dict[str, Any]:
+    return {**empty_row(config, budget, size), "status": "skipped", "reason": reason}
+
+
 def skipped(config: BenchConfig, budget: str | None, settings: Settings, reason: str) -> list[dict[str, Any]]:
-    rows = [empty_row(config, budget, size) for size in settings.image_sizes]
-    for row in rows:
-        row.update(status="skipped", reason=reason)
-    return rows
+    return [skipped_row(config, budget, size, reason) for size in settings.image_sizes]
 
 
 def _runtime(model):
@@ -64,11 +65,18 @@ def _runtime(model):
     return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
 
 
-def _free(model) -> None:
+def _stop_runtime(model) -> None:
     """Stop the runtime's worker, so nothing keeps the model alive once the caller drops it."""
     runtime = _runtime(model)
     if runtime is not None:
         runtime.close()
+
+
+def _release_memory(cuda: bool) -> None:
+    """Host memory (the store, kt-kernel's copy) and GPU memory must be free before the next load."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings):
@@ -132,12 +140,11 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     if config.needs_cuda and not settings.cuda:
         progress.update(steps)
         return skipped(config, budget, settings, CUDA_REASON), None
-    if settings.cuda:
-        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         model, processor, placement = _load(config, budget, source, settings)
     except (VismmoeError, torch.cuda.OutOfMemoryError) as exc:  # a budget below the minimum, or no room
+        _release_memory(settings.cuda)
         progress.update(steps)
         reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else str(exc)
         return skipped(config, budget, settings, reason), None
@@ -147,15 +154,19 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
         for size in settings.image_sizes:
             row = empty_row(config, budget, size)
             row.update(load_s=load_s, placement=placement)
-            measure_size(model, processor, size, settings, row, progress)
+            if settings.cuda:  # the peak at this image size: weights plus this size's activations
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                measure_size(model, processor, size, settings, row, progress)
+            except torch.cuda.OutOfMemoryError as exc:  # activations of a larger image: this row only
+                row = skipped_row(config, budget, size, f"out of GPU memory at {size} px: {exc}")
+                _release_memory(settings.cuda)
             if settings.cuda:
                 row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
             rows.append(row)
         profile = _operator_stats(model) if settings.profile else None
     finally:
-        _free(model)
+        _stop_runtime(model)
         del model, processor
-        gc.collect()
-        if settings.cuda:
-            torch.cuda.empty_cache()
+        _release_memory(settings.cuda)
     return rows, profile
