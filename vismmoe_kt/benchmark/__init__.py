@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -84,7 +85,8 @@ def run(args) -> int:
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "prompt": PROMPT, "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens,
         "warmup": args.warmup, "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor,
-        "copy_bandwidth": bandwidth, "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
+        "copy_bandwidth": bandwidth, "load_average": [round(os.getloadavg()[0], 2)],
+        "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
     print(describe_meta(meta), file=sys.stderr)
     runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
     steps = len(runs) * len(args.image_sizes) * (args.warmup + args.repeats)
@@ -96,6 +98,7 @@ def run(args) -> int:
             rows += config_rows
             if config_profile is not None:
                 profile[f"{config.name}{' @ ' + budget if budget else ''}"] = config_profile
+    meta["load_average"].append(round(os.getloadavg()[0], 2))  # other work on the host makes timings noisy
     print(describe_meta(meta))
     print(markdown_table(rows))
     if args.output:

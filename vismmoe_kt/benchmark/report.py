@@ -36,7 +36,8 @@ def table_row(row: dict[str, Any]) -> list[str]:
     tokens = "-" if row["prompt_tokens"] is None else f"{row['prompt_tokens']}, {row['visual_tokens']}"
     if row["visual_tokens_kept"] is not None:
         tokens += f" -> {row['visual_tokens_kept']:.0f} kept"
-    notes = [n for n in (row["placement"], row["reason"] and f"skipped: {row['reason']}") if n]
+    notes = [n for n in (row["placement"], row["cpu_backend"] and f"CPU backend {row['cpu_backend']}",
+                         row["reason"] and f"skipped: {row['reason']}") if n]
     if row["pinned_layers"] is not None:
         notes.insert(0, f"{row['pinned_layers']} pinned layers, {row['slabs']} slabs")
     return [row["config"], row["budget"] or "-", f"{row['image_size']} ({tokens})", _spread(row["prefill_s"], ".3f"),
@@ -57,7 +58,8 @@ def describe_meta(meta: dict[str, Any]) -> str:
     lines = [f"model: {meta['model']}", f"device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
              f"batch 1, prompt {meta['prompt']!r}, images {meta['image_sizes']} px; {meta['warmup']} warm-up and "
              f"{meta['repeats']} measured runs of prefill + {meta['decode_tokens']} decoded tokens per image size",
-             f"copy bandwidth ({bandwidth['kind']}): {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s"]
+             f"copy bandwidth ({bandwidth['kind']}): {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s",
+             f"host load average (1 min) at start / end: {' / '.join(map(str, meta['load_average']))}"]
     lines += [f"note: {note}" for note in meta["notes"]]
     return "\n".join(lines)
 

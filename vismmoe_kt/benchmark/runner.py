@@ -48,7 +48,7 @@ def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, A
     return {"config": config.name, "description": config.description, "budget": budget, "image_size": size,
             "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
             "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
-            "pinned_layers": None, "slabs": None, "placement": None, **dict.fromkeys(FIGURE_KEYS)}
+            "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, **dict.fromkeys(FIGURE_KEYS)}
 
 
 def skipped_row(config: BenchConfig, budget: str | None, size: int, reason: str) -> dict[str, Any]:
@@ -123,6 +123,7 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     after = collect_stats(model)
     row["prefill_s"], row["decode_tok_s"] = spread(prefill), spread(decode)
     row["visual_tokens_kept"] = _compression_kept(before, after)
+    row["cpu_backend"] = next((ops["cpu_backend"] for ops in after["operators"].values() if "cpu_backend" in ops), None)
     delta = difference(runtime_counters(after), runtime_counters(before))
     runtime = _runtime(model)
     if delta is not None:
