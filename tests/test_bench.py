@@ -95,3 +95,12 @@ def test_accelerate_baseline_caps_the_gpu_by_whole_blocks(reference):
     placement = plan_device_map(model, non_expert_bytes(model) + expert_bytes // 2)
     assert placement["model.language_model.layers.0"] == 0
     assert placement[max(k for k in placement if ".layers." in k)] == "cpu"
+
+
+def test_an_unusable_predictor_stops_the_run_naming_the_flag(tmp_path, capsys):
+    bad = tmp_path / "predictor.pt"
+    bad.write_bytes(b"not a predictor")
+    rc = main(["bench", "--demo", "--configs", "vismmoe-full", "--budgets", "10MiB", "--predictor", str(bad),
+               "--image-sizes", "64", "--decode-tokens", "1", "--warmup", "0", "--repeats", "1"])
+    assert rc == 2
+    assert f"--predictor: predictor {bad}: unreadable" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
     return budgets
 
 
-def check_counts(args) -> None:
+def check_flags(args) -> None:
     for flag, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--repeats", args.repeats, 1),
                                ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1)):
         if value < least:
@@ -46,8 +46,20 @@ def check_counts(args) -> None:
         raise InputError(f"--image-sizes must be at least 32 px, got {bad[0]}")
     if args.profile and not args.output:
         raise InputError("--profile writes profile.json into the --output directory: give --output DIR")
-    if args.predictor and not Path(args.predictor).is_file():
-        raise InputError(f"--predictor {args.predictor}: no such file (vismmoe-kt calibrate writes predictor.pt)")
+    if args.predictor:
+        check_predictor(args.predictor)
+
+
+def check_predictor(path: str) -> None:
+    """Readable before any model loads (a predictor of another model is refused at load, per row)."""
+    from ..predictor import LookaheadPredictor
+
+    if not Path(path).is_file():
+        raise InputError(f"--predictor {path}: no such file (vismmoe-kt calibrate writes predictor.pt)")
+    try:
+        LookaheadPredictor.load(path)
+    except ValueError as exc:
+        raise InputError(f"--predictor: {exc}") from None
 
 
 def run(args) -> int:
@@ -64,7 +76,7 @@ def run(args) -> int:
 
     configs = parse_configs(args.configs)
     budgets = parse_budgets(args.budgets, args.demo)
-    check_counts(args)
+    check_flags(args)
     source = model_source(args)
     torch.set_num_threads(args.cpu_infer)
     cuda = torch.cuda.is_available()

@@ -87,7 +87,8 @@ def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings
         placed = dispatch_with_accelerate(model, parse_bytes(budget) + non_expert_bytes(model))
         note = f"{placed['blocks_on_gpu']} of {placed['blocks']} blocks on the GPU"
         return model, processor, note
-    model, processor = source.load(config.rules(budget, settings.predictor), devices, progress=source.synthetic is not None)
+    model, processor = source.load(config.rules(budget, settings.predictor), devices,
+                                   progress=source.synthetic is not None)
     return model, processor, None if settings.cuda else "no CUDA: every module on the CPU"
 
 
