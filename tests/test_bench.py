@@ -2,6 +2,7 @@
 edits, and clear errors for bad flags."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -104,3 +105,12 @@ def test_an_unusable_predictor_stops_the_run_naming_the_flag(tmp_path, capsys):
                "--image-sizes", "64", "--decode-tokens", "1", "--warmup", "0", "--repeats", "1"])
     assert rc == 2
     assert f"--predictor: predictor {bad}: unreadable" in capsys.readouterr().err
+
+
+def test_a_budget_below_the_minimum_is_a_skipped_row_with_the_runtimes_reason(capsys):
+    rc = main(["bench", "--demo", "--configs", "lru", "vismmoe-base", "--budgets", "6MiB", "--image-sizes", "64",
+               "--decode-tokens", "1", "--warmup", "0", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"\| lru \| 6MiB \| 64 \(\d+, \d+\) \|", out)  # one layer of slabs fits: it runs
+    assert "| vismmoe-base | 6MiB | 64 (-) |" in out and "skipped: expert budget 6.0 MiB is too small" in out

@@ -62,14 +62,40 @@ def check_predictor(path: str) -> None:
         raise InputError(f"--predictor: {exc}") from None
 
 
+def run_meta(args, source, budgets: list[str], bandwidth: dict, cuda: bool) -> dict[str, Any]:
+    """What a reader needs beside the rows: model, machine, inputs, the measured bandwidth, caveats."""
+    import torch
+
+    from .inputs import PROMPT
+
+    notes = ["budgets are the offload runtime's expert budgets (GPU memory for routed experts); accelerate's "
+             "GPU cap is the budget plus the non-expert weights",
+             "hit rates count offloaded layers only (a pinned layer always hits): across configurations with "
+             "different pinned prefixes compare bytes moved, not hit rates"]
+    if source.random_weights:
+        notes.append("random weights: routing is near-uniform, so hit rates, bytes moved, CPU share and the "
+                     "copy bound are not a trained model's")
+    if not cuda:
+        notes.append("no CUDA: every configuration runs on the CPU; copies are synchronous there, so 'copy "
+                     "hidden' counts prefetch copies the compute thread itself ran")
+    device = torch.cuda.get_device_name(0) if cuda else \
+        f"CPU only ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "model": source.describe(), "layers": args.layers, "device": device, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompt": PROMPT,
+        "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens, "warmup": args.warmup,
+        "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor, "copy_bandwidth": bandwidth,
+        "load_average": [round(os.getloadavg()[0], 2)],  # other work on the host makes timings noisy
+        "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
+
+
 def run(args) -> int:
     """The `bench` subcommand: validate everything, then measure, print and write."""
     import torch
     from tqdm import tqdm
 
     from .bandwidth import measure_copy_bandwidth
-    from .configs import parse_configs
-    from .inputs import PROMPT
+    from .configs import parse_configs, run_label
     from .report import describe_meta, markdown_table, write_outputs
     from .runner import Settings, run_config
     from .source import model_source
@@ -83,34 +109,19 @@ def run(args) -> int:
     bandwidth = measure_copy_bandwidth(torch.device("cuda:0" if cuda else "cpu"))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
                         bandwidth["bytes_per_s"], args.predictor, args.profile)
-    notes = ["budgets are the offload runtime's expert budgets (GPU memory for routed experts); accelerate's "
-             "GPU cap is the budget plus the non-expert weights"]
-    if source.random_weights:
-        notes.append("random weights: routing is near-uniform, so hit rates, bytes moved, CPU share and the "
-                     "copy bound are not a trained model's")
-    if not cuda:
-        notes.append("no CUDA: every configuration runs on the CPU; copies are synchronous there, so 'copy "
-                     "hidden' counts prefetch copies the compute thread itself ran")
-    meta: dict[str, Any] = {
-        "model": source.describe(), "layers": args.layers, "device": torch.cuda.get_device_name(0) if cuda else
-        f"CPU only ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "prompt": PROMPT, "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens,
-        "warmup": args.warmup, "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor,
-        "copy_bandwidth": bandwidth, "load_average": [round(os.getloadavg()[0], 2)],
-        "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
+    meta = run_meta(args, source, budgets, bandwidth, cuda)
     print(describe_meta(meta), file=sys.stderr)
     runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
     steps = len(runs) * len(args.image_sizes) * (args.warmup + args.repeats)
     rows, profile = [], {}
     with tqdm(total=steps, desc="bench", unit="run") as progress:
         for config, budget in runs:
-            progress.set_postfix_str(f"{config.name}{' @ ' + budget if budget else ''}")
+            progress.set_postfix_str(run_label(config.name, budget))
             config_rows, config_profile = run_config(config, budget, source, settings, progress)
             rows += config_rows
             if config_profile is not None:
-                profile[f"{config.name}{' @ ' + budget if budget else ''}"] = config_profile
-    meta["load_average"].append(round(os.getloadavg()[0], 2))  # other work on the host makes timings noisy
+                profile[run_label(config.name, budget)] = config_profile
+    meta["load_average"].append(round(os.getloadavg()[0], 2))
     print(describe_meta(meta))
     print(markdown_table(rows))
     if args.output:

@@ -96,6 +96,11 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
 
 
+def run_label(name: str, budget: str | None) -> str:
+    """How a configuration at a budget is named in progress, profile.json and the chart."""
+    return f"{name} @ {budget}" if budget else name
+
+
 def parse_configs(names: list[str] | None) -> list[BenchConfig]:
     """`--configs` names -> configurations, in the order given (default: all)."""
     if not names:

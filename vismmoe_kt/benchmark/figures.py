@@ -4,7 +4,8 @@ Counters are differences over the measured repetitions only (warm-up excluded). 
 offload runtime counts, for each MoE layer call, every distinct expert the tokens need as a hit,
 a late prefetch (waited on), a miss (fetched and waited on) or a CPU expert (hybrid mode).
 
-    hit rate           (hits + late) / needed, per phase
+    hit rate           (hits + late) / needed, per phase, over offloaded layers only (pinned layers
+                       are not counted: they always hit), so it is not comparable across prefixes
     bytes per token    expert bytes copied in decode / decoded tokens; prefill: per prefill
     copy hidden        1 - (time compute waited on copies) / (time spent copying)
     CPU-expert share   experts computed on the CPU / needed (1 for KT-style, where all are)

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..plots import hbars_png
 from ..runtime.budget import human_bytes
+from .configs import run_label
 
 COLUMNS = ("config", "budget", "image px (tokens, visual)", "prefill s median (min-max)",
            "decode tok/s median (min-max)", "hit rate prefill / decode", "bytes/decode token", "copy hidden",
@@ -65,7 +66,7 @@ def describe_meta(meta: dict[str, Any]) -> str:
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"{row['config']}{' @ ' + row['budget'] if row['budget'] else ''}, {row['image_size']} px"
+    return f"{run_label(row['config'], row['budget'])}, {row['image_size']} px"
 
 
 def write_outputs(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]],

@@ -92,6 +92,13 @@ def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings
     return model, processor, None if settings.cuda else "no CUDA: every module on the CPU"
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The operator's own message (e.g. the budget's minimum), without the rule engine's wrapping."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc)
+
+
 def _operator_stats(model) -> dict[str, Any]:
     """Each injected operator's own counters, by module name (the --profile breakdown)."""
     return {name: module.stats() for name, module in model.named_modules()
@@ -148,7 +155,7 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     except (VismmoeError, torch.cuda.OutOfMemoryError) as exc:  # a budget below the minimum, or no room
         _release_memory(settings.cuda)
         progress.update(steps)
-        reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else str(exc)
+        reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else _root_cause(exc)
         return skipped(config, budget, settings, reason), None
     load_s = time.perf_counter() - start
     rows = []
