@@ -57,11 +57,7 @@ def model_source(args) -> ModelSource:
         raise InputError("--layers applies to --synthetic models only")
     if args.layers is not None and args.layers < 1:
         raise InputError(f"--layers must be at least 1, got {args.layers}")
-    if args.synthetic:
-        from ..synthetic import SYNTHETIC_MODELS
-
-        if args.synthetic not in SYNTHETIC_MODELS:
-            raise InputError(f"--synthetic {args.synthetic!r}: choose one of {', '.join(SYNTHETIC_MODELS)}")
+    if args.synthetic:  # argparse's choices already checked the name
         return ModelSource(synthetic=args.synthetic, layers=args.layers, dtype=args.dtype)
     if args.demo:
         from ..tiny_models import demo_model_dir
