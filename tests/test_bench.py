@@ -25,6 +25,7 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     assert {"model", "device", "date", "copy_bandwidth", "image_sizes", "decode_tokens", "repeats", "budgets",
             "command", "notes"} <= set(result["meta"])
     assert result["meta"]["copy_bandwidth"]["bytes_per_s"] > 0
+    assert len({frozenset(row) for row in result["rows"]}) == 1  # skipped rows have every key too
     rows = {row["config"]: row for row in result["rows"]}
     assert set(rows) == set(CONFIGS)  # one budget and one image size: one row each
     for name, row in rows.items():

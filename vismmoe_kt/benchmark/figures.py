@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+FIGURE_KEYS = ("hit_rate_prefill", "hit_rate_decode", "bytes_per_prefill", "bytes_per_decode_token",
+               "copy_hidden_fraction", "cpu_expert_share", "touched_bytes_prefill", "touched_bytes_per_decode_token",
+               "copy_bound_prefill_s", "copy_bound_decode_tok_s", "counters")
 COUNTERS = ("hits", "late", "misses", "cpu_experts")
 RUNTIME_KEYS = tuple(f"{phase}_{c}" for phase in ("prefill", "decode") for c in COUNTERS) + (
     "bytes_copied_prefill", "bytes_copied_decode", "copy_seconds", "stall_seconds")

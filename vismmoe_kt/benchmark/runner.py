@@ -18,15 +18,10 @@ from ..runtime.budget import parse_bytes
 from ..stats import collect_stats
 from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
 from .configs import CUDA_REASON, BenchConfig
-from .figures import difference, offload_figures, runtime_counters
+from .figures import FIGURE_KEYS, difference, offload_figures, runtime_counters
 from .inputs import count_tokens, make_request
 from .source import ModelSource
 from .timing import spread, timed_generate
-
-FIGURE_KEYS = ("hit_rate_prefill", "hit_rate_decode", "bytes_per_prefill", "bytes_per_decode_token",
-               "copy_hidden_fraction", "cpu_expert_share", "touched_bytes_prefill", "touched_bytes_per_decode_token",
-               "copy_bound_prefill_s", "copy_bound_decode_tok_s")
-
 
 @dataclass(frozen=True)
 class Settings:
