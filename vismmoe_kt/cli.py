@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max_image_mb", type=float, default=20)
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
 
+    add_bench_parser(commands)
+
     trace = commands.add_parser("trace", help="figures from routing traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
     plot = trace_commands.add_parser("plot", help="expert heatmap, layer similarity, per-layer Hot Recall (PNG)")
@@ -98,6 +100,44 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", required=True)
     plot.add_argument("--predictor", help="predictor.pt, to add per-layer Hot Recall")
     return parser
+
+
+def add_bench_parser(commands) -> None:
+    from .benchmark.configs import CONFIGS
+    from .synthetic import SYNTHETIC_MODELS
+
+    bench = commands.add_parser(
+        "bench", help="measure every configuration (baselines, VisMMOE ablation) side by side",
+        description="Prefill latency and decode speed of the baselines (all-on-GPU, accelerate offload, "
+                    "KTransformers-style CPU experts, LRU) and VisMMOE's ablation steps, same run, same inputs. "
+                    "Configurations: " + ", ".join(CONFIGS) + ". vismmoe_kt/benchmark/configs.py says what each is.")
+    group = bench.add_argument_group("model")
+    group.add_argument("--model_path", help="local Hugging Face model directory")
+    group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, random weights; CPU-sized)")
+    group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS),
+                       help="a full-size model with random weights built in host memory (nothing downloaded)")
+    group.add_argument("--layers", type=int, help="--synthetic only: keep the first N decoder layers")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="convert weights (default: the checkpoint's; bfloat16 for --synthetic)")
+    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
+                       help="CPU threads for CPU compute (default: physical cores - 3)")
+    group.add_argument("--predictor", help="a predictor.pt from `vismmoe-kt calibrate` for the +predict and -full "
+                                           "steps (default: the runtime's history prefetch policy)")
+    run = bench.add_argument_group("what to measure")
+    run.add_argument("--configs", nargs="+", metavar="NAME", help="configurations to run (default: all)")
+    run.add_argument("--budgets", nargs="+", metavar="SIZE",
+                     help="expert budgets, the runtime's GPU memory for routed experts (default: 16GiB 32GiB, "
+                          "standing for 24 GB and 40 GB cards; --demo: 10MiB 16MiB)")
+    run.add_argument("--image-sizes", "--image_sizes", dest="image_sizes", type=int, nargs="+", default=[448, 896],
+                     metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
+    run.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=16,
+                     help="decoded tokens timed per run (default: 16)")
+    run.add_argument("--warmup", type=int, default=1, help="untimed runs per image size before measuring (default: 1)")
+    run.add_argument("--repeats", type=int, default=3, help="timed runs per image size; median and spread (default: 3)")
+    run.add_argument("--output", help="directory for bench.json and bench.png")
+    run.add_argument("--profile", action="store_true",
+                     help="also write profile.json: every operator's counters (per layer and phase) per configuration, "
+                          "and time each lean decode piece per layer in one extra request (decode_profile)")
 
 
 def resolve_model_path(args: argparse.Namespace) -> Path:
@@ -231,6 +271,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by `bench` beside its results
     try:
         if args.command == "chat":
             return run_chat(args)
@@ -240,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "bench":
+            from .benchmark import run
+
+            return run(args)
         if args.command == "trace":
             from .trace_views import plot
 

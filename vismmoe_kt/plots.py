@@ -55,3 +55,27 @@ def bars_png(series: dict[str, list[float]], labels: list[str], path: str | Path
         draw.rectangle([pad, y, pad + 10, y + 10], fill=PALETTE[s % len(PALETTE)])
         draw.text((pad + 16, y - 1), name, fill="black")
     image.save(path)
+
+
+def hbars_png(panels: list[tuple[str, list[tuple[str, float | None]]]], path: str | Path) -> None:
+    """Horizontal bars, one panel per metric, one bar per labelled row; a None value reads "skipped"."""
+    label_width, bar_width, row, pad = 7 * max(len(label) for _, rows in panels for label, _ in rows) + 12, 320, 14, 10
+    height = sum(pad + 16 + row * len(rows) for _, rows in panels) + pad
+    image = Image.new("RGB", (label_width + bar_width + 90, height), "white")
+    draw = ImageDraw.Draw(image)
+    y = pad
+    for index, (title, rows) in enumerate(panels):
+        draw.text((pad, y), title, fill="black")
+        y += 16
+        top = max((v for _, v in rows if v is not None), default=0) or 1.0
+        for label, value in rows:
+            draw.text((pad, y), label, fill="black")
+            if value is None:
+                draw.text((label_width, y), "skipped", fill=(150, 150, 150))
+            else:
+                right = label_width + max(1, int(bar_width * value / top))
+                draw.rectangle([label_width, y + 2, right, y + row - 3], fill=PALETTE[index % len(PALETTE)])
+                draw.text((right + 4, y), f"{value:.3g}", fill="black")
+            y += row
+        y += pad
+    image.save(path)

@@ -143,6 +143,11 @@ class LeanEngine:
     def fits(self, positions: int) -> bool:
         return self.cache is not None and self.cache.capacity >= positions
 
+    def reset_profile(self) -> None:
+        if self.step is not None:
+            self.step.counters.profile.clear()
+            self.step.counters.profile_steps = 0
+
     def profile(self) -> dict[str, Any]:
         """Seconds per decode step by piece kind and layer, from the profiled steps so far."""
         if self.step is None or not self.step.counters.profile_steps:

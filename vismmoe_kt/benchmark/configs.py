@@ -1,0 +1,112 @@
+"""The configurations `vismmoe-kt bench` compares, each as the rule list it loads.
+
+Baselines (what users would otherwise run):
+    all-on-gpu     stock Hugging Face modules, everything on the GPU (the ceiling; skipped when it does not fit)
+    all-pinned     our runtime with a budget that pins every layer (our compute path, no transfers)
+    accelerate     transformers/accelerate `device_map` offload capped by `max_memory` (the paper's "AC")
+    kt-cpu         KTransformers-style: every routed expert on the CPU backend (the paper's "KT")
+    lru            on-demand expert loading with an LRU cache (qwen3vl-lru.yaml)
+
+VisMMOE's ablation (paper Table 4), each step adding one thing to the previous, in offload-only
+(`vismmoe-*`: a missing expert is fetched and waited for) and hybrid mode (`hybrid-*`: the start-up
+cost model may compute a missing expert on the CPU instead):
+    *-base       pinned prefix (Eq. 10) + slab cache with safe eviction; on-demand fetches only
+    *+compress   + affinity-aware visual-token compression (keep_ratio 0.5, after the prefix)
+    *+predict    + prediction and prefetching, shallow: the next offloaded layer, one copy in flight
+    *-full       + the full pipeline orchestration: deep lookahead (window 2, or the trained
+                 predictor's top-B) with up to 16 copies in flight (the rule files' defaults)
+A trained predictor (`--predictor`, from `vismmoe-kt calibrate`) replaces the history policy in
+the +predict and -full steps.
+
+Every configuration except all-on-gpu, all-pinned and kt-cpu takes the expert budget.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import InputError
+
+RULES_DIR = Path(__file__).resolve().parent.parent.parent / "optimize_rules"
+EXPERTS_OPERATOR = "vismmoe_kt.operators.vis_experts.VisExperts"
+COMPRESSION_OPERATORS = ("vismmoe_kt.operators.vis_decoder.VisionSaliency", "vismmoe_kt.operators.vis_decoder.VisDecoder")
+PIN_EVERYTHING = "1TiB"  # more than any model's experts: Eq. 10 then pins every layer
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    description: str
+    rule_file: str                  # under optimize_rules/
+    takes_budget: bool = True
+    needs_cuda: bool = False        # meaningless without a GPU (skipped there, with this reason)
+    compression: bool = False       # keep the VisionSaliency/VisDecoder rules of the rule file
+    expert_kwargs: tuple = ()       # (key, value) pairs set on the VisExperts rule
+    uses_predictor: bool = False    # gets `--predictor` when one is given
+    accelerate: bool = False        # loaded on the host, then dispatched by accelerate
+
+    def rules(self, budget: str | None, predictor: str | None = None) -> list[dict[str, Any]]:
+        """The rule list to load: the rule file with this configuration's edits applied."""
+        rules = yaml.safe_load((RULES_DIR / self.rule_file).read_text(encoding="utf-8"))
+        if not self.compression:
+            rules = [r for r in rules if r["replace"].get("class") not in COMPRESSION_OPERATORS]
+        for rule in rules:
+            if rule["replace"].get("class") != EXPERTS_OPERATOR:
+                continue
+            kwargs = rule["replace"].setdefault("kwargs", {})
+            kwargs.update(copy.deepcopy(dict(self.expert_kwargs)))
+            if budget is not None:
+                kwargs["expert_budget"] = budget
+            if self.uses_predictor and predictor:
+                kwargs["predictor"] = predictor
+        return rules
+
+
+def _ladder(mode: str, miss_policy: str, what: str) -> list[BenchConfig]:
+    steps = [
+        ("-base", "pinned prefix + slab cache, on-demand fetches", False, (("prefetch_window", 0),), False),
+        ("+compress", "+ affinity token compression (keep 0.5)", True, (("prefetch_window", 0),), False),
+        ("+predict", "+ prefetch of the next offloaded layer, one copy in flight", True,
+         (("prefetch_window", 1), ("max_in_flight", 1)), True),
+        ("-full", "+ deep lookahead (window 2 / predictor top-B), 16 copies in flight", True, (), True),
+    ]
+    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "qwen3vl.yaml",
+                        compression=compression, expert_kwargs=(("miss_policy", miss_policy),) + kwargs,
+                        uses_predictor=predictor)
+            for step, description, compression, kwargs, predictor in steps]
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("all-on-gpu", "stock Hugging Face, every module on the GPU", "qwen3vl-gpu.yaml", takes_budget=False),
+    BenchConfig("all-pinned", "our runtime, every layer pinned (no transfers)", "qwen3vl-offload.yaml",
+                takes_budget=False, expert_kwargs=(("expert_budget", PIN_EVERYTHING), ("prefetch_window", 0))),
+    BenchConfig("accelerate", "accelerate device_map offload, GPU capped by max_memory (AC)", "qwen3vl-gpu.yaml",
+                needs_cuda=True, accelerate=True),
+    BenchConfig("kt-cpu", "KTransformers-style: every routed expert on the CPU backend (KT)", "qwen3vl-kt-cpu.yaml",
+                takes_budget=False),
+    BenchConfig("lru", "on-demand expert loading, LRU cache", "qwen3vl-lru.yaml"),
+    *_ladder("vismmoe", "wait", "offload-only"),
+    *_ladder("hybrid", "auto", "hybrid"),
+]}
+CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
+
+
+def run_label(name: str, budget: str | None) -> str:
+    """How a configuration at a budget is named in progress, profile.json and the chart."""
+    return f"{name} @ {budget}" if budget else name
+
+
+def parse_configs(names: list[str] | None) -> list[BenchConfig]:
+    """`--configs` names -> configurations, in the order given (default: all)."""
+    if not names:
+        return list(CONFIGS.values())
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise InputError(f"--configs: unknown configuration {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(CONFIGS)}")
+    return [CONFIGS[n] for n in dict.fromkeys(names)]
