@@ -47,6 +47,7 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     # configurations on the lean decode path also get its per-piece, per-layer breakdown of a step
     breakdown = rows["vismmoe-full"]["decode_profile"]["seconds_per_step"]
     assert set(breakdown["attention"]) == set(breakdown["experts"]) == {str(i) for i in range(6)}
+    assert rows["vismmoe-base"]["decode_profile"] is not None
     assert rows["kt-cpu"]["decode_profile"] is None  # transformers' loop: no lean pieces to time
 
     # the parts of a long run merge into one table and chart (scripts/bench_h200.sh + merge_bench.py)
@@ -66,7 +67,11 @@ def test_ablation_steps_add_one_thing_each():
     classes = lambda rules: {r["replace"].get("class") for r in rules}  # noqa: E731
     base, compress, predict, full = (CONFIGS[f"vismmoe{s}"].rules("24GB", "p.pt") for s in
                                      ("-base", "+compress", "+predict", "-full"))
-    assert not set(COMPRESSION_OPERATORS) & classes(base) and set(COMPRESSION_OPERATORS) <= classes(compress)
+    assert COMPRESSION_OPERATORS[0] not in classes(base) and set(COMPRESSION_OPERATORS) <= classes(compress)
+    decoder = lambda rules: next(r["replace"]["kwargs"] for r in rules  # noqa: E731
+                                 if r["replace"].get("class") == COMPRESSION_OPERATORS[1])
+    assert decoder(base)["compression"] == "none" and decoder(compress)["compression"] == "affinity"
+    assert decoder(base)["decode"] == decoder(compress)["decode"] == "lean"  # one decode path on every step
     assert _expert_kwargs(base)["prefetch_window"] == 0 and _expert_kwargs(base)["predictor"] is None
     assert _expert_kwargs(predict)["prefetch_window"] == 1 and _expert_kwargs(predict)["predictor"] == "p.pt"
     assert "prefetch_window" not in _expert_kwargs(full) and _expert_kwargs(full)["expert_budget"] == "24GB"

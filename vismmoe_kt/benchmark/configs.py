@@ -18,7 +18,9 @@ cost model may compute a missing expert on the CPU instead):
 A trained predictor (`--predictor`, from `vismmoe-kt calibrate`) replaces the history policy in
 the +predict and -full steps.
 
-Every configuration except all-on-gpu, all-pinned and kt-cpu takes the expert budget.
+Every configuration except all-on-gpu, all-pinned and kt-cpu takes the expert budget. The
+configurations on our runtime keep the rule files' VisDecoder (without pruning below +compress), so
+they all decode through the lean path; all-on-gpu, accelerate and kt-cpu use transformers' loop.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ class BenchConfig:
     def rules(self, budget: str | None, predictor: str | None = None) -> list[dict[str, Any]]:
         """The rule list to load: the rule file with this configuration's edits applied."""
         rules = yaml.safe_load((RULES_DIR / self.rule_file).read_text(encoding="utf-8"))
-        if not self.compression:
-            rules = [r for r in rules if r["replace"].get("class") not in COMPRESSION_OPERATORS]
+        if not self.compression:  # the decoder stays (it owns the decode path), without pruning
+            rules = [r for r in rules if r["replace"].get("class") != COMPRESSION_OPERATORS[0]]
+            for rule in rules:
+                if rule["replace"].get("class") == COMPRESSION_OPERATORS[1]:
+                    rule["replace"].setdefault("kwargs", {})["compression"] = "none"
         for rule in rules:
             if rule["replace"].get("class") != EXPERTS_OPERATOR:
                 continue

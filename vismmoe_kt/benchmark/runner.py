@@ -104,10 +104,10 @@ def _operator_stats(model) -> dict[str, Any]:
 
 def _compression_kept(before: dict, after: dict) -> float | None:
     ops_before, ops_after = before["operators"].get("VisDecoder"), after["operators"].get("VisDecoder")
-    if not ops_after or ops_after["prefills"] == ops_before["prefills"]:
-        return None
+    if not ops_after or ops_after["pruned_prefills"] == ops_before["pruned_prefills"]:
+        return None  # no decoder, or one that does not prune (compression none)
     kept = ops_after["visual_tokens_after"] - ops_before["visual_tokens_after"]
-    return kept / (ops_after["prefills"] - ops_before["prefills"])
+    return kept / (ops_after["pruned_prefills"] - ops_before["pruned_prefills"])
 
 
 def measure_size(model, processor, size: int, settings: Settings, row: dict[str, Any], progress) -> None:
