@@ -34,6 +34,8 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
         if CONFIGS[name].needs_cuda:
             assert row["status"] == "skipped" and "CUDA" in row["reason"]
             assert f"skipped: {row['reason']}" in out
+        elif CONFIGS[name].needs_group:  # expert parallel: only under torchrun (tests/test_torchrun.py)
+            assert row["status"] == "skipped" and "needs a torchrun launch" in row["reason"]
         else:
             assert row["status"] == "ok", (name, row["reason"])
             assert row["prefill_s"]["min"] <= row["prefill_s"]["median"] <= row["prefill_s"]["max"]

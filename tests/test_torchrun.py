@@ -1,7 +1,8 @@
-"""`vismmoe-kt chat` and `serve` under torchrun with the expert-parallel rule file (2 CPU processes,
+"""`vismmoe-kt chat`, `serve` and `bench` under torchrun with the expert-parallel rule file (2 CPU processes,
 gloo): rank 0 answers, rank 1 follows with its half of the experts, and the answer is the single-process
 one (fp32, exact). Then everything exits: rank 0 releases the follower."""
 
+import json
 import os
 import signal
 import socket
@@ -85,6 +86,26 @@ def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single):
             pytest.fail("the launch did not exit after rank 0 stopped")
     assert server.returncode == 0, out[-3000:]  # both ranks ended cleanly: the follower got STOP
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_bench_under_torchrun_measures_the_expert_parallel_configurations(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [*torchrun(free_port()), "bench", "--demo", "--image-sizes", "64", "--decode-tokens", "2", "--warmup", "0",
+           "--repeats", "1", "--cpu_infer", "1", "--output", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["ep_size"] == 2
+    assert [(r["config"], r["status"]) for r in data["rows"]] == [("ep", "ok"), ("ep-realb", "ok")]
+    assert all(r["decode_tok_s"]["median"] > 0 for r in data["rows"])
+    assert result.stdout.count("| ep |") == 1  # rank 0 reports, the follower does not
+
+
+def test_bench_under_torchrun_refuses_single_process_configurations(tiny_dir):
+    cmd = [*torchrun(free_port()), "bench", "--demo", "--configs", "lru", "--image-sizes", "64"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "--configs lru: under torchrun only the expert-parallel configurations run" in result.stderr
 
 
 def _rank(process) -> str | None:

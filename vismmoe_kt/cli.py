@@ -44,6 +44,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
     group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
                        help="CPU threads for CPU compute (default: physical cores - 3)")
+    add_parallel_flags(group)
+
+
+def add_parallel_flags(group) -> None:
     group.add_argument("--ep_size", "--ep-size", type=int,
                        help="expert-parallel group size: the torchrun process count (rank 0 serves, the others follow)")
     group.add_argument("--ep_timeout", type=float, default=300.0,
@@ -123,6 +127,7 @@ def add_bench_parser(commands) -> None:
                        help="CPU threads for CPU compute (default: physical cores - 3)")
     group.add_argument("--predictor", help="a predictor.pt from `vismmoe-kt calibrate` for the +predict and -full "
                                            "steps (default: the runtime's history prefetch policy)")
+    add_parallel_flags(group)
     run = bench.add_argument_group("what to measure")
     run.add_argument("--configs", nargs="+", metavar="NAME", help="configurations to run (default: all)")
     run.add_argument("--budgets", nargs="+", metavar="SIZE",

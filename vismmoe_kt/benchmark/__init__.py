@@ -100,27 +100,40 @@ def run(args) -> int:
     from .runner import Settings, run_config
     from .source import model_source
 
-    configs = parse_configs(args.configs)
+    from ..parallel import launch
+
+    in_group = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    configs = parse_configs(args.configs, in_group)
     budgets = parse_budgets(args.budgets, args.demo)
     check_flags(args)
     source = model_source(args)
+    group = launch.join_from_env(args.ep_size, args.ep_timeout)
     torch.set_num_threads(args.cpu_infer)
     cuda = torch.cuda.is_available()
-    bandwidth = measure_copy_bandwidth(torch.device("cuda:0" if cuda else "cpu"))
+    device = group.device if group is not None else "cuda:0" if cuda else "cpu"
+    bandwidth = measure_copy_bandwidth(torch.device(device))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
-                        bandwidth["bytes_per_s"], args.predictor, args.profile)
+                        bandwidth["bytes_per_s"], args.predictor, args.profile, group)
+    leader = group is None or group.leader  # only rank 0 reports
     meta = run_meta(args, source, budgets, bandwidth, cuda)
-    print(describe_meta(meta), file=sys.stderr)
+    if group is not None:
+        meta["ep_size"] = group.world
+        meta["notes"].append(f"expert parallel over {group.world} processes: rank 0's requests and timings, "
+                             f"the other ranks serving their experts to it")
+    if leader:
+        print(describe_meta(meta), file=sys.stderr)
     runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
     steps = len(runs) * len(args.image_sizes) * (args.warmup + args.repeats)
     rows, profile = [], {}
-    with tqdm(total=steps, desc="bench", unit="run") as progress:
+    with tqdm(total=steps, desc="bench", unit="run", disable=not leader) as progress:
         for config, budget in runs:
             progress.set_postfix_str(run_label(config.name, budget))
             config_rows, config_profile = run_config(config, budget, source, settings, progress)
             rows += config_rows
             if config_profile is not None:
                 profile[run_label(config.name, budget)] = config_profile
+    if not leader:
+        return 0
     meta["load_average"].append(round(os.getloadavg()[0], 2))
     print(describe_meta(meta))
     print(markdown_table(rows))

@@ -18,7 +18,12 @@ cost model may compute a missing expert on the CPU instead):
 A trained predictor (`--predictor`, from `vismmoe-kt calibrate`) replaces the history policy in
 the +predict and -full steps.
 
-Every configuration except all-on-gpu, all-pinned and kt-cpu takes the expert budget. The
+Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the other ranks follow):
+    ep             every rank keeps 1/N of each layer's experts, BF16 (qwen3vl-ep.yaml)
+    ep-realb       the same with ReaLB on the group's real ranks
+Under torchrun only these run; without it they are rows skipped with the reason.
+
+Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
 configurations on our runtime keep the rule files' VisDecoder (without pruning below +compress), so
 they all decode through the lean path; all-on-gpu, accelerate and kt-cpu use transformers' loop.
 """
@@ -36,6 +41,7 @@ from ..errors import InputError
 
 RULES_DIR = Path(__file__).resolve().parent.parent.parent / "optimize_rules"
 EXPERTS_OPERATOR = "vismmoe_kt.operators.vis_experts.VisExperts"
+EP_OPERATOR = "vismmoe_kt.operators.ep_experts.ExpertParallelExperts"
 COMPRESSION_OPERATORS = ("vismmoe_kt.operators.vis_decoder.VisionSaliency", "vismmoe_kt.operators.vis_decoder.VisDecoder")
 PIN_EVERYTHING = "1TiB"  # more than any model's experts: Eq. 10 then pins every layer
 
@@ -51,6 +57,8 @@ class BenchConfig:
     expert_kwargs: tuple = ()       # (key, value) pairs set on the VisExperts rule
     uses_predictor: bool = False    # gets `--predictor` when one is given
     accelerate: bool = False        # loaded on the host, then dispatched by accelerate
+    operator: str = EXPERTS_OPERATOR  # the experts rule that expert_kwargs (and the budget) edit
+    needs_group: bool = False       # expert parallel: runs under torchrun only
 
     def rules(self, budget: str | None, predictor: str | None = None) -> list[dict[str, Any]]:
         """The rule list to load: the rule file with this configuration's edits applied."""
@@ -61,7 +69,7 @@ class BenchConfig:
                 if rule["replace"].get("class") == COMPRESSION_OPERATORS[1]:
                     rule["replace"].setdefault("kwargs", {})["compression"] = "none"
         for rule in rules:
-            if rule["replace"].get("class") != EXPERTS_OPERATOR:
+            if rule["replace"].get("class") != self.operator:
                 continue
             kwargs = rule["replace"].setdefault("kwargs", {})
             kwargs.update(copy.deepcopy(dict(self.expert_kwargs)))
@@ -97,8 +105,13 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("lru", "on-demand expert loading, LRU cache", "qwen3vl-lru.yaml"),
     *_ladder("vismmoe", "wait", "offload-only"),
     *_ladder("hybrid", "auto", "hybrid"),
+    BenchConfig("ep", "expert parallelism over the torchrun group, BF16", "qwen3vl-ep.yaml", takes_budget=False,
+                operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "bf16"),)),
+    BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "qwen3vl-ep.yaml",
+                takes_budget=False, operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "realb"),)),
 ]}
 CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
+GROUP_REASON = "needs a torchrun launch: torchrun --nproc-per-node N -m vismmoe_kt.cli bench ... --configs ep"
 
 
 def run_label(name: str, budget: str | None) -> str:
@@ -106,10 +119,17 @@ def run_label(name: str, budget: str | None) -> str:
     return f"{name} @ {budget}" if budget else name
 
 
-def parse_configs(names: list[str] | None) -> list[BenchConfig]:
-    """`--configs` names -> configurations, in the order given (default: all)."""
+def parse_configs(names: list[str] | None, in_group: bool = False) -> list[BenchConfig]:
+    """`--configs` names -> configurations, in the order given (default: all; under torchrun, the
+    expert-parallel ones, which are the only ones that can run there)."""
     if not names:
-        return list(CONFIGS.values())
+        return [c for c in CONFIGS.values() if c.needs_group] if in_group else list(CONFIGS.values())
+    if in_group:
+        single = [n for n in names if n in CONFIGS and not CONFIGS[n].needs_group]
+        if single:
+            raise InputError(f"--configs {', '.join(single)}: under torchrun only the expert-parallel configurations "
+                             f"run ({', '.join(c.name for c in CONFIGS.values() if c.needs_group)}); measure the "
+                             f"others in a single process")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise InputError(f"--configs: unknown configuration {', '.join(map(repr, unknown))}; "

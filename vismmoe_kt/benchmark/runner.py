@@ -17,7 +17,7 @@ from ..errors import VismmoeError
 from ..runtime.budget import parse_bytes
 from ..stats import collect_stats
 from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
-from .configs import CUDA_REASON, BenchConfig
+from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
 from .figures import FIGURE_KEYS, difference, offload_figures, runtime_counters
 from .inputs import count_tokens, make_request
 from .source import ModelSource
@@ -33,10 +33,17 @@ class Settings:
     bandwidth: float              # bytes/s, measured in this run
     predictor: str | None = None
     profile: bool = False
+    group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
 
     @property
     def cuda(self) -> bool:
         return torch.cuda.is_available()
+
+    @property
+    def device(self) -> str:
+        if self.group is not None:
+            return self.group.device
+        return "cuda:0" if self.cuda else "cpu"
 
 
 def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def _release_memory(cuda: bool) -> None:
 
 def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings):
     """(model, processor, placement note) for this configuration."""
-    devices = {} if settings.cuda else {"generate_device": "cpu", "prefill_device": "cpu"}
+    devices = {} if settings.device == "cuda:0" else {"generate_device": settings.device, "prefill_device": settings.device}
     if config.accelerate:  # whole model on the host first; accelerate decides what goes to the GPU
         model, processor = source.load(config.rules(None), {"generate_device": "cpu", "prefill_device": "cpu"})
         placed = dispatch_with_accelerate(model, parse_bytes(budget) + non_expert_bytes(model))
@@ -112,8 +119,7 @@ def _compression_kept(before: dict, after: dict) -> float | None:
 
 def measure_size(model, processor, size: int, settings: Settings, row: dict[str, Any], progress) -> None:
     """Warm-up and repetitions at one image size; fills `row` in place."""
-    device = "cuda:0" if settings.cuda else "cpu"
-    request = make_request(processor, size, device)
+    request = make_request(processor, size, settings.device)
     row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.config.image_token_id)
     for _ in range(settings.warmup):
         timed_generate(model, request, settings.decode_tokens)
@@ -154,6 +160,9 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     if config.needs_cuda and not settings.cuda:
         progress.update(steps)
         return skipped(config, budget, settings, CUDA_REASON), None
+    if config.needs_group and settings.group is None:
+        progress.update(steps)
+        return skipped(config, budget, settings, GROUP_REASON), None
     start = time.perf_counter()
     try:
         model, processor, placement = _load(config, budget, source, settings)
@@ -163,7 +172,18 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
         reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else _root_cause(exc)
         return skipped(config, budget, settings, reason), None
     load_s = time.perf_counter() - start
-    rows = []
+    rows, leader = [], None
+    if settings.group is not None:  # rank 0 measures; the other ranks serve their experts to it
+        from ..parallel import launch
+
+        if not settings.group.leader:
+            try:
+                launch.follow(model, settings.group)
+            finally:
+                del model, processor
+                _release_memory(settings.cuda)
+            return [], None
+        leader = launch.Leader(model, settings.group)
     try:
         for size in settings.image_sizes:
             row = empty_row(config, budget, size)
@@ -180,6 +200,8 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
             rows.append(row)
         profile = _operator_stats(model) if settings.profile else None
     finally:
+        if leader is not None:
+            leader.stop()  # the followers move on to the next configuration
         _stop_runtime(model)
         del model, processor
         _release_memory(settings.cuda)
