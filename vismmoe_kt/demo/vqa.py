@@ -9,6 +9,7 @@ colour, so "the red circle" always names one shape. Question types:
   colour    "What colour is the square?" (asked only when exactly one square is present)
   count     "How many triangles are there?" (0-4)
   position  "Is the red circle left of the blue square?" / "... above ..." (only for pairs clearly apart)
+and a caption for "Describe the image." (every shape, left to right), which training uses as a dense signal.
 
 Every example is a pure function of (seed, index): a split is a seed, and held-out splits are other seeds.
 """
@@ -197,6 +198,15 @@ def questions_for_scene(shapes: list[Shape], rng: np.random.Generator) -> list[Q
     """One question of every type the scene allows (training asks them as turns of one conversation)."""
     asked = [ASKERS[t](shapes, rng) for t in QUESTION_TYPES]
     return [q for q in asked if q is not None]
+
+
+DESCRIBE_PROMPT = "Describe the image."
+
+
+def describe(shapes: list[Shape]) -> str:
+    """The caption the demo model is trained to give: every shape, left to right ("a red circle and a blue square")."""
+    names = [f"a {s.name}" for s in sorted(shapes, key=lambda s: s.x)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def normalise_answer(text: str) -> str:
