@@ -39,7 +39,7 @@ from vismmoe_kt.plots import line_png  # noqa: E402
 from vismmoe_kt.tiny_models import DEMO_SPEC, build_tiny_model  # noqa: E402
 
 
-def conversation(seed: int, index: int, describe_share: float = 0.25):
+def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exist: int = 1):
     """A scene and its questions as one multi-turn chat, or (a `describe_share` of them) its caption; (image, messages).
 
     Captions are a dense signal (every word comes from the image) that gets the vision path learning early;
@@ -49,7 +49,7 @@ def conversation(seed: int, index: int, describe_share: float = 0.25):
     if rng.random() < describe_share:
         return image, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": DESCRIBE_PROMPT}]},
                        {"role": "assistant", "content": [{"type": "text", "text": describe(shapes)}]}]
-    questions = questions_for_scene(shapes, rng) + [exist_question(shapes, rng)]
+    questions = questions_for_scene(shapes, rng) + [exist_question(shapes, rng) for _ in range(extra_exist)]
     unique = list({q.text: q for q in questions}.values())
     order = rng.permutation(len(unique))
     messages = []
@@ -87,12 +87,14 @@ def encode(processor, images, messages_list, add_generation_prompt=False):
 class Batches(torch.utils.data.IterableDataset):
     """Endless labelled batches of training conversations (made in a DataLoader worker, beside the training)."""
 
-    def __init__(self, processor, batch_size: int, seed: int):
+    def __init__(self, processor, batch_size: int, seed: int, first_scene: int = 0, describe_share: float = 0.25,
+                 extra_exist: int = 1):
         self.processor, self.batch_size, self.seed = processor, batch_size, seed
+        self.describe_share, self.extra_exist = describe_share, extra_exist
         tokenizer = processor.tokenizer
         self.prefix = tokenizer.encode("<|im_start|>assistant\n")
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.next_index = 0
+        self.next_index = first_scene
 
     def labelled(self, images, messages_list):
         inputs = encode(self.processor, images, messages_list)
@@ -101,7 +103,8 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         while True:
-            pairs = [conversation(self.seed, self.next_index + i) for i in range(self.batch_size)]
+            pairs = [conversation(self.seed, self.next_index + i, self.describe_share, self.extra_exist)
+                     for i in range(self.batch_size)]
             self.next_index += self.batch_size
             yield self.labelled([p[0] for p in pairs], [p[1] for p in pairs])
 
@@ -140,6 +143,10 @@ def main():
     parser.add_argument("--eval_every", type=int, default=250)
     parser.add_argument("--eval_per_type", type=int, default=64)
     parser.add_argument("--plot", help="write the loss curve to this PNG")
+    parser.add_argument("--init", help="start from these weights (a model.safetensors of an earlier run) instead of random")
+    parser.add_argument("--first_scene", type=int, default=0, help="index of the first training scene (continue past a run)")
+    parser.add_argument("--describe_share", type=float, default=0.25, help="share of sequences that are captions")
+    parser.add_argument("--extra_exist", type=int, default=1, help="existence questions per chat beyond one of each type")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -147,8 +154,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
 
     model, processor = build_tiny_model(DEMO_SPEC, args.seed)
+    if args.init:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(args.init))
     model.train()
-    batches = Batches(processor, args.batch, SPLIT_SEEDS["train"])
+    batches = Batches(processor, args.batch, SPLIT_SEEDS["train"], args.first_scene, args.describe_share, args.extra_exist)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -189,7 +200,8 @@ def main():
     model.save_pretrained(str(out))
     (out / "config.json").unlink(missing_ok=True)  # the demo directory's config comes from tiny_models
     (out / "generation_config.json").unlink(missing_ok=True)
-    record = {"command": "python " + " ".join(sys.argv), "spec": DEMO_SPEC, "steps": args.steps, "batch": args.batch,
+    record = {"command": "python " + " ".join(sys.argv), "spec": DEMO_SPEC, "init": args.init,
+              "first_scene": args.first_scene, "describe_share": args.describe_share, "extra_exist": args.extra_exist, "steps": args.steps, "batch": args.batch,
               "threads": args.threads, "seconds": round(seconds, 1), "final_loss": float(np.mean([c["loss"] for c in curve[-50:]])),
               "heldout": evals, "curve": curve[::5] + ([curve[-1]] if len(curve) % 5 != 1 else [])}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -198,7 +210,7 @@ def main():
         smooth = np.convolve([c["loss"] for c in curve], np.ones(10) / 10, mode="valid")
         line_png({"loss (10-step mean)": (steps[9:], smooth)}, args.plot,
                  f"demo model training: {DEMO_SPEC}, batch {args.batch}, {seconds / 60:.0f} min on {args.threads} CPU thread(s)",
-                 x_label="step")
+                 x_label="step", log_y=True)
     print(f"trained in {seconds:.0f}s; final loss {record['final_loss']:.4f}; wrote {out}")
 
 
