@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vismmoe_kt.demo.vqa import Shape, render  # noqa: E402
 
 DEMO_SHAPES = [Shape("circle", "red", 30, 60, 64), Shape("square", "blue", 28, 160, 150), Shape("triangle", "green", 30, 62, 168)]
-DEMO_QUESTIONS = {"What colour is the square?": "blue", "Is there a red circle?": "yes", "Is there a red square?": "no",
+DEMO_QUESTIONS = {"What colour is the circle?": "red", "What colour is the square?": "blue", "Is there a red circle?": "yes", "Is there a red square?": "no",
                   "How many triangles are there?": "1", "Is the red circle above the green triangle?": "yes"}
 
 

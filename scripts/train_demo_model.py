@@ -1,12 +1,14 @@
 """Train the `--demo` model: a small Qwen3-VL-MoE, from scratch, on the synthetic VQA task (CPU).
 
-    nice -n 10 python scripts/train_demo_model.py --out vismmoe_kt/demo/weights [--steps 1500] [--threads 1]
+    nice -n 10 python scripts/train_demo_model.py --out vismmoe_kt/demo/weights [--steps 2200] [--threads 1]
+    # continue from a checkpoint: --init OLD/model.safetensors --first_scene N [--extra_exist 3 --describe_share 0.1]
 
 The model is transformers' Qwen3VLMoeForConditionalGeneration with the demo spec of
 `vismmoe_kt.tiny_models` (4 text layers x 32 experts, top-4, hidden 96, a 2-block vision tower of width
-64: about 2.6 M parameters, 11 MB in fp32). The size is set by the machine it was trained on: this
-project's GPU time was spent, so it trains on 1-2 CPU cores in about half an hour; a larger model would
-not converge in that time. The loss is next-token cross-entropy on the answer tokens only, plus the
+64: about 2.9 M parameters, 2.4 M of them experts, 11.8 MB in fp32). The size is set by the machine it was trained on: this
+project's GPU time was spent, so it trains on one shared CPU core (0.85-1.5 s a step of 16); the shipped
+weights took 1750 steps, 37 min, in two stages (BENCHMARKS.md), and are still far from converged.
+The loss is next-token cross-entropy on the answer tokens only, plus the
 router's auxiliary load-balancing loss exactly as the architecture computes it (`output_router_logits`,
 weighted by `router_aux_loss_coef`).
 
@@ -134,7 +136,7 @@ def heldout_accuracy(model, batches: Batches, per_type: int, seed: int) -> dict[
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for model.safetensors and training.json")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=100)
