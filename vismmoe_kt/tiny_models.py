@@ -145,9 +145,11 @@ def demo_weights_digest() -> str:
     """Short hash of the shipped weights: a retrained model gets a new cache directory."""
     import hashlib
 
+    from .errors import LoadError
+
     if not DEMO_WEIGHTS.is_file():
-        raise FileNotFoundError(f"the demo weights {DEMO_WEIGHTS} are missing (reinstall vismmoe-kt, or retrain them "
-                                f"with scripts/train_demo_model.py --out {DEMO_WEIGHTS.parent})")
+        raise LoadError(f"the demo weights {DEMO_WEIGHTS} are missing (reinstall vismmoe-kt, or retrain them "
+                        f"with scripts/train_demo_model.py --out {DEMO_WEIGHTS.parent})")
     return hashlib.sha256(DEMO_WEIGHTS.read_bytes()).hexdigest()[:12]
 
 
