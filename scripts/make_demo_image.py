@@ -1,9 +1,27 @@
-"""Write a synthetic test image (shapes on a noisy background) for the demo: make_demo_image.py OUT.png [SIZE]."""
+"""Write the demo's picture: make_demo_image.py OUT.png prints the questions it was made for and their answers.
+
+The picture is a scene of the synthetic VQA task the demo model was trained on (vismmoe_kt.demo.vqa): a red
+circle, a blue square and a green triangle on a noisy background. `make_image` (shapes on noise at any size)
+is the older generic test picture, kept for scripts/compression_study.py.
+"""
 
 import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vismmoe_kt.demo.vqa import Shape, render  # noqa: E402
+
+DEMO_SHAPES = [Shape("circle", "red", 30, 60, 64), Shape("square", "blue", 28, 160, 150), Shape("triangle", "green", 30, 62, 168)]
+DEMO_QUESTIONS = {"What colour is the circle?": "red", "What colour is the square?": "blue", "Is there a red circle?": "yes", "Is there a red square?": "no",
+                  "How many triangles are there?": "1", "Is the red circle above the green triangle?": "yes"}
+
+
+def make_vqa_image(seed: int = 0) -> Image.Image:
+    return render(DEMO_SHAPES, np.random.default_rng(seed))
 
 
 def make_image(size: int = 224, seed: int = 0) -> Image.Image:
@@ -19,6 +37,5 @@ def make_image(size: int = 224, seed: int = 0) -> Image.Image:
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "demo.png"
-    size = int(sys.argv[2]) if len(sys.argv) > 2 else 224
-    make_image(size).save(out)
-    print(out)
+    make_vqa_image().save(out)
+    print(out + "  (questions it was made for: " + "; ".join(f"{q} -> {a}" for q, a in DEMO_QUESTIONS.items()) + ")")

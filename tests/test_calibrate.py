@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vismmoe_kt.cli import main
+from vismmoe_kt.tiny_models import DEMO_SPEC, SPECS
 from vismmoe_kt.traces import read_trace
 
 
@@ -20,9 +21,10 @@ def test_calibrate_on_the_demo_model(tmp_path, capsys):
     steps = read_trace(traces[0])
     assert [s["phase"] for s in steps] == ["prefill", "decode", "decode"]
     active = steps[0]["active"]
-    assert active.shape == (6, 64) and active.dtype == torch.bool
-    assert (active.sum(dim=1) >= 8).all()          # top-8: every layer used at least 8 experts in prefill
-    assert (steps[1]["active"].sum(dim=1) == 8).all()  # one decoded token: exactly its 8 experts
+    spec = SPECS[DEMO_SPEC]
+    assert active.shape == (spec.layers, spec.experts) and active.dtype == torch.bool
+    assert (active.sum(dim=1) >= spec.top_k).all()  # every layer used at least top-k experts in prefill
+    assert (steps[1]["active"].sum(dim=1) == spec.top_k).all()  # one decoded token: exactly its top-k experts
     report = json.loads((tmp_path / "calibration.json").read_text())
     assert set(report["predictor"]["all"]) == {"@10", "@20", "@30"}
     assert 0 <= report["random"]["decode"]["@20"] <= 1
@@ -34,7 +36,7 @@ def test_calibrate_on_the_demo_model(tmp_path, capsys):
         assert (views / name).read_bytes().startswith(b"\x89PNG")
     summary = json.loads((views / "trace_views.json").read_text())
     similarity = summary["layer_similarity"]["decode"]
-    assert len(similarity) == 5 and all(0 <= v <= 1 for v in similarity)
+    assert len(similarity) == spec.layers - 1 and all(0 <= v <= 1 for v in similarity)
 
 
 def test_calibrate_input_errors(tmp_path, capsys):

@@ -10,6 +10,7 @@ import zlib
 import pytest
 
 from vismmoe_kt.cli import main, read_user_turn
+from vismmoe_kt.tiny_models import DEMO_SPEC, SPECS
 
 TIMING_LINES = ("prompt eval count:", "prompt eval duration:", "prompt eval rate:", "eval count:", "eval duration:", "eval rate:")
 
@@ -51,7 +52,8 @@ def test_rule_file_with_cpu_overrides_runs_and_reports_operators(image_file, cap
     out = capsys.readouterr().out
     assert rc == 0
     stats = re.search(r"VisExperts x(\d+):\s+policy=vismmoe, pinned_layers=(\d+)", out)
-    assert stats and int(stats.group(1)) == 6 and int(stats.group(2)) == 6  # the 16GiB budget pins them all
+    layers = SPECS[DEMO_SPEC].layers
+    assert stats and int(stats.group(1)) == layers and int(stats.group(2)) == layers  # the 16GiB budget pins them all
 
 
 def test_every_rule_file_works_on_cpu(capsys):
@@ -172,4 +174,4 @@ def test_rule_files_run_on_the_cpu_without_device_flags(capsys):
                  "--max_new_tokens", "3", "--stats"]) == 0
     captured = capsys.readouterr()
     assert "no CUDA device: running every module on the CPU" in captured.err
-    assert "CpuExperts x6" in captured.out and "eval count:" in captured.out
+    assert f"CpuExperts x{SPECS[DEMO_SPEC].layers}" in captured.out and "eval count:" in captured.out

@@ -1,4 +1,4 @@
-"""`vismmoe-kt serve` on the demo model: the official openai client, Ollama endpoints, bad input,
+"""`vismmoe-kt serve` on the demo model (trained: it may stop before max_tokens): the official openai client, Ollama endpoints, bad input,
 concurrent load. The server runs in this process on a free loopback port."""
 
 import base64
@@ -58,7 +58,7 @@ def test_openai_client_streamed_and_plain_answers_agree(server):
     client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["vismmoe-demo"]
     plain = client.chat.completions.create(model="vismmoe-demo", messages=image_message("Describe the image."), max_tokens=8)
-    assert plain.choices[0].message.role == "assistant" and plain.usage.completion_tokens == 8
+    assert plain.choices[0].message.role == "assistant" and 1 <= plain.usage.completion_tokens <= 8
     assert plain.usage.prompt_tokens > 20
     stream = client.chat.completions.create(model="vismmoe-demo", messages=image_message("Describe the image."),
                                             max_tokens=8, stream=True)
@@ -113,7 +113,7 @@ def test_ollama_endpoints(server):
     with httpx.stream("POST", server + "/api/chat", timeout=60,
                       json={"messages": [{"role": "user", "content": "What is this?", "images": [image]}]}) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
-    assert lines[-1]["done"] and lines[-1]["eval_count"] == 8 and not lines[0]["done"]
+    assert lines[-1]["done"] and 1 <= lines[-1]["eval_count"] <= 8 and not lines[0]["done"]
     text = "".join(l["message"]["content"] for l in lines)
     plain = httpx.post(server + "/api/generate", json={"prompt": "What is this?", "images": [image], "stream": False},
                        timeout=60).json()

@@ -35,7 +35,7 @@ def parse_set(values: list[str]) -> dict[str, Any]:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory (config, safetensors, processor)")
-    group.add_argument("--demo", action="store_true", help="use the embedded demo model (built on first use, random weights)")
+    group.add_argument("--demo", action="store_true", help="use the embedded demo model (tiny, trained on synthetic shapes VQA)")
     group.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
     group.add_argument("--generate_device", help="put every module on this device for decode (overrides the rules)")
     group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
@@ -96,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
 
     add_bench_parser(commands)
+    evaluate = commands.add_parser("eval", help="exact-match visual QA accuracy per question type (JSON output)")
+    add_model_flags(evaluate)
+    evaluate.add_argument("--task", choices=["synthetic-vqa", "folder"], default="synthetic-vqa",
+                          help="synthetic-vqa: the seeded shapes task; folder: --data DIR with questions.jsonl")
+    evaluate.add_argument("--split", default="test", help="synthetic-vqa split: train, val, test (held out) or a seed")
+    evaluate.add_argument("--limit", type=int, help="ask at most N questions (synthetic-vqa default: 200)")
+    evaluate.add_argument("--types", help="synthetic-vqa question types, comma-separated (default: all, cycled)")
+    evaluate.add_argument("--data", help="folder task: a directory with questions.jsonl and the images it names")
+    evaluate.add_argument("--max_new_tokens", type=int, default=8)
+    evaluate.add_argument("--output", help="write the results (accuracy per type, every answer) to this JSON file")
 
     trace = commands.add_parser("trace", help="figures from routing traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
@@ -151,7 +161,8 @@ def resolve_model_path(args: argparse.Namespace) -> Path:
     if args.demo:
         from .tiny_models import demo_model_dir
 
-        print("demo model: random weights, so its replies are noise; timings and stats are real", file=sys.stderr)
+        print("demo model: a tiny model trained on synthetic shapes (try scripts/make_demo_image.py);"
+              " it answers questions about coloured shapes, nothing else", file=sys.stderr)
         return demo_model_dir()
     if not args.model_path:
         raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
@@ -252,6 +263,49 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+def eval_items(args: argparse.Namespace) -> list:
+    from .vqa_eval import folder_items, synthetic_items
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be at least 1, got {args.limit}")
+    if args.task == "folder":
+        if not args.data:
+            raise InputError("--task folder needs --data DIR (a directory with questions.jsonl)")
+        return folder_items(args.data, args.limit)
+    if args.data:
+        raise InputError("--data is for --task folder; --task synthetic-vqa makes its own images")
+    split = int(args.split) if args.split.lstrip("-").isdigit() else args.split
+    types = [t.strip() for t in args.types.split(",")] if args.types else None
+    return synthetic_items(split, args.limit or 200, types)
+
+
+def run_eval(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import json
+
+    from .stats import collect_stats
+    from .vqa_eval import evaluate
+
+    out = out or sys.stdout
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise InputError(f"--output {args.output}: its directory does not exist")
+    items = eval_items(args)  # bad data fails before the model is loaded
+    model, processor = load_from_args(args)
+    result = evaluate(model, processor, items, args.max_new_tokens)
+    source = f"--data {args.data}" if args.task == "folder" else f"split {args.split}"
+    print(f"{args.task} ({source}): accuracy {result['accuracy']:.3f} ({result['correct']}/{result['n']})", file=out)
+    for name, entry in result["per_type"].items():
+        print(f"  {name:<10} {entry['accuracy']:.3f} ({entry['correct']}/{entry['n']})", file=out)
+    if args.output:
+        header = {"task": args.task, "split": args.split if args.task != "folder" else None, "data": args.data,
+                  "model": str(model.vismmoe.model_dir), "rules": args.optimize_config_path,
+                  "overrides": args.set, "stats": collect_stats(model)}
+        Path(args.output).write_text(json.dumps({**header, **result}, indent=1, default=str) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}", file=out)
+    return 0
+
+
 def build_server(args: argparse.Namespace):
     """The app for these flags (tests start it on a free port)."""
     from .server.app import create_app
@@ -290,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             from .benchmark import run
 
             return run(args)
+        if args.command == "eval":
+            return run_eval(args)
         if args.command == "trace":
             from .trace_views import plot
 

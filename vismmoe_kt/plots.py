@@ -79,3 +79,36 @@ def hbars_png(panels: list[tuple[str, list[tuple[str, float | None]]]], path: st
             y += row
         y += pad
     image.save(path)
+
+
+def line_png(series: dict[str, tuple[list[float], list[float]]], path: str | Path, title: str, x_label: str = "",
+             log_y: bool = False) -> None:
+    """Lines of (x, y) points on shared axes (e.g. a training loss curve); y from 0, or log-scaled between
+    the smallest and largest value with `log_y` (a loss falls by orders of magnitude)."""
+    pad, width, height = 48, 560, 260
+    x_max = max(max(xs) for xs, _ in series.values()) or 1.0
+    values = [float(y) for _, ys in series.values() for y in ys]
+    if log_y:
+        low, high = np.log10(min(values)), np.log10(max(values))
+        scale = lambda y: (np.log10(float(y)) - low) / ((high - low) or 1.0)  # noqa: E731
+        bottom, top = f"{min(values):.3g}", f"{max(values):.3g} (log)"
+    else:
+        high = max(values) or 1.0
+        scale = lambda y: float(y) / high  # noqa: E731
+        bottom, top = "0", f"{high:.3g}"
+    image = Image.new("RGB", (width + 2 * pad, height + 2 * pad + 14 * len(series)), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((pad, 6), title, fill="black")
+    base = pad + height
+    draw.line([(pad, base), (pad + width, base)], fill="black")
+    draw.line([(pad, base), (pad, pad)], fill="black")
+    draw.text((4, pad - 16), top, fill="black")
+    draw.text((4, base - 6), bottom, fill="black")
+    draw.text((pad + width - 40, base + 4), f"{x_max:g} {x_label}", fill="black")
+    for s, (name, (xs, ys)) in enumerate(series.items()):
+        points = [(pad + width * float(x) / x_max, base - height * scale(y)) for x, y in zip(xs, ys)]
+        draw.line(points, fill=PALETTE[s % len(PALETTE)], width=2)
+        y = base + 18 + 14 * s
+        draw.rectangle([pad, y, pad + 10, y + 10], fill=PALETTE[s % len(PALETTE)])
+        draw.text((pad + 16, y - 1), name, fill="black")
+    image.save(path)

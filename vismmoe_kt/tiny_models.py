@@ -1,9 +1,10 @@
-"""Tiny random Qwen3-VL-MoE models, built offline, for tests and the `--demo` model.
+"""Tiny Qwen3-VL-MoE models, built offline: random ones for tests, and the trained `--demo` model.
 
 Everything a model directory needs is made in code: the config, random weights (deterministic from
 a seed), a byte-level BPE tokenizer with Qwen's special tokens, Qwen2-VL's PIL image processor (no
 torchvision) and a chat template. `save_tiny_model` writes a normal Hugging Face directory that
-`vismmoe_kt.load` (and transformers) reload. Nothing is downloaded.
+`vismmoe_kt.load` (and transformers) reload. The demo model is the same directory with the weights that
+scripts/train_demo_model.py trained, shipped in vismmoe_kt/demo/weights/. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,9 +52,12 @@ SPECS: dict[str, TinySpec] = {
     # sizes that are multiples of 32, so kt-kernel's CPU kernels can serve it too
     "tiny-6x64": TinySpec(layers=6, experts=64, top_k=8, hidden=96, moe_intermediate=64, vision_depth=3,
                           vision_hidden=48),
+    # the trained --demo model (scripts/train_demo_model.py): small enough to train on a CPU in half an hour
+    "demo-4x32": TinySpec(layers=4, experts=32, top_k=4, hidden=96, moe_intermediate=64, vision_depth=2,
+                          vision_hidden=64, max_image_pixels=224 * 224),
 }
-DEMO_SPEC, DEMO_SEED = "tiny-6x64", 0
-FORMAT_VERSION = 2  # bump when the builder changes, so cached demo models are rebuilt
+DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
+FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
 
 
 def build_tokenizer():
@@ -134,18 +138,44 @@ def cache_root() -> Path:
     return Path(os.environ.get("VISMMOE_KT_CACHE") or Path.home() / ".cache" / "vismmoe-kt")
 
 
+DEMO_WEIGHTS = Path(__file__).resolve().parent / "demo" / "weights" / "model.safetensors"
+
+
+def demo_weights_digest() -> str:
+    """Short hash of the shipped weights: a retrained model gets a new cache directory."""
+    import hashlib
+
+    from .errors import LoadError
+
+    if not DEMO_WEIGHTS.is_file():
+        raise LoadError(f"the demo weights {DEMO_WEIGHTS} are missing (reinstall vismmoe-kt, or retrain them "
+                        f"with scripts/train_demo_model.py --out {DEMO_WEIGHTS.parent})")
+    return hashlib.sha256(DEMO_WEIGHTS.read_bytes()).hexdigest()[:12]
+
+
+def save_demo_model(out_dir: str | Path) -> Path:
+    """The demo model directory: this module's config, tokenizer and processor + the shipped trained weights."""
+    out_dir = Path(out_dir)
+    model, processor = build_tiny_model(DEMO_SPEC, DEMO_SEED)  # random weights, only for config and generation config
+    model.config.save_pretrained(str(out_dir))
+    model.generation_config.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    shutil.copyfile(DEMO_WEIGHTS, out_dir / "model.safetensors")
+    return out_dir
+
+
 def demo_model_dir() -> Path:
-    """The embedded default model: built on first use into the cache, then reused."""
+    """The embedded default model (trained on the synthetic VQA task): assembled on first use into the cache."""
     spec = SPECS[DEMO_SPEC]
-    target = cache_root() / "models" / f"{DEMO_SPEC}-seed{DEMO_SEED}-v{FORMAT_VERSION}"
+    target = cache_root() / "models" / f"{DEMO_SPEC}-{demo_weights_digest()}-v{FORMAT_VERSION}"
     if (target / ".complete").exists():
         return target
-    print(f"Building the demo model {DEMO_SPEC} ({asdict(spec)['layers']} layers x {spec.experts} experts, "
-          f"top-{spec.top_k}, random weights) into {target} ...", file=sys.stderr)
+    print(f"Assembling the demo model {DEMO_SPEC} ({spec.layers} layers x {spec.experts} experts, top-{spec.top_k}, "
+          f"trained on synthetic shapes VQA) into {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        save_tiny_model(staging, spec, DEMO_SEED)
+        save_demo_model(staging)
         (staging / ".complete").write_text("ok\n")
         if target.exists():  # an interrupted earlier build: replace it
             shutil.rmtree(target)

@@ -1,0 +1,220 @@
+"""Train the `--demo` model: a small Qwen3-VL-MoE, from scratch, on the synthetic VQA task (CPU).
+
+    nice -n 10 python scripts/train_demo_model.py --out vismmoe_kt/demo/weights [--steps 2200] [--threads 1]
+    # continue from a checkpoint: --init OLD/model.safetensors --first_scene N [--extra_exist 3 --describe_share 0.1]
+
+The model is transformers' Qwen3VLMoeForConditionalGeneration with the demo spec of
+`vismmoe_kt.tiny_models` (4 text layers x 32 experts, top-4, hidden 96, a 2-block vision tower of width
+64: about 2.9 M parameters, 2.4 M of them experts, 11.8 MB in fp32). The size is set by the machine it was trained on: this
+project's GPU time was spent, so it trains on one shared CPU core (0.85-1.5 s a step of 16); the shipped
+weights took 1750 steps, 37 min, in two stages (BENCHMARKS.md), and are still far from converged.
+The loss is next-token cross-entropy on the answer tokens only, plus the
+router's auxiliary load-balancing loss exactly as the architecture computes it (`output_router_logits`,
+weighted by `router_aux_loss_coef`).
+
+Each training sequence is one scene (split seed 0) with one question of every type the scene allows, plus
+a second existence question, as the turns of one conversation in random order (the vision tower runs once
+for several supervised answers); a quarter of the sequences are instead the scene's caption for
+"Describe the image." (a first run without captions stayed at the answer prior for 500 steps: captions
+give the vision path a dense signal). Held-out accuracy (split seed 1) is measured teacher-forced: an answer is
+right when every one of its tokens is the argmax, which is exactly when greedy decoding produces it.
+
+Writes OUT/model.safetensors and OUT/training.json (command, time, loss curve, held-out accuracy) and,
+with --plot, a PNG of the loss curve.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vismmoe_kt.demo.vqa import (DESCRIBE_PROMPT, QUESTION_TYPES, SPLIT_SEEDS, describe, exist_question,  # noqa: E402
+                                 make_example, make_scene, questions_for_scene)
+from vismmoe_kt.plots import line_png  # noqa: E402
+from vismmoe_kt.tiny_models import DEMO_SPEC, build_tiny_model  # noqa: E402
+
+
+def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exist: int = 1):
+    """A scene and its questions as one multi-turn chat, or (a `describe_share` of them) its caption; (image, messages).
+
+    Captions are a dense signal (every word comes from the image) that gets the vision path learning early;
+    they are never in the same chat as questions, so no answer can be read off a caption in the context.
+    """
+    rng, shapes, image = make_scene(seed, index)
+    if rng.random() < describe_share:
+        return image, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": DESCRIBE_PROMPT}]},
+                       {"role": "assistant", "content": [{"type": "text", "text": describe(shapes)}]}]
+    questions = questions_for_scene(shapes, rng) + [exist_question(shapes, rng) for _ in range(extra_exist)]
+    unique = list({q.text: q for q in questions}.values())
+    order = rng.permutation(len(unique))
+    messages = []
+    for turn, i in enumerate(order):
+        content = ([{"type": "image"}] if turn == 0 else []) + [{"type": "text", "text": unique[i].text}]
+        messages.append({"role": "user", "content": content})
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": unique[i].answer}]})
+    return image, messages
+
+
+def answer_mask(input_ids: torch.Tensor, prefix: list[int], end_id: int) -> torch.Tensor:
+    """True on the tokens of each assistant reply (after `<|im_start|>assistant\\n`, up to and with `<|im_end|>`)."""
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, ids in enumerate(input_ids.tolist()):
+        i = 0
+        while i < len(ids):
+            if ids[i:i + len(prefix)] == prefix:
+                i += len(prefix)
+                while i < len(ids):
+                    mask[row, i] = True
+                    i += 1
+                    if ids[i - 1] == end_id:
+                        break
+            else:
+                i += 1
+    return mask
+
+
+def encode(processor, images, messages_list, add_generation_prompt=False):
+    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
+             for m in messages_list]
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Endless labelled batches of training conversations (made in a DataLoader worker, beside the training)."""
+
+    def __init__(self, processor, batch_size: int, seed: int, first_scene: int = 0, describe_share: float = 0.25,
+                 extra_exist: int = 1):
+        self.processor, self.batch_size, self.seed = processor, batch_size, seed
+        self.describe_share, self.extra_exist = describe_share, extra_exist
+        tokenizer = processor.tokenizer
+        self.prefix = tokenizer.encode("<|im_start|>assistant\n")
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.next_index = first_scene
+
+    def labelled(self, images, messages_list):
+        inputs = encode(self.processor, images, messages_list)
+        labels = inputs["input_ids"].masked_fill(~answer_mask(inputs["input_ids"], self.prefix, self.end_id), -100)
+        return inputs, labels
+
+    def __iter__(self):
+        while True:
+            pairs = [conversation(self.seed, self.next_index + i, self.describe_share, self.extra_exist)
+                     for i in range(self.batch_size)]
+            self.next_index += self.batch_size
+            yield self.labelled([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def heldout_accuracy(model, batches: Batches, per_type: int, seed: int) -> dict[str, float]:
+    """Teacher-forced exact match of single-question examples (the eval format), per question type."""
+    model.eval()
+    correct = {t: 0 for t in QUESTION_TYPES}
+    with torch.no_grad():
+        for qtype in QUESTION_TYPES:
+            examples = [make_example(seed, i, qtype) for i in range(per_type)]
+            for start in range(0, per_type, 16):
+                chunk = examples[start:start + 16]
+                messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": e.question.text}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": e.question.answer}]}]
+                            for e in chunk]
+                inputs, labels = batches.labelled([e.image for e in chunk], messages)
+                logits = model(**inputs).logits
+                predicted = logits[:, :-1].argmax(-1)
+                target = labels[:, 1:]
+                wrong = ((predicted != target) & (target != -100)).any(dim=1)
+                correct[qtype] += int((~wrong).sum())
+    model.train()
+    return {t: correct[t] / per_type for t in QUESTION_TYPES}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for model.safetensors and training.json")
+    parser.add_argument("--steps", type=int, default=2200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (data is made in one more process)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval_every", type=int, default=250)
+    parser.add_argument("--eval_per_type", type=int, default=64)
+    parser.add_argument("--plot", help="write the loss curve to this PNG")
+    parser.add_argument("--init", help="start from these weights (a model.safetensors of an earlier run) instead of random")
+    parser.add_argument("--first_scene", type=int, default=0, help="index of the first training scene (continue past a run)")
+    parser.add_argument("--describe_share", type=float, default=0.25, help="share of sequences that are captions")
+    parser.add_argument("--extra_exist", type=int, default=1, help="existence questions per chat beyond one of each type")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model, processor = build_tiny_model(DEMO_SPEC, args.seed)
+    if args.init:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(args.init))
+    model.train()
+    batches = Batches(processor, args.batch, SPLIT_SEEDS["train"], args.first_scene, args.describe_share, args.extra_exist)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:  # linear warm-up, then cosine to a tenth
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(args.steps - args.warmup, 1)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    curve, evals = [], []
+    stream = iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1, prefetch_factor=4))
+    start = time.perf_counter()
+    for step in range(args.steps):
+        inputs, labels = next(stream)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        output = model(**inputs, labels=labels, output_router_logits=True)
+        optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        aux = float(output.aux_loss.detach())
+        curve.append({"step": step + 1, "loss": float(output.loss), "aux_loss": aux,
+                      "seconds": round(time.perf_counter() - start, 1)})
+        if (step + 1) % 20 == 0:
+            recent = np.mean([c["loss"] for c in curve[-20:]])
+            print(f"step {step + 1}/{args.steps}  loss {recent:.4f}  aux {aux:.3f}  lr {lr_at(step):.2e}  "
+                  f"{time.perf_counter() - start:.0f}s", flush=True)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            accuracy = heldout_accuracy(model, batches, args.eval_per_type, SPLIT_SEEDS["val"])
+            evals.append({"step": step + 1, **accuracy})
+            print(f"  held-out (seed {SPLIT_SEEDS['val']}) accuracy: {accuracy}", flush=True)
+            model.save_pretrained(str(out))  # a checkpoint at every evaluation: a stopped run still leaves weights
+    seconds = time.perf_counter() - start
+
+    model.save_pretrained(str(out))
+    (out / "config.json").unlink(missing_ok=True)  # the demo directory's config comes from tiny_models
+    (out / "generation_config.json").unlink(missing_ok=True)
+    record = {"command": "python " + " ".join(sys.argv), "spec": DEMO_SPEC, "init": args.init,
+              "first_scene": args.first_scene, "describe_share": args.describe_share, "extra_exist": args.extra_exist, "steps": args.steps, "batch": args.batch,
+              "threads": args.threads, "seconds": round(seconds, 1), "final_loss": float(np.mean([c["loss"] for c in curve[-50:]])),
+              "heldout": evals, "curve": curve[::5] + ([curve[-1]] if len(curve) % 5 != 1 else [])}
+    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot:
+        steps = [c["step"] for c in curve]
+        smooth = np.convolve([c["loss"] for c in curve], np.ones(10) / 10, mode="valid")
+        line_png({"loss (10-step mean)": (steps[9:], smooth)}, args.plot,
+                 f"demo model training: {DEMO_SPEC}, batch {args.batch}, {seconds / 60:.0f} min on {args.threads} CPU thread(s)",
+                 x_label="step", log_y=True)
+    print(f"trained in {seconds:.0f}s; final loss {record['final_loss']:.4f}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
