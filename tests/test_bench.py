@@ -18,7 +18,7 @@ ROW_KEYS = {"config", "budget", "image_size", "status", "reason", "prompt_tokens
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run, where CUDA configurations are skipped")
 def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     rc = main(["bench", "--demo", "--image-sizes", "64", "--decode-tokens", "2", "--warmup", "0", "--repeats", "1",
-               "--budgets", "10MiB", "--cpu_infer", "2", "--output", str(tmp_path), "--profile"])
+               "--budgets", "5MiB", "--cpu_infer", "2", "--output", str(tmp_path), "--profile"])
     out = capsys.readouterr().out
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -45,10 +45,10 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     assert rows["kt-cpu"]["cpu_expert_share"] == 1.0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     profile = json.loads((tmp_path / "profile.json").read_text())
-    assert "model.language_model.orig_module.layers.5.mlp.experts" in profile["vismmoe-full @ 10MiB"]
+    assert "model.language_model.orig_module.layers.3.mlp.experts" in profile["vismmoe-full @ 5MiB"]
     # configurations on the lean decode path also get its per-piece, per-layer breakdown of a step
     breakdown = rows["vismmoe-full"]["decode_profile"]["seconds_per_step"]
-    assert set(breakdown["attention"]) == set(breakdown["experts"]) == {str(i) for i in range(6)}
+    assert set(breakdown["attention"]) == set(breakdown["experts"]) == {str(i) for i in range(4)}
     assert rows["vismmoe-base"]["decode_profile"] is not None
     assert rows["kt-cpu"]["decode_profile"] is None  # transformers' loop: no lean pieces to time
 
@@ -120,9 +120,9 @@ def test_an_unusable_predictor_stops_the_run_naming_the_flag(tmp_path, capsys):
 
 
 def test_a_budget_below_the_minimum_is_a_skipped_row_with_the_runtimes_reason(capsys):
-    rc = main(["bench", "--demo", "--configs", "lru", "vismmoe-base", "--budgets", "6MiB", "--image-sizes", "64",
+    rc = main(["bench", "--demo", "--configs", "lru", "vismmoe-base", "--budgets", "4MiB", "--image-sizes", "64",
                "--decode-tokens", "1", "--warmup", "0", "--repeats", "1"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert re.search(r"\| lru \| 6MiB \| 64 \(\d+, \d+\) \|", out)  # one layer of slabs fits: it runs
-    assert "| vismmoe-base | 6MiB | 64 (-) |" in out and "skipped: expert budget 6.0 MiB is too small" in out
+    assert re.search(r"\| lru \| 4MiB \| 64 \(\d+, \d+\) \|", out)  # one layer of slabs fits: it runs
+    assert "| vismmoe-base | 4MiB | 64 (-) |" in out and "skipped: expert budget 4.0 MiB is too small" in out

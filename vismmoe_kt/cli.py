@@ -142,7 +142,7 @@ def add_bench_parser(commands) -> None:
     run.add_argument("--configs", nargs="+", metavar="NAME", help="configurations to run (default: all)")
     run.add_argument("--budgets", nargs="+", metavar="SIZE",
                      help="expert budgets, the runtime's GPU memory for routed experts (default: 16GiB 32GiB, "
-                          "standing for 24 GB and 40 GB cards; --demo: 10MiB 16MiB)")
+                          "standing for 24 GB and 40 GB cards; --demo: 5MiB 7MiB)")
     run.add_argument("--image-sizes", "--image_sizes", dest="image_sizes", type=int, nargs="+", default=[448, 896],
                      metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
     run.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=16,

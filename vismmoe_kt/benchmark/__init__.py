@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..runtime.budget import BudgetError, parse_bytes
 
 DEFAULT_BUDGETS = ("16GiB", "32GiB")       # expert budgets standing for a 24 GB and a 40 GB card (rule files)
-DEFAULT_DEMO_BUDGETS = ("10MiB", "16MiB")  # the demo model: 1 pinned layer + 1 of slabs, and about 3 of 6 layers
+DEFAULT_DEMO_BUDGETS = ("5MiB", "7MiB")  # the demo model (2.25 MiB of experts a layer): 1 pinned layer + 1 or 2 of slabs
 
 
 def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
