@@ -133,7 +133,10 @@ def conversation(model, processor, args) -> list[float]:
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (args.image_size, args.image_size, 3),
                                                               dtype=np.uint8))
     per_turn: list[list[float]] = [[] for _ in range(args.turns)]
+    decoder = lean_decoder_of(model)
     for _ in range(args.reps):
+        if decoder is not None:  # each chat starts cold (the previous one left the same first turn cached)
+            decoder.lean_engine(model.lm_head).forget()
         session = ChatSession(model, processor, max_new_tokens=args.decode_tokens, greedy=True)
         for turn in range(args.turns):
             _, timings = session.ask(f"Question {turn}: what else is in the picture?", [image] if turn == 0 else [],
