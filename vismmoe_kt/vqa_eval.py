@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .decode.generation import generate
 from .errors import InputError
 from .images import load_image
 
@@ -98,8 +99,8 @@ def ask(model: Any, processor: Any, image: Any, question: str, max_new_tokens: i
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[prompt], images=[image], return_tensors="pt")
     inputs = inputs.to(model.get_input_embeddings().weight.device)
-    with torch.inference_mode():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.inference_mode():  # the product's own generation (the lean decode path where the rules have it)
+        output = generate(model, inputs, max_new_tokens)
     return processor.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
