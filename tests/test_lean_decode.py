@@ -380,3 +380,13 @@ def test_a_turn_with_a_new_image_runs_the_vision_tower_on_it_alone(case, monkeyp
     assert decoder_of(model).stats()["decode_reused_prefixes"] == reused
     first, second = inputs["image_grid_thw"].prod(dim=-1).tolist()  # pixel rows of each image
     assert rows == ([first, second] if reused == 2 else [first, first + second])
+
+
+def test_the_public_generate_is_the_lean_path(case):
+    import vismmoe_kt
+
+    model_dir, inputs, expected = case
+    model, _ = vismmoe_kt.load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), **CPU)
+    with torch.no_grad():
+        assert torch.equal(vismmoe_kt.generate(model, inputs, TOKENS), expected)
+    assert decoder_of(model).stats()["decode_steps"] == TOKENS - 1

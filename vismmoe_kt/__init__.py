@@ -2,7 +2,7 @@
 applied to Hugging Face models through KTransformers-compatible injection rules.
 
 Public API: `vismmoe_kt.load(model_path, optimize_config_path, **overrides) -> (model, processor)`,
-`vismmoe_kt.stats(model) -> dict`.
+`vismmoe_kt.generate(model, inputs, max_new_tokens, ...) -> token ids`, `vismmoe_kt.stats(model) -> dict`.
 Nothing heavy is imported until it is used.
 """
 
@@ -16,6 +16,13 @@ def load(model_path, optimize_config_path=None, **overrides):
     return _load(model_path, optimize_config_path, **overrides)
 
 
+def generate(model, inputs, max_new_tokens, **kwargs):
+    """See `vismmoe_kt.decode.generation.generate`: our decode path where the rules have a VisDecoder."""
+    from .decode.generation import generate as _generate
+
+    return _generate(model, inputs, max_new_tokens, **kwargs)
+
+
 def stats(model):
     """Runtime statistics of a loaded model (what `--stats` prints), as a dict."""
     from .stats import collect_stats
@@ -23,4 +30,4 @@ def stats(model):
     return collect_stats(model)
 
 
-__all__ = ["load", "stats", "__version__"]
+__all__ = ["load", "generate", "stats", "__version__"]
