@@ -31,8 +31,10 @@ def decoder_of(model):
     return next(m for m in model.modules() if isinstance(m, VisDecoder))
 
 
-def test_keep_ratio_one_gives_the_reference_exactly(tiny_dir, reference, image_inputs):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # causal by the kernel's flag, or by our explicit mask
+def test_keep_ratio_one_gives_the_reference_exactly(tiny_dir, reference, image_inputs, attention):
     model, _ = load(tiny_dir, rules(keep_ratio=1.0), **CPU)
+    decoder_of(model).orig_module.config._attn_implementation = attention
     with torch.no_grad():
         logits, tokens = model(**image_inputs).logits, model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
         ref_logits = reference[0](**image_inputs).logits
@@ -112,6 +114,9 @@ def test_causal_mask():
     m = causal_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0]
     assert m.shape == (3, 5)
     assert (m == 0).tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+    # a prefill from an empty cache: the kernel's own causal flag where it has one, else the mask
+    assert causal_mask(4, 0, torch.float32, torch.device("cpu"), implicit_causal=True) is None
+    assert causal_mask(4, 0, torch.float32, torch.device("cpu"))[0, 0].shape == (4, 4)
 
 
 def test_llm_saliency_is_the_last_tokens_attention(tiny_dir, image_inputs):

@@ -80,9 +80,15 @@ class VisionSaliency(BaseInjectedModule):
         shared_context(gguf_loader).recorder = SaliencyRecorder(orig_module, merge)
 
 
-def causal_mask(queries: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Additive (1, 1, q, past + q) mask: query i sees keys up to past + i. None when it sees all."""
-    if queries == 1:
+IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")  # kernels that take is_causal themselves
+
+
+def causal_mask(queries: int, past: int, dtype: torch.dtype, device: torch.device,
+                implicit_causal: bool = False) -> torch.Tensor | None:
+    """Additive (1, 1, q, past + q) mask: query i sees keys up to past + i. None when no mask is needed:
+    one query sees everything, and with `implicit_causal` a prefill from an empty cache is plain causal
+    attention, which the kernel does itself (flash/efficient kernels, no q x q mask in memory)."""
+    if queries == 1 or (past == 0 and implicit_causal):
         return None
     keys = past + queries
     allowed = torch.arange(keys, device=device)[None, :] <= (past + torch.arange(queries, device=device))[:, None]
@@ -228,6 +234,8 @@ class VisDecoder(BaseInjectedModule):
         self._routes.clear()
         self._recording = prune
         keep = full = None
+        masks: dict[tuple[int, int], torch.Tensor | None] = {}
+        implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL
         for index, layer in enumerate(text.layers):
             if index == prune_at:
                 start = time.perf_counter()
@@ -249,7 +257,10 @@ class VisDecoder(BaseInjectedModule):
             if prune and self.saliency_source == "llm" and index == prune_at - 1:
                 self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
             layer_past = past_key_values.get_seq_length(index) if past_key_values is not None else 0
-            mask = causal_mask(hidden.shape[1], layer_past, hidden.dtype, hidden.device)
+            shape = (hidden.shape[1], layer_past)
+            if shape not in masks:  # layers with the same lengths share one mask
+                masks[shape] = causal_mask(*shape, hidden.dtype, hidden.device, implicit_causal)
+            mask = masks[shape]
             hidden = layer(hidden, attention_mask=mask, position_ids=text_positions, past_key_values=past_key_values,
                            position_embeddings=(cos, sin), **kwargs)
             if deepstack_visual_embeds is not None and index < len(deepstack_visual_embeds):
