@@ -274,6 +274,8 @@ class LeanDecodeStep:
         out = asdict(self.counters)
         out.pop("profile")
         out.pop("profile_steps")
+        if not out["reason_eager"]:
+            out.pop("reason_eager")
         out["graphs"] = self.backend.name if self.backend is not None else "off"
         out["capturable_pieces"] = sum(p.capturable for p in self.pieces)
         out["pieces"] = len(self.pieces)

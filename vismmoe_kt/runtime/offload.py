@@ -405,6 +405,7 @@ class OffloadRuntime:
             "slabs": self.num_slabs,
             "expert_budget": human_bytes(self.settings.expert_budget),
             "miss_policy": self.settings.miss_policy,
+            "host_reads": self.host_reads,  # device->host synchronisations: one per offloaded layer call
             "bytes_host_store": self.store.nbytes,
             "bytes_gpu_experts": sum(t.numel() * t.element_size() for bank in self.banks.values() for t in bank)
             + (sum(t.numel() * t.element_size() for t in self.pool) if self.pool is not None and self.num_slabs else 0),
