@@ -202,6 +202,15 @@ def test_sampling_respects_top_p_and_greedy():
     assert len(wide) > 5
 
 
+def test_graphs_off_as_yaml_reads_it(tiny_dir):
+    """`--set graphs=off` and a bare `graphs: off` in a rule file arrive as the boolean False."""
+    from vismmoe_kt.cli import parse_set
+
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4),
+                    **parse_set(["graphs=off"]), **CPU)
+    assert decoder_of(model).graphs == "off"
+
+
 def test_bad_decode_kwargs_are_clear_errors(tiny_dir):
     with pytest.raises(RuleError, match=r"decode 'fast' is not one of: lean, hf"):
         load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), decode="fast", **CPU)

@@ -4,6 +4,7 @@ one (fp32, exact). Then everything exits: rank 0 releases the follower."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,11 +47,15 @@ def single(tiny_dir):
     return reply_of(result.stdout)
 
 
-def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single):
+@pytest.mark.parametrize("graphs", ["off", "replay"])  # lean decode steps, eager or through the graph plumbing
+def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs):
     result = chat(tiny_dir, *torchrun(free_port()), extra=("--optimize_config_path", EP_RULES, "--ep-size", "2",
-                                                           "--stats"))
+                                                           "--set", f"graphs={graphs}", "--stats"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert reply_of(result.stdout) == single
+    steps = int(re.search(r"decode_steps=(\d+)", result.stdout).group(1))
+    graphed = int(re.search(r"decode_graphed_steps=(\d+)", result.stdout).group(1))
+    assert steps == 7 and graphed == (7 if graphs == "replay" else 0)  # the lean path, announced to rank 1
     assert "ep_size=2, local_experts=32" in result.stdout  # summed over 4 layers: 8 of 16 experts each
     assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
 

@@ -134,7 +134,8 @@ class LeanEngine:
                 self.retired_steps.append(self.step.stats())
             self.cache = self.step = None  # free the old buffers before making larger ones
             self.cache = StaticKVCache(*shape, capacity, weight.dtype, weight.device)
-            self.step = LeanDecodeStep(text, self.lm_head, self.cache, self.graphs, self.decoder.set_token_is_visual)
+            self.step = LeanDecodeStep(text, self.lm_head, self.cache, self.graphs, self.decoder.set_token_is_visual,
+                                       self.decoder.step_hooks)
         self.step.profiling = self.profiling
         self.cache.reset()
         self.sequence, self.images, self.pruned, self.pruned_from = [], [], [], None

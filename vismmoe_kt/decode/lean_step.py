@@ -84,8 +84,12 @@ def experts_capturable(experts: nn.Module) -> bool:
 
 class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, lm_head: nn.Module, cache: StaticKVCache, graphs: str = "auto",
-                 visual_flag: Callable[[torch.Tensor], None] | None = None):
+                 visual_flag: Callable[[torch.Tensor], None] | None = None,
+                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None):
         self.text, self.lm_head, self.cache = text_model, lm_head, cache
+        # (before, after) callables around every step, e.g. expert parallelism announcing it to the
+        # other ranks; a list shared with the decoder, so hooks added later apply too
+        self.hooks = hooks if hooks is not None else []
         device = cache.device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)    # the step's input
         self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
@@ -215,13 +219,25 @@ class LeanDecodeStep:
             return self._eager_step()
         after = self.cache.lengths.clone()
         self.cache.lengths.copy_(lengths)  # the same step again, eagerly: the graphs must agree with it
-        reference = self._eager_step()
+        reference = self._announced(self._eager_step)  # a second run is a second step to the hooks
         self.cache.lengths.copy_(after)
         if not torch.allclose(logits.float(), reference.float(), rtol=2e-2, atol=2e-2):
             self.counters.check_failures += 1
             self._give_up_graphs("graphed logits differ from the eager step")
             return reference
         return logits
+
+    def _announced(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()` between the hooks' before and after calls (after ones also when it raises)."""
+        entered = []
+        try:
+            for before, after in list(self.hooks):
+                before()
+                entered.append(after)
+            return run()
+        finally:
+            for after in reversed(entered):
+                after()
 
     def _give_up_graphs(self, reason: str) -> None:
         warnings.warn(f"decode runs without graphs: {reason}", RuntimeWarning, stacklevel=3)
@@ -240,9 +256,9 @@ class LeanDecodeStep:
         self.cache.decoding = True
         try:
             if self.backend is None or self.profiling:
-                logits = self._eager_step()
+                logits = self._announced(self._eager_step)
             else:
-                logits = self._graphed_step()
+                logits = self._announced(self._graphed_step)
         finally:
             self.cache.decoding = False
         self.cache.advance_on_host()

@@ -103,6 +103,8 @@ class VisDecoder(BaseInjectedModule):
                  tradeoff: float = 2.0, prune_layer: Any = "auto", saliency_source: str = "vision", seed: int = 0,
                  decode: str = "lean", graphs: str = "auto", **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
+        if isinstance(graphs, bool):  # YAML reads a bare `off` / `on` as a boolean
+            graphs = "auto" if graphs else "off"
         if decode not in ("lean", "hf"):
             raise ValueError(f"decode {decode!r} is not one of: lean, hf")
         if graphs not in ("auto", "cuda", "replay", "off"):
@@ -111,6 +113,7 @@ class VisDecoder(BaseInjectedModule):
             raise ValueError(f"graphs: cuda needs a CUDA generate_device, this rule has {self.generate_device}")
         self.decode, self.graphs = decode, graphs
         self._lean = None  # vismmoe_kt.decode.generation.LeanEngine, made at the first lean request
+        self.step_hooks: list = []  # (before, after) around each lean decode step (see LeanDecodeStep)
         if compression not in METHODS:
             raise ValueError(f"compression {compression!r} is not one of: {', '.join(METHODS)}")
         if not 0 < float(keep_ratio) <= 1:

@@ -2,9 +2,10 @@
 
 Expert parallelism splits each MoE layer's experts over the ranks, so every rank must enter every MoE
 layer's exchange. With one front end (the HTTP server, the chat prompt) only rank 0 has requests; the
-others follow it: before each forward of the language model rank 0 broadcasts STEP, and each follower
-calls its expert-parallel operators, layer by layer in the model's order, with no tokens of its own,
-which serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
+others follow it: before each forward of the language model rank 0 broadcasts STEP (a lean decode
+step, which bypasses that forward, announces itself the same way), and each follower calls its
+expert-parallel operators, layer by layer in the model's order, with no tokens of its own, which
+serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
 so a follower can tell a quiet leader from a lost one (the group's timeout); STOP ends the followers.
 A lock keeps a heartbeat from landing inside a forward's exchanges (collectives must be issued in the
 same order on every rank).
@@ -85,15 +86,17 @@ class Leader:
     def __init__(self, model: Any, group: Group, heartbeat_s: float = 5.0):
         global current_leader
         expert_parallel_operators(model)
-        if getattr(model.model.language_model, "decode", None) == "lean":
-            raise InputError("expert parallelism under torchrun follows the language model's forwards, which the "
-                             "lean decode path bypasses: set decode: hf in the VisDecoder rule (--set decode=hf)")
         self.device = torch.device(group.device)
         self.lock = threading.RLock()
         self.stopped = threading.Event()
         language = model.model.language_model
         self._hooks = [language.register_forward_pre_hook(self._before),
                        language.register_forward_hook(self._after, always_call=True)]
+        # the lean decode path runs its steps without the language model's forward: announce those too
+        self._step_hooks = getattr(language, "step_hooks", None)
+        self._step_hook = (lambda: self._before(None, None), lambda: self._after(None, None, None))
+        if self._step_hooks is not None:
+            self._step_hooks.append(self._step_hook)
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="vismmoe-ep-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -126,6 +129,8 @@ class Leader:
             self._send(STOP)
         for hook in self._hooks:
             hook.remove()
+        if self._step_hooks is not None and self._step_hook in self._step_hooks:
+            self._step_hooks.remove(self._step_hook)
 
 
 def follow(model: Any, group: Group) -> int:
