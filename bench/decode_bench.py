@@ -38,55 +38,15 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vismmoe_kt import load  # noqa: E402
-from vismmoe_kt.chat_session import TimingStreamer  # noqa: E402
-from vismmoe_kt.decode.generation import generate, lean_decoder_of  # noqa: E402
+from vismmoe_kt.benchmark.bandwidth import measure_copy_bandwidth  # noqa: E402
+from vismmoe_kt.benchmark.inputs import make_request  # noqa: E402
+from vismmoe_kt.benchmark.timing import profile_decode, timed_generate  # noqa: E402
+from vismmoe_kt.decode.generation import lean_decoder_of  # noqa: E402
 from vismmoe_kt.operators.vis_experts import VisExperts  # noqa: E402
 from vismmoe_kt.synthetic import load_synthetic  # noqa: E402
 from vismmoe_kt.tiny_models import save_tiny_model  # noqa: E402
 
 GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
-
-
-class _NoText:
-    @staticmethod
-    def decode(*args, **kwargs) -> str:
-        return ""
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(model, inputs, tokens: int, device: str) -> tuple[float, float, torch.Tensor]:
-    """(seconds to the first token, decode tokens/s over the rest, the tokens)."""
-    streamer = TimingStreamer(_NoText(), io.StringIO())
-    decoder = lean_decoder_of(model)
-    if decoder is not None:  # cold prefill each time: the same prompt again would reuse the cache
-        decoder.lean_engine(model.lm_head).forget()
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = generate(model, inputs, tokens, streamer=streamer)
-    sync(device)
-    end = time.perf_counter()
-    first = streamer.token_times[0]
-    return first - start, (tokens - 1) / (end - first), out[0, inputs["input_ids"].shape[1]:].cpu()
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Page-locked host -> device copy, GB/s (what a slab fetch gets); None without CUDA."""
-    if not device.startswith("cuda"):
-        return None
-    host = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host, non_blocking=True)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(5):
-        dev.copy_(host, non_blocking=True)
-    sync(device)
-    return 5 * host.numel() / (time.perf_counter() - start) / 1e9
 
 
 def runtime_of(model):
@@ -110,13 +70,6 @@ def load_model(args, rules: str, overrides: dict):
     if args.tiny_dir:
         return load(args.tiny_dir, rules, progress=False, **devices, **overrides)
     return load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
-
-
-def make_inputs(processor, size: int, device: str):
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return processor(text=[prompt], images=[image], return_tensors="pt").to(device)
 
 
 def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
@@ -150,13 +103,13 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     model, processor = load_model(args, rules, overrides)
-    inputs = make_inputs(processor, args.image_size, args.device)
-    timed(model, inputs, 3, args.device)  # warm-up (and, with graphs, the capture)
+    inputs = make_request(processor, args.image_size, args.device)
+    timed_generate(model, inputs, 2)  # warm-up (and, with graphs, the capture)
     runtime = runtime_of(model)
     copied = runtime.summary()["bytes_copied_decode"] if runtime else 0
     prefill, decode, tokens = [], [], None
     for _ in range(args.reps):
-        p, d, tokens = timed(model, inputs, args.decode_tokens, args.device)
+        p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
         prefill.append(p)
         decode.append(d)
     row = {"config": spec, "prompt_tokens": int(inputs["input_ids"].shape[1]),
@@ -174,11 +127,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     if decoder is not None:
         row["lean"] = decoder.stats()
         if args.profile:
-            engine = decoder.lean_engine(model.lm_head)
-            engine.profiling = True
-            timed(model, inputs, args.decode_tokens, args.device)
-            row["profile"] = engine.profile()
-            engine.profiling = False
+            row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
     if args.device.startswith("cuda"):
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if runtime is not None:
@@ -218,7 +167,8 @@ def main() -> int:
         if spec == "hf":
             reference = tokens
         rows.append(row)
-    bandwidth = copy_bandwidth(args.device)
+    cuda = args.device.startswith("cuda")  # a page-locked host -> device copy, what a slab fetch gets
+    bandwidth = measure_copy_bandwidth(torch.device(args.device))["bytes_per_s"] / 1e9 if cuda else None
     resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
     for r in rows:
         if "decode_bytes_per_token" in r and bandwidth:

@@ -102,12 +102,11 @@ def run(args) -> int:
 
     from ..parallel import launch
 
-    in_group = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    configs = parse_configs(args.configs, in_group)
+    group = launch.join_from_env(args.ep_size, args.ep_timeout)
+    configs = parse_configs(args.configs, in_group=group is not None)
     budgets = parse_budgets(args.budgets, args.demo)
     check_flags(args)
     source = model_source(args)
-    group = launch.join_from_env(args.ep_size, args.ep_timeout)
     torch.set_num_threads(args.cpu_infer)
     cuda = torch.cuda.is_available()
     device = group.device if group is not None else "cuda:0" if cuda else "cpu"

@@ -21,8 +21,7 @@ from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
 from .figures import FIGURE_KEYS, difference, offload_figures, runtime_counters
 from .inputs import count_tokens, make_request
 from .source import ModelSource
-from ..decode.generation import lean_decoder_of
-from .timing import spread, timed_generate
+from .timing import profile_decode, spread, timed_generate
 
 @dataclass(frozen=True)
 class Settings:
@@ -127,19 +126,13 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     before = collect_stats(model)
     prefill, decode = [], []
     for _ in range(settings.repeats):
-        first, rate = timed_generate(model, request, settings.decode_tokens)
+        first, rate, _ = timed_generate(model, request, settings.decode_tokens)
         prefill.append(first)
         decode.append(rate)
         progress.update(1)
     after = collect_stats(model)
-    decoder = lean_decoder_of(model)
-    if settings.profile and decoder is not None:  # one more request, each decode piece timed to its end
-        engine = decoder.lean_engine(model.lm_head)
-        engine.reset_profile()
-        engine.profiling = True
-        timed_generate(model, request, settings.decode_tokens)
-        engine.profiling = False
-        row["decode_profile"] = engine.profile()
+    if settings.profile:
+        row["decode_profile"] = profile_decode(model, request, settings.decode_tokens)
     row["prefill_s"], row["decode_tok_s"] = spread(prefill), spread(decode)
     row["visual_tokens_kept"] = _compression_kept(before, after)
     row["cpu_backend"] = next((ops["cpu_backend"] for ops in after["operators"].values() if "cpu_backend" in ops), None)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 State = tuple[torch.Tensor, ...]
+GRAPH_MODES = ("auto", "cuda", "replay", "off")
 
 
 class ReplayCapture:
@@ -68,4 +69,4 @@ def capture_backend(mode: str, device: torch.device):
         if mode == "cuda":
             raise ValueError(f"graphs: cuda needs the decoder on a CUDA device, it runs on {device}")
         return None
-    raise ValueError(f"graphs {mode!r} is not one of: auto, cuda, replay, off")
+    raise ValueError(f"graphs {mode!r} is not one of: {', '.join(GRAPH_MODES)}")

@@ -31,7 +31,7 @@ from torch import nn
 
 from .fused_ops import is_qwen_rms_norm, is_top_k_router, rms_norm, route
 from .graphs import State, capture_backend
-from .static_cache import StaticKVCache
+from .static_cache import CacheFullError, StaticKVCache
 
 
 @dataclass
@@ -57,7 +57,6 @@ class LeanCounters:
     steps: int = 0
     graphed_steps: int = 0
     segments_captured: int = 0
-    eager_pieces_per_step: int = 0   # pieces that run between segments (or all, without graphs)
     capture_failures: int = 0
     check_failures: int = 0          # graphed logits that differed from the eager step: graphs turned off
     reason_eager: str = ""
@@ -111,7 +110,7 @@ class LeanDecodeStep:
             if moe:
                 pieces.append(Piece(f"experts {index}", self._experts(layer.mlp.experts),
                                     experts_capturable(layer.mlp.experts), index, "experts"))
-        pieces.append(Piece("head", self._head, True, kind="head"))
+        pieces.append(Piece("head", self._head(norm_fn(text.norm)), True, kind="head"))
         if len(text.layers) != cache.num_layers:
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(text.layers)}")
         return pieces
@@ -147,10 +146,12 @@ class LeanDecodeStep:
             return hidden + experts(flat, chosen, weights).view_as(hidden), cos, sin, masks
         return run
 
-    def _head(self, state: State) -> State:
-        logits = self.lm_head(norm_fn(self.text.norm)(state[0]))[:, -1]
-        self.cache.advance_on_device()
-        return (logits,)
+    def _head(self, norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[State], State]:
+        def run(state: State) -> State:
+            logits = self.lm_head(norm(state[0]))[:, -1]
+            self.cache.advance_on_device()
+            return (logits,)
+        return run
 
     # --- segments -----------------------------------------------------------------------------------
     def _group(self) -> list[Segment]:
@@ -248,7 +249,6 @@ class LeanDecodeStep:
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Logits (1, V) for the next position, given the last token (1, 1) or (1,)."""
         if self.cache.room() < 1:
-            from .static_cache import CacheFullError
             raise CacheFullError(f"the decode cache is full ({self.cache.capacity} positions)")
         self.token.copy_(token.view(1, 1))
         if self.visual_flag is not None:
@@ -262,12 +262,8 @@ class LeanDecodeStep:
         finally:
             self.cache.decoding = False
         self.cache.advance_on_host()
-        c = self.counters
-        c.steps += 1
-        graphed = self.segments is not None
-        c.graphed_steps += graphed
-        c.eager_pieces_per_step = sum(len(s.pieces) for s in self.segments if not s.capturable) if graphed \
-            else len(self.pieces)
+        self.counters.steps += 1
+        self.counters.graphed_steps += self.segments is not None
         return logits
 
     # --- profile ------------------------------------------------------------------------------------
@@ -293,6 +289,9 @@ class LeanDecodeStep:
         if not out["reason_eager"]:
             out.pop("reason_eager")
         out["graphs"] = self.backend.name if self.backend is not None else "off"
+        # pieces that run between segments (or all of them, without graphs)
+        out["eager_pieces_per_step"] = len(self.pieces) if self.segments is None else \
+            sum(len(s.pieces) for s in self.segments if not s.capturable)
         out["capturable_pieces"] = sum(p.capturable for p in self.pieces)
         out["pieces"] = len(self.pieces)
         return out

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..compression import METHODS, select
+from ..decode.graphs import GRAPH_MODES
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
 
 CONTEXT_KEY = "compression"
@@ -107,8 +108,8 @@ class VisDecoder(BaseInjectedModule):
             graphs = "auto" if graphs else "off"
         if decode not in ("lean", "hf"):
             raise ValueError(f"decode {decode!r} is not one of: lean, hf")
-        if graphs not in ("auto", "cuda", "replay", "off"):
-            raise ValueError(f"graphs {graphs!r} is not one of: auto, cuda, replay, off")
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs {graphs!r} is not one of: {', '.join(GRAPH_MODES)}")
         if graphs == "cuda" and torch.device(self.generate_device).type != "cuda":
             raise ValueError(f"graphs: cuda needs a CUDA generate_device, this rule has {self.generate_device}")
         self.decode, self.graphs = decode, graphs
