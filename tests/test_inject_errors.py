@@ -125,3 +125,52 @@ def test_failed_injection_leaves_the_model_intact():
     with pytest.raises(RuleError):
         inject(model, rules, config=None)
     assert dict(model.named_modules()) == before
+
+
+def test_replace_class_that_is_not_an_operator_fails_when_applied():
+    """nn.Identity takes (*args, **kwargs): it would be built and only fail (or do nothing) at forward."""
+    model = Toy(1)
+    rules = [{"match": {"name": "^head$"}, "replace": {"class": "torch.nn.Identity"}}]
+    with pytest.raises(RuleError, match=r"<rules>, rule 0: replace.class 'torch.nn.Identity' is not an injectable "
+                                        r"operator: expected a subclass of vismmoe_kt.operators.base.BaseInjectedModule, "
+                                        r"or a class whose constructor takes \(key, gguf_loader, config, orig_module"):
+        inject(model, rules, config=None)
+    assert type(model.head).__name__ == "Linear"
+
+
+def test_rule_file_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x80" * 50)
+    with pytest.raises(RuleError, match=r"cannot read rule file .*rules\.yaml: not UTF-8 text"):
+        read_rules(path)
+
+
+def test_deeply_nested_yaml_is_refused(tmp_path):
+    with pytest.raises(RuleError, match=r"rules\.yaml: not a rule file: its YAML is nested too deeply"):
+        read_rules(write(tmp_path, "[" * 20000 + "]" * 20000))
+
+
+def billion_laughs(levels=9):
+    """Half a KB of YAML that stands for 9**levels strings once its aliases are expanded."""
+    names = "abcdefghijklmnop"[:levels]
+    lines = [f"      {names[0]}: &{names[0]} [{', '.join(['lol'] * 9)}]"]
+    lines += [f"      {b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip(names, names[1:])]
+    return "- match: {name: '^head$'}\n  replace:\n    class: toy_modules.Exploding\n    kwargs:\n" + "\n".join(lines) + "\n"
+
+
+def test_billion_laughs_rule_file_is_refused_without_expanding_it(tmp_path):
+    path = write(tmp_path, billion_laughs())
+    assert path.stat().st_size < 1200
+    with pytest.raises(RuleError, match=r"rules\.yaml: the YAML has over 100,000 values once its aliases \(\*name\) are expanded"):
+        read_rules(path)
+    (rule,) = read_rules(write(tmp_path, billion_laughs(levels=3)))  # 9**3 values: aliases as such are fine
+    assert len(rule.kwargs["c"]) == 9
+
+
+def test_error_messages_quote_long_kwargs_in_short():
+    rules = [{"match": {"name": "^head$"}, "replace": {"class": "toy_modules.Exploding",
+                                                       "kwargs": {"tags": list(range(100_000)), "note": "x" * 10_000}}}]
+    with pytest.raises(RuleError, match=r"Exploding rejects kwargs \{'note': 'xxx.*\.\.\..*'tags': \[0, 1, 2, .*\.\.\.\]\} "
+                                        r"for module 'head': this operator refuses every module") as exc:
+        inject(Toy(1), rules, config=None)
+    assert len(str(exc.value)) < 1000

@@ -155,3 +155,34 @@ def test_no_checkpoint_at_all(tmp_path, tiny_dir):
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(LoadError, match="no safetensors checkpoint"):
         load(model_dir, None, **CPU)
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_integer_dtype_in_the_config_is_named(tmp_path, tiny_dir, key):
+    model_dir = copy_model_dir(tiny_dir, tmp_path / "int8")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("dtype", None)
+    config[key] = "int8"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=r"config\.json: dtype int8 is not a floating-point type; vismmoe-kt loads float models"):
+        load(model_dir, None, **CPU)
+
+
+def test_config_dtype_that_is_no_dtype_is_named(tmp_path, tiny_dir):
+    model_dir = copy_model_dir(tiny_dir, tmp_path / "banana")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["dtype"] = "banana"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=r"config\.json: dtype 'banana' is not a torch dtype"):
+        load(model_dir, None, **CPU)
+
+
+def test_integer_tensor_where_a_float_weight_belongs_is_named(tmp_path, tiny_dir):
+    """Stored int8 would load into the Parameter without complaint and compute nonsense (or fail in the forward)."""
+    model_dir = copy_model_dir(tiny_dir, tmp_path / "int-tensor")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.language_model.norm.weight"] = torch.ones(64, dtype=torch.int8)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError, match=r"model\.safetensors: tensor 'model.language_model.norm.weight' is int8, "
+                                        r"not a floating-point type"):
+        load(model_dir, None, progress=False, **CPU)

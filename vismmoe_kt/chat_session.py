@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from .decode.generation import generate
+from .errors import InputError
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ChatSession:
         self.sampling = self._sampling(greedy, temperature, top_p)
         self.messages: list[dict[str, Any]] = []
         self.images: list[Any] = []
+        self.context = model.config.get_text_config().max_position_embeddings
 
     def _sampling(self, greedy: bool, temperature: float | None, top_p: float | None) -> dict[str, Any]:
         if greedy:
@@ -72,23 +74,31 @@ class ChatSession:
                 "top_p": top_p if top_p is not None else (defaults.top_p or 1.0)}
 
     def ask(self, text: str, images: list[Any] = (), out: TextIO | None = None) -> tuple[str, TurnTimings]:
-        """Add a user turn (with its images), stream the assistant's reply to `out` (default stdout)."""
+        """Add a user turn (with its images), stream the assistant's reply to `out` (default stdout).
+
+        A prompt (the whole conversation with this turn) over the model's context is an InputError,
+        raised before anything is generated; the session is then unchanged."""
         out = out or sys.stdout
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        self.messages.append({"role": "user", "content": content})
-        self.images.extend(images)
-        prompt = self.processor.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
-        inputs = self.processor(text=[prompt], images=self.images or None, return_tensors="pt")
+        messages = self.messages + [{"role": "user", "content": content}]
+        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=[prompt], images=(self.images + list(images)) or None, return_tensors="pt")
+        length = int(inputs["input_ids"].shape[1])
+        if length + 1 > self.context:  # no room for one new token (the server refuses the same prompts)
+            raise InputError(f"the prompt is {length} tokens, over this model's context of {self.context}")
         device = self.model.get_input_embeddings().weight.device
         inputs = inputs.to(device)
         streamer = TimingStreamer(self.processor.tokenizer, out)
         start = time.perf_counter()
         with torch.inference_mode():
-            output = generate(self.model, inputs, self.max_new_tokens, streamer=streamer, **self.sampling)
+            output = generate(self.model, inputs, min(self.max_new_tokens, self.context - length), streamer=streamer,
+                              **self.sampling)
         end = time.perf_counter()
         new_tokens = output[0, inputs["input_ids"].shape[1]:]
         reply = self.processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": [{"type": "text", "text": reply}]})
+        # The turn is recorded only once it is answered: a turn that failed leaves no half of itself behind.
+        self.messages.extend([messages[-1], {"role": "assistant", "content": [{"type": "text", "text": reply}]}])
+        self.images.extend(images)
         first = streamer.token_times[0] if streamer.token_times else end
         timings = TurnTimings(int(inputs["input_ids"].shape[1]), first - start, int(new_tokens.numel()), end - first)
         return reply, timings

@@ -109,6 +109,11 @@ class CheckpointReader:
             raise
         except Exception as exc:
             raise LoadError(f"{self._shards[name]}: cannot read tensor {name!r} ({exc})") from None
+        if not tensor.is_floating_point():
+            # Every tensor of the families we load is a float weight: integer data is a quantized or foreign
+            # checkpoint, which would load without complaint and fail (or compute nonsense) in the forward.
+            raise LoadError(f"{self.describe(name)} is {str(tensor.dtype).removeprefix('torch.')}, not a floating-point "
+                            f"type; this loader reads float checkpoints (float32, bfloat16, float16), not quantized ones")
         if self.dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self.dtype)
         tensor = tensor.to(device)

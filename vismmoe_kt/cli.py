@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,13 +24,43 @@ def parse_set(values: list[str]) -> dict[str, Any]:
     """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings)."""
     import yaml
 
+    from .inject import check_yaml_size
+
     out = {}
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise InputError(f"--set {item!r}: expected key=value")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise InputError(f"--set {item}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        except RecursionError:
+            raise InputError(f"--set {item}: the value is nested too deeply") from None
+        check_yaml_size(parsed, f"--set {key.strip()}", InputError)
+        out[key.strip()] = parsed
     return out
+
+
+def checked(convert: type, ok: Callable[[Any], bool], wants: str) -> Callable[[str], Any]:
+    """An argparse type: a value out of range is a usage error ("error: argument --port: ...") before anything loads."""
+    def parse(text: str) -> Any:
+        value = convert(text)  # a ValueError here gives argparse's own "invalid int value: 'x'"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {wants}, got {text}")
+        return value
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    return checked(int, lambda v: v >= low, f"at least {low}")
+
+
+PORT = checked(int, lambda v: 0 <= v <= 65535, "a port number, 0..65535")  # uvicorn raises OverflowError otherwise
+TEMPERATURE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")  # nan, inf break sampling
+TOP_P = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")  # false for nan too
+POSITIVE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt_file", help="read the (first) prompt from this file")
     chat.add_argument("--max_new_tokens", type=int, default=1000)
     chat.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
-    chat.add_argument("--temperature", type=float)
-    chat.add_argument("--top_p", type=float)
+    chat.add_argument("--temperature", type=TEMPERATURE)
+    chat.add_argument("--top_p", type=TOP_P)
     chat.add_argument("--stats", action="store_true", help="print runtime statistics after each answer")
 
     calibrate = commands.add_parser("calibrate", help="record routing traces and train the lookahead predictor")
@@ -85,15 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="OpenAI- and Ollama-compatible HTTP server with a web chat page")
     add_model_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=10002)
+    serve.add_argument("--port", type=PORT, default=10002)
     serve.add_argument("--api_key", help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--max_new_tokens", type=int, default=1000)
-    serve.add_argument("--temperature", type=float)
-    serve.add_argument("--top_p", type=float)
-    serve.add_argument("--max_queue", type=int, default=8, help="requests that may wait; more get 429")
-    serve.add_argument("--limit_mm_per_prompt", type=int, default=4, help="images per request")
-    serve.add_argument("--max_image_mb", type=float, default=20)
+    serve.add_argument("--temperature", type=TEMPERATURE)
+    serve.add_argument("--top_p", type=TOP_P)
+    serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
+    serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
+    serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
+    serve.add_argument("--max_image_pixels", type=at_least(1), default=16_777_216,
+                       help="larger images are refused before they are decoded (default: 16.8 M, the processor's own maximum)")
+    serve.add_argument("--max_body_mb", type=POSITIVE,
+                       help="larger request bodies get 413 (default: room for the images allowed plus 8 MiB of text)")
+    serve.add_argument("--allowed_hosts", nargs="+", metavar="HOST",
+                       help="Host header names to answer, '*' for any (default: loopback names when --host is "
+                            "loopback, which stops DNS-rebinding pages; any otherwise)")
 
     add_bench_parser(commands)
     evaluate = commands.add_parser("eval", help="exact-match visual QA accuracy per question type (JSON output)")
@@ -169,6 +207,29 @@ def resolve_model_path(args: argparse.Namespace) -> Path:
     return Path(args.model_path)
 
 
+DEVICE_KEYS = ("generate_device", "prefill_device")
+
+
+def check_device(value: Any, where: str) -> str:
+    """A device the user named: one torch knows and this machine has, else an InputError naming it."""
+    import torch
+
+    try:
+        if not isinstance(value, str):  # e.g. `--set generate_device=0`: an int would pass torch.device as cuda:0
+            raise TypeError
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"{where}: {value!r} is not a device (expected e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InputError(f"{where}: {value} is not available: this machine has no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise InputError(f"{where}: {value} is not available: this machine has {count} CUDA "
+                             f"device{'s' if count > 1 else ''}")
+    return value
+
+
 def load_from_args(args: argparse.Namespace):
     import torch
 
@@ -177,20 +238,24 @@ def load_from_args(args: argparse.Namespace):
     if args.cpu_infer < 1:
         raise InputError(f"--cpu_infer must be at least 1, got {args.cpu_infer}")
     torch.set_num_threads(args.cpu_infer)
+    overrides = parse_set(args.set)  # bad flags fail before the (demo) model is assembled or loaded
+    for flag in DEVICE_KEYS:
+        if flag in overrides:
+            check_device(overrides[flag], f"--set {flag}")
+        if getattr(args, flag):
+            overrides[flag] = check_device(getattr(args, flag), f"--{flag}")
+    named_device = any(flag in overrides for flag in DEVICE_KEYS)
     model_path = resolve_model_path(args)
     if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
         raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
-    overrides = parse_set(args.set)
-    for flag in ("generate_device", "prefill_device"):
-        if getattr(args, flag):
-            overrides[flag] = getattr(args, flag)
     from .parallel import launch
 
     group = launch.join_from_env(args.ep_size, args.ep_timeout)
     if group is not None and group.device != "cpu":  # each torchrun rank on its own GPU
         overrides.setdefault("generate_device", group.device)
         overrides.setdefault("prefill_device", group.device)
-    fallback = not torch.cuda.is_available() and not (args.generate_device or args.prefill_device)
+    # Only when the user named no device (flag or --set): a device they named is theirs, checked above.
+    fallback = not torch.cuda.is_available() and not named_device
     if fallback:  # rule files name cuda:0; without CUDA the command line runs them on the CPU (the API stays strict)
         overrides.update(generate_device="cpu", prefill_device="cpu")
     loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
@@ -204,10 +269,20 @@ def load_from_args(args: argparse.Namespace):
 
 def read_user_turn(ask: Callable[[str], str]) -> str | None:
     """One turn of ktransformers' input habits: `\"\"\"` opens/closes multi-line input, a path reads a file."""
-    try:
-        line = ask("Chat: ")
-    except EOFError:
-        return None
+    while True:
+        try:
+            line = ask("Chat: ")
+        except EOFError:
+            return None
+        path = line.strip()
+        if not (path and not path.startswith(MULTILINE) and os.path.isfile(path)):
+            break
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # e.g. an image's path: say so and ask again, the conversation goes on
+            print(f"error: {path} is not a UTF-8 text file (a path typed here is read as the prompt)", file=sys.stderr)
+        except OSError as exc:
+            print(f"error: {path}: {exc.strerror or exc}", file=sys.stderr)
     if line.strip().startswith(MULTILINE):
         lines = [line.strip()[len(MULTILINE):]]
         while not lines[-1].rstrip().endswith(MULTILINE):
@@ -217,8 +292,6 @@ def read_user_turn(ask: Callable[[str], str]) -> str | None:
                 break
         lines[-1] = lines[-1].rstrip().removesuffix(MULTILINE)
         return "\n".join(lines).strip()
-    if line.strip() and os.path.isfile(line.strip()):
-        return Path(line.strip()).read_text(encoding="utf-8")
     return line
 
 
@@ -238,6 +311,8 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
             first_prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise InputError(f"--prompt_file {args.prompt_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--prompt_file {args.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     model, processor = load_from_args(args)
     from .chat_session import ChatSession
     from .stats import collect_stats, format_stats
@@ -258,7 +333,11 @@ def run_chat(args: argparse.Namespace, out: TextIO | None = None) -> int:
     while (text := read_user_turn(input)) is not None:
         if not text.strip():
             continue
-        answer(text, pending)
+        try:
+            answer(text, pending)
+        except InputError as exc:  # e.g. over the context: the session dropped this turn, the chat goes on
+            print(f"error: {exc}", file=sys.stderr)
+            continue  # the first turn's images wait for the next one
         pending = []
     return 0
 
@@ -310,13 +389,18 @@ def build_server(args: argparse.Namespace):
     """The app for these flags (tests start it on a free port)."""
     from .server.app import create_app
     from .server.engine import Engine
+    from .server.guard import default_allowed_hosts
     from .server.inputs import Limits
 
+    if args.max_new_tokens < 1:  # as chat and eval say it
+        raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     model, processor = load_from_args(args)
     name = "vismmoe-demo" if args.demo else Path(args.model_path).name
-    engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue)
-    limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path)
-    return create_app(engine, limits, args.api_key)
+    limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path,
+                    args.max_image_pixels, int(args.max_body_mb * 2**20) if args.max_body_mb else None)
+    engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue, limits)
+    hosts = args.allowed_hosts or default_allowed_hosts(args.host)
+    return create_app(engine, limits, args.api_key, hosts)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -24,7 +24,9 @@ Semantics (each one tested in tests/test_inject_rules.py):
   it, so `default_device="cpu"` means what it says.)
 
 Rule files are code-equivalent: a rule names classes that get imported, like a Python import list.
-Only load rule files you trust. The YAML itself is parsed with `yaml.safe_load`.
+Only load rule files you trust. The YAML itself is parsed with `yaml.safe_load`, and a document that
+would have over MAX_YAML_VALUES values once its aliases are expanded is refused. A replacement class
+must be an operator: a BaseInjectedModule, or a class whose constructor names KTransformers' arguments.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import copy
 import importlib
 import inspect
 import re
+import reprlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +45,19 @@ import yaml
 from torch import nn
 
 from .errors import RuleError
+from .operators.base import BaseInjectedModule
 
 DEFAULT = "default"
+# A rule file has tens of values. YAML aliases share one parsed object among all the places that name it, so
+# a 1 KB document can stand for billions of values ("billion laughs"): anything that walks or prints them
+# (deepcopy of kwargs, an error message) would run for minutes and run out of memory.
+MAX_YAML_VALUES = 100_000
+OPERATOR_ARGS = ("key", "gguf_loader", "config", "orig_module")  # KTransformers' BaseInjectedModule constructor
+
+_short_repr = reprlib.Repr()  # error messages quote kwargs, which come from a file: keep them a line long
+_short_repr.maxlevel, _short_repr.maxdict, _short_repr.maxlist, _short_repr.maxstring = 3, 12, 8, 120
+_short_repr.maxother = 120
+short = _short_repr.repr
 
 
 class RuleWarning(UserWarning):
@@ -77,7 +91,7 @@ class Rule:
 def import_dotted(path: str, where: str) -> Any:
     """Import `package.module.Attr`; errors say which rule asked for it."""
     if not isinstance(path, str) or "." not in path:
-        raise RuleError(f"{where}: class path {path!r} must be a dotted path like 'package.module.Class'")
+        raise RuleError(f"{where}: class path {short(path)} must be a dotted path like 'package.module.Class'")
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -97,10 +111,15 @@ def read_rules(rules: str | Path | list) -> list[Rule]:
             text = Path(rules).read_text(encoding="utf-8")
         except OSError as exc:
             raise RuleError(f"cannot read rule file {source}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise RuleError(f"cannot read rule file {source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise RuleError(f"{source}: not valid YAML: {exc}") from None
+        except RecursionError:  # PyYAML composes recursively: thousands of nested brackets
+            raise RuleError(f"{source}: not a rule file: its YAML is nested too deeply") from None
+        check_yaml_size(data, source)
     else:
         source, data = "<rules>", rules
     if data is None:
@@ -108,6 +127,22 @@ def read_rules(rules: str | Path | list) -> list[Rule]:
     if not isinstance(data, list):
         raise RuleError(f"{source}: a rule file is a YAML list of rules, got {type(data).__name__}")
     return [_parse_rule(i, raw, source) for i, raw in enumerate(data)]
+
+
+def check_yaml_size(data: Any, where: str, error: type[Exception] = RuleError, limit: int = MAX_YAML_VALUES) -> None:
+    """Refuse parsed YAML that would have over `limit` values if its aliases were expanded.
+
+    Counts without expanding: a walk over the shared objects that stops at the limit, so it takes at
+    most `limit` steps and its stack holds at most `limit` containers (it remembers nothing else)."""
+    count, stack = 1, [data] if isinstance(data, (dict, list)) else []
+    while stack:
+        node = stack.pop()
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        count += len(children)
+        if count > limit:
+            raise error(f"{where}: the YAML has over {limit:,} values once its aliases (*name) are expanded; "
+                        f"refusing it")
+        stack.extend(child for child in children if isinstance(child, (dict, list)))
 
 
 def _parse_rule(index: int, raw: Any, source: str) -> Rule:
@@ -146,7 +181,7 @@ def _parse_rule(index: int, raw: Any, source: str) -> Rule:
         raise RuleError(f"{where}: replace.kwargs must be a mapping, got {type(kwargs).__name__}")
     recursive = raw.get("recursive")
     if recursive is not None and not isinstance(recursive, bool):
-        raise RuleError(f"{where}: 'recursive' must be true or false, got {recursive!r}")
+        raise RuleError(f"{where}: 'recursive' must be true or false, got {short(recursive)}")
     return Rule(index, source, pattern, match_class, str(replace.get("class", DEFAULT)), kwargs, recursive)
 
 
@@ -257,13 +292,31 @@ def _construct(name: str, entry: dict, rule: Rule | None, child: nn.Module, conf
     cls = import_dotted(entry["class"], where)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise RuleError(f"{where}: replace.class {entry['class']!r} is not an nn.Module class")
+    if not _is_operator_class(cls):
+        # e.g. torch.nn.Identity takes (*args, **kwargs): it would be built, then fail (or do nothing) at forward
+        raise RuleError(f"{where}: replace.class {entry['class']!r} is not an injectable operator: expected a subclass "
+                        f"of vismmoe_kt.operators.base.BaseInjectedModule, or a class whose constructor takes "
+                        f"({', '.join(OPERATOR_ARGS)}, prefill_device, generate_device, **kwargs) as KTransformers' "
+                        f"operators do")
     kwargs = copy.deepcopy(entry["kwargs"])
     args = dict(key=name, gguf_loader=loader, config=config, orig_module=child)
     try:
         inspect.signature(cls).bind(**args, **kwargs)
     except TypeError as exc:
-        raise RuleError(f"{where}: {cls.__name__} rejects kwargs {sorted(kwargs)} for module {name!r}: {exc}") from None
+        raise RuleError(f"{where}: {cls.__name__} rejects kwargs {short(sorted(kwargs))} for module {name!r}: {exc}") from None
     try:
         return cls(**args, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise RuleError(f"{where}: {cls.__name__} rejects kwargs {kwargs} for module {name!r}: {exc}") from exc
+        raise RuleError(f"{where}: {cls.__name__} rejects kwargs {short(kwargs)} for module {name!r}: {exc}") from exc
+
+
+def _is_operator_class(cls: type) -> bool:
+    """Ours, or a class (an upstream operator) whose constructor names the operator arguments itself."""
+    if issubclass(cls, BaseInjectedModule):
+        return True
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    named = {p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return set(OPERATOR_ARGS) <= named

@@ -68,6 +68,8 @@ def read_model_config(model_dir: Path) -> tuple[Any, ModelAdapter]:
     except (OSError, ValueError) as exc:
         raise LoadError(f"{config_file}: unreadable ({exc})") from None
     adapter = adapter_for(raw.get("model_type"), where=config_file)
+    for key in ("dtype", "torch_dtype"):  # transformers' name and its older one
+        _check_config_dtype(raw.get(key), config_file)
     from transformers import AutoConfig
 
     try:
@@ -76,6 +78,18 @@ def read_model_config(model_dir: Path) -> tuple[Any, ModelAdapter]:
     except (OSError, ValueError, TypeError) as exc:
         raise LoadError(f"{config_file}: invalid config ({exc})") from None
     return config, adapter
+
+
+def _check_config_dtype(value: Any, config_file: Path) -> None:
+    """The model is built in the config's dtype: a non-float one fails deep inside transformers or torch."""
+    if value is None:
+        return
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise LoadError(f"{config_file}: dtype {value!r} is not a torch dtype")
+    if not dtype.is_floating_point:
+        raise LoadError(f"{config_file}: dtype {str(dtype).removeprefix('torch.')} is not a floating-point type; "
+                        f"vismmoe-kt loads float models (float32, bfloat16, float16), not quantized ones")
 
 
 def _build_on_meta(adapter: ModelAdapter, config: Any) -> nn.Module:

@@ -164,6 +164,24 @@ def save_demo_model(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def remove_stale_staging(models_dir: Path) -> None:
+    """Remove staging directories of builds that were killed (their process is gone); never a live build's."""
+    for path in models_dir.glob("*.staging-*-*"):
+        pid = path.name.rpartition(".staging-")[2].partition("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):  # a reused pid keeps it: erring on the safe side
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def demo_model_dir() -> Path:
     """The embedded default model (trained on the synthetic VQA task): assembled on first use into the cache."""
     spec = SPECS[DEMO_SPEC]
@@ -173,7 +191,9 @@ def demo_model_dir() -> Path:
     print(f"Assembling the demo model {DEMO_SPEC} ({spec.layers} layers x {spec.experts} experts, top-{spec.top_k}, "
           f"trained on synthetic shapes VQA) into {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    remove_stale_staging(target.parent)
+    # The pid in the name lets a later run tell a staging directory whose builder was killed from one in use.
+    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-{os.getpid()}-", dir=target.parent))
     try:
         save_demo_model(staging)
         (staging / ".complete").write_text("ok\n")

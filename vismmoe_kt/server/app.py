@@ -1,29 +1,84 @@
 """HTTP endpoints: OpenAI `/v1/chat/completions` and `/v1/models`, Ollama `/api/chat`, `/api/generate`,
-`/api/tags`, plus `/health`, `/metrics` (Prometheus text) and the web chat page at `/`."""
+`/api/tags`, plus `/health`, `/metrics` (Prometheus text) and the web chat page at `/`.
+
+Nothing heavy runs on the event loop: large bodies are parsed on a worker thread, images and
+tokenisation are the engine's `prepare` stage (worker thread). A client that goes away stops its
+generation wherever it is: waiting for its turn (the waiting task is cancelled), streaming (the
+response's end cancels the job) or waiting for a non-streamed answer (a disconnect watcher races it).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from .engine import Engine, Usage
-from .inputs import ApiError, Limits, parse_chat, parse_ollama
+from .engine import Engine, Job, Usage
+from .guard import Guard
+from .inputs import ApiError, Limits, parse_chat, parse_json, parse_ollama
+
+T = TypeVar("T")
+THREAD_PARSE_BYTES = 256 * 2**10  # bodies above this are parsed off the event loop
+CLIENT_GONE = 499                 # nginx's "client closed request", for the metrics only
 
 
-def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends: sent, failed or disconnected.
+
+    `on_close` must be synchronous: after a disconnect Starlette cancels the streaming task group,
+    and any await in cleanup code there would be cancelled again."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, or cancel it and raise ClientGone if the client disconnects first."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone()
+
+
+def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
+    """`allowed_hosts`: Host header names to answer (None: any; the CLI passes loopback names for a loopback bind)."""
     app = FastAPI(title="vismmoe-kt", docs_url=None, redoc_url=None)
-    limits = limits or Limits()
+    limits = limits or engine.limits
+    engine.limits = limits
     page = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
-
-    def count(endpoint: str, status: int) -> None:
-        key = f'{endpoint} {status}'
-        engine.metrics.requests[key] = engine.metrics.requests.get(key, 0) + 1
+    count = engine.metrics.count
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit,
+                       on_refusal=count)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -31,13 +86,48 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):  # still the error contract, never a text/plain 500
+        count(request.url.path, 500)
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error").body(),
+                            status_code=500)
+
     async def body_of(request: Request) -> Any:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", type_="authentication_error")
         try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+            raw = await request.body()
+        except ClientDisconnect:  # left while sending the body: nobody to answer, counted as such
+            raise ApiError(CLIENT_GONE, "the client disconnected while sending the request") from None
+        return await asyncio.to_thread(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
+
+    async def run(request: Request, chat, usage: Usage, respond: Callable[[str], Any],
+                  stream: Callable[..., Any], media_type: str):
+        """Start the job; answer whole or streamed; a client that left before its answer gets nothing."""
+        try:
+            job = await until_disconnected(request, engine.submit(chat, usage))
+        except ClientGone:
+            count(request.url.path, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        streaming = False
+        try:
+            if not chat.stream:
+                text = await until_disconnected(request, job.text())
+                count(request.url.path, 200)
+                return respond(text)
+            pieces = job.pieces()
+            first = await until_disconnected(request, anext(pieces, None))
+            streaming = True
+
+            def closed() -> None:
+                if not job.finished.is_set():  # the client left mid-stream
+                    count(request.url.path, CLIENT_GONE)
+                job.cancel()
+            return ClosingStreamingResponse(stream(first, job, pieces), on_close=closed, media_type=media_type)
+        except ClientGone:
+            count(request.url.path, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op for a finished job; stops one whose client left or failed
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
@@ -59,42 +149,37 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                            param="model", type_="not_found_error", code="model_not_found")
         chat = parse_chat(body, limits)
         usage, created, rid = Usage(), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        pieces = engine.stream(chat, usage)
-        if not chat.stream:
-            text = "".join([piece async for piece in pieces])
-            count(request.url.path, 200)
+
+        def respond(text: str) -> dict:
             return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "finish_reason": usage.finish_reason}],
                     "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                               "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
-        first = await _first(pieces)  # errors (bad prompt, queue full) become a JSON error, not a broken stream
 
         def chunk(delta: dict, finish: str | None = None) -> str:
             return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                           "model": engine.name,
                                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
 
-        async def events():
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                if first is not None:
-                    yield chunk({"content": first})
-                async for piece in pieces:
-                    if await request.is_disconnected():
-                        break
-                    yield chunk({"content": piece})
+        async def events(first: str | None, job: Job, pieces):
+            yield chunk({"role": "assistant", "content": ""})
+            if first is not None:
+                yield chunk({"content": first})
+            async for piece in pieces:
+                yield chunk({"content": piece})
+            await job.finished.wait()
+            count(request.url.path, 200)
+            if job.error is not None:  # the stream has begun: the error goes in it, as vLLM does
+                yield "data: " + json.dumps(ApiError(500, f"generation failed: {job.error}", type_="internal_error").body()) + "\n\n"
+            else:
                 yield chunk({}, usage.finish_reason)
-                yield "data: [DONE]\n\n"
-            finally:
-                await pieces.aclose()
-                count(request.url.path, 200)
-        return StreamingResponse(events(), media_type="text/event-stream")
+            yield "data: [DONE]\n\n"
+        return await run(request, chat, usage, respond, events, "text/event-stream")
 
     async def ollama(request: Request, generate: bool):
         chat = parse_ollama(await body_of(request), limits, generate)
         usage = Usage()
-        pieces = engine.stream(chat, usage)
 
         def line(piece: str, done: bool) -> dict:
             out: dict[str, Any] = {"model": engine.name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -110,25 +195,18 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                            total_duration=int(usage.total_seconds * 1e9), done_reason=usage.finish_reason)
             return out
 
-        if not chat.stream:
-            text = "".join([piece async for piece in pieces])
+        async def lines(first: str | None, job: Job, pieces):
+            if first is not None:
+                yield json.dumps(line(first, False)) + "\n"
+            async for piece in pieces:
+                yield json.dumps(line(piece, False)) + "\n"
+            await job.finished.wait()
             count(request.url.path, 200)
-            return line(text, True)
-        first = await _first(pieces)
-
-        async def lines():
-            try:
-                if first is not None:
-                    yield json.dumps(line(first, False)) + "\n"
-                async for piece in pieces:
-                    if await request.is_disconnected():
-                        break
-                    yield json.dumps(line(piece, False)) + "\n"
+            if job.error is not None:
+                yield json.dumps({"error": f"generation failed: {job.error}"}) + "\n"
+            else:
                 yield json.dumps(line("", True)) + "\n"
-            finally:
-                await pieces.aclose()
-                count(request.url.path, 200)
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return await run(request, chat, usage, lambda text: line(text, True), lines, "application/x-ndjson")
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request):
@@ -142,40 +220,8 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
     async def tags():
         return {"models": [{"name": engine.name, "model": engine.name, "modified_at": "1970-01-01T00:00:00Z", "size": 0}]}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics")
     async def metrics():
-        return prometheus_text(engine)
+        return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-async def _first(pieces) -> str | None:
-    """Start the generation (so its errors surface as JSON errors) and return the first piece."""
-    try:
-        return await pieces.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-def prometheus_text(engine: Engine) -> str:
-    from ..stats import collect_stats
-
-    m = engine.metrics
-    lines = ["# TYPE vismmoe_requests_total counter"]
-    for key, value in sorted(m.requests.items()):
-        endpoint, status = key.rsplit(" ", 1)
-        lines.append(f'vismmoe_requests_total{{endpoint="{endpoint}",status="{status}"}} {value}')
-    lines += [
-        f"vismmoe_prompt_tokens_total {m.prompt_tokens}",
-        f"vismmoe_generation_tokens_total {m.generation_tokens}",
-        f"vismmoe_time_to_first_token_seconds_sum {m.ttft_seconds_sum:.6f}",
-        f"vismmoe_time_to_first_token_seconds_count {m.ttft_count}",
-        f"vismmoe_num_requests_waiting {m.waiting}",
-        f"vismmoe_num_requests_running {m.running}",
-        f"vismmoe_requests_rejected_total {m.rejected}",
-    ]
-    for operator, values in collect_stats(engine.model)["operators"].items():
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                lines.append(f'vismmoe_runtime{{operator="{operator}",stat="{key}"}} {value}')
-    return "\n".join(lines) + "\n"
