@@ -5,7 +5,7 @@
 # VisMMOE ablation, three configurations per call (each loads 58 GiB into page-locked memory, 1-1.5 min).
 #
 #   bash scripts/bench_h200.sh PART OUT_DIR      # PART = 1..9; results in OUT_DIR/partPART/
-#   python3 scripts/merge_bench.py OUT_DIR/merged OUT_DIR/part*/bench.json   # one table and chart
+#   python3 -m vismmoe_kt.apps.measure.merge_bench OUT_DIR/merged OUT_DIR/part*/bench.json   # one table and chart
 #
 # Every part re-measures the copy bandwidth; compare configurations within a part first.
 set -euo pipefail
@@ -28,4 +28,4 @@ case $part in
   *) echo "PART must be 1..9, got $part" >&2; exit 2 ;;
 esac
 # later flags win in argparse, so part 2-3's --decode-tokens/--repeats replace the common ones
-exec python3 -m vismmoe_kt.cli bench "${common[@]}" --configs "${configs[@]}" ${budgets:+--budgets "${budgets[@]}"}
+exec python3 -m vismmoe_kt.apps.cli bench "${common[@]}" --configs "${configs[@]}" ${budgets:+--budgets "${budgets[@]}"}

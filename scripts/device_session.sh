@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call that builds, checks and times (each stage well under the 10-minute limit):
 #   bash scripts/device_session.sh check     install, then scripts/gpu_check.py (every rule file, lean decode + graphs)
-#   bash scripts/device_session.sh decode    bench/decode_bench.py: stock transformers vs lean eager/graphed/offloaded
+#   bash scripts/device_session.sh decode    vismmoe_kt/apps/measure/decode_bench.py: stock transformers vs lean eager/graphed/offloaded
 #   bash scripts/device_session.sh all       both
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present.
@@ -17,6 +17,6 @@ if [[ $stage == check || $stage == all ]]; then
   timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"
 fi
 if [[ $stage == decode || $stage == all ]]; then
-  timeout 480 python3 bench/decode_bench.py --out "$OUT" --layers 48 --reps 3 --decode-tokens 32 --profile \
+  timeout 480 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT" --layers 48 --reps 3 --decode-tokens 32 --profile \
     --configs hf lean-eager lean-graphs lean:16GiB lean:32GiB | tee "$OUT/decode_bench.txt"
 fi

@@ -4,7 +4,7 @@ For every rule file under optimize_rules/, load a saved tiny Qwen3-VL-MoE with i
 devices and compare logits and greedy tokens with the all-on-GPU reference (fp32, TF32 off).
 Prints one line per rule file with the max logit difference, token equality, where the weights
 went and what the operators did; exits non-zero if any rule file disagrees. Generation goes through
-`vismmoe_kt.decode.generate`, so rule files with a VisDecoder exercise the lean decode path and its
+`vismmoe_kt.engine.generate`, so rule files with a VisDecoder exercise the lean decode path and its
 CUDA graphs (a capture error or a graphed step that differs from the eager one counts as a failure).
 qwen3vl-ep.yaml is left out: it needs a torchrun launch.
 
@@ -23,9 +23,9 @@ import torch
 from PIL import Image
 
 from vismmoe_kt import load
-from vismmoe_kt.decode.generation import generate
-from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import SPECS, save_tiny_model
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 
 
 def main() -> int:

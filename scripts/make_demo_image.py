@@ -2,7 +2,7 @@
 
 The picture is a scene of the synthetic VQA task the demo model was trained on (vismmoe_kt.demo.vqa): a red
 circle, a blue square and a green triangle on a noisy background. `make_image` (shapes on noise at any size)
-is the older generic test picture, kept for scripts/compression_study.py.
+is the older generic test picture, kept for vismmoe_kt/apps/measure/compression_study.py.
 """
 
 import sys
@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vismmoe_kt.demo.vqa import Shape, render  # noqa: E402
+from vismmoe_kt.demo.vqa import Shape, render
 
 DEMO_SHAPES = [Shape("circle", "red", 30, 60, 64), Shape("square", "blue", 28, 160, 150), Shape("triangle", "green", 30, 62, 168)]
 DEMO_QUESTIONS = {"What colour is the circle?": "red", "What colour is the square?": "blue", "Is there a red circle?": "yes", "Is there a red square?": "no",

@@ -1,6 +1,6 @@
 """Draw the demo model's loss curve from the logs of scripts/train_demo_model.py, stages end to end.
 
-    python scripts/plot_training_log.py --out bench/results/demo_training_loss.png STAGE1.log[:LAST_STEP] STAGE2.log ...
+    python scripts/plot_training_log.py --out results/demo_training_loss.png STAGE1.log[:LAST_STEP] STAGE2.log ...
 
 Each log's "step N/M  loss X ..." lines (a 20-step mean) are drawn after the previous stage's last step;
 `:LAST_STEP` cuts a stage at the checkpoint the next stage started from.
@@ -11,9 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vismmoe_kt.plots import line_png  # noqa: E402
+from vismmoe_kt.apps.plots import line_png
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+\s+loss ([0-9.]+)")
 

@@ -4,7 +4,7 @@
     # continue from a checkpoint: --init OLD/model.safetensors --first_scene N [--extra_exist 3 --describe_share 0.1]
 
 The model is transformers' Qwen3VLMoeForConditionalGeneration with the demo spec of
-`vismmoe_kt.tiny_models` (4 text layers x 32 experts, top-4, hidden 96, a 2-block vision tower of width
+`vismmoe_kt.demo.tiny` (4 text layers x 32 experts, top-4, hidden 96, a 2-block vision tower of width
 64: about 2.9 M parameters, 2.4 M of them experts, 11.8 MB in fp32). The size is set by the machine it was trained on: this
 project's GPU time was spent, so it trains on one shared CPU core (0.85-1.5 s a step of 16); the shipped
 weights took 1750 steps, 37 min, in two stages (BENCHMARKS.md), and are still far from converged.
@@ -33,12 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vismmoe_kt.demo.vqa import (DESCRIBE_PROMPT, QUESTION_TYPES, SPLIT_SEEDS, describe, exist_question,  # noqa: E402
+from vismmoe_kt.demo.vqa import (DESCRIBE_PROMPT, QUESTION_TYPES, SPLIT_SEEDS, describe, exist_question,
                                  make_example, make_scene, questions_for_scene)
-from vismmoe_kt.plots import line_png  # noqa: E402
-from vismmoe_kt.tiny_models import DEMO_SPEC, build_tiny_model  # noqa: E402
+from vismmoe_kt.apps.plots import line_png
+from vismmoe_kt.demo.tiny import DEMO_SPEC, build_tiny_model
 
 
 def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exist: int = 1):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vismmoe_kt.tiny_models import build_tiny_model, save_tiny_model
+from vismmoe_kt.demo.tiny import build_tiny_model, save_tiny_model
 
 torch.set_num_threads(2)
 

@@ -5,7 +5,7 @@ import torch
 
 from vismmoe_kt.errors import LoadError
 from vismmoe_kt.models import adapter_for, supported_model_types
-from vismmoe_kt.tiny_models import SPECS
+from vismmoe_kt.demo.tiny import SPECS
 
 
 def test_structure_of_the_tiny_model(reference):

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from vismmoe_kt.benchmark.configs import CONFIGS, COMPRESSION_OPERATORS, EXPERTS_OPERATOR
-from vismmoe_kt.cli import main
+from vismmoe_kt.apps.bench.configs import CONFIGS, COMPRESSION_OPERATORS, EXPERTS_OPERATOR
+from vismmoe_kt.apps.cli import main
 
 ROW_KEYS = {"config", "budget", "image_size", "status", "reason", "prompt_tokens", "visual_tokens", "prefill_s",
             "decode_tok_s", "peak_gpu_bytes", "hit_rate_prefill", "hit_rate_decode", "bytes_per_decode_token",
@@ -53,7 +53,7 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     assert rows["kt-cpu"]["decode_profile"] is None  # transformers' loop: no lean pieces to time
 
     # the parts of a long run merge into one table and chart (scripts/bench_h200.sh + merge_bench.py)
-    from scripts.merge_bench import main as merge
+    from vismmoe_kt.apps.measure.merge_bench import main as merge
 
     assert merge([str(tmp_path / "merged"), str(tmp_path / "bench.json"), str(tmp_path / "bench.json")]) == 0
     merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
@@ -101,7 +101,7 @@ def test_bench_needs_exactly_one_model(capsys):
 def test_accelerate_baseline_caps_the_gpu_by_whole_blocks(reference):
     """The AC placement (planned without a GPU): non-expert weights plus a budget of experts gets the
     first blocks on the GPU and leaves later decoder layers on the host."""
-    from vismmoe_kt.benchmark.accelerate_offload import non_expert_bytes, plan_device_map
+    from vismmoe_kt.apps.bench.accelerate_offload import non_expert_bytes, plan_device_map
 
     model, _ = reference
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)

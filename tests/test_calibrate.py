@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from vismmoe_kt.cli import main
-from vismmoe_kt.tiny_models import DEMO_SPEC, SPECS
-from vismmoe_kt.traces import read_trace
+from vismmoe_kt.apps.cli import main
+from vismmoe_kt.demo.tiny import DEMO_SPEC, SPECS
+from vismmoe_kt.predictor.traces import read_trace
 
 
 def test_calibrate_on_the_demo_model(tmp_path, capsys):

@@ -9,8 +9,8 @@ import zlib
 
 import pytest
 
-from vismmoe_kt.cli import main, read_user_turn
-from vismmoe_kt.tiny_models import DEMO_SPEC, SPECS
+from vismmoe_kt.apps.cli import main, read_user_turn
+from vismmoe_kt.demo.tiny import DEMO_SPEC, SPECS
 
 TIMING_LINES = ("prompt eval count:", "prompt eval duration:", "prompt eval rate:", "eval count:", "eval duration:", "eval rate:")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from vismmoe_kt import load
-from vismmoe_kt.chat_session import ChatSession
-from vismmoe_kt.cli import main, read_user_turn
+from vismmoe_kt.engine.chat import ChatSession
+from vismmoe_kt.apps.cli import main, read_user_turn
 from vismmoe_kt.errors import InputError
-from vismmoe_kt.tiny_models import DEMO_SPEC, FORMAT_VERSION, demo_model_dir, demo_weights_digest
+from vismmoe_kt.demo.tiny import DEMO_SPEC, FORMAT_VERSION, demo_model_dir, demo_weights_digest
 
 CONTEXT = 4096  # the demo model's max_position_embeddings
 BINARY = b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x80 not text"

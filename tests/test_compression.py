@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vismmoe_kt.compression import affinity_select, random_select, saliency_select, select
+from vismmoe_kt.vision.compression import affinity_select, random_select, saliency_select, select
 
 
 def masks(*rows, experts=6):

@@ -10,8 +10,8 @@ import pytest
 
 from vismmoe_kt import load
 from vismmoe_kt.demo.vqa import COLOURS, split_seed
-from vismmoe_kt.tiny_models import demo_model_dir
-from vismmoe_kt.vqa_eval import evaluate, synthetic_items
+from vismmoe_kt.demo.tiny import demo_model_dir
+from vismmoe_kt.apps.evaluate import evaluate, synthetic_items
 
 REFERENCE_RULES = "optimize_rules/qwen3vl-gpu.yaml"  # stock modules: the placement every rule file is compared with
 

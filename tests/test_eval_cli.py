@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from vismmoe_kt.cli import main
+from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.vqa import QUESTION_TYPES, make_example
 
 RULES = "optimize_rules/qwen3vl-gpu.yaml"

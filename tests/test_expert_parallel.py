@@ -69,7 +69,7 @@ def test_ep_forward_equals_single_process(world, tmp_path):
 def model_worker(rank, world, port, model_dir, out_dir, overrides=None):
     from conftest import make_image
     from vismmoe_kt import load
-    from vismmoe_kt.tiny_models import build_tiny_model
+    from vismmoe_kt.demo.tiny import build_tiny_model
 
     init(rank, world, port)
     model, processor = load(model_dir, "optimize_rules/qwen3vl-ep.yaml", generate_device="cpu", prefill_device="cpu",

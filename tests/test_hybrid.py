@@ -6,8 +6,8 @@ import torch
 
 from vismmoe_kt import load
 from vismmoe_kt.operators.cpu_experts import CpuExperts
-from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import SPECS, build_tiny_model, save_tiny_model
+from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
 
 from conftest import layer_bytes, tiny_case
 
@@ -80,7 +80,7 @@ def test_bad_miss_policy_is_a_clear_error(tiny_dir):
         load(tiny_dir, HYBRID, miss_policy="auto", cost_model={"fetch_seconds": 1}, **CPU)
 
 
-@pytest.mark.skipif(not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed")
+@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed")
 def test_kt_style_rule_with_kt_kernel(tmp_path):
     """tiny-6x64's sizes suit kt-kernel: BF16 kernels, so logits agree to BF16 precision."""
     model_dir = save_tiny_model(tmp_path / "m", "tiny-6x64", seed=0)

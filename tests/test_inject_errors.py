@@ -6,7 +6,7 @@ import pytest
 
 from toy_modules import Toy
 from vismmoe_kt.errors import RuleError
-from vismmoe_kt.inject import RuleWarning, inject, plan_rules, read_rules
+from vismmoe_kt.core.inject import RuleWarning, inject, plan_rules, read_rules
 
 DEV = {"generate_device": "cpu", "prefill_device": "cpu"}
 

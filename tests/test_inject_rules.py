@@ -1,11 +1,11 @@
-"""Rule semantics, one test per rule of KTransformers' optimize rules (see vismmoe_kt/inject.py)."""
+"""Rule semantics, one test per rule of KTransformers' optimize rules (see vismmoe_kt/core/inject.py)."""
 
 import pytest
 import torch
 from torch import nn
 
 from toy_modules import Block, Scaled, Toy
-from vismmoe_kt.inject import RuleWarning, inject, plan_rules
+from vismmoe_kt.core.inject import RuleWarning, inject, plan_rules
 
 DEV = {"generate_device": "cpu", "prefill_device": "cpu"}
 SCALED = "toy_modules.Scaled"

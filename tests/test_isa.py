@@ -2,7 +2,7 @@
 
 import pytest
 
-from cpu_kernels.isa import choose_backend, cpuinfo_flags, detect_isa
+from vismmoe_kt.runtime.cpu.isa import choose_backend, cpuinfo_flags, detect_isa
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 ICE_LAKE = "processor\t: 0\nflags\t\t: fpu sse avx avx2 avx512f avx512bw avx512vl\n"

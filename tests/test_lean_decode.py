@@ -1,4 +1,4 @@
-"""The lean decode path (vismmoe_kt.decode) against transformers' generation, on the CPU.
+"""The lean decode path (vismmoe_kt.engine) against transformers' generation, on the CPU.
 
 The CPU has no CUDA graphs; `graphs: replay` runs the same segment plumbing (fixed input and output
 buffers, copies between segments) with an eager re-run in place of a graph replay, and `graphs: off`
@@ -12,12 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vismmoe_kt import load
-from vismmoe_kt.decode.generation import generate, next_token
-from vismmoe_kt.decode.graphs import ReplayCapture
-from vismmoe_kt.decode.static_cache import CacheFullError, StaticKVCache
+from vismmoe_kt.engine.generation import generate, next_token
+from vismmoe_kt.engine.graphs import ReplayCapture
+from vismmoe_kt.engine.static_cache import CacheFullError, StaticKVCache
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.tiny_models import SPECS
+from vismmoe_kt.demo.tiny import SPECS
 
 from conftest import layer_bytes, tiny_case
 
@@ -204,7 +204,7 @@ def test_sampling_respects_top_p_and_greedy():
 
 def test_graphs_off_as_yaml_reads_it(tiny_dir):
     """`--set graphs=off` and a bare `graphs: off` in a rule file arrive as the boolean False."""
-    from vismmoe_kt.cli import parse_set
+    from vismmoe_kt.apps.cli import parse_set
 
     model, _ = load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4),
                     **parse_set(["graphs=off"]), **CPU)
@@ -253,7 +253,7 @@ def test_chat_turns_reuse_the_cached_history(case, tiny_dir, rules, extra):
     """A follow-up question prefills only the new tokens (the vision tower runs once), and the
     replies equal those of transformers' loop re-reading the whole conversation each turn."""
     from conftest import make_image
-    from vismmoe_kt.chat_session import ChatSession
+    from vismmoe_kt.engine.chat import ChatSession
 
     model_dir = case[0]
     replies, towers = {}, {}
@@ -294,8 +294,8 @@ def test_fused_ops_equal_the_model_modules(dtype):
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (Qwen3VLMoeTextRMSNorm,
                                                                         Qwen3VLMoeTextTopKRouter)
 
-    from vismmoe_kt.decode.fused_ops import rms_norm, route
-    from vismmoe_kt.tiny_models import build_tiny_model
+    from vismmoe_kt.engine.fused_ops import rms_norm, route
+    from vismmoe_kt.demo.tiny import build_tiny_model
 
     torch.manual_seed(0)
     norm = Qwen3VLMoeTextRMSNorm(64, eps=1e-6).to(dtype)
@@ -325,7 +325,7 @@ def test_min_new_tokens_decodes_past_the_end_token(case):
 
 def _first_logits(monkeypatch):
     """Record the logits each generate() call samples its first token from."""
-    import vismmoe_kt.decode.generation as generation
+    import vismmoe_kt.engine.generation as generation
 
     seen, original = [], generation.next_token
 

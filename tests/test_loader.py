@@ -11,7 +11,7 @@ from vismmoe_kt import load
 from vismmoe_kt.errors import LoadError, RuleError
 from vismmoe_kt.operators.cpu_experts import CpuExperts
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.tiny_models import SPECS, TinySpec, build_tiny_model, save_tiny_model
+from vismmoe_kt.demo.tiny import SPECS, TinySpec, build_tiny_model, save_tiny_model
 
 CPU = {"generate_device": "cpu", "prefill_device": "cpu"}
 RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"

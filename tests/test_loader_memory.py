@@ -14,7 +14,7 @@ import textwrap
 
 BUILD = textwrap.dedent("""
     import os, sys
-    from vismmoe_kt.tiny_models import TinySpec, save_tiny_model
+    from vismmoe_kt.demo.tiny import TinySpec, save_tiny_model
     spec = TinySpec(layers=4, experts=32, top_k=4, hidden=512, moe_intermediate=384, heads=8, kv_heads=4, head_dim=64)
     out = save_tiny_model(sys.argv[1], spec, seed=0, max_shard_size=sys.argv[2])
     print(sum(f.stat().st_size for f in out.glob("*.safetensors")))

@@ -6,7 +6,7 @@ import torch
 from vismmoe_kt import load
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.mixed_precision import MixedPrecisionExperts
-from vismmoe_kt.stats import collect_stats
+from vismmoe_kt.core.stats import collect_stats
 
 from conftest import make_image
 

@@ -11,8 +11,8 @@ import torch
 from vismmoe_kt import load
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import SPECS
+from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS
 
 from conftest import layer_bytes, tiny_case
 

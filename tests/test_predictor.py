@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vismmoe_kt.predictor import (LookaheadPredictor, PredictorConfig, hot_recall, paper_targets, samples_from_steps,
+from vismmoe_kt.predictor.model import (LookaheadPredictor, PredictorConfig, hot_recall, paper_targets, samples_from_steps,
                                   train, window_targets)
 
 
@@ -87,8 +87,8 @@ def test_save_load_round_trip_and_shape_check(tmp_path):
 def test_generation_with_the_predictor_matches_the_reference(tmp_path, reference, image_inputs, tiny_dir):
     """Prediction changes what is copied when, never the result: smallest budget, evictions every step."""
     from vismmoe_kt import load
-    from vismmoe_kt.stats import collect_stats
-    from vismmoe_kt.tiny_models import SPECS
+    from vismmoe_kt.core.stats import collect_stats
+    from vismmoe_kt.demo.tiny import SPECS
 
     spec = SPECS["tiny-4x16"]
     config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,

@@ -6,7 +6,7 @@ import sys
 
 
 def test_compression_study_writes_rows_and_a_heatmap(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/compression_study.py", "--out", str(tmp_path), "--model", "tiny-4x16",
+    result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.compression_study", "--out", str(tmp_path), "--model", "tiny-4x16",
                              "--image-size", "96", "--device", "cpu"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads((tmp_path / "compression_study.json").read_text())
@@ -20,7 +20,7 @@ def test_compression_study_writes_rows_and_a_heatmap(tmp_path):
 
 
 def test_anchor_depth_study_sweeps_the_valid_depths(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/anchor_depth_study.py", "--out", str(tmp_path), "--model", "tiny-4x16",
+    result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.anchor_depth_study", "--out", str(tmp_path), "--model", "tiny-4x16",
                              "--budget-layers", "3", "--decode-tokens", "2", "--reps", "1", "--device", "cpu"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

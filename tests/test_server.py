@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from conftest import make_image
-from vismmoe_kt.cli import build_parser, build_server
+from vismmoe_kt.apps.cli import build_parser, build_server
 
 
 def free_port() -> int:
@@ -157,9 +157,9 @@ def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference, rule
     import asyncio
 
     from vismmoe_kt import load
-    from vismmoe_kt.server.engine import Engine, Usage
-    from vismmoe_kt.server.inputs import ChatRequest
-    from vismmoe_kt.tiny_models import demo_model_dir
+    from vismmoe_kt.apps.serve.engine import Engine, Usage
+    from vismmoe_kt.apps.serve.inputs import ChatRequest
+    from vismmoe_kt.demo.tiny import demo_model_dir
 
     model, processor = load(demo_model_dir(), rules, generate_device="cpu", prefill_device="cpu", progress=False)
     engine = Engine(model, processor, "demo", max_new_tokens=400)
@@ -210,9 +210,9 @@ def test_lean_decode_server_answers_like_transformers_loop():
     import asyncio
 
     from vismmoe_kt import load
-    from vismmoe_kt.server.engine import Engine, Usage
-    from vismmoe_kt.server.inputs import ChatRequest, Limits, parse_chat
-    from vismmoe_kt.tiny_models import demo_model_dir
+    from vismmoe_kt.apps.serve.engine import Engine, Usage
+    from vismmoe_kt.apps.serve.inputs import ChatRequest, Limits, parse_chat
+    from vismmoe_kt.demo.tiny import demo_model_dir
 
     request = parse_chat({"messages": image_message("Describe the image."), "max_tokens": 12, "temperature": 0},
                          Limits(4, 2**20, None))

@@ -23,12 +23,12 @@ import uvicorn
 
 from conftest import make_image
 from vismmoe_kt import load
-from vismmoe_kt.server.app import create_app
-from vismmoe_kt.server.engine import Engine
-from vismmoe_kt.server.guard import LOOPBACK_HOSTS, bearer_token, host_name
-from vismmoe_kt.server.inputs import Limits
-from vismmoe_kt.server.stops import StopMatcher
-from vismmoe_kt.tiny_models import demo_model_dir
+from vismmoe_kt.apps.serve.app import create_app
+from vismmoe_kt.apps.serve.engine import Engine
+from vismmoe_kt.apps.serve.guard import LOOPBACK_HOSTS, bearer_token, host_name
+from vismmoe_kt.apps.serve.inputs import Limits
+from vismmoe_kt.apps.serve.stops import StopMatcher
+from vismmoe_kt.demo.tiny import demo_model_dir
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta "
 HOLD = "HOLD"  # a prompt containing this makes SlowWords wait for a cancellation before its first word

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from vismmoe_kt.inject import inject
+from vismmoe_kt.core.inject import inject
 from vismmoe_kt.operators.base import BaseInjectedModule
 
 BASE = "vismmoe_kt.operators.base.BaseInjectedModule"

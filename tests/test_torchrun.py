@@ -33,7 +33,7 @@ def chat(model_dir, *prefix, extra=()):
 
 
 def torchrun(port):
-    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt.cli"]
+    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt.apps.cli"]
 
 
 def reply_of(stdout: str) -> str:

@@ -8,8 +8,8 @@ import torch
 from vismmoe_kt import load
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_decoder import VisDecoder, causal_mask
-from vismmoe_kt.stats import collect_stats
-from vismmoe_kt.tiny_models import SPECS
+from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS
 
 from conftest import layer_bytes
 
@@ -121,7 +121,7 @@ def test_causal_mask():
 
 def test_llm_saliency_is_the_last_tokens_attention(tiny_dir, image_inputs):
     """FastV-style saliency against eager attention's own probabilities in the same layer."""
-    from vismmoe_kt.saliency import last_token_attention
+    from vismmoe_kt.vision.saliency import last_token_attention
 
     model, _ = load(tiny_dir, rules(keep_ratio=1.0), **CPU)
     text = decoder_of(model).orig_module

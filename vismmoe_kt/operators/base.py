@@ -93,7 +93,7 @@ class BaseInjectedModule(*_upstream_bases()):
 
     def load(self) -> None:
         """Fill this operator's weights from `gguf_loader` (ours, or upstream's safetensors loader)."""
-        from ..weights import load_module_tree
+        from ..core.weights import load_module_tree
 
         load_module_tree(self, self.gguf_loader, self.key, self.weights_device, operator_root=True)
 

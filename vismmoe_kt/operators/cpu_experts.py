@@ -27,8 +27,8 @@ _WEIGHTS = ("gate_up_proj", "down_proj")
 
 def shared_backend(loader: Any, config: Any, requested: str):
     """One CPU backend per load (one kt-kernel worker pool for all layers)."""
-    from cpu_kernels.isa import choose_backend
-    from cpu_kernels.kt_backend import kt_kernel_supports
+    from vismmoe_kt.runtime.cpu.isa import choose_backend
+    from vismmoe_kt.runtime.cpu.kt_backend import kt_kernel_supports
 
     context = getattr(loader, "context", None)
     if context is None:
@@ -37,12 +37,12 @@ def shared_backend(loader: Any, config: Any, requested: str):
         text = config.get_text_config()
         name = choose_backend(requested, shape_ok=kt_kernel_supports(text.hidden_size, text.moe_intermediate_size))
         if name == "kt-kernel":
-            from cpu_kernels.kt_backend import KtKernelBackend
+            from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
 
             context[CONTEXT_KEY] = KtKernelBackend(text.num_experts, text.num_experts_per_tok, text.hidden_size,
                                                    text.moe_intermediate_size)
         else:
-            from cpu_kernels.torch_backend import TorchCpuBackend
+            from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
 
             context[CONTEXT_KEY] = TorchCpuBackend()
     return context[CONTEXT_KEY]
@@ -69,7 +69,7 @@ class CpuExperts(BaseInjectedModule):
         self.counters = CpuCallStats()
 
     def load(self) -> None:
-        from ..weights import read_tensor
+        from ..core.weights import read_tensor
 
         experts = self.orig_module
         tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"), getattr(experts, name).shape)

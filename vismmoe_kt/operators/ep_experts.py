@@ -69,7 +69,7 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
 
     def load(self) -> None:
-        from ..weights import read_tensor
+        from ..core.weights import read_tensor
 
         experts = self.orig_module
         device = self.weights_device

@@ -10,13 +10,13 @@ layer attends to what its cache holds). Pruned positions leave with their prefix
 the output keeps the input's length.
 
 Companion operator `VisionSaliency` replaces `model.visual` and records the saliency of each merged
-visual token (vismmoe_kt.saliency) for the decoder to read.
+visual token (vismmoe_kt.vision.saliency) for the decoder to read.
 
 Rule kwargs: compression (affinity | saliency | random | none), keep_ratio (beta; 1.0 = off),
 salient_ratio (alpha; default 0.4 * beta), tradeoff (lambda, 2.0), prune_layer (auto = the offload
 runtime's pinned prefix depth, or a decoder-layer index), saliency_source (vision: attention received
 in the vision encoder's last block | llm: the last token's attention in the last prefix layer),
-decode (lean: our decode path, vismmoe_kt.decode, with a static cache and captured segments | hf: the
+decode (lean: our decode path, vismmoe_kt.engine, with a static cache and captured segments | hf: the
 transformers loop), graphs (auto: CUDA graphs on a CUDA device | cuda | replay: the CPU twin of the
 graph plumbing | off).
 Limitation: pruning needs batch size 1 without padding; other batches raise a clear error.
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compression import METHODS, select
-from ..decode.graphs import GRAPH_MODES
+from ..vision.compression import METHODS, select
+from ..engine.graphs import GRAPH_MODES
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
 
 CONTEXT_KEY = "compression"
@@ -75,7 +75,7 @@ class VisionSaliency(BaseInjectedModule):
 
     def __init__(self, key, gguf_loader, config, orig_module, prefill_device="cuda", generate_device="cuda", **kwargs):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
-        from ..saliency import SaliencyRecorder
+        from ..vision.saliency import SaliencyRecorder
 
         merge = getattr(orig_module, "spatial_merge_size", None) or config.vision_config.spatial_merge_size
         shared_context(gguf_loader).recorder = SaliencyRecorder(orig_module, merge)
@@ -113,7 +113,7 @@ class VisDecoder(BaseInjectedModule):
         if graphs == "cuda" and torch.device(self.generate_device).type != "cuda":
             raise ValueError(f"graphs: cuda needs a CUDA generate_device, this rule has {self.generate_device}")
         self.decode, self.graphs = decode, graphs
-        self._lean = None  # vismmoe_kt.decode.generation.LeanEngine, made at the first lean request
+        self._lean = None  # vismmoe_kt.engine.generation.LeanEngine, made at the first lean request
         self.step_hooks: list = []  # (before, after) around each lean decode step (see LeanDecodeStep)
         if compression not in METHODS:
             raise ValueError(f"compression {compression!r} is not one of: {', '.join(METHODS)}")
@@ -285,7 +285,7 @@ class VisDecoder(BaseInjectedModule):
 
     def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
         """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""
-        from ..saliency import last_token_attention
+        from ..vision.saliency import last_token_attention
 
         with torch.no_grad():
             normed = layer.input_layernorm(hidden)
@@ -305,7 +305,7 @@ class VisDecoder(BaseInjectedModule):
     # --- decode ----------------------------------------------------------------------------------
     def lean_engine(self, lm_head: nn.Module):
         if self._lean is None:
-            from ..decode.generation import LeanEngine
+            from ..engine.generation import LeanEngine
 
             self._lean = LeanEngine(self, lm_head, self.graphs)
         return self._lean

@@ -82,7 +82,7 @@ class VisExperts(BaseInjectedModule):
             raise ValueError(f"{key} is not an MoE layer of this model")
 
     def load(self) -> None:
-        from ..weights import read_tensor
+        from ..core.weights import read_tensor
 
         experts = self.orig_module
         # where the loader hands tensors over fastest: host memory for a checkpoint (mmap), the GPU for

@@ -138,7 +138,7 @@ class OffloadRuntime:
 
     # --- start-up ------------------------------------------------------------------------------
     def _load_predictor(self):
-        from ..predictor import LookaheadPredictor
+        from ..predictor.model import LookaheadPredictor
 
         predictor = LookaheadPredictor.load(self.settings.predictor, expect={
             "num_layers": len(self.moe_layers), "num_experts": self.num_experts, "hidden_size": self.hidden})
@@ -149,12 +149,12 @@ class OffloadRuntime:
         which on top of the page-locked store doubles host memory: refuse it where that cannot fit."""
         import psutil
 
-        from cpu_kernels.isa import choose_backend
-        from cpu_kernels.kt_backend import kt_kernel_supports
+        from vismmoe_kt.runtime.cpu.isa import choose_backend
+        from vismmoe_kt.runtime.cpu.kt_backend import kt_kernel_supports
 
         name = choose_backend(self.settings.cpu_backend, shape_ok=kt_kernel_supports(self.hidden, self.inter))
         if name == "torch":
-            from cpu_kernels.torch_backend import TorchCpuBackend
+            from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
 
             return TorchCpuBackend()
         offloaded = len(self.moe_layers) - len(self.pinned)
@@ -165,7 +165,7 @@ class OffloadRuntime:
                 f"cpu_backend kt-kernel keeps its own copy of the experts beside the store: "
                 f"{human_bytes(needed)} of host memory for {offloaded} offloaded layers, this host has "
                 f"{human_bytes(total)}; use cpu_backend: torch (reads the store in place)")
-        from cpu_kernels.kt_backend import KtKernelBackend
+        from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
 
         return KtKernelBackend(self.num_experts, self.top_k, self.hidden, self.inter)
 
@@ -330,7 +330,7 @@ class OffloadRuntime:
         """Run the predictor on the compute stream (Eq. 7 features) and queue its top-B pairs. On CUDA
         the priorities go to the host by an asynchronous copy that the transfer worker waits for, so
         the compute thread never stops for them."""
-        from ..predictor import history
+        from ..predictor.model import history
 
         c = self.predictor.config
         index = self._index[layer]

@@ -1,0 +1,142 @@
+"""`vismmoe-kt bench`: every configuration side by side, same machine, same run, same inputs.
+
+    configs.py             the configurations (baselines and VisMMOE's ablation) as rule lists
+    source.py              the model: a directory, the demo model, or synthetic full-size shapes
+    inputs.py, timing.py   the requests; prefill latency and decode speed, median and spread
+    bandwidth.py           the copy bandwidth of this machine, measured in the run
+    figures.py             hit rates, bytes moved, copy time hidden, CPU share, the copy bound
+    accelerate_offload.py  the accelerate `device_map` baseline
+    runner.py              one configuration at one budget
+    report.py              table, JSON, PNG
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ...errors import InputError
+from ...runtime.budget import BudgetError, parse_bytes
+
+DEFAULT_BUDGETS = ("16GiB", "32GiB")       # expert budgets standing for a 24 GB and a 40 GB card (rule files)
+DEFAULT_DEMO_BUDGETS = ("5MiB", "7MiB")  # the demo model (2.25 MiB of experts a layer): 1 pinned layer + 1 or 2 of slabs
+
+
+def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
+    budgets = list(values or (DEFAULT_DEMO_BUDGETS if demo else DEFAULT_BUDGETS))
+    for value in budgets:
+        try:
+            parse_bytes(value)
+        except BudgetError as exc:
+            raise InputError(f"--budgets {value!r}: {exc}") from None
+    return budgets
+
+
+def check_flags(args) -> None:
+    for flag, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--repeats", args.repeats, 1),
+                               ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1)):
+        if value < least:
+            raise InputError(f"{flag} must be at least {least}, got {value}")
+    bad = [s for s in args.image_sizes if s < 32]
+    if bad:
+        raise InputError(f"--image-sizes must be at least 32 px, got {bad[0]}")
+    if args.profile and not args.output:
+        raise InputError("--profile writes profile.json into the --output directory: give --output DIR")
+    if args.predictor:
+        check_predictor(args.predictor)
+
+
+def check_predictor(path: str) -> None:
+    """Readable before any model loads (a predictor of another model is refused at load, per row)."""
+    from ...predictor.model import LookaheadPredictor
+
+    if not Path(path).is_file():
+        raise InputError(f"--predictor {path}: no such file (vismmoe-kt calibrate writes predictor.pt)")
+    try:
+        LookaheadPredictor.load(path)
+    except ValueError as exc:
+        raise InputError(f"--predictor: {exc}") from None
+
+
+def run_meta(args, source, budgets: list[str], bandwidth: dict, cuda: bool) -> dict[str, Any]:
+    """What a reader needs beside the rows: model, machine, inputs, the measured bandwidth, caveats."""
+    import torch
+
+    from .inputs import PROMPT
+
+    notes = ["budgets are the offload runtime's expert budgets (GPU memory for routed experts); accelerate's "
+             "GPU cap is the budget plus the non-expert weights",
+             "hit rates count offloaded layers only (a pinned layer always hits): across configurations with "
+             "different pinned prefixes compare bytes moved, not hit rates"]
+    if source.random_weights:
+        notes.append("random weights: routing is near-uniform, so hit rates, bytes moved, CPU share and the "
+                     "copy bound are not a trained model's")
+    if not cuda:
+        notes.append("no CUDA: every configuration runs on the CPU; copies are synchronous there, so 'copy "
+                     "hidden' counts prefetch copies the compute thread itself ran")
+    device = torch.cuda.get_device_name(0) if cuda else \
+        f"CPU only ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "model": source.describe(), "layers": args.layers, "device": device, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompt": PROMPT,
+        "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens, "warmup": args.warmup,
+        "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor, "copy_bandwidth": bandwidth,
+        "load_average": [round(os.getloadavg()[0], 2)],  # other work on the host makes timings noisy
+        "command": "vismmoe-kt " + " ".join(getattr(args, "argv", [])), "notes": notes}
+
+
+def run(args) -> int:
+    """The `bench` subcommand: validate everything, then measure, print and write."""
+    import torch
+    from tqdm import tqdm
+
+    from .bandwidth import measure_copy_bandwidth
+    from .configs import parse_configs, run_label
+    from .report import describe_meta, markdown_table, write_outputs
+    from .runner import Settings, run_config
+    from .source import model_source
+
+    from ...parallel import launch
+
+    group = launch.join_from_env(args.ep_size, args.ep_timeout)
+    configs = parse_configs(args.configs, in_group=group is not None)
+    budgets = parse_budgets(args.budgets, args.demo)
+    check_flags(args)
+    source = model_source(args)
+    torch.set_num_threads(args.cpu_infer)
+    cuda = torch.cuda.is_available()
+    device = group.device if group is not None else "cuda:0" if cuda else "cpu"
+    bandwidth = measure_copy_bandwidth(torch.device(device))
+    settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
+                        bandwidth["bytes_per_s"], args.predictor, args.profile, group)
+    leader = group is None or group.leader  # only rank 0 reports
+    meta = run_meta(args, source, budgets, bandwidth, cuda)
+    if group is not None:
+        meta["ep_size"] = group.world
+        meta["notes"].append(f"expert parallel over {group.world} processes: rank 0's requests and timings, "
+                             f"the other ranks serving their experts to it")
+    if leader:
+        print(describe_meta(meta), file=sys.stderr)
+    runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
+    steps = len(runs) * len(args.image_sizes) * (args.warmup + args.repeats)
+    rows, profile = [], {}
+    with tqdm(total=steps, desc="bench", unit="run", disable=not leader) as progress:
+        for config, budget in runs:
+            progress.set_postfix_str(run_label(config.name, budget))
+            config_rows, config_profile = run_config(config, budget, source, settings, progress)
+            rows += config_rows
+            if config_profile is not None:
+                profile[run_label(config.name, budget)] = config_profile
+    if not leader:
+        return 0
+    meta["load_average"].append(round(os.getloadavg()[0], 2))
+    print(describe_meta(meta))
+    print(markdown_table(rows))
+    if args.output:
+        written = write_outputs(Path(args.output), meta, rows, profile if args.profile else None)
+        print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0

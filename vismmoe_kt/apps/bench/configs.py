@@ -1,0 +1,137 @@
+"""The configurations `vismmoe-kt bench` compares, each as the rule list it loads.
+
+Baselines (what users would otherwise run):
+    all-on-gpu     stock Hugging Face modules, everything on the GPU (the ceiling; skipped when it does not fit)
+    all-pinned     our runtime with a budget that pins every layer (our compute path, no transfers)
+    accelerate     transformers/accelerate `device_map` offload capped by `max_memory` (the paper's "AC")
+    kt-cpu         KTransformers-style: every routed expert on the CPU backend (the paper's "KT")
+    lru            on-demand expert loading with an LRU cache (qwen3vl-lru.yaml)
+
+VisMMOE's ablation (paper Table 4), each step adding one thing to the previous, in offload-only
+(`vismmoe-*`: a missing expert is fetched and waited for) and hybrid mode (`hybrid-*`: the start-up
+cost model may compute a missing expert on the CPU instead):
+    *-base       pinned prefix (Eq. 10) + slab cache with safe eviction; on-demand fetches only
+    *+compress   + affinity-aware visual-token compression (keep_ratio 0.5, after the prefix)
+    *+predict    + prediction and prefetching, shallow: the next offloaded layer, one copy in flight
+    *-full       + the full pipeline orchestration: deep lookahead (window 2, or the trained
+                 predictor's top-B) with up to 16 copies in flight (the rule files' defaults)
+A trained predictor (`--predictor`, from `vismmoe-kt calibrate`) replaces the history policy in
+the +predict and -full steps.
+
+Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the other ranks follow):
+    ep             every rank keeps 1/N of each layer's experts, BF16 (qwen3vl-ep.yaml)
+    ep-realb       the same with ReaLB on the group's real ranks
+Under torchrun only these run; without it they are rows skipped with the reason.
+
+Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
+configurations on our runtime keep the rule files' VisDecoder (without pruning below +compress), so
+they all decode through the lean path; all-on-gpu, accelerate and kt-cpu use transformers' loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...errors import InputError
+
+RULES_DIR = Path(__file__).resolve().parents[3] / "optimize_rules"
+EXPERTS_OPERATOR = "vismmoe_kt.operators.vis_experts.VisExperts"
+EP_OPERATOR = "vismmoe_kt.operators.ep_experts.ExpertParallelExperts"
+COMPRESSION_OPERATORS = ("vismmoe_kt.operators.vis_decoder.VisionSaliency", "vismmoe_kt.operators.vis_decoder.VisDecoder")
+PIN_EVERYTHING = "1TiB"  # more than any model's experts: Eq. 10 then pins every layer
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    description: str
+    rule_file: str                  # under optimize_rules/
+    takes_budget: bool = True
+    needs_cuda: bool = False        # meaningless without a GPU (skipped there, with this reason)
+    compression: bool = False       # keep the VisionSaliency/VisDecoder rules of the rule file
+    expert_kwargs: tuple = ()       # (key, value) pairs set on the VisExperts rule
+    uses_predictor: bool = False    # gets `--predictor` when one is given
+    accelerate: bool = False        # loaded on the host, then dispatched by accelerate
+    operator: str = EXPERTS_OPERATOR  # the experts rule that expert_kwargs (and the budget) edit
+    needs_group: bool = False       # expert parallel: runs under torchrun only
+
+    def rules(self, budget: str | None, predictor: str | None = None) -> list[dict[str, Any]]:
+        """The rule list to load: the rule file with this configuration's edits applied."""
+        rules = yaml.safe_load((RULES_DIR / self.rule_file).read_text(encoding="utf-8"))
+        if not self.compression:  # the decoder stays (it owns the decode path), without pruning
+            rules = [r for r in rules if r["replace"].get("class") != COMPRESSION_OPERATORS[0]]
+            for rule in rules:
+                if rule["replace"].get("class") == COMPRESSION_OPERATORS[1]:
+                    rule["replace"].setdefault("kwargs", {})["compression"] = "none"
+        for rule in rules:
+            if rule["replace"].get("class") != self.operator:
+                continue
+            kwargs = rule["replace"].setdefault("kwargs", {})
+            kwargs.update(copy.deepcopy(dict(self.expert_kwargs)))
+            if budget is not None:
+                kwargs["expert_budget"] = budget
+            if self.uses_predictor and predictor:
+                kwargs["predictor"] = predictor
+        return rules
+
+
+def _ladder(mode: str, miss_policy: str, what: str) -> list[BenchConfig]:
+    steps = [
+        ("-base", "pinned prefix + slab cache, on-demand fetches", False, (("prefetch_window", 0),), False),
+        ("+compress", "+ affinity token compression (keep 0.5)", True, (("prefetch_window", 0),), False),
+        ("+predict", "+ prefetch of the next offloaded layer, one copy in flight", True,
+         (("prefetch_window", 1), ("max_in_flight", 1)), True),
+        ("-full", "+ deep lookahead (window 2 / predictor top-B), 16 copies in flight", True, (), True),
+    ]
+    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "qwen3vl.yaml",
+                        compression=compression, expert_kwargs=(("miss_policy", miss_policy),) + kwargs,
+                        uses_predictor=predictor)
+            for step, description, compression, kwargs, predictor in steps]
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("all-on-gpu", "stock Hugging Face, every module on the GPU", "qwen3vl-gpu.yaml", takes_budget=False),
+    BenchConfig("all-pinned", "our runtime, every layer pinned (no transfers)", "qwen3vl-offload.yaml",
+                takes_budget=False, expert_kwargs=(("expert_budget", PIN_EVERYTHING), ("prefetch_window", 0))),
+    BenchConfig("accelerate", "accelerate device_map offload, GPU capped by max_memory (AC)", "qwen3vl-gpu.yaml",
+                needs_cuda=True, accelerate=True),
+    BenchConfig("kt-cpu", "KTransformers-style: every routed expert on the CPU backend (KT)", "qwen3vl-kt-cpu.yaml",
+                takes_budget=False),
+    BenchConfig("lru", "on-demand expert loading, LRU cache", "qwen3vl-lru.yaml"),
+    *_ladder("vismmoe", "wait", "offload-only"),
+    *_ladder("hybrid", "auto", "hybrid"),
+    BenchConfig("ep", "expert parallelism over the torchrun group, BF16", "qwen3vl-ep.yaml", takes_budget=False,
+                operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "bf16"),)),
+    BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "qwen3vl-ep.yaml",
+                takes_budget=False, operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "realb"),)),
+]}
+CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
+GROUP_REASON = "needs a torchrun launch: torchrun --nproc-per-node N -m vismmoe_kt.apps.cli bench ... --configs ep"
+
+
+def run_label(name: str, budget: str | None) -> str:
+    """How a configuration at a budget is named in progress, profile.json and the chart."""
+    return f"{name} @ {budget}" if budget else name
+
+
+def parse_configs(names: list[str] | None, in_group: bool = False) -> list[BenchConfig]:
+    """`--configs` names -> configurations, in the order given (default: all; under torchrun, the
+    expert-parallel ones, which are the only ones that can run there)."""
+    if not names:
+        return [c for c in CONFIGS.values() if c.needs_group] if in_group else list(CONFIGS.values())
+    if in_group:
+        single = [n for n in names if n in CONFIGS and not CONFIGS[n].needs_group]
+        if single:
+            raise InputError(f"--configs {', '.join(single)}: under torchrun only the expert-parallel configurations "
+                             f"run ({', '.join(c.name for c in CONFIGS.values() if c.needs_group)}); measure the "
+                             f"others in a single process")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise InputError(f"--configs: unknown configuration {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(CONFIGS)}")
+    return [CONFIGS[n] for n in dict.fromkeys(names)]

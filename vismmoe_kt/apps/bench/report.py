@@ -1,0 +1,84 @@
+"""The benchmark's outputs: a Markdown table on stdout, and with --output the JSON and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..plots import hbars_png
+from ...runtime.budget import human_bytes
+from .configs import run_label
+
+COLUMNS = ("config", "budget", "image px (tokens, visual)", "prefill s median (min-max)",
+           "decode tok/s median (min-max)", "hit rate prefill / decode", "bytes/decode token", "copy hidden",
+           "CPU experts", "peak GPU", "copy bound: prefill s / decode tok/s", "notes")
+
+
+def _spread(value: dict | None, digits: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value['median']:{digits}} ({value['min']:{digits}}-{value['max']:{digits}})"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _num(value: float | None, digits: str = ".3g") -> str:
+    return "-" if value is None else f"{value:{digits}}"
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else human_bytes(value)
+
+
+def table_row(row: dict[str, Any]) -> list[str]:
+    tokens = "-" if row["prompt_tokens"] is None else f"{row['prompt_tokens']}, {row['visual_tokens']}"
+    if row["visual_tokens_kept"] is not None:
+        tokens += f" -> {row['visual_tokens_kept']:.0f} kept"
+    notes = [n for n in (row["placement"], row["cpu_backend"] and f"CPU backend {row['cpu_backend']}",
+                         row["reason"] and f"skipped: {row['reason']}") if n]
+    if row["pinned_layers"] is not None:
+        notes.insert(0, f"{row['pinned_layers']} pinned layers, {row['slabs']} slabs")
+    return [row["config"], row["budget"] or "-", f"{row['image_size']} ({tokens})", _spread(row["prefill_s"], ".3f"),
+            _spread(row["decode_tok_s"], ".2f"), f"{_pct(row['hit_rate_prefill'])} / {_pct(row['hit_rate_decode'])}",
+            _bytes(row["bytes_per_decode_token"]), _pct(row["copy_hidden_fraction"]), _pct(row["cpu_expert_share"]),
+            _bytes(row["peak_gpu_bytes"]),
+            f"{_num(row['copy_bound_prefill_s'])} / {_num(row['copy_bound_decode_tok_s'])}", "; ".join(notes) or "-"]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(table_row(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def describe_meta(meta: dict[str, Any]) -> str:
+    bandwidth = meta["copy_bandwidth"]
+    lines = [f"model: {meta['model']}", f"device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
+             f"batch 1, prompt {meta['prompt']!r}, images {meta['image_sizes']} px; {meta['warmup']} warm-up and "
+             f"{meta['repeats']} measured runs of prefill + {meta['decode_tokens']} decoded tokens per image size",
+             f"copy bandwidth ({bandwidth['kind']}): {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s",
+             f"host load average (1 min) at start / end: {' / '.join(map(str, meta['load_average']))}"]
+    lines += [f"note: {note}" for note in meta["notes"]]
+    return "\n".join(lines)
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{run_label(row['config'], row['budget'])}, {row['image_size']} px"
+
+
+def write_outputs(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]],
+                  profile: dict[str, Any] | None) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "bench.json", out_dir / "bench.png"]
+    written[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    decode = [(_label(r), r["decode_tok_s"] and r["decode_tok_s"]["median"]) for r in rows]
+    prefill = [(_label(r), r["prefill_s"] and r["prefill_s"]["median"]) for r in rows]
+    hbars_png([("decode tokens/s (median, higher is better)", decode),
+               ("prefill seconds (median, lower is better)", prefill)], written[1])
+    if profile is not None:
+        written.append(out_dir / "profile.json")
+        written[-1].write_text(json.dumps(profile, indent=2))
+    return written

@@ -1,0 +1,201 @@
+"""One configuration, one budget: load, warm up, measure every image size, report, free.
+
+Each configuration loads its own model (the same weights, seed and inputs for all), so nothing one
+configuration leaves in memory or in a cache changes the next one's figures.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import VismmoeError
+from ...runtime.budget import parse_bytes
+from ...core.stats import collect_stats
+from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
+from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
+from .figures import FIGURE_KEYS, difference, offload_figures, runtime_counters
+from .inputs import count_tokens, make_request
+from .source import ModelSource
+from .timing import profile_decode, spread, timed_generate
+
+@dataclass(frozen=True)
+class Settings:
+    image_sizes: tuple[int, ...]
+    decode_tokens: int
+    warmup: int
+    repeats: int
+    bandwidth: float              # bytes/s, measured in this run
+    predictor: str | None = None
+    profile: bool = False
+    group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
+
+    @property
+    def cuda(self) -> bool:
+        return torch.cuda.is_available()
+
+    @property
+    def device(self) -> str:
+        if self.group is not None:
+            return self.group.device
+        return "cuda:0" if self.cuda else "cpu"
+
+
+def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, Any]:
+    """Every row has every key, so the JSON and the table read the same for run and skipped rows."""
+    return {"config": config.name, "description": config.description, "budget": budget, "image_size": size,
+            "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
+            "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
+            "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, "decode_profile": None,
+            **dict.fromkeys(FIGURE_KEYS)}
+
+
+def skipped_row(config: BenchConfig, budget: str | None, size: int, reason: str) -> dict[str, Any]:
+    return {**empty_row(config, budget, size), "status": "skipped", "reason": reason}
+
+
+def skipped(config: BenchConfig, budget: str | None, settings: Settings, reason: str) -> list[dict[str, Any]]:
+    return [skipped_row(config, budget, size, reason) for size in settings.image_sizes]
+
+
+def _runtime(model):
+    from ...operators.vis_experts import VisExperts
+
+    return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
+
+
+def _stop_runtime(model) -> None:
+    """Stop the runtime's worker, so nothing keeps the model alive once the caller drops it."""
+    runtime = _runtime(model)
+    if runtime is not None:
+        runtime.close()
+
+
+def _release_memory(cuda: bool) -> None:
+    """Host memory (the store, kt-kernel's copy) and GPU memory must be free before the next load."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings):
+    """(model, processor, placement note) for this configuration."""
+    devices = {} if settings.device == "cuda:0" else {"generate_device": settings.device, "prefill_device": settings.device}
+    if config.accelerate:  # whole model on the host first; accelerate decides what goes to the GPU
+        model, processor = source.load(config.rules(None), {"generate_device": "cpu", "prefill_device": "cpu"})
+        placed = dispatch_with_accelerate(model, parse_bytes(budget) + non_expert_bytes(model))
+        note = f"{placed['blocks_on_gpu']} of {placed['blocks']} blocks on the GPU"
+        return model, processor, note
+    model, processor = source.load(config.rules(budget, settings.predictor), devices,
+                                   progress=source.synthetic is not None)
+    return model, processor, None if settings.cuda else "no CUDA: every module on the CPU"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The operator's own message (e.g. the budget's minimum), without the rule engine's wrapping."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc)
+
+
+def _operator_stats(model) -> dict[str, Any]:
+    """Each injected operator's own counters, by module name (the --profile breakdown)."""
+    return {name: module.stats() for name, module in model.named_modules()
+            if getattr(module, "is_injected_operator", False) and hasattr(module, "stats")}
+
+
+def _compression_kept(before: dict, after: dict) -> float | None:
+    ops_before, ops_after = before["operators"].get("VisDecoder"), after["operators"].get("VisDecoder")
+    if not ops_after or ops_after["pruned_prefills"] == ops_before["pruned_prefills"]:
+        return None  # no decoder, or one that does not prune (compression none)
+    kept = ops_after["visual_tokens_after"] - ops_before["visual_tokens_after"]
+    return kept / (ops_after["pruned_prefills"] - ops_before["pruned_prefills"])
+
+
+def measure_size(model, processor, size: int, settings: Settings, row: dict[str, Any], progress) -> None:
+    """Warm-up and repetitions at one image size; fills `row` in place."""
+    request = make_request(processor, size, settings.device)
+    row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.config.image_token_id)
+    for _ in range(settings.warmup):
+        timed_generate(model, request, settings.decode_tokens)
+        progress.update(1)
+    before = collect_stats(model)
+    prefill, decode = [], []
+    for _ in range(settings.repeats):
+        first, rate, _ = timed_generate(model, request, settings.decode_tokens)
+        prefill.append(first)
+        decode.append(rate)
+        progress.update(1)
+    after = collect_stats(model)
+    if settings.profile:
+        row["decode_profile"] = profile_decode(model, request, settings.decode_tokens)
+    row["prefill_s"], row["decode_tok_s"] = spread(prefill), spread(decode)
+    row["visual_tokens_kept"] = _compression_kept(before, after)
+    row["cpu_backend"] = next((ops["cpu_backend"] for ops in after["operators"].values() if "cpu_backend" in ops), None)
+    delta = difference(runtime_counters(after), runtime_counters(before))
+    runtime = _runtime(model)
+    if delta is not None:
+        row.update(offload_figures(delta, settings.repeats, settings.decode_tokens, runtime.store.block_bytes,
+                                   settings.bandwidth))
+        row.update(pinned_layers=len(runtime.pinned), slabs=runtime.num_slabs)
+    elif "CpuExperts" in after["operators"]:
+        row["cpu_expert_share"] = 1.0  # every routed expert runs on the CPU backend
+
+
+def run_config(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings,
+               progress) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Rows (one per image size) and, with --profile, each operator's counters after the run."""
+    steps = len(settings.image_sizes) * (settings.warmup + settings.repeats)
+    if config.needs_cuda and not settings.cuda:
+        progress.update(steps)
+        return skipped(config, budget, settings, CUDA_REASON), None
+    if config.needs_group and settings.group is None:
+        progress.update(steps)
+        return skipped(config, budget, settings, GROUP_REASON), None
+    start = time.perf_counter()
+    try:
+        model, processor, placement = _load(config, budget, source, settings)
+    except (VismmoeError, torch.cuda.OutOfMemoryError) as exc:  # a budget below the minimum, or no room
+        _release_memory(settings.cuda)
+        progress.update(steps)
+        reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else _root_cause(exc)
+        return skipped(config, budget, settings, reason), None
+    load_s = time.perf_counter() - start
+    rows, leader = [], None
+    if settings.group is not None:  # rank 0 measures; the other ranks serve their experts to it
+        from ...parallel import launch
+
+        if not settings.group.leader:
+            try:
+                launch.follow(model, settings.group)
+            finally:
+                del model, processor
+                _release_memory(settings.cuda)
+            return [], None
+        leader = launch.Leader(model, settings.group)
+    try:
+        for size in settings.image_sizes:
+            row = empty_row(config, budget, size)
+            row.update(load_s=load_s, placement=placement)
+            if settings.cuda:  # the peak at this image size: weights plus this size's activations
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                measure_size(model, processor, size, settings, row, progress)
+            except torch.cuda.OutOfMemoryError as exc:  # activations of a larger image: this row only
+                row = skipped_row(config, budget, size, f"out of GPU memory at {size} px: {exc}")
+                _release_memory(settings.cuda)
+            if settings.cuda:
+                row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+            rows.append(row)
+        profile = _operator_stats(model) if settings.profile else None
+    finally:
+        if leader is not None:
+            leader.stop()  # the followers move on to the next configuration
+        _stop_runtime(model)
+        del model, processor
+        _release_memory(settings.cuda)
+    return rows, profile

@@ -1,0 +1,68 @@
+"""Prefill latency and decode speed of `generate`, and the spread of repeated measurements."""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+
+import torch
+
+from ...engine.chat import TimingStreamer
+from ...engine.generation import generate, lean_decoder_of
+
+
+class _NoText:
+    """Stands in for the tokenizer: decoding text is not what is being timed."""
+
+    @staticmethod
+    def decode(*args, **kwargs) -> str:
+        return ""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """(seconds to the first token, decode tokens/s over the next `decode_tokens` tokens, the new tokens).
+
+    Through the product's own generation (the lean decode path where the rules have a VisDecoder),
+    greedy and forced to the full length (`min_new_tokens`): a random model's EOS would end early.
+    Every request prefills cold: the lean path would otherwise reuse the same prompt's cache.
+    """
+    streamer = TimingStreamer(_NoText(), io.StringIO())
+    new_tokens = decode_tokens + 1  # the first token comes out of the prefill
+    decoder = lean_decoder_of(model)
+    if decoder is not None:
+        decoder.lean_engine(model.lm_head).forget()
+    _sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = generate(model, request, new_tokens, streamer=streamer, min_new_tokens=new_tokens)
+    _sync()
+    end = time.perf_counter()
+    first = streamer.token_times[0]
+    return first - start, decode_tokens / (end - first), out[0, request["input_ids"].shape[1]:].cpu()
+
+
+def profile_decode(model, request: dict, decode_tokens: int) -> dict | None:
+    """One more request with each lean decode piece timed to its end: seconds per step by piece kind
+    and layer (None without the lean decode path)."""
+    decoder = lean_decoder_of(model)
+    if decoder is None:
+        return None
+    engine = decoder.lean_engine(model.lm_head)
+    engine.reset_profile()
+    engine.profiling = True
+    try:
+        timed_generate(model, request, decode_tokens)
+    finally:
+        engine.profiling = False
+    return engine.profile()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

@@ -1,0 +1,119 @@
+"""Token compression vs expert working set: distinct experts per layer, bytes moved and prefill time
+for compression none / random / saliency / affinity at keep ratios 0.7 and 0.5, and a layer x expert
+activation heatmap before and after compression (VisMMOE Figure 1/3 style), as PNG.
+
+    python3 -m vismmoe_kt.apps.measure.compression_study --out DIR [--model tiny-6x64 | --synthetic-layers N]
+        [--device cpu] [--image-size 448]
+
+The model is loaded once with optimize_rules/qwen3vl.yaml (offload runtime at its smallest budget:
+one pinned layer plus one layer of slabs, so every offloaded layer moves bytes), and the VisDecoder's
+compression settings are switched between runs; the cache is emptied before each prefill.
+Random weights: routing is not a trained model's, and neither are these working sets.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+from scripts.make_demo_image import make_image
+from vismmoe_kt import load, stats
+from vismmoe_kt.operators.vis_decoder import VisDecoder
+from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.apps.plots import heatmap_png
+
+CASES = [("none", 1.0)] + [(m, b) for b in (0.7, 0.5) for m in ("random", "saliency", "affinity")]
+
+
+def load_model(args):
+    common = dict(generate_device=args.device, prefill_device=args.device, miss_policy="wait", progress=False)
+    if args.synthetic_layers:
+        from vismmoe_kt.demo.synthetic import QWEN3_VL_30B_A3B, load_synthetic
+
+        text = QWEN3_VL_30B_A3B["text"]
+        layer_bytes = text["num_experts"] * 3 * text["moe_intermediate_size"] * text["hidden_size"] * 2  # bf16
+        budget, name = 2 * layer_bytes, f"qwen3-vl-30b-a3b shapes, {args.synthetic_layers} layers"
+        model, processor = load_synthetic(rules="optimize_rules/qwen3vl.yaml", layers=args.synthetic_layers,
+                                          expert_budget=budget, **common)
+        return model, processor, name
+    from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
+
+    spec = SPECS[args.model]
+    model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / args.model, args.model, seed=0)
+    budget = 2 * spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+    model, processor = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget, **common)
+    return model, processor, args.model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="tiny-6x64")
+    parser.add_argument("--synthetic-layers", type=int)
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--image-size", type=int, default=448)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, processor, name = load_model(args)
+    decoder = next(m for m in model.modules() if isinstance(m, VisDecoder))
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    layers = decoder.layers
+    num_experts = decoder.orig_module.config.num_experts
+    counts = {}
+
+    def hook(index):
+        def record(module, inputs, output):
+            counts.setdefault(index, torch.zeros(num_experts))
+            counts[index] += torch.bincount(output[2].reshape(-1).cpu(), minlength=num_experts).float()
+        return record
+    for index, layer in enumerate(layers):
+        layer.mlp.gate.register_forward_hook(hook(index))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(args.image_size)], return_tensors="pt").to(args.device)
+    with torch.inference_mode():
+        model(**inputs)  # warm-up
+    rows, maps = [], {}
+    for method, beta in CASES:
+        decoder.compression, decoder.keep_ratio, decoder.salient_ratio = method, beta, 0.4 * beta
+        decoder.active = method != "none" and beta < 1
+        runtime.reset_cache()
+        counts.clear()
+        before = stats(model)["operators"]["VisExperts"]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(**inputs)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        after = stats(model)["operators"]["VisExperts"]
+        distinct = [int((counts[i] > 0).sum()) for i in range(len(layers))]
+        offloaded = [i for i in range(len(layers)) if i not in runtime.pinned]
+        rows.append({
+            "compression": method, "keep_ratio": beta,
+            "tokens_after_prefix": int(decoder.last_keep.numel()) if decoder.active else int(inputs["input_ids"].shape[1]),
+            "distinct_experts_per_layer": distinct,
+            "mean_distinct_experts_offloaded_layers": float(np.mean([distinct[i] for i in offloaded])),
+            "bytes_moved": after["bytes_copied"] - before["bytes_copied"],
+            "prefill_s": round(seconds, 3),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+        maps[(method, beta)] = torch.stack([counts[i] / counts[i].sum() for i in range(len(layers))]).numpy()
+    meta = {"model": name, "device": args.device, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+            "visual_tokens": int((inputs["input_ids"] == model.config.image_token_id).sum()),
+            "pinned_layers": len(runtime.pinned), "routing": "random weights"}
+    (out / "compression_study.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    heatmap_png([(f"no compression ({name})", maps[("none", 1.0)]), (f"affinity, keep 0.5 ({name})", maps[("affinity", 0.5)])],
+                out / "expert_heatmap.png")
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

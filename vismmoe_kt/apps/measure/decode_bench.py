@@ -1,0 +1,207 @@
+"""Decode speed: transformers' generation vs our lean decode path, same run, same inputs.
+
+    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR [--layers 48] [--profile]
+        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB]
+    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR --device cpu --tiny tiny-6x64   # a CPU sanity run
+
+Configurations (all greedy, batch 1, an image prompt):
+  hf            stock transformers, everything on the device (optimize_rules/qwen3vl-gpu.yaml)
+  lean-eager    our decode path, every expert resident (a budget above the model), no graphs
+  lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
+  lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
+Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
+tokens agree with `hf` from the start, and for offloaded ones the bytes copied per decode token and
+the physical bound max(bytes per token / copy bandwidth measured in this run, lean-graphs' time per
+token). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
+path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
+(embed, attention + router per layer, experts per layer, head), each piece timed to its end.
+
+Random weights route almost uniformly, so hit rates and bytes per token are not a trained model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+from vismmoe_kt import load
+from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
+from vismmoe_kt.apps.bench.inputs import make_request
+from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
+from vismmoe_kt.engine.generation import lean_decoder_of
+from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.demo.synthetic import load_synthetic
+from vismmoe_kt.demo.tiny import save_tiny_model
+
+GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
+
+
+def runtime_of(model):
+    return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
+
+
+def parse_config(spec: str) -> tuple[str, dict]:
+    if spec == "hf":
+        return GPU_RULES, {}
+    if spec == "lean-eager":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "off"}
+    if spec == "lean-graphs":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "cuda"}
+    if spec.startswith("lean:"):
+        return OFFLOAD_RULES, {"expert_budget": spec.split(":", 1)[1]}
+    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET)")
+
+
+def load_model(args, rules: str, overrides: dict):
+    devices = {"generate_device": args.device, "prefill_device": args.device}
+    if args.tiny_dir:
+        return load(args.tiny_dir, rules, progress=False, **devices, **overrides)
+    return load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
+
+
+def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
+    if b is None:
+        return None
+    same = (a[:len(b)] == b[:len(a)]).long()
+    return int(same.cumprod(0).sum())
+
+
+def conversation(model, processor, args) -> list[float]:
+    """Seconds to the first token of each turn of a chat about one image (median over --reps chats)."""
+    from vismmoe_kt.engine.chat import ChatSession
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (args.image_size, args.image_size, 3),
+                                                              dtype=np.uint8))
+    per_turn: list[list[float]] = [[] for _ in range(args.turns)]
+    decoder = lean_decoder_of(model)
+    for _ in range(args.reps):
+        if decoder is not None:  # each chat starts cold (the previous one left the same first turn cached)
+            decoder.lean_engine(model.lm_head).forget()
+        session = ChatSession(model, processor, max_new_tokens=args.decode_tokens, greedy=True)
+        for turn in range(args.turns):
+            _, timings = session.ask(f"Question {turn}: what else is in the picture?", [image] if turn == 0 else [],
+                                     out=io.StringIO())
+            per_turn[turn].append(timings.prompt_seconds)
+    return [statistics.median(t) for t in per_turn]
+
+
+def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    rules, overrides = parse_config(spec)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    model, processor = load_model(args, rules, overrides)
+    inputs = make_request(processor, args.image_size, args.device)
+    timed_generate(model, inputs, 2)  # warm-up (and, with graphs, the capture)
+    runtime = runtime_of(model)
+    copied = runtime.summary()["bytes_copied_decode"] if runtime else 0
+    prefill, decode, tokens = [], [], None
+    for _ in range(args.reps):
+        p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
+        prefill.append(p)
+        decode.append(d)
+    row = {"config": spec, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+           "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
+           "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
+           "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
+           "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference)}
+    if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
+        row["turn_prompt_s"] = conversation(model, processor, args)
+    if runtime is not None:
+        summary = runtime.summary()
+        row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
+                   decode_bytes_per_token=(summary["bytes_copied_decode"] - copied) / (args.reps * (args.decode_tokens - 1)))
+    decoder = lean_decoder_of(model)
+    if decoder is not None:
+        row["lean"] = decoder.stats()
+        if args.profile:
+            row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
+    if args.device.startswith("cuda"):
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if runtime is not None:
+        runtime.close()
+    del model, processor, inputs
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return row, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"])
+    parser.add_argument("--layers", type=int, default=48, help="synthetic model: decoder layers (48 = the real count)")
+    parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
+    args = parser.parse_args()
+    for spec in args.configs:
+        parse_config(spec)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
+    if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
+        parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
+    args.tiny_dir = save_tiny_model(tempfile.mkdtemp(), args.tiny, seed=0) if args.tiny else None
+    torch.manual_seed(0)
+    rows, reference = [], None
+    for spec in args.configs:
+        row, tokens = run_config(spec, args, reference)
+        if spec == "hf":
+            reference = tokens
+        rows.append(row)
+    cuda = args.device.startswith("cuda")  # a page-locked host -> device copy, what a slab fetch gets
+    bandwidth = measure_copy_bandwidth(torch.device(args.device))["bytes_per_s"] / 1e9 if cuda else None
+    resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
+    for r in rows:
+        if "decode_bytes_per_token" in r and bandwidth:
+            bound = r["decode_bytes_per_token"] / (bandwidth * 1e9)
+            if resident:
+                bound = max(bound, 1 / resident["decode_tok_s_median"])
+            r["bound_s_per_token"] = bound
+            r["ratio_to_bound"] = (1 / r["decode_tok_s_median"]) / bound if bound else None
+    meta = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__, "model": args.tiny or f"qwen3-vl-30b-a3b shapes, {args.layers} layers",
+            "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
+            "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
+            "routing": "random weights (near-uniform routing)"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\n{meta}\n")
+    print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | bytes/token | vs bound |")
+    print("|---|---|---|---|---|---|---|")
+    hf = next((r for r in rows if r["config"] == "hf"), None)
+    for r in rows:
+        speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
+        per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f} MB" if "decode_bytes_per_token" in r else "-"
+        bound = f"{r['ratio_to_bound']:.2f}x" if r.get("ratio_to_bound") else "-"
+        agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
+        print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
+              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {bound} |")
+    if args.turns > 1:
+        print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
+        print("|---" * (args.turns + 1) + "|")
+        for r in rows:
+            print(f"| {r['config']} | " + " | ".join(f"{t:.3f}" for t in r["turn_prompt_s"]) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

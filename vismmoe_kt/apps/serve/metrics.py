@@ -1,0 +1,69 @@
+"""The server's Prometheus metrics (prometheus_client), named after vLLM's where they mean the same.
+
+Each app gets its own CollectorRegistry, so several servers in one process (tests) do not clash.
+The operators' runtime counters (hits, bytes copied, ...) are read at scrape time by a collector.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _RuntimeCollector:
+    """Every operator's numeric `stats()` as `vismmoe_runtime{operator, stat}`, at scrape time."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def collect(self):
+        from ...core.stats import collect_stats
+
+        family = GaugeMetricFamily("vismmoe_runtime", "operator counters (collect_stats)", labels=["operator", "stat"])
+        for operator, values in collect_stats(self.model)["operators"].items():
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    family.add_metric([operator, key], float(value))
+        yield family
+
+
+class ServerMetrics:
+    def __init__(self, model: Any):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("vismmoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=registry)
+        self.prompt_tokens = Counter("vismmoe_prompt_tokens", "prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("vismmoe_generation_tokens", "tokens generated", registry=registry)
+        self.ttft = Histogram("vismmoe_time_to_first_token_seconds", "request start to first text",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram("vismmoe_e2e_request_latency_seconds", "generation start to end",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.waiting = Gauge("vismmoe_num_requests_waiting", "requests admitted and not yet generating", registry=registry)
+        self.running = Gauge("vismmoe_num_requests_running", "requests generating", registry=registry)
+        self.rejected = Counter("vismmoe_requests_rejected", "requests refused with 429 (queue full)", registry=registry)
+        self.cancelled = Counter("vismmoe_requests_cancelled", "generations stopped early because the client left",
+                                 registry=registry)
+        registry.register(_RuntimeCollector(model))
+
+    def set_queue(self, waiting: int, running: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def finished(self, usage: Any, ttft: float | None, cancelled: bool) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(max(usage.completion_tokens, 0))
+        self.latency.observe(usage.total_seconds)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if cancelled:
+            self.cancelled.inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

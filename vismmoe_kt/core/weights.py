@@ -1,0 +1,95 @@
+"""Materialising a meta-device module tree from a checkpoint, module by module.
+
+Every parameter and persistent buffer that is still on the meta device is read from the reader by
+its checkpoint name (the dotted module path without the `orig_module` segments operators add) and
+placed on the device of its module: the plan's `generate_device` for that module if it has one, else
+its parent's. An operator decides for its own subtree through its `load()` (by default: its
+`weights_device`). Tied parameters (one Parameter object under two names) are read once.
+
+The reader needs only `load_tensor(name, device)`, the method KTransformers' safetensors loader has,
+so operators loaded by upstream's `load_weights` work too; our CheckpointReader adds the plan's
+devices (`planned_device`) and the family's checkpoint layout (`layout_fix`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import LoadError
+
+ORIG = "orig_module"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def load_module_tree(
+    module: nn.Module,
+    reader,
+    key: str,
+    device: torch.device | str,
+    *,
+    operator_root: bool = False,
+    loaded: dict[int, torch.Tensor] | None = None,
+) -> None:
+    """Load `module` (checkpoint prefix `key`) and its children onto `device` unless the plan says otherwise."""
+    if getattr(module, "is_injected_operator", False) and not operator_root:
+        module.load()
+        return
+    loaded = {} if loaded is None else loaded
+    device = torch.device(device)
+    _load_own_tensors(module, reader, key, device, loaded)
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        if name == ORIG:  # the replaced module shares its operator's key and device
+            load_module_tree(child, reader, key, device, loaded=loaded)
+        else:
+            child_key = _join(key, name)
+            planned = getattr(reader, "planned_device", None)
+            child_device = planned(child_key, device) if planned else device
+            load_module_tree(child, reader, child_key, child_device, loaded=loaded)
+
+
+def read_tensor(reader, name: str, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    """Read `name` and bring it to `shape` with the reader's layout fix; a mismatch is a LoadError."""
+    tensor = reader.load_tensor(name, device)
+    if tensor.shape != shape:
+        fix = getattr(reader, "layout_fix", None)
+        tensor = fix(name, tensor, shape) if fix else tensor
+    if tensor.shape != shape:
+        where = reader.describe(name) if hasattr(reader, "describe") else f"tensor {name!r}"
+        raise LoadError(f"{where} has shape {tuple(tensor.shape)}, the model config wants {tuple(shape)}")
+    return tensor
+
+
+def _load_own_tensors(module: nn.Module, reader, key: str, device: torch.device, loaded: dict) -> None:
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        if id(param) in loaded:  # tied to a parameter loaded earlier
+            module._parameters[name] = loaded[id(param)]
+            continue
+        if param.is_meta:
+            data = read_tensor(reader, _join(key, name), device, param.shape)
+        else:
+            data = param.data.to(device)
+        new = nn.Parameter(data, requires_grad=False)
+        loaded[id(param)] = new
+        module._parameters[name] = new
+    for name, buf in list(module._buffers.items()):
+        if buf is None:
+            continue
+        if buf.is_meta:
+            if name in module._non_persistent_buffers_set:
+                raise LoadError(f"buffer {_join(key, name)!r} is not stored in checkpoints and was built on the meta device")
+            module._buffers[name] = read_tensor(reader, _join(key, name), device, buf.shape)
+        else:
+            module._buffers[name] = buf.to(device)
+
+
+def meta_tensor_names(model: nn.Module) -> list[str]:
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    return names + [n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta]

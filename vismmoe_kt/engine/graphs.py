@@ -1,0 +1,72 @@
+"""Replaying a decode segment from fixed buffers: CUDA graphs, and a CPU twin with the same contract.
+
+A segment is a run of decode pieces with no host logic (vismmoe_kt.engine.lean_step). Captured once,
+it reads its inputs from the tensors it was captured with and writes its outputs to the tensors the
+capture returned; replaying it launches the whole run at once. Whatever runs between two segments
+(offloaded experts, CPU experts) must copy its results into the next segment's input tensors.
+
+`CudaGraphCapture` records a `torch.cuda.CUDAGraph` (all segments of a step share one memory pool).
+`ReplayCapture` is the CPU twin: it keeps the same fixed input and output tensors and re-runs the
+segment eagerly into them, so the plumbing between segments (which buffer feeds which) is exercised
+by the CPU tests exactly as the CUDA path uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+State = tuple[torch.Tensor, ...]
+GRAPH_MODES = ("auto", "cuda", "replay", "off")
+
+
+class ReplayCapture:
+    name = "replay"
+
+    def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
+        outputs = tuple(t.clone() for t in run())  # fixed output tensors, like a graph's pool
+
+        def replay() -> None:
+            for fixed, fresh in zip(outputs, run()):
+                fixed.copy_(fresh)
+        return replay, outputs
+
+
+class CudaGraphCapture:
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # kept alive: a replayed graph must not be freed
+
+    def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
+        # warm-up on a side stream first, as torch requires (lazy inits, cuBLAS workspaces)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the offload runtime's transfer worker keeps copying on its own stream and
+        # thread while a segment is captured; only this thread's work belongs to the graph
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = run()
+        self.graphs.append(graph)
+        return graph.replay, tuple(outputs)
+
+
+def capture_backend(mode: str, device: torch.device):
+    """`cuda`, `replay`, or None (eager) for a graphs setting of auto | cuda | replay | off."""
+    if mode == "off":
+        return None
+    if mode == "replay":
+        return ReplayCapture()
+    if mode in ("auto", "cuda"):
+        if device.type == "cuda":
+            return CudaGraphCapture(device)
+        if mode == "cuda":
+            raise ValueError(f"graphs: cuda needs the decoder on a CUDA device, it runs on {device}")
+        return None
+    raise ValueError(f"graphs {mode!r} is not one of: {', '.join(GRAPH_MODES)}")
