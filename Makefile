@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python scripts/make_demo_image.py $(IMAGE)
+	$(BIN)/python -m vismmoe_kt.demo.pictures $(IMAGE)
 	$(BIN)/vismmoe-kt chat --demo --image $(IMAGE) --prompt "$(QUESTION)" --greedy --max_new_tokens 8 --stats
 
 test: $(STAMP)

@@ -26,6 +26,7 @@ from vismmoe_kt import load
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.core.stats import collect_stats
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
+from vismmoe_kt.engine.inputs import build_inputs, user_turn
 
 
 def main() -> int:
@@ -43,9 +44,7 @@ def main() -> int:
 
     def run(rule_file, **overrides):
         model, processor = load(model_dir, rule_file, progress=False, **overrides)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[prompt], images=[image], return_tensors="pt").to("cuda:0")
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], "cuda:0")
         with torch.inference_mode():
             logits = model(**inputs).logits.float().cpu()
             start = time.perf_counter()

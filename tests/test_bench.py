@@ -73,7 +73,8 @@ def test_ablation_steps_add_one_thing_each():
     decoder = lambda rules: next(r["replace"]["kwargs"] for r in rules  # noqa: E731
                                  if r["replace"].get("class") == COMPRESSION_OPERATORS[1])
     assert decoder(base)["compression"] == "none" and decoder(compress)["compression"] == "affinity"
-    assert decoder(base)["decode"] == decoder(compress)["decode"] == "lean"  # one decode path on every step
+    # the decoder stays on every step (its forward lets the engine decode); decode options are not rule kwargs
+    assert "decode" not in decoder(base) and "graphs" not in decoder(compress)
     assert _expert_kwargs(base)["prefetch_window"] == 0 and _expert_kwargs(base)["predictor"] is None
     assert _expert_kwargs(predict)["prefetch_window"] == 1 and _expert_kwargs(predict)["predictor"] == "p.pt"
     assert "prefetch_window" not in _expert_kwargs(full) and _expert_kwargs(full)["expert_budget"] == "24GB"

@@ -9,7 +9,8 @@ import zlib
 
 import pytest
 
-from vismmoe_kt.apps.cli import main, read_user_turn
+from vismmoe_kt.apps.chat import read_user_turn
+from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.tiny import DEMO_SPEC, SPECS
 
 TIMING_LINES = ("prompt eval count:", "prompt eval duration:", "prompt eval rate:", "eval count:", "eval duration:", "eval rate:")

@@ -12,7 +12,8 @@ import torch
 
 from vismmoe_kt import load
 from vismmoe_kt.engine.chat import ChatSession
-from vismmoe_kt.apps.cli import main, read_user_turn
+from vismmoe_kt.apps.chat import read_user_turn
+from vismmoe_kt.apps.cli import main
 from vismmoe_kt.errors import InputError
 from vismmoe_kt.demo.tiny import DEMO_SPEC, FORMAT_VERSION, demo_model_dir, demo_weights_digest
 

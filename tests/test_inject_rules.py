@@ -1,3 +1,4 @@
+import types
 """Rule semantics, one test per rule of KTransformers' optimize rules (see vismmoe_kt/core/inject.py)."""
 
 import pytest
@@ -97,7 +98,7 @@ def test_recursive_default_continues_into_children_of_a_replaced_module():
 
 
 def test_operator_receives_the_upstream_constructor_arguments():
-    model, config, loader = Toy(2), object(), object()
+    model, config, loader = Toy(2), object(), types.SimpleNamespace()  # any object that can hold attributes
     original = model.layers[1].mlp
     rules = [{"match": {"name": r"^layers\.1\.mlp$"}, "replace": {"class": SCALED, "kwargs": {"factor": 5, **DEV}}}]
     inject(model, rules, config=config, loader=loader)

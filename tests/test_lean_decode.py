@@ -14,8 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vismmoe_kt import load
 from vismmoe_kt.engine.generation import generate, next_token
 from vismmoe_kt.engine.graphs import ReplayCapture
+from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.engine.static_cache import CacheFullError, StaticKVCache
-from vismmoe_kt.errors import RuleError
+from vismmoe_kt.core.context import DecodeOptions
+from vismmoe_kt.errors import LoadError, RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.demo.tiny import SPECS
 
@@ -67,9 +69,9 @@ def test_lean_path_follows_pruned_layers(case):
     with torch.no_grad():
         expected = generate(hf, inputs, TOKENS)
         tokens = generate(lean, inputs, TOKENS)
-    assert decoder_of(lean).counters.pruned_prefills == 1
+    assert decoder_of(lean).text_forward.counters.pruned_prefills == 1
     assert torch.equal(tokens, expected)
-    cache = decoder_of(lean)._lean.cache
+    cache = decode_engine(lean).cache
     assert cache.host_lengths[0] > cache.host_lengths[1] == cache.host_lengths[3]  # layer 0 keeps every token
 
 
@@ -98,7 +100,7 @@ class DeviceReads(TorchDispatchMode):
 
 def run_steps(model, inputs, steps):
     """Prefill, then `steps` lean steps, each watched by its own DeviceReads."""
-    engine = decoder_of(model).lean_engine(model.lm_head)
+    engine = decode_engine(model)
     with torch.no_grad():
         generate(model, inputs, 1)  # prefill into the engine's cache
         token = torch.tensor([5])
@@ -153,7 +155,7 @@ class WrongReplay(ReplayCapture):
 def test_graph_trouble_falls_back_to_eager_and_says_so(case, backend, counter):
     model_dir, inputs, expected = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay", **CPU)
-    engine = decoder_of(model).lean_engine(model.lm_head)
+    engine = decode_engine(model)
     engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
     engine.step.backend = backend()
     with pytest.warns(RuntimeWarning, match="decode runs without graphs"), torch.no_grad():
@@ -168,7 +170,7 @@ def test_cache_reuse_across_requests_and_growth(case):
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="replay", **CPU)
     with torch.no_grad():
         first = generate(model, inputs, TOKENS)
-        engine = decoder_of(model)._lean
+        engine = decode_engine(model)
         cache = engine.cache
         again = generate(model, inputs, TOKENS)
         assert engine.cache is cache  # same buffers, same captured segments
@@ -204,24 +206,38 @@ def test_sampling_respects_top_p_and_greedy():
 
 def test_graphs_off_as_yaml_reads_it(tiny_dir):
     """`--set graphs=off` and a bare `graphs: off` in a rule file arrive as the boolean False."""
-    from vismmoe_kt.apps.cli import parse_set
+    from vismmoe_kt.apps.flags import parse_set
 
     model, _ = load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4),
                     **parse_set(["graphs=off"]), **CPU)
-    assert decoder_of(model).graphs == "off"
+    assert model.vismmoe.context.decode.graphs == "off"
 
 
-def test_bad_decode_kwargs_are_clear_errors(tiny_dir):
-    with pytest.raises(RuleError, match=r"decode 'fast' is not one of: lean, hf"):
+def test_bad_decode_options_are_clear_errors(tiny_dir):
+    with pytest.raises(LoadError, match=r"decode 'fast' is not one of: lean, hf"):
         load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), decode="fast", **CPU)
-    with pytest.raises(RuleError, match=r"graphs 'always' is not one of: auto, cuda, replay, off"):
+    with pytest.raises(LoadError, match=r"graphs 'always' is not one of: auto, cuda, replay, off"):
         load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="always", **CPU)
+
+
+def test_old_rule_files_with_decode_kwargs_still_load_with_a_warning(tiny_dir, tmp_path):
+    """`decode`/`graphs` were VisDecoder kwargs; they are engine options now. An old rule file keeps
+    working (the values become the engine's options) and says what to do; explicit options win."""
+    old = tmp_path / "old.yaml"
+    text = open("optimize_rules/qwen3vl-offload.yaml").read()
+    old.write_text(text.replace("      compression: none", "      compression: none\n      decode: hf\n      graphs: off", 1))
+    with pytest.warns(DeprecationWarning, match="engine options now"):
+        model, _ = load(tiny_dir, str(old), expert_budget=budget(4), **CPU)
+    assert model.vismmoe.context.decode == DecodeOptions("hf", "off") and decode_engine(model) is None
+    with pytest.warns(DeprecationWarning):
+        model, _ = load(tiny_dir, str(old), expert_budget=budget(4), decode="lean", **CPU)
+    assert model.vismmoe.context.decode == DecodeOptions("lean", "off") and decode_engine(model) is not None
 
 
 def test_profile_breaks_a_step_down_per_layer(case):
     model_dir, inputs, expected = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), **CPU)
-    engine = decoder_of(model).lean_engine(model.lm_head)
+    engine = decode_engine(model)
     engine.profiling = True
     with torch.no_grad():
         tokens = generate(model, inputs, TOKENS)
@@ -272,7 +288,7 @@ def test_chat_turns_reuse_the_cached_history(case, tiny_dir, rules, extra):
             assert stats["decode_reused_prefixes"] == 2
             # each later turn kept at least the whole first prompt (image included)
             assert stats["decode_reused_tokens"] >= 2 * timings.prompt_tokens
-            engine = decoder_of(model)._lean  # every layer holds the history minus what pruning left out
+            engine = decode_engine(model)  # every layer holds the history minus what pruning left out
             held, pruned = len(engine.sequence), len(engine.pruned)
             assert engine.cache.host_lengths == [held] + [held - pruned] * 3
             assert (pruned > 0) == ("keep_ratio" in extra)
@@ -294,19 +310,22 @@ def test_fused_ops_equal_the_model_modules(dtype):
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (Qwen3VLMoeTextRMSNorm,
                                                                         Qwen3VLMoeTextTopKRouter)
 
-    from vismmoe_kt.engine.fused_ops import rms_norm, route
     from vismmoe_kt.demo.tiny import build_tiny_model
+    from vismmoe_kt.engine.fused_ops import rms_norm, route
+    from vismmoe_kt.models import adapter_for
 
     torch.manual_seed(0)
     norm = Qwen3VLMoeTextRMSNorm(64, eps=1e-6).to(dtype)
     norm.weight.data.normal_()
     x = torch.randn(5, 64, dtype=dtype) * 3
-    assert torch.allclose(rms_norm(norm, x).float(), norm(x).float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    adapter = adapter_for("qwen3_vl_moe")
+    fused = rms_norm(*adapter.rms_norm_params(norm), x)
+    assert torch.allclose(fused.float(), norm(x).float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
     config = build_tiny_model("tiny-4x16", seed=0)[0].config.text_config
     gate = Qwen3VLMoeTextTopKRouter(config).to(dtype)
     gate.weight.data.normal_()
     _, ref_weights, ref_ids = gate(x)
-    weights, ids = route(gate, x)
+    weights, ids = route(*adapter.fused_router(gate), x)
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(weights.float(), ref_weights.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
 

@@ -60,16 +60,17 @@ def test_fp4_all_changes_more_than_realb(tiny_dir, reference, big_image_inputs):
     assert errors["all"] > errors["realb"] > 0
 
 
-def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs):
-    model, _ = load(tiny_dir, RULES, lb_gate_tokens=64, md_start=0.5, **CPU)
-    op = next(m for m in model.modules() if isinstance(m, MixedPrecisionExperts))
-    seen = {}
-    original = op._lowprec_pairs
+def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs, monkeypatch):
+    import vismmoe_kt.operators.mixed_precision as operator
 
-    def recording(hidden, index, weights, lowprec):
+    model, _ = load(tiny_dir, RULES, lb_gate_tokens=64, md_start=0.5, **CPU)
+    seen = {}
+    original = operator.lowprec_pairs
+
+    def recording(mlp, hidden, index, weights, lowprec, *rest):
         seen.setdefault("rows", lowprec.any(dim=1))  # the rows of the first layer's low-precision pairs
-        return original(hidden, index, weights, lowprec)
-    op._lowprec_pairs = recording
+        return original(mlp, hidden, index, weights, lowprec, *rest)
+    monkeypatch.setattr(operator, "lowprec_pairs", recording)
     with torch.no_grad():
         model(**big_image_inputs)
     visual = (big_image_inputs["input_ids"][0] == model.config.image_token_id)
@@ -137,14 +138,14 @@ def test_ptq_scales_weights_at_load_and_activations_online(tiny_dir, big_image_i
     model, _ = load(tiny_dir, RULES, **CPU)
     op = next(m for m in model.modules() if isinstance(m, MixedPrecisionExperts))
     amax = op.orig_module.gate_up_proj.abs().amax(dim=(1, 2))
-    assert torch.allclose(op.weight_scales["gate_up_proj"], 448 * 6 / amax)
-    assert (op.activation_amax == 0).all()
+    assert torch.allclose(op.scales.weights["gate_up"], 448 * 6 / amax)
+    assert (op.scales.activation_amax == 0).all()
     with torch.no_grad():
         model(**big_image_inputs)
-    first = op.activation_amax.clone()
+    first = op.scales.activation_amax.clone()
     assert (first > 0).any()
     with torch.no_grad():
         model(**big_image_inputs)
-    assert (op.activation_amax >= first).all()  # a running maximum
-    scales = op._scales(int(torch.argmax(first)))
+    assert (op.scales.activation_amax >= first).all()  # a running maximum
+    scales = op.scales.of(int(torch.argmax(first)))
     assert set(scales) == {"gate_up", "down", "input"}

@@ -71,9 +71,19 @@ def test_operators_derive_from_upstream_base_when_upstream_is_importable(tmp_pat
     (tmp_path / "ktransformers" / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
     (fake / "base_operator.py").write_text(textwrap.dedent("""
+        # upstream's constructor and bookkeeping (archive/ktransformers/operators/base_operator.py)
         from torch import nn
         class BaseInjectedModule(nn.Module):
-            pass
+            def __init__(self, key, gguf_loader, config, orig_module, prefill_device="cuda",
+                         generate_device="cuda", **kwargs):
+                nn.Module.__init__(self)
+                nn.Module.__setattr__(self, "orig_module", orig_module)
+                object.__setattr__(self, "key", key)
+                object.__setattr__(self, "gguf_loader", gguf_loader)
+                object.__setattr__(self, "config", config)
+                object.__setattr__(self, "prefill_device", prefill_device)
+                object.__setattr__(self, "generate_device", generate_device)
+                object.__setattr__(self, "device", generate_device)
     """))
     script = textwrap.dedent("""
         import torch
@@ -82,7 +92,7 @@ def test_operators_derive_from_upstream_base_when_upstream_is_importable(tmp_pat
         from vismmoe_kt.operators.base import BaseInjectedModule
         assert issubclass(VisExperts, Upstream) and issubclass(BaseInjectedModule, Upstream)
         op = BaseInjectedModule("k", None, None, torch.nn.Linear(2, 2), "cpu", "cpu")
-        assert op(torch.ones(1, 2)).shape == (1, 2)
+        assert op(torch.ones(1, 2)).shape == (1, 2) and op.device == "cpu"  # upstream's __init__ ran
         print("ok")
     """)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}

@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 
 from conftest import make_image
-from vismmoe_kt.apps.cli import build_parser, build_server
+from vismmoe_kt.apps.cli import build_parser
+from vismmoe_kt.apps.serve.command import build_server
 
 
 def free_port() -> int:

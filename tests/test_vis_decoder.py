@@ -7,7 +7,8 @@ import torch
 
 from vismmoe_kt import load
 from vismmoe_kt.errors import RuleError
-from vismmoe_kt.operators.vis_decoder import VisDecoder, causal_mask
+from vismmoe_kt.engine.text_forward import causal_mask
+from vismmoe_kt.operators.vis_decoder import VisDecoder
 from vismmoe_kt.core.stats import collect_stats
 from vismmoe_kt.demo.tiny import SPECS
 
@@ -41,7 +42,7 @@ def test_keep_ratio_one_gives_the_reference_exactly(tiny_dir, reference, image_i
         ref_tokens = reference[0].generate(**image_inputs, max_new_tokens=32, do_sample=False)
     assert (logits - ref_logits).abs().max().item() <= 1e-5
     assert torch.equal(tokens, ref_tokens)
-    assert decoder_of(model).counters.pruned_prefills == 0
+    assert decoder_of(model).text_forward.counters.pruned_prefills == 0
 
 
 def test_half_the_visual_tokens_continue_with_their_original_positions(tiny_dir, image_inputs):
@@ -54,7 +55,7 @@ def test_half_the_visual_tokens_continue_with_their_original_positions(tiny_dir,
         out = model(**image_inputs, use_cache=True)
     visual = image_inputs["input_ids"][0] == model.config.image_token_id
     n = int(visual.sum())
-    keep = decoder.last_keep
+    keep = model.vismmoe.context.pruning.keep
     assert int(visual[keep].sum()) == math.floor(0.5 * n)          # exactly floor(beta * N) visual tokens
     assert int((~visual[keep]).sum()) == int((~visual).sum())       # every text token
     full_positions, _ = model.model.get_rope_index(image_inputs["input_ids"], image_inputs["mm_token_type_ids"],
@@ -76,7 +77,7 @@ def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs)
     stats = collect_stats(model)["operators"]
     decoder = stats["VisDecoder"]
     assert decoder["pruned_prefills"] == 1 and decoder["visual_tokens_after"] == decoder["visual_tokens_before"] // 2
-    assert stats["VisExperts"]["pinned_layers"] == 1 and decoder_of(model)._prune_at() == 1
+    assert stats["VisExperts"]["pinned_layers"] == 1 and decoder_of(model).text_forward._prune_at() == 1
 
 
 @pytest.mark.parametrize("method,source", [("saliency", "vision"), ("random", "vision"), ("affinity", "llm"),
@@ -85,7 +86,7 @@ def test_baselines_and_saliency_sources_run(tiny_dir, image_inputs, method, sour
     model, _ = load(tiny_dir, rules(compression=method, saliency_source=source), **CPU)
     with torch.no_grad():
         model.generate(**image_inputs, max_new_tokens=4, do_sample=False)
-    assert decoder_of(model).counters.pruned_prefills == 1
+    assert decoder_of(model).text_forward.counters.pruned_prefills == 1
 
 
 def test_batch_of_two_images_is_a_clear_error(tiny_dir, reference):
@@ -121,9 +122,8 @@ def test_causal_mask():
 
 def test_llm_saliency_is_the_last_tokens_attention(tiny_dir, image_inputs):
     """FastV-style saliency against eager attention's own probabilities in the same layer."""
-    from vismmoe_kt.vision.saliency import last_token_attention
-
     model, _ = load(tiny_dir, rules(keep_ratio=1.0), **CPU)
+    last_token_attention = model.vismmoe.adapter.last_token_attention
     text = decoder_of(model).orig_module
     layer = text.layers[1]
     captured = {}

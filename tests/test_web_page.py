@@ -48,7 +48,8 @@ def test_page_asks_for_the_key_of_a_server_that_needs_one():
     from playwright.sync_api import sync_playwright
 
     from test_server_faults import running
-    from vismmoe_kt.apps.cli import build_parser, build_server
+    from vismmoe_kt.apps.cli import build_parser
+    from vismmoe_kt.apps.serve.command import build_server
 
     args = build_parser().parse_args(["serve", "--demo", "--generate_device", "cpu", "--prefill_device", "cpu",
                                       "--max_new_tokens", "4", "--api_key", "s3cret"])

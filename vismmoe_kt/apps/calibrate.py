@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..predictor.calibration import evaluate
+from .flags import add_model_flags, load_from_args
 
 PROMPTS = ("Describe the image.", "What shapes do you see?", "Is there a red circle?", "How many objects are there?",
            "What colour is the largest shape?", "Is the square left of the circle?")
@@ -76,56 +78,49 @@ def record_traces(model, processor, requests: list[tuple[Any, str]], out: Path, 
                   progress: bool = True) -> list[Path]:
     from tqdm import tqdm
 
-    from ..operators.vis_decoder import VisDecoder
+    from ..engine.inputs import ask_inputs
     from ..predictor.traces import TraceRecorder
 
     out.mkdir(parents=True, exist_ok=True)
-    recorder = TraceRecorder(model, model.vismmoe.adapter)
-    decoder = next((m for m in model.modules() if isinstance(m, VisDecoder)), None)
-    device = model.get_input_embeddings().weight.device
+    adapter, context = model.vismmoe.adapter, model.vismmoe.context
+    recorder = TraceRecorder(model, adapter)
+    ours = context.text_model is not None  # the text model's forward is ours: pruning, and h_v for the predictor
     paths = []
     try:
         for i, (image, prompt) in enumerate(tqdm(requests, desc="Tracing requests", unit="request", disable=not progress)):
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-            text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            inputs = processor(text=[text], images=[image], return_tensors="pt").to(device)
+            inputs = ask_inputs(model, processor, prompt, [image])
             recorder.reset()
-            if decoder is not None:
-                decoder.last_keep = None
+            context.pruning.keep = None
+            # transformers' loop: every step calls the routers, whose hooks record the trace (the lean
+            # step's fused router does not call them)
             with torch.inference_mode():
                 model.generate(**inputs, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
-            visual = inputs["input_ids"][0] == model.config.image_token_id
+            visual = adapter.image_token_mask(model.config, inputs["input_ids"][0])
             path = out / f"request-{i:06d}.safetensors"
-            recorder.finish(path, visual, decoder.last_keep if decoder is not None else None, with_visual=decoder is not None)
+            recorder.finish(path, visual, context.pruning.keep, with_visual=ours)
             paths.append(path)
     finally:
         recorder.remove()
     return paths
 
 
-def evaluate(model, steps: list[dict], config, budgets=(10, 20, 30)) -> dict[str, Any]:
-    """Hot Recall@B for the model (None: random guess), overall, per phase and per layer."""
-    from ..predictor.model import hot_recall, samples_from_steps
-
-    report: dict[str, Any] = {}
-    for phase in ("all", "prefill", "decode"):
-        chosen = [s for s in steps if phase == "all" or s["phase"] == phase]
-        if not chosen:
-            continue
-        data = samples_from_steps(chosen, config)
-        report[phase] = {f"@{b}": round(hot_recall(model, data, min(b, config.num_experts)), 4) for b in budgets}
-    data = samples_from_steps(steps, config)
-    per_layer = {}
-    for layer in sorted(set(data.layer.tolist())):
-        mask = data.layer == layer
-        subset = type(data)(*(getattr(data, f)[mask] for f in ("layer", "past", "hidden", "visual", "target", "nxt")))
-        per_layer[layer] = round(hot_recall(model, subset, min(20, config.num_experts)), 4)
-    report["per_layer@20"] = per_layer
-    return report
+def add_parser(commands) -> None:
+    calibrate = commands.add_parser("calibrate", help="record routing traces and train the lookahead predictor")
+    add_model_flags(calibrate)
+    calibrate.add_argument("--images", help="a directory of images or a comma-separated list of files")
+    calibrate.add_argument("--prompts", help="a text file, one prompt per line (cycled over the images)")
+    calibrate.add_argument("--synthetic", type=int, default=0, metavar="N", help="use N synthetic images and prompts")
+    calibrate.add_argument("--image_size", type=int, default=224, help="size of synthetic images")
+    calibrate.add_argument("--decode_tokens", type=int, default=8, help="tokens generated per request")
+    calibrate.add_argument("--out", required=True, help="directory for traces/, predictor.pt and calibration.json")
+    calibrate.add_argument("--window", type=int, default=5, help="lookahead window W (layers)")
+    calibrate.add_argument("--gamma", type=float, default=0.8, help="priority decay per layer of distance")
+    calibrate.add_argument("--predictor_output", choices=["window", "vector"], default="window")
+    calibrate.add_argument("--epochs", type=int, default=80)
+    calibrate.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
-    from .cli import load_from_args
     from ..predictor.model import PredictorConfig, train
     from ..predictor.traces import read_trace
 

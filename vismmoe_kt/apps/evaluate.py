@@ -13,16 +13,19 @@ answer up to case, surrounding space and a final full stop.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TextIO
 
 import torch
 
 from ..engine.generation import generate
+from ..engine.inputs import ask_inputs
 from ..errors import InputError
+from .flags import add_model_flags, load_from_args
 from .images import load_image
 
 FOLDER_QUESTIONS = "questions.jsonl"
@@ -95,10 +98,7 @@ def normalise(text: str) -> str:
 
 def ask(model: Any, processor: Any, image: Any, question: str, max_new_tokens: int) -> str:
     """One greedy answer to one question about one image."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
-    inputs = inputs.to(model.get_input_embeddings().weight.device)
+    inputs = ask_inputs(model, processor, question, [image])
     with torch.inference_mode():  # the product's own generation (the lean decode path where the rules have it)
         output = generate(model, inputs, max_new_tokens)
     return processor.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -107,20 +107,21 @@ def ask(model: Any, processor: Any, image: Any, question: str, max_new_tokens: i
 class PrefillWorkingSet:
     """Distinct experts each MoE layer's router picks during a request's prefill (its expert working set).
 
-    Hooks every `*.mlp.gate` router (output: logits, scores, top-k indices); the first call of a layer after
+    Hooks every MoE layer's router (the adapter finds them and reads their choice); the first call of a layer after
     `start()` is the prefill, later calls are decode steps and are not counted.
     """
 
     def __init__(self, model: Any):
-        self.routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        self.adapter = model.vismmoe.adapter
+        self.routers = [r for r in map(self.adapter.router, self.adapter.decoder_layers(model)) if r is not None]
         self.handles = [r.register_forward_hook(self._record(i)) for i, r in enumerate(self.routers)]
         self.current: dict[int, int] = {}
         self.requests: list[list[int]] = []
 
     def _record(self, layer: int):
         def hook(module, inputs, output):
-            if layer not in self.current and isinstance(output, tuple) and len(output) == 3:
-                self.current[layer] = int(torch.unique(output[2]).numel())
+            if layer not in self.current:
+                self.current[layer] = int(torch.unique(self.adapter.routed_experts(output)).numel())
         return hook
 
     def start(self) -> None:
@@ -179,3 +180,56 @@ def evaluate(model: Any, processor: Any, items: list[VqaItem], max_new_tokens: i
         working_set.close()
     return {**summarise(records), "seconds": round(time.perf_counter() - start, 2),
             "experts_per_layer_prefill": working_set.mean_per_layer(), "items": records}
+
+
+def add_parser(commands) -> None:
+    evaluate = commands.add_parser("eval", help="exact-match visual QA accuracy per question type (JSON output)")
+    add_model_flags(evaluate)
+    evaluate.add_argument("--task", choices=["synthetic-vqa", "folder"], default="synthetic-vqa",
+                          help="synthetic-vqa: the seeded shapes task; folder: --data DIR with questions.jsonl")
+    evaluate.add_argument("--split", default="test", help="synthetic-vqa split: train, val, test (held out) or a seed")
+    evaluate.add_argument("--limit", type=int, help="ask at most N questions (synthetic-vqa default: 200)")
+    evaluate.add_argument("--types", help="synthetic-vqa question types, comma-separated (default: all, cycled)")
+    evaluate.add_argument("--data", help="folder task: a directory with questions.jsonl and the images it names")
+    evaluate.add_argument("--max_new_tokens", type=int, default=8)
+    evaluate.add_argument("--output", help="write the results (accuracy per type, every answer) to this JSON file")
+
+
+def eval_items(args: argparse.Namespace) -> list:
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be at least 1, got {args.limit}")
+    if args.task == "folder":
+        if not args.data:
+            raise InputError("--task folder needs --data DIR (a directory with questions.jsonl)")
+        return folder_items(args.data, args.limit)
+    if args.data:
+        raise InputError("--data is for --task folder; --task synthetic-vqa makes its own images")
+    split = int(args.split) if args.split.lstrip("-").isdigit() else args.split
+    types = [t.strip() for t in args.types.split(",")] if args.types else None
+    return synthetic_items(split, args.limit or 200, types)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import sys
+
+    from ..core.stats import collect_stats
+
+    out = out or sys.stdout
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise InputError(f"--output {args.output}: its directory does not exist")
+    items = eval_items(args)  # bad data fails before the model is loaded
+    model, processor = load_from_args(args)
+    result = evaluate(model, processor, items, args.max_new_tokens)
+    source = f"--data {args.data}" if args.task == "folder" else f"split {args.split}"
+    print(f"{args.task} ({source}): accuracy {result['accuracy']:.3f} ({result['correct']}/{result['n']})", file=out)
+    for name, entry in result["per_type"].items():
+        print(f"  {name:<10} {entry['accuracy']:.3f} ({entry['correct']}/{entry['n']})", file=out)
+    if args.output:
+        header = {"task": args.task, "split": args.split if args.task != "folder" else None, "data": args.data,
+                  "model": str(model.vismmoe.model_dir), "rules": args.optimize_config_path,
+                  "overrides": args.set, "stats": collect_stats(model)}
+        Path(args.output).write_text(json.dumps({**header, **result}, indent=1, default=str) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}", file=out)
+    return 0

@@ -58,7 +58,7 @@ def plot(traces: str, out: str, predictor: str | None = None) -> dict:
     bars_png(similarity, pairs, out_dir / "layer_similarity.png", "Jaccard similarity of consecutive layers' experts")
     summary = {"steps": len(steps), "layer_similarity": similarity, "files": ["expert_heatmap.png", "layer_similarity.png"]}
     if predictor:
-        from .calibrate import evaluate
+        from ..predictor.calibration import evaluate
         from ..predictor.model import LookaheadPredictor
 
         model = LookaheadPredictor.load(predictor)
@@ -70,3 +70,18 @@ def plot(traces: str, out: str, predictor: str | None = None) -> dict:
         summary["files"].append("hot_recall.png")
     (out_dir / "trace_views.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def add_parser(commands) -> None:
+    trace = commands.add_parser("trace", help="figures from routing traces")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    plot = trace_commands.add_parser("plot", help="expert heatmap, layer similarity, per-layer Hot Recall (PNG)")
+    plot.add_argument("--traces", required=True, help="the traces/ directory written by calibrate")
+    plot.add_argument("--out", required=True)
+    plot.add_argument("--predictor", help="predictor.pt, to add per-layer Hot Recall")
+
+
+def run(args) -> int:
+    summary = plot(args.traces, args.out, args.predictor)
+    print(f"wrote {', '.join(summary['files'])} to {args.out}")
+    return 0

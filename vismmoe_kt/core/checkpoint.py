@@ -66,7 +66,6 @@ class CheckpointReader:
         self.layout_fix = layout_fix
         self.default_device = default_device
         self.device_map: dict[str, dict[str, Any]] = {}
-        self.context: dict[str, Any] = {}  # objects the operators of one load share (e.g. the offload runtime)
         self.on_tensor: Callable[[str, int], None] | None = None  # progress hook: (name, bytes)
         self._shards = _shard_map(self.model_dir)
         self._open_path: Path | None = None

@@ -45,7 +45,6 @@ import yaml
 from torch import nn
 
 from ..errors import RuleError
-from ..operators.base import BaseInjectedModule
 
 DEFAULT = "default"
 # A rule file has tens of values. YAML aliases share one parsed object among all the places that name it, so
@@ -311,8 +310,9 @@ def _construct(name: str, entry: dict, rule: Rule | None, child: nn.Module, conf
 
 
 def _is_operator_class(cls: type) -> bool:
-    """Ours, or a class (an upstream operator) whose constructor names the operator arguments itself."""
-    if issubclass(cls, BaseInjectedModule):
+    """Ours (marked `is_injected_operator`: the rule engine sits below the operators and does not import
+    them), or a class (an upstream operator) whose constructor names the operator arguments itself."""
+    if getattr(cls, "is_injected_operator", False):
         return True
     try:
         params = inspect.signature(cls).parameters

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +21,27 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointReader
+from .context import DecodeOptions, LoadContext, context_of
 from ..errors import LoadError
 from .inject import inject
 from ..models import ModelAdapter, adapter_for
 from .weights import load_module_tree, meta_tensor_names
 
+ENGINE_KEYS = ("decode", "graphs")  # options of the decode engine, accepted beside the rule overrides
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
 class LoadInfo:
-    """What `load` decided; kept on the model as `model.vismmoe` for `--stats` and the runtime."""
+    """What `load` decided; kept on the model as `model.vismmoe` for `--stats`, the engine and the apps."""
 
-    model_dir: Path
+    model_dir: Path | str
     rules: str | None
     adapter: ModelAdapter
     plan: dict[str, dict]
     default_device: str
+    context: LoadContext
     load_seconds: float = 0.0
     bytes_by_device: dict[str, int] = field(default_factory=dict)
 
@@ -137,38 +140,49 @@ def load(
     """Load a model directory, inject the rule file's operators, return `(model, processor)`.
 
     `overrides` apply on top of the rules: `generate_device`/`prefill_device` set every module's
-    devices, any other key replaces that kwarg in every rule that has it. `dtype` converts floating
-    tensors while loading (default: keep the checkpoint's dtype).
+    devices, `decode` (lean | hf) and `graphs` (auto | cuda | replay | off) are the engine's options,
+    any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
+    while loading (default: keep the checkpoint's dtype).
     """
     start = time.perf_counter()
     model_dir = Path(model_path)
     config, adapter = read_model_config(model_dir)
     device = default_device or overrides.get("generate_device") or pick_default_device()
     reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout, default_device=device)
-    model, plan = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
+    model = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
     processor = adapter.load_processor(model_dir)
-    info = LoadInfo(model_dir, str(optimize_config_path) if optimize_config_path else None, adapter, plan, device)
-    info.load_seconds = time.perf_counter() - start
-    info.bytes_by_device = _bytes_by_device(model)
-    model.vismmoe = info
+    model.vismmoe.load_seconds = time.perf_counter() - start
     return model, processor
 
 
 def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device: str, progress: bool,
-             overrides: dict[str, Any]) -> tuple[nn.Module, dict[str, dict]]:
-    """Meta model -> injected operators -> weights from `reader` (a checkpoint, or synthetic weights)."""
+             overrides: dict[str, Any]) -> nn.Module:
+    """Meta model -> injected operators -> weights from `reader` (a checkpoint, or synthetic weights).
+
+    `decode` and `graphs` among the overrides are engine options (DecodeOptions), not rule kwargs."""
+    overrides = dict(overrides)
+    engine = {key: overrides.pop(key) for key in ENGINE_KEYS if key in overrides}
     model = _build_on_meta(adapter, config)
+    context = context_of(reader)
     plan = inject(model, rules if rules is not None else [], config, loader=reader, default_device=device,
                   overrides=overrides)
+    if engine:  # explicit options win over the deprecated rule kwargs an old rule file may carry
+        try:
+            context.decode = DecodeOptions(**{**asdict(context.decode), **engine})
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
+    context.check()
     _check_devices(plan, rules)
     _load_weights(model, reader, device, progress)
     model.eval()
-    return model, plan
+    model.vismmoe = LoadInfo(reader.model_dir, str(rules) if rules else None, adapter, plan, device, context)
+    model.vismmoe.bytes_by_device = _bytes_by_device(model)
+    return model
 
 
 def _load_weights(model: nn.Module, reader: CheckpointReader, device: str, progress: bool) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..core.loader import LoadInfo, _build_on_meta, _bytes_by_device, assemble, parse_dtype, pick_default_device
+from ..core.loader import _build_on_meta, assemble, parse_dtype, pick_default_device
 from ..models import adapter_for
 from .tiny import TinySpec, build_processor
 
@@ -66,7 +66,6 @@ class SyntheticReader:
         self.model_dir = f"<{name}, random weights>"
         self.layout_fix = None
         self.device_map: dict[str, dict[str, Any]] = {}
-        self.context: dict[str, Any] = {}
         self.on_tensor = None
         self.make_on = torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
         self.staging_device = self.make_on  # operators that copy weights into their own memory read from here
@@ -105,11 +104,8 @@ def load_synthetic(name: str = "qwen3-vl-30b-a3b", rules: Any = None, *, layers:
     del meta
     reader = SyntheticReader(shapes, parse_dtype(dtype), seed, name)
     device = overrides.get("generate_device") or pick_default_device()
-    model, plan = assemble(config, adapter, reader, rules, device, progress, overrides)
+    model = assemble(config, adapter, reader, rules, device, progress, overrides)
     model.generation_config.eos_token_id = None  # random weights: decode the requested number of tokens
     model.generation_config.pad_token_id = config.text_config.pad_token_id
-    info = LoadInfo(reader.model_dir, str(rules) if rules else None, adapter, plan, device)
-    info.load_seconds = time.perf_counter() - start
-    info.bytes_by_device = _bytes_by_device(model)
-    model.vismmoe = info
+    model.vismmoe.load_seconds = time.perf_counter() - start
     return model, processor

@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from .generation import generate
+from .inputs import build_inputs, model_device, user_turn
 from ..errors import InputError
 
 
@@ -79,15 +80,12 @@ class ChatSession:
         A prompt (the whole conversation with this turn) over the model's context is an InputError,
         raised before anything is generated; the session is then unchanged."""
         out = out or sys.stdout
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        messages = self.messages + [{"role": "user", "content": content}]
-        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = self.processor(text=[prompt], images=(self.images + list(images)) or None, return_tensors="pt")
+        messages = self.messages + [user_turn(text, len(images))]
+        inputs = build_inputs(self.processor, messages, self.images + list(images))
         length = int(inputs["input_ids"].shape[1])
         if length + 1 > self.context:  # no room for one new token (the server refuses the same prompts)
             raise InputError(f"the prompt is {length} tokens, over this model's context of {self.context}")
-        device = self.model.get_input_embeddings().weight.device
-        inputs = inputs.to(device)
+        inputs = inputs.to(model_device(self.model))
         streamer = TimingStreamer(self.processor.tokenizer, out)
         start = time.perf_counter()
         with torch.inference_mode():

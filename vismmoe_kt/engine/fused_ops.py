@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
-def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` for Qwen3's RMSNorm (weight, variance_epsilon), with torch's fused RMS kernel."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm with fp32 statistics and the weight applied in the input dtype (Qwen3's), with
+    torch's fused RMS kernel."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def route(gate: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids), both (T, K), as Qwen3's top-k router gives them."""
-    logits = F.linear(hidden, gate.weight)
-    top, chosen = torch.topk(logits, gate.top_k, dim=-1)
+def route(weight: torch.Tensor, top_k: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), both (T, K), of a softmax -> top-k -> renormalise router over `weight`."""
+    logits = F.linear(hidden, weight)
+    top, chosen = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=torch.float).to(logits.dtype), chosen
-
-
-def is_qwen_rms_norm(module: nn.Module) -> bool:
-    return hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)
-
-
-def is_top_k_router(module: nn.Module) -> bool:
-    return hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), torch.Tensor) \
-        and type(module).__name__.endswith("TopKRouter")

@@ -17,8 +17,9 @@ from typing import Callable
 
 import torch
 
+from ..core.context import GRAPH_MODES
+
 State = tuple[torch.Tensor, ...]
-GRAPH_MODES = ("auto", "cuda", "replay", "off")
 
 
 class ReplayCapture:

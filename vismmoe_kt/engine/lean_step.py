@@ -29,7 +29,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .fused_ops import is_qwen_rms_norm, is_top_k_router, rms_norm, route
+from ..models import ModelAdapter
+from .fused_ops import rms_norm, route
 from .graphs import State, capture_backend
 from .static_cache import CacheFullError, StaticKVCache
 
@@ -64,15 +65,21 @@ class LeanCounters:
     profile_steps: int = 0
 
 
-def norm_fn(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The fused RMSNorm where the module is Qwen's, else the module itself."""
-    return (lambda x: rms_norm(norm, x)) if is_qwen_rms_norm(norm) else norm
+def norm_fn(adapter: ModelAdapter, norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fused RMSNorm where the adapter says the module is one, else the module itself."""
+    params = adapter.rms_norm_params(norm)
+    if params is None:
+        return norm
+    weight, eps = params
+    return lambda x: rms_norm(weight, eps, x)
 
 
-def router_fn(gate: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(weights, expert ids) from the fused top-k router where the gate is Qwen's top-k router."""
-    if is_top_k_router(gate):
-        return lambda x: route(gate, x)
+def router_fn(adapter: ModelAdapter, gate: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(weights, expert ids): the fused top-k router where the adapter allows it, else the module's."""
+    params = adapter.fused_router(gate)
+    if params is not None:
+        weight, top_k = params
+        return lambda x: route(weight, top_k, x)
     return lambda x: gate(x)[1:]
 
 
@@ -82,10 +89,10 @@ def experts_capturable(experts: nn.Module) -> bool:
 
 
 class LeanDecodeStep:
-    def __init__(self, text_model: nn.Module, lm_head: nn.Module, cache: StaticKVCache, graphs: str = "auto",
-                 visual_flag: Callable[[torch.Tensor], None] | None = None,
+    def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
+                 graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
                  hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None):
-        self.text, self.lm_head, self.cache = text_model, lm_head, cache
+        self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
         # (before, after) callables around every step, e.g. expert parallelism announcing it to the
         # other ranks; a list shared with the decoder, so hooks added later apply too
         self.hooks = hooks if hooks is not None else []
@@ -94,6 +101,7 @@ class LeanDecodeStep:
         self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
         self.not_visual = torch.zeros(1, dtype=torch.bool, device=device)
         self.visual_flag = visual_flag
+        self.embed = adapter.embed_tokens(text_model)
         self.pieces = self._build_pieces()
         self.backend = capture_backend(graphs, device)
         self.segments: list[Segment] | None = None
@@ -102,38 +110,42 @@ class LeanDecodeStep:
 
     # --- pieces -----------------------------------------------------------------------------------
     def _build_pieces(self) -> list[Piece]:
-        text, cache = self.text, self.cache
+        text, cache, adapter = self.text, self.cache, self.adapter
+        layers = adapter.layers_of(text)
         pieces = [Piece("embed", self._embed, True, kind="embed")]
-        for index, layer in enumerate(text.layers):
-            moe = hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
-            pieces.append(Piece(f"attention {index}", self._attention(index, layer, moe), True, index, "attention"))
-            if moe:
-                pieces.append(Piece(f"experts {index}", self._experts(layer.mlp.experts),
-                                    experts_capturable(layer.mlp.experts), index, "experts"))
-        pieces.append(Piece("head", self._head(norm_fn(text.norm)), True, kind="head"))
-        if len(text.layers) != cache.num_layers:
-            raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(text.layers)}")
+        for index, layer in enumerate(layers):
+            experts = adapter.experts(layer)
+            pieces.append(Piece(f"attention {index}", self._attention(index, layer, experts is not None), True, index,
+                                "attention"))
+            if experts is not None:
+                pieces.append(Piece(f"experts {index}", self._experts(experts), experts_capturable(experts), index,
+                                    "experts"))
+        pieces.append(Piece("head", self._head(norm_fn(adapter, adapter.final_norm(text))), True, kind="head"))
+        if len(layers) != cache.num_layers:
+            raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(layers)}")
         return pieces
 
     def _embed(self, state: State) -> State:
-        hidden = self.text.embed_tokens(self.token)
+        hidden = self.embed(self.token)
         position = (self.cache.lengths[0] + self.rope_delta).view(1, 1, 1).expand(3, 1, 1)
-        cos, sin = self.text.rotary_emb(hidden, position)
+        cos, sin = self.adapter.rotary(self.text, hidden, position)
         return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)
 
     def _attention(self, index: int, layer: nn.Module, moe: bool) -> Callable[[State], State]:
-        cache = self.cache
-        norm_in, norm_post = norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm)
-        router = router_fn(layer.mlp.gate) if moe else None
+        cache, adapter = self.cache, self.adapter
+        norm_in = norm_fn(adapter, adapter.input_norm(layer))
+        norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
+        attention, mlp = adapter.attention(layer), adapter.mlp(layer)
+        router = router_fn(adapter, adapter.router(layer)) if moe else None
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
-            attended, _ = layer.self_attn(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
-                                          attention_mask=masks[index:index + 1], past_key_values=cache)
+            attended, _ = attention(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
+                                    attention_mask=masks[index:index + 1], past_key_values=cache)
             hidden = hidden + attended
             normed = norm_post(hidden)
             if not moe:
-                return hidden + layer.mlp(normed), cos, sin, masks
+                return hidden + mlp(normed), cos, sin, masks
             flat = normed.view(-1, normed.shape[-1])
             weights, chosen = router(flat)
             return hidden, flat, chosen, weights, cos, sin, masks

@@ -9,12 +9,15 @@ import importlib
 from typing import Any
 
 from ..errors import LoadError
-from .base import ModelAdapter
+from .base import ModelAdapter, MoEShape
 
 # model_type -> "module:Class" (imported on first use)
 REGISTRY: dict[str, str] = {
     "qwen3_vl_moe": "vismmoe_kt.models.qwen3_vl_moe:Qwen3VLMoeAdapter",
 }
+
+
+_INSTANCES: dict[str, ModelAdapter] = {}
 
 
 def supported_model_types() -> list[str]:
@@ -27,8 +30,10 @@ def adapter_for(model_type: str | None, where: Any = "config") -> ModelAdapter:
             f"{where}: unsupported architecture model_type={model_type!r}; "
             f"supported: {', '.join(supported_model_types())}"
         )
-    module_name, _, class_name = REGISTRY[model_type].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+    if model_type not in _INSTANCES:  # adapters hold no state: one per family
+        module_name, _, class_name = REGISTRY[model_type].partition(":")
+        _INSTANCES[model_type] = getattr(importlib.import_module(module_name), class_name)()
+    return _INSTANCES[model_type]
 
 
-__all__ = ["ModelAdapter", "adapter_for", "supported_model_types", "REGISTRY"]
+__all__ = ["ModelAdapter", "MoEShape", "adapter_for", "supported_model_types", "REGISTRY"]

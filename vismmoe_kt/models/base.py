@@ -1,20 +1,38 @@
-"""ModelAdapter: where one model family keeps the parts our operators care about.
+"""ModelAdapter: everything model-specific the engine and the operators need, in one place per family.
 
-Operators and the runtime never name Hugging Face classes or attribute paths; they ask the adapter
-of the loaded model: the decoder layers, which of them are MoE layers, each layer's router, routed
-experts and shared experts (if the family has them), the vision tower, the image-token mask, and
-how checkpoint tensors map onto the model's parameters. Adding a family (DeepSeek-VL2, Kimi-VL as
-remote-code models from a local directory, GLM-4.5V) is one file in this package plus one line in
-the registry (`vismmoe_kt/models/__init__.py`).
+No module outside `models/` names a Hugging Face attribute path (a test greps for them): the loader,
+the rule engine's operators, the decode engine, the predictor's traces, expert parallelism and the
+apps ask the adapter of the loaded model. Adding a family is one file here plus one line in the
+registry (`models/__init__.py`).
+
+Vocabulary: the *text model* is the language model module (the one a VisDecoder rule replaces);
+a *decoder layer* has an attention, two norms and an MLP; an *MoE layer*'s MLP holds a router and
+routed experts (and maybe shared experts); *fused experts* keep every expert of a layer in two
+tensors, gate_up (E, 2I, H) and down (E, H, I).
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the offload runtime and the CPU backends need to know of a model's experts."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int             # one expert's intermediate size
+    moe_layers: tuple[int, ...]
 
 
 class ModelAdapter:
@@ -22,6 +40,8 @@ class ModelAdapter:
     model_types: tuple[str, ...] = ()
     #: load the modelling code shipped in the model directory (remote-code families)
     trust_remote_code: bool = False
+    #: names of a fused experts module's two weight tensors: gate_up (E, 2I, H), down (E, H, I)
+    expert_tensors: tuple[str, str] = ("gate_up_proj", "down_proj")
 
     # --- construction and checkpoint -------------------------------------------------------
     def model_class(self) -> type[nn.Module]:
@@ -38,19 +58,63 @@ class ModelAdapter:
     def load_processor(self, model_dir: Path) -> Any:
         raise NotImplementedError
 
-    # --- structure -------------------------------------------------------------------------
+    # --- config ------------------------------------------------------------------------------
     def text_config(self, config: Any) -> Any:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
-        raise NotImplementedError
 
     def moe_layers_from_config(self, config: Any) -> list[int]:
         """Indices of the decoder layers that are MoE layers, from the config alone (before the model exists)."""
         raise NotImplementedError
 
-    def moe_layer_indices(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(self.decoder_layers(model)) if self.experts(layer) is not None]
+    def moe_shape(self, config: Any) -> MoEShape:
+        raise NotImplementedError
+
+    def context_length(self, config: Any) -> int:
+        return self.text_config(config).max_position_embeddings
+
+    def layer_of(self, module_name: str) -> int:
+        """The decoder-layer index in a module's dotted name (operators learn their layer this way)."""
+        match = _LAYER_INDEX.search(module_name)
+        if not match:
+            raise ValueError(f"cannot tell the layer index from module name {module_name!r}")
+        return int(match.group(1))
+
+    # --- the model's parts -------------------------------------------------------------------
+    def text_model(self, model: nn.Module) -> nn.Module:
+        """The language model module (a VisDecoder where the rules put one)."""
+        raise NotImplementedError
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return self.layers_of(self.text_model(model))
+
+    def layers_of(self, text: nn.Module) -> nn.ModuleList:
+        """The decoder layers of a text model (the module itself, not the whole model)."""
+        raise NotImplementedError
+
+    def embed_tokens(self, text: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def final_norm(self, text: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for these positions."""
+        raise NotImplementedError
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
 
     def router(self, layer: nn.Module) -> nn.Module | None:
         raise NotImplementedError
@@ -61,8 +125,74 @@ class ModelAdapter:
     def shared_experts(self, layer: nn.Module) -> nn.Module | None:
         return None
 
+    def moe_layer_indices(self, model: nn.Module) -> list[int]:
+        return [i for i, layer in enumerate(self.decoder_layers(model)) if self.experts(layer) is not None]
+
+    def expert_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up (E, 2I, H), down (E, H, I)) of a fused experts module."""
+        return tuple(getattr(experts, name) for name in self.expert_tensors)  # type: ignore[return-value]
+
+    def expert_activation(self, experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        raise NotImplementedError
+
+    # --- routing -----------------------------------------------------------------------------
+    def routed_experts(self, router_output: Any) -> torch.Tensor:
+        """The (T, K) expert ids in what the router module returns (forward hooks read it)."""
+        raise NotImplementedError
+
+    def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
+        """(weight (E, H), top_k) when the router is softmax -> top-k -> renormalise over a linear
+        layer, which the decode step computes in fewer kernels; None for any other router."""
+        return None
+
+    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) when `norm` is an RMSNorm the decode step may fuse; None otherwise."""
+        return None
+
+    # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
+    def vision_merge_size(self, config: Any) -> int:
+        """Patches merged into one visual token, per side."""
+        raise NotImplementedError
+
+    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
+        """The attention of the vision encoder's last block (the saliency source)."""
+        raise NotImplementedError
+
+    def image_token_id(self, config: Any) -> int | None:
+        return None
+
     def image_token_mask(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        token = self.image_token_id(config)
+        return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position ids (3, B, T), rope deltas) of a whole processed prompt (M-RoPE families)."""
+        raise NotImplementedError
+
+    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
+        """The position offset of decode steps after the last prompt (M-RoPE: images shorten positions)."""
+        return None
+
+    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
+        pass
+
+    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
+                      embeds: torch.Tensor) -> torch.Tensor:
+        """Add a layer's DeepStack vision features to the visual rows of `hidden` (Qwen3-VL)."""
+        return hidden
+
+    # --- attention read for visual-token saliency ----------------------------------------------
+    def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(patches,) head-averaged attention each patch receives in a vision attention (within each
+        image), recomputed from the attention's inputs (the tower's fused kernel never forms it)."""
+        raise NotImplementedError
+
+    def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor,
+                             position_embeddings: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """Head-averaged attention of the last token to `positions` in a text attention layer (`hidden`:
+        the layer's input after its input norm; batch 1): FastV-style saliency."""
         raise NotImplementedError

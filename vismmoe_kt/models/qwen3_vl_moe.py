@@ -20,7 +20,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
-from .base import ModelAdapter
+from .base import ModelAdapter, MoEShape
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -77,16 +77,50 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         template = _read_chat_template(model_dir, tokenizer)
         return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=template)
 
+    # --- config ------------------------------------------------------------------------------
     def text_config(self, config: Any) -> Any:
-        return config.text_config
+        return config.text_config if hasattr(config, "text_config") else config
 
     def moe_layers_from_config(self, config: Any) -> list[int]:
         text = self.text_config(config)  # the rule Qwen3VLMoeTextDecoderLayer applies
         return [i for i in range(text.num_hidden_layers)
                 if i not in (text.mlp_only_layers or []) and text.num_experts > 0 and (i + 1) % text.decoder_sparse_step == 0]
 
-    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
-        return model.model.language_model.layers
+    def moe_shape(self, config: Any) -> MoEShape:
+        text = self.text_config(config)
+        return MoEShape(text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
+                        tuple(self.moe_layers_from_config(config)))
+
+    # --- the model's parts -------------------------------------------------------------------
+    def text_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def layers_of(self, text: nn.Module) -> nn.ModuleList:
+        return text.layers
+
+    def embed_tokens(self, text: nn.Module) -> nn.Module:
+        return text.embed_tokens
+
+    def final_norm(self, text: nn.Module) -> nn.Module:
+        return text.norm
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text.rotary_emb(hidden, position_ids)
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn
+
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.input_layernorm
+
+    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.post_attention_layernorm
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp
 
     def router(self, layer: nn.Module) -> nn.Module | None:
         return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
@@ -94,8 +128,82 @@ class Qwen3VLMoeAdapter(ModelAdapter):
     def experts(self, layer: nn.Module) -> nn.Module | None:
         return getattr(layer.mlp, "experts", None)
 
+    def expert_activation(self, experts: nn.Module):
+        return experts.act_fn
+
+    # --- routing -----------------------------------------------------------------------------
+    def routed_experts(self, router_output: Any) -> torch.Tensor:
+        return router_output[2]  # Qwen3VLMoeTextTopKRouter: (logits, scores, top-k indices)
+
+    def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
+        if type(router).__name__.endswith("TopKRouter") and isinstance(getattr(router, "weight", None), torch.Tensor):
+            return router.weight, int(router.top_k)
+        return None
+
+    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+            return norm.weight, float(norm.variance_epsilon)
+        return None
+
+    # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
 
-    def image_token_mask(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor:
-        return input_ids == config.image_token_id
+    def vision_merge_size(self, config: Any) -> int:
+        return int(config.vision_config.spatial_merge_size)
+
+    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
+        return vision_tower.blocks[-1].attn
+
+    def image_token_id(self, config: Any) -> int | None:
+        return getattr(config, "image_token_id", None)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          image_grid_thw=inputs.get("image_grid_thw"))
+
+    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
+        return model.model.rope_deltas
+
+    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
+        model.model.rope_deltas = delta
+
+    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
+                      embeds: torch.Tensor) -> torch.Tensor:
+        return text._deepstack_process(hidden, visual_mask, embeds)
+
+    # --- attention read for visual-token saliency ---------------------------------------------
+    def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(patches,) mean attention received by each patch in `attn` (a Qwen-VL vision attention)."""
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
+
+        length = hidden.shape[0]
+        q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        out = []
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # (heads, L, d)
+            received = torch.zeros(end - start, device=hidden.device)
+            for head in range(qs.shape[0]):  # one head at a time keeps memory at L x L
+                probs = torch.softmax(qs[head] @ ks[head].T * attn.scaling, dim=-1)
+                received += probs.mean(dim=0)
+            out.append(received / qs.shape[0])
+        return torch.cat(out)
+
+    def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             positions: torch.Tensor) -> torch.Tensor:
+        """Head-averaged attention of the last token to `positions`, in a Qwen3 text attention layer
+        (`hidden` is that layer's input after its input norm; batch 1)."""
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb
+
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        q = attn.q_norm(attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention
+        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
+        return probs.mean(dim=1)[0, 0, positions]

@@ -10,24 +10,48 @@ class lists the names it forwards to `orig_module` in `forwarded_attributes`, an
 AttributeError that says what is forwarded. (Upstream forwards every unknown name through bare
 excepts, which turns typos into silent reads of the wrong module.)
 
-If upstream KTransformers' framework is importable, our base class also derives from its
-BaseInjectedModule, so its `optimize_and_load_gguf` accepts our operators and calls their `load()`.
+If upstream KTransformers' framework is importable, our base class derives from its
+BaseInjectedModule and calls its `__init__`, so its `inject`/`load_weights` accept our operators and
+call their `load()`; without it, the same constructor signature and `load()` contract hold (a test
+drives our operators through a copy of upstream's loop).
+
+Operators are thin: each turns its rule kwargs into a settings dataclass (`settings_from`, checks in
+`__post_init__`) and calls the runtime, engine or balancing code that does the work.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import fields
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from ..core.context import context_of
+from ..models import ModelAdapter, adapter_for
 
-def _upstream_bases() -> tuple[type, ...]:
+
+def _upstream_base() -> type | None:
     try:  # present only where the upstream framework (archive/ of ktransformers) is installed
         from ktransformers.operators.base_operator import BaseInjectedModule as Upstream
     except Exception:
-        return (nn.Module,)
-    return (Upstream,)
+        return None
+    return Upstream
+
+
+UPSTREAM = _upstream_base()
+T = TypeVar("T")
+
+
+def settings_from(cls: type[T], kwargs: dict[str, Any], operator: str) -> T:
+    """An operator's settings dataclass from its rule kwargs: `cls(**kwargs)`, whose `__post_init__`
+    checks the values; an unknown kwarg is named beside the known ones (a ValueError the rule engine
+    reports with the rule's file and index)."""
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"{operator} has no kwarg {', '.join(map(repr, unknown))}; its kwargs: {', '.join(known)}")
+    return cls(**kwargs)
 
 
 # Names Hugging Face modelling code reads on modules it calls, by the kind of module replaced:
@@ -44,8 +68,11 @@ HF_READ_ATTRIBUTES = (
 )
 
 
-class BaseInjectedModule(*_upstream_bases()):
-    """Pass-through operator: runs `orig_module` unchanged. Subclasses override `forward`."""
+class BaseInjectedModule(UPSTREAM or nn.Module):
+    """Pass-through operator: runs `orig_module` unchanged. Subclasses override `forward`.
+
+    `self.context` is the load's LoadContext (made on the loader when it has none: KTransformers'
+    loaders work too) and `self.adapter` the model family's adapter."""
 
     forwarded_attributes: tuple[str, ...] = HF_READ_ATTRIBUTES
     is_injected_operator = True  # duck-typed marker for the weight loader (avoids an import cycle)
@@ -62,13 +89,17 @@ class BaseInjectedModule(*_upstream_bases()):
     ):
         if kwargs:
             raise TypeError(f"unexpected kwargs {sorted(kwargs)}")
-        nn.Module.__init__(self)
+        if UPSTREAM is not None:  # its own bookkeeping (key, devices, orig_module as a child)
+            UPSTREAM.__init__(self, key, gguf_loader, config, orig_module, prefill_device, generate_device)
+        else:
+            nn.Module.__init__(self)
         self.orig_module = orig_module
         self.key = key
         self.gguf_loader = gguf_loader
         self.config = config
         self.prefill_device = str(prefill_device)
         self.generate_device = str(generate_device)
+        self.context = context_of(gguf_loader)
 
     # nn.Module.__getattr__ runs only when normal lookup failed; we add the explicit forwarding.
     def __getattr__(self, name: str) -> Any:
@@ -85,6 +116,11 @@ class BaseInjectedModule(*_upstream_bases()):
 
     def __setattr__(self, name: str, value: Any) -> None:
         nn.Module.__setattr__(self, name, value)
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        """The model family's adapter (looked up when first needed: pass-through operators need none)."""
+        return adapter_for(getattr(self.config, "model_type", None), where=f"operator {self.key!r}")
 
     @property
     def weights_device(self) -> torch.device:

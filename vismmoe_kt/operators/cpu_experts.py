@@ -6,12 +6,11 @@ else torch) computes the routed experts, and the result comes back. Weights are 
 loader straight into the backend: kt-kernel repacks them into its own memory (its copy is the only
 one kept); the torch backend keeps the loader's tensors (mmap-backed pages of the checkpoint).
 
-Rule kwargs: `cpu_backend` auto (default) | kt-kernel | torch. Threads: `--cpu_infer`.
+Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu/__init__.py). Threads: `--cpu_infer`.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,33 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import HF_READ_ATTRIBUTES, BaseInjectedModule
-
-CONTEXT_KEY = "cpu_expert_backend"
-_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def shared_backend(loader: Any, config: Any, requested: str):
-    """One CPU backend per load (one kt-kernel worker pool for all layers)."""
-    from vismmoe_kt.runtime.cpu.isa import choose_backend
-    from vismmoe_kt.runtime.cpu.kt_backend import kt_kernel_supports
-
-    context = getattr(loader, "context", None)
-    if context is None:
-        raise ValueError("CpuExperts needs vismmoe_kt's loader (load the model with vismmoe_kt.load)")
-    if CONTEXT_KEY not in context:
-        text = config.get_text_config()
-        name = choose_backend(requested, shape_ok=kt_kernel_supports(text.hidden_size, text.moe_intermediate_size))
-        if name == "kt-kernel":
-            from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
-
-            context[CONTEXT_KEY] = KtKernelBackend(text.num_experts, text.num_experts_per_tok, text.hidden_size,
-                                                   text.moe_intermediate_size)
-        else:
-            from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
-
-            context[CONTEXT_KEY] = TorchCpuBackend()
-    return context[CONTEXT_KEY]
+from ..runtime.cpu import CpuExpertSettings, make_backend
+from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 
 @dataclass
@@ -59,23 +33,23 @@ class CpuExperts(BaseInjectedModule):
     forwarded_attributes = HF_READ_ATTRIBUTES + ("act_fn",)
 
     def __init__(self, key: str, gguf_loader: Any, config: Any, orig_module: nn.Module,
-                 prefill_device: str = "cuda", generate_device: str = "cuda", cpu_backend: str = "auto", **kwargs: Any):
-        super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
-        match = re.search(r"layers\.(\d+)\.", key)
-        if not match:
-            raise ValueError(f"cannot tell the layer index from module name {key!r}")
-        self.layer = int(match.group(1))
-        self.backend = shared_backend(gguf_loader, config, cpu_backend)
+                 prefill_device: str = "cuda", generate_device: str = "cuda", **kwargs: Any):
+        super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device)
+        settings = settings_from(CpuExpertSettings, kwargs, "CpuExperts")
+        self.layer = self.adapter.layer_of(key)
+        if self.context.cpu_backend is None:  # one backend (one kt-kernel worker pool) for every layer
+            self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config))
+        self.backend = self.context.cpu_backend
         self.counters = CpuCallStats()
 
     def load(self) -> None:
         from ..core.weights import read_tensor
 
-        experts = self.orig_module
+        experts, names = self.orig_module, self.adapter.expert_tensors
         tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"), getattr(experts, name).shape)
-                   for name in _WEIGHTS]
+                   for name in names]
         self.backend.add_layer(self.layer, *tensors)
-        for name in _WEIGHTS:  # the backend holds the weights now
+        for name in names:  # the backend holds the weights now
             del experts._parameters[name]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

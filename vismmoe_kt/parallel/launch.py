@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.context import context_of_model
 from ..errors import FollowerDone, InputError
 from .expert_parallel import guarded
 
@@ -66,9 +67,9 @@ def join_from_env(ep_size: int | None, timeout_s: float) -> Group | None:
 
 
 def expert_parallel_operators(model: Any) -> list:
-    from ..operators.ep_experts import ExpertParallelExperts
-
-    ops = sorted((m for m in model.modules() if isinstance(m, ExpertParallelExperts)), key=lambda m: m.layer)
+    """The model's expert-parallel operators in layer order (they register in the load context)."""
+    context = context_of_model(model)
+    ops = list(context.expert_parallel) if context is not None else []
     if not ops:
         raise InputError("this launch has several processes, but the rule file has no expert-parallel operators: "
                          "use optimize_rules/qwen3vl-ep.yaml (or run a single process)")
@@ -89,14 +90,13 @@ class Leader:
         self.device = torch.device(group.device)
         self.lock = threading.RLock()
         self.stopped = threading.Event()
-        language = model.model.language_model
+        language = model.vismmoe.adapter.text_model(model)
         self._hooks = [language.register_forward_pre_hook(self._before),
                        language.register_forward_hook(self._after, always_call=True)]
         # the lean decode path runs its steps without the language model's forward: announce those too
-        self._step_hooks = getattr(language, "step_hooks", None)
+        self._step_hooks = context_of_model(model).step_hooks
         self._step_hook = (lambda: self._before(None, None), lambda: self._after(None, None, None))
-        if self._step_hooks is not None:
-            self._step_hooks.append(self._step_hook)
+        self._step_hooks.append(self._step_hook)
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="vismmoe-ep-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -129,19 +129,19 @@ class Leader:
             self._send(STOP)
         for hook in self._hooks:
             hook.remove()
-        if self._step_hooks is not None and self._step_hook in self._step_hooks:
+        if self._step_hook in self._step_hooks:
             self._step_hooks.remove(self._step_hook)
 
 
 def follow(model: Any, group: Group) -> int:
     """A follower's life: serve this rank's experts to rank 0's forwards until STOP. Returns the steps."""
     ops = expert_parallel_operators(model)
-    text = model.config.get_text_config()
+    shape = model.vismmoe.adapter.moe_shape(model.config)
     dtype = model.get_input_embeddings().weight.dtype
     device = torch.device(group.device)
-    hidden = torch.zeros(0, text.hidden_size, dtype=dtype, device=device)
-    chosen = torch.zeros(0, text.num_experts_per_tok, dtype=torch.long, device=device)
-    weights = torch.zeros(0, text.num_experts_per_tok, dtype=dtype, device=device)
+    hidden = torch.zeros(0, shape.hidden, dtype=dtype, device=device)
+    chosen = torch.zeros(0, shape.top_k, dtype=torch.long, device=device)
+    weights = torch.zeros(0, shape.top_k, dtype=dtype, device=device)
     command = torch.zeros(1, dtype=torch.long, device=device)
     steps = 0
     with torch.inference_mode():

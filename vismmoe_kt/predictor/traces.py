@@ -31,7 +31,7 @@ class TraceRecorder:
         layers = adapter.decoder_layers(model)
         self.moe_layers = [i for i, layer in enumerate(layers) if adapter.router(layer) is not None]
         self.position = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.num_experts = adapter.text_config(model.config).num_experts
+        self.num_experts = adapter.moe_shape(model.config).num_experts
         self._handles = [adapter.router(layers[i]).register_forward_hook(self._route(i)) for i in self.moe_layers]
         self._handles.append(adapter.vision_tower(model).register_forward_hook(self._vision))
         self.reset()
@@ -42,7 +42,7 @@ class TraceRecorder:
 
     def _route(self, layer: int):
         def hook(module, args, output):
-            routes = output[2]
+            routes = self.adapter.routed_experts(output)
             index = self.position[layer]
             if index == 0 or not self.steps:  # the first MoE layer opens a step
                 self.steps.append({"routes": {}, "hidden": {}})

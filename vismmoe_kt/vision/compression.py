@@ -14,10 +14,49 @@ Ties in scores go to the lower index (stable), so results are deterministic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 METHODS = ("affinity", "saliency", "random", "none")
+SALIENCY_SOURCES = ("vision", "llm")
+
+
+@dataclass
+class CompressionSettings:
+    """The VisDecoder rule's kwargs: which visual tokens continue past the pinned prefix."""
+
+    compression: str = "affinity"      # affinity (Algorithm 1) | saliency | random | none
+    keep_ratio: float = 0.5            # beta, the share of visual tokens kept; 1.0 turns pruning off
+    salient_ratio: float | None = None  # alpha, the salient core; default 0.4 * beta
+    tradeoff: float = 2.0              # lambda: saliency against new expert demand
+    prune_layer: Any = "auto"          # auto: the offload runtime's pinned prefix depth | a decoder-layer index >= 1
+    saliency_source: str = "vision"    # vision: attention in the vision encoder's last block | llm: FastV-style
+    seed: int = 0                      # for `random`
+
+    def __post_init__(self):
+        if self.compression not in METHODS:
+            raise ValueError(f"compression {self.compression!r} is not one of: {', '.join(METHODS)}")
+        self.keep_ratio = float(self.keep_ratio)
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        self.salient_ratio = 0.4 * self.keep_ratio if self.salient_ratio is None else float(self.salient_ratio)
+        if not 0 < self.salient_ratio <= self.keep_ratio:
+            raise ValueError(f"salient_ratio must be in (0, keep_ratio], got {self.salient_ratio}")
+        if self.saliency_source not in SALIENCY_SOURCES:
+            raise ValueError(f"saliency_source {self.saliency_source!r} is not one of: {', '.join(SALIENCY_SOURCES)}")
+        if self.prune_layer != "auto" and not (isinstance(self.prune_layer, int) and self.prune_layer >= 1):
+            raise ValueError(f"prune_layer must be 'auto' or a decoder-layer index >= 1, got {self.prune_layer!r}")
+        self.tradeoff = float(self.tradeoff)
+
+    @property
+    def active(self) -> bool:
+        return self.compression != "none" and self.keep_ratio < 1
+
+    @property
+    def needs_vision_saliency(self) -> bool:
+        return self.active and self.compression in ("affinity", "saliency") and self.saliency_source == "vision"
 
 
 def _check(n: int, keep_ratio: float, salient_ratio: float | None = None) -> None:

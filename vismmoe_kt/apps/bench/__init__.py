@@ -140,3 +140,44 @@ def run(args) -> int:
         written = write_outputs(Path(args.output), meta, rows, profile if args.profile else None)
         print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def add_parser(commands) -> None:
+    from ...demo.synthetic import SYNTHETIC_MODELS
+    from ..flags import add_engine_flags, add_parallel_flags, physical_cores
+    from .configs import CONFIGS
+
+    bench = commands.add_parser(
+        "bench", help="measure every configuration (baselines, VisMMOE ablation) side by side",
+        description="Prefill latency and decode speed of the baselines (all-on-GPU, accelerate offload, "
+                    "KTransformers-style CPU experts, LRU) and VisMMOE's ablation steps, same run, same inputs. "
+                    "Configurations: " + ", ".join(CONFIGS) + ". vismmoe_kt/apps/bench/configs.py says what each is.")
+    group = bench.add_argument_group("model")
+    group.add_argument("--model_path", help="local Hugging Face model directory")
+    group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, random weights; CPU-sized)")
+    group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS),
+                       help="a full-size model with random weights built in host memory (nothing downloaded)")
+    group.add_argument("--layers", type=int, help="--synthetic only: keep the first N decoder layers")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="convert weights (default: the checkpoint's; bfloat16 for --synthetic)")
+    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
+                       help="CPU threads for CPU compute (default: physical cores - 3)")
+    group.add_argument("--predictor", help="a predictor.pt from `vismmoe-kt calibrate` for the +predict and -full "
+                                           "steps (default: the runtime's history prefetch policy)")
+    add_engine_flags(group)
+    add_parallel_flags(group)
+    run = bench.add_argument_group("what to measure")
+    run.add_argument("--configs", nargs="+", metavar="NAME", help="configurations to run (default: all)")
+    run.add_argument("--budgets", nargs="+", metavar="SIZE",
+                     help="expert budgets, the runtime's GPU memory for routed experts (default: 16GiB 32GiB, "
+                          "standing for 24 GB and 40 GB cards; --demo: 5MiB 7MiB)")
+    run.add_argument("--image-sizes", "--image_sizes", dest="image_sizes", type=int, nargs="+", default=[448, 896],
+                     metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
+    run.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=16,
+                     help="decoded tokens timed per run (default: 16)")
+    run.add_argument("--warmup", type=int, default=1, help="untimed runs per image size before measuring (default: 1)")
+    run.add_argument("--repeats", type=int, default=3, help="timed runs per image size; median and spread (default: 3)")
+    run.add_argument("--output", help="directory for bench.json and bench.png")
+    run.add_argument("--profile", action="store_true",
+                     help="also write profile.json: every operator's counters (per layer and phase) per configuration, "
+                          "and time each lean decode piece per layer in one extra request (decode_profile)")

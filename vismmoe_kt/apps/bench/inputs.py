@@ -7,15 +7,15 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ...engine.inputs import build_inputs, user_turn
+
 PROMPT = "Describe the image."
 
 
 def make_request(processor, size: int, device: torch.device | str) -> dict:
     """Processor outputs for one random `size` x `size` image and PROMPT, on `device`."""
     image = Image.fromarray(np.random.default_rng(size).integers(0, 256, (size, size, 3), dtype=np.uint8))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return processor(text=[prompt], images=[image], return_tensors="pt").to(device)
+    return build_inputs(processor, [user_turn(PROMPT, 1)], [image], device)
 
 
 def count_tokens(request: dict, image_token_id: int) -> tuple[int, int]:

@@ -63,9 +63,7 @@ def skipped(config: BenchConfig, budget: str | None, settings: Settings, reason:
 
 
 def _runtime(model):
-    from ...operators.vis_experts import VisExperts
-
-    return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
+    return model.vismmoe.context.offload_runtime
 
 
 def _stop_runtime(model) -> None:

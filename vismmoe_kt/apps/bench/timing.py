@@ -9,7 +9,8 @@ import time
 import torch
 
 from ...engine.chat import TimingStreamer
-from ...engine.generation import generate, lean_decoder_of
+from ...engine.generation import generate
+from ...engine.lean_engine import decode_engine
 
 
 class _NoText:
@@ -34,9 +35,9 @@ def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, flo
     """
     streamer = TimingStreamer(_NoText(), io.StringIO())
     new_tokens = decode_tokens + 1  # the first token comes out of the prefill
-    decoder = lean_decoder_of(model)
-    if decoder is not None:
-        decoder.lean_engine(model.lm_head).forget()
+    engine = decode_engine(model)
+    if engine is not None:
+        engine.forget()
     _sync()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -50,10 +51,9 @@ def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, flo
 def profile_decode(model, request: dict, decode_tokens: int) -> dict | None:
     """One more request with each lean decode piece timed to its end: seconds per step by piece kind
     and layer (None without the lean decode path)."""
-    decoder = lean_decoder_of(model)
-    if decoder is None:
+    engine = decode_engine(model)
+    if engine is None:
         return None
-    engine = decoder.lean_engine(model.lm_head)
     engine.reset_profile()
     engine.profiling = True
     try:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 
-from scripts.make_demo_image import make_image
+from vismmoe_kt.demo.pictures import make_image
+from vismmoe_kt.engine.inputs import build_inputs, user_turn
 from vismmoe_kt import load
 from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.runtime.budget import BudgetError, choose_pinned_layers
@@ -66,9 +67,7 @@ def main():
             if isinstance(exc.__cause__, BudgetError) or "outside the valid range" in str(exc):
                 continue
             raise
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[prompt], images=[make_image(448)], return_tensors="pt").to(args.device)
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(448)], args.device)
         times = []
         for rep in range(args.reps + 1):
             start = time.perf_counter()

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 
-from scripts.make_demo_image import make_image
+from vismmoe_kt.demo.pictures import make_image
 from vismmoe_kt import load, stats
+from vismmoe_kt.engine.inputs import ask_inputs
 from vismmoe_kt.operators.vis_decoder import VisDecoder
-from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.apps.plots import heatmap_png
 
 CASES = [("none", 1.0)] + [(m, b) for b in (0.7, 0.5) for m in ("random", "saliency", "affinity")]
@@ -63,27 +63,26 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     model, processor, name = load_model(args)
     decoder = next(m for m in model.modules() if isinstance(m, VisDecoder))
-    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
-    layers = decoder.layers
-    num_experts = decoder.orig_module.config.num_experts
+    context, adapter = model.vismmoe.context, model.vismmoe.adapter
+    runtime = context.offload_runtime
+    layers = adapter.decoder_layers(model)
+    num_experts = adapter.moe_shape(model.config).num_experts
     counts = {}
 
     def hook(index):
         def record(module, inputs, output):
             counts.setdefault(index, torch.zeros(num_experts))
-            counts[index] += torch.bincount(output[2].reshape(-1).cpu(), minlength=num_experts).float()
+            routed = adapter.routed_experts(output)
+            counts[index] += torch.bincount(routed.reshape(-1).cpu(), minlength=num_experts).float()
         return record
     for index, layer in enumerate(layers):
-        layer.mlp.gate.register_forward_hook(hook(index))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[prompt], images=[make_image(args.image_size)], return_tensors="pt").to(args.device)
+        adapter.router(layer).register_forward_hook(hook(index))
+    inputs = ask_inputs(model, processor, "Describe the image.", [make_image(args.image_size)])
     with torch.inference_mode():
         model(**inputs)  # warm-up
     rows, maps = [], {}
     for method, beta in CASES:
-        decoder.compression, decoder.keep_ratio, decoder.salient_ratio = method, beta, 0.4 * beta
-        decoder.active = method != "none" and beta < 1
+        decoder.set_compression(compression=method, keep_ratio=beta)
         runtime.reset_cache()
         counts.clear()
         before = stats(model)["operators"]["VisExperts"]
@@ -98,7 +97,7 @@ def main():
         offloaded = [i for i in range(len(layers)) if i not in runtime.pinned]
         rows.append({
             "compression": method, "keep_ratio": beta,
-            "tokens_after_prefix": int(decoder.last_keep.numel()) if decoder.active else int(inputs["input_ids"].shape[1]),
+            "tokens_after_prefix": int(context.pruning.keep.numel()) if context.pruning.active else int(inputs["input_ids"].shape[1]),
             "distinct_experts_per_layer": distinct,
             "mean_distinct_experts_offloaded_layers": float(np.mean([distinct[i] for i in offloaded])),
             "bytes_moved": after["bytes_copied"] - before["bytes_copied"],
@@ -107,7 +106,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         maps[(method, beta)] = torch.stack([counts[i] / counts[i].sum() for i in range(len(layers))]).numpy()
     meta = {"model": name, "device": args.device, "prompt_tokens": int(inputs["input_ids"].shape[1]),
-            "visual_tokens": int((inputs["input_ids"] == model.config.image_token_id).sum()),
+            "visual_tokens": int(adapter.image_token_mask(model.config, inputs["input_ids"]).sum()),
             "pinned_layers": len(runtime.pinned), "routing": "random weights"}
     (out / "compression_study.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     heatmap_png([(f"no compression ({name})", maps[("none", 1.0)]), (f"affinity, keep 0.5 ({name})", maps[("affinity", 0.5)])],

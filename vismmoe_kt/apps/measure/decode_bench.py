@@ -40,8 +40,7 @@ from vismmoe_kt import load
 from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
-from vismmoe_kt.engine.generation import lean_decoder_of
-from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.demo.synthetic import load_synthetic
 from vismmoe_kt.demo.tiny import save_tiny_model
 
@@ -49,7 +48,7 @@ GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qw
 
 
 def runtime_of(model):
-    return next((m.runtime for m in model.modules() if isinstance(m, VisExperts)), None)
+    return model.vismmoe.context.offload_runtime
 
 
 def parse_config(spec: str) -> tuple[str, dict]:
@@ -85,10 +84,10 @@ def conversation(model, processor, args) -> list[float]:
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (args.image_size, args.image_size, 3),
                                                               dtype=np.uint8))
     per_turn: list[list[float]] = [[] for _ in range(args.turns)]
-    decoder = lean_decoder_of(model)
+    engine = decode_engine(model)
     for _ in range(args.reps):
-        if decoder is not None:  # each chat starts cold (the previous one left the same first turn cached)
-            decoder.lean_engine(model.lm_head).forget()
+        if engine is not None:  # each chat starts cold (the previous one left the same first turn cached)
+            engine.forget()
         session = ChatSession(model, processor, max_new_tokens=args.decode_tokens, greedy=True)
         for turn in range(args.turns):
             _, timings = session.ask(f"Question {turn}: what else is in the picture?", [image] if turn == 0 else [],
@@ -122,9 +121,9 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         summary = runtime.summary()
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
                    decode_bytes_per_token=(summary["bytes_copied_decode"] - copied) / (args.reps * (args.decode_tokens - 1)))
-    decoder = lean_decoder_of(model)
-    if decoder is not None:
-        row["lean"] = decoder.stats()
+    engine = decode_engine(model)
+    if engine is not None:
+        row["lean"] = engine.stats()
         if args.profile:
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
     if args.device.startswith("cuda"):

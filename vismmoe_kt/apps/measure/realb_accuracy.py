@@ -21,6 +21,7 @@ import torch
 from vismmoe_kt import load, stats
 from vismmoe_kt.apps.calibrate import synthetic_image
 from vismmoe_kt.demo.tiny import save_tiny_model
+from vismmoe_kt.engine.inputs import build_inputs, user_turn
 
 RULES = "optimize_rules/qwen3vl-realb.yaml"
 CONFIGS = {"bf16": {"mode": "bf16"}, "fp4-all": {"mode": "all"},
@@ -40,9 +41,7 @@ def main():
     processor = models["bf16"][1]
     results = {name: {"logit_rel_error": [], "token_agreement": []} for name in CONFIGS if name != "bf16"}
     for i in range(args.requests):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[prompt], images=[synthetic_image(7000 + i, 448)], return_tensors="pt")
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [synthetic_image(7000 + i, 448)])
         outputs = {}
         for name, (model, _) in models.items():
             with torch.no_grad():

@@ -34,6 +34,7 @@ import torch
 from transformers import AsyncTextIteratorStreamer, StoppingCriteria, StoppingCriteriaList
 
 from ...engine.generation import generate
+from ...engine.inputs import build_inputs, model_device
 from .inputs import ApiError, ChatRequest, ImageRef, Limits, decode_image
 from .metrics import ServerMetrics
 from .stops import StopMatcher
@@ -191,16 +192,15 @@ class Engine:
 
     def _prepare(self, request: ChatRequest) -> Prepared:
         images = [decode_image(i, self.limits) if isinstance(i, ImageRef) else i for i in request.images]
-        prompt = self.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
         try:
-            inputs = self.processor(text=[prompt], images=images or None, return_tensors="pt")
+            inputs = build_inputs(self.processor, request.messages, images)
         except (ValueError, TypeError, StopIteration) as exc:  # the processor's own checks (e.g. aspect ratio)
             raise ApiError(400, f"the model's processor refused the input: {exc or type(exc).__name__}") from None
         length = int(inputs["input_ids"].shape[1])
         if length + 1 > self.context:
             raise ApiError(400, f"the prompt is {length} tokens, over this model's context of {self.context}",
                            param="messages", code="context_length_exceeded")
-        return Prepared(inputs.to(self.model.get_input_embeddings().weight.device), length)
+        return Prepared(inputs.to(model_device(self.model)), length)
 
     async def start(self, request: ChatRequest, prepared: Prepared, ticket: Ticket, usage: Usage) -> Job:
         """Wait for the turn, then start generating on a worker thread."""

@@ -13,3 +13,37 @@ mode already keeps every offloaded expert in the page-locked ExpertStore for GPU
 kt-kernel copy would need about 116 GB, so hybrid mode computes CPU misses with the torch backend on
 the store's blocks (1x memory) unless the rule asks for kt-kernel explicitly and the host has room.
 """
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("auto", "kt-kernel", "torch")
+
+
+@dataclass
+class CpuExpertSettings:
+    """The CpuExperts rule's kwargs."""
+
+    cpu_backend: str = "auto"  # auto: kt-kernel where the ISA and expert shapes allow, else torch | kt-kernel | torch
+
+    def __post_init__(self):
+        if self.cpu_backend not in BACKENDS:
+            raise ValueError(f"cpu_backend {self.cpu_backend!r} is not one of: {', '.join(BACKENDS)}")
+
+
+def make_backend(requested: str, shape: Any):
+    """One CPU backend for a model's experts (`shape`: the adapter's MoEShape)."""
+    from .isa import choose_backend
+    from .kt_backend import kt_kernel_supports
+
+    name = choose_backend(requested, shape_ok=kt_kernel_supports(shape.hidden, shape.inter))
+    if name == "kt-kernel":
+        from .kt_backend import KtKernelBackend
+
+        return KtKernelBackend(shape.num_experts, shape.top_k, shape.hidden, shape.inter)
+    from .torch_backend import TorchCpuBackend
+
+    return TorchCpuBackend()

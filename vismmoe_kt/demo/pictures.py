@@ -1,18 +1,17 @@
-"""Write the demo's picture: make_demo_image.py OUT.png prints the questions it was made for and their answers.
+"""The demo's pictures. `python -m vismmoe_kt.demo.pictures OUT.png` writes the demo picture and prints
+the questions it was made for and their answers.
 
 The picture is a scene of the synthetic VQA task the demo model was trained on (vismmoe_kt.demo.vqa): a red
 circle, a blue square and a green triangle on a noisy background. `make_image` (shapes on noise at any size)
-is the older generic test picture, kept for vismmoe_kt/apps/measure/compression_study.py.
+is the older generic test picture, which the compression and pinned-depth studies use.
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-
-from vismmoe_kt.demo.vqa import Shape, render
+from .vqa import Shape, render
 
 DEMO_SHAPES = [Shape("circle", "red", 30, 60, 64), Shape("square", "blue", 28, 160, 150), Shape("triangle", "green", 30, 62, 168)]
 DEMO_QUESTIONS = {"What colour is the circle?": "red", "What colour is the square?": "blue", "Is there a red circle?": "yes", "Is there a red square?": "no",

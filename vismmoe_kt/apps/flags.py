@@ -1,0 +1,175 @@
+"""Flags every model-loading command shares, their checks, and loading the model they describe.
+
+Flags follow ktransformers' local_chat where they mean the same thing (`--model_path`,
+`--optimize_config_path`, `--cpu_infer`, ...). A value out of range is a usage error before anything
+loads; a device the user named is checked against this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ..core.context import DECODE_MODES, GRAPH_MODES
+from ..errors import InputError
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def parse_set(values: list[str]) -> dict[str, Any]:
+    """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings)."""
+    import yaml
+
+    from ..core.inject import check_yaml_size
+
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {item!r}: expected key=value")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise InputError(f"--set {item}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        except RecursionError:
+            raise InputError(f"--set {item}: the value is nested too deeply") from None
+        check_yaml_size(parsed, f"--set {key.strip()}", InputError)
+        out[key.strip()] = parsed
+    return out
+
+
+def checked(convert: type, ok: Callable[[Any], bool], wants: str) -> Callable[[str], Any]:
+    """An argparse type: a value out of range is a usage error ("error: argument --port: ...") before anything loads."""
+    def parse(text: str) -> Any:
+        value = convert(text)  # a ValueError here gives argparse's own "invalid int value: 'x'"
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {wants}, got {text}")
+        return value
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    return checked(int, lambda v: v >= low, f"at least {low}")
+
+
+PORT = checked(int, lambda v: 0 <= v <= 65535, "a port number, 0..65535")  # uvicorn raises OverflowError otherwise
+TEMPERATURE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")  # nan, inf break sampling
+TOP_P = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")  # false for nan too
+POSITIVE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model_path", help="local Hugging Face model directory (config, safetensors, processor)")
+    group.add_argument("--demo", action="store_true", help="use the embedded demo model (tiny, trained on synthetic shapes VQA)")
+    group.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
+    group.add_argument("--generate_device", help="put every module on this device for decode (overrides the rules)")
+    group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="replace a kwarg in every rule that has it (repeatable)")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
+    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
+                       help="CPU threads for CPU compute (default: physical cores - 3)")
+    add_engine_flags(group)
+    add_parallel_flags(group)
+
+
+def add_engine_flags(group) -> None:
+    group.add_argument("--decode", choices=DECODE_MODES,
+                       help="lean: our decode path where the rules have a VisDecoder (default) | hf: transformers' loop")
+    group.add_argument("--graphs", choices=GRAPH_MODES,
+                       help="CUDA graphs of the lean decode step: auto (default: on a CUDA device) | cuda | "
+                            "replay (the CPU twin) | off")
+
+
+def add_parallel_flags(group) -> None:
+    group.add_argument("--ep_size", "--ep-size", type=int,
+                       help="expert-parallel group size: the torchrun process count (rank 0 serves, the others follow)")
+    group.add_argument("--ep_timeout", type=float, default=300.0,
+                       help="seconds a rank waits for the others before it stops with an error (torchrun launches)")
+
+
+def resolve_model_path(args: argparse.Namespace) -> Path:
+    if args.demo and args.model_path:
+        raise InputError("give either --demo or --model_path, not both")
+    if args.demo:
+        from ..demo.tiny import demo_model_dir
+
+        print("demo model: a tiny model trained on synthetic shapes (try python -m vismmoe_kt.demo.pictures);"
+              " it answers questions about coloured shapes, nothing else", file=sys.stderr)
+        return demo_model_dir()
+    if not args.model_path:
+        raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
+    return Path(args.model_path)
+
+
+DEVICE_KEYS = ("generate_device", "prefill_device")
+
+
+def check_device(value: Any, where: str) -> str:
+    """A device the user named: one torch knows and this machine has, else an InputError naming it."""
+    import torch
+
+    try:
+        if not isinstance(value, str):  # e.g. `--set generate_device=0`: an int would pass torch.device as cuda:0
+            raise TypeError
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"{where}: {value!r} is not a device (expected e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InputError(f"{where}: {value} is not available: this machine has no CUDA device")
+        if device.index is not None and device.index >= count:
+            raise InputError(f"{where}: {value} is not available: this machine has {count} CUDA "
+                             f"device{'s' if count > 1 else ''}")
+    return value
+
+
+def load_from_args(args: argparse.Namespace):
+    import torch
+
+    from ..core.loader import load
+
+    if args.cpu_infer < 1:
+        raise InputError(f"--cpu_infer must be at least 1, got {args.cpu_infer}")
+    torch.set_num_threads(args.cpu_infer)
+    overrides = parse_set(args.set)  # bad flags fail before the (demo) model is assembled or loaded
+    for flag in DEVICE_KEYS:
+        if flag in overrides:
+            check_device(overrides[flag], f"--set {flag}")
+        if getattr(args, flag):
+            overrides[flag] = check_device(getattr(args, flag), f"--{flag}")
+    named_device = any(flag in overrides for flag in DEVICE_KEYS)
+    for option in ("decode", "graphs"):  # the engine's options (load() tells them from rule kwargs)
+        if getattr(args, option, None):
+            overrides[option] = getattr(args, option)
+    model_path = resolve_model_path(args)
+    if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
+        raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
+    from ..parallel import launch
+
+    group = launch.join_from_env(args.ep_size, args.ep_timeout)
+    if group is not None and group.device != "cpu":  # each torchrun rank on its own GPU
+        overrides.setdefault("generate_device", group.device)
+        overrides.setdefault("prefill_device", group.device)
+    # Only when the user named no device (flag or --set): a device they named is theirs, checked above.
+    fallback = not torch.cuda.is_available() and not named_device
+    if fallback:  # rule files name cuda:0; without CUDA the command line runs them on the CPU (the API stays strict)
+        overrides.update(generate_device="cpu", prefill_device="cpu")
+    loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **overrides)
+    if fallback and (group is None or group.leader):
+        print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
+              file=sys.stderr)
+    if group is not None:
+        launch.start(loaded[0], group)  # a follower stays there until rank 0 is done (FollowerDone)
+    return loaded

@@ -1,0 +1,59 @@
+"""`vismmoe-kt serve`: the flags, the app they describe, and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ...errors import InputError
+from ..flags import POSITIVE, PORT, TEMPERATURE, TOP_P, add_model_flags, at_least, load_from_args
+
+
+def add_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="OpenAI- and Ollama-compatible HTTP server with a web chat page")
+    add_model_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=PORT, default=10002)
+    serve.add_argument("--api_key", help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max_new_tokens", type=int, default=1000)
+    serve.add_argument("--temperature", type=TEMPERATURE)
+    serve.add_argument("--top_p", type=TOP_P)
+    serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
+    serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
+    serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
+    serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
+    serve.add_argument("--max_image_pixels", type=at_least(1), default=16_777_216,
+                       help="larger images are refused before they are decoded (default: 16.8 M, the processor's own maximum)")
+    serve.add_argument("--max_body_mb", type=POSITIVE,
+                       help="larger request bodies get 413 (default: room for the images allowed plus 8 MiB of text)")
+    serve.add_argument("--allowed_hosts", nargs="+", metavar="HOST",
+                       help="Host header names to answer, '*' for any (default: loopback names when --host is "
+                            "loopback, which stops DNS-rebinding pages; any otherwise)")
+
+
+def build_server(args: argparse.Namespace):
+    """The app for these flags (tests start it on a free port)."""
+    from .app import create_app
+    from .engine import Engine
+    from .guard import default_allowed_hosts
+    from .inputs import Limits
+
+    if args.max_new_tokens < 1:  # as chat and eval say it
+        raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    model, processor = load_from_args(args)
+    name = "vismmoe-demo" if args.demo else Path(args.model_path).name
+    limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path,
+                    args.max_image_pixels, int(args.max_body_mb * 2**20) if args.max_body_mb else None)
+    engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue, limits)
+    hosts = args.allowed_hosts or default_allowed_hosts(args.host)
+    return create_app(engine, limits, args.api_key, hosts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_server(args)
+    print(f"serving on http://{args.host}:{args.port}  (web chat at /, OpenAI API at /v1)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,108 @@
+"""LoadContext: what the operators of one loaded model share, typed, in one place.
+
+The rule engine (ours, or KTransformers' own `inject`) builds operators one at a time, each with the
+loader object. What they share lives on that loader as `loader.context`, made on first use, so the
+operators also work under upstream's loaders, which have no such attribute. Fields:
+
+    decode            DecodeOptions: our decode path or transformers' loop, CUDA graphs (engine options,
+                      set by `load(..., decode=, graphs=)` or the CLI; not a rule kwarg)
+    offload_runtime   the OffloadRuntime every VisExperts of the model uses (the first one makes it)
+    cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
+    token_is_visual   which rows of the hidden states the layers process now are visual tokens
+                      (written by the text model's forward, read by ReaLB's operators)
+    saliency          the vision tower's saliency recorder (VisionSaliency), read when pruning
+    text_model        the text model whose forward is ours (a VisDecoder rule): the engine may hold
+                      its cache and run the decode steps itself
+    pruning           what the last prefill kept (the engine's cache bookkeeping)
+    expert_parallel   the expert-parallel operators in layer order (followers drive them)
+    step_hooks        (before, after) callables around every lean decode step
+    decode_state      the engine's decode state for this model (made by the engine on first use)
+    checks            requirements between rules, checked once every operator exists (rule order
+                      does not matter)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import RuleError
+
+DECODE_MODES = ("lean", "hf")
+GRAPH_MODES = ("auto", "cuda", "replay", "off")
+
+
+@dataclass
+class DecodeOptions:
+    decode: str = "lean"  # lean: our decode path (static cache, captured steps) | hf: transformers' generate
+    graphs: str = "auto"  # auto: CUDA graphs on a CUDA device | cuda | replay (the CPU twin) | off
+
+    def __post_init__(self):
+        if isinstance(self.graphs, bool):  # YAML reads a bare `off` / `on` as a boolean
+            self.graphs = "auto" if self.graphs else "off"
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode {self.decode!r} is not one of: {', '.join(DECODE_MODES)}")
+        if self.graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs {self.graphs!r} is not one of: {', '.join(GRAPH_MODES)}")
+
+
+@dataclass
+class PruningState:
+    active: bool = False                     # this model's prefill prunes visual tokens
+    needs_vision_saliency: bool = False      # ... choosing by the vision tower's attention
+    keep: torch.Tensor | None = None         # sequence indices the last pruned prefill kept ...
+    prune_at: int | None = None              # ... in the layers from this one on
+    pruned_prefills: int = 0
+
+
+@dataclass
+class LoadContext:
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
+    offload_runtime: Any = None      # runtime.offload.OffloadRuntime
+    cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
+    token_is_visual: torch.Tensor | None = None
+    saliency: Any = None             # vision.saliency.SaliencyRecorder
+    text_model: Any = None
+    pruning: PruningState = field(default_factory=PruningState)
+    expert_parallel: list = field(default_factory=list)
+    step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
+    decode_state: Any = None         # engine.decode_state.DecodeState
+    checks: list[Callable[[], None]] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Run the checks operators registered (after injection); each raises RuleError or ValueError."""
+        for check in self.checks:
+            try:
+                check()
+            except ValueError as exc:
+                raise RuleError(str(exc)) from None
+
+
+def context_of(loader: Any) -> LoadContext:
+    """The loader's LoadContext, made on first use (upstream's loaders have none of their own). Without
+    a loader (operators built by hand) each operator gets a context of its own."""
+    if loader is None:
+        return LoadContext()
+    context = getattr(loader, "context", None)
+    if context is None:
+        context = LoadContext()
+        try:
+            loader.context = context
+        except AttributeError:
+            raise ValueError(f"operators need a loader object that can hold attributes, got {type(loader).__name__}") from None
+    if not isinstance(context, LoadContext):
+        raise ValueError(f"{type(loader).__name__}.context is a {type(context).__name__}, not vismmoe-kt's LoadContext")
+    return context
+
+
+def context_of_model(model: Any) -> LoadContext | None:
+    """The context of a loaded model: ours (`model.vismmoe`) or upstream's (`model.gguf_loader`); None
+    for a model loaded without operators."""
+    info = getattr(model, "vismmoe", None)
+    if info is not None and getattr(info, "context", None) is not None:
+        return info.context
+    loader = getattr(model, "gguf_loader", None)
+    context = getattr(loader, "context", None) if loader is not None else None
+    return context if isinstance(context, LoadContext) else None

@@ -1,0 +1,234 @@
+"""The text model's forward, ours: masks for our static cache and visual-token pruning mid-model.
+
+The VisDecoder rule replaces the language model with an operator whose forward is `TextForward`.
+Prefill with an image runs the first `prune_at` decoder layers (the pinned prefix, whose routing is
+observable at no transfer cost) on every token, recording each visual token's routed experts there.
+Then it keeps all text tokens and the visual tokens that the compression method selects (VisMMOE
+Algorithm 1 by default), with their original M-RoPE positions, and runs the remaining layers on
+those alone: their KV caches hold only kept tokens, the prefix layers' caches hold all. Decode
+steps need nothing special (positions continue from the full sequence, each layer attends to what
+its cache holds). Pruned positions leave with their prefix hidden states, so the output keeps the
+input's length. What the prefill kept goes to the load context (`pruning`), where the decode
+engine reads it. keep_ratio 1.0 gives exactly the reference model's outputs.
+
+Limitation: pruning needs batch size 1 without padding; other batches raise a clear error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.context import LoadContext
+from ..models import ModelAdapter
+from ..vision.compression import CompressionSettings, select
+
+IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")  # kernels that take is_causal themselves
+
+
+@dataclass
+class CompressionStats:
+    prefills: int = 0
+    pruned_prefills: int = 0
+    visual_tokens_before: int = 0
+    visual_tokens_after: int = 0
+    tokens_before: int = 0
+    tokens_after: int = 0
+    # experts the visual tokens route to in the prefix layers (union over those layers), all vs kept:
+    # the working set that Algorithm 1 shrinks
+    prefix_experts_visual_all: int = 0
+    prefix_experts_visual_kept: int = 0
+    compression_seconds: float = 0.0
+
+
+def causal_mask(queries: int, past: int, dtype: torch.dtype, device: torch.device,
+                implicit_causal: bool = False) -> torch.Tensor | None:
+    """Additive (1, 1, q, past + q) mask: query i sees keys up to past + i. None when no mask is needed:
+    one query sees everything, and with `implicit_causal` a prefill from an empty cache is plain causal
+    attention, which the kernel does itself (flash/efficient kernels, no q x q mask in memory)."""
+    if queries == 1 or (past == 0 and implicit_causal):
+        return None
+    keys = past + queries
+    allowed = torch.arange(keys, device=device)[None, :] <= (past + torch.arange(queries, device=device))[:, None]
+    return torch.zeros(queries, keys, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class TextForward:
+    def __init__(self, text: nn.Module, adapter: ModelAdapter, settings: CompressionSettings, context: LoadContext):
+        self.text, self.adapter, self.settings, self.context = text, adapter, settings, context
+        self.layers = adapter.layers_of(text)
+        self.num_experts = adapter.moe_shape(text.config).num_experts
+        self.counters = CompressionStats()
+        self._routes: dict[int, torch.Tensor] = {}
+        self._recording = False
+        self._llm_saliency: torch.Tensor | None = None
+        context.pruning.active = settings.active
+        for index, layer in enumerate(self.layers):
+            router = adapter.router(layer)
+            if router is not None:
+                router.register_forward_hook(self._route_hook(index))
+
+    # --- prefix routing ------------------------------------------------------------------------
+    def _route_hook(self, index: int):
+        def hook(module, args, output):
+            if self._recording:
+                self._routes[index] = self.adapter.routed_experts(output)  # (tokens, K) routed expert ids
+        return hook
+
+    def _prune_at(self) -> int:
+        if self.settings.prune_layer != "auto":
+            return int(self.settings.prune_layer)
+        runtime = self.context.offload_runtime
+        if runtime is None:
+            raise ValueError("prune_layer: auto needs the offload runtime's pinned prefix (VisExperts rules); "
+                             "give prune_layer a layer index instead")
+        offloaded = [layer for layer in runtime.moe_layers if layer not in runtime.pinned]
+        return offloaded[0] if offloaded else len(self.layers)
+
+    def _keep(self, visual: torch.Tensor, prefix_layers: list[int]) -> torch.Tensor:
+        """Sequence indices that continue: every text token and the selected visual tokens."""
+        s = self.settings
+        positions = torch.nonzero(visual, as_tuple=True)[0]
+        n = positions.numel()
+        masks = torch.zeros(n, self.num_experts, dtype=torch.bool, device=visual.device)
+        for index in prefix_layers:
+            if index in self._routes:
+                masks.scatter_(1, self._routes[index][positions], True)
+        if s.saliency_source == "llm":
+            saliency = self._llm_saliency
+        else:
+            recorder = self.context.saliency
+            saliency = recorder.take() if recorder is not None else None
+        if saliency is None or saliency.numel() != n:
+            if s.compression in ("affinity", "saliency"):
+                raise RuntimeError(f"saliency for {n} visual tokens is missing (got "
+                                   f"{None if saliency is None else saliency.numel()}); was the vision tower run?")
+            saliency = torch.zeros(n)
+        kept = select(s.compression, saliency.cpu(), masks.cpu(), s.keep_ratio, s.salient_ratio, s.tradeoff,
+                      s.seed).to(visual.device)
+        self.counters.prefix_experts_visual_all += int(masks.any(dim=0).sum())
+        self.counters.prefix_experts_visual_kept += int(masks[kept].any(dim=0).sum())
+        keep = ~visual
+        keep[positions[kept]] = True
+        return torch.nonzero(keep, as_tuple=True)[0]
+
+    # --- forward -------------------------------------------------------------------------------
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                 inputs_embeds=None, use_cache=None, visual_pos_masks=None, deepstack_visual_embeds=None, **kwargs):
+        from transformers.cache_utils import DynamicCache
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        text, adapter, context = self.text, self.adapter, self.context
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=text.config)
+        if inputs_embeds is None:
+            inputs_embeds = adapter.embed_tokens(text)(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(length, device=inputs_embeds.device) + past).view(1, 1, -1).expand(4, batch, -1)
+        elif position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(4, *position_ids.shape)
+        text_positions = None
+        if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+            text_positions, position_ids = position_ids[0], position_ids[1:]
+
+        prefill = past == 0 and length > 1
+        prune = self.settings.active and prefill and visual_pos_masks is not None and bool(visual_pos_masks.any())
+        if prefill:
+            self.counters.prefills += 1
+        if batch != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+            if prune:
+                raise ValueError("VisDecoder prunes visual tokens for batch size 1 without padding only; "
+                                 "send requests one at a time or set keep_ratio: 1.0")
+            return text.forward(input_ids=None, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                position_ids=torch.cat([text_positions[None], position_ids]) if text_positions is not None else position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache, visual_pos_masks=visual_pos_masks,
+                                deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
+
+        hidden = inputs_embeds
+        context.token_is_visual = visual_pos_masks.reshape(-1) if visual_pos_masks is not None and \
+            visual_pos_masks.shape[:2] == inputs_embeds.shape[:2] else torch.zeros(batch * length, dtype=torch.bool,
+                                                                                  device=inputs_embeds.device)
+        if prefill and visual_pos_masks is not None and bool(visual_pos_masks.any()):
+            self._visual_summary(inputs_embeds, visual_pos_masks)
+        cos, sin = adapter.rotary(text, hidden, position_ids)
+        prune_at = self._prune_at() if prune else None
+        self._routes.clear()
+        self._recording = prune
+        keep = full = None
+        masks: dict[tuple[int, int], torch.Tensor | None] = {}
+        implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL
+        for index, layer in enumerate(self.layers):
+            if index == prune_at:
+                start = time.perf_counter()
+                keep = self._keep(visual_pos_masks[0], list(range(prune_at)))
+                context.pruning.keep, context.pruning.prune_at = keep, prune_at
+                self._recording = False
+                full = hidden
+                hidden = hidden[:, keep]
+                cos, sin = cos[:, keep], sin[:, keep]
+                text_positions = text_positions[:, keep] if text_positions is not None else None
+                if deepstack_visual_embeds is not None:
+                    kept_visual = visual_pos_masks[0, keep]
+                    order = torch.cumsum(visual_pos_masks[0].long(), 0)[keep][kept_visual] - 1
+                    deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
+                visual_pos_masks = visual_pos_masks[:, keep]
+                context.token_is_visual = visual_pos_masks.reshape(-1)
+                self._visual_summary(hidden, visual_pos_masks)
+                self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
+            if prune and self.settings.saliency_source == "llm" and index == prune_at - 1:
+                self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
+            layer_past = past_key_values.get_seq_length(index) if past_key_values is not None else 0
+            shape = (hidden.shape[1], layer_past)
+            if shape not in masks:  # layers with the same lengths share one mask
+                masks[shape] = causal_mask(*shape, hidden.dtype, hidden.device, implicit_causal)
+            hidden = layer(hidden, attention_mask=masks[shape], position_ids=text_positions,
+                           past_key_values=past_key_values, position_embeddings=(cos, sin), **kwargs)
+            if deepstack_visual_embeds is not None and index < len(deepstack_visual_embeds):
+                hidden = adapter.add_deepstack(text, hidden, visual_pos_masks, deepstack_visual_embeds[index])
+        self._recording = False
+        norm = adapter.final_norm(text)
+        hidden = norm(hidden)
+        if keep is not None:  # give pruned positions their prefix state so the output keeps its length
+            out = norm(full)
+            out[:, keep] = hidden
+            hidden = out
+        return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor) -> None:
+        """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""
+        runtime = self.context.offload_runtime
+        if runtime is not None:
+            runtime.visual_summary = inputs_embeds[visual].float().mean(dim=0)
+
+    def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
+        """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""
+        adapter = self.adapter
+        with torch.no_grad():
+            normed = adapter.input_norm(layer)(hidden)
+            return adapter.last_token_attention(adapter.attention(layer), normed, position_embeddings,
+                                                torch.nonzero(visual, as_tuple=True)[0]).cpu()
+
+    def _count(self, kept_visual_mask: torch.Tensor, before: int, after: int, seconds: float) -> None:
+        c = self.counters
+        c.pruned_prefills += 1
+        self.context.pruning.pruned_prefills += 1
+        c.tokens_before += before
+        c.tokens_after += after
+        kept_visual = int(kept_visual_mask.sum())
+        c.visual_tokens_after += kept_visual
+        c.visual_tokens_before += kept_visual + (before - after)
+        c.compression_seconds += seconds
+
+    def stats(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {"compression": self.settings.compression, "keep_ratio": self.settings.keep_ratio if self.settings.active else 1.0,
+                **asdict(self.counters)}

@@ -1,0 +1,58 @@
+"""PredictorPrefetch: the lookahead predictor as the offload runtime's prefetch policy.
+
+After each MoE layer it runs the predictor on the compute stream (VisMMOE Eq. 7's features: the
+routing history of this step, the layer's mean hidden state, the visual summary h_v) and queues its
+top-B (layer, expert) pairs for the coming layers. On CUDA the priorities reach the host by an
+asynchronous copy that the transfer worker waits for, so the compute thread never stops for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .model import LookaheadPredictor, history
+
+
+class PredictorPrefetch:
+    capturable = False  # host logic between layers: a replayed graph would skip it
+
+    def __init__(self, predictor: LookaheadPredictor, top_b: int):
+        self.predictor, self.top_b = predictor, top_b
+        self._step_active: torch.Tensor | None = None  # (MoE layers, E): experts used so far in this step
+
+    @classmethod
+    def load(cls, path: str, top_b: int, num_layers: int, num_experts: int, hidden_size: int,
+             device: torch.device) -> "PredictorPrefetch":
+        predictor = LookaheadPredictor.load(path, expect={"num_layers": num_layers, "num_experts": num_experts,
+                                                          "hidden_size": hidden_size})
+        return cls(predictor.to(device), top_b)
+
+    def observe(self, runtime: Any, layer: int, top_k_index: torch.Tensor) -> None:
+        """The predictor's routing history: which experts each MoE layer used so far in this step."""
+        index = runtime.moe_layers.index(layer)
+        if self._step_active is None or index == 0:
+            self._step_active = torch.zeros(len(runtime.moe_layers), runtime.num_experts, device=top_k_index.device)
+        self._step_active[index].index_fill_(0, top_k_index.flatten(), 1.0)
+
+    def after_layer(self, runtime: Any, layer: int, hidden: torch.Tensor) -> None:
+        c, device = self.predictor.config, runtime.device
+        index = runtime.moe_layers.index(layer)
+        past = history(self._step_active, index, c.history_length).to(device)
+        visual = runtime.visual_summary if runtime.visual_summary is not None else torch.zeros(c.visual_size, device=device)
+        with torch.no_grad():
+            scores = self.predictor(torch.tensor([index], device=device), past[None],
+                                    hidden.float().mean(dim=0, keepdim=True), visual.float().to(device)[None])[0]
+            values, flat = self.predictor.top_pairs(index, scores, len(runtime.moe_layers), self.top_b)
+        if values.numel() == 0:
+            return
+
+        def items(v: list[float], i: list[int]) -> list:
+            return [((runtime.moe_layers[l], e), p) for (l, e), p in self.predictor.to_items(index, v, i)
+                    if runtime.moe_layers[l] not in runtime.pinned]
+
+        if runtime.transfers.cuda:
+            runtime.transfers.prefetch_later(values, flat, items)
+        else:
+            runtime.prefetch(items(values.tolist(), flat.tolist()))

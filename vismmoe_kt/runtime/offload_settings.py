@@ -1,0 +1,65 @@
+"""OffloadSettings: the VisExperts rule's kwargs, each written once here (with its YAML meaning).
+
+Built as `OffloadSettings(**kwargs)` from a rule; `__post_init__` checks and normalises the values
+(sizes like "24GiB" become bytes, `auto` becomes None), so two rules that mean the same compare
+equal (every VisExperts of a model must agree: they share one runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .budget import BudgetError, parse_bytes
+from .cost_model import CostModel
+
+POLICIES = ("vismmoe", "lru")
+MISS_POLICIES = ("wait", "cpu", "auto")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    expert_budget: Any                 # GPU memory for routed experts (pinned prefix + slabs): bytes or "24GiB"
+    policy: str = "vismmoe"            # vismmoe (pinned prefix + prefetch + safe eviction) | lru (the baseline)
+    pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
+    min_pinned_layers: int = 1         # L_semantic of Eq. 10
+    min_cache_bytes: Any = None        # C_safe of Eq. 10; None: one layer of experts (prefill can always progress)
+    prefetch_window: int = 2           # W: offloaded layers ahead the history policy prefetches
+    prefetch_gamma: float = 0.8        # priority decay per layer of distance
+    max_in_flight: int = 16            # prefetch copies outstanding at once
+    miss_policy: str = "wait"          # wait (fetch, stall on it) | cpu (compute misses on the CPU) | auto (cost model)
+    cpu_backend: str = "torch"         # torch (reads the store in place) | kt-kernel (own copy) | auto
+    cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token} pins `auto`; None: measure
+    predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
+    prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
+
+    def __post_init__(self):
+        def put(name: str, value: Any) -> None:  # frozen: normalised values go in through object.__setattr__
+            object.__setattr__(self, name, value)
+
+        if self.expert_budget is None:
+            raise BudgetError("expert_budget is required (bytes or a size like '24GiB')")
+        put("expert_budget", parse_bytes(self.expert_budget))
+        if self.policy not in POLICIES:
+            raise BudgetError(f"policy {self.policy!r} is not one of: {', '.join(POLICIES)}")
+        put("pinned_layers", None if self.pinned_layers in (None, "auto") else int(self.pinned_layers))
+        if self.policy == "lru":  # the baseline: the whole budget is an on-demand cache, no prefetch
+            put("pinned_layers", 0)
+            put("min_pinned_layers", 0)
+            put("prefetch_window", 0)
+        put("min_pinned_layers", int(self.min_pinned_layers))
+        put("min_cache_bytes", None if self.min_cache_bytes is None else parse_bytes(self.min_cache_bytes))
+        put("prefetch_window", int(self.prefetch_window))
+        put("prefetch_gamma", float(self.prefetch_gamma))
+        if not 0 < self.prefetch_gamma <= 1:
+            raise BudgetError(f"prefetch_gamma must be in (0, 1], got {self.prefetch_gamma}")
+        put("max_in_flight", int(self.max_in_flight))
+        if self.miss_policy not in MISS_POLICIES:
+            raise BudgetError(f"miss_policy {self.miss_policy!r} is not one of: {', '.join(MISS_POLICIES)}")
+        if isinstance(self.cost_model, dict):
+            model = CostModel.from_kwargs(self.cost_model)
+            put("cost_model", (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token))
+        elif self.cost_model is not None and not isinstance(self.cost_model, tuple):
+            raise BudgetError("cost_model needs fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token")
+        put("predictor", None if self.predictor is None else str(self.predictor))
+        put("prefetch_topk", int(self.prefetch_topk))
