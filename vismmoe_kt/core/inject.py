@@ -10,7 +10,7 @@ The schema and semantics are KTransformers' optimize rules, so rule files move b
         kwargs: {generate_device: "cuda:0", expert_budget: "16GiB"}
       recursive: False
 
-Semantics (each one tested in tests/test_inject_rules.py):
+Semantics (each one tested in tests/core/test_inject_rules.py):
 - rules are tried in order for every module, parents before children; the first match wins, even
   when a later rule is more specific;
 - a rule that applies to no module is a RuleWarning, not an error;

@@ -63,7 +63,7 @@ class ChatSession:
         self.sampling = self._sampling(greedy, temperature, top_p)
         self.messages: list[dict[str, Any]] = []
         self.images: list[Any] = []
-        self.context = model.config.get_text_config().max_position_embeddings
+        self.context = model.vismmoe.adapter.context_length(model.config)
 
     def _sampling(self, greedy: bool, temperature: float | None, top_p: float | None) -> dict[str, Any]:
         if greedy:

@@ -125,7 +125,7 @@ class LeanEngine:
         text, adapter = self.text, self.adapter
         config = text.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        weight = adapter.embed_tokens(text).weight
+        weight = adapter.token_embedding(text).weight
         shape = (len(adapter.layers_of(text)), config.num_key_value_heads, head_dim)
         if self.cache is None or not self.cache.fits(*shape, positions, weight.dtype, weight.device):
             capacity = -(-positions // CAPACITY_STEP) * CAPACITY_STEP
@@ -181,5 +181,5 @@ def decode_engine(model: Any) -> LeanEngine | None:
     if context.decode_state is None:
         info = getattr(model, "vismmoe", None)
         adapter = info.adapter if info is not None else adapter_for(model.config.model_type)
-        context.decode_state = LeanEngine(context.text_model, adapter, adapter.lm_head(model), context)
+        context.decode_state = LeanEngine(context.text_model, adapter, adapter.output_head(model), context)
     return context.decode_state

@@ -101,7 +101,7 @@ class LeanDecodeStep:
         self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
         self.not_visual = torch.zeros(1, dtype=torch.bool, device=device)
         self.visual_flag = visual_flag
-        self.embed = adapter.embed_tokens(text_model)
+        self.embed = adapter.token_embedding(text_model)
         self.pieces = self._build_pieces()
         self.backend = capture_backend(graphs, device)
         self.segments: list[Segment] | None = None
@@ -135,7 +135,7 @@ class LeanDecodeStep:
         cache, adapter = self.cache, self.adapter
         norm_in = norm_fn(adapter, adapter.input_norm(layer))
         norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
-        attention, mlp = adapter.attention(layer), adapter.mlp(layer)
+        attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
         router = router_fn(adapter, adapter.router(layer)) if moe else None
 
         def run(state: State) -> State:

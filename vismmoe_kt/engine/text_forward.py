@@ -128,7 +128,7 @@ class TextForward:
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=text.config)
         if inputs_embeds is None:
-            inputs_embeds = adapter.embed_tokens(text)(input_ids)
+            inputs_embeds = adapter.token_embedding(text)(input_ids)
         batch, length = inputs_embeds.shape[:2]
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:

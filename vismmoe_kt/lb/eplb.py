@@ -23,7 +23,7 @@ def replicate(load: torch.Tensor, physical: int) -> torch.Tensor:
     """Copies per logical expert (>= 1 each, `physical` in all), greedy on load per copy."""
     if physical < load.numel():
         raise ValueError(f"{physical} physical experts cannot hold {load.numel()} logical ones")
-    copies = torch.ones(load.numel(), dtype=torch.long)
+    copies = torch.ones(load.numel(), dtype=torch.long, device=load.device)
     for _ in range(physical - load.numel()):
         copies[torch.argmax(load.double() / copies)] += 1
     return copies
@@ -61,7 +61,7 @@ class EPLBPlacement:
         self.num_experts, self.num_ranks, self.redundant = num_experts, num_ranks, redundant
         self.history: deque[torch.Tensor] = deque(maxlen=window)
         self.period, self.steps, self.rebalances = period, 0, 0
-        self._place(torch.ones(num_experts))
+        self._place(torch.ones(num_experts, device="cpu"))
 
     def _place(self, load: torch.Tensor) -> None:
         self.copies = replicate(load, self.num_experts + self.redundant)

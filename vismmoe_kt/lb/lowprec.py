@@ -17,7 +17,7 @@ from .nvfp4 import E2M1_MAX, E4M3_MAX
 class ExpertScales:
     def __init__(self, num_experts: int):
         self.weights: dict[str, torch.Tensor] = {}       # "gate_up" / "down" -> (E,), set at load
-        self.activation_amax = torch.zeros(num_experts)  # calibrated online
+        self.activation_amax = torch.zeros(num_experts, device="cpu")  # calibrated online (host bookkeeping)
 
     def calibrate_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         for name, weight in (("gate_up", gate_up), ("down", down)):

@@ -84,7 +84,7 @@ class ModelAdapter:
         """The language model module (a VisDecoder where the rules put one)."""
         raise NotImplementedError
 
-    def lm_head(self, model: nn.Module) -> nn.Module:
+    def output_head(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
@@ -94,7 +94,7 @@ class ModelAdapter:
         """The decoder layers of a text model (the module itself, not the whole model)."""
         raise NotImplementedError
 
-    def embed_tokens(self, text: nn.Module) -> nn.Module:
+    def token_embedding(self, text: nn.Module) -> nn.Module:
         raise NotImplementedError
 
     def final_norm(self, text: nn.Module) -> nn.Module:
@@ -113,7 +113,7 @@ class ModelAdapter:
     def post_attention_norm(self, layer: nn.Module) -> nn.Module:
         raise NotImplementedError
 
-    def mlp(self, layer: nn.Module) -> nn.Module:
+    def feed_forward(self, layer: nn.Module) -> nn.Module:
         raise NotImplementedError
 
     def router(self, layer: nn.Module) -> nn.Module | None:
@@ -121,12 +121,6 @@ class ModelAdapter:
 
     def experts(self, layer: nn.Module) -> nn.Module | None:
         raise NotImplementedError
-
-    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
-        return None
-
-    def moe_layer_indices(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(self.decoder_layers(model)) if self.experts(layer) is not None]
 
     def expert_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up (E, 2I, H), down (E, H, I)) of a fused experts module."""

@@ -95,13 +95,13 @@ class Qwen3VLMoeAdapter(ModelAdapter):
     def text_model(self, model: nn.Module) -> nn.Module:
         return model.model.language_model
 
-    def lm_head(self, model: nn.Module) -> nn.Module:
+    def output_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head
 
     def layers_of(self, text: nn.Module) -> nn.ModuleList:
         return text.layers
 
-    def embed_tokens(self, text: nn.Module) -> nn.Module:
+    def token_embedding(self, text: nn.Module) -> nn.Module:
         return text.embed_tokens
 
     def final_norm(self, text: nn.Module) -> nn.Module:
@@ -119,7 +119,7 @@ class Qwen3VLMoeAdapter(ModelAdapter):
     def post_attention_norm(self, layer: nn.Module) -> nn.Module:
         return layer.post_attention_layernorm
 
-    def mlp(self, layer: nn.Module) -> nn.Module:
+    def feed_forward(self, layer: nn.Module) -> nn.Module:
         return layer.mlp
 
     def router(self, layer: nn.Module) -> nn.Module | None:

@@ -34,7 +34,8 @@ class ExpertParallelExperts(BaseInjectedModule):
             raise ValueError("expert parallelism needs a torch.distributed process group: launch with torchrun "
                              "(vismmoe-kt ... under `torchrun --nproc-per-node N`) or call init_process_group first")
         ranks, num_experts = dist.get_world_size(), self.adapter.moe_shape(config).num_experts
-        rank_of = torch.tensor(s.expert_map) if s.expert_map is not None else contiguous_map(num_experts, ranks)
+        rank_of = torch.tensor(s.expert_map, device="cpu") if s.expert_map is not None \
+            else contiguous_map(num_experts, ranks)
         if rank_of.shape != (num_experts,) or int(rank_of.min()) < 0 or int(rank_of.max()) >= ranks:
             raise ValueError(f"expert_map must give each of the {num_experts} experts a rank in 0..{ranks - 1}")
         self.expert_rank = rank_of

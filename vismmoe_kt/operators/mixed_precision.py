@@ -55,7 +55,8 @@ class MixedPrecisionExperts(BaseInjectedModule):
         self.mode, self.ep_size, self.scope = s.mode, s.ep_size, s.fp4_scope
         self.controller = s.controller()
         self.aimd = self.controller.aimd
-        self.expert_rank = torch.arange(num_experts) * self.ep_size // num_experts
+        # host bookkeeping: explicit devices, because upstream builds operators under torch.device("meta")
+        self.expert_rank = torch.arange(num_experts, device="cpu") * self.ep_size // num_experts
         self.eplb = None
         if s.mode == "eplb":
             from ..lb.eplb import EPLBPlacement

@@ -41,7 +41,7 @@ def guarded(fn: Callable) -> Callable:
 
 
 def contiguous_map(num_experts: int, ranks: int) -> torch.Tensor:
-    return torch.arange(num_experts) * ranks // num_experts
+    return torch.arange(num_experts, device="cpu") * ranks // num_experts
 
 
 def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

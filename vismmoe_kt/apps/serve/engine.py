@@ -138,7 +138,7 @@ class Engine:
         self.max_new_tokens, self.temperature, self.top_p, self.max_queue = max_new_tokens, temperature, top_p, max_queue
         self.limits = limits or Limits()
         self.generate_fn = generate_fn  # tests hand in a stand-in to control timing; the server uses ours
-        self.context = model.config.get_text_config().max_position_embeddings
+        self.context = model.vismmoe.adapter.context_length(model.config)
         tokenizer = processor.tokenizer
         self.special_tokens = sorted(set(tokenizer.all_special_tokens) | {
             str(token) for token in tokenizer.added_tokens_decoder.values() if token.special}, key=len, reverse=True)

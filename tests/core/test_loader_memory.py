@@ -12,6 +12,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 BUILD = textwrap.dedent("""
     import os, sys
     from vismmoe_kt.demo.tiny import TinySpec, save_tiny_model

@@ -14,11 +14,10 @@ def test_structure_of_the_tiny_model(reference):
     spec = SPECS["tiny-4x16"]
     layers = adapter.decoder_layers(model)
     assert len(layers) == spec.layers
-    assert adapter.moe_layer_indices(model) == list(range(spec.layers))
+    assert [i for i, layer in enumerate(layers) if adapter.experts(layer) is not None] == adapter.moe_layers_from_config(model.config)
     layer = layers[1]
     assert adapter.router(layer) is layer.mlp.gate and adapter.router(layer).top_k == spec.top_k
     assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
-    assert adapter.shared_experts(layer) is None
     assert adapter.vision_tower(model) is model.model.visual
     assert adapter.text_config(model.config).num_experts == spec.experts
 

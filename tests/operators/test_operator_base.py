@@ -64,6 +64,7 @@ def test_devices_and_key_are_kept():
     assert (op.key, op.prefill_device, op.generate_device, op.weights_device) == ("model.part", "cpu", "cpu", torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_operators_derive_from_upstream_base_when_upstream_is_importable(tmp_path):
     """With the upstream framework importable, its optimize_and_load_gguf accepts our operators."""
     fake = tmp_path / "ktransformers" / "operators"

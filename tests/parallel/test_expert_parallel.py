@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.distributed
+
 
 def free_port() -> int:
     with socket.socket() as s:

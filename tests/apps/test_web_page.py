@@ -10,6 +10,8 @@ import pytest
 from conftest import make_image
 from test_server import server  # noqa: F401  (the running server fixture)
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 
 def test_compression_study_writes_rows_and_a_heatmap(tmp_path):
     result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.compression_study", "--out", str(tmp_path), "--model", "tiny-4x16",

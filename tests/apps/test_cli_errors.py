@@ -157,7 +157,7 @@ def test_serve_flags_out_of_range(flag, value, message, capsys):
     usage_error(capsys, ["serve", flag, value], f"argument {flag}: {message}")
 
 
-# 7. a rule file of binary junk (rule classes that are not operators: tests/test_inject_errors.py)
+# 7. a rule file of binary junk (rule classes that are not operators: tests/core/test_inject_errors.py)
 def test_rule_file_of_binary_junk(tmp_path, capsys):
     junk = tmp_path / "rules.yaml"
     junk.write_bytes(BINARY * 20)

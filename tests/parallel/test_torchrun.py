@@ -15,6 +15,8 @@ import httpx
 import psutil
 import pytest
 
+pytestmark = pytest.mark.distributed
+
 BIN = os.path.dirname(sys.executable)
 EP_RULES = "optimize_rules/qwen3vl-ep.yaml"
 PROMPT = "Hello there"

@@ -15,6 +15,7 @@ ROW_KEYS = {"config", "budget", "image_size", "status", "reason", "prompt_tokens
             "copy_hidden_fraction", "cpu_expert_share", "copy_bound_prefill_s", "copy_bound_decode_tok_s"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run, where CUDA configurations are skipped")
 def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     rc = main(["bench", "--demo", "--image-sizes", "64", "--decode-tokens", "2", "--warmup", "0", "--repeats", "1",
@@ -34,7 +35,7 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
         if CONFIGS[name].needs_cuda:
             assert row["status"] == "skipped" and "CUDA" in row["reason"]
             assert f"skipped: {row['reason']}" in out
-        elif CONFIGS[name].needs_group:  # expert parallel: only under torchrun (tests/test_torchrun.py)
+        elif CONFIGS[name].needs_group:  # expert parallel: only under torchrun (tests/parallel/test_torchrun.py)
             assert row["status"] == "skipped" and "needs a torchrun launch" in row["reason"]
         else:
             assert row["status"] == "ok", (name, row["reason"])

@@ -13,6 +13,8 @@ from vismmoe_kt.demo.vqa import COLOURS, split_seed
 from vismmoe_kt.demo.tiny import demo_model_dir
 from vismmoe_kt.apps.evaluate import evaluate, synthetic_items
 
+pytestmark = pytest.mark.slow
+
 REFERENCE_RULES = "optimize_rules/qwen3vl-gpu.yaml"  # stock modules: the placement every rule file is compared with
 
 

@@ -29,6 +29,7 @@ def png_header_only(path, width, height):
     return path
 
 
+@pytest.mark.slow
 def test_demo_end_to_end_in_a_subprocess(image_file):
     """The installed command prints a reply, Ollama-style timings and stats, and exits 0."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "vismmoe-kt"), "chat", "--demo", "--image", str(image_file),
@@ -59,7 +60,7 @@ def test_rule_file_with_cpu_overrides_runs_and_reports_operators(image_file, cap
 
 def test_every_rule_file_works_on_cpu(capsys):
     for rules in sorted(os.listdir("optimize_rules")):
-        if rules == "qwen3vl-ep.yaml":  # needs a process group: tests/test_expert_parallel.py runs it under gloo
+        if rules == "qwen3vl-ep.yaml":  # needs a process group: tests/parallel/test_expert_parallel.py runs it under gloo
             continue
         rc = main(chat("--prompt", "hi", "--max_new_tokens", "2", "--optimize_config_path", f"optimize_rules/{rules}",
                        "--generate_device", "cpu", "--prefill_device", "cpu"))
@@ -160,6 +161,7 @@ def test_bad_input_gives_a_clear_error_and_nonzero_exit(case, message, tmp_path,
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_installed_command_exits_nonzero_on_bad_input(tmp_path):
     cmd = [os.path.join(os.path.dirname(sys.executable), "vismmoe-kt"), "chat", "--model_path", str(tmp_path / "none")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,147 @@
+"""The layout is the architecture: each folder of `vismmoe_kt` is one stage and imports point down.
+
+Read from the source (nothing is imported): every `import` / `from ... import` of a module, at any
+depth (imports inside functions count too), resolved to the room (top-level folder or module) it
+names. A room may import only the rooms listed for it below; `apps` may import anything and nothing
+imports `apps`. Outside `models/`, no code names a Hugging Face attribute path: the family's adapter
+is asked instead.
+"""
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vismmoe_kt"
+
+# room -> the rooms it may import (besides itself); the order is the floors, lowest first
+ALLOWED = {
+    "errors": set(),
+    "routing": set(),
+    "vision": {"errors"},
+    "lb": {"errors"},
+    "predictor": {"errors"},
+    "runtime": {"errors"},
+    "models": {"errors"},
+    "core": {"errors", "models", "runtime"},
+    "parallel": {"errors", "runtime", "lb", "core"},
+    "engine": {"errors", "core", "models", "vision"},
+    "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
+    "demo": {"errors", "core", "models"},
+    "apps": None,  # anything
+    "__init__": {"core", "engine"},  # the public API: load, generate, stats
+}
+
+# attribute names of Hugging Face modules (the model's structure) that only an adapter may name
+HF_ATTRIBUTES = {
+    "language_model", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "embed_tokens",
+    "rotary_emb", "get_rope_index", "rope_deltas", "_deepstack_process", "visual", "lm_head", "gate_up_proj",
+    "down_proj", "act_fn", "blocks", "variance_epsilon", "spatial_merge_size", "q_proj", "k_proj", "qkv",
+}
+
+
+def receiver(node: ast.Attribute) -> str:
+    value = node.value
+    return value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else ""
+
+
+def names_hf_part(node: ast.Attribute) -> bool:
+    """`x.mlp`, `layer.self_attn`, `model.visual`: yes; our own objects' fields (`self.lm_head`, a
+    tuple's `data.visual`): no."""
+    if receiver(node) == "self":
+        return False
+    if node.attr == "visual":  # also a common field name: the tower is `<something>.model.visual`
+        return receiver(node).endswith("model")
+    return True
+
+
+@functools.cache
+def modules() -> list[tuple[Path, ast.AST]]:
+    return [(path.relative_to(PACKAGE), ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def room_of(rel: Path) -> str:
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
+
+
+def imported_rooms(rel: Path, tree: ast.AST):
+    """(line, room) of every import of a vismmoe_kt module in this file."""
+    package = ["vismmoe_kt", *rel.parts[:-1]]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = base + (node.module.split(".") if node.module else [])
+                names = [alias.name for alias in node.names] if not node.module and len(target) == 1 else []
+            elif (node.module or "").startswith("vismmoe_kt"):
+                target, names = node.module.split("."), []
+            else:
+                continue
+            if len(target) > 1:
+                yield node.lineno, target[1]
+            for name in names:  # `from .. import errors` names rooms directly
+                yield node.lineno, name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "vismmoe_kt" and len(parts) > 1:
+                    yield node.lineno, parts[1]
+
+
+def test_every_room_is_known():
+    rooms = {room_of(rel) for rel, _ in modules()}
+    assert rooms == set(ALLOWED), f"rooms without a rule: {rooms - set(ALLOWED)}; rules without a room: {set(ALLOWED) - rooms}"
+
+
+def test_imports_point_down():
+    wrong = []
+    for rel, tree in modules():
+        room = room_of(rel)
+        allowed = ALLOWED[room]
+        for line, target in imported_rooms(rel, tree):
+            if target == room or (allowed is None and target != "__init__"):
+                continue
+            if target == "apps" or allowed is None or target not in allowed:
+                wrong.append(f"vismmoe_kt/{rel}:{line} ({room}) imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_rules_themselves_point_down():
+    """The table is a layering: no two rooms may import each other (directly or around a loop)."""
+    graph = {room: (allowed or set()) for room, allowed in ALLOWED.items() if room != "apps"}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+    assert not [room for room in graph if reaches(room, room)]
+
+
+def test_no_hugging_face_attribute_paths_outside_models():
+    found = []
+    for rel, tree in modules():
+        if rel.parts[0] == "models":
+            continue
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and node.attr in HF_ATTRIBUTES and names_hf_part(node):
+                name = node.attr
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in HF_ATTRIBUTES:
+                name = node.args[1].value
+            if name:
+                found.append(f"vismmoe_kt/{rel}:{node.lineno} .{name}")
+    assert not found, "Hugging Face attribute paths outside models/ (ask the adapter):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("method", [m for m in vars(__import__("vismmoe_kt.models.base", fromlist=["x"]).ModelAdapter)
+                                    if not m.startswith("_") and callable(getattr(
+                                        __import__("vismmoe_kt.models.base", fromlist=["x"]).ModelAdapter, m))])
+def test_every_adapter_method_serves_the_package(method):
+    """An adapter method that only tests call is a promise nobody keeps: each one is used outside models/."""
+    users = [rel for rel, tree in modules() if rel.parts[0] != "models"
+             and any(isinstance(n, ast.Attribute) and n.attr == method for n in ast.walk(tree))]
+    inside = [rel for rel, tree in modules() if rel.parts[0] == "models"  # a method other methods build on
+              and any(isinstance(n, ast.Attribute) and n.attr == method and isinstance(n.value, ast.Name)
+                      and n.value.id == "self" for n in ast.walk(tree))]
+    assert users or inside, f"ModelAdapter.{method} is called nowhere in the package"
