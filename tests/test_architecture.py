@@ -26,11 +26,12 @@ ALLOWED = {
     "models": {"errors"},
     "core": {"errors", "models", "runtime"},
     "parallel": {"errors", "runtime", "lb", "core"},
-    "engine": {"errors", "core", "models", "vision"},
+    "engine": {"errors", "core", "models", "vision", "routing"},
     "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
     "demo": {"errors", "core", "models"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats
+    "__main__": {"apps"},             # `python -m vismmoe_kt` is the command line
 }
 
 # attribute names of Hugging Face modules (the model's structure) that only an adapter may name
@@ -103,7 +104,7 @@ def test_imports_point_down():
         for line, target in imported_rooms(rel, tree):
             if target == room or (allowed is None and target != "__init__"):
                 continue
-            if target == "apps" or allowed is None or target not in allowed:
+            if (target == "apps" and room != "__main__") or allowed is None or target not in allowed:
                 wrong.append(f"vismmoe_kt/{rel}:{line} ({room}) imports {target}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
 

@@ -66,6 +66,20 @@ def _expert_kwargs(rules):
     return next(r["replace"]["kwargs"] for r in rules if r["replace"].get("class") == EXPERTS_OPERATOR)
 
 
+@pytest.mark.slow
+def test_synthetic_routing_rows_carry_the_belady_bound(tmp_path, capsys):
+    rc = main(["bench", "--demo", "--configs", "all-pinned", "lru", "--image-sizes", "64", "--decode-tokens", "3",
+               "--warmup", "0", "--repeats", "2", "--budgets", "5MiB", "--cpu_infer", "2", "--routing", "synthetic:5",
+               "--output", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["meta"]["routing"] == "synthetic:5" and "Belady decode" in capsys.readouterr().out
+    lru = next(r for r in result["rows"] if r["config"] == "lru")
+    pinned = next(r for r in result["rows"] if r["config"] == "all-pinned")
+    assert 0 <= lru["hit_rate_decode"] <= 1 and 0 < lru["belady_hit_rate_decode"] <= 1
+    assert pinned["belady_hit_rate_decode"] is None  # nothing offloaded: no cache to bound
+
+
 def test_ablation_steps_add_one_thing_each():
     classes = lambda rules: {r["replace"].get("class") for r in rules}  # noqa: E731
     base, compress, predict, full = (CONFIGS[f"vismmoe{s}"].rules("24GB", "p.pt") for s in

@@ -35,7 +35,7 @@ def chat(model_dir, *prefix, extra=()):
 
 
 def torchrun(port):
-    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt.apps.cli"]
+    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt"]
 
 
 def reply_of(stdout: str) -> str:

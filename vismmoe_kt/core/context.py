@@ -17,6 +17,8 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     expert_parallel   the expert-parallel operators in layer order (followers drive them)
     step_hooks        (before, after) callables around every lean decode step
     decode_state      the engine's decode state for this model (made by the engine on first use)
+    routing           a routing source that replaces the routers' choice (benchmarks: synthetic or
+                      replayed routing on random weights), or None
     checks            requirements between rules, checked once every operator exists (rule order
                       does not matter)
 """
@@ -68,7 +70,8 @@ class LoadContext:
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
-    decode_state: Any = None         # engine.decode_state.DecodeState
+    decode_state: Any = None         # engine.lean_engine.LeanEngine
+    routing: Any = None              # engine.routing_source.RoutingSource: replaces the routers' choice
     checks: list[Callable[[], None]] = field(default_factory=list)
 
     def check(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..models import ModelAdapter
+from ..core.context import context_of_model
 from .lean_engine import ImageKey, decode_engine, image_keys
 
 
@@ -65,7 +66,11 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
     """(1, prompt + new) token ids, like `model.generate` (batch 1). End-of-sequence tokens do not stop
     it before `min_new_tokens` (benchmarks decode a fixed count)."""
     engine = decode_engine(model)
+    context = context_of_model(model)
+    routing = context.routing if context is not None else None  # a routing source replacing the routers' choice
     if engine is None:
+        if routing is not None:
+            routing.begin(inputs["input_ids"], max_new_tokens)
         sampling = {"do_sample": do_sample} if not do_sample else {"do_sample": True, "temperature": temperature,
                                                                      "top_p": top_p}
         return model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -85,6 +90,10 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
                                        new_images_ok=not pruning.active)
     if streamer is not None:
         streamer.put(prompt.cpu())
+    if not reuse:
+        engine.prepare(len(ids) + max_new_tokens)
+    if routing is not None:
+        routing.begin(prompt, max_new_tokens, start=reuse)
     if reuse:  # the history is in the cache: prefill the rest only (the vision tower sees new images only)
         held_images = len(engine.images)
         engine.keep_prefix(reuse)
@@ -93,7 +102,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
         logits = model(**continuation(model, adapter, inputs, reuse, images, held_images), past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1]
     else:
-        cache = engine.prepare(len(ids) + max_new_tokens)
+        cache = engine.cache
         adapter.set_rope_delta(model, None)  # a new request: M-RoPE positions come from this prompt
         pruned_before = pruning.pruned_prefills
         logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]

@@ -133,8 +133,11 @@ class LeanEngine:
                 self.retired_steps.append(self.step.stats())
             self.cache = self.step = None  # free the old buffers before making larger ones
             self.cache = StaticKVCache(*shape, capacity, weight.dtype, weight.device)
+            routing = self.context.routing
+            if routing is not None:  # the table's buffers are read by the captured steps: sized with the cache
+                routing.reserve(capacity, weight.device, weight.dtype)
             self.step = LeanDecodeStep(text, adapter, self.lm_head, self.cache, self.graphs, self._set_visual,
-                                       self.context.step_hooks)
+                                       self.context.step_hooks, routing)
         self.step.profiling = self.profiling
         self.cache.reset()
         self.sequence, self.images, self.pruned, self.pruned_from = [], [], [], None

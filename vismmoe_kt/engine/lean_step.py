@@ -91,8 +91,9 @@ def experts_capturable(experts: nn.Module) -> bool:
 class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
                  graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
-                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None):
+                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None):
         self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
+        self.routing = routing if routing is not None and routing.replaces else None  # a routing source's table
         # (before, after) callables around every step, e.g. expert parallelism announcing it to the
         # other ranks; a list shared with the decoder, so hooks added later apply too
         self.hooks = hooks if hooks is not None else []
@@ -136,7 +137,7 @@ class LeanDecodeStep:
         norm_in = norm_fn(adapter, adapter.input_norm(layer))
         norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
         attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
-        router = router_fn(adapter, adapter.router(layer)) if moe else None
+        router = self._router(index, layer) if moe else None
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
@@ -150,6 +151,14 @@ class LeanDecodeStep:
             weights, chosen = router(flat)
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
+
+    def _router(self, index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's router, or the routing source's row for the step's position (read on the device:
+        the step stays capturable)."""
+        if self.routing is None:
+            return router_fn(self.adapter, self.adapter.router(layer))
+        moe_index, position = self.routing.moe_layers.index(index), self.cache.lengths[:1]  # a view: moves with the cache
+        return lambda x: self.routing.decode_route(moe_index, position)
 
     @staticmethod
     def _experts(experts: nn.Module) -> Callable[[State], State]:

@@ -134,6 +134,10 @@ class ModelAdapter:
         """The (T, K) expert ids in what the router module returns (forward hooks read it)."""
         raise NotImplementedError
 
+    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        """The router's output with these (T, K) weights and expert ids in place of its own choice."""
+        raise NotImplementedError
+
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         """(weight (E, H), top_k) when the router is softmax -> top-k -> renormalise over a linear
         layer, which the decode step computes in fewer kernels; None for any other router."""

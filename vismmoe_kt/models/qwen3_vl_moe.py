@@ -135,6 +135,10 @@ class Qwen3VLMoeAdapter(ModelAdapter):
     def routed_experts(self, router_output: Any) -> torch.Tensor:
         return router_output[2]  # Qwen3VLMoeTextTopKRouter: (logits, scores, top-k indices)
 
+    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        logits, scores, _ = router_output
+        return logits, weights.to(scores.dtype), ids
+
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         if type(router).__name__.endswith("TopKRouter") and isinstance(getattr(router, "weight", None), torch.Tensor):
             return router.weight, int(router.top_k)

@@ -47,7 +47,7 @@ def join_from_env(ep_size: int | None, timeout_s: float) -> Group | None:
     if world == 1:
         if ep_size not in (None, 1):
             raise InputError(f"--ep-size {ep_size} needs {ep_size} processes: launch with "
-                             f"`torchrun --nproc-per-node {ep_size} -m vismmoe_kt.apps.cli ...`")
+                             f"`torchrun --nproc-per-node {ep_size} -m vismmoe_kt ...`")
         return None
     if ep_size not in (None, world):
         raise InputError(f"--ep-size {ep_size}: this launch has {world} processes and expert parallelism spans all "

@@ -62,6 +62,15 @@ def check_predictor(path: str) -> None:
         raise InputError(f"--predictor: {exc}") from None
 
 
+def routing_of(args) -> str:
+    """--routing, defaulting to the synthetic router for random-weight (--synthetic) models."""
+    from ...engine.routing_source import parse_spec
+
+    routing = args.routing or ("synthetic" if args.synthetic else "model")
+    parse_spec(routing)  # a bad value fails before anything loads
+    return routing
+
+
 def run_meta(args, source, budgets: list[str], bandwidth: dict, cuda: bool) -> dict[str, Any]:
     """What a reader needs beside the rows: model, machine, inputs, the measured bandwidth, caveats."""
     import torch
@@ -72,16 +81,21 @@ def run_meta(args, source, budgets: list[str], bandwidth: dict, cuda: bool) -> d
              "GPU cap is the budget plus the non-expert weights",
              "hit rates count offloaded layers only (a pinned layer always hits): across configurations with "
              "different pinned prefixes compare bytes moved, not hit rates"]
-    if source.random_weights:
-        notes.append("random weights: routing is near-uniform, so hit rates, bytes moved, CPU share and the "
-                     "copy bound are not a trained model's")
+    routing = routing_of(args)
+    if routing != "model":
+        notes.append(f"routing: {routing} replaces every router's choice (experts still compute on the model's "
+                     f"weights); Belady decode is the optimal offline hit rate of a per-layer cache of the "
+                     f"same size on the same requests")
+    elif source.random_weights:
+        notes.append("random weights with --routing model: routing is near-uniform, so hit rates, bytes moved, CPU "
+                     "share and the copy bound are not a trained model's")
     if not cuda:
         notes.append("no CUDA: every configuration runs on the CPU; copies are synchronous there, so 'copy "
                      "hidden' counts prefetch copies the compute thread itself ran")
     device = torch.cuda.get_device_name(0) if cuda else \
         f"CPU only ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     return {
-        "model": source.describe(), "layers": args.layers, "device": device, "torch": torch.__version__,
+        "model": source.describe(), "layers": args.layers, "routing": routing, "device": device, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompt": PROMPT,
         "image_sizes": list(args.image_sizes), "decode_tokens": args.decode_tokens, "warmup": args.warmup,
         "repeats": args.repeats, "budgets": budgets, "predictor": args.predictor, "copy_bandwidth": bandwidth,
@@ -106,13 +120,14 @@ def run(args) -> int:
     configs = parse_configs(args.configs, in_group=group is not None)
     budgets = parse_budgets(args.budgets, args.demo)
     check_flags(args)
+    routing_of(args)
     source = model_source(args)
     torch.set_num_threads(args.cpu_infer)
     cuda = torch.cuda.is_available()
     device = group.device if group is not None else "cuda:0" if cuda else "cpu"
     bandwidth = measure_copy_bandwidth(torch.device(device))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
-                        bandwidth["bytes_per_s"], args.predictor, args.profile, group)
+                        bandwidth["bytes_per_s"], args.predictor, args.profile, group, routing_of(args))
     leader = group is None or group.leader  # only rank 0 reports
     meta = run_meta(args, source, budgets, bandwidth, cuda)
     if group is not None:
@@ -177,6 +192,9 @@ def add_parser(commands) -> None:
                      help="decoded tokens timed per run (default: 16)")
     run.add_argument("--warmup", type=int, default=1, help="untimed runs per image size before measuring (default: 1)")
     run.add_argument("--repeats", type=int, default=3, help="timed runs per image size; median and spread (default: 3)")
+    run.add_argument("--routing", help="which experts tokens go to: model (the router's own choice), synthetic[:SEED] "
+                                       "(the calibrated synthetic router) or trace:PATH (replay); default: synthetic "
+                                       "for --synthetic models, model otherwise")
     run.add_argument("--output", help="directory for bench.json and bench.png")
     run.add_argument("--profile", action="store_true",
                      help="also write profile.json: every operator's counters (per layer and phase) per configuration, "

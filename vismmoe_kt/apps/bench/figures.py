@@ -12,6 +12,11 @@ a late prefetch (waited on), a miss (fetched and waited on) or a CPU expert (hyb
     copy bound         time to copy once every offloaded expert the request touches, at the copy
                        bandwidth measured in this run: what a cold cache must move. Prefill: seconds
                        per prefill; decode: the tokens/s that copying alone would allow
+    Belady decode      with a routing source (synthetic or a trace): the optimal offline hit rate of a
+                       per-layer cache of slabs / offloaded layers experts, replaying the measured
+                       requests' decode steps over the offloaded layers (first touches not counted).
+                       The runtime's cache is shared by all layers, so this is a yardstick, not a bound
+                       it must stay under.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 FIGURE_KEYS = ("hit_rate_prefill", "hit_rate_decode", "bytes_per_prefill", "bytes_per_decode_token",
                "copy_hidden_fraction", "cpu_expert_share", "touched_bytes_prefill", "touched_bytes_per_decode_token",
-               "copy_bound_prefill_s", "copy_bound_decode_tok_s", "counters")
+               "copy_bound_prefill_s", "copy_bound_decode_tok_s", "belady_hit_rate_decode", "counters")
 COUNTERS = ("hits", "late", "misses", "cpu_experts")
 RUNTIME_KEYS = tuple(f"{phase}_{c}" for phase in ("prefill", "decode") for c in COUNTERS) + (
     "bytes_copied_prefill", "bytes_copied_decode", "copy_seconds", "stall_seconds")
@@ -34,6 +39,19 @@ def runtime_counters(stats: dict[str, Any]) -> dict[str, float] | None:
 
 def difference(after: dict[str, float] | None, before: dict[str, float] | None) -> dict[str, float] | None:
     return None if after is None else {k: after[k] - before[k] for k in after}
+
+
+def belady_decode(history: list[dict[str, Any]], decode_tokens: int, offloaded: list[int], slabs: int) -> float | None:
+    """Belady's hit rate over the decode steps of these requests, at the offloaded layers' share of slabs."""
+    from ...routing import belady_hit_rate
+
+    if not offloaded or not history or slabs < 1:
+        return None
+    capacity = max(slabs // len(offloaded), 1)
+    rates = [belady_hit_rate(request["ids"][request["prompt"]:request["prompt"] + decode_tokens][:, offloaded], capacity)
+             for request in history]
+    rates = [r for r in rates if r == r]  # NaN: too few steps to touch any expert twice
+    return sum(rates) / len(rates) if rates else None
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -11,7 +11,8 @@ from ...runtime.budget import human_bytes
 from .configs import run_label
 
 COLUMNS = ("config", "budget", "image px (tokens, visual)", "prefill s median (min-max)",
-           "decode tok/s median (min-max)", "hit rate prefill / decode", "bytes/decode token", "copy hidden",
+           "decode tok/s median (min-max)", "hit rate prefill / decode (Belady decode)", "bytes/decode token",
+           "copy hidden",
            "CPU experts", "peak GPU", "copy bound: prefill s / decode tok/s", "notes")
 
 
@@ -42,7 +43,8 @@ def table_row(row: dict[str, Any]) -> list[str]:
     if row["pinned_layers"] is not None:
         notes.insert(0, f"{row['pinned_layers']} pinned layers, {row['slabs']} slabs")
     return [row["config"], row["budget"] or "-", f"{row['image_size']} ({tokens})", _spread(row["prefill_s"], ".3f"),
-            _spread(row["decode_tok_s"], ".2f"), f"{_pct(row['hit_rate_prefill'])} / {_pct(row['hit_rate_decode'])}",
+            _spread(row["decode_tok_s"], ".2f"), f"{_pct(row['hit_rate_prefill'])} / {_pct(row['hit_rate_decode'])}"
+            + (f" ({_pct(row['belady_hit_rate_decode'])})" if row.get("belady_hit_rate_decode") is not None else ""),
             _bytes(row["bytes_per_decode_token"]), _pct(row["copy_hidden_fraction"]), _pct(row["cpu_expert_share"]),
             _bytes(row["peak_gpu_bytes"]),
             f"{_num(row['copy_bound_prefill_s'])} / {_num(row['copy_bound_decode_tok_s'])}", "; ".join(notes) or "-"]
@@ -60,6 +62,7 @@ def describe_meta(meta: dict[str, Any]) -> str:
              f"batch 1, prompt {meta['prompt']!r}, images {meta['image_sizes']} px; {meta['warmup']} warm-up and "
              f"{meta['repeats']} measured runs of prefill + {meta['decode_tokens']} decoded tokens per image size",
              f"copy bandwidth ({bandwidth['kind']}): {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s",
+             f"routing: {meta.get('routing', 'model')}",
              f"host load average (1 min) at start / end: {' / '.join(map(str, meta['load_average']))}"]
     lines += [f"note: {note}" for note in meta["notes"]]
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from ...runtime.budget import parse_bytes
 from ...core.stats import collect_stats
 from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
 from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
-from .figures import FIGURE_KEYS, difference, offload_figures, runtime_counters
+from .figures import FIGURE_KEYS, belady_decode, difference, offload_figures, runtime_counters
 from .inputs import count_tokens, make_request
 from .source import ModelSource
 from .timing import profile_decode, spread, timed_generate
@@ -33,6 +33,7 @@ class Settings:
     predictor: str | None = None
     profile: bool = False
     group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
+    routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (engine/routing_source.py)
 
     @property
     def cuda(self) -> bool:
@@ -117,7 +118,7 @@ def _compression_kept(before: dict, after: dict) -> float | None:
 def measure_size(model, processor, size: int, settings: Settings, row: dict[str, Any], progress) -> None:
     """Warm-up and repetitions at one image size; fills `row` in place."""
     request = make_request(processor, size, settings.device)
-    row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.config.image_token_id)
+    row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.vismmoe.adapter.image_token_id(model.config))
     for _ in range(settings.warmup):
         timed_generate(model, request, settings.decode_tokens)
         progress.update(1)
@@ -129,6 +130,8 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
         decode.append(rate)
         progress.update(1)
     after = collect_stats(model)
+    routing = model.vismmoe.context.routing
+    measured = routing.history[-settings.repeats:] if routing is not None and routing.replaces else []
     if settings.profile:
         row["decode_profile"] = profile_decode(model, request, settings.decode_tokens)
     row["prefill_s"], row["decode_tok_s"] = spread(prefill), spread(decode)
@@ -140,6 +143,9 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
         row.update(offload_figures(delta, settings.repeats, settings.decode_tokens, runtime.store.block_bytes,
                                    settings.bandwidth))
         row.update(pinned_layers=len(runtime.pinned), slabs=runtime.num_slabs)
+        if measured:  # the routing the measured repetitions replayed
+            offloaded = [i for i, layer in enumerate(routing.moe_layers) if layer not in runtime.pinned]
+            row["belady_hit_rate_decode"] = belady_decode(measured, settings.decode_tokens, offloaded, runtime.num_slabs)
     elif "CpuExperts" in after["operators"]:
         row["cpu_expert_share"] = 1.0  # every routed expert runs on the CPU backend
 
@@ -163,6 +169,10 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
         reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else _root_cause(exc)
         return skipped(config, budget, settings, reason), None
     load_s = time.perf_counter() - start
+    if settings.routing != "model":  # every configuration replays the same sequence of requests' routing
+        from ...engine.routing_source import install_routing
+
+        install_routing(model, settings.routing)
     rows, leader = [], None
     if settings.group is not None:  # rank 0 measures; the other ranks serve their experts to it
         from ...parallel import launch

@@ -16,7 +16,9 @@ token). `--turns N` also times an N-turn chat about one image (prompt seconds pe
 path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
-Random weights route almost uniformly, so hit rates and bytes per token are not a trained model's.
+Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
+uniformly, so their own routing would make hit rates and bytes per token meaningless), `model` or
+`trace:PATH`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
 from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
 from vismmoe_kt.demo.tiny import save_tiny_model
 
@@ -66,8 +69,12 @@ def parse_config(spec: str) -> tuple[str, dict]:
 def load_model(args, rules: str, overrides: dict):
     devices = {"generate_device": args.device, "prefill_device": args.device}
     if args.tiny_dir:
-        return load(args.tiny_dir, rules, progress=False, **devices, **overrides)
-    return load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
+        model, processor = load(args.tiny_dir, rules, progress=False, **devices, **overrides)
+    else:
+        model, processor = load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
+    if args.routing != "model":  # every configuration replays the same requests' routing
+        install_routing(model, args.routing)
+    return model, processor
 
 
 def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
@@ -150,6 +157,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
+    parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
+                                          "model, model for --tiny)")
     args = parser.parse_args()
     for spec in args.configs:
         parse_config(spec)
@@ -157,6 +166,7 @@ def main() -> int:
         parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
         parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
+    args.routing = args.routing or ("model" if args.tiny else "synthetic")
     args.tiny_dir = save_tiny_model(tempfile.mkdtemp(), args.tiny, seed=0) if args.tiny else None
     torch.manual_seed(0)
     rows, reference = [], None
@@ -179,7 +189,7 @@ def main() -> int:
             "torch": torch.__version__, "model": args.tiny or f"qwen3-vl-30b-a3b shapes, {args.layers} layers",
             "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
             "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
-            "routing": "random weights (near-uniform routing)"}
+            "routing": args.routing + (" (the random weights' own, near-uniform routing)" if args.routing == "model" else "")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -1,8 +1,8 @@
 """Fit the synthetic router's per-layer knobs to the published Qwen3-30B-A3B routing statistics.
 
-    python scripts/fit_routing.py                  # fit, write the package's calibration, print the table
-    python scripts/fit_routing.py --check          # only measure the current calibration against the targets
-    python scripts/fit_routing.py --out FILE.json  # write elsewhere
+    python -m vismmoe_kt.apps.measure.fit_routing                  # fit, write the package's calibration, print the table
+    python -m vismmoe_kt.apps.measure.fit_routing --check          # only measure the current calibration against the targets
+    python -m vismmoe_kt.apps.measure.fit_routing --out FILE.json  # write elsewhere
 
 Layer by layer, front to back (layer l's hidden state feeds layer l+1), a few rounds of coordinate
 bisection move one knob per target, each over a monotone relation:
@@ -322,7 +322,7 @@ def main() -> None:
     if not args.check:
         table = {
             "model": "Qwen3-30B-A3B (the text MoE of Qwen3-VL-30B-A3B)", "layers": LAYERS, "experts": EXPERTS,
-            "top_k": TOP_K, "written_by": "scripts/fit_routing.py", **table,
+            "top_k": TOP_K, "written_by": "vismmoe_kt/apps/measure/fit_routing.py", **table,
             "fit": {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "check")},
                     "first_seed": {"fit": seeds[0], "corpus": corpus_seeds[0], "vision": vision_seeds[0],
                                    "held_out": HELD_OUT_SEEDS},

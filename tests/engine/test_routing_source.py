@@ -1,0 +1,121 @@
+"""Routing sources on a loaded model: `model` changes nothing, a trace is replayed exactly (prefill and
+decode, lean path and transformers' loop), synthetic routing ignores the generated tokens, and a pruned
+prefill's later layers get the kept positions' rows."""
+
+import pytest
+import torch
+
+from conftest import layer_bytes
+from vismmoe_kt import load
+from vismmoe_kt.apps.cli import main
+from vismmoe_kt.demo.tiny import SPECS
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.engine.routing_source import install_routing
+from vismmoe_kt.errors import InputError
+from vismmoe_kt.routing import load_trace, save_trace, synthetic_trace
+from vismmoe_kt.runtime.offload import OffloadRuntime
+
+CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
+TOKENS = 6
+SPEC = SPECS["tiny-4x16"]
+
+
+def offload(tiny_dir, **extra):
+    return load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=2 * layer_bytes(SPEC), **CPU, **extra)
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """Every (layer, rows of expert ids) the offload runtime is asked to compute, in order."""
+    calls = []
+    original = OffloadRuntime.run_layer
+
+    def spy(self, layer, hidden, top_k_index, top_k_weights, act):
+        calls.append((layer, top_k_index.detach().clone()))
+        return original(self, layer, hidden, top_k_index, top_k_weights, act)
+    monkeypatch.setattr(OffloadRuntime, "run_layer", spy)
+    return calls
+
+
+def test_model_routing_changes_nothing(tiny_dir, image_inputs):
+    plain, _ = offload(tiny_dir)
+    routed, _ = offload(tiny_dir)
+    install_routing(routed, "model")
+    with torch.no_grad():
+        assert torch.equal(generate(plain, image_inputs, TOKENS), generate(routed, image_inputs, TOKENS))
+        assert torch.equal(plain(**image_inputs).logits, routed(**image_inputs).logits)
+
+
+@pytest.mark.parametrize("decode", ["lean", "hf"])
+def test_a_trace_is_replayed_exactly(tiny_dir, image_inputs, tmp_path, seen, decode):
+    prompt = image_inputs["input_ids"].shape[1]
+    ids = synthetic_trace(prompt + TOKENS, layers=SPEC.layers, experts=SPEC.experts, top_k=SPEC.top_k, seed=3)
+    path = tmp_path / "trace.safetensors"
+    save_trace(path, ids)
+    model, _ = offload(tiny_dir, decode=decode)
+    install_routing(model, f"trace:{path}")
+    with torch.no_grad():
+        generate(model, image_inputs, TOKENS)
+    file = load_trace(path).ids
+    prefill = [(layer, rows) for layer, rows in seen if rows.shape[0] == prompt]
+    decode_calls = [(layer, rows) for layer, rows in seen if rows.shape[0] == 1]
+    assert len(prefill) == SPEC.layers and len(decode_calls) == SPEC.layers * (TOKENS - 1)
+    for layer, rows in prefill:
+        assert torch.equal(rows, file[:prompt, layer])
+    for step, (layer, rows) in enumerate(decode_calls):
+        assert torch.equal(rows[0], file[prompt + step // SPEC.layers, layer])
+
+
+def test_synthetic_routing_does_not_depend_on_the_generated_tokens(tiny_dir, image_inputs):
+    tables = []
+    for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 1.5}):
+        model, _ = offload(tiny_dir)
+        source = install_routing(model, "synthetic:7")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            generate(model, image_inputs, TOKENS, **sampling)
+        tables.append(source.history[0]["ids"])
+    assert torch.equal(*tables)
+    prompt = image_inputs["input_ids"].shape[1]
+    visual = (image_inputs["input_ids"][0] == model.config.image_token_id).to(torch.uint8)
+    expected = synthetic_trace(prompt, layers=SPEC.layers, experts=SPEC.experts, top_k=SPEC.top_k,
+                               phase="prefill", modality=visual, seed=7)
+    assert torch.equal(tables[0][:prompt], expected)  # the library's own routing of this prompt
+
+
+def test_a_pruned_prefill_routes_the_kept_positions(tiny_dir, image_inputs, seen):
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl.yaml", expert_budget=2 * layer_bytes(SPEC), miss_policy="wait",
+                    **CPU)
+    source = install_routing(model, "synthetic")
+    with torch.no_grad():
+        generate(model, image_inputs, 2)
+    keep, prune_at = model.vismmoe.context.pruning.keep, model.vismmoe.context.pruning.prune_at
+    table = source.history[0]["ids"]
+    prefill = [(layer, rows) for layer, rows in seen if rows.shape[0] > 1]
+    assert keep is not None and len(keep) < image_inputs["input_ids"].shape[1]
+    for layer, rows in prefill:
+        positions = keep if layer >= prune_at else torch.arange(image_inputs["input_ids"].shape[1])
+        assert torch.equal(rows, table[positions, layer])
+
+
+def test_bad_routing_specs_are_clear_errors(tiny_dir, tmp_path):
+    model, _ = offload(tiny_dir)
+    with pytest.raises(InputError, match="expected model, synthetic, synthetic:SEED or trace:PATH"):
+        install_routing(model, "random")
+    wrong = tmp_path / "wrong.safetensors"
+    save_trace(wrong, synthetic_trace(10, layers=3, experts=SPEC.experts, top_k=SPEC.top_k))
+    with pytest.raises(InputError, match="the routing trace has 3 layers"):
+        install_routing(model, f"trace:{wrong}")
+    with pytest.raises(InputError, match="no-such-file"):
+        install_routing(model, f"trace:{tmp_path / 'no-such-file.npz'}")
+
+
+def test_trace_record_then_stats(tmp_path, capsys):
+    out = tmp_path / "demo-routing.safetensors"
+    assert main(["trace", "record", "--demo", "--synthetic", "2", "--decode_tokens", "4", "--out", str(out)]) == 0
+    trace = load_trace(out)
+    assert trace.request_ids is not None and set(trace.request_ids.tolist()) == {0, 1}
+    assert trace.layers == SPECS["demo-4x32"].layers and int(trace.phase.sum()) == 2 * 3  # 3 decode steps each
+    assert main(["trace", "stats", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "consecutive-token overlap" in printed and "| 0.430 |" in printed  # the published figure beside it

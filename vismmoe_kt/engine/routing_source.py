@@ -1,0 +1,186 @@
+"""Which experts each token goes to: the model's own router, or a routing source that replaces it.
+
+Benchmarks run full-size shapes with random weights, whose routers choose near-uniformly (and greedy
+decoding repeats one token, so every step routes alike): no offloading policy can be judged on that.
+A routing source replaces the router's choice per token and MoE layer while every expert still
+computes on the real weights, so timing stays real and only the choice of experts changes:
+
+    model           the router's own top-k (nothing is replaced; `record=True` keeps what it chose)
+    synthetic[:S]   vismmoe_kt.routing's calibrated synthetic router, request i from seed S + i
+    trace:PATH      replay a recorded trace (vismmoe_kt.routing.load_trace formats), request by request
+
+Per request the source builds one table for every position of the request, prompt and decode
+(ids (N, L, k), weights (N, L, k)), independent of the generated tokens. The prefill takes its rows
+by position through forward hooks on the routers (`adapter.with_routing` rebuilds the router's
+output); the decode engine reads the row of the step's position on the device, so a captured decode
+step replays with the table's next row and no host work. Rows of a pruned prefill (fewer tokens
+after the prefix) are the kept positions (`context.pruning.keep`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.context import LoadContext
+from ..errors import InputError
+from ..models import ModelAdapter
+
+MODES = ("model", "synthetic", "trace")
+
+
+def parse_spec(spec: str) -> tuple[str, Any]:
+    """`model` | `synthetic` | `synthetic:SEED` | `trace:PATH` -> (mode, argument)."""
+    mode, _, argument = spec.partition(":")
+    if mode == "model" and not argument:
+        return "model", None
+    if mode == "synthetic":
+        if argument and not argument.lstrip("-").isdigit():
+            raise InputError(f"--routing {spec}: synthetic:SEED needs a whole number")
+        return "synthetic", int(argument or 0)
+    if mode == "trace" and argument:
+        return "trace", argument
+    raise InputError(f"--routing {spec!r}: expected model, synthetic, synthetic:SEED or trace:PATH")
+
+
+class RoutingSource:
+    def __init__(self, mode: str, adapter: ModelAdapter, config: Any, context: LoadContext, seed: int = 0,
+                 trace: Any = None, record: bool = False):
+        if mode not in MODES:
+            raise InputError(f"routing {mode!r} is not one of: {', '.join(MODES)}")
+        shape = adapter.moe_shape(config)
+        self.mode, self.adapter, self.config, self.context = mode, adapter, config, context
+        self.moe_layers = list(shape.moe_layers)
+        self.layers, self.experts, self.top_k = len(self.moe_layers), shape.num_experts, shape.top_k
+        self.seed, self.trace, self.record = seed, trace, record
+        if trace is not None:
+            if trace.layers != self.layers or trace.top_k != self.top_k or int(trace.ids.max()) >= self.experts:
+                raise InputError(f"the routing trace has {trace.layers} layers x top-{trace.top_k} (ids up to "
+                                 f"{int(trace.ids.max())}); this model has {self.layers} MoE layers x "
+                                 f"{self.experts} experts, top-{self.top_k}")
+            self._trace_cursor = 0
+        self.ids: torch.Tensor | None = None      # (capacity, L, k) long, on the model's device
+        self.weights: torch.Tensor | None = None  # (capacity, L, k)
+        self.requests = 0
+        self.history: list[dict[str, Any]] = []   # per request: ids (N, L, k) on the host, prompt length
+        self._start = self._prompt = 0
+        self._next: list[int] = []
+        self._recorded: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def replaces(self) -> bool:
+        return self.mode != "model"
+
+    # --- per request ---------------------------------------------------------------------------
+    def reserve(self, positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Table buffers for `positions` positions (fixed addresses: captured decode steps read them)."""
+        if self.ids is None or self.ids.shape[0] < positions or self.ids.device != torch.device(device):
+            self.ids = torch.zeros(positions, self.layers, self.top_k, dtype=torch.long, device=device)
+            self.weights = torch.zeros(positions, self.layers, self.top_k, dtype=dtype, device=device)
+
+    def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0) -> None:
+        """A request: prompt `input_ids` (1, T), of which the first `start` are in the cache already."""
+        prompt = int(input_ids.shape[1])
+        self._start, self._prompt = start, prompt
+        self._next = [start] * self.layers
+        self._recorded = {}
+        if not self.replaces:
+            return
+        total = prompt + max_new_tokens
+        visual = self.adapter.image_token_mask(self.config, input_ids[0]).cpu()
+        ids, weights = self._table(total, visual)
+        device = input_ids.device
+        dtype = self.weights.dtype if self.weights is not None else torch.float32
+        self.reserve(total, device, dtype)
+        self.ids[:total].copy_(ids.to(device))
+        self.weights[:total].copy_(weights.to(device=device, dtype=self.weights.dtype))
+        self.history.append({"ids": ids, "prompt": prompt})
+        self.requests += 1
+
+    def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "synthetic":
+            from ..routing import SyntheticRouter
+
+            router = SyntheticRouter(self.layers, self.experts, self.top_k, seed=self.seed + self.requests)
+            prompt = router.route(len(visual), visual.to(torch.uint8), "prefill")
+            rest = router.route(total - len(visual), None, "decode")
+            return torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights])
+        return self._trace_rows(total)
+
+    def _trace_rows(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trace's next request (its request ids; else the next `total` rows), cycled to `total` rows."""
+        trace = self.trace
+        if trace.request_ids is not None:
+            requests = torch.unique_consecutive(trace.request_ids)
+            chosen = requests[self.requests % len(requests)]
+            rows = torch.nonzero(trace.request_ids == chosen, as_tuple=True)[0]
+        else:
+            rows = (torch.arange(total) + self._trace_cursor) % trace.tokens
+            self._trace_cursor = int(rows[-1]) + 1
+        rows = rows[torch.arange(total) % len(rows)]
+        ids = trace.ids[rows].long()
+        weights = trace.weights[rows].float() if trace.weights is not None \
+            else torch.full(ids.shape, 1.0 / self.top_k)  # no weights in the file: equal shares
+        return ids, weights
+
+    def finish(self) -> torch.Tensor | None:
+        """End of a request: with `record`, the router's own choices (positions, L, k) of it."""
+        if not self._recorded:
+            return None
+        rows = [torch.cat(self._recorded[i]) for i in range(self.layers)]
+        return torch.stack(rows, dim=1)
+
+    # --- the prefill (and transformers' decode loop): hooks on the routers ------------------------
+    def install(self, model: Any) -> None:
+        layers = self.adapter.decoder_layers(model)
+        for index, layer in enumerate(self.moe_layers):
+            self.adapter.router(layers[layer]).register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            chosen = self.adapter.routed_experts(output)
+            rows = chosen.shape[0]
+            positions = self._positions(index, rows, chosen.device)
+            if self.record:
+                self._recorded.setdefault(index, []).append(chosen.detach().cpu())
+            if not self.replaces:
+                return None
+            return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
+        return hook
+
+    def _positions(self, index: int, rows: int, device: torch.device) -> torch.Tensor:
+        start = self._next[index]
+        expected = self._prompt - start if start < self._prompt else 1
+        keep = self.context.pruning.keep
+        if rows < expected and keep is not None and keep.numel() == rows:  # a pruned prefill's later layers
+            positions = keep.to(device) + start
+        else:
+            positions = torch.arange(start, start + rows, device=device)
+            expected = rows
+        self._next[index] = start + expected
+        return positions
+
+    # --- the decode engine: the step's row, on the device ----------------------------------------
+    def decode_route(self, index: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (1, k), ids (1, k)) of MoE layer `index` at `position` ((1,) long on the device)."""
+        return self.weights[position, index], self.ids[position, index]
+
+
+def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSource:
+    """Put a routing source (`model`, `synthetic[:SEED]`, `trace:PATH`) on a loaded model."""
+    mode, argument = parse_spec(spec)
+    trace = None
+    if mode == "trace":
+        from ..routing import TraceFormatError, load_trace
+
+        try:
+            trace = load_trace(argument)
+        except (TraceFormatError, OSError) as exc:
+            raise InputError(f"--routing {spec}: {exc}") from None
+    info = model.vismmoe
+    source = RoutingSource(mode, info.adapter, model.config, info.context, seed=argument if mode == "synthetic" else 0,
+                           trace=trace, record=record)
+    source.install(model)
+    info.context.routing = source
+    return source
