@@ -108,3 +108,13 @@ def test_next_use_indices():
     seq = np.array([[0, 1], [2, 0], [1, 3], [0, 2]])
     # expert 0 at t=0 is next used at t=1, then t=3, then never (T = 4)
     assert next_use(seq).tolist() == [[1, 2], [3, 3], [4, 4], [4, 4]]
+
+
+def test_a_warm_up_prefix_is_replayed_but_not_counted():
+    # one layer, k=1, capacity 2: tokens 0-2 warm the cache with experts 0 and 1
+    ids = np.array([0, 1, 0, 1, 0, 2]).reshape(6, 1, 1)
+    warm = simulate_cache(ids, 2, "lru", start=3)
+    assert warm.accesses.tolist() == [3] and warm.hits.tolist() == [2] and warm.cold.tolist() == [1]
+    assert simulate_cache(ids, 2, "belady", start=3).hit_rate(include_cold=True) == 2 / 3
+    cold = simulate_cache(ids, 2, "lru")
+    assert cold.accesses.tolist() == [6] and cold.hits.tolist() == [3] and cold.cold.tolist() == [3]

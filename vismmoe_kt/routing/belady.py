@@ -15,6 +15,10 @@ Cold misses: the first access ever to an expert at a layer misses under any poli
 them from the denominator by default (hits / (accesses - cold)): a cache that holds every expert then
 scores exactly 1.0, and a short trace is not penalised for warming up. `include_cold=True` gives
 hits / accesses.
+
+Warm-up: with `start=S` the first S tokens are replayed but not counted (e.g. a request's prompt
+before its decode steps: the cache enters decode holding what the prompt left, chosen with knowledge
+of the future under MIN).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def next_use(seq: np.ndarray) -> np.ndarray:
     return nxt.reshape(t_count, k)
 
 
-def _belady_layer(seq: np.ndarray, capacity: int) -> tuple[int, int]:
+def _belady_layer(seq: np.ndarray, capacity: int, start: int = 0) -> tuple[int, int]:
     """(hits, cold) of MIN on one layer. The cache maps expert -> its next use; a max-heap of
     (-next use, expert) finds the furthest, with lazy deletion of entries whose next use has moved on."""
     nxt = next_use(seq)
@@ -101,9 +105,10 @@ def _belady_layer(seq: np.ndarray, capacity: int) -> tuple[int, int]:
     seen: set[int] = set()
     hits = cold = 0
     push, pop = heapq.heappush, heapq.heappop
-    for row, nrow in zip(rows, nrows):
+    for t, (row, nrow) in enumerate(zip(rows, nrows)):
         missing = [e for e in row if e not in cache]
-        hits += len(row) - len(missing)
+        counted = t >= start
+        hits += (len(row) - len(missing)) if counted else 0
         evict = len(cache) + len(missing) - capacity
         # Resident experts of this token have next use == now, every other resident one later, and there
         # are at least `evict` others (capacity >= k): the pops never take this token's experts.
@@ -118,19 +123,20 @@ def _belady_layer(seq: np.ndarray, capacity: int) -> tuple[int, int]:
         for e in missing:
             if e not in seen:
                 seen.add(e)
-                cold += 1
+                cold += counted
     return hits, cold
 
 
-def _lru_layer(seq: np.ndarray, capacity: int) -> tuple[int, int]:
+def _lru_layer(seq: np.ndarray, capacity: int, start: int = 0) -> tuple[int, int]:
     cache: OrderedDict[int, None] = OrderedDict()
     seen: set[int] = set()
     hits = cold = 0
-    for row in seq.tolist():
+    for t, row in enumerate(seq.tolist()):
+        counted = t >= start
         missing = []
         for e in row:
             if e in cache:
-                hits += 1
+                hits += counted
                 cache.move_to_end(e)  # this token's hits go to the recent end: never evicted below
             else:
                 missing.append(e)
@@ -140,29 +146,34 @@ def _lru_layer(seq: np.ndarray, capacity: int) -> tuple[int, int]:
             cache[e] = None
             if e not in seen:
                 seen.add(e)
-                cold += 1
+                cold += counted
     return hits, cold
 
 
-def simulate_cache(ids: Any, capacity: int | Sequence[int], policy: str = "belady") -> CacheResult:
+def simulate_cache(ids: Any, capacity: int | Sequence[int], policy: str = "belady", start: int = 0) -> CacheResult:
     """Replay ids [T, L, k] (or one layer [T, k]) through a per-layer expert cache of `capacity`
-    experts (an int, or one per layer) under `policy` ("belady" or "lru")."""
+    experts (an int, or one per layer) under `policy` ("belady" or "lru"), counting tokens >= `start`."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     seqs = _ids(ids)
     t_count, layers, k = seqs.shape
     caps = _capacities(capacity, layers, k)
     run = _belady_layer if policy == "belady" else _lru_layer
-    counts = np.array([run(seqs[:, layer], int(caps[layer])) for layer in range(layers)], dtype=np.int64)
+    if not 0 <= start <= t_count:
+        raise ValueError(f"start must be within the trace's {t_count} tokens, got {start}")
+    counts = np.array([run(seqs[:, layer], int(caps[layer]), start) for layer in range(layers)], dtype=np.int64)
     counts = counts.reshape(layers, 2)
-    return CacheResult(policy, caps, np.full(layers, t_count * k, dtype=np.int64), counts[:, 0], counts[:, 1])
+    accesses = np.full(layers, (t_count - start) * k, dtype=np.int64)
+    return CacheResult(policy, caps, accesses, counts[:, 0], counts[:, 1])
 
 
-def belady_hit_rate(ids: Any, capacity_per_layer: int | Sequence[int], include_cold: bool = False) -> float:
+def belady_hit_rate(ids: Any, capacity_per_layer: int | Sequence[int], include_cold: bool = False,
+                    start: int = 0) -> float:
     """Optimal offline (Belady / MIN) hit rate of a per-layer expert cache; cold misses excluded by default."""
-    return simulate_cache(ids, capacity_per_layer, "belady").hit_rate(include_cold)
+    return simulate_cache(ids, capacity_per_layer, "belady", start).hit_rate(include_cold)
 
 
-def lru_hit_rate(ids: Any, capacity_per_layer: int | Sequence[int], include_cold: bool = False) -> float:
+def lru_hit_rate(ids: Any, capacity_per_layer: int | Sequence[int], include_cold: bool = False,
+                 start: int = 0) -> float:
     """LRU hit rate of a per-layer expert cache, same conventions as `belady_hit_rate`."""
-    return simulate_cache(ids, capacity_per_layer, "lru").hit_rate(include_cold)
+    return simulate_cache(ids, capacity_per_layer, "lru", start).hit_rate(include_cold)

@@ -13,10 +13,11 @@ a late prefetch (waited on), a miss (fetched and waited on) or a CPU expert (hyb
                        bandwidth measured in this run: what a cold cache must move. Prefill: seconds
                        per prefill; decode: the tokens/s that copying alone would allow
     Belady decode      with a routing source (synthetic or a trace): the optimal offline hit rate of a
-                       per-layer cache of slabs / offloaded layers experts, replaying the measured
-                       requests' decode steps over the offloaded layers (first touches not counted).
-                       The runtime's cache is shared by all layers, so this is a yardstick, not a bound
-                       it must stay under.
+                       per-layer cache of slabs / offloaded layers experts over the measured requests'
+                       decode steps and offloaded layers, the prompt replayed token by token first to
+                       warm it (first touches in decode count as misses, as in the runtime's rate).
+                       The runtime's cache is shared by all layers and prefills all tokens at once, so
+                       this is a yardstick, not a bound it must stay under.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def belady_decode(history: list[dict[str, Any]], decode_tokens: int, offloaded: 
     if not offloaded or not history or slabs < 1:
         return None
     capacity = max(slabs // len(offloaded), 1)
-    rates = [belady_hit_rate(request["ids"][request["prompt"]:request["prompt"] + decode_tokens][:, offloaded], capacity)
-             for request in history]
+    # the prompt replayed token by token warms the cache, the decode steps are counted, first touches included
+    rates = [belady_hit_rate(request["ids"][:request["prompt"] + decode_tokens][:, offloaded], capacity,
+                             include_cold=True, start=request["prompt"]) for request in history]
     rates = [r for r in rates if r == r]  # NaN: too few steps to touch any expert twice
     return sum(rates) / len(rates) if rates else None
 
