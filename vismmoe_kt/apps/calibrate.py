@@ -104,14 +104,19 @@ def record_traces(model, processor, requests: list[tuple[Any, str]], out: Path, 
     return paths
 
 
+def add_request_flags(parser, decode_tokens: int) -> None:
+    """Where the requests come from (`requests_from_args`): the user's images and prompts, or synthetic ones."""
+    add_model_flags(parser)
+    parser.add_argument("--images", help="a directory of images or a comma-separated list of files")
+    parser.add_argument("--prompts", help="a text file, one prompt per line (cycled over the images)")
+    parser.add_argument("--synthetic", type=int, default=0, metavar="N", help="use N synthetic images and prompts")
+    parser.add_argument("--image_size", type=int, default=224, help="size of synthetic images")
+    parser.add_argument("--decode_tokens", type=int, default=decode_tokens, help="tokens generated per request")
+
+
 def add_parser(commands) -> None:
     calibrate = commands.add_parser("calibrate", help="record routing traces and train the lookahead predictor")
-    add_model_flags(calibrate)
-    calibrate.add_argument("--images", help="a directory of images or a comma-separated list of files")
-    calibrate.add_argument("--prompts", help="a text file, one prompt per line (cycled over the images)")
-    calibrate.add_argument("--synthetic", type=int, default=0, metavar="N", help="use N synthetic images and prompts")
-    calibrate.add_argument("--image_size", type=int, default=224, help="size of synthetic images")
-    calibrate.add_argument("--decode_tokens", type=int, default=8, help="tokens generated per request")
+    add_request_flags(calibrate, decode_tokens=8)
     calibrate.add_argument("--out", required=True, help="directory for traces/, predictor.pt and calibration.json")
     calibrate.add_argument("--window", type=int, default=5, help="lookahead window W (layers)")
     calibrate.add_argument("--gamma", type=float, default=0.8, help="priority decay per layer of distance")

@@ -139,7 +139,7 @@ def stats(args) -> str:
 
 
 def add_parser(commands) -> None:
-    from .flags import add_model_flags
+    from .calibrate import add_request_flags
 
     trace = commands.add_parser("trace", help="record routing traces, their statistics, figures")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
@@ -149,12 +149,7 @@ def add_parser(commands) -> None:
     plot.add_argument("--predictor", help="predictor.pt, to add per-layer Hot Recall")
     rec = trace_commands.add_parser("record", help="record the model's own routing of some requests (a routing trace "
                                                    "that --routing trace:PATH replays)")
-    add_model_flags(rec)
-    rec.add_argument("--images", help="a directory of images or a comma-separated list of files")
-    rec.add_argument("--prompts", help="a text file, one prompt per line (cycled over the images)")
-    rec.add_argument("--synthetic", type=int, default=0, metavar="N", help="N synthetic images and prompts")
-    rec.add_argument("--image_size", type=int, default=224, help="size of synthetic images")
-    rec.add_argument("--decode_tokens", type=int, default=16, help="tokens generated per request")
+    add_request_flags(rec, decode_tokens=16)
     rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--out", required=True, help="the trace file (.safetensors or .npz)")
     st = trace_commands.add_parser("stats", help="a routing trace's statistics beside the published Qwen3-30B-A3B ones")
