@@ -38,7 +38,7 @@ class SlowWords:
     """Stands in for decode.generation.generate: streams WORDS one token every `pace` seconds, checks the
     stopping criteria before each token, and records every call (its prompt, tokens, cancellation)."""
 
-    def __init__(self, tokenizer, pace=0.005):
+    def __init__(self, tokenizer, pace=0.01):  # a request left to run takes ~20 s: far longer than a cancellation
         self.tokenizer, self.pace = tokenizer, pace
         self.ids = tokenizer(WORDS, add_special_tokens=False)["input_ids"]
         self.calls = []
@@ -285,9 +285,9 @@ def test_health_answers_while_a_request_is_being_prepared(served):
         calls = spy.calls
         pending = raw_post(port, "/v1/chat/completions", json.dumps(chat_body("slow to prepare", max_tokens=2)).encode())
         assert until(lambda: spy.calls > calls)  # the processor is running (and blocked) now
-        started = time.monotonic()
+        # an event loop busy with the request would not answer at all: the client's timeout bounds the wait
         health = httpx.get(url + "/health", timeout=10)
-        assert health.status_code == 200 and time.monotonic() - started < 10
+        assert health.status_code == 200
     finally:
         spy.gate.set()
         spy.gate = None

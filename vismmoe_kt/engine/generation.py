@@ -66,7 +66,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
     """(1, prompt + new) token ids, like `model.generate` (batch 1). End-of-sequence tokens do not stop
     it before `min_new_tokens` (benchmarks decode a fixed count)."""
     engine = decode_engine(model)
-    context = context_of_model(model)
+    context = engine.context if engine is not None else context_of_model(model)
     routing = context.routing if context is not None else None  # a routing source replacing the routers' choice
     if engine is None:
         if routing is not None:

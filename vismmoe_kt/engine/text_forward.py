@@ -17,7 +17,7 @@ Limitation: pruning needs batch size 1 without padding; other batches raise a cl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -228,7 +228,5 @@ class TextForward:
         c.compression_seconds += seconds
 
     def stats(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {"compression": self.settings.compression, "keep_ratio": self.settings.keep_ratio if self.settings.active else 1.0,
                 **asdict(self.counters)}

@@ -21,6 +21,7 @@ Operators are thin: each turns its rule kwargs into a settings dataclass (`setti
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -117,7 +118,7 @@ class BaseInjectedModule(UPSTREAM or nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         nn.Module.__setattr__(self, name, value)
 
-    @property
+    @functools.cached_property
     def adapter(self) -> ModelAdapter:
         """The model family's adapter (looked up when first needed: pass-through operators need none)."""
         return adapter_for(getattr(self.config, "model_type", None), where=f"operator {self.key!r}")
