@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps kt-kernel==0.7.2 gguf==0.19.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps kt-kernel==0.7.2 gguf==0.19.0 triton==3.6.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,7 +2,9 @@
 # One device-tool call per line below (each stage well under the 10-minute limit of one command):
 #   bash scripts/device_session.sh check            install, then scripts/gpu_check.py (every rule file, lean decode + graphs)
 #   bash scripts/device_session.sh bench PART...    scripts/bench_h200.sh PART (synthetic routing), one after another
-#   bash scripts/device_session.sh decode           the decode benchmark (stock transformers vs lean eager/graphed/offloaded)
+#   bash scripts/device_session.sh kernel           the decode experts' kernels: resident, zero-copy from the host, copies
+#   bash scripts/device_session.sh decode [PX]      the decode benchmark at PX px (448): stock transformers, lean graphed,
+#                                                   lean offloaded at 16 and 32 GiB (synthetic routing)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present.
@@ -16,15 +18,20 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 while [[ $# -gt 0 ]]; do
   case $1 in
     check) timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
-    decode) timeout 480 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT" --layers 48 --reps 3 \
-              --decode-tokens 32 --profile --configs hf lean-eager lean-graphs lean:16GiB lean:32GiB | tee "$OUT/decode_bench.txt"
+    kernel) timeout 240 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT" | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
+    decode) shift
+            px=448
+            if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+            timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/decode$px" --layers 48 --reps 3 \
+              --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lean:16GiB lean:32GiB \
+              | tee "$OUT/decode_bench$px.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
              tail -3 "$OUT/bench_part$1.err"
              shift
            done ;;
-    *) echo "unknown stage $1 (check, decode, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

@@ -168,8 +168,10 @@ class LeanEngine:
             return {}
         out = self.step.stats()
         for old in self.retired_steps:  # totals over every cache this engine made
-            for key in ("steps", "graphed_steps", "segments_captured", "capture_failures", "check_failures"):
+            for key in ("steps", "graphed_steps", "segments_captured", "capture_failures", "check_failures",
+                        "check_retries"):
                 out[key] += old[key]
+            out["check_max_difference"] = max(out["check_max_difference"], old["check_max_difference"])
         out["reused_prefixes"], out["reused_tokens"] = self.reuses, self.reused_tokens
         out["cache_capacity"] = self.cache.capacity
         out["cache_bytes"] = self.cache.nbytes()

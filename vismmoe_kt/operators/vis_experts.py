@@ -7,7 +7,8 @@ runtime, which keeps them in a GPU bank (pinned prefix) or in the host ExpertSto
 
 Rule kwargs: OffloadSettings (vismmoe_kt/runtime/offload_settings.py); all operators of a model
 must agree, the first one creates the runtime and hands it its prefetch policy (the lookahead
-predictor's when `predictor` names one, else the history policy). Compute runs on
+predictor's when `predictor` names one, else the history policy), and registers the runtime's
+decode upkeep as step hooks of the lean engine. Compute runs on
 `generate_device` (its slabs and banks live there).
 """
 
@@ -43,6 +44,9 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch)
         context.offload_runtime = runtime
+        if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
+            # the cache's upkeep between lean decode steps (the steps themselves read the table only)
+            context.step_hooks.append((runtime.before_step, runtime.after_step))
     elif runtime.settings != settings or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
     return runtime

@@ -6,7 +6,8 @@ H hidden, I expert intermediate size.
 A bank is `(R, block)` memory seen as gate_up `(R, 2I, H)` and down `(R, H, I)`; `rows[e]` is the
 bank row holding expert `e` of the layer. Token-expert pairs are sorted by row and both projections
 run as transformers' grouped GEMM (`torch._grouped_mm` where the device and shapes allow, its own
-per-group fallback elsewhere), so the GPU path has no Python loop over experts.
+per-group fallback elsewhere), so the GPU path has no Python loop over experts. Each token's K
+outputs are summed in a fixed order, so a step gives the same bits on every run.
 """
 
 from __future__ import annotations
@@ -85,4 +86,7 @@ def bank_experts(
         parts.append(_grouped(act(gate) * up, down[lo:hi], offs))
     y = parts[0] if len(parts) == 1 else torch.cat(parts)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, y.to(hidden.dtype))
+    # back to (token, k) order and summed over k in that order: deterministic, where index_add_'s
+    # CUDA atomics add a token's K contributions in a different order on every run
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden.dtype)

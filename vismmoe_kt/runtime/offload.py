@@ -1,7 +1,13 @@
 """OffloadRuntime: the state all VisExperts operators of one model share.
 
 Owns the pinned prefix (each pinned layer's experts as one GPU bank), the ExpertStore (host blocks
-of every other layer), the slab pool and its SlabCache, and the Transfers. Per MoE layer and step:
+of every other layer), the slab pool and its SlabCache, the Transfers, and the DecodeTable.
+
+Lean decode steps (one token, between the engine's step hooks) go through the table: every layer
+reads its experts where they lie (slab or host store) with no host work, so the whole step is one
+CUDA graph; the DecodeBoundary keeps the cache between steps (decode_table.py, decode_boundary.py).
+Everything else (prefill, decode outside the lean engine, the hybrid CPU path, the predictor's
+per-layer prefetch) takes the placement path, per MoE layer:
 
     route (done by the model) -> need: which experts the tokens chose  [the one device->host sync]
       -> place: hit / late prefetch (wait on its event) / miss: fetch, or the CPU (MissPolicy)
@@ -22,12 +28,16 @@ import torch
 
 from .budget import BudgetError, choose_pinned_layers, human_bytes
 from .expert_compute import bank_experts, row_chunks
+from .host_memory import empty_host_cache
 from .miss_policy import MissPolicy
 from .offload_settings import OffloadSettings
 from .offload_stats import PHASES, LayerCounters, layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
+from .decode_boundary import DecodeBoundary
+from .decode_table import DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views
+from .table_experts import kernel_usable, table_experts
 from .transfers import TransferCounters, Transfers
 
 
@@ -81,6 +91,11 @@ class OffloadRuntime:
         self.policy = prefetch or HistoryPrefetch(settings.prefetch_window, settings.prefetch_gamma)
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill
         self.host_reads = 0  # device->host synchronisations, one per offloaded layer call
+        self.table: DecodeTable | None = None
+        self.boundary = DecodeBoundary(self)
+        self.table_armed = False   # set by the boundary around a lean decode step
+        self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
+        self._use_kernel = False
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -88,9 +103,11 @@ class OffloadRuntime:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
         if self.pool is not None:
             return
-        self.pool = self._bank(max(self.num_slabs, 1))
+        # one row past the slabs: a scratch slab the decode twin's masked landing writes go to
+        self.pool = self._bank(self.num_slabs + 1 if self.num_slabs else 1)
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
-        self._switch_phase(self.phase)
+        self.table = DecodeTable(len(self.moe_layers), self.num_experts, self.top_k, self.device)
+        self.switch_phase(self.phase)
         self.row_map = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long, device=self.device)
         self._row_host = [[0] * self.num_experts for _ in self.moe_layers]
         self._identity = torch.arange(self.num_experts, device=self.device)
@@ -120,10 +137,13 @@ class OffloadRuntime:
     # --- per layer ------------------------------------------------------------------------------
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+        if self.table_armed and top_k_index.numel() == self.top_k:  # a lean decode step: no host work
+            return self._run_from_table(layer, hidden, top_k_index, top_k_weights, act)
         phase = "prefill" if hidden.shape[0] > 1 else "decode"
-        if phase != self.phase:
+        if phase != self.phase or not self.boundary.stale:
             with self.lock:
-                self._switch_phase(phase)
+                self.boundary.leave()
+                self.switch_phase(phase)
         counters = self.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
         self.policy.observe(self, layer, top_k_index)
@@ -148,6 +168,22 @@ class OffloadRuntime:
         with self.lock:
             self.transfers.release(placement.slabs)
             self.cache.end_layer(layer)
+        return out
+
+    def _run_from_table(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+        """One decode token's experts, each read from its slab or the host store (device work only)."""
+        row, ids = self._index[layer], top_k_index.reshape(-1)
+        offloaded = layer not in self.pinned
+        slots, land, pending = self.table.lookup(row, ids, offloaded)
+        if offloaded:
+            host = self.store.layers[layer]
+            out = table_experts(hidden, top_k_index, top_k_weights, slots, land, self.pool, host, host.data_ptr(),
+                                act, self._use_kernel)
+        else:
+            out = table_experts(hidden, top_k_index, top_k_weights, slots, land, self.banks[layer], None, 0, act,
+                                self._use_kernel)
+        self.table.publish(row, ids, land, pending)
         return out
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
@@ -199,13 +235,36 @@ class OffloadRuntime:
         counters.cpu_pairs += int(keep.sum())
         return self.cpu.submit(layer, hidden, ids.masked_fill(~keep, -1), top_k_weights.float())
 
+    def enable_table(self, act: Any) -> bool:
+        """Let lean decode read experts through the table, where it can: not with the hybrid CPU path
+        (its misses go to the CPU), nor a prefetch policy with per-layer host logic (the predictor),
+        and on CUDA only where the Triton kernels serve the dtype and activation. True: the caller
+        registers `boundary.before_step` / `after_step` as the engine's step hooks."""
+        on_cuda = self.device.type == "cuda"
+        self._use_kernel = on_cuda and kernel_usable(self.device, self.store.dtype, act)
+        self.table_enabled = self.policy.capturable and self.cpu is None and (self._use_kernel or not on_cuda)
+        return self.table_enabled
+
+    def before_step(self) -> None:
+        if self.table_enabled:
+            self.boundary.before_step()
+
+    def after_step(self) -> None:
+        if self.table_enabled:
+            self.boundary.after_step()
+
     def decode_capturable(self, layer: int) -> bool:
-        """Whether this layer's decode forward is device work only (a CUDA graph can hold it): a pinned
-        layer of a model with nothing offloaded. With slabs, even pinned layers hand prefetch lists to
-        the transfer worker from the host, which a replayed graph would skip."""
+        """Whether this layer's decode forward is device work only (a CUDA graph can hold it): every
+        layer once the table serves decode; without it, a pinned layer of a model with nothing
+        offloaded (with slabs, the placement path hands prefetch lists to the transfer worker)."""
+        if self.table_enabled:
+            return True
         return layer in self.pinned and self.num_slabs == 0 and self.policy.capturable and self.cpu is None
 
-    def _switch_phase(self, phase: str) -> None:
+    def row_of(self, layer: int) -> int:
+        return self._index[layer]
+
+    def switch_phase(self, phase: str) -> None:
         """Attribute cache and copy events from now on to `phase` (lock held)."""
         self.phase = phase
         self.cache.counters = self.cache_counters[phase]
@@ -228,8 +287,9 @@ class OffloadRuntime:
             self.policy.after_layer(self, layer, hidden)
 
     def prefetch(self, items: list[tuple[Key, float]]) -> None:
-        """Replace the prefetch list: (layer, expert) pairs with priorities (higher sooner)."""
-        if self.transfers is not None and self.num_slabs:
+        """Replace the prefetch list: (layer, expert) pairs with priorities (higher sooner). Ignored
+        while lean decode reads the table: only its boundary may evict then."""
+        if self.transfers is not None and self.num_slabs and self.boundary.stale:
             self.transfers.prefetch([(k, p) for k, p in items if k[0] not in self.pinned])
 
     # --- statistics -------------------------------------------------------------------------------
@@ -249,6 +309,7 @@ class OffloadRuntime:
             self.cache = SlabCache(self.num_slabs, self.cache.layer_order, self.settings.policy)
             self.cache.counters = counters
             self.last_routed.clear()
+            self.boundary.forget()  # the new cache holds no reservations
             if self.transfers is not None:
                 self.transfers.cache = self.cache
                 self.transfers.read_done.clear()
@@ -258,5 +319,15 @@ class OffloadRuntime:
         return self.summary() if layer == self.moe_layers[0] else {}
 
     def close(self) -> None:
+        """Stop the copy worker and give back the host store and the GPU banks (unload)."""
         if self.transfers is not None:
             self.transfers.close()
+        if self.transfers is not None and self.transfers.cuda:
+            torch.cuda.synchronize(self.device)
+        if self.cpu is not None and hasattr(self.cpu, "close"):
+            self.cpu.close()
+        self.store.release()
+        self.banks.clear()
+        self.pool = self.transfers = self.table = None
+        self.table_enabled = False
+        empty_host_cache()

@@ -57,6 +57,7 @@ def summary(runtime: Any) -> dict[str, Any]:
         out.update({
             f"{phase}_evictions": cache.evictions, f"{phase}_prefetches": cache.prefetches,
             f"{phase}_fetches": cache.fetches, f"bytes_copied_{phase}": copies.bytes_copied,
+            f"bytes_host_reads_{phase}": copies.bytes_host_reads,
             f"{phase}_copy_seconds": round(copies.copy_seconds, 6),
             f"{phase}_stall_seconds": round(copies.stall_seconds, 6),
         })
@@ -66,4 +67,6 @@ def summary(runtime: Any) -> dict[str, Any]:
     for total in ("evictions", "prefetches", "fetches", "copy_seconds", "stall_seconds"):
         out[total] = round(sum(out[f"{phase}_{total}"] for phase in PHASES), 6)
     out["bytes_copied"] = sum(out[f"bytes_copied_{phase}"] for phase in PHASES)
+    # expert bytes that crossed PCIe: copies into slabs, and the decode kernels' direct reads of misses
+    out["bytes_over_pcie"] = out["bytes_copied"] + sum(out[f"bytes_host_reads_{phase}"] for phase in PHASES)
     return out

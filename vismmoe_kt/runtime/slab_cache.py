@@ -103,9 +103,11 @@ class SlabCache:
         """Give `key` a slab (free, else a victim) in state IN_FLIGHT; None if no slab may be taken."""
         return self.assign_many([key], None if priority is None else [priority], urgent)[0]
 
-    def assign_many(self, keys: list[Key], priorities: list[float] | None = None, urgent: bool = False) -> list[int | None]:
+    def assign_many(self, keys: list[Key], priorities: list[float] | None = None, urgent: bool = False,
+                    count: bool = True) -> list[int | None]:
         """Slabs for several experts at once (one ranking pass). Prefetches come in priority order and
-        stop at the first that may not evict anything; urgent fetches take any non-Required victim."""
+        stop at the first that may not evict anything; urgent fetches take any non-Required victim.
+        `count=False`: landing reservations (see `land`), counted when something lands."""
         out: list[int | None] = []
         ranked: list[int] | None = None
         for i, key in enumerate(keys):
@@ -125,7 +127,9 @@ class SlabCache:
             self.where[key] = slab
             if priority is not None:
                 self.priority[key] = priority
-            if urgent:
+            if not count:
+                pass
+            elif urgent:
                 self.counters.fetches += 1
             else:
                 self.counters.prefetches += 1
@@ -136,6 +140,32 @@ class SlabCache:
         if self.state[slab] is not SlabState.IN_FLIGHT:
             raise RuntimeError(f"slab {slab} completed a copy it was not waiting for ({self.state[slab].value})")
         self.state[slab] = SlabState.RESIDENT
+
+    # --- landing slabs (decode from the slab table) -------------------------------------------
+    # The decode step reads a missing expert from the host and writes it into a slab reserved for its
+    # layer beforehand ("landing"). A reservation holds a placeholder key (layer, negative id) in
+    # state IN_FLIGHT, so nothing evicts it; `land` gives it its expert, `release` frees it.
+    def land(self, slab: int, key: Key) -> None:
+        placeholder = self.owner[slab]
+        if placeholder is None or placeholder[1] >= 0 or self.state[slab] is not SlabState.IN_FLIGHT:
+            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
+        if key in self.where:
+            raise RuntimeError(f"expert {key} landed in slab {slab} but already has slab {self.where[key]}")
+        del self.where[placeholder]
+        self.owner[slab], self.state[slab] = key, SlabState.RESIDENT
+        self.where[key] = slab
+        self._tick += 1
+        self.last_use[slab] = self._tick
+        self.counters.fetches += 1
+
+    def release(self, slab: int) -> None:
+        """Free an unused landing reservation."""
+        placeholder = self.owner[slab]
+        if placeholder is None or placeholder[1] >= 0:
+            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
+        del self.where[placeholder]
+        self.owner[slab], self.state[slab] = None, SlabState.FREE
+        self._free.append(slab)
 
     def set_priorities(self, priorities: dict[Key, float]) -> None:
         self.priority = dict(priorities)

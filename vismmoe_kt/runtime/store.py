@@ -2,8 +2,9 @@
 
 A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
 slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
-`(slabs, out, in)` tensor that grouped GEMM reads without a copy), so a fetch is two copies. A layer's blocks are one tensor `(E, block_elems)`, page-locked when CUDA is
-present (copies from pageable memory run at about a fifth of the speed and cannot overlap compute).
+`(slabs, out, in)` tensor that grouped GEMM reads without a copy), so a fetch is two copies. A layer's blocks are one tensor `(E, block_elems)` of exactly that size, page-locked and
+mapped when CUDA is present (host_memory.py: copies from pageable memory run at about a fifth of the
+speed and cannot overlap compute; the decode kernels read misses in place).
 Layers are filled one at a time from tensors the loader reads through mmap, so the checkpoint is
 never held twice.
 """
@@ -11,6 +12,8 @@ never held twice.
 from __future__ import annotations
 
 import torch
+
+from .host_memory import HostBuffer
 
 
 def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,13 +30,25 @@ class ExpertStore:
         self.block_elems = 3 * inter * hidden
         self.block_bytes = self.block_elems * torch.tensor([], dtype=dtype).element_size()
         self.layers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, HostBuffer] = {}
 
     def fill_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        blocks = torch.empty(self.num_experts, self.block_elems, dtype=self.dtype, pin_memory=self.pin_memory)
+        if layer in self._buffers:
+            self._buffers.pop(layer).release()
+        buffer = HostBuffer(self.num_experts * self.block_elems, self.dtype, self.pin_memory)
+        blocks = buffer.tensor.view(self.num_experts, self.block_elems)
         gu, dn = block_views(blocks, self.inter, self.hidden)
         gu.copy_(gate_up)
         dn.copy_(down)
+        self._buffers[layer] = buffer
         self.layers[layer] = blocks
+
+    def release(self) -> None:
+        """Unregister and free every layer's blocks (the store is empty afterwards)."""
+        self.layers.clear()
+        for buffer in self._buffers.values():
+            buffer.release()
+        self._buffers.clear()
 
     def block(self, layer: int, expert: int) -> torch.Tensor:
         return self.layers[layer][expert]

@@ -33,6 +33,7 @@ class TransferCounters:
     copy_events: list = field(default_factory=list)   # (start, end) CUDA timing events around copies
     stall_seconds: float = 0.0
     copy_seconds: float = 0.0
+    bytes_host_reads: int = 0  # expert bytes the decode kernels read from the host store directly (zero-copy)
 
     def resolve(self) -> None:
         """Turn finished CUDA timing events into seconds (keeps the lists short)."""
@@ -63,6 +64,7 @@ class Transfers:
         self._ring_next = 0
         self._pending_list = None  # (event, values, indices, n, to_items) waiting for the worker
         self._worker = None
+        self.landed: list[int] = []  # slabs whose copies completed since the decode boundary last looked
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.urgent_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -84,6 +86,7 @@ class Transfers:
             if urgent:  # synchronous: compute waits for the whole copy
                 self.counters.stall_seconds += elapsed
             self.cache.complete(slab)
+            self.landed.append(slab)
             return
         stream = self.urgent_stream if urgent else self.stream
         if slab in self.read_done:
@@ -103,6 +106,7 @@ class Transfers:
             if event.query():
                 del self.events[slab]
                 self.cache.complete(slab)
+                self.landed.append(slab)
 
     def fetch(self, keys: list[Key]) -> list[int]:
         """Urgent copies for needed experts that have no slab; waits for in-flight copies if it must."""

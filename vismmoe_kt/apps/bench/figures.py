@@ -29,7 +29,7 @@ FIGURE_KEYS = ("hit_rate_prefill", "hit_rate_decode", "bytes_per_prefill", "byte
                "copy_bound_prefill_s", "copy_bound_decode_tok_s", "belady_hit_rate_decode", "counters")
 COUNTERS = ("hits", "late", "misses", "cpu_experts")
 RUNTIME_KEYS = tuple(f"{phase}_{c}" for phase in ("prefill", "decode") for c in COUNTERS) + (
-    "bytes_copied_prefill", "bytes_copied_decode", "copy_seconds", "stall_seconds")
+    "bytes_copied_prefill", "bytes_copied_decode", "bytes_host_reads_decode", "copy_seconds", "stall_seconds")
 
 
 def runtime_counters(stats: dict[str, Any]) -> dict[str, float] | None:
@@ -70,7 +70,8 @@ def offload_figures(delta: dict[str, float], repeats: int, decode_tokens: int, b
         "hit_rate_prefill": _ratio(delta["prefill_hits"] + delta["prefill_late"], needed["prefill"]),
         "hit_rate_decode": _ratio(delta["decode_hits"] + delta["decode_late"], needed["decode"]),
         "bytes_per_prefill": delta["bytes_copied_prefill"] / repeats,
-        "bytes_per_decode_token": _ratio(delta["bytes_copied_decode"], decoded),
+        # copies into slabs plus misses the decode kernels read from the host in place: bytes over PCIe
+        "bytes_per_decode_token": _ratio(delta["bytes_copied_decode"] + delta["bytes_host_reads_decode"], decoded),
         "copy_hidden_fraction": (1 - delta["stall_seconds"] / delta["copy_seconds"]) if delta["copy_seconds"] else None,
         "cpu_expert_share": _ratio(delta["prefill_cpu_experts"] + delta["decode_cpu_experts"],
                                    needed["prefill"] + needed["decode"]),

@@ -13,7 +13,7 @@ from .configs import run_label
 COLUMNS = ("config", "budget", "image px (tokens, visual)", "prefill s median (min-max)",
            "decode tok/s median (min-max)", "hit rate prefill / decode (Belady decode)", "bytes/decode token",
            "copy hidden",
-           "CPU experts", "peak GPU", "copy bound: prefill s / decode tok/s", "notes")
+           "CPU experts", "peak GPU (load)", "host RSS", "copy bound: prefill s / decode tok/s", "notes")
 
 
 def _spread(value: dict | None, digits: str) -> str:
@@ -38,7 +38,8 @@ def table_row(row: dict[str, Any]) -> list[str]:
     tokens = "-" if row["prompt_tokens"] is None else f"{row['prompt_tokens']}, {row['visual_tokens']}"
     if row["visual_tokens_kept"] is not None:
         tokens += f" -> {row['visual_tokens_kept']:.0f} kept"
-    notes = [n for n in (row["placement"], row["cpu_backend"] and f"CPU backend {row['cpu_backend']}",
+    notes = [n for n in (row["placement"], row.get("decode_graphs"),
+                         row["cpu_backend"] and f"CPU backend {row['cpu_backend']}",
                          row["reason"] and f"skipped: {row['reason']}") if n]
     if row["pinned_layers"] is not None:
         notes.insert(0, f"{row['pinned_layers']} pinned layers, {row['slabs']} slabs")
@@ -46,7 +47,9 @@ def table_row(row: dict[str, Any]) -> list[str]:
             _spread(row["decode_tok_s"], ".2f"), f"{_pct(row['hit_rate_prefill'])} / {_pct(row['hit_rate_decode'])}"
             + (f" ({_pct(row['belady_hit_rate_decode'])})" if row.get("belady_hit_rate_decode") is not None else ""),
             _bytes(row["bytes_per_decode_token"]), _pct(row["copy_hidden_fraction"]), _pct(row["cpu_expert_share"]),
-            _bytes(row["peak_gpu_bytes"]),
+            _bytes(row["peak_gpu_bytes"]) + (f" ({_bytes(row['peak_gpu_load_bytes'])})"
+                                             if row.get("peak_gpu_load_bytes") is not None else ""),
+            _bytes(row.get("host_rss_bytes")),
             f"{_num(row['copy_bound_prefill_s'])} / {_num(row['copy_bound_decode_tok_s'])}", "; ".join(notes) or "-"]
 
 

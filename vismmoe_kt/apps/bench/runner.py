@@ -15,6 +15,7 @@ import torch
 
 from ...errors import VismmoeError
 from ...runtime.budget import parse_bytes
+from ...runtime.host_memory import empty_host_cache, host_resident_bytes
 from ...core.stats import collect_stats
 from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
 from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
@@ -51,7 +52,7 @@ def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, A
     return {"config": config.name, "description": config.description, "budget": budget, "image_size": size,
             "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
             "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
-            "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, "decode_profile": None,
+            "peak_gpu_load_bytes": None, "host_rss_bytes": None, "decode_graphs": None, "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, "decode_profile": None,
             **dict.fromkeys(FIGURE_KEYS)}
 
 
@@ -79,6 +80,19 @@ def _release_memory(cuda: bool) -> None:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+        empty_host_cache()
+
+
+def _graph_state(model) -> str | None:
+    """How decode ran: graphed steps of all steps, and why not where it went eager."""
+    from ...engine.lean_engine import decode_engine
+
+    engine = decode_engine(model)
+    stats = engine.stats() if engine is not None else {}
+    if not stats:
+        return None
+    state = f"{stats['graphed_steps']}/{stats['steps']} steps graphed"
+    return state + (f" ({stats['reason_eager']})" if stats.get("reason_eager") else "")
 
 
 def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings):
@@ -161,6 +175,8 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
         progress.update(steps)
         return skipped(config, budget, settings, GROUP_REASON), None
     start = time.perf_counter()
+    if settings.cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         model, processor, placement = _load(config, budget, source, settings)
     except (VismmoeError, torch.cuda.OutOfMemoryError) as exc:  # a budget below the minimum, or no room
@@ -169,6 +185,7 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
         reason = f"does not fit on the GPU: {exc}" if isinstance(exc, torch.cuda.OutOfMemoryError) else _root_cause(exc)
         return skipped(config, budget, settings, reason), None
     load_s = time.perf_counter() - start
+    peak_load = torch.cuda.max_memory_allocated() if settings.cuda else None
     if settings.routing != "model":  # every configuration replays the same sequence of requests' routing
         from ...engine.routing_source import install_routing
 
@@ -188,7 +205,7 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     try:
         for size in settings.image_sizes:
             row = empty_row(config, budget, size)
-            row.update(load_s=load_s, placement=placement)
+            row.update(load_s=load_s, placement=placement, peak_gpu_load_bytes=peak_load)
             if settings.cuda:  # the peak at this image size: weights plus this size's activations
                 torch.cuda.reset_peak_memory_stats()
             try:
@@ -198,6 +215,8 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
                 _release_memory(settings.cuda)
             if settings.cuda:
                 row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+            row["host_rss_bytes"] = host_resident_bytes()
+            row["decode_graphs"] = _graph_state(model)
             rows.append(row)
         profile = _operator_stats(model) if settings.profile else None
     finally:

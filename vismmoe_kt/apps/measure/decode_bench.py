@@ -10,9 +10,10 @@ Configurations (all greedy, batch 1, an image prompt):
   lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
   lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
 Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
-tokens agree with `hf` from the start, and for offloaded ones the bytes copied per decode token and
-the physical bound max(bytes per token / copy bandwidth measured in this run, lean-graphs' time per
-token). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
+tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
+that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
+hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
+lean-graphs' time per token). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
 path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
@@ -46,6 +47,7 @@ from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
 from vismmoe_kt.demo.tiny import save_tiny_model
+from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
 
 GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
 
@@ -75,6 +77,12 @@ def load_model(args, rules: str, overrides: dict):
     if args.routing != "model":  # every configuration replays the same requests' routing
         install_routing(model, args.routing)
     return model, processor
+
+
+def _decode_hit_rate(runtime) -> float | None:
+    counters = [c for c in runtime.counters["decode"].values()]
+    needed = sum(c.hits + c.late + c.misses for c in counters)
+    return sum(c.hits + c.late for c in counters) / needed if needed else None
 
 
 def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
@@ -111,7 +119,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     inputs = make_request(processor, args.image_size, args.device)
     timed_generate(model, inputs, 2)  # warm-up (and, with graphs, the capture)
     runtime = runtime_of(model)
-    copied = runtime.summary()["bytes_copied_decode"] if runtime else 0
+    pcie = lambda summary: summary["bytes_copied_decode"] + summary["bytes_host_reads_decode"]  # noqa: E731
+    copied = pcie(runtime.summary()) if runtime else 0
     prefill, decode, tokens = [], [], None
     for _ in range(args.reps):
         p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
@@ -127,7 +136,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     if runtime is not None:
         summary = runtime.summary()
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
-                   decode_bytes_per_token=(summary["bytes_copied_decode"] - copied) / (args.reps * (args.decode_tokens - 1)))
+                   decode_bytes_per_token=(pcie(summary) - copied) / (args.reps * (args.decode_tokens - 1)),
+                   decode_hit_rate=_decode_hit_rate(runtime))
     engine = decode_engine(model)
     if engine is not None:
         row["lean"] = engine.stats()
@@ -135,12 +145,14 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
     if args.device.startswith("cuda"):
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["host_rss_gib"] = host_resident_bytes() / 2**30
     if runtime is not None:
         runtime.close()
     del model, processor, inputs
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
+        empty_host_cache()
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return row, tokens
 
@@ -194,16 +206,22 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n")
-    print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | bytes/token | vs bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | PCIe bytes/token "
+          "| decode hits | vs bound | graphed steps | GPU peak | host RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     hf = next((r for r in rows if r["config"] == "hf"), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
         per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f} MB" if "decode_bytes_per_token" in r else "-"
         bound = f"{r['ratio_to_bound']:.2f}x" if r.get("ratio_to_bound") else "-"
         agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
+        hits = f"{100 * r['decode_hit_rate']:.0f}%" if r.get("decode_hit_rate") is not None else "-"
+        lean = r.get("lean") or {}
+        graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
+        peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
-              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {bound} |")
+              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
+              f"| {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     if args.turns > 1:
         print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
         print("|---" * (args.turns + 1) + "|")

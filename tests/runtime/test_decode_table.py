@@ -1,0 +1,197 @@
+"""The decode table under random interleavings of decode steps, prefills, prefetches and late copies.
+
+An OffloadRuntime on the CPU with copies that land late: a copy first poisons its slab with NaN and
+writes the real weights only when its (fake) event completes, so a table entry that pointed at a
+slab still being written, or at a slab overwritten while the table still pointed at it, would show
+as NaN or wrong outputs. After every operation: each table entry points at a resident slab holding
+exactly that expert, no landing reservation is pointed at, and every layer's output equals the
+experts computed straight from the host store.
+"""
+
+import random
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vismmoe_kt.runtime.offload import OffloadRuntime
+from vismmoe_kt.runtime.offload_settings import OffloadSettings
+from vismmoe_kt.runtime.slab_cache import SlabState
+from vismmoe_kt.runtime.store import block_views
+from vismmoe_kt.runtime.transfers import Transfers
+
+E, H, I, K = 8, 16, 8, 2
+LAYERS = [0, 1, 2, 3]
+
+
+class LateCopy:
+    """A copy event that completes when the test's random source says so (or when waited on)."""
+
+    def __init__(self, transfers, slab, key, rng):
+        self.transfers, self.slab, self.key, self.rng, self.done = transfers, slab, key, rng, False
+
+    def _finish(self):
+        if not self.done:
+            for dst, src in zip((self.transfers.pool[0][self.slab], self.transfers.pool[1][self.slab]),
+                                self.transfers.store.block_parts(*self.key)):
+                dst.copy_(src)
+            self.done = True
+
+    def query(self):
+        if not self.done and self.rng.random() < 0.3:
+            self._finish()
+        return self.done
+
+    def synchronize(self):
+        self._finish()
+
+
+class LateTransfers(Transfers):
+    def __init__(self, *args, rng, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rng = rng
+
+    def _copy(self, slab, key, urgent):
+        self.counters.bytes_copied += self.store.block_bytes
+        self.counters.copies += 1
+        self.pool[0][slab].fill_(float("nan"))  # the slab is being written: garbage until the copy lands
+        self.pool[1][slab].fill_(float("nan"))
+        self.events[slab] = LateCopy(self, slab, key, self.rng)
+
+    def wait_for(self, slabs):  # the placement path's compute waits for the copies it needs
+        for slab in slabs:
+            if slab in self.events:
+                self.events[slab].synchronize()
+        self.poll()
+
+
+def make_runtime(seed, slabs, policy):
+    torch.manual_seed(seed)
+    block = 3 * I * H * 4
+    settings = OffloadSettings(expert_budget=(E + slabs) * block, policy=policy, pinned_layers=1 if policy == "vismmoe" else 0,
+                               prefetch_window=2)
+    runtime = OffloadRuntime(settings, LAYERS, E, H, I, torch.float32, "cpu", top_k=K)
+    weights = {}
+    for layer in LAYERS:
+        gate_up, down = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
+        runtime.load_layer(layer, gate_up, down)
+        weights[layer] = (gate_up, down)
+    assert runtime.enable_table(torch.nn.SiLU())
+    runtime.transfers = LateTransfers(runtime.store, runtime.pool, runtime.cache, runtime.lock, 4,
+                                      rng=random.Random(seed))
+    runtime.switch_phase(runtime.phase)
+    return runtime, weights
+
+
+def reference(weights, hidden, ids, w):
+    gate_up, down = weights
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            gate, up = (gate_up[e] @ hidden[t]).chunk(2)
+            out[t] += w[t, k] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def check_table(runtime, settled=True):
+    """settled: at a boundary, where the host knows what landed; right after a step it does not yet
+    (the device table already points at what landed in it, which the data check still covers)."""
+    cache, table = runtime.cache, runtime.table.slots
+    reserved = {s for slabs in runtime.boundary.reserved.values() for s in slabs}
+    for row, layer in enumerate(runtime.moe_layers):
+        if layer in runtime.pinned:
+            assert table[row, :E].tolist() == list(range(E))
+            continue
+        gate_up, down = block_views(runtime.store.layers[layer], I, H)
+        for expert in range(E):
+            slab = int(table[row, expert])
+            if slab < 0:
+                continue
+            if settled:
+                assert slab not in reserved, f"the table points at landing reservation {slab}"
+                assert cache.owner[slab] == (layer, expert) and cache.state[slab] is SlabState.RESIDENT
+            assert torch.equal(runtime.pool[0][slab], gate_up[expert]), f"slab {slab} does not hold {(layer, expert)}"
+            assert torch.equal(runtime.pool[1][slab], down[expert])
+    cache.check_invariants()
+
+
+def route(rng, tokens, favourites):
+    ids = [rng.sample(favourites if rng.random() < 0.7 else range(E), K) for _ in range(tokens)]
+    return torch.tensor(ids), torch.rand(tokens, K)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), slabs=st.integers(E, 2 * E), policy=st.sampled_from(["vismmoe", "lru"]),
+       ops=st.lists(st.sampled_from(["decode", "decode", "decode", "prefill", "prefetch", "poll"]), min_size=5, max_size=30))
+def test_table_never_points_at_a_slab_being_written(seed, slabs, policy, ops):
+    runtime, weights = make_runtime(seed, slabs, policy)
+    rng = random.Random(seed)
+    favourites = rng.sample(range(E), 4)
+    act = torch.nn.SiLU()
+    with torch.no_grad():
+        for op in ops:
+            if op in ("decode", "prefill"):
+                tokens = 1 if op == "decode" else 3
+                if op == "decode":
+                    runtime.before_step()
+                    check_table(runtime)
+                for layer in LAYERS:
+                    hidden = torch.randn(tokens, H)
+                    ids, w = route(rng, tokens, favourites)
+                    out = runtime.run_layer(layer, hidden, ids, w, act)
+                    torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+                if op == "decode":
+                    runtime.after_step()
+            elif op == "prefetch":
+                items = [((rng.choice(LAYERS[1:]), rng.randrange(E)), rng.random()) for _ in range(rng.randrange(1, 6))]
+                runtime.prefetch(list(dict(items).items()))
+            else:
+                with runtime.lock:
+                    runtime.transfers.poll()
+            if not runtime.boundary.stale:
+                check_table(runtime, settled=not runtime.table._pending)
+        runtime.before_step()
+        check_table(runtime)
+
+
+def test_decode_misses_land_and_then_hit():
+    """A miss is read from the host and written to a landing slab in the same step; the next step
+    with the same routing hits it (no copy issued, the bytes were read once)."""
+    runtime, weights = make_runtime(0, 2 * E, "lru")
+    hidden, ids, w = torch.randn(1, H), torch.tensor([[1, 5]]), torch.rand(1, K)
+    runtime.before_step()
+    for layer in LAYERS:
+        runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+    runtime.after_step()
+    runtime.before_step()
+    for layer in LAYERS:
+        runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+    runtime.after_step()
+    runtime.before_step()
+    counters = [runtime.counters["decode"][layer] for layer in LAYERS]
+    assert [(c.hits, c.misses) for c in counters] == [(0 + 2, 2)] * 4  # step 1: 2 misses; step 2: 2 hits
+    assert runtime.copy_counters["decode"].bytes_host_reads == 4 * 2 * runtime.store.block_bytes
+    assert runtime.copy_counters["decode"].copies == 0
+    assert all((layer, e) in runtime.cache.where for layer in LAYERS for e in (1, 5))
+
+
+def test_store_memory_is_exact_and_returns_after_close():
+    """The host store takes exactly its blocks (no rounding) and gives them back on close."""
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    e, h, i = 8, 1024, 1024  # 12 MiB blocks, 96 MiB layers: well above malloc's mmap threshold
+    settings = OffloadSettings(expert_budget=3 * e * 3 * i * h * 4, policy="lru")
+    runtime = OffloadRuntime(settings, [0, 1, 2], e, h, i, torch.float32, "cpu", top_k=2)
+    start = process.memory_info().rss
+    for layer in (0, 1, 2):
+        runtime.load_layer(layer, torch.ones(e, 2 * i, h), torch.ones(e, h, i))
+    store = runtime.store.nbytes
+    assert store == 3 * e * 3 * i * h * 4 and all(t.untyped_storage().nbytes() == store // 3
+                                                   for t in runtime.store.layers.values())
+    assert process.memory_info().rss - start > 0.9 * store
+    runtime.close()
+    assert runtime.store.layers == {}
+    assert process.memory_info().rss - start < 0.1 * store

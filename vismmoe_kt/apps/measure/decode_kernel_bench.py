@@ -1,0 +1,143 @@
+"""One decode token's routed experts (Qwen3-VL-30B-A3B shapes, BF16, K = 8): where the time goes.
+
+    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out DIR
+
+Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS layers in a row
+(distinct experts per layer, so nothing is served from L2):
+  grouped resident     transformers' grouped GEMM over a bank (the placement path's kernel)
+  table resident       the decode table's Triton kernels, every expert in a slab
+  table host           the same, every expert read from the page-locked host store (zero-copy over PCIe)
+  table host + land    ... and written into a landing slab as it is read (what a decode miss costs)
+  copy engine          cudaMemcpyAsync of the same bytes from the host store into slabs
+Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
+page-locked host memory takes per GiB (the store's load cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from vismmoe_kt.runtime.expert_compute import bank_experts
+from vismmoe_kt.runtime.host_memory import HostBuffer
+from vismmoe_kt.runtime.table_experts import table_experts
+
+E, H, I, K = 128, 2048, 768, 8
+LAYERS = 8
+
+
+def timed(run, repeats: int = 20) -> float:
+    """Median seconds of one replay of a graph of `run`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    block = 3 * I * H
+    block_bytes = block * 2
+    start = time.perf_counter()
+    store = HostBuffer(E * block, torch.bfloat16, page_locked=True)
+    register_s = time.perf_counter() - start
+    host = store.tensor.view(E, block)
+    host.normal_(0, 0.02)
+    slabs = LAYERS * K + 1
+    pools = (torch.randn(slabs, 2 * I, H, device=device, dtype=torch.bfloat16) / 50,
+             torch.randn(slabs, H, I, device=device, dtype=torch.bfloat16) / 50)
+    bank = (torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) / 50,
+            torch.randn(E, H, I, device=device, dtype=torch.bfloat16) / 50)
+    x = torch.randn(1, H, device=device, dtype=torch.bfloat16)
+    w = torch.rand(1, K, device=device)
+    ids = [torch.arange(l * K, (l + 1) * K, device=device).view(1, K) % E for l in range(LAYERS)]
+    resident = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
+    on_host = torch.full((K,), -1, dtype=torch.long, device=device)
+    no_land = torch.full((K,), -1, dtype=torch.long, device=device)
+    identity = torch.arange(E, device=device)
+    act = torch.nn.SiLU()
+
+    def grouped():
+        for l in range(LAYERS):
+            bank_experts(x, ids[l], w, identity, *bank, act)
+
+    def table(slots, land, source):
+        def run():
+            for l in range(LAYERS):
+                table_experts(x, ids[l], w, slots[l], land[l], pools, source, source.data_ptr(), act, True)
+        return run
+
+    rows = []
+    per_token = LAYERS * K * block_bytes
+    for name, run in [("grouped resident", grouped),
+                      ("table resident", table(resident, [no_land] * LAYERS, host)),
+                      ("table host", table([on_host] * LAYERS, [no_land] * LAYERS, host)),
+                      ("table host + land", table([on_host] * LAYERS, resident, host))]:
+        seconds = timed(run)
+        rows.append({"kernel": name, "us_per_layer": seconds / LAYERS * 1e6, "gb_s": per_token / seconds / 1e9})
+    def copies():
+        for l in range(LAYERS):
+            for k in range(K):
+                e = (l * K + k) % E
+                pools[0][l * K + k].view(-1).copy_(host[e, :2 * I * H], non_blocking=True)
+                pools[1][l * K + k].view(-1).copy_(host[e, 2 * I * H:], non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        copies()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    seconds = statistics.median(times)
+    rows.append({"kernel": "copy engine", "us_per_layer": seconds / LAYERS * 1e6, "gb_s": per_token / seconds / 1e9})
+    # the table's result from the host equals the one from slabs holding the same bytes (bit for bit)
+    for l in range(LAYERS):
+        for k in range(K):
+            e = (l * K + k) % E
+            pools[0][l * K + k].view(-1).copy_(host[e, :2 * I * H])
+            pools[1][l * K + k].view(-1).copy_(host[e, 2 * I * H:])
+    a = table_experts(x, ids[0], w, resident[0], no_land, pools, host, host.data_ptr(), act, True)
+    b = table_experts(x, ids[0], w, on_host, no_land, pools, host, host.data_ptr(), act, True)
+    reference = torch.zeros(1, H, device=device)
+    for k in range(K):
+        e = int(ids[0][0, k])
+        gate, up = (host[e, :2 * I * H].view(2 * I, H).to(device).float() @ x[0].float()).chunk(2)
+        reference[0] += w[0, k] * (host[e, 2 * I * H:].view(H, I).to(device).float() @ (act(gate) * up))
+    error = float((a.float() - reference).norm() / reference.norm())
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": K, "layers_per_graph": LAYERS},
+           "register_s_per_gib": register_s / (E * block_bytes / 2**30), "rows": rows,
+           "host_equals_slab_bitwise": bool(torch.equal(a, b)), "relative_error_vs_fp32": error}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "decode_kernel_bench.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    store.release()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

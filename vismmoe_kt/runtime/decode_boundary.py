@@ -1,0 +1,171 @@
+"""DecodeBoundary: the offload cache's upkeep once per decode token, between steps, off the step itself.
+
+The lean decode step reads its experts through the DecodeTable (no host work per layer: one graph per
+step). Around each step the engine calls the runtime's step hooks, which land here:
+
+    after a step    start copying its records (routing, where each pair was read, what landed) to
+                    page-locked host memory
+    before a step   1. decode starts (after a prefill or a cache reset): the table is rebuilt from the
+                       slab cache, the prefetch queue emptied (nothing evicts behind the table's back)
+                    2. the last step's records: counters (hits and host reads per layer), the slab
+                       cache's bookkeeping (recency, Expired/Speculative), what landed becomes resident
+                    3. copies that finished since (prefetches issued during prefill) are published
+                    4. landing reservations for the next step: per offloaded layer, its last misses
+                       plus SPARE slabs (at most K), victims chosen by the cache policy and dropped
+                       from the table first
+
+All of it runs under the runtime's lock; the device writes go on the compute stream, ordered after
+the previous step and before the next one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from .decode_table import ARRIVING, NOT_RESIDENT
+from .offload_stats import LayerCounters
+from .slab_cache import SlabState
+
+SPARE = 2  # landing slots beyond the layer's last miss count: room for a change of topic
+
+
+class DecodeBoundary:
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
+        self.last_misses: dict[int, int] = {}      # row -> experts read from the host at the last step
+        self.stale = True                          # the table must be rebuilt before the next step
+        self._names = itertools.count()
+
+    @property
+    def table(self):
+        return self.runtime.table
+
+    # --- the hooks ---------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        rt = self.runtime
+        with rt.lock:
+            if rt.table_armed:  # a step ran without its `after` (the graph self-check nests a second
+                self.table.readback()  # step inside the first): read what it did before moving on
+            if self.stale:
+                self._enter()
+            else:
+                records = self.table.collect()
+                if records is not None:
+                    self._account(records)
+            self._publish_finished_copies()
+            self._reserve()
+            rt.table_armed = True
+
+    def after_step(self) -> None:
+        self.runtime.table_armed = False
+        self.table.readback()
+
+    # --- leaving and entering ----------------------------------------------------------------------
+    def leave(self) -> None:
+        """Something other than a table step is about to use the cache (prefill, an eager decode, a
+        reset): give the landing reservations back; the table is rebuilt when decode resumes (lock held)."""
+        records = self.table.collect()
+        if records is not None:  # the last step before this: count it, keep what landed
+            self._account(records)
+        cache = self.runtime.cache
+        for slabs in self.reserved.values():
+            for slab in slabs:
+                if cache.owner[slab] is not None and cache.owner[slab][1] < 0:
+                    cache.release(slab)
+        self.reserved.clear()
+        self.table.discard()
+        self.stale = True
+
+    def forget(self) -> None:
+        """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
+        self.reserved.clear()
+        self.table.discard()
+        self.stale = True
+
+    def _enter(self) -> None:
+        rt = self.runtime
+        if rt.transfers is not None:  # queued prefetches would evict slabs the table points at
+            rt.transfers.queue.clear()
+            rt.transfers._pending_list = None
+            rt.transfers.poll()
+            rt.transfers.landed.clear()
+        rt.switch_phase("decode")
+        rows = []
+        for layer in rt.moe_layers:
+            if layer in rt.pinned:
+                rows.append(list(range(rt.num_experts)))
+                continue
+            row = [NOT_RESIDENT] * rt.num_experts
+            for expert in range(rt.num_experts):
+                slab = rt.cache.where.get((layer, expert))
+                if slab is not None:  # a copy still in flight is published when it lands; no landing meanwhile
+                    row[expert] = slab if rt.cache.state[slab] is SlabState.RESIDENT else ARRIVING
+            rows.append(row)
+        self.table.rebuild(rows)
+        self.table.discard()
+        self.stale = False
+
+    # --- records -----------------------------------------------------------------------------------
+    def _account(self, records) -> None:
+        rt, cache = self.runtime, self.runtime.cache
+        copies = rt.copy_counters["decode"]
+        for row, layer in enumerate(rt.moe_layers):
+            if layer in rt.pinned:
+                continue
+            ids, read = records.routed[row], records.read[row]
+            counters = rt.counters["decode"].setdefault(layer, LayerCounters())
+            counters.calls += 1
+            misses = sum(1 for s in read if s < 0)
+            counters.hits += len(ids) - misses
+            counters.misses += misses
+            copies.bytes_host_reads += misses * rt.store.block_bytes
+            self.last_misses[row] = misses
+            rt.last_routed[layer] = list(ids)
+            slabs = self.reserved.get(row, [])
+            for slot, expert in enumerate(records.owner[row][:len(slabs)]):
+                if expert >= 0:
+                    cache.land(slabs[slot], (layer, expert))
+            self.reserved[row] = [s for s, e in zip(slabs, records.owner[row]) if e < 0]
+            cache.begin_layer(layer, [e for e in ids if (layer, e) in cache.where])  # recency, Expired/Speculative
+            cache.end_layer(layer)
+
+    def _publish_finished_copies(self) -> None:
+        rt = self.runtime
+        if rt.transfers is None:
+            return
+        rt.transfers.poll()
+        entries = []
+        for slab in rt.transfers.landed:
+            key = rt.cache.owner[slab]
+            if key is not None and key[1] >= 0 and rt.cache.state[slab] is SlabState.RESIDENT:
+                entries.append((rt.row_of(key[0]), key[1], slab))
+        rt.transfers.landed.clear()
+        self.table.set_entries(entries)
+
+    # --- reservations ------------------------------------------------------------------------------
+    def _reserve(self) -> None:
+        rt, cache = self.runtime, self.runtime.cache
+        k = rt.top_k
+        wanted: list[tuple[int, int]] = []  # (row, how many more)
+        for row, layer in enumerate(rt.moe_layers):
+            if layer in rt.pinned:
+                continue
+            have = self.reserved.setdefault(row, [])
+            want = min(k, self.last_misses.get(row, k) + SPARE)
+            while len(have) > want:
+                cache.release(have.pop())
+            if len(have) < want:
+                wanted.append((row, want - len(have)))
+        keys = [(rt.moe_layers[row], -1 - next(self._names)) for row, n in wanted for _ in range(n)]
+        if keys:
+            before = list(cache.owner)
+            slabs = cache.assign_many(keys, urgent=True, count=False)
+            victims = [(rt.row_of(before[s][0]), before[s][1], NOT_RESIDENT) for s in slabs
+                       if s is not None and before[s] is not None]
+            self.table.set_entries(victims)  # dropped from the table before anything overwrites them
+            for key, slab in zip(keys, slabs):
+                if slab is not None:
+                    self.reserved[rt.row_of(key[0])].append(slab)
+        self.table.reserve([self.reserved.get(row, []) for row in range(len(rt.moe_layers))])

@@ -1,0 +1,74 @@
+"""A decode step's routed experts from the slab table: each pair's weights read where they lie.
+
+Shapes: T tokens, K experts per token, P = T * K pairs, H hidden, I intermediate, S slabs.
+
+`slots[p]` is the slab holding pair p's expert, or -1 (not resident: read the host store);
+`land[p]` is the slab a missing expert's weights are also written to as they are read (-1: none).
+On CUDA this is the Triton kernel pair of vismmoe_kt.runtime.decode_kernel (zero-copy reads of the
+mapped host store); elsewhere `experts_twin`, the same arithmetic in torch (fp32 accumulation, the
+same landing writes), which the CPU tests run.
+
+`combine` weights the P outputs and sums each token's K of them in a fixed order (no atomics), so
+the result is the same on every run: the graphed step can be checked bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import decode_kernel
+from .store import block_views
+
+
+def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(P, H) per-pair outputs -> (T, H): weighted, summed over each token's K pairs in order."""
+    tokens, k = top_k_weights.shape
+    weighted = y.view(tokens, k, -1) * top_k_weights.to(y.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1).to(dtype)
+
+
+def kernel_usable(device: torch.device, dtype: torch.dtype, act: Any) -> bool:
+    """Whether the Triton kernels serve this layer: CUDA, a supported dtype, SiLU gating."""
+    return device.type == "cuda" and decode_kernel.available(dtype) and is_silu(act)
+
+
+def is_silu(act: Any) -> bool:
+    return isinstance(act, torch.nn.SiLU) or getattr(act, "__name__", "") == "silu" or act is torch.nn.functional.silu
+
+
+def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                 pools: tuple[torch.Tensor, torch.Tensor], host_blocks: torch.Tensor | None, act: Any,
+                 top_k: int) -> torch.Tensor:
+    """The kernels' function in torch: (P, H) fp32, and the landing writes into the pools."""
+    gate_up_pool, down_pool = pools
+    inter, hidden = gate_up_pool.shape[1] // 2, gate_up_pool.shape[2]
+    hit = slots >= 0
+    resident = slots.clamp(min=0)
+    gate_up, down = gate_up_pool[resident], down_pool[resident]  # (P, 2I, H), (P, H, I): gathered copies
+    if host_blocks is not None:  # branch-free, like the kernels: no host read of the device's values
+        host_gate_up, host_down = block_views(host_blocks, inter, hidden)
+        gate_up = torch.where(hit[:, None, None], gate_up, host_gate_up[ids].to(gate_up.device))
+        down = torch.where(hit[:, None, None], down, host_down[ids].to(down.device))
+        # pairs without a landing slab write to the pool's last row, a scratch slab nothing reads
+        target = torch.where(land >= 0, land, gate_up_pool.shape[0] - 1)
+        gate_up_pool.index_copy_(0, target, gate_up)
+        down_pool.index_copy_(0, target, down)
+    x_pairs = x.float()[torch.arange(ids.numel(), device=x.device) // top_k]
+    gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
+def table_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  slots: torch.Tensor, land: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
+                  host_blocks: torch.Tensor | None, host_addr: int, act: Any, use_kernel: bool) -> torch.Tensor:
+    """(T, H) routed-expert output of one layer's decode tokens, combined deterministically."""
+    top_k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1)
+    if use_kernel:
+        block_elems = host_blocks.shape[1] if host_blocks is not None else 0
+        y = decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, host_addr, block_elems, top_k)
+    else:
+        y = experts_twin(hidden, ids, slots, land, pools, host_blocks, act, top_k)
+    return combine(y, top_k_weights, hidden.dtype)
