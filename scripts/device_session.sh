@@ -4,7 +4,10 @@
 #   bash scripts/device_session.sh bench PART...    scripts/bench_h200.sh PART (synthetic routing), one after another
 #   bash scripts/device_session.sh kernel           the decode experts' kernels: resident, zero-copy from the host, copies
 #   bash scripts/device_session.sh decode [PX]      the decode benchmark at PX px (448): stock transformers, lean graphed,
-#                                                   lean offloaded at 16 and 32 GiB (synthetic routing)
+#                                                   lru at 16 GiB, lean offloaded at 16 and 32 GiB (synthetic
+#                                                   routing): five configurations in one process
+#   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
+#                                                   all-resident; then stock vs all-resident at 448 px
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present.
@@ -18,13 +21,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 while [[ $# -gt 0 ]]; do
   case $1 in
     check) timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
-    kernel) timeout 240 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT" | tee "$OUT/decode_kernel_bench.txt"
+    kernel) timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
     decode) shift
             px=448
             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
-            timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/decode$px" --layers 48 --reps 3 \
-              --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lean:16GiB lean:32GiB \
+            timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/decode$px" --layers 48 --reps 5 \
+              --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lru:16GiB lean:16GiB lean:32GiB \
               | tee "$OUT/decode_bench$px.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
@@ -32,6 +35,13 @@ while [[ $# -gt 0 ]]; do
              tail -3 "$OUT/bench_part$1.err"
              shift
            done ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], bench PART...)" >&2; exit 2 ;;
+    fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
+          python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
+          timeout 500 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \
+            --decode-tokens 32 --routing "trace:$OUT/fits.safetensors" --configs lean-graphs lru:32GiB lean:32GiB \
+            | tee "$OUT/decode_fits.txt"
+          timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
+            --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], fits, bench PART...)" >&2; exit 2 ;;
   esac
 done

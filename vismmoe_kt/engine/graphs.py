@@ -5,7 +5,9 @@ it reads its inputs from the tensors it was captured with and writes its outputs
 capture returned; replaying it launches the whole run at once. Whatever runs between two segments
 (offloaded experts, CPU experts) must copy its results into the next segment's input tensors.
 
-`CudaGraphCapture` records a `torch.cuda.CUDAGraph` (all segments of a step share one memory pool).
+`CudaGraphCapture` records a `torch.cuda.CUDAGraph`; all segments of a step, and the steps an engine
+makes for larger caches, share one memory pool (the engine's), so a conversation that outgrows its
+cache captures again into memory the old graphs gave back.
 `ReplayCapture` is the CPU twin: it keeps the same fixed input and output tensors and re-runs the
 segment eagerly into them, so the plumbing between segments (which buffer feeds which) is exercised
 by the CPU tests exactly as the CUDA path uses it.
@@ -25,6 +27,9 @@ State = tuple[torch.Tensor, ...]
 class ReplayCapture:
     name = "replay"
 
+    def reset(self) -> None:
+        pass
+
     def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
         outputs = tuple(t.clone() for t in run())  # fixed output tensors, like a graph's pool
 
@@ -37,10 +42,14 @@ class ReplayCapture:
 class CudaGraphCapture:
     name = "cuda"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pool=None):
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: list[torch.cuda.CUDAGraph] = []  # kept alive: a replayed graph must not be freed
+
+    def reset(self) -> None:
+        """Drop the graphs captured so far (before capturing the step again)."""
+        self.graphs.clear()
 
     def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
         # warm-up on a side stream first, as torch requires (lazy inits, cuBLAS workspaces)
@@ -58,15 +67,16 @@ class CudaGraphCapture:
         return graph.replay, tuple(outputs)
 
 
-def capture_backend(mode: str, device: torch.device):
-    """`cuda`, `replay`, or None (eager) for a graphs setting of auto | cuda | replay | off."""
+def capture_backend(mode: str, device: torch.device, pool=None):
+    """`cuda`, `replay`, or None (eager) for a graphs setting of auto | cuda | replay | off; `pool`: a
+    CUDA graph memory pool to share (torch.cuda.graph_pool_handle())."""
     if mode == "off":
         return None
     if mode == "replay":
         return ReplayCapture()
     if mode in ("auto", "cuda"):
         if device.type == "cuda":
-            return CudaGraphCapture(device)
+            return CudaGraphCapture(device, pool)
         if mode == "cuda":
             raise ValueError(f"graphs: cuda needs the decoder on a CUDA device, it runs on {device}")
         return None

@@ -67,6 +67,7 @@ class LeanEngine:
         self.pruned: list[int] = []     # positions of `sequence` without an entry in layers >= pruned_from
         self.pruned_from: int | None = None
         self.reuses = self.reused_tokens = 0
+        self.graph_pool = None  # one CUDA graph memory pool for every step (cache size) this engine makes
 
     def reusable_prefix(self, ids: list[int], images: list[ImageKey], image_token_id: int | None,
                         tokens_per_patch: float, new_images_ok: bool) -> int:
@@ -136,8 +137,10 @@ class LeanEngine:
             routing = self.context.routing
             if routing is not None:  # the table's buffers are read by the captured steps: sized with the cache
                 routing.reserve(capacity, weight.device, weight.dtype)
+            if self.graph_pool is None and weight.device.type == "cuda":
+                self.graph_pool = torch.cuda.graph_pool_handle()
             self.step = LeanDecodeStep(text, adapter, self.lm_head, self.cache, self.graphs, self._set_visual,
-                                       self.context.step_hooks, routing)
+                                       self.context.step_hooks, routing, self.graph_pool)
         self.step.profiling = self.profiling
         self.cache.reset()
         self.sequence, self.images, self.pruned, self.pruned_from = [], [], [], None

@@ -11,9 +11,11 @@ The step is a list of pieces, each a function from a tuple of tensors to the nex
 A piece is `capturable` when it launches device work only: then consecutive capturable pieces form a
 segment that is captured once (a CUDA graph on the GPU, `ReplayCapture` as its CPU twin) and replayed
 at every step. Expert operators say whether their decode forward is capturable through
-`decode_capturable()`; those that are not (offloaded layers: they read the routing on the host,
-place experts, maybe compute on the CPU) run eagerly between segments, with their one host read each.
-Per step this leaves one host synchronisation per offloaded MoE layer plus the sampled token.
+`decode_capturable()`: offloaded layers are, where the offload runtime serves them from its slab
+table (vismmoe_kt.runtime.decode_table), so such a step is one graph and its only host read is the
+sampled token. Those that are not (the hybrid CPU path, a lookahead predictor, ReaLB's controller)
+run eagerly between segments. The step hooks (`hooks`) run around every step, graphed or not: the
+offload runtime keeps its cache there, between steps.
 
 The first graphed step captures, then checks the graphed logits against an eager run of the same
 step (tolerance: a few units of the dtype's rounding); on a mismatch it captures once more, and after
@@ -105,7 +107,8 @@ def experts_capturable(experts: nn.Module) -> bool:
 class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
                  graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
-                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None):
+                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None,
+                 graph_pool: Any = None):
         self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
         self.routing = routing if routing is not None and routing.replaces else None  # a routing source's table
         # (before, after) callables around every step, e.g. expert parallelism announcing it to the
@@ -118,7 +121,7 @@ class LeanDecodeStep:
         self.visual_flag = visual_flag
         self.embed = adapter.token_embedding(text_model)
         self.pieces = self._build_pieces()
-        self.backend = capture_backend(graphs, device)
+        self.backend = capture_backend(graphs, device, graph_pool)
         self.segments: list[Segment] | None = None
         self.counters = LeanCounters()
         self.profiling = False
@@ -264,6 +267,7 @@ class LeanDecodeStep:
             if difference <= tolerance:
                 return logits
             self.segments = None  # capture again once: a transient difference should not cost the graphs
+            self.backend.reset()
             if attempt < CHECK_RETRIES:
                 self.counters.check_retries += 1
         self.counters.check_failures += 1

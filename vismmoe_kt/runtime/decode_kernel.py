@@ -30,8 +30,10 @@ try:
 except ImportError:  # CPU-only installs: the torch twin runs instead
     triton = tl = None
 
-BLOCK_ROWS = 16   # output rows per program: 8 pairs x (768 / 16) = 384 programs on Qwen3-VL-30B's gate_up
-BLOCK_COLS = 128  # input elements per loaded tile (256 bytes of bf16 per row: full 16-byte vector loads)
+# (output rows per program, input elements per loaded tile, warps) for each kernel; `decode_kernel_bench
+# --tune` measures the alternatives on the GPU (BENCHMARKS.md has the figures these come from)
+GATE_UP_CONFIG = (4, 512, 2)
+DOWN_CONFIG = (16, 256, 2)
 
 _DTYPES = {}
 if tl is not None:
@@ -100,26 +102,103 @@ if tl is not None:
         tl.store(y_ptr + pair * H + rows, acc, mask=row_ok)
 
 
+    @triton.jit
+    def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, routed_ptr, read_ptr, slots_ptr, land_ptr,
+                     row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+        """DecodeTable.lookup for one token in one program: slots, landing slabs, the step's records."""
+        k = tl.arange(0, KP)
+        ok = k < K
+        ids = tl.load(ids_ptr + k, mask=ok, other=0).to(tl.int64)
+        slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0)
+        miss = ok & (slots == -1)
+        rank = tl.load(used_ptr + row) + tl.cumsum(miss.to(tl.int64), 0) - 1
+        lands = miss & (rank < tl.load(count_ptr + row))
+        slot_of = tl.load(landing_ptr + row * K + tl.minimum(tl.maximum(rank, 0), K - 1), mask=ok, other=-1)
+        land = tl.where(lands, slot_of, -1)
+        tl.store(slots_ptr + k, slots, mask=ok)
+        tl.store(land_ptr + k, land, mask=ok)
+        tl.store(routed_ptr + row * K + k, ids, mask=ok)
+        tl.store(read_ptr + row * K + k, slots, mask=ok)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, land_ptr, table_ptr, owner_ptr, used_ptr, row, H,
+                        E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PUBLISH: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """out[t] = sum over k in order of w[t, k] * y[t K + k] (deterministic); with PUBLISH, the first
+        program also points the table at what landed (DecodeTable.publish)."""
+        token = tl.program_id(1)
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            w = tl.load(w_ptr + token * K + k).to(tl.float32)
+            acc += w * tl.load(y_ptr + (token * K + k) * H + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if PUBLISH:
+            if (tl.program_id(0) == 0) & (token == 0):
+                lane = tl.arange(0, KP)
+                valid = lane < K
+                ids = tl.load(ids_ptr + lane, mask=valid, other=0).to(tl.int64)
+                land = tl.load(land_ptr + lane, mask=valid, other=-1)
+                lands = valid & (land >= 0)
+                used = tl.load(used_ptr + row)
+                rank = used + tl.cumsum(lands.to(tl.int64), 0) - 1  # landed pairs are the first misses, in order
+                tl.store(table_ptr + row * E1 + ids, land, mask=lands)
+                tl.store(owner_ptr + row * (K + 1) + rank, ids, mask=lands)
+                tl.store(used_ptr + row, used + tl.sum(lands.to(tl.int64), 0))
+
+
+def plan(table, row: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, land) for one decode token's K experts of one offloaded layer, in one launch."""
+    k = ids.numel()
+    slots = torch.empty(k, dtype=torch.long, device=ids.device)
+    land = torch.empty(k, dtype=torch.long, device=ids.device)
+    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.routed, table.read, slots, land,
+                       row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k))
+    return slots, land
+
+
+def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, table=None, row: int = 0,
+            ids: torch.Tensor | None = None, land: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, H) in `dtype` from the (P, H) pair outputs; with `table`, also its publish step."""
+    tokens, k = top_k_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty(tokens, hidden, dtype=dtype, device=y.device)
+    publish = table is not None
+    block = 1024
+    _combine_kernel[(triton.cdiv(hidden, block), tokens)](
+        y, top_k_weights.contiguous(), out, ids if publish else y, land if publish else y,
+        table.slots if publish else y, table.owner if publish else y, table.used if publish else y, row, hidden,
+        E1=table.slots.shape[1] if publish else 1, K=k, KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
+    return out
+
+
 def available(dtype: torch.dtype) -> bool:
     return triton is not None and dtype in _DTYPES
 
 
 def experts_where_they_lie(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                            pools: tuple[torch.Tensor, torch.Tensor], host_addr: int, block_elems: int,
-                           top_k: int) -> torch.Tensor:
+                           top_k: int, gate_up_config: tuple[int, int, int] | None = None,
+                           down_config: tuple[int, int, int] | None = None, parts: str = "both") -> torch.Tensor:
     """(P, H) fp32 expert outputs, unweighted. x (T, H); ids, slots, land (P,) with P = T * top_k
     (land: the slab a missing pair's weights are written to as they are read, or -1); pools: gate_up
     (S, 2I, H) and down (S, H, I) on the device; host_addr: the device address of the layer's host
-    blocks (E, block_elems), mapped page-locked memory (0 when every slot is resident)."""
+    blocks (E, block_elems), mapped page-locked memory (0 when every slot is resident).
+    The configs and `parts` (both | gate_up | down) are for the tuning benchmark."""
     gate_up, down = pools
     pairs, hidden, inter = ids.numel(), gate_up.shape[2], gate_up.shape[1] // 2
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    common = dict(H=hidden, I=inter, W_DTYPE=_DTYPES[gate_up.dtype], ELEM_BYTES=gate_up.element_size(),
-                  BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
-    _gate_up_kernel[(pairs, triton.cdiv(inter, BLOCK_ROWS))](
-        x.contiguous(), ids, slots, land, h, gate_up.data_ptr(), host_addr, gate_up[0].numel(), block_elems,
-        TOP_K=top_k, **common)
-    _down_kernel[(pairs, triton.cdiv(hidden, BLOCK_ROWS))](
-        h, ids, slots, land, y, down.data_ptr(), host_addr, down[0].numel(), block_elems, **common)
+    common = dict(H=hidden, I=inter, W_DTYPE=_DTYPES[gate_up.dtype], ELEM_BYTES=gate_up.element_size())
+    rows, cols, warps = gate_up_config or GATE_UP_CONFIG
+    if parts != "down":
+        _gate_up_kernel[(pairs, triton.cdiv(inter, rows))](
+            x.contiguous(), ids, slots, land, h, gate_up.data_ptr(), host_addr, gate_up[0].numel(), block_elems,
+            TOP_K=top_k, BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps, **common)
+    rows, cols, warps = down_config or DOWN_CONFIG
+    if parts != "gate_up":
+        _down_kernel[(pairs, triton.cdiv(hidden, rows))](
+            h, ids, slots, land, y, down.data_ptr(), host_addr, down[0].numel(), block_elems,
+            BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps, **common)
     return y

@@ -37,7 +37,8 @@ from .decode_boundary import DecodeBoundary
 from .decode_table import DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views
-from .table_experts import kernel_usable, table_experts
+from . import decode_kernel
+from .table_experts import combine, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
 
 
@@ -172,19 +173,25 @@ class OffloadRuntime:
 
     def _run_from_table(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
-        """One decode token's experts, each read from its slab or the host store (device work only)."""
-        row, ids = self._index[layer], top_k_index.reshape(-1)
-        offloaded = layer not in self.pinned
-        slots, land, pending = self.table.lookup(row, ids, offloaded)
-        if offloaded:
-            host = self.store.layers[layer]
-            out = table_experts(hidden, top_k_index, top_k_weights, slots, land, self.pool, host, host.data_ptr(),
-                                act, self._use_kernel)
-        else:
-            out = table_experts(hidden, top_k_index, top_k_weights, slots, land, self.banks[layer], None, 0, act,
-                                self._use_kernel)
-        self.table.publish(row, ids, land, pending)
-        return out
+        """One decode token's experts, each read from its slab or the host store (device work only).
+        On CUDA three launches besides the two expert kernels' (plan, and combine with publish)."""
+        row, ids, top_k = self._index[layer], top_k_index.reshape(-1), top_k_index.shape[1]
+        table = self.table
+        if layer in self.pinned:  # the bank holds every expert at its own index: nothing to look up or record
+            y = pair_outputs(hidden, ids, ids, table.no_landing, self.banks[layer], None, 0, act, top_k,
+                             self._use_kernel)
+            if self._use_kernel:
+                return decode_kernel.combine(y, top_k_weights, hidden.dtype)
+            return combine(y, top_k_weights, hidden.dtype)
+        host = self.store.layers[layer]
+        if self._use_kernel:
+            slots, land = decode_kernel.plan(table, row, ids)
+            y = pair_outputs(hidden, ids, slots, land, self.pool, host, host.data_ptr(), act, top_k, True)
+            return decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
+        slots, land, pending = table.lookup(row, ids, True)
+        y = pair_outputs(hidden, ids, slots, land, self.pool, host, host.data_ptr(), act, top_k, False)
+        table.publish(row, ids, land, pending)
+        return combine(y, top_k_weights, hidden.dtype)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
@@ -259,7 +266,10 @@ class OffloadRuntime:
         offloaded (with slabs, the placement path hands prefetch lists to the transfer worker)."""
         if self.table_enabled:
             return True
-        return layer in self.pinned and self.num_slabs == 0 and self.policy.capturable and self.cpu is None
+        # grouped GEMM on CUDA is capture-safe in BF16 only (its other fallback reads offsets on the host)
+        grouped_ok = self.device.type != "cuda" or self.store.dtype == torch.bfloat16
+        return (layer in self.pinned and self.num_slabs == 0 and self.policy.capturable and self.cpu is None
+                and grouped_ok)
 
     def row_of(self, layer: int) -> int:
         return self._index[layer]

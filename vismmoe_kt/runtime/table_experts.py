@@ -35,7 +35,9 @@ def kernel_usable(device: torch.device, dtype: torch.dtype, act: Any) -> bool:
 
 
 def is_silu(act: Any) -> bool:
-    return isinstance(act, torch.nn.SiLU) or getattr(act, "__name__", "") == "silu" or act is torch.nn.functional.silu
+    """torch's SiLU module or function, or transformers' SiLUActivation (ACT2FN["silu"])."""
+    return (act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU)
+            or type(act).__name__ == "SiLUActivation" or getattr(act, "__name__", "") == "silu")
 
 
 def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
@@ -60,15 +62,23 @@ def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: 
     return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
 
 
+def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                 pools: tuple[torch.Tensor, torch.Tensor], host_blocks: torch.Tensor | None, host_addr: int, act: Any,
+                 top_k: int, use_kernel: bool) -> torch.Tensor:
+    """(P, H) fp32 unweighted expert outputs, each pair's weights read where they lie."""
+    if use_kernel:
+        block_elems = host_blocks.shape[1] if host_blocks is not None else 0
+        return decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, host_addr, block_elems, top_k)
+    return experts_twin(hidden, ids, slots, land, pools, host_blocks, act, top_k)
+
+
 def table_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   slots: torch.Tensor, land: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
                   host_blocks: torch.Tensor | None, host_addr: int, act: Any, use_kernel: bool) -> torch.Tensor:
     """(T, H) routed-expert output of one layer's decode tokens, combined deterministically."""
     top_k = top_k_index.shape[1]
-    ids = top_k_index.reshape(-1)
+    y = pair_outputs(hidden, top_k_index.reshape(-1), slots, land, pools, host_blocks, host_addr, act, top_k,
+                     use_kernel)
     if use_kernel:
-        block_elems = host_blocks.shape[1] if host_blocks is not None else 0
-        y = decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, host_addr, block_elems, top_k)
-    else:
-        y = experts_twin(hidden, ids, slots, land, pools, host_blocks, act, top_k)
+        return decode_kernel.combine(y, top_k_weights, hidden.dtype)
     return combine(y, top_k_weights, hidden.dtype)

@@ -10,7 +10,8 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
   table host + land    ... and written into a landing slab as it is read (what a decode miss costs)
   copy engine          cudaMemcpyAsync of the same bytes from the host store into slabs
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
-page-locked host memory takes per GiB (the store's load cost).
+page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
+path alone, resident, over (rows per program, columns per tile, warps), fastest first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from vismmoe_kt.runtime import decode_kernel
 from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.host_memory import HostBuffer
 from vismmoe_kt.runtime.table_experts import table_experts
@@ -52,9 +54,36 @@ def timed(run, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]:
+    """Each kernel alone, every expert resident, per (rows, cols, warps): microseconds per layer."""
+    out = {}
+    for part, share in (("gate_up", 2 / 3), ("down", 1 / 3)):
+        results = []
+        for rows in (4, 8, 16, 32):
+            for cols in (128, 256, 512):
+                for warps in (2, 4, 8):
+                    config = (rows, cols, warps)
+
+                    def run():
+                        for l in range(LAYERS):
+                            decode_kernel.experts_where_they_lie(
+                                x, ids[l].view(-1), resident[l], no_land, pools, host.data_ptr(), host.shape[1], K,
+                                gate_up_config=config, down_config=config, parts=part)
+                    try:
+                        seconds = timed(run, repeats=10)
+                    except Exception as exc:  # a shape the compiler refuses (too many registers)
+                        results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
+                        continue
+                    results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
+                                    "gb_s": LAYERS * K * block_bytes * share / seconds / 1e9})
+        out[part] = sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     torch.manual_seed(0)
@@ -128,10 +157,11 @@ def main() -> int:
         gate, up = (host[e, :2 * I * H].view(2 * I, H).to(device).float() @ x[0].float()).chunk(2)
         reference[0] += w[0, k] * (host[e, 2 * I * H:].view(H, I).to(device).float() @ (act(gate) * up))
     error = float((a.float() - reference).norm() / reference.norm())
+    tuning = tune(x, ids, resident, no_land, pools, host, block_bytes) if args.tune else None
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": K, "layers_per_graph": LAYERS},
            "register_s_per_gib": register_s / (E * block_bytes / 2**30), "rows": rows,
-           "host_equals_slab_bitwise": bool(torch.equal(a, b)), "relative_error_vs_fp32": error}
+           "host_equals_slab_bitwise": bool(torch.equal(a, b)), "relative_error_vs_fp32": error, "tuning": tuning}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_kernel_bench.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
