@@ -106,9 +106,16 @@ def test_eviction_order_expired_first_then_lowest_priority_speculative():
     assert cache.owner[cache.victim()] == (0, 0)
     cache.end_layer(1)
     cache.begin_layer(2, [0])
-    # two expired now (layers 0 and 1): layer 1 ran last, so it comes back last and goes first
-    assert cache.owner[cache.victim()] == (1, 0)
+    # two expired now (layers 0 and 1): the least recently used goes first (layer 0's), not the one
+    # the previous layer just used (ranking by layer distance evicted exactly that in decode)
+    assert cache.owner[cache.victim()] == (0, 0)
     cache.end_layer(2)
+    cache.begin_layer(3, [0])
+    cache.end_layer(3)
+    cache.begin_layer(0, [0])  # the next step: nothing has run yet, the others are Speculative again
+    # and the one without a listed priority (layer 1's) ranks below every listed one
+    assert cache.owner[cache.victim()] == (1, 0)
+    cache.end_layer(0)
 
 
 def test_prefetch_never_evicts_a_more_important_speculative_expert():

@@ -55,6 +55,10 @@ SPECS: dict[str, TinySpec] = {
     # the trained --demo model (scripts/train_demo_model.py): small enough to train on a CPU in half an hour
     "demo-4x32": TinySpec(layers=4, experts=32, top_k=4, hidden=96, moe_intermediate=64, vision_depth=2,
                           vision_hidden=64, max_image_pixels=224 * 224),
+    # Qwen3-VL-30B-A3B's expert layout (48 layers x 128 experts, top-8) at toy widths: cache policies
+    # compared on the CPU under synthetic routing, at budgets scaled from the real model's
+    "proxy-48x128": TinySpec(layers=48, experts=128, top_k=8, hidden=32, moe_intermediate=16, heads=2, kv_heads=1,
+                             vision_depth=1, vision_hidden=32),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt

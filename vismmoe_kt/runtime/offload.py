@@ -144,6 +144,8 @@ class OffloadRuntime:
         if phase != self.phase or not self.boundary.stale:
             with self.lock:
                 self.boundary.leave()
+                if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
+                    self.last_routed.clear()
                 self.switch_phase(phase)
         counters = self.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
@@ -157,7 +159,8 @@ class OffloadRuntime:
         pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
         placement = self._place(layer, pairs_of, counters)
         self._prefetch_after(layer, hidden)
-        self.last_routed[layer] = list(pairs_of)
+        if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
+            self.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
         task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
         out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
             if placement.on_gpu else None

@@ -3,7 +3,8 @@
 After each MoE layer the runtime asks its policy for the coming layers' experts and hands the list
 (with priorities, higher sooner) to the transfer worker, which replaces its queue with it. Policies:
 - `HistoryPrefetch` (here): the experts the next `window` offloaded layers used in the previous
-  step, priority gamma**(d-1) at distance d. Decode tokens reuse many of the previous token's
+  decode step (never the prompt's routing, which touches most experts), at most K per layer,
+  priority gamma**(d-1) at distance d. Decode tokens reuse many of the previous token's
   experts, so yesterday's routing is a fair guess of today's.
 - `PredictorPrefetch` (vismmoe_kt.predictor.prefetch): VisMMOE's lookahead predictor's top-B
   (layer, expert) pairs, from the routing so far, the hidden state and the visual summary.
@@ -52,6 +53,7 @@ class HistoryPrefetch:
             if distance > self.window:
                 break
             priority = self.gamma ** (distance - 1)
-            items += [((ahead, e), priority) for e in runtime.last_routed.get(ahead, [])]
+            # bounded per layer: one decode token's experts
+            items += [((ahead, e), priority) for e in runtime.last_routed.get(ahead, [])[:runtime.top_k]]
         if items:
             runtime.prefetch(items)

@@ -6,18 +6,24 @@ and completes, and when the layer ends; it answers lookups and picks eviction vi
 
 Policies:
 - `vismmoe` (VisMMOE 3.4.2): victims are Expired experts first, then Speculative ones; among
-  Expired the one needed furthest in the future (layers run in a cycle, so the layer that ran last
-  comes back last), among Speculative the lowest prefetch priority. A prefetch may only evict an
-  Expired expert or a Speculative one of lower priority than what it brings in.
+  Expired the least recently used (decode reuses a layer's recent experts: ranking Expired experts
+  by how soon their layer runs again, as this cache once did, evicted what the previous layer had
+  just used and kept cold prefill leftovers), among Speculative the lowest prefetch priority. A
+  prefetch may only evict an Expired expert or a Speculative one of lower priority than what it
+  brings in.
 - `lru`: the least recently used resident expert, whatever its layer (on-demand caching as in
   earlier MoE offloading work).
 Never a victim: a slab whose copy is in flight, or whose expert the executing layer uses.
+Recency is kept in an ordered map updated on every use, so finding victims is one pass that stops
+at the first evictable slabs, with no sort by Python keys (Speculative ones, few, are sorted).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Iterator
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -53,6 +59,7 @@ class SlabCache:
     executing: int | None = field(init=False, default=None)
     counters: CacheCounters = field(init=False, default_factory=CacheCounters)
     _tick: int = field(init=False, default=0)
+    _recency: OrderedDict = field(init=False, default_factory=OrderedDict)  # held slabs, least recent first
 
     def __post_init__(self) -> None:
         if self.policy not in ("vismmoe", "lru"):
@@ -80,7 +87,7 @@ class SlabCache:
                 continue
             result["hit" if self.state[slab] is SlabState.RESIDENT else "late"].append(expert)
             self.in_use.add(slab)
-            self.last_use[slab] = self._tick
+            self._touch(slab)
         self.counters.hits += len(result["hit"])
         self.counters.late += len(result["late"])
         self.counters.misses += len(result["miss"])
@@ -89,7 +96,7 @@ class SlabCache:
     def use(self, slab: int) -> None:
         """Mark a freshly fetched slab as used by the executing layer."""
         self.in_use.add(slab)
-        self.last_use[slab] = self._tick
+        self._touch(slab)
 
     def end_layer(self, layer: int) -> None:
         if self.executing != layer:
@@ -109,22 +116,24 @@ class SlabCache:
         stop at the first that may not evict anything; urgent fetches take any non-Required victim.
         `count=False`: landing reservations (see `land`), counted when something lands."""
         out: list[int | None] = []
-        ranked: list[int] | None = None
+        victims: Iterator[int] | None = None
         for i, key in enumerate(keys):
             if key in self.where:
                 raise RuntimeError(f"expert {key} already has slab {self.where[key]}")
             priority = priorities[i] if priorities is not None else None
             slab = self._free.pop() if self._free else None
             if slab is None:
-                if ranked is None:
-                    ranked = self._ranked_victims()
-                slab = self._take_victim(ranked, None if urgent else priority)
+                if victims is None:
+                    victims = self._victims()
+                slab = self._next_victim(victims, None if urgent else priority)
                 if slab is None:
                     out.extend([None] * (len(keys) - i))
                     return out
                 self._evict(slab)
             self.owner[slab], self.state[slab] = key, SlabState.IN_FLIGHT
             self.where[key] = slab
+            self._recency[slab] = None
+            self._recency.move_to_end(slab)
             if priority is not None:
                 self.priority[key] = priority
             if not count:
@@ -155,7 +164,7 @@ class SlabCache:
         self.owner[slab], self.state[slab] = key, SlabState.RESIDENT
         self.where[key] = slab
         self._tick += 1
-        self.last_use[slab] = self._tick
+        self._touch(slab)
         self.counters.fetches += 1
 
     def release(self, slab: int) -> None:
@@ -165,6 +174,7 @@ class SlabCache:
             raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
         del self.where[placeholder]
         self.owner[slab], self.state[slab] = None, SlabState.FREE
+        self._recency.pop(slab, None)
         self._free.append(slab)
 
     def set_priorities(self, priorities: dict[Key, float]) -> None:
@@ -180,31 +190,36 @@ class SlabCache:
 
     def victim(self, for_priority: float | None = None) -> int | None:
         """The slab to give up next, or None. `for_priority` set: a prefetch of that priority asks."""
-        return self._take_victim(self._ranked_victims(), for_priority, consume=False)
+        return self._next_victim(self._victims(), for_priority)
 
-    def _ranked_victims(self) -> list[int]:
-        """Evictable slabs, the first to go last (so pop() takes it)."""
-        candidates = [s for s in range(self.num_slabs) if self.classify(s) in ("expired", "speculative")]
-        if self.policy == "lru":
-            return sorted(candidates, key=lambda s: self.last_use[s], reverse=True)
-        return sorted(candidates, key=self._eviction_rank, reverse=True)
+    def _touch(self, slab: int) -> None:
+        self.last_use[slab] = self._tick
+        self._recency[slab] = None
+        self._recency.move_to_end(slab)
 
-    def _take_victim(self, ranked: list[int], for_priority: float | None, consume: bool = True) -> int | None:
-        while ranked and self.classify(ranked[-1]) not in ("expired", "speculative"):
-            ranked.pop()  # became Required since the ranking (fetched for this layer)
-        if not ranked:
-            return None
-        best = ranked[-1]
-        if (for_priority is not None and self.policy == "vismmoe" and self.classify(best) == "speculative"
-                and self._priority_of(best) >= for_priority):
-            return None  # never trade a more important speculative expert for a prefetch
-        return ranked.pop() if consume else best
+    def _victims(self) -> Iterator[int]:
+        """Evictable slabs in the order they go: lru by recency; vismmoe Expired by recency, then
+        Speculative by priority. Lazy: assigning n slabs looks at about n of them."""
+        speculative = []
+        for slab in list(self._recency):
+            cls = self.classify(slab)
+            if cls == "expired" or (cls == "speculative" and self.policy == "lru"):
+                yield slab
+            elif cls == "speculative":
+                speculative.append(slab)
+        speculative.sort(key=self._priority_of)  # stable: equal priorities go least recent first
+        yield from speculative
 
-    def _eviction_rank(self, slab: int) -> tuple:
-        cls = self.classify(slab)
-        if cls == "expired":  # needed again furthest in the future goes first
-            return (0, -self._distance(self.owner[slab][0]), self.last_use[slab])
-        return (1, self._priority_of(slab), -self._distance(self.owner[slab][0]), self.last_use[slab])
+    def _next_victim(self, victims: Iterator[int], for_priority: float | None) -> int | None:
+        for slab in victims:
+            cls = self.classify(slab)
+            if cls not in ("expired", "speculative"):
+                continue  # became Required since (fetched for this layer)
+            if (for_priority is not None and self.policy == "vismmoe" and cls == "speculative"
+                    and self._priority_of(slab) >= for_priority):
+                return None  # never trade a more important speculative expert for a prefetch
+            return slab
+        return None
 
     def _priority_of(self, slab: int) -> float:
         key = self.owner[slab]
@@ -223,6 +238,7 @@ class SlabCache:
             raise RuntimeError(f"refusing to evict slab {slab} ({self.classify(slab)}): it is in flight or in use")
         del self.where[self.owner[slab]]
         self.owner[slab], self.state[slab] = None, SlabState.FREE
+        self._recency.pop(slab, None)
         self.counters.evictions += 1  # the slab is refilled at once, so it does not go back to _free
 
     # --- checks (used by tests; cheap enough to call in debug runs) -------------------------
@@ -234,3 +250,4 @@ class SlabCache:
             assert (key is None) == (self.state[slab] is SlabState.FREE), f"slab {slab} state/owner mismatch"
         assert self.in_use <= {s for s in range(self.num_slabs) if self.owner[s] is not None}
         assert sorted(self._free) == [s for s in range(self.num_slabs) if self.owner[s] is None], "free list out of sync"
+        assert set(self._recency) == {s for s in range(self.num_slabs) if self.owner[s] is not None}, "recency out of sync"
