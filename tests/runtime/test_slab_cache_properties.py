@@ -89,6 +89,7 @@ def test_cache_invariants_over_random_steps(p):
     c = cache.counters
     assert c.hits + c.late + c.misses == needed_total
     assert c.prefetches + c.fetches == sim.assigned
+    assert c.prefetch_used + c.prefetch_wasted <= c.prefetches
     occupied = sum(owner is not None for owner in cache.owner)
     assert c.evictions == sim.assigned - occupied
 
@@ -155,3 +156,18 @@ def test_in_flight_and_in_use_are_never_victims():
     assert cache.assign((0, 2), urgent=True) is None
     cache.complete(a)
     cache.end_layer(0)
+
+
+def test_prefetch_precision_counts_used_and_wasted_prefetches():
+    cache = SlabCache(2, [0, 1], "lru")
+    a, b = cache.assign_many([(1, 0), (1, 1)], [0.9, 0.8])  # two prefetches for layer 1
+    cache.complete(a)
+    cache.complete(b)
+    cache.begin_layer(1, [0])  # one of them is used
+    cache.end_layer(1)
+    cache.begin_layer(0, [])
+    cache.assign((0, 5), urgent=True)  # a fetch evicts the least recently used: the unused prefetch
+    cache.end_layer(0)
+    c = cache.counters
+    assert (c.prefetches, c.prefetch_used, c.prefetch_wasted) == (2, 1, 1)
+    assert cache.where.get((1, 1)) is None

@@ -57,6 +57,7 @@ def summary(runtime: Any) -> dict[str, Any]:
         out.update({
             f"{phase}_evictions": cache.evictions, f"{phase}_prefetches": cache.prefetches,
             f"{phase}_fetches": cache.fetches, f"bytes_copied_{phase}": copies.bytes_copied,
+            f"{phase}_prefetch_used": cache.prefetch_used, f"{phase}_prefetch_wasted": cache.prefetch_wasted,
             f"bytes_host_reads_{phase}": copies.bytes_host_reads,
             f"{phase}_copy_seconds": round(copies.copy_seconds, 6),
             f"{phase}_stall_seconds": round(copies.stall_seconds, 6),
@@ -64,9 +65,13 @@ def summary(runtime: Any) -> dict[str, Any]:
     if runtime.cpu is not None:
         out["cpu_backend"] = runtime.cpu.describe()
         out["bytes_cpu_backend"] = runtime.cpu.host_bytes
-    for total in ("evictions", "prefetches", "fetches", "copy_seconds", "stall_seconds"):
+    for total in ("evictions", "prefetches", "fetches", "copy_seconds", "stall_seconds", "prefetch_used",
+                  "prefetch_wasted"):
         out[total] = round(sum(out[f"{phase}_{total}"] for phase in PHASES), 6)
     out["bytes_copied"] = sum(out[f"bytes_copied_{phase}"] for phase in PHASES)
+    settled = out["prefetch_used"] + out["prefetch_wasted"]  # prefetches used, or evicted unused, so far
+    out["prefetch_precision"] = round(out["prefetch_used"] / settled, 4) if settled else None
+    out["bytes_prefetch_wasted"] = out["prefetch_wasted"] * runtime.store.block_bytes
     # expert bytes that crossed PCIe: copies into slabs, and the decode kernels' direct reads of misses
     out["bytes_over_pcie"] = out["bytes_copied"] + sum(out[f"bytes_host_reads_{phase}"] for phase in PHASES)
     return out

@@ -42,6 +42,8 @@ class CacheCounters:
     evictions: int = 0
     prefetches: int = 0    # copies issued from a priority list
     fetches: int = 0       # urgent copies
+    prefetch_used: int = 0    # prefetched experts a layer used before they were evicted
+    prefetch_wasted: int = 0  # prefetched experts evicted without being used
 
 
 @dataclass
@@ -60,6 +62,7 @@ class SlabCache:
     counters: CacheCounters = field(init=False, default_factory=CacheCounters)
     _tick: int = field(init=False, default=0)
     _recency: OrderedDict = field(init=False, default_factory=OrderedDict)  # held slabs, least recent first
+    _unused_prefetch: set = field(init=False, default_factory=set)  # prefetched slabs not used yet
 
     def __post_init__(self) -> None:
         if self.policy not in ("vismmoe", "lru"):
@@ -88,6 +91,9 @@ class SlabCache:
             result["hit" if self.state[slab] is SlabState.RESIDENT else "late"].append(expert)
             self.in_use.add(slab)
             self._touch(slab)
+            if slab in self._unused_prefetch:
+                self._unused_prefetch.discard(slab)
+                self.counters.prefetch_used += 1
         self.counters.hits += len(result["hit"])
         self.counters.late += len(result["late"])
         self.counters.misses += len(result["miss"])
@@ -142,6 +148,7 @@ class SlabCache:
                 self.counters.fetches += 1
             else:
                 self.counters.prefetches += 1
+                self._unused_prefetch.add(slab)
             out.append(slab)
         return out
 
@@ -239,6 +246,9 @@ class SlabCache:
         del self.where[self.owner[slab]]
         self.owner[slab], self.state[slab] = None, SlabState.FREE
         self._recency.pop(slab, None)
+        if slab in self._unused_prefetch:
+            self._unused_prefetch.discard(slab)
+            self.counters.prefetch_wasted += 1
         self.counters.evictions += 1  # the slab is refilled at once, so it does not go back to _free
 
     # --- checks (used by tests; cheap enough to call in debug runs) -------------------------

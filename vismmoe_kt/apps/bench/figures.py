@@ -26,10 +26,12 @@ from typing import Any
 
 FIGURE_KEYS = ("hit_rate_prefill", "hit_rate_decode", "bytes_per_prefill", "bytes_per_decode_token",
                "copy_hidden_fraction", "cpu_expert_share", "touched_bytes_prefill", "touched_bytes_per_decode_token",
-               "copy_bound_prefill_s", "copy_bound_decode_tok_s", "belady_hit_rate_decode", "counters")
+               "copy_bound_prefill_s", "copy_bound_decode_tok_s", "belady_hit_rate_decode", "prefetch_precision",
+               "prefetch_wasted_bytes", "counters")
 COUNTERS = ("hits", "late", "misses", "cpu_experts")
 RUNTIME_KEYS = tuple(f"{phase}_{c}" for phase in ("prefill", "decode") for c in COUNTERS) + (
-    "bytes_copied_prefill", "bytes_copied_decode", "bytes_host_reads_decode", "copy_seconds", "stall_seconds")
+    "bytes_copied_prefill", "bytes_copied_decode", "bytes_host_reads_decode", "copy_seconds", "stall_seconds",
+    "prefetch_used", "prefetch_wasted")
 
 
 def runtime_counters(stats: dict[str, Any]) -> dict[str, float] | None:
@@ -79,5 +81,8 @@ def offload_figures(delta: dict[str, float], repeats: int, decode_tokens: int, b
         "touched_bytes_per_decode_token": touched_per_token,
         "copy_bound_prefill_s": touched_prefill / bandwidth,
         "copy_bound_decode_tok_s": _ratio(bandwidth, touched_per_token),
+        # of the prefetched experts settled in these requests: used before eviction, or evicted unused
+        "prefetch_precision": _ratio(delta["prefetch_used"], delta["prefetch_used"] + delta["prefetch_wasted"]),
+        "prefetch_wasted_bytes": delta["prefetch_wasted"] * block_bytes / repeats,
         "counters": delta,
     }

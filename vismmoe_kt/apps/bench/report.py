@@ -12,7 +12,7 @@ from .configs import run_label
 
 COLUMNS = ("config", "budget", "image px (tokens, visual)", "prefill s median (min-max)",
            "decode tok/s median (min-max)", "hit rate prefill / decode (Belady decode)", "bytes/decode token",
-           "copy hidden",
+           "copy hidden", "prefetch precision (wasted per request)",
            "CPU experts", "peak GPU (load)", "host RSS", "copy bound: prefill s / decode tok/s", "notes")
 
 
@@ -46,7 +46,9 @@ def table_row(row: dict[str, Any]) -> list[str]:
     return [row["config"], row["budget"] or "-", f"{row['image_size']} ({tokens})", _spread(row["prefill_s"], ".3f"),
             _spread(row["decode_tok_s"], ".2f"), f"{_pct(row['hit_rate_prefill'])} / {_pct(row['hit_rate_decode'])}"
             + (f" ({_pct(row['belady_hit_rate_decode'])})" if row.get("belady_hit_rate_decode") is not None else ""),
-            _bytes(row["bytes_per_decode_token"]), _pct(row["copy_hidden_fraction"]), _pct(row["cpu_expert_share"]),
+            _bytes(row["bytes_per_decode_token"]), _pct(row["copy_hidden_fraction"]),
+            f"{_pct(row.get('prefetch_precision'))} ({_bytes(row.get('prefetch_wasted_bytes'))})",
+            _pct(row["cpu_expert_share"]),
             _bytes(row["peak_gpu_bytes"]) + (f" ({_bytes(row['peak_gpu_load_bytes'])})"
                                              if row.get("peak_gpu_load_bytes") is not None else ""),
             _bytes(row.get("host_rss_bytes")),
