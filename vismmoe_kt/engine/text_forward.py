@@ -181,7 +181,9 @@ class TextForward:
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
                 context.token_is_visual = visual_pos_masks.reshape(-1)
-                self._visual_summary(hidden, visual_pos_masks)
+                # the kept tokens' vision-tower embeddings, as the predictor's training traces record
+                # them (not the hidden states at this layer)
+                self._visual_summary(inputs_embeds[:, keep], visual_pos_masks)
                 self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
             if prune and self.settings.saliency_source == "llm" and index == prune_at - 1:
                 self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
