@@ -87,8 +87,7 @@ class DecodeBoundary:
     def _enter(self) -> None:
         rt = self.runtime
         if rt.transfers is not None:  # queued prefetches would evict slabs the table points at
-            rt.transfers.queue.clear()
-            rt.transfers._pending_list = None
+            rt.transfers.drop_queue()
             rt.transfers.poll()
             rt.transfers.landed.clear()
         rt.switch_phase("decode")

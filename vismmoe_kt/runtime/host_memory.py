@@ -9,6 +9,8 @@ when released, so unloading gives the memory back.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -20,9 +22,14 @@ class HostBuffer:
         self.registered = False
         if page_locked and numel:
             nbytes = numel * self.tensor.element_size()
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes,
-                                                                        REGISTER_PORTABLE_MAPPED))
-            self.registered = True
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes,
+                                                                            REGISTER_PORTABLE_MAPPED))
+                self.registered = True
+            except RuntimeError as exc:  # a host that refuses to lock memory in place: torch's allocator
+                warnings.warn(f"cudaHostRegister failed ({exc}); using torch's page-locked allocator, which "
+                              "rounds each block up to a power of two", RuntimeWarning, stacklevel=2)
+                self.tensor = torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def release(self) -> None:
         if self.registered:

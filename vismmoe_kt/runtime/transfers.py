@@ -175,6 +175,11 @@ class Transfers:
             self._pending_list = (event, host_values, host_index, n, to_items)
             self._wake.notify()
 
+    def drop_queue(self) -> None:
+        """Forget every queued prefetch, and a priority list still on its way (lock held)."""
+        self.queue.clear()
+        self._pending_list = None
+
     def _take_pending_list(self) -> None:
         """Worker side of `prefetch_later` (lock held on entry and exit; released while waiting)."""
         pending, self._pending_list = self._pending_list, None
