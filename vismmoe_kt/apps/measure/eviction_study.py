@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
-from pathlib import Path
 from typing import Callable
 
 import torch
 
+from vismmoe_kt.apps.measure.results import print_table, save_json
 from vismmoe_kt.routing.synthetic import SyntheticRouter
 
 LAYERS, EXPERTS, TOP_K = 48, 128, 8
@@ -114,14 +113,9 @@ def main() -> int:
     results = {"belady": belady_decode_hit_rate(sequence, args.slabs)}
     for name, rank in _rankings((LAYERS - 1) * TOP_K).items():
         results[name] = decode_hit_rate(sequence, args.slabs, rank)
-    print("| ranking | decode hit rate |\n|---|---|")
-    for name, rate in results.items():
-        print(f"| {name} | {100 * rate:.1f}% |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "eviction_study.json").write_text(json.dumps(
-            {"slabs": args.slabs, "requests": args.requests, "decode_tokens": args.decode_tokens,
-             "decode_hit_rate": results}, indent=2))
+    print_table(["ranking", "decode hit rate"], [[name, f"{100 * rate:.1f}%"] for name, rate in results.items()])
+    save_json(args.out, "eviction_study.json", {"slabs": args.slabs, "requests": args.requests,
+                                                "decode_tokens": args.decode_tokens, "decode_hit_rate": results})
     return 0
 
 

@@ -19,11 +19,10 @@ predictor of h_l can do) and a random guess.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
+from vismmoe_kt.apps.measure.results import print_table, save_json
 from vismmoe_kt.predictor.model import PredictorConfig, hot_recall, samples_from_steps, train
 from vismmoe_kt.routing.synthetic import SyntheticRouter
 
@@ -78,14 +77,10 @@ def main() -> int:
             results["random guess"] = {f"@{b}": round(hot_recall(None, test_data, b), 4) for b in (10, 20, 30)}
         print(name, results[name], flush=True)
     results["router's own lookahead"] = {"@20": round(oracle, 4)}
-    print("| predictor | Hot Recall@10 | @20 | @30 |\n|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r.get('@10', '-')} | {r['@20']} | {r.get('@30', '-')} |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "predictor_study.json").write_text(json.dumps(
-            {"train_requests": args.train_requests, "test_requests": args.test_requests, "tokens": args.tokens,
-             "results": results}, indent=2))
+    print_table(["predictor", "Hot Recall@10", "@20", "@30"],
+                [[name, r.get("@10", "-"), r["@20"], r.get("@30", "-")] for name, r in results.items()])
+    save_json(args.out, "predictor_study.json", {"train_requests": args.train_requests, "test_requests":
+                                                 args.test_requests, "tokens": args.tokens, "results": results})
     return 0
 
 
