@@ -117,3 +117,51 @@ def test_a_predictor_for_another_model_is_refused(tmp_path, tiny_dir):
     with pytest.raises(RuleError, match="trained for num_experts=128, this model has 16"):
         load(tiny_dir, "optimize_rules/qwen3vl.yaml", generate_device="cpu", prefill_device="cpu", progress=False,
              predictor=str(tmp_path / "other.pt"))
+
+
+def test_previous_token_feature_follows_requests():
+    """The previous decode token's experts at l+1..l+W: zeros after a prefill step or at a new request."""
+    config = PredictorConfig(num_layers=3, num_experts=6, hidden_size=2, visual_size=1, window=2, width=8)
+    def step(phase, used, new=False):
+        return {"active": active(*used), "hidden": torch.zeros(3, 2), "visual": torch.zeros(1), "phase": phase,
+                "new_request": new}
+    steps = [step("prefill", ({0}, {1}, {2})), step("decode", ({0}, {1}, {3})), step("decode", ({0}, {2}, {4})),
+             step("decode", ({5}, {5}, {5}), new=True)]
+    data = samples_from_steps(steps, config)  # 2 rows (layers 0, 1) per step
+    assert data.previous[0:4].sum() == 0  # step 0: a prefill; step 1: follows the prefill
+    # step 2, layer 0: the previous token used expert 1 at layer 1 and expert 3 at layer 2
+    assert data.previous[4].tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]]
+    assert data.previous[6:8].sum() == 0  # a new request
+
+
+def test_predictors_saved_before_the_new_features_still_load(tmp_path):
+    old = PredictorConfig(num_layers=4, num_experts=8, hidden_size=4, visual_size=2, window=2, width=16,
+                          layer_heads=0, previous_token=False)
+    model = LookaheadPredictor(old)
+    path = tmp_path / "old.pt"
+    model.save(path)
+    blob = torch.load(path, weights_only=True)
+    for key in ("layer_heads", "previous_token"):  # what an older version wrote
+        del blob["config"][key]
+    torch.save(blob, path)
+    loaded = LookaheadPredictor.load(path)
+    assert loaded.config.layer_heads == 0 and not loaded.config.previous_token
+    args = (torch.tensor([1]), torch.zeros(1, 3, 8), torch.randn(1, 4), torch.randn(1, 2))
+    torch.testing.assert_close(loaded(*args), model.eval()(*args))
+
+
+def test_serving_feeds_the_previous_token_as_training_does():
+    """PredictorPrefetch builds the previous-token feature from the runtime's decode history the way
+    samples_from_steps builds it from a trace."""
+    from types import SimpleNamespace
+
+    from vismmoe_kt.predictor.prefetch import PredictorPrefetch
+
+    config = PredictorConfig(num_layers=4, num_experts=6, hidden_size=2, visual_size=1, window=2, width=8)
+    policy = PredictorPrefetch(LookaheadPredictor(config), top_b=4)
+    previous = active({0}, {1, 2}, {3}, {4, 5})
+    runtime = SimpleNamespace(moe_layers=[0, 2, 4, 6], num_experts=6, device=torch.device("cpu"),
+                              last_routed={0: [0], 2: [1, 2], 4: [3], 6: [4, 5]})
+    served = policy._previous_token(runtime, 1, decoding=True)[0]
+    assert torch.equal(served, window_targets(previous, 1, 2))
+    assert policy._previous_token(runtime, 1, decoding=False).sum() == 0  # prefill: none

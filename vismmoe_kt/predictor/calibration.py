@@ -24,9 +24,7 @@ def evaluate(model, steps: list[dict], config, budgets=(10, 20, 30)) -> dict[str
     data = samples_from_steps(steps, config)
     per_layer = {}
     for layer in sorted(set(data.layer.tolist())):
-        mask = data.layer == layer
-        subset = type(data)(*(getattr(data, f)[mask] for f in ("layer", "past", "hidden", "visual", "target", "nxt")))
-        per_layer[layer] = round(hot_recall(model, subset, min(20, config.num_experts)), 4)
+        per_layer[layer] = round(hot_recall(model, data.subset(data.layer == layer), min(20, config.num_experts)), 4)
     report["per_layer@20"] = per_layer
     return report
 

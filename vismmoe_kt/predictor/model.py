@@ -9,8 +9,13 @@ Features at MoE layer l (Eq. 7), x_l = [h_r ; h_h ; h_v]:
   h_h  the layer's hidden-state summary (mean over the tokens the layer processed; over the kept
        visual tokens in a compressed prefill);
   h_v  the static visual summary (mean of the kept visual tokens' embeddings), reused through decode.
+and, beyond the paper (`previous_token`), the experts the previous decode token used at layers
+l+1..l+W, (W, E) 0/1, zeros in prefill and for the first decoded token: about half of a decode
+token's experts are its predecessor's, which the current token's earlier layers cannot show.
 Model (Eq. 8): z = psi(W2 psi(W1 x)), psi = BatchNorm-ReLU-Dropout, y = W_o z, plus a learned
-embedding of l (one predictor serves every layer). Output per DESIGN.md: a (W, E) score map, one
+embedding of l (one predictor serves every layer). `layer_heads` r > 0 adds a per-layer term
+U_l (P h_h) + b_l with P: H -> r shared and U_l: r -> (W, E) per layer: each layer's router is a
+different map of the hidden state, which one shared MLP fed a layer embedding learns poorly. Output per DESIGN.md: a (W, E) score map, one
 row per distance d = 1..W; the runtime ranks (layer l+d, expert e) pairs by sigmoid(y[d, e]) *
 gamma**(d-1) and prefetches the top B. `output: vector` gives the paper's E-vector instead, trained
 on Eq. 9's decayed targets (`paper_targets`) and applied to every layer of the window.
@@ -73,6 +78,11 @@ class PredictorConfig:
     dropout: float = 0.1
     output: str = "window"       # "window" (W, E) map | "vector" (the paper's E-vector)
     use_features: bool = True    # False: the history-only ablation
+    layer_heads: int = 64        # r of the per-layer low-rank hidden-state term; 0: none (the paper's model)
+    previous_token: bool = True  # the previous decode token's experts at the window's layers as a feature
+
+# what a predictor saved before these options existed was trained without them
+LEGACY_DEFAULTS = {"layer_heads": 0, "previous_token": False}
 
 
 def _block(inputs: int, outputs: int, dropout: float) -> nn.Sequential:
@@ -86,20 +96,36 @@ class LookaheadPredictor(nn.Module):
             raise ValueError(f"predictor output {config.output!r} is not one of: window, vector")
         self.config = config
         c = config
+        rows = c.window if c.output == "window" else 1
         self.history_proj = nn.Linear(c.history_length * c.num_experts, c.history_dim)
         self.layer_embedding = nn.Embedding(c.num_layers, c.history_dim)
+        if c.previous_token:
+            self.previous_proj = nn.Linear(c.window * c.num_experts, c.history_dim)
         features = c.history_dim + (c.hidden_size + c.visual_size if c.use_features else 0)
         self.body = nn.Sequential(_block(features, c.width, c.dropout), _block(c.width, c.width // 2, c.dropout))
-        rows = c.window if c.output == "window" else 1
         self.head = nn.Linear(c.width // 2, rows * c.num_experts)
+        if c.layer_heads and c.use_features:
+            self.hidden_proj = nn.Linear(c.hidden_size, c.layer_heads, bias=False)
+            self.layer_maps = nn.Parameter(torch.zeros(c.num_layers, c.layer_heads, rows * c.num_experts))
+            self.layer_bias = nn.Embedding(c.num_layers, rows * c.num_experts)
+            nn.init.zeros_(self.layer_bias.weight)
 
-    def forward(self, layer: torch.Tensor, past: torch.Tensor, hidden: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
-        """layer (N,), past (N, R, E), hidden (N, H), visual (N, V) -> scores (N, W or 1, E)."""
+    def forward(self, layer: torch.Tensor, past: torch.Tensor, hidden: torch.Tensor, visual: torch.Tensor,
+                previous: torch.Tensor | None = None) -> torch.Tensor:
+        """layer (N,), past (N, R, E), hidden (N, H), visual (N, V), previous (N, W, E) or None (zeros)
+        -> scores (N, W or 1, E)."""
+        c = self.config
         x = self.history_proj(past.flatten(1)) + self.layer_embedding(layer)
-        if self.config.use_features:
+        if c.previous_token and previous is not None:
+            x = x + self.previous_proj(previous.flatten(1).to(x.dtype))
+        if c.use_features:
             x = torch.cat([x, hidden.to(x.dtype), visual.to(x.dtype)], dim=1)
-        rows = self.config.window if self.config.output == "window" else 1
-        return self.head(self.body(x)).view(-1, rows, self.config.num_experts)
+        y = self.head(self.body(x))
+        if c.layer_heads and c.use_features:
+            low = self.hidden_proj(hidden.to(y.dtype))                          # (N, r)
+            y = y + torch.bmm(low[:, None], self.layer_maps[layer])[:, 0] + self.layer_bias(layer)
+        rows = c.window if c.output == "window" else 1
+        return y.view(-1, rows, c.num_experts)
 
     def top_pairs(self, layer: int, scores: torch.Tensor, moe_layers: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device tensors (values, flat indices d * E + e) of the top-B pairs ahead of `layer` (no sync)."""
@@ -130,7 +156,7 @@ class LookaheadPredictor(nn.Module):
         """Load a saved predictor; `expect` (e.g. num_layers, num_experts, hidden_size) must match."""
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
-            config = PredictorConfig(**blob["config"])
+            config = PredictorConfig(**{**LEGACY_DEFAULTS, **blob["config"]})
         except Exception as exc:  # torch raises its own unpickling errors for foreign files
             raise ValueError(f"predictor {path}: unreadable ({exc})") from None
         for key, value in (expect or {}).items():
@@ -151,13 +177,24 @@ class Samples:
     visual: torch.Tensor   # (N, V)
     target: torch.Tensor   # (N, W, E) window targets, or (N, 1, E) paper targets
     nxt: torch.Tensor      # (N, E) experts the next layer actually used (for Hot Recall)
+    previous: torch.Tensor  # (N, W, E) the previous decode token's experts at layers l+1..l+W (zeros: none)
+
+    FIELDS = ("layer", "past", "hidden", "visual", "target", "nxt", "previous")
+
+    def subset(self, mask: torch.Tensor) -> "Samples":
+        return Samples(*(getattr(self, f)[mask] for f in self.FIELDS))
 
 
 def samples_from_steps(steps: list[dict], config: PredictorConfig) -> Samples:
-    """steps: dicts with `active` (L, E) bool, `hidden` (L, H), `visual` (V,)."""
-    rows: dict[str, list] = {k: [] for k in ("layer", "past", "hidden", "visual", "target", "nxt")}
-    for step in steps:
+    """steps: dicts with `active` (L, E) bool, `hidden` (L, H), `visual` (V,), `phase`, in order; a
+    decode step right after another decode step of the same request (no `new_request` flag) has a
+    previous token."""
+    rows: dict[str, list] = {k: [] for k in Samples.FIELDS}
+    for s, step in enumerate(steps):
         active = step["active"]
+        follows = (s > 0 and step.get("phase") == "decode" and steps[s - 1].get("phase") == "decode"
+                   and not step.get("new_request", False))
+        before = steps[s - 1]["active"] if follows else None
         for layer in range(active.shape[0] - 1):
             rows["layer"].append(layer)
             rows["past"].append(history(active, layer, config.history_length))
@@ -168,8 +205,9 @@ def samples_from_steps(steps: list[dict], config: PredictorConfig) -> Samples:
             else:
                 rows["target"].append(paper_targets(active, layer, config.window, config.gamma)[None])
             rows["nxt"].append(active[layer + 1])
-    return Samples(torch.tensor(rows["layer"]), torch.stack(rows["past"]), torch.stack(rows["hidden"]),
-                   torch.stack(rows["visual"]), torch.stack(rows["target"]), torch.stack(rows["nxt"]))
+            rows["previous"].append(window_targets(before, layer, config.window) if before is not None
+                                    else torch.zeros(config.window, active.shape[1]))
+    return Samples(torch.tensor(rows["layer"]), *(torch.stack(rows[k]) for k in Samples.FIELDS[1:]))
 
 
 def hot_recall(model: LookaheadPredictor | None, data: Samples, budget: int, seed: int = 0) -> float:
@@ -179,7 +217,7 @@ def hot_recall(model: LookaheadPredictor | None, data: Samples, budget: int, see
         guess = torch.stack([torch.randperm(data.nxt.shape[1], generator=generator)[:budget] for _ in range(len(data.layer))])
     else:
         with torch.no_grad():
-            scores = model.eval()(data.layer, data.past, data.hidden, data.visual)[:, 0]
+            scores = model.eval()(data.layer, data.past, data.hidden, data.visual, data.previous)[:, 0]
         guess = torch.topk(scores, budget, dim=1).indices
     chosen = torch.zeros_like(data.nxt).scatter_(1, guess, True)
     hit = (chosen & data.nxt).sum(dim=1).float()
@@ -205,7 +243,8 @@ def train(config: PredictorConfig, train_data: Samples, valid_data: Samples, epo
             idx = order[start:start + batch]
             if len(idx) < 2:  # BatchNorm needs two rows
                 continue
-            scores = model(train_data.layer[idx], train_data.past[idx], train_data.hidden[idx], train_data.visual[idx])
+            scores = model(train_data.layer[idx], train_data.past[idx], train_data.hidden[idx], train_data.visual[idx],
+                           train_data.previous[idx])
             loss = loss_fn(scores, train_data.target[idx])
             optimizer.zero_grad()
             loss.backward()

@@ -36,14 +36,28 @@ class PredictorPrefetch:
             self._step_active = torch.zeros(len(runtime.moe_layers), runtime.num_experts, device=top_k_index.device)
         self._step_active[index].index_fill_(0, top_k_index.flatten(), 1.0)
 
+    def _previous_token(self, runtime: Any, index: int, decoding: bool) -> torch.Tensor:
+        """(1, W, E): the experts the previous decode token used at MoE layers index+1 .. index+W, as
+        the runtime recorded them (zeros in prefill and where nothing is recorded), like training's."""
+        c = self.predictor.config
+        out = torch.zeros(1, c.window, runtime.num_experts)
+        if decoding:
+            for d in range(1, c.window + 1):
+                if index + d < len(runtime.moe_layers):
+                    experts = runtime.last_routed.get(runtime.moe_layers[index + d], [])
+                    out[0, d - 1, experts] = 1.0
+        return out.to(runtime.device)
+
     def after_layer(self, runtime: Any, layer: int, hidden: torch.Tensor) -> None:
         c, device = self.predictor.config, runtime.device
         index = runtime.moe_layers.index(layer)
         past = history(self._step_active, index, c.history_length).to(device)
         visual = runtime.visual_summary if runtime.visual_summary is not None else torch.zeros(c.visual_size, device=device)
+        previous = self._previous_token(runtime, index, hidden.shape[0] == 1) if c.previous_token else None
         with torch.no_grad():
             scores = self.predictor(torch.tensor([index], device=device), past[None],
-                                    hidden.float().mean(dim=0, keepdim=True), visual.float().to(device)[None])[0]
+                                    hidden.float().mean(dim=0, keepdim=True), visual.float().to(device)[None],
+                                    previous)[0]
             values, flat = self.predictor.top_pairs(index, scores, len(runtime.moe_layers), self.top_b)
         if values.numel() == 0:
             return

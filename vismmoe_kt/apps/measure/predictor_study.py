@@ -43,7 +43,8 @@ def steps_of(seeds: range, tokens: int, feature: str) -> tuple[list[dict], float
             hidden = routing.hidden[t].float()
             if feature == "noise":
                 hidden = torch.randn(hidden.shape, generator=generator)
-            steps.append({"active": active, "hidden": hidden, "visual": torch.zeros(1), "phase": "decode"})
+            steps.append({"active": active, "hidden": hidden, "visual": torch.zeros(1), "phase": "decode",
+                          "new_request": t == 0})
             for layer in range(LAYERS - 1):
                 top = router.logits(layer + 1, routing.hidden[t, layer]).topk(20).indices
                 hits += float(torch.isin(routing.ids[t, layer + 1], top).float().mean())
@@ -63,12 +64,14 @@ def main() -> int:
     test_seeds = range(1000, 1000 + args.test_requests)
     results: dict[str, dict[str, float]] = {}
     oracle = None
-    for name, feature, use_features in (("latent", "latent", True), ("history only", "latent", False),
-                                        ("noise", "noise", True)):
+    for name, feature, extra in (("latent", "latent", {}),
+                                 ("latent, the paper's model", "latent", {"layer_heads": 0, "previous_token": False}),
+                                 ("history only", "latent", {"use_features": False}),
+                                 ("noise", "noise", {})):
         train_steps, _ = steps_of(train_seeds, args.tokens, feature)
         test_steps, oracle = steps_of(test_seeds, args.tokens, feature)
         config = PredictorConfig(num_layers=LAYERS, num_experts=EXPERTS, hidden_size=train_steps[0]["hidden"].shape[1],
-                                 visual_size=1, use_features=use_features)
+                                 visual_size=1, **extra)
         train_data, test_data = samples_from_steps(train_steps, config), samples_from_steps(test_steps, config)
         model, log = train(config, train_data, test_data, epochs=args.epochs)
         results[name] = {f"@{b}": round(hot_recall(model, test_data, b), 4) for b in (10, 20, 30)}
