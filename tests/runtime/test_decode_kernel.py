@@ -53,9 +53,9 @@ for table in tables:
     table.count[1], table.used[1] = 2, 1           # one slot already taken by an earlier run of the step
 ids = torch.tensor([3, 0, 1])
 y, w = torch.randn(3, H), torch.rand(1, 3)
-slots, land, pending = tables[0].lookup(1, ids, True)
+slots, land = tables[0].lookup(1, ids)
 want = combine(y, w, torch.float32)
-tables[0].publish(1, ids, land, pending)
+tables[0].publish(1, ids, land)
 k_slots, k_land = decode_kernel.plan(tables[1], 1, ids)
 assert k_slots.tolist() == slots.tolist() == [-1, 4, -1] and k_land.tolist() == land.tolist() == [3, -1, -1]
 got = decode_kernel.combine(y, w, torch.float32, tables[1], 1, ids, k_land)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import decode_kernel
+
 NOT_RESIDENT, ARRIVING = -1, -2
 
 
@@ -59,25 +61,25 @@ class DecodeTable:
         self._pending = False
 
     # --- inside the step (device ops only) ---------------------------------------------------------
-    def lookup(self, row: int, ids: torch.Tensor, offloaded: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """(slots, landing slab per pair, what `publish` needs) for one token's K expert ids."""
+    def lookup(self, row: int, ids: torch.Tensor, use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, landing slab per pair) for one token's K expert ids of an offloaded layer; records
+        the step. `use_kernel`: the same in one Triton launch (decode_kernel.plan)."""
+        if use_kernel:
+            return decode_kernel.plan(self, row, ids)
         slots = self.slots[row].index_select(0, ids)
         self.routed[row].copy_(ids)
         self.read[row].copy_(slots)
-        if not offloaded:
-            return slots, self.no_landing, ()
         miss = slots == NOT_RESIDENT
         rank = self.used[row] + torch.cumsum(miss, 0) - 1
         lands = miss & (rank < self.count[row])
         slot_of = self.landing[row].index_select(0, rank.clamp(0, self.top_k - 1))
-        land = torch.where(lands, slot_of, -1)
-        return slots, land, (lands, rank)
+        return slots, torch.where(lands, slot_of, -1)
 
-    def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor, pending: tuple) -> None:
-        """After the kernel wrote the landed experts: point the table at them, record the owners."""
-        if not pending:
-            return
-        lands, rank = pending
+    def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
+        """After the experts were written to their landing slabs: point the table at them, record the
+        owners (decode_kernel.combine does this in its own launch)."""
+        lands = land >= 0
+        rank = self.used[row] + torch.cumsum(lands, 0) - 1  # landed pairs are the first misses, in order
         self.slots[row].scatter_(0, torch.where(lands, ids, self.num_experts), land)
         self.owner[row].scatter_(0, torch.where(lands, rank, self.top_k), torch.where(lands, ids, -1))
         self.used[row:row + 1] += lands.sum()

@@ -178,22 +178,16 @@ class OffloadRuntime:
                         top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
         """One decode token's experts, each read from its slab or the host store (device work only).
         On CUDA three launches besides the two expert kernels' (plan, and combine with publish)."""
-        row, ids, top_k = self._index[layer], top_k_index.reshape(-1), top_k_index.shape[1]
+        row, ids, top_k, kernel = self._index[layer], top_k_index.reshape(-1), top_k_index.shape[1], self._use_kernel
         table = self.table
         if layer in self.pinned:  # the bank holds every expert at its own index: nothing to look up or record
-            y = pair_outputs(hidden, ids, ids, table.no_landing, self.banks[layer], None, 0, act, top_k,
-                             self._use_kernel)
-            if self._use_kernel:
-                return decode_kernel.combine(y, top_k_weights, hidden.dtype)
-            return combine(y, top_k_weights, hidden.dtype)
-        host = self.store.layers[layer]
-        if self._use_kernel:
-            slots, land = decode_kernel.plan(table, row, ids)
-            y = pair_outputs(hidden, ids, slots, land, self.pool, host, host.data_ptr(), act, top_k, True)
+            y = pair_outputs(hidden, ids, ids, table.no_landing, self.banks[layer], None, act, top_k, kernel)
+            return combine(y, top_k_weights, hidden.dtype, kernel)
+        slots, land = table.lookup(row, ids, kernel)
+        y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
+        if kernel:  # combines and publishes in one launch
             return decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
-        slots, land, pending = table.lookup(row, ids, True)
-        y = pair_outputs(hidden, ids, slots, land, self.pool, host, host.data_ptr(), act, top_k, False)
-        table.publish(row, ids, land, pending)
+        table.publish(row, ids, land)
         return combine(y, top_k_weights, hidden.dtype)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
@@ -337,8 +331,6 @@ class OffloadRuntime:
             self.transfers.close()
         if self.transfers is not None and self.transfers.cuda:
             torch.cuda.synchronize(self.device)
-        if self.cpu is not None and hasattr(self.cpu, "close"):
-            self.cpu.close()
         self.store.release()
         self.banks.clear()
         self.pool = self.transfers = self.table = None

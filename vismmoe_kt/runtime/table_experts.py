@@ -22,8 +22,10 @@ from . import decode_kernel
 from .store import block_views
 
 
-def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, use_kernel: bool = False) -> torch.Tensor:
     """(P, H) per-pair outputs -> (T, H): weighted, summed over each token's K pairs in order."""
+    if use_kernel:
+        return decode_kernel.combine(y, top_k_weights, dtype)
     tokens, k = top_k_weights.shape
     weighted = y.view(tokens, k, -1) * top_k_weights.to(y.dtype).unsqueeze(-1)
     return weighted.sum(dim=1).to(dtype)
@@ -35,9 +37,13 @@ def kernel_usable(device: torch.device, dtype: torch.dtype, act: Any) -> bool:
 
 
 def is_silu(act: Any) -> bool:
-    """torch's SiLU module or function, or transformers' SiLUActivation (ACT2FN["silu"])."""
-    return (act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU)
-            or type(act).__name__ == "SiLUActivation" or getattr(act, "__name__", "") == "silu")
+    """Whether the activation computes SiLU (the kernels' gating), judged by what it returns: no
+    library's class names here."""
+    probe = torch.linspace(-4, 4, 17)
+    try:
+        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
+    except Exception:  # an activation that cannot take a plain CPU tensor
+        return False
 
 
 def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
@@ -63,22 +69,20 @@ def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: 
 
 
 def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
-                 pools: tuple[torch.Tensor, torch.Tensor], host_blocks: torch.Tensor | None, host_addr: int, act: Any,
+                 pools: tuple[torch.Tensor, torch.Tensor], host_blocks: torch.Tensor | None, act: Any,
                  top_k: int, use_kernel: bool) -> torch.Tensor:
-    """(P, H) fp32 unweighted expert outputs, each pair's weights read where they lie."""
+    """(P, H) fp32 unweighted expert outputs, each pair's weights read where they lie (host_blocks:
+    the layer's page-locked store, None where every slot is resident)."""
     if use_kernel:
-        block_elems = host_blocks.shape[1] if host_blocks is not None else 0
-        return decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, host_addr, block_elems, top_k)
+        address, block_elems = (host_blocks.data_ptr(), host_blocks.shape[1]) if host_blocks is not None else (0, 0)
+        return decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, address, block_elems, top_k)
     return experts_twin(hidden, ids, slots, land, pools, host_blocks, act, top_k)
 
 
 def table_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   slots: torch.Tensor, land: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
-                  host_blocks: torch.Tensor | None, host_addr: int, act: Any, use_kernel: bool) -> torch.Tensor:
+                  host_blocks: torch.Tensor | None, act: Any, use_kernel: bool) -> torch.Tensor:
     """(T, H) routed-expert output of one layer's decode tokens, combined deterministically."""
-    top_k = top_k_index.shape[1]
-    y = pair_outputs(hidden, top_k_index.reshape(-1), slots, land, pools, host_blocks, host_addr, act, top_k,
+    y = pair_outputs(hidden, top_k_index.reshape(-1), slots, land, pools, host_blocks, act, top_k_index.shape[1],
                      use_kernel)
-    if use_kernel:
-        return decode_kernel.combine(y, top_k_weights, hidden.dtype)
-    return combine(y, top_k_weights, hidden.dtype)
+    return combine(y, top_k_weights, hidden.dtype, use_kernel)

@@ -115,7 +115,7 @@ def main() -> int:
     def table(slots, land, source):
         def run():
             for l in range(LAYERS):
-                table_experts(x, ids[l], w, slots[l], land[l], pools, source, source.data_ptr(), act, True)
+                table_experts(x, ids[l], w, slots[l], land[l], pools, source, act, True)
         return run
 
     rows = []
@@ -149,8 +149,8 @@ def main() -> int:
             e = (l * K + k) % E
             pools[0][l * K + k].view(-1).copy_(host[e, :2 * I * H])
             pools[1][l * K + k].view(-1).copy_(host[e, 2 * I * H:])
-    a = table_experts(x, ids[0], w, resident[0], no_land, pools, host, host.data_ptr(), act, True)
-    b = table_experts(x, ids[0], w, on_host, no_land, pools, host, host.data_ptr(), act, True)
+    a = table_experts(x, ids[0], w, resident[0], no_land, pools, host, act, True)
+    b = table_experts(x, ids[0], w, on_host, no_land, pools, host, act, True)
     reference = torch.zeros(1, H, device=device)
     for k in range(K):
         e = int(ids[0][0, k])
