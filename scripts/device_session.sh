@@ -6,6 +6,10 @@
 #   bash scripts/device_session.sh decode [PX]      the decode benchmark at PX px (448): stock transformers, lean graphed,
 #                                                   lru at 16 GiB, lean offloaded at 16 and 32 GiB (synthetic
 #                                                   routing): five configurations in one process
+#   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lean-graphs, lru, vismmoe, vismmoe with the
+#                                                   lookahead predictor (results/predictor-synthetic-48x128), synthetic routing
+#   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
+#                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
 #                                                   all-resident; then stock vs all-resident at 448 px
 #   bash scripts/device_session.sh check bench 1    stages combine
@@ -29,6 +33,22 @@ while [[ $# -gt 0 ]]; do
             timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/decode$px" --layers 48 --reps 5 \
               --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lru:16GiB lean:16GiB lean:32GiB \
               | tee "$OUT/decode_bench$px.txt" ;;
+    smoke) shift
+           python3 -c "
+import torch
+from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
+torch.manual_seed(0)
+LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32, visual_size=96, window=5,
+                                   hidden_source='synthetic')).save('$OUT/tiny_predictor.pt')"
+           timeout 300 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/smoke" --tiny tiny-6x64 --routing synthetic \
+             --reps 2 --decode-tokens 16 --image-size 224 --predictor "$OUT/tiny_predictor.pt" \
+             --configs lean:12MiB lean:12MiB+predict+minp=0 | tee "$OUT/smoke.txt"
+           grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json" && { echo "smoke: steps not graphed" >&2; exit 3; } ;;
+    predict) shift
+             px=$1 budget=$2; shift 2
+             timeout 580 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" --layers 48 \
+               --reps 5 --image-size "$px" --decode-tokens 32 --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" | tee "$OUT/predict$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -42,6 +62,6 @@ while [[ $# -gt 0 ]]; do
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], fits, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, fits, bench PART...)" >&2; exit 2 ;;
   esac
 done

@@ -32,3 +32,18 @@ def test_anchor_depth_study_sweeps_the_valid_depths(tmp_path):
     assert [r["pinned_layers"] for r in data["rows"]] == [1, 2]  # Eq. 10 at 3 layers of budget, 1 layer of cache kept
     assert data["auto_pinned_layers"] == 1
     assert all(r["seconds_median"] > 0 for r in data["rows"])
+
+
+def test_predictor_study_trains_evaluates_and_keeps_its_references(tmp_path):
+    from vismmoe_kt.apps.measure import predictor_study
+
+    assert predictor_study.main(["--train-requests", "3", "--valid-requests", "1", "--test-requests", "1", "--tokens",
+                                 "4", "--epochs", "1", "--ablations", "no-recent", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "predictor_study.json").read_text())
+    results = data["results"]
+    assert set(results) == {"calibrated", "no-recent", "router's own lookahead", "random guess"}
+    assert all(0 <= r["@20"] <= 1 for r in results.values())
+    assert results["router's own lookahead"]["@20"] > results["random guess"]["@20"]
+    calibrated = data["details"]["calibrated"]
+    assert calibrated["config"]["hidden_source"] == "synthetic" and calibrated["forward_ms_cpu_batch1"] > 0
+    assert list(calibrated["by_position"]) == ["tokens 1-1", "tokens 2-4"]

@@ -463,3 +463,31 @@ def test_the_public_generate_is_the_lean_path(case):
     with torch.no_grad():
         assert torch.equal(vismmoe_kt.generate(model, inputs, TOKENS), expected)
     assert decoder_of(model).stats()["decode_steps"] == TOKENS - 1
+
+
+def test_lookahead_prefetch_inside_table_steps(case, tmp_path):
+    """With a predictor, table steps prefetch the next layers' likely experts on the device (a side
+    stream on CUDA): the tokens stay the reference's, graphed and eager steps agree to the bit,
+    prefetches land and are counted, and a step still reads nothing back from the device."""
+    from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
+
+    spec = SPECS["tiny-4x16"]
+    config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
+                             visual_size=spec.hidden, window=2, width=32, history_dim=16)
+    torch.manual_seed(0)
+    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay",
+                    predictor=str(tmp_path / "predictor.pt"), prefetch_topk=6, prefetch_min_probability=0.0, **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    assert runtime.table_enabled and runtime.lookahead is not None
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = decoder_of(model).stats()
+    assert stats["decode_graphed_steps"] == stats["decode_steps"] and stats["decode_check_max_difference"] == 0.0
+    summary = runtime.summary()
+    assert summary["decode_prefetches"] > 0  # an untrained predictor's top pairs, believed at probability 0
+    assert summary["decode_prefetch_used"] + summary["decode_prefetch_wasted"] <= summary["decode_prefetches"]
+    _, watched = run_steps(model, inputs, 3)
+    assert all(w.syncing == [] for w in watched), [w.syncing for w in watched]

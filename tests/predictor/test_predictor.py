@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vismmoe_kt.predictor.model import (LookaheadPredictor, PredictorConfig, hot_recall, paper_targets, samples_from_steps,
-                                  train, window_targets)
+from vismmoe_kt.predictor.model import (LookaheadPredictor, PredictorConfig, hot_recall, paper_targets, recent_table,
+                                        samples_from_steps, train, window_targets)
 
 
 def active(*layers, experts=6):
@@ -136,18 +136,22 @@ def test_previous_token_feature_follows_requests():
 
 def test_predictors_saved_before_the_new_features_still_load(tmp_path):
     old = PredictorConfig(num_layers=4, num_experts=8, hidden_size=4, visual_size=2, window=2, width=16,
-                          layer_heads=0, previous_token=False)
+                          layer_heads=0, previous_token=False, recent=False)
     model = LookaheadPredictor(old)
     path = tmp_path / "old.pt"
     model.save(path)
     blob = torch.load(path, weights_only=True)
-    for key in ("layer_heads", "previous_token"):  # what an older version wrote
-        del blob["config"][key]
+    for key in ("layer_heads", "previous_token", "recent", "recent_decay", "recent_width", "hidden_source"):
+        del blob["config"][key]  # what an older version wrote
+    assert not any(k.startswith("recent") for k in blob["state"])
     torch.save(blob, path)
     loaded = LookaheadPredictor.load(path)
     assert loaded.config.layer_heads == 0 and not loaded.config.previous_token
+    assert not loaded.config.recent and loaded.config.hidden_source == "model"
     args = (torch.tensor([1]), torch.zeros(1, 3, 8), torch.randn(1, 4), torch.randn(1, 2))
     torch.testing.assert_close(loaded(*args), model.eval()(*args))
+    recent = torch.rand(1, 2, 8)  # the runtime may pass the feature to any predictor: an old one ignores it
+    torch.testing.assert_close(loaded(*args, None, recent), model(*args))
 
 
 def test_serving_feeds_the_previous_token_as_training_does():
@@ -165,3 +169,109 @@ def test_serving_feeds_the_previous_token_as_training_does():
     served = policy._previous_token(runtime, 1, decoding=True)[0]
     assert torch.equal(served, window_targets(previous, 1, 2))
     assert policy._previous_token(runtime, 1, decoding=False).sum() == 0  # prefill: none
+
+
+def test_recent_usage_feature_is_the_ema_of_the_request_s_decode_tokens():
+    """recent (L, E): zeros when a request's decode starts, then lam * recent + (1 - lam) * each decode
+    token's experts; the feature at layer l is rows l+1..l+W (zeros past the last layer)."""
+    lam = 0.75
+    config = PredictorConfig(num_layers=3, num_experts=6, hidden_size=2, visual_size=1, window=2, width=8,
+                             recent_decay=lam)
+
+    def step(phase, used, new=False):
+        return {"active": active(*used), "hidden": torch.zeros(3, 2), "visual": torch.zeros(1), "phase": phase,
+                "new_request": new}
+    a, b, c = ({0}, {1}, {3}), ({0}, {2}, {4}), ({1}, {2}, {5})
+    steps = [step("prefill", ({0, 1}, {1, 2}, {2, 3})), step("decode", a), step("decode", b), step("decode", c),
+             step("prefill", ({4}, {4}, {4})), step("decode", ({5}, {5}, {5})), step("decode", a, new=True)]
+    data = samples_from_steps(steps, config)  # 2 rows (layers 0, 1) per step
+    assert data.recent.dtype == torch.float32 and data.recent.shape == (14, 2, 6)
+    assert data.decode.tolist() == [False] * 2 + [True] * 6 + [False] * 2 + [True] * 4
+
+    def rows(table, layer):  # rows layer+1 .. layer+2 of a (3, 6) table, zeros past the last layer
+        out = torch.zeros(2, 6)
+        for d in range(2):
+            if layer + 1 + d < 3:
+                out[d] = table[layer + 1 + d]
+        return out
+    A, B = active(*a).float(), active(*b).float()
+    after_a = (1 - lam) * A
+    after_b = lam * (1 - lam) * A + (1 - lam) * B
+    assert data.recent[0:4].sum() == 0                  # the prefill, and the first decode token
+    for layer in (0, 1):
+        torch.testing.assert_close(data.recent[4 + layer], rows(after_a, layer))  # b sees a
+        torch.testing.assert_close(data.recent[6 + layer], rows(after_b, layer))  # c sees a, then b
+    assert data.recent[8:12].sum() == 0                 # a new prompt: the table starts again
+    assert data.recent[12:14].sum() == 0                # a step flagged as a new request, too
+    torch.testing.assert_close(recent_table([active(*a), active(*b)], lam), after_b)
+    assert recent_table([active(*a), active(*b)], lam)[1].tolist() == [0, lam * (1 - lam), 1 - lam, 0, 0, 0]
+
+
+def test_recent_usage_reaches_the_scores_and_none_means_zeros():
+    config = PredictorConfig(num_layers=4, num_experts=8, hidden_size=3, visual_size=2, window=2, width=16,
+                             history_dim=8)
+    torch.manual_seed(0)
+    model = LookaheadPredictor(config).eval()
+    args = (torch.tensor([1, 2]), torch.zeros(2, 3, 8), torch.randn(2, 3), torch.randn(2, 2), torch.zeros(2, 2, 8))
+    zeros = torch.zeros(2, 2, 8)
+    recent = torch.zeros(2, 2, 8)
+    recent[:, :, 3] = 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args), model(*args, zeros))
+        assert not torch.allclose(model(*args, recent), model(*args, zeros))
+        assert model(*args, recent).shape == (2, 2, 8)
+    without = LookaheadPredictor(PredictorConfig(**{**config.__dict__, "recent": False})).eval()
+    assert not hasattr(without, "recent_net")
+    with torch.no_grad():
+        torch.testing.assert_close(without(*args, recent), without(*args))  # a predictor without it ignores it
+
+
+def test_bad_recent_decay_and_hidden_source_are_refused():
+    base = dict(num_layers=4, num_experts=8, hidden_size=3, visual_size=2)
+    with pytest.raises(ValueError, match="recent_decay"):
+        LookaheadPredictor(PredictorConfig(**base, recent_decay=1.0))
+    with pytest.raises(ValueError, match="hidden_source"):
+        LookaheadPredictor(PredictorConfig(**base, hidden_source="latent"))
+
+
+def test_a_predictor_with_recent_usage_round_trips(tmp_path):
+    config = PredictorConfig(num_layers=4, num_experts=8, hidden_size=3, visual_size=1, window=2, width=16,
+                             history_dim=8, recent_decay=0.5, hidden_source="synthetic")
+    model = LookaheadPredictor(config).eval()
+    model.save(tmp_path / "p.pt")
+    again = LookaheadPredictor.load(tmp_path / "p.pt")
+    assert again.config == config
+    args = (torch.tensor([0, 2]), torch.zeros(2, 3, 8), torch.randn(2, 3), torch.zeros(2, 1), torch.zeros(2, 2, 8),
+            torch.rand(2, 2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(*args), again(*args))
+
+
+def test_serving_keeps_the_recent_usage_table_as_training_builds_it():
+    """PredictorPrefetch folds each decode step into its table as samples_from_steps does, and a prompt
+    empties it."""
+    from types import SimpleNamespace
+
+    from vismmoe_kt.predictor.prefetch import PredictorPrefetch
+
+    config = PredictorConfig(num_layers=4, num_experts=6, hidden_size=2, visual_size=1, window=2, width=8,
+                             recent_decay=0.6)
+    policy = PredictorPrefetch(LookaheadPredictor(config), top_b=4)
+    runtime = SimpleNamespace(moe_layers=[0, 2, 4, 6], num_experts=6, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    prompt = [torch.randint(6, (5, 2), generator=g) for _ in range(4)]  # 5 tokens, top-2, per layer
+    tokens = [[torch.randint(6, (1, 2), generator=g) for _ in range(4)] for _ in range(4)]
+    steps = [{"active": torch.stack([torch.zeros(6, dtype=torch.bool).index_fill_(0, ids.flatten(), True)
+                                     for ids in routed]),
+              "hidden": torch.zeros(4, 2), "visual": torch.zeros(1), "phase": phase}
+             for phase, routed in [("prefill", prompt)] + [("decode", t) for t in tokens]]
+    data = samples_from_steps(steps, config)
+    for s, (_, routed) in enumerate([("prefill", prompt)] + [("decode", t) for t in tokens]):
+        for index, ids in enumerate(routed):
+            policy.observe(runtime, runtime.moe_layers[index], ids)
+            if index < 3:  # the feature the policy would feed at this layer
+                served = policy._recent[index + 1:index + 3]
+                torch.testing.assert_close(served, data.recent[3 * s + index])
+    assert data.recent[-3:].abs().sum() > 0
+    policy.observe(runtime, 0, prompt[0])  # a new prompt
+    assert policy._recent.sum() == 0

@@ -1,10 +1,14 @@
-"""Expert budget: byte sizes and the pinned-prefix interval of VisMMOE Eq. 10."""
+"""Expert budget: byte sizes, the pinned-prefix interval of VisMMOE Eq. 10, and the depth `auto` takes in it."""
 
 import pytest
+import torch
 
-from vismmoe_kt.runtime.budget import BudgetError, choose_pinned_layers, parse_bytes, valid_prefix_range
+from vismmoe_kt.runtime.budget import (BudgetError, choose_pinned_layers, parse_bytes, pinned_depth_choice,
+                                       valid_prefix_range)
+from vismmoe_kt.runtime.prefix_depth import DepthModel, HitRateCurve, predict, shipped_curve
 
 GIB = 2**30
+QWEN_LAYER = 128 * 3 * 2048 * 768 * 2  # Qwen3-VL-30B-A3B: 128 experts of 3 x 2048 x 768 BF16 per MoE layer
 
 
 @pytest.mark.parametrize("text,value", [(1234, 1234), ("24GiB", 24 * GIB), ("40 GB", 40 * 10**9), ("512MiB", 512 * 2**20),
@@ -40,8 +44,9 @@ def test_empty_interval_error_states_the_minimum_budget():
         choose_pinned_layers(39, 10, 20, 2, num_moe_layers=48)
 
 
-def test_default_choice_is_the_smallest_valid_depth():
+def test_without_a_hit_rate_curve_for_the_shape_auto_takes_the_smallest_valid_depth():
     assert choose_pinned_layers(100, 10, 20, 2, num_moe_layers=48) == 2
+    assert "no decode hit-rate curve for this shape" in pinned_depth_choice(100, 10, 20, 2, 48).reason
 
 
 def test_budget_that_holds_every_layer_pins_them_all():
@@ -54,3 +59,108 @@ def test_requested_depth_is_checked_against_eq10():
         choose_pinned_layers(100, 10, 20, 2, 48, requested=9)
     with pytest.raises(BudgetError, match=r"pinned_layers=1 is outside"):
         choose_pinned_layers(100, 10, 20, 2, 48, requested=1)
+
+
+# --- auto: the depth that minimises predicted time per decode token (prefix_depth.py) ---------------------
+
+def toy_model(**kw):
+    """4 layers x 4 experts, top-2, 1-byte experts, 1 B/s: a layer's hit rate 0.5 / 0.8 / 1.0 at 2 / 3 / 4 slabs."""
+    curve = HitRateCurve((2, 3, 4), ((0.5, 0.8, 1.0),) * 4, experts=4, top_k=2, expert_bytes=1, source="toy")
+    figures = dict(zero_copy_bytes_per_s=1.0, copy_bytes_per_s=1.0, layer_seconds=0.0, offload_overhead_seconds=0.0,
+                   tolerance=0.0)
+    return DepthModel(curve, 1, **{**figures, **kw})
+
+
+def test_a_budget_where_pinning_costs_hit_rate_keeps_the_prefix_short():
+    # 3 layers of budget, C_safe 1 layer: Eq. 10 allows 1..2. At 1 the 3 offloaded layers get 8/3 slabs each
+    # (hit 0.7, 1.8 experts read); at 2 the other two get 2 each (hit 0.5, 2.0 read): 1 is faster.
+    choice = pinned_depth_choice(12, 4, 4, 1, 4, model=toy_model())
+    assert choice.valid == (1, 2) and choice.depth == 1
+    assert [round(r.experts_read, 6) for r in choice.rows] == [1.8, 2.0]
+    assert "the fastest of Eq. 10's 1..2" in choice.reason
+
+
+def test_an_abundant_budget_pins_deeper():
+    # 3.75 layers of budget, C_safe 1 byte: 1..3; every depth reads 0.4 experts, and each offloaded layer's
+    # upkeep then decides: the deepest prefix wins
+    choice = pinned_depth_choice(15, 4, 1, 1, 4, model=toy_model(offload_overhead_seconds=0.01))
+    assert choice.valid == (1, 3) and choice.depth == 3
+    assert [round(r.experts_read, 6) for r in choice.rows] == [0.4, 0.4, 0.4]
+
+
+def test_depths_within_the_tolerance_of_the_fastest_go_to_the_deepest():
+    tie = pinned_depth_choice(15, 4, 1, 1, 4, model=toy_model())  # no upkeep: every depth reads 0.4 experts
+    assert len({round(r.seconds, 9) for r in tie.rows}) == 1 and tie.depth == 3  # an exact tie: the deepest
+    # 1.8 vs 2.0 experts read: 11% apart, so a 15% tolerance takes the deeper one, 5% does not
+    assert pinned_depth_choice(12, 4, 4, 1, 4, model=toy_model(tolerance=0.15)).depth == 2
+    assert pinned_depth_choice(12, 4, 4, 1, 4, model=toy_model(tolerance=0.05)).depth == 1
+
+
+def test_lookahead_hides_copies_behind_the_prefix():
+    # 2 layers, 1 s of compute each; an offloaded layer misses its one expert every token (0.5 s to copy, 1 s zero-copy)
+    curve = HitRateCurve((1, 2), ((0.0, 0.0),) * 2, experts=2, top_k=1, expert_bytes=1)
+    model = DepthModel(curve, 1, zero_copy_bytes_per_s=1.0, copy_bytes_per_s=2.0, layer_seconds=1.0,
+                       offload_overhead_seconds=0.0)
+    assert predict(model, 10, 2, 1).seconds == pytest.approx(3.0)  # read when the layer runs: 1 + (1 + 1)
+    ahead = DepthModel(curve, 1, zero_copy_bytes_per_s=1.0, copy_bytes_per_s=2.0, layer_seconds=1.0,
+                       offload_overhead_seconds=0.0, lookahead=1)
+    assert predict(ahead, 10, 2, 1).seconds == pytest.approx(2.0)  # copied during the pinned layer: hidden
+    assert predict(ahead, 10, 2, 0).seconds == pytest.approx(2.5)  # layer 0 has nothing to hide behind
+    half = DepthModel(curve, 1, zero_copy_bytes_per_s=1.0, copy_bytes_per_s=2.0, layer_seconds=1.0,
+                      offload_overhead_seconds=0.0, lookahead=1, recall=0.5)
+    assert predict(half, 10, 2, 1).seconds == pytest.approx(2.5)  # the unpredicted half is read in place
+
+
+def test_hit_rate_curve_interpolates_and_extrapolates_to_zero():
+    curve = HitRateCurve((2, 4), ((0.4, 1.0),), experts=4, top_k=2)
+    assert curve.rate(0, 1) == pytest.approx(0.2)  # below top_k: linearly down to 0
+    assert curve.rate(0, 3) == pytest.approx(0.7)
+    assert curve.rate(0, 9) == 1.0
+    with pytest.raises(ValueError, match="ascend"):
+        HitRateCurve((4, 2), ((0.4, 1.0),), experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("gib", range(14, 54))
+def test_qwen3_vl_auto_depth_lies_in_eq10_range(gib):
+    budget = gib * GIB
+    choice = pinned_depth_choice(budget, QWEN_LAYER, QWEN_LAYER, 1, 48)
+    assert choice.valid == (1, (budget - QWEN_LAYER) // QWEN_LAYER)
+    assert choice.valid[0] <= choice.depth <= choice.valid[1]
+    assert [r.depth for r in choice.rows] == list(range(choice.valid[0], choice.valid[1] + 1))
+    assert choose_pinned_layers(budget, QWEN_LAYER, QWEN_LAYER, 1, 48) == choice.depth
+
+
+def test_qwen3_vl_shapes_pin_one_layer_at_16gib_and_more_at_32gib():
+    """The shipped decode hit-rate curve (synthetic routing) with the H200's bandwidths."""
+    assert shipped_curve() is not None and shipped_curve().layers == 48
+    tight = pinned_depth_choice(16 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48)
+    assert tight.valid == (1, 13) and tight.depth == 1
+    assert "H200 defaults, not measured here" in tight.basis
+    roomy = pinned_depth_choice(32 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48)
+    assert roomy.valid == (1, 27) and 1 < roomy.depth < 27
+    fastest = min(roomy.rows, key=lambda r: r.seconds)
+    chosen = next(r for r in roomy.rows if r.depth == roomy.depth)
+    assert chosen.seconds <= fastest.seconds * 1.02
+    assert pinned_depth_choice(60 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48).depth == 48  # everything fits
+
+
+def test_explicit_depths_are_still_validated_and_reported_with_the_auto_choice():
+    choice = pinned_depth_choice(16 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48, requested=10)
+    assert choice.depth == 10 and "pinned_layers=10 given" in choice.reason and "auto would pin 1" in choice.reason
+    with pytest.raises(BudgetError, match=r"pinned_layers=14 is outside the valid range 1..13"):
+        choose_pinned_layers(16 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48, requested=14)
+    with pytest.raises(BudgetError, match=r"at least 2.2 GiB"):
+        choose_pinned_layers(2 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48)
+
+
+def test_the_runtime_summary_says_why_it_pinned_what_it_did():
+    from vismmoe_kt.runtime.offload import OffloadRuntime
+    from vismmoe_kt.runtime.offload_settings import OffloadSettings
+
+    experts, hidden, inter = 4, 8, 4
+    layer = experts * 3 * hidden * inter * 4
+    for kwargs, expected in [({}, "auto: 1, the smallest depth of Eq. 10's 1..2"),
+                             ({"pinned_layers": 2}, "pinned_layers=2 given (Eq. 10 allows 1..2; auto would pin 1)")]:
+        runtime = OffloadRuntime(OffloadSettings(expert_budget=3 * layer, **kwargs), [0, 1, 2, 3, 4], experts, hidden,
+                                 inter, torch.float32, "cpu", top_k=2)
+        assert runtime.summary()["pinned_layers_reason"].startswith(expected)

@@ -62,7 +62,40 @@ got = decode_kernel.combine(y, w, torch.float32, tables[1], 1, ids, k_land)
 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 for name in ("slots", "owner", "used", "routed", "read"):
     assert torch.equal(getattr(tables[0], name), getattr(tables[1], name)), name
-assert tables[1].slots[1, 3] == 3 and tables[1].owner[1, 1] == 3 and tables[1].used[1] == 2
+# expert 3 took the second slot (slab 3); expert 1 found none left: its claim was undone
+assert tables[1].slots[1, 3] == 3 and tables[1].slots[1, 1] == -1 and tables[1].owner[1, 1] == 3
+assert tables[1].used[1] == 3
+
+# lookahead prefetch: claim, copy from the host, publish, against the twin
+L, R = 3, 4
+host_rows = [None] + [(torch.randn(E, 3 * I * H) / 8).to(torch.bfloat16) for _ in range(L - 1)]  # row 0 pinned
+addresses = torch.tensor([0] + [b.data_ptr() for b in host_rows[1:]])
+results = []
+for use_kernel in (False, True):
+    table = DecodeTable(L, E, K, torch.device("cpu"), landing_slots=R)
+    table.slots[0, :E] = torch.arange(E)                       # pinned: everything resident
+    table.slots[1, :E] = torch.tensor([-1, 2, -2, -1, -1, -1])  # expert 1 resident, 2 arriving
+    table.slots[2, :E] = torch.tensor([-1, -1, -1, -1, -1, -1])
+    table.landing[1], table.landing[2] = torch.tensor([5, 6, -1, -1]), torch.tensor([7, 8, 9, -1])
+    table.count[1], table.count[2], table.used[2] = 2, 3, 1
+    pools = [torch.zeros(11, 2 * I, H, dtype=torch.bfloat16), torch.zeros(11, H, I, dtype=torch.bfloat16)]
+    # candidates: pinned (nothing), resident, arriving, three misses of row 1 (two slots), two of row 2, a blank
+    rows = torch.tensor([0, 1, 1, 1, 2, 1, 2, 1, 0])
+    experts = torch.tensor([3, 1, 2, 0, 4, 3, 0, 5, -1])
+    table.prefetch(rows, experts, pools, host_rows, use_kernel, addresses)
+    results.append((table, pools))
+(twin, twin_pools), (kern, kern_pools) = results
+for name in ("slots", "owner", "used"):
+    assert torch.equal(getattr(twin, name), getattr(kern, name)), (name, getattr(twin, name), getattr(kern, name))
+assert twin.slots[1, :E].tolist() == [5, 2, -2, 6, -1, -1] and twin.slots[2, :E].tolist() == [9, -1, -1, -1, 8, -1]
+assert twin.owner[1, :2].tolist() == [E + 0, E + 3] and twin.owner[2, 1:3].tolist() == [E + 4, E + 0]
+for slab, (row, expert) in {5: (1, 0), 6: (1, 3), 8: (2, 4), 9: (2, 0)}.items():
+    gu = host_rows[row][expert, :2 * I * H].view(2 * I, H)
+    dn = host_rows[row][expert, 2 * I * H:].view(H, I)
+    assert torch.equal(kern_pools[0][slab], gu) and torch.equal(kern_pools[1][slab], dn), slab
+    assert torch.equal(twin_pools[0][slab], gu) and torch.equal(twin_pools[1][slab], dn), slab
+for slab in (0, 1, 2, 3, 4, 7):
+    assert not kern_pools[0][slab].any() and not kern_pools[1][slab].any(), slab
 print("OK")
 """
 
@@ -97,14 +130,28 @@ def test_kernels_compile_for_hopper():
     rows, cols, _ = dk.DOWN_CONFIG
     compile_for_hopper(dk._down_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", **weights},
                        {**shapes, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})
-    table = {name: "*i64" for name in ("ids_ptr", "table_ptr", "landing_ptr", "count_ptr", "used_ptr", "routed_ptr",
-                                       "read_ptr", "slots_ptr", "land_ptr")}
-    small = {"E1": 129, "K": 8, "KP": 8}
-    compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr", "KP": "constexpr"},
-                       small)
+    table = {name: "*i64" for name in ("ids_ptr", "table_ptr", "landing_ptr", "count_ptr", "used_ptr", "owner_ptr",
+                                       "routed_ptr", "read_ptr", "slots_ptr", "land_ptr")}
+    small = {"E1": 129, "K": 8, "KP": 8, "R": 12}
+    compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr", "KP": "constexpr",
+                                         "R": "constexpr"}, small)
     for publish in (True, False):
         compile_for_hopper(dk._combine_kernel, {
             "y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64", "land_ptr": "*i64",
-            "table_ptr": "*i64", "owner_ptr": "*i64", "used_ptr": "*i64", "row": "i32", "H": "i32", "E1": "constexpr",
+            "table_ptr": "*i64", "row": "i32", "H": "i32", "E1": "constexpr",
             "K": "constexpr", "KP": "constexpr", "PUBLISH": "constexpr", "BLOCK": "constexpr"},
-            {**small, "PUBLISH": publish, "BLOCK": 1024})
+            {"E1": 129, "K": 8, "KP": 8, "PUBLISH": publish, "BLOCK": 1024})
+    candidates = {"rows_ptr": "*i64", "ids_ptr": "*i64", "table_ptr": "*i64", "landing_ptr": "*i64",
+                  "count_ptr": "*i64", "used_ptr": "*i64", "owner_ptr": "*i64", "slab_ptr": "*i64", "B": "i32",
+                  "E": "constexpr", "R": "constexpr", "BP": "constexpr"}
+    compile_for_hopper(dk._prefetch_claim_kernel, candidates, {"E": 128, "R": 12, "BP": 32})
+    gate_up, down = 2 * 768 * 2048, 768 * 2048
+    compile_for_hopper(dk._prefetch_copy_kernel, {
+        "rows_ptr": "*i64", "ids_ptr": "*i64", "slab_ptr": "*i64", "host_ptr": "*i64", "gate_up_addr": "i64",
+        "down_addr": "i64", "B": "i32", "block_elems": "i32", "ROUNDS": "constexpr", "W_DTYPE": "constexpr", "ELEM_BYTES": "constexpr",
+        "GATE_UP": "constexpr", "CHUNK": "constexpr", "PROGRAMS": "constexpr"},
+        {"ROUNDS": 60, "W_DTYPE": tl.bfloat16, "ELEM_BYTES": 2, "GATE_UP": gate_up, "CHUNK": dk.copy_chunk(gate_up, down),
+         "PROGRAMS": dk.PREFETCH_PROGRAMS})
+    compile_for_hopper(dk._prefetch_publish_kernel, {"rows_ptr": "*i64", "ids_ptr": "*i64", "slab_ptr": "*i64",
+                                                     "table_ptr": "*i64", "B": "i32", "E": "constexpr",
+                                                     "BP": "constexpr"}, {"E": 128, "BP": 32})

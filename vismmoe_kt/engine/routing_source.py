@@ -15,6 +15,12 @@ by position through forward hooks on the routers (`adapter.with_routing` rebuild
 output); the decode engine reads the row of the step's position on the device, so a captured decode
 step replays with the table's next row and no host work. Rows of a pruned prefill (fewer tokens
 after the prefix) are the kept positions (`context.pruning.keep`).
+
+A synthetic source also keeps the latent state each router read (N, L, D): `latent(index)` is its
+mean over the positions layer `index` routed last (the prompt's in a prefill, the step's position
+in decode, read on the device). A lookahead predictor calibrated on synthetic routing
+(`hidden_source: synthetic`) reads it where a trained model's predictor reads the hidden state:
+the random-weight model's own hidden states say nothing about synthetic routing.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class RoutingSource:
             self._trace_cursor = 0
         self.ids: torch.Tensor | None = None      # (capacity, L, k) long, on the model's device
         self.weights: torch.Tensor | None = None  # (capacity, L, k)
+        self.latents: torch.Tensor | None = None  # (capacity, L, D) float32, synthetic mode only
+        self._routed_at: dict[int, torch.Tensor] = {}  # MoE layer index -> the positions it routed last
         self.requests = 0
         self.history: list[dict[str, Any]] = []   # per request: ids (N, L, k) on the host, prompt length
         self._start = self._prompt = 0
@@ -74,11 +82,14 @@ class RoutingSource:
         return self.mode != "model"
 
     # --- per request ---------------------------------------------------------------------------
-    def reserve(self, positions: int, device: torch.device, dtype: torch.dtype) -> None:
+    def reserve(self, positions: int, device: torch.device, dtype: torch.dtype, latent_dim: int = 0) -> None:
         """Table buffers for `positions` positions (fixed addresses: captured decode steps read them)."""
         if self.ids is None or self.ids.shape[0] < positions or self.ids.device != torch.device(device):
             self.ids = torch.zeros(positions, self.layers, self.top_k, dtype=torch.long, device=device)
             self.weights = torch.zeros(positions, self.layers, self.top_k, dtype=dtype, device=device)
+            self.latents = None
+        if latent_dim and (self.latents is None or self.latents.shape[2] != latent_dim):
+            self.latents = torch.zeros(self.ids.shape[0], self.layers, latent_dim, device=device)
 
     def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0) -> None:
         """A request: prompt `input_ids` (1, T), of which the first `start` are in the cache already."""
@@ -90,25 +101,28 @@ class RoutingSource:
             return
         total = prompt + max_new_tokens
         visual = self.adapter.image_token_mask(self.config, input_ids[0]).cpu()
-        ids, weights = self._table(total, visual)
+        ids, weights, latents = self._table(total, visual)
         device = input_ids.device
         dtype = self.weights.dtype if self.weights is not None else torch.float32
-        self.reserve(total, device, dtype)
+        self.reserve(total, device, dtype, latents.shape[2] if latents is not None else 0)
         self.ids[:total].copy_(ids.to(device))
         self.weights[:total].copy_(weights.to(device=device, dtype=self.weights.dtype))
+        if latents is not None:
+            self.latents[:total].copy_(latents.to(device=device, dtype=torch.float32))
         self.history.append({"ids": ids, "prompt": prompt})
         del self.history[:-HISTORY]
         self.requests += 1
 
-    def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.mode == "synthetic":
             from ..routing import SyntheticRouter
 
             router = SyntheticRouter(self.layers, self.experts, self.top_k, seed=self.seed + self.requests)
             prompt = router.route(len(visual), visual.to(torch.uint8), "prefill")
             rest = router.route(total - len(visual), None, "decode")
-            return torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights])
-        return self._trace_rows(total)
+            return (torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights]),
+                    torch.cat([prompt.hidden, rest.hidden]))
+        return (*self._trace_rows(total), None)
 
     def _trace_rows(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's next request (its request ids; else the next `total` rows), cycled to `total` rows."""
@@ -144,6 +158,7 @@ class RoutingSource:
             chosen = self.adapter.routed_experts(output)
             rows = chosen.shape[0]
             positions = self._positions(index, rows, chosen.device)
+            self._routed_at[index] = positions
             if self.record:
                 self._recorded.setdefault(index, []).append(chosen.detach().cpu())
             if not self.replaces:
@@ -166,7 +181,17 @@ class RoutingSource:
     # --- the decode engine: the step's row, on the device ----------------------------------------
     def decode_route(self, index: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (1, k), ids (1, k)) of MoE layer `index` at `position` ((1,) long on the device)."""
+        self._routed_at[index] = position
         return self.weights[position, index], self.ids[position, index]
+
+    # --- the synthetic router's latent state, for a predictor calibrated on it ---------------------
+    def latent(self, index: int) -> torch.Tensor:
+        """(1, D): the latent state MoE layer `index`'s router read, averaged over the positions it
+        routed last (device ops only)."""
+        if self.latents is None or index not in self._routed_at:
+            raise InputError("this predictor was calibrated on synthetic routing (hidden_source: synthetic): it "
+                             "needs --routing synthetic, whose latent state it reads instead of the model's")
+        return self.latents[self._routed_at[index], index].mean(dim=0, keepdim=True)
 
 
 def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSource:

@@ -35,14 +35,11 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         dtype = getattr(operator.gguf_loader, "dtype", None) or getattr(text, "dtype", None) \
             or getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        prefetch = None
+        prefetch = lookahead = None
         if settings.predictor:
-            from ..predictor.prefetch import PredictorPrefetch
-
-            prefetch = PredictorPrefetch.load(settings.predictor, settings.prefetch_topk, len(shape.moe_layers),
-                                              shape.num_experts, shape.hidden, torch.device(device))
+            prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
         runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
-                                 dtype, device, shape.top_k, prefetch)
+                                 dtype, device, shape.top_k, prefetch, lookahead)
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)
@@ -50,6 +47,30 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
     elif runtime.settings != settings or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
     return runtime
+
+
+def predictor_policies(settings: OffloadSettings, shape: Any, context: Any, device: torch.device) -> tuple[Any, Any]:
+    """The calibrated predictor twice: as the placement path's prefetch policy (prefill), and on the
+    device inside table decode steps (DeviceLookahead). A predictor calibrated on synthetic routing
+    reads the routing source's latent state instead of the model's hidden state."""
+    from ..predictor.device_lookahead import DeviceLookahead
+    from ..predictor.prefetch import PredictorPrefetch
+
+    prefetch = PredictorPrefetch.load(settings.predictor, settings.prefetch_topk, len(shape.moe_layers),
+                                      shape.num_experts, shape.hidden, device)
+    hidden_of = None
+    if getattr(prefetch.predictor.config, "hidden_source", "model") == "synthetic":
+        def hidden_of(index: int, hidden: torch.Tensor) -> torch.Tensor:
+            if context.routing is None:
+                from ..errors import InputError
+
+                raise InputError(f"predictor {settings.predictor} was calibrated on synthetic routing "
+                                 "(hidden_source: synthetic): it needs --routing synthetic")
+            return context.routing.latent(index)
+        prefetch.hidden_of = hidden_of
+    lookahead = DeviceLookahead(prefetch.predictor, settings.prefetch_topk, device,
+                                settings.prefetch_min_probability, hidden_of)
+    return prefetch, lookahead
 
 
 class VisExperts(BaseInjectedModule):

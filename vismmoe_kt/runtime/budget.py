@@ -3,14 +3,20 @@
     I_valid = { L : L_semantic <= L <= floor((M_avail - C_safe) / S_layer) }
 
 M_avail is the expert budget, S_layer the bytes of one MoE layer's experts, C_safe the least memory
-the dynamic cache must keep, L_semantic the least depth whose routing is informative.
+the dynamic cache must keep, L_semantic the least depth whose routing is informative. Within that range
+`pinned_layers: auto` takes the depth that minimises predicted time per decode token (prefix_depth.py).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 
 from ..errors import VismmoeError
+from .prefix_depth import DepthChoice, DepthModel, choose, default_model
+
+_log = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -51,14 +57,19 @@ def valid_prefix_range(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: 
     return range(l_semantic, deepest + 1)
 
 
-def choose_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int,
-                         num_moe_layers: int, requested: int | None = None) -> int:
-    """Pick L_pinned: the smallest valid depth, or `requested` after checking it against Eq. 10.
+@functools.lru_cache(maxsize=64)  # the runtime's summary asks again for the reason
+def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int, num_moe_layers: int,
+                        requested: int | None = None, model: DepthModel | None = None) -> DepthChoice:
+    """L_pinned and why: `requested` after checking it against Eq. 10, or (auto) the depth of Eq. 10's range
+    that minimises predicted time per decode token (prefix_depth.py). `model` prices the depths; None: the
+    shipped hit-rate curve with the H200's figures where the model has its shape, else the smallest valid
+    depth (nothing to price with).
 
     A budget that holds every layer pins them all (there is nothing left to offload).
     """
     if m_avail >= num_moe_layers * layer_bytes and requested is None:
-        return num_moe_layers
+        return DepthChoice(num_moe_layers, f"every layer fits the budget ({human_bytes(m_avail)} >= {num_moe_layers} x "
+                                           f"{human_bytes(layer_bytes)}): all {num_moe_layers} pinned, nothing offloaded")
     valid = valid_prefix_range(m_avail, layer_bytes, c_safe, l_semantic)
     if len(valid) == 0:
         minimum = l_semantic * layer_bytes + c_safe
@@ -67,13 +78,34 @@ def choose_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic
             f"{human_bytes(layer_bytes)} plus a dynamic cache of {human_bytes(c_safe)}, at least "
             f"{human_bytes(minimum)} ({minimum} bytes)"
         )
+    span = (valid.start, valid.stop - 1)
+    if requested is not None:
+        if requested not in valid and not (requested <= num_moe_layers and requested * layer_bytes <= m_avail
+                                           and requested == num_moe_layers):
+            raise BudgetError(
+                f"pinned_layers={requested} is outside the valid range {valid.start}..{valid.stop - 1} for an expert "
+                f"budget of {human_bytes(m_avail)} ({human_bytes(layer_bytes)} per layer, "
+                f"{human_bytes(c_safe)} kept for the cache)"
+            )
+        auto = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, None, model)
+        return DepthChoice(requested, f"pinned_layers={requested} given (Eq. 10 allows {span[0]}..{span[1]}; "
+                                      f"auto would pin {auto.depth})", (), span)
+    if valid.start >= num_moe_layers:
+        return DepthChoice(num_moe_layers, f"L_semantic={l_semantic} covers every one of the {num_moe_layers} MoE layers",
+                           (), span)
+    candidates = range(valid.start, min(valid.stop, num_moe_layers + 1))
+    model = model if model is not None else default_model(num_moe_layers, layer_bytes)
+    if model is None:
+        return DepthChoice(valid.start, f"auto: {valid.start}, the smallest depth of Eq. 10's {span[0]}..{span[1]}: "
+                                        f"no decode hit-rate curve for this shape ({num_moe_layers} MoE layers of "
+                                        f"{human_bytes(layer_bytes)}) to price deeper ones with", (), span)
+    return choose(model, m_avail, num_moe_layers, candidates)
+
+
+def choose_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int,
+                         num_moe_layers: int, requested: int | None = None, model: DepthModel | None = None) -> int:
+    """L_pinned (pinned_depth_choice's depth); an automatic choice is logged with its reason."""
+    choice = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, requested, model)
     if requested is None:
-        return min(valid.start, num_moe_layers)
-    if requested not in valid and not (requested <= num_moe_layers and requested * layer_bytes <= m_avail
-                                       and requested == num_moe_layers):
-        raise BudgetError(
-            f"pinned_layers={requested} is outside the valid range {valid.start}..{valid.stop - 1} for an expert "
-            f"budget of {human_bytes(m_avail)} ({human_bytes(layer_bytes)} per layer, "
-            f"{human_bytes(c_safe)} kept for the cache)"
-        )
-    return requested
+        _log.info("pinned prefix: %s%s", choice.reason, f" [{choice.basis}]" if choice.basis else "")
+    return choice.depth

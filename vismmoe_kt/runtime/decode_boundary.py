@@ -9,10 +9,11 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                        slab cache, the prefetch queue emptied (nothing evicts behind the table's back)
                     2. the last step's records: counters (hits and host reads per layer), the slab
                        cache's bookkeeping (recency, Expired/Speculative), what landed becomes resident
+                       (a lookahead prefetch as a prefetch: its use or waste is counted)
                     3. copies that finished since (prefetches issued during prefill) are published
                     4. landing reservations for the next step: per offloaded layer, its last misses
-                       plus SPARE slabs (at most K), victims chosen by the cache policy and dropped
-                       from the table first
+                       and prefetches plus SPARE slabs (at most the table's R), victims chosen by the
+                       cache policy and dropped from the table first
 
 All of it runs under the runtime's lock; the device writes go on the compute stream, ordered after
 the previous step and before the next one.
@@ -34,7 +35,7 @@ class DecodeBoundary:
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
-        self.last_misses: dict[int, int] = {}      # row -> experts read from the host at the last step
+        self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
         self._names = itertools.count()
 
@@ -104,28 +105,34 @@ class DecodeBoundary:
             rows.append(row)
         self.table.rebuild(rows)
         self.table.discard()
+        rt.prepare_lookahead()
         self.stale = False
 
     # --- records -----------------------------------------------------------------------------------
     def _account(self, records) -> None:
         rt, cache = self.runtime, self.runtime.cache
         copies = rt.copy_counters["decode"]
+        experts = rt.num_experts
         for row, layer in enumerate(rt.moe_layers):
             if layer in rt.pinned:
                 continue
             ids, read = records.routed[row], records.read[row]
             counters = rt.counters["decode"].setdefault(layer, LayerCounters())
             counters.calls += 1
-            misses = sum(1 for s in read if s < 0)
+            misses = sum(1 for s in read if s < 0)  # read from the host
+            late = sum(1 for s in read if s == ARRIVING)  # of which a copy (or prefetch) was on its way
             counters.hits += len(ids) - misses
-            counters.misses += misses
-            copies.bytes_host_reads += misses * rt.store.block_bytes
-            self.last_misses[row] = misses
-            rt.last_routed[layer] = list(ids)
+            counters.misses += misses - late
+            counters.late += late
             slabs = self.reserved.get(row, [])
-            for slot, expert in enumerate(records.owner[row][:len(slabs)]):
-                if expert >= 0:
-                    cache.land(slabs[slot], (layer, expert))
+            prefetched = 0
+            for slot, owner in enumerate(records.owner[row][:len(slabs)]):
+                if owner >= 0:  # owner E + e: a lookahead prefetch of e
+                    cache.land(slabs[slot], (layer, owner % experts), prefetched=owner >= experts)
+                    prefetched += owner >= experts
+            copies.bytes_host_reads += (misses + prefetched) * rt.store.block_bytes
+            self.last_misses[row] = misses + prefetched
+            rt.last_routed[layer] = list(ids)
             self.reserved[row] = [s for s, e in zip(slabs, records.owner[row]) if e < 0]
             cache.begin_layer(layer, [e for e in ids if (layer, e) in cache.where])  # recency, Expired/Speculative
             cache.end_layer(layer)
@@ -152,7 +159,7 @@ class DecodeBoundary:
             if layer in rt.pinned:
                 continue
             have = self.reserved.setdefault(row, [])
-            want = min(k, self.last_misses.get(row, k) + SPARE)
+            want = min(self.table.landing_slots, self.last_misses.get(row, k) + SPARE)
             while len(have) > want:
                 cache.release(have.pop())
             if len(have) < want:

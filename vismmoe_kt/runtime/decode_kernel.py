@@ -34,6 +34,10 @@ except ImportError:  # CPU-only installs: the torch twin runs instead
 # --tune` measures the alternatives on the GPU (BENCHMARKS.md has the figures these come from)
 GATE_UP_CONFIG = (4, 512, 2)
 DOWN_CONFIG = (16, 256, 2)
+# lookahead prefetch copies: programs (few, so the layers computing meanwhile keep the GPU) and the
+# elements each moves per iteration (16 KiB of BF16: enough bytes in flight to keep PCIe busy)
+PREFETCH_PROGRAMS = 32
+PREFETCH_CHUNK = 8192
 
 _DTYPES = {}
 if tl is not None:
@@ -103,25 +107,40 @@ if tl is not None:
 
 
     @triton.jit
-    def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, routed_ptr, read_ptr, slots_ptr, land_ptr,
-                     row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
-        """DecodeTable.lookup for one token in one program: slots, landing slabs, the step's records."""
+    def _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, wanted, owners,
+               E1: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr):
+        """DecodeTable._claim: each wanted pair's entry NOT_RESIDENT -> ARRIVING (compare-and-swap:
+        a layer's own miss and a prefetch of the same expert race for it), then its row's next
+        landing slot (atomic add); a claim that finds no slot left is undone. Returns the slabs."""
+        entry = table_ptr + rows * E1 + ids
+        # lanes not wanted compare against a value no entry holds, so their swap never happens
+        old = tl.atomic_cas(entry, tl.where(wanted, -1, -7).to(tl.int64), tl.full([LANES], -2, tl.int64))
+        got = wanted & (old == -1)
+        rank = tl.atomic_add(used_ptr + rows, got.to(tl.int64), mask=got)
+        lands = got & (rank < tl.load(count_ptr + rows, mask=got, other=0))
+        tl.store(entry, tl.full([LANES], -1, tl.int64), mask=got & (lands == 0))  # undo: nothing will land
+        slab = tl.load(landing_ptr + rows * R + rank, mask=lands, other=-1)
+        tl.store(owner_ptr + rows * (R + 1) + rank, owners, mask=lands)
+        return tl.where(lands, slab, -1)
+
+    @triton.jit
+    def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, routed_ptr, read_ptr, slots_ptr,
+                     land_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
+        """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records."""
         k = tl.arange(0, KP)
         ok = k < K
         ids = tl.load(ids_ptr + k, mask=ok, other=0).to(tl.int64)
-        slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0)
-        miss = ok & (slots == -1)
-        rank = tl.load(used_ptr + row) + tl.cumsum(miss.to(tl.int64), 0) - 1
-        lands = miss & (rank < tl.load(count_ptr + row))
-        slot_of = tl.load(landing_ptr + row * K + tl.minimum(tl.maximum(rank, 0), K - 1), mask=ok, other=-1)
-        land = tl.where(lands, slot_of, -1)
+        slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0, volatile=True)  # a prefetch may publish
+        rows = tl.zeros([KP], tl.int64) + row
+        land = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, ok & (slots == -1), ids,
+                      E1, R, KP)
         tl.store(slots_ptr + k, slots, mask=ok)
         tl.store(land_ptr + k, land, mask=ok)
         tl.store(routed_ptr + row * K + k, ids, mask=ok)
         tl.store(read_ptr + row * K + k, slots, mask=ok)
 
     @triton.jit
-    def _combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, land_ptr, table_ptr, owner_ptr, used_ptr, row, H,
+    def _combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, land_ptr, table_ptr, row, H,
                         E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PUBLISH: tl.constexpr,
                         BLOCK: tl.constexpr):
         """out[t] = sum over k in order of w[t, k] * y[t K + k] (deterministic); with PUBLISH, the first
@@ -140,12 +159,55 @@ if tl is not None:
                 valid = lane < K
                 ids = tl.load(ids_ptr + lane, mask=valid, other=0).to(tl.int64)
                 land = tl.load(land_ptr + lane, mask=valid, other=-1)
-                lands = valid & (land >= 0)
-                used = tl.load(used_ptr + row)
-                rank = used + tl.cumsum(lands.to(tl.int64), 0) - 1  # landed pairs are the first misses, in order
-                tl.store(table_ptr + row * E1 + ids, land, mask=lands)
-                tl.store(owner_ptr + row * (K + 1) + rank, ids, mask=lands)
-                tl.store(used_ptr + row, used + tl.sum(lands.to(tl.int64), 0))
+                tl.store(table_ptr + row * E1 + ids, land, mask=valid & (land >= 0))
+
+    @triton.jit
+    def _prefetch_claim_kernel(rows_ptr, ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, slab_ptr, B,
+                               E: tl.constexpr, R: tl.constexpr, BP: tl.constexpr):
+        """Lookahead candidates (row, expert; -1: none) claim entries and landing slots, in their order."""
+        lane = tl.arange(0, BP)
+        ok = lane < B
+        ids = tl.load(ids_ptr + lane, mask=ok, other=-1).to(tl.int64)
+        rows = tl.load(rows_ptr + lane, mask=ok, other=0).to(tl.int64)
+        valid = ok & (ids >= 0)
+        ids = tl.maximum(ids, 0)
+        slots = tl.load(table_ptr + rows * (E + 1) + ids, mask=valid, other=0, volatile=True)
+        slab = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, valid & (slots == -1),
+                      ids + E, E + 1, R, BP)
+        tl.store(slab_ptr + lane, slab, mask=ok)
+
+    @triton.jit
+    def _prefetch_copy_kernel(rows_ptr, ids_ptr, slab_ptr, host_ptr, gate_up_addr, down_addr, B, block_elems,
+                              ROUNDS: tl.constexpr, W_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, GATE_UP: tl.constexpr,
+                              CHUNK: tl.constexpr, PROGRAMS: tl.constexpr):
+        """Copy each claimed candidate's host block into its slab: a few programs, each looping over
+        CHUNK-element pieces, so the copy leaves most of the GPU to the layers computing meanwhile."""
+        chunks = (block_elems + CHUNK - 1) // CHUNK
+        offsets = tl.arange(0, CHUNK)
+        for round in range(ROUNDS):  # constant per model and candidate count
+            work = tl.program_id(0) + round * PROGRAMS
+            pair = tl.minimum(work // chunks, B - 1)
+            slab = tl.load(slab_ptr + pair).to(tl.int64)
+            if (slab >= 0) & (work < B * chunks):
+                expert = tl.load(ids_ptr + pair).to(tl.int64)
+                row = tl.load(rows_ptr + pair).to(tl.int64)
+                start = (work % chunks) * CHUNK  # chunks never straddle gate_up | down: CHUNK divides both
+                src = (tl.load(host_ptr + row) + (expert * block_elems + start) * ELEM_BYTES).to(
+                    tl.pointer_type(W_DTYPE), bitcast=True)
+                dst = tl.where(start < GATE_UP, gate_up_addr + (slab * GATE_UP + start) * ELEM_BYTES,
+                               down_addr + (slab * (block_elems - GATE_UP) + start - GATE_UP) * ELEM_BYTES)
+                dst = dst.to(tl.pointer_type(W_DTYPE), bitcast=True)
+                inside = start + offsets < block_elems
+                tl.store(dst + offsets, tl.load(src + offsets, mask=inside), mask=inside)
+
+    @triton.jit
+    def _prefetch_publish_kernel(rows_ptr, ids_ptr, slab_ptr, table_ptr, B, E: tl.constexpr, BP: tl.constexpr):
+        """After the copies (stream order): point the table at the prefetched slabs."""
+        lane = tl.arange(0, BP)
+        slab = tl.load(slab_ptr + lane, mask=lane < B, other=-1)
+        ids = tl.load(ids_ptr + lane, mask=slab >= 0, other=0).to(tl.int64)
+        rows = tl.load(rows_ptr + lane, mask=slab >= 0, other=0).to(tl.int64)
+        tl.store(table_ptr + rows * (E + 1) + ids, slab, mask=slab >= 0)
 
 
 def plan(table, row: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +215,9 @@ def plan(table, row: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     k = ids.numel()
     slots = torch.empty(k, dtype=torch.long, device=ids.device)
     land = torch.empty(k, dtype=torch.long, device=ids.device)
-    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.routed, table.read, slots, land,
-                       row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k))
+    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.owner, table.routed, table.read,
+                       slots, land, row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k),
+                       R=table.landing_slots)
     return slots, land
 
 
@@ -168,9 +231,40 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
     block = 1024
     _combine_kernel[(triton.cdiv(hidden, block), tokens)](
         y, top_k_weights.contiguous(), out, ids if publish else y, land if publish else y,
-        table.slots if publish else y, table.owner if publish else y, table.used if publish else y, row, hidden,
-        E1=table.slots.shape[1] if publish else 1, K=k, KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
+        table.slots if publish else y, row, hidden, E1=table.slots.shape[1] if publish else 1, K=k,
+        KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
     return out
+
+
+def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:
+    """The largest power of two up to `largest` that divides both parts of a block (a chunk never
+    straddles the two pools)."""
+    chunk = 1
+    while chunk * 2 <= largest and gate_up_elems % (chunk * 2) == 0 and down_elems % (chunk * 2) == 0:
+        chunk *= 2
+    return chunk
+
+
+def prefetch(table, rows: torch.Tensor, ids: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
+             host_addresses: torch.Tensor, programs: int = PREFETCH_PROGRAMS) -> torch.Tensor:
+    """DecodeTable.prefetch in three launches: claim, copy (zero-copy reads of the mapped host store
+    by `programs` programs), publish. Returns each candidate's slab (-1: not copied)."""
+    b = ids.numel()
+    gate_up, down = pools
+    slab = torch.empty(b, dtype=torch.long, device=ids.device)
+    bp = triton.next_power_of_2(max(b, 2))
+    experts = table.num_experts
+    _prefetch_claim_kernel[(1,)](rows, ids, table.slots, table.landing, table.count, table.used, table.owner, slab, b,
+                                 E=experts, R=table.landing_slots, BP=bp)
+    gate_up_elems, down_elems = gate_up[0].numel(), down[0].numel()
+    chunk = copy_chunk(gate_up_elems, down_elems)
+    rounds = triton.cdiv(b * triton.cdiv(gate_up_elems + down_elems, chunk), programs)
+    _prefetch_copy_kernel[(programs,)](
+        rows, ids, slab, host_addresses, gate_up.data_ptr(), down.data_ptr(), b, gate_up_elems + down_elems, ROUNDS=rounds,
+        W_DTYPE=_DTYPES[gate_up.dtype], ELEM_BYTES=gate_up.element_size(), GATE_UP=gate_up_elems,
+        CHUNK=chunk, PROGRAMS=programs, num_warps=4)
+    _prefetch_publish_kernel[(1,)](rows, ids, slab, table.slots, b, E=experts, BP=bp)
+    return slab
 
 
 def available(dtype: torch.dtype) -> bool:

@@ -1,27 +1,37 @@
 """DecodeTable: the device-side state a decode step reads and writes, so that no MoE layer needs the host.
 
-Shapes: L MoE layers (rows, in execution order), E experts, K experts per token, R = K landing slots.
+Shapes: L MoE layers (rows, in execution order), E experts, K experts per token, R landing slots
+per row (K, more when lookahead prefetch also lands there), B prefetch candidates of one call.
 
     slots    (L, E + 1)  the slab holding each expert, or NOT_RESIDENT (-1: read it from the host
-                         store, and land it), or ARRIVING (-2: read it from the host, its copy is on
-                         the way); a pinned layer's row is the identity into its own bank; column E
-                         is a dump for the masked scatters below
-    landing  (L, R)      slabs reserved for each layer's misses this step, `count` of them valid
+                         store, and land it), or ARRIVING (-2: read it from the host, a copy of it is
+                         on the way, or its landing is claimed); a pinned layer's row is the identity
+                         into its own bank; column E is a dump for the masked scatters below
+    landing  (L, R)      slabs reserved for each layer's landings this step, `count` of them valid
     used     (L,)        landing slots taken so far (a step run twice, e.g. by the graph self-check,
                          continues where the first run stopped, never writing a slab twice)
-    owner    (L, R + 1)  the expert that landed in each slot, -1 if none (column R: dump)
+    owner    (L, R + 1)  what landed in each slot: the expert (a miss read through), E + the expert
+                         (a lookahead prefetch), -1 if none (column R: dump)
     routed   (L, K)      this step's expert ids, and `read` (L, K): the slot each pair was read from
 
-Inside the step (`lookup` then `publish`, device ops only, so a CUDA graph holds them): a missing
-expert takes the layer's next landing slot if one is left; the experts kernel reads it from the host
-and writes it there; `publish` then points the table at it. Between steps the host (DecodeBoundary)
-reads `routed`, `read`, `owner`, `used` back through page-locked buffers, tells the slab cache what
-landed, and writes the next reservations and any invalidations, all on the compute stream, so they
-are ordered after every read of the old contents and before the next step.
+Inside the step (device ops only, so a CUDA graph holds them):
+  * `lookup`: a missing expert claims its table entry (NOT_RESIDENT -> ARRIVING, compare-and-swap)
+    and the layer's next landing slot (atomic add on `used`); the experts kernel reads it from the
+    host and writes it there; `publish` then points the table at it.
+  * `prefetch` (lookahead, on a side stream while earlier layers compute): predicted (row, expert)
+    pairs claim entries and landing slots the same way, are copied from the host into their slots,
+    then published. The claims make a layer's own miss and a prefetch of the same expert exclusive:
+    whoever claims first lands it; the other reads from the host and lands nothing.
+Between steps the host (DecodeBoundary) reads `routed`, `read`, `owner` back through page-locked
+buffers, tells the slab cache what landed, and writes the next reservations and any invalidations,
+all on the compute stream, so they are ordered after every read of the old contents and before the
+next step.
 
 Safety, by construction: a slab is pointed at only after its weights were written (landing writes
-precede `publish` on the stream; copies are published when their event has passed), and a slab is
-overwritten only after the table stopped pointing at it (invalidation precedes the reservation).
+precede `publish` on the stream; copies are published when their event has passed, prefetches by a
+launch after their copy's), and a slab is overwritten only after the table stopped pointing at it
+(invalidation precedes the reservation); the side stream joins the compute stream before the step
+ends, so nothing of a step is in flight at the boundary.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import decode_kernel
+from .store import block_views
 
 NOT_RESIDENT, ARRIVING = -1, -2
 
@@ -39,18 +50,20 @@ NOT_RESIDENT, ARRIVING = -1, -2
 class StepReadback:
     routed: list[list[int]]        # per row: the step's expert ids
     read: list[list[int]]          # per row: the slot each was read from (-1: the host)
-    owner: list[list[int]]         # per row: per landing slot, the expert that landed (-1: none)
+    owner: list[list[int]]         # per row: per landing slot, what landed (expert, E + expert if prefetched, -1: none)
 
 
 class DecodeTable:
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device):
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device,
+                 landing_slots: int | None = None):
         self.num_layers, self.num_experts, self.top_k, self.device = num_layers, num_experts, top_k, device
+        self.landing_slots = landing_slots or top_k  # R
         kw = dict(dtype=torch.long, device=device)
         self.slots = torch.full((num_layers, num_experts + 1), -1, **kw)
-        self.landing = torch.full((num_layers, top_k), -1, **kw)
+        self.landing = torch.full((num_layers, self.landing_slots), -1, **kw)
         self.count = torch.zeros(num_layers, **kw)
         self.used = torch.zeros(num_layers, **kw)
-        self.owner = torch.full((num_layers, top_k + 1), -1, **kw)
+        self.owner = torch.full((num_layers, self.landing_slots + 1), -1, **kw)
         self.routed = torch.zeros(num_layers, top_k, **kw)
         self.read = torch.full((num_layers, top_k), -1, **kw)
         self.no_landing = torch.full((top_k,), -1, **kw)
@@ -63,26 +76,68 @@ class DecodeTable:
     # --- inside the step (device ops only) ---------------------------------------------------------
     def lookup(self, row: int, ids: torch.Tensor, use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, landing slab per pair) for one token's K expert ids of an offloaded layer; records
-        the step. `use_kernel`: the same in one Triton launch (decode_kernel.plan)."""
+        the step and claims the landings. `use_kernel`: the same in one Triton launch (decode_kernel.plan)."""
         if use_kernel:
             return decode_kernel.plan(self, row, ids)
         slots = self.slots[row].index_select(0, ids)
         self.routed[row].copy_(ids)
         self.read[row].copy_(slots)
-        miss = slots == NOT_RESIDENT
-        rank = self.used[row] + torch.cumsum(miss, 0) - 1
-        lands = miss & (rank < self.count[row])
-        slot_of = self.landing[row].index_select(0, rank.clamp(0, self.top_k - 1))
-        return slots, torch.where(lands, slot_of, -1)
+        rows = torch.full_like(ids, row)
+        return slots, self._claim(rows, ids, slots == NOT_RESIDENT, ids)
+
+    def _claim(self, rows: torch.Tensor, ids: torch.Tensor, wanted: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
+        """The landing slab each wanted (row, expert) pair takes, -1 where its row has none left; the
+        entries of those that took one become ARRIVING and their slots record `owners`. The twin of
+        the kernels' compare-and-swap and atomic add (one stream: nothing races it), and like them
+        it never reads a device value on the host."""
+        key = rows * (self.num_experts + 1) + ids  # a pair asked for twice: only its first ask claims
+        earlier = (key[:, None] == key[None, :]) & wanted[None, :] & torch.ones_like(wanted[:, None] & wanted).tril(-1)
+        wanted = wanted & ~earlier.any(1)
+        mine = (rows[:, None] == torch.arange(self.num_layers, device=rows.device)) & wanted[:, None]  # (P, L)
+        rank = self.used[rows] + (torch.cumsum(mine, 0) * mine).sum(1) - 1  # the pair's place among its row's claims
+        self.used += mine.sum(0)
+        lands = wanted & (rank < self.count[rows])
+        at = torch.where(lands, rank, self.landing_slots)  # column R: the dump
+        slab = torch.where(lands, self.landing[rows, at.clamp(max=self.landing_slots - 1)], -1)
+        self.owner.view(-1).scatter_(0, rows * (self.landing_slots + 1) + at, torch.where(lands, owners, -1))
+        column = torch.where(lands, ids, self.num_experts)
+        self.slots.view(-1).scatter_(0, rows * (self.num_experts + 1) + column, torch.full_like(ids, ARRIVING))
+        return slab
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
-        """After the experts were written to their landing slabs: point the table at them, record the
-        owners (decode_kernel.combine does this in its own launch)."""
+        """After the experts were written to their landing slabs: point the table at them (decode_kernel.combine
+        does this in its own launch)."""
         lands = land >= 0
-        rank = self.used[row] + torch.cumsum(lands, 0) - 1  # landed pairs are the first misses, in order
         self.slots[row].scatter_(0, torch.where(lands, ids, self.num_experts), land)
-        self.owner[row].scatter_(0, torch.where(lands, rank, self.top_k), torch.where(lands, ids, -1))
-        self.used[row:row + 1] += lands.sum()
+
+    def prefetch(self, rows: torch.Tensor, experts: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
+                 host_blocks: list[torch.Tensor | None], use_kernel: bool = False,
+                 host_addresses: torch.Tensor | None = None) -> None:
+        """Copy predicted (row, expert) pairs ((B,) each, -1: none) that nothing holds or claims into
+        landing slots of their rows, then publish them. Pinned rows hold everything, so nothing happens
+        there. Device ops only (a side stream inside the step's graph). `use_kernel`: Triton, reading
+        the mapped host store at `host_addresses` (L,) (decode_kernel.prefetch); else the torch twin
+        (host_blocks: each row's (E, block) store, None for pinned rows; the pools' last row is scratch)."""
+        valid = (experts >= 0) & (experts < self.num_experts) & (rows >= 0) & (rows < self.num_layers)
+        rows, experts = torch.where(valid, rows, 0), torch.where(valid, experts, 0)
+        if use_kernel:
+            return decode_kernel.prefetch(self, rows, torch.where(valid, experts, -1), pools, host_addresses)
+        wanted = valid & (self.slots[rows, experts] == NOT_RESIDENT)
+        slab = self._claim(rows, experts, wanted, experts + self.num_experts)
+        lands = slab >= 0
+        gate_up_pool, down_pool = pools
+        inter, hidden = gate_up_pool.shape[1] // 2, gate_up_pool.shape[2]
+        block = torch.zeros(rows.numel(), 3 * inter * hidden, dtype=gate_up_pool.dtype, device=rows.device)
+        for row, blocks in enumerate(host_blocks):  # gathered row by row: no host read of `rows`
+            if blocks is not None:
+                here = (lands & (rows == row))[:, None]
+                block = torch.where(here, blocks[experts].to(block.device), block)
+        gate_up, down = block_views(block, inter, hidden)
+        target = torch.where(lands, slab, gate_up_pool.shape[0] - 1)
+        gate_up_pool.index_copy_(0, target, gate_up)
+        down_pool.index_copy_(0, target, down)
+        column = torch.where(lands, experts, self.num_experts)
+        self.slots.view(-1).scatter_(0, rows * (self.num_experts + 1) + column, slab)
 
     # --- between steps (host) ----------------------------------------------------------------------
     def readback(self) -> None:
@@ -126,8 +181,8 @@ class DecodeTable:
         self.slots.copy_(self._upload(full))
 
     def reserve(self, landing: list[list[int]]) -> None:
-        """Each row's landing slabs for the next step (at most K; fewer means fewer misses land)."""
-        padded = [slabs + [-1] * (self.top_k - len(slabs)) for slabs in landing]
+        """Each row's landing slabs for the next step (at most R; fewer means fewer misses land)."""
+        padded = [slabs + [-1] * (self.landing_slots - len(slabs)) for slabs in landing]
         self.landing.copy_(self._upload(padded))
         self.count.copy_(self._upload([len(slabs) for slabs in landing]))
         self.used.zero_()

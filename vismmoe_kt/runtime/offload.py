@@ -6,8 +6,12 @@ of every other layer), the slab pool and its SlabCache, the Transfers, and the D
 Lean decode steps (one token, between the engine's step hooks) go through the table: every layer
 reads its experts where they lie (slab or host store) with no host work, so the whole step is one
 CUDA graph; the DecodeBoundary keeps the cache between steps (decode_table.py, decode_boundary.py).
-Everything else (prefill, decode outside the lean engine, the hybrid CPU path, the predictor's
-per-layer prefetch) takes the placement path, per MoE layer:
+With a `lookahead` (the predictor on the device), each table step also prefetches: at every MoE
+layer the predictor scores the next layers' experts on a side stream, and the likely ones not
+resident are copied into landing slots of their layers while the compute stream runs on (the
+side stream joins it before the step ends: still one graph).
+Everything else (prefill, decode outside the lean engine, the hybrid CPU path) takes the placement
+path, per MoE layer:
 
     route (done by the model) -> need: which experts the tokens chose  [the one device->host sync]
       -> place: hit / late prefetch (wait on its event) / miss: fetch, or the CPU (MissPolicy)
@@ -52,7 +56,7 @@ class Placement:
 class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
-                 prefetch: PrefetchPolicy | None = None):
+                 prefetch: PrefetchPolicy | None = None, lookahead: Any = None):
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
@@ -97,6 +101,11 @@ class OffloadRuntime:
         self.table_armed = False   # set by the boundary around a lean decode step
         self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
         self._use_kernel = False
+        # the predictor inside table steps: candidates(row, hidden, routed) -> (rows, experts) device
+        # tensors, end_step(routed) and start_decode(visual), device work only (predictor/device_lookahead.py)
+        self.lookahead = lookahead
+        self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store, for prefetch copies
+        self._side: Any = None  # the lookahead's stream (CUDA)
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -107,7 +116,9 @@ class OffloadRuntime:
         # one row past the slabs: a scratch slab the decode twin's masked landing writes go to
         self.pool = self._bank(self.num_slabs + 1 if self.num_slabs else 1)
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
-        self.table = DecodeTable(len(self.moe_layers), self.num_experts, self.top_k, self.device)
+        # with lookahead, prefetches land in the same per-layer slots as misses: room for both
+        slots = 2 * self.top_k if self.lookahead is not None else self.top_k
+        self.table = DecodeTable(len(self.moe_layers), self.num_experts, self.top_k, self.device, slots)
         self.switch_phase(self.phase)
         self.row_map = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long, device=self.device)
         self._row_host = [[0] * self.num_experts for _ in self.moe_layers]
@@ -180,15 +191,56 @@ class OffloadRuntime:
         On CUDA three launches besides the two expert kernels' (plan, and combine with publish)."""
         row, ids, top_k, kernel = self._index[layer], top_k_index.reshape(-1), top_k_index.shape[1], self._use_kernel
         table = self.table
-        if layer in self.pinned:  # the bank holds every expert at its own index: nothing to look up or record
+        if layer in self.pinned:  # the bank holds every expert at its own index: nothing to look up
+            if self.lookahead is not None:
+                table.routed[row].copy_(ids)  # the predictor's routing history
+                self._look_ahead(row, hidden)
             y = pair_outputs(hidden, ids, ids, table.no_landing, self.banks[layer], None, act, top_k, kernel)
             return combine(y, top_k_weights, hidden.dtype, kernel)
         slots, land = table.lookup(row, ids, kernel)
+        if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
+            self._look_ahead(row, hidden)
         y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
         if kernel:  # combines and publishes in one launch
             return decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
         table.publish(row, ids, land)
         return combine(y, top_k_weights, hidden.dtype)
+
+    def _look_ahead(self, row: int, hidden: torch.Tensor) -> None:
+        """Score the next layers' experts and prefetch the likely ones, on the side stream; at the
+        last layer, join it (a captured step must end on one stream) and close the step's features."""
+        lookahead, table = self.lookahead, self.table
+        cuda = self.device.type == "cuda"
+        if row == len(self.moe_layers) - 1:
+            if cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._side)
+            lookahead.end_step(table.routed)
+            return
+        if not cuda:
+            rows, experts = lookahead.candidates(row, hidden, table.routed)
+            table.prefetch(rows, experts, self.pool, self._host_rows, False)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        hidden.record_stream(self._side)  # the compute stream may free it while the side stream reads
+        with torch.cuda.stream(self._side):
+            rows, experts = lookahead.candidates(row, hidden, table.routed)
+            table.prefetch(rows, experts, self.pool, self._host_rows, True, self.host_addresses)
+
+    def prepare_lookahead(self) -> None:
+        """As decode starts (outside any capture): the side stream, each row's mapped store address,
+        and the predictor's per-request features reset."""
+        if self.lookahead is None:
+            return
+        if self.device.type == "cuda" and self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        if self.host_addresses is None:
+            addresses = [blocks.data_ptr() if blocks is not None else 0 for blocks in self._host_rows]
+            self.host_addresses = torch.tensor(addresses, dtype=torch.long, device=self.device)
+        self.lookahead.start_decode(self.visual_summary)
+
+    @property
+    def _host_rows(self) -> list[torch.Tensor | None]:
+        return [self.store.layers.get(layer) for layer in self.moe_layers]
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
@@ -241,12 +293,13 @@ class OffloadRuntime:
 
     def enable_table(self, act: Any) -> bool:
         """Let lean decode read experts through the table, where it can: not with the hybrid CPU path
-        (its misses go to the CPU), nor a prefetch policy with per-layer host logic (the predictor),
-        and on CUDA only where the Triton kernels serve the dtype and activation. True: the caller
+        (its misses go to the CPU), nor a prefetch policy with per-layer host logic unless a device
+        lookahead stands in for it in decode, and on CUDA only where the Triton kernels serve the dtype and activation. True: the caller
         registers `boundary.before_step` / `after_step` as the engine's step hooks."""
         on_cuda = self.device.type == "cuda"
         self._use_kernel = on_cuda and kernel_usable(self.device, self.store.dtype, act)
-        self.table_enabled = self.policy.capturable and self.cpu is None and (self._use_kernel or not on_cuda)
+        capturable = self.policy.capturable or self.lookahead is not None
+        self.table_enabled = capturable and self.cpu is None and (self._use_kernel or not on_cuda)
         return self.table_enabled
 
     def before_step(self) -> None:

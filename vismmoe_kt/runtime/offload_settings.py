@@ -32,6 +32,7 @@ class OffloadSettings:
     cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token} pins `auto`; None: measure
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
+    prefetch_min_probability: float = 0.5  # in table decode, prefetch only pairs the predictor gives at least this
 
     def __post_init__(self):
         def put(name: str, value: Any) -> None:  # frozen: normalised values go in through object.__setattr__
@@ -63,3 +64,6 @@ class OffloadSettings:
             raise BudgetError("cost_model needs fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token")
         put("predictor", None if self.predictor is None else str(self.predictor))
         put("prefetch_topk", int(self.prefetch_topk))
+        put("prefetch_min_probability", float(self.prefetch_min_probability))
+        if not 0 <= self.prefetch_min_probability <= 1:
+            raise BudgetError(f"prefetch_min_probability must be in [0, 1], got {self.prefetch_min_probability}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .budget import human_bytes
+from .budget import BudgetError, human_bytes, pinned_depth_choice
 
 PHASES = ("prefill", "decode")
 
@@ -34,6 +34,23 @@ def layer_stats(runtime: Any, layer: int) -> dict[str, Any]:
     return out
 
 
+def pinned_reason(runtime: Any) -> str | None:
+    """Why the runtime pinned what it did: Eq. 10's range and, for `auto`, the predicted decode times.
+
+    Asked again with the arguments the runtime resolved its depth with (the answer is cached); None if
+    that depth is not the one the runtime holds."""
+    settings = runtime.settings
+    c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else runtime.layer_bytes
+    try:
+        choice = pinned_depth_choice(settings.expert_budget, runtime.layer_bytes, c_safe, settings.min_pinned_layers,
+                                     len(runtime.moe_layers), settings.pinned_layers)
+    except BudgetError:
+        return None
+    if choice.depth != len(runtime.pinned):
+        return None
+    return f"{choice.reason} [{choice.basis}]" if choice.basis else choice.reason
+
+
 def summary(runtime: Any) -> dict[str, Any]:
     """Whole-runtime figures per phase (copies, stalls, evictions), resolving pending CUDA timings."""
     if runtime.transfers is not None and runtime.transfers.cuda:
@@ -43,6 +60,7 @@ def summary(runtime: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "policy": settings.policy,
         "pinned_layers": len(runtime.pinned),
+        "pinned_layers_reason": pinned_reason(runtime),
         "slabs": runtime.num_slabs,
         "expert_budget": human_bytes(settings.expert_budget),
         "miss_policy": settings.miss_policy,

@@ -161,7 +161,9 @@ class SlabCache:
     # The decode step reads a missing expert from the host and writes it into a slab reserved for its
     # layer beforehand ("landing"). A reservation holds a placeholder key (layer, negative id) in
     # state IN_FLIGHT, so nothing evicts it; `land` gives it its expert, `release` frees it.
-    def land(self, slab: int, key: Key) -> None:
+    def land(self, slab: int, key: Key, prefetched: bool = False) -> None:
+        """The reservation in `slab` now holds `key` (read through on a miss, or `prefetched` ahead
+        of use: counted as a prefetch, used or wasted like one)."""
         placeholder = self.owner[slab]
         if placeholder is None or placeholder[1] >= 0 or self.state[slab] is not SlabState.IN_FLIGHT:
             raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
@@ -172,7 +174,11 @@ class SlabCache:
         self.where[key] = slab
         self._tick += 1
         self._touch(slab)
-        self.counters.fetches += 1
+        if prefetched:
+            self.counters.prefetches += 1
+            self._unused_prefetch.add(slab)
+        else:
+            self.counters.fetches += 1
 
     def release(self, slab: int) -> None:
         """Free an unused landing reservation."""

@@ -10,6 +10,9 @@ Configurations (all greedy, batch 1, an image prompt):
   lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
   lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
   lru:BUDGET    the same with the LRU cache policy (no pinned prefix, no prefetch)
+  lean:BUDGET+predict[+minp=P][+topk=B]
+                lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
+                graph: predictor/device_lookahead.py), optionally its probability floor and top-B
 Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
@@ -58,7 +61,27 @@ def runtime_of(model):
     return model.vismmoe.context.offload_runtime
 
 
-def parse_config(spec: str) -> tuple[str, dict]:
+def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
+    spec, *options = spec.split("+")
+    extra: dict = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name == "predict":
+            if not predictor:
+                raise SystemExit(f"--configs {spec}+predict needs --predictor PATH")
+            extra["predictor"] = predictor
+        elif name in ("minp", "topk") and value:
+            extra["prefetch_min_probability" if name == "minp" else "prefetch_topk"] = \
+                float(value) if name == "minp" else int(value)
+        else:
+            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B)")
+    if extra and not spec.startswith("lean:"):
+        raise SystemExit(f"--configs: +predict, +minp, +topk apply to lean:BUDGET only, not {spec!r}")
+    rules, overrides = _base_config(spec)
+    return rules, {**overrides, **extra}
+
+
+def _base_config(spec: str) -> tuple[str, dict]:
     if spec == "hf":
         return GPU_RULES, {}
     if spec == "lean-eager":
@@ -116,7 +139,7 @@ def conversation(model, processor, args) -> list[float]:
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
-    rules, overrides = parse_config(spec)
+    rules, overrides = parse_config(spec, args.predictor)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     model, processor = load_model(args, rules, overrides)
@@ -140,9 +163,11 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         row["turn_prompt_s"] = conversation(model, processor, args)
     if runtime is not None:
         summary = runtime.summary()
+        used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
                    decode_bytes_per_token=(pcie(summary) - copied) / (args.reps * (args.decode_tokens - 1)),
-                   decode_hit_rate=_decode_hit_rate(runtime))
+                   decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
+                   decode_prefetch_precision=used / (used + wasted) if used + wasted else None)
     engine = decode_engine(model)
     if engine is not None:
         row["lean"] = engine.stats()
@@ -174,11 +199,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
+    parser.add_argument("--predictor", help="a predictor.pt for the +predict configurations (`vismmoe-kt calibrate`, "
+                                            "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
     args = parser.parse_args()
     for spec in args.configs:
-        parse_config(spec)
+        parse_config(spec, args.predictor)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
@@ -212,8 +239,8 @@ def main() -> int:
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n")
     print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | PCIe bytes/token "
-          "| decode hits | vs bound | graphed steps | GPU peak | host RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode hits | prefetch precision | vs bound | graphed steps | GPU peak | host RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     hf = next((r for r in rows if r["config"] == "hf"), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
@@ -221,12 +248,13 @@ def main() -> int:
         bound = f"{r['ratio_to_bound']:.2f}x" if r.get("ratio_to_bound") else "-"
         agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
         hits = f"{100 * r['decode_hit_rate']:.0f}%" if r.get("decode_hit_rate") is not None else "-"
+        precision = f"{100 * r['decode_prefetch_precision']:.0f}%" if r.get("decode_prefetch_precision") is not None else "-"
         lean = r.get("lean") or {}
         graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
         peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
-              f"| {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+              f"| {precision} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     if args.turns > 1:
         print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
         print("|---" * (args.turns + 1) + "|")

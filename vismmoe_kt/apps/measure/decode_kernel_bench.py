@@ -9,6 +9,10 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
   table host           the same, every expert read from the page-locked host store (zero-copy over PCIe)
   table host + land    ... and written into a landing slab as it is read (what a decode miss costs)
   copy engine          cudaMemcpyAsync of the same bytes from the host store into slabs
+  prefetch P programs  the lookahead prefetch's kernels (claim, copy by P programs, publish) moving
+                       the same experts into landing slots (decode_kernel.prefetch)
+  resident + prefetch  "table resident" on the compute stream while the prefetch (32 programs)
+                       runs on a side stream: how much each slows the other
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
 page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
 path alone, resident, over (rows per program, columns per tile, warps), fastest first.
@@ -80,6 +84,52 @@ def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]
     return out
 
 
+def prefetch_rows(device, host, pools, compute, per_token: int) -> list[dict]:
+    """The lookahead prefetch's copy rate by program count, alone and beside resident compute."""
+    from vismmoe_kt.runtime.decode_table import DecodeTable
+
+    table = DecodeTable(LAYERS, E, K, device, landing_slots=K)
+    addresses = torch.full((LAYERS,), host.data_ptr(), dtype=torch.long, device=device)
+    rows_of = torch.arange(LAYERS, device=device).repeat_interleave(K)
+    experts = torch.arange(LAYERS * K, device=device) % E
+
+    def reset():
+        table.slots.fill_(-1)
+        table.used.zero_()
+        table.reserve([[l * K + k for k in range(K)] for l in range(LAYERS)])
+
+    def timed_eager(run, side_run=None) -> float:
+        times = []
+        side = torch.cuda.Stream()
+        for _ in range(10):
+            reset()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            if side_run is not None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    side_run()
+            run()
+            if side_run is not None:
+                torch.cuda.current_stream().wait_stream(side)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1000)
+        return statistics.median(times)
+
+    out = []
+    for programs in (8, 16, 32, 64, 132):
+        seconds = timed_eager(lambda: decode_kernel.prefetch(table, rows_of, experts, pools, addresses, programs))
+        out.append({"kernel": f"prefetch {programs} programs", "us_per_layer": seconds / LAYERS * 1e6,
+                    "gb_s": per_token / seconds / 1e9})
+    alone = timed_eager(compute)
+    both = timed_eager(compute, lambda: decode_kernel.prefetch(table, rows_of, experts, pools, addresses))
+    out.append({"kernel": "resident alone", "us_per_layer": alone / LAYERS * 1e6, "gb_s": per_token / alone / 1e9})
+    out.append({"kernel": "resident + prefetch", "us_per_layer": both / LAYERS * 1e6, "gb_s": None})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -143,6 +193,7 @@ def main() -> int:
         times.append(s.elapsed_time(e) / 1000)
     seconds = statistics.median(times)
     rows.append({"kernel": "copy engine", "us_per_layer": seconds / LAYERS * 1e6, "gb_s": per_token / seconds / 1e9})
+    rows.extend(prefetch_rows(device, host, pools, table(resident, [no_land] * LAYERS, host), per_token))
     # the table's result from the host equals the one from slabs holding the same bytes (bit for bit)
     for l in range(LAYERS):
         for k in range(K):

@@ -34,20 +34,27 @@ PROMPT, VISUAL = 236, 200
 Key = tuple[int, int]
 
 
-def access_sequence(requests: int, decode_tokens: int, pinned: int = 1) -> list[tuple[Key, bool]]:
-    """(layer, expert) accesses in order, each with whether it is a decode access."""
-    sequence = []
+def synthetic_requests(layers: int, experts: int, top_k: int, requests: int, decode_tokens: int) -> list[tuple[torch.Tensor, int]]:
+    """(ids [T, L, k], prompt tokens) per request: seed i's prompt, then its decode tokens."""
+    out = []
     for seed in range(requests):
-        router = SyntheticRouter(LAYERS, EXPERTS, TOP_K, seed=seed)
+        router = SyntheticRouter(layers, experts, top_k, seed=seed)
         visual = torch.zeros(PROMPT, dtype=torch.bool)
         visual[10:10 + VISUAL] = True
         prompt = router.prefill(modality=visual)
+        out.append((torch.cat([prompt, router.route(decode_tokens, None, "decode").ids]), PROMPT))
+    return out
+
+
+def access_sequence(requests: int, decode_tokens: int, pinned: int = 1) -> list[tuple[Key, bool]]:
+    """(layer, expert) accesses in order, each with whether it is a decode access."""
+    sequence = []
+    for ids, prompt in synthetic_requests(LAYERS, EXPERTS, TOP_K, requests, decode_tokens):
         for layer in range(pinned, LAYERS):
-            sequence += [((layer, e), False) for e in sorted(set(prompt[:, layer].flatten().tolist()))]
-        for _ in range(decode_tokens):
-            ids = router.decode()
+            sequence += [((layer, e), False) for e in sorted(set(ids[:prompt, layer].flatten().tolist()))]
+        for token in ids[prompt:]:
             for layer in range(pinned, LAYERS):
-                sequence += [((layer, e), True) for e in ids[layer].tolist()]
+                sequence += [((layer, e), True) for e in token[layer].tolist()]
     return sequence
 
 
