@@ -19,3 +19,19 @@ def test_prompt_accesses_are_not_counted_but_fill_the_cache():
     assert decode_hit_rate(sequence, 2, _rankings(8)["lru"]) == 1.0
     assert belady_decode_hit_rate(sequence, 2) == 1.0
     assert decode_hit_rate([(A, False), (B, False), (C, False), (A, True)], 2, _rankings(8)["lru"]) == 0.0
+
+
+def test_router_probability_ranking_keeps_what_the_router_favours():
+    """Two slabs, A and B cached, C needed: recency evicts A (used first), the router-probability
+    ranking evicts B (the router gave it the least probability), and the router events themselves
+    are not accesses."""
+    import numpy as np
+
+    from vismmoe_kt.apps.measure.eviction_study import router_ranking
+
+    favour_a = np.zeros(128)
+    favour_a[0] = 1.0
+    sequence = [("router", 1, favour_a, favour_a), (A, True), (B, True), (C, True), (A, True)]
+    assert decode_hit_rate(sequence, 2, _rankings(8)["lru"]) == 0.0
+    assert decode_hit_rate(sequence, 2, *router_ranking(oracle=False)) == 0.25
+    assert belady_decode_hit_rate(sequence, 2) == 0.25

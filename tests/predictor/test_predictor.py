@@ -155,20 +155,28 @@ def test_predictors_saved_before_the_new_features_still_load(tmp_path):
 
 
 def test_serving_feeds_the_previous_token_as_training_does():
-    """PredictorPrefetch builds the previous-token feature from the runtime's decode history the way
-    samples_from_steps builds it from a trace."""
+    """PredictorPrefetch builds the previous-token feature from the steps it observed (every MoE layer,
+    a pinned prefix included) the way samples_from_steps builds it from a trace: none in a prefill or
+    for the first decode token after it."""
     from types import SimpleNamespace
 
     from vismmoe_kt.predictor.prefetch import PredictorPrefetch
 
     config = PredictorConfig(num_layers=4, num_experts=6, hidden_size=2, visual_size=1, window=2, width=8)
     policy = PredictorPrefetch(LookaheadPredictor(config), top_b=4)
+    runtime = SimpleNamespace(moe_layers=[0, 2, 4, 6], num_experts=6, device=torch.device("cpu"))
+
+    def observe_step(used, tokens=1):
+        for layer, experts in zip(runtime.moe_layers, used):
+            policy.observe(runtime, layer, torch.tensor([sorted(experts)] * tokens))
+    observe_step(({0, 1}, {1, 2}, {2, 3}, {3, 4}), tokens=3)  # a prefill
+    assert policy._previous_token(runtime, 1, decoding=False).sum() == 0
+    observe_step(({0}, {1, 2}, {3}, {4, 5}))
+    assert policy._previous_token(runtime, 1, decoding=True).sum() == 0  # the first decode token: none
     previous = active({0}, {1, 2}, {3}, {4, 5})
-    runtime = SimpleNamespace(moe_layers=[0, 2, 4, 6], num_experts=6, device=torch.device("cpu"),
-                              last_routed={0: [0], 2: [1, 2], 4: [3], 6: [4, 5]})
-    served = policy._previous_token(runtime, 1, decoding=True)[0]
-    assert torch.equal(served, window_targets(previous, 1, 2))
-    assert policy._previous_token(runtime, 1, decoding=False).sum() == 0  # prefill: none
+    observe_step(({1}, {0, 2}, {4}, {5, 0}))
+    assert torch.equal(policy._previous_token(runtime, 1, decoding=True)[0], window_targets(previous, 1, 2))
+    assert torch.equal(policy._previous_token(runtime, 0, decoding=True)[0], window_targets(previous, 0, 2))
 
 
 def test_recent_usage_feature_is_the_ema_of_the_request_s_decode_tokens():

@@ -28,6 +28,7 @@ class PredictorPrefetch:
         # the request's recent expert usage (model.py `recent_table`): zeroed by a prefill, then after each
         # decode step recent = decay * recent + (1 - decay) * its experts (W zero rows past the last layer)
         self._recent: torch.Tensor | None = None
+        self._previous_active: torch.Tensor | None = None  # (MoE layers, E): the last decode step's experts
 
     @classmethod
     def load(cls, path: str, top_b: int, num_layers: int, num_experts: int, hidden_size: int,
@@ -44,7 +45,11 @@ class PredictorPrefetch:
         """The predictor's routing history: which experts each MoE layer used so far in this step."""
         index = runtime.moe_layers.index(layer)
         if self._step_active is None or index == 0:
-            self._fold_recent(top_k_index.shape[0] == 1, top_k_index.device)
+            decoding = top_k_index.shape[0] == 1
+            self._fold_recent(decoding, top_k_index.device)
+            # the previous decode token's experts at every layer, pinned ones included (as training has them)
+            follows = decoding and self._step_active is not None and self._step_decodes
+            self._previous_active = self._step_active if follows else None
             self._step_active = torch.zeros(len(runtime.moe_layers), runtime.num_experts, device=top_k_index.device)
             self._step_decodes = top_k_index.shape[0] == 1
         self._step_active[index].index_fill_(0, top_k_index.flatten(), 1.0)
@@ -60,16 +65,14 @@ class PredictorPrefetch:
             self._recent[:c.num_layers].mul_(c.recent_decay).add_(self._step_active, alpha=1 - c.recent_decay)
 
     def _previous_token(self, runtime: Any, index: int, decoding: bool) -> torch.Tensor:
-        """(1, W, E): the experts the previous decode token used at MoE layers index+1 .. index+W, as
-        the runtime recorded them (zeros in prefill and where nothing is recorded), like training's."""
+        """(1, W, E): the experts the previous decode token used at MoE layers index+1 .. index+W
+        (zeros in prefill, for a request's first decode token and past the last layer), like training's."""
         c = self.predictor.config
-        out = torch.zeros(1, c.window, runtime.num_experts)
-        if decoding:
-            for d in range(1, c.window + 1):
-                if index + d < len(runtime.moe_layers):
-                    experts = runtime.last_routed.get(runtime.moe_layers[index + d], [])
-                    out[0, d - 1, experts] = 1.0
-        return out.to(runtime.device)
+        out = torch.zeros(1, c.window, runtime.num_experts, device=runtime.device)
+        if decoding and self._previous_active is not None:
+            ahead = self._previous_active[index + 1:index + 1 + c.window]
+            out[0, :ahead.shape[0]] = ahead
+        return out
 
     def after_layer(self, runtime: Any, layer: int, hidden: torch.Tensor) -> None:
         c, device = self.predictor.config, runtime.device

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .budget import BudgetError, choose_pinned_layers, human_bytes
+from .budget import BudgetError, choose_pinned_layers, human_bytes, pinned_depth_choice
 from .expert_compute import bank_experts, row_chunks
 from .host_memory import empty_host_cache
 from .miss_policy import MissPolicy
@@ -63,6 +63,9 @@ class OffloadRuntime:
         self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available())
         self.layer_bytes = num_experts * self.store.block_bytes
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
+        # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
+        self.depth_choice = pinned_depth_choice(settings.expert_budget, self.layer_bytes, c_safe,
+                                                settings.min_pinned_layers, len(self.moe_layers), settings.pinned_layers)
         n_pinned = choose_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe, settings.min_pinned_layers,
                                         len(self.moe_layers), settings.pinned_layers)
         self.pinned = set(self.moe_layers[:n_pinned])

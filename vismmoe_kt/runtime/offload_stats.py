@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .budget import BudgetError, human_bytes, pinned_depth_choice
+from .budget import human_bytes
 
 PHASES = ("prefill", "decode")
 
@@ -35,18 +35,9 @@ def layer_stats(runtime: Any, layer: int) -> dict[str, Any]:
 
 
 def pinned_reason(runtime: Any) -> str | None:
-    """Why the runtime pinned what it did: Eq. 10's range and, for `auto`, the predicted decode times.
-
-    Asked again with the arguments the runtime resolved its depth with (the answer is cached); None if
-    that depth is not the one the runtime holds."""
-    settings = runtime.settings
-    c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else runtime.layer_bytes
-    try:
-        choice = pinned_depth_choice(settings.expert_budget, runtime.layer_bytes, c_safe, settings.min_pinned_layers,
-                                     len(runtime.moe_layers), settings.pinned_layers)
-    except BudgetError:
-        return None
-    if choice.depth != len(runtime.pinned):
+    """Why the runtime pinned what it did: Eq. 10's range and, for `auto`, the predicted decode times."""
+    choice = getattr(runtime, "depth_choice", None)
+    if choice is None:
         return None
     return f"{choice.reason} [{choice.basis}]" if choice.basis else choice.reason
 

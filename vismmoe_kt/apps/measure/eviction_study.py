@@ -15,6 +15,11 @@ miss takes a slab (landing). Decode hit rates per ranking of the victim (the sma
     decode-count    uses in decode, then last use
     decayed-count   uses weighted by 0.5 ** (age / 4 tokens), then last use
     prompt-first    experts only the prompt used, then last use
+    router-probability   an average over decode tokens (weight 0.8 per token) of the router's full
+                    softmax probability for the expert, not only whether it was in the top-k; then
+                    last use (what a router tells beyond its choice)
+    next-token-oracle    the same average of the *next* token's router probabilities: the best any
+                    predictor of the next token's routing can give this kind of ranking
     belady          the one needed furthest in the future (offline optimum)
 """
 
@@ -23,6 +28,8 @@ from __future__ import annotations
 import argparse
 import heapq
 from typing import Callable
+
+import numpy as np
 
 import torch
 
@@ -34,28 +41,51 @@ PROMPT, VISUAL = 236, 200
 Key = tuple[int, int]
 
 
+def request_routing(seed: int, layers: int, experts: int, top_k: int, decode_tokens: int):
+    """(router, prompt ids [PROMPT, L, k], decode Routing of `decode_tokens`) of request `seed`."""
+    router = SyntheticRouter(layers, experts, top_k, seed=seed)
+    visual = torch.zeros(PROMPT, dtype=torch.bool)
+    visual[10:10 + VISUAL] = True
+    prompt = router.route(PROMPT, visual.to(torch.uint8), "prefill").ids
+    return router, prompt, router.route(decode_tokens, None, "decode")
+
+
 def synthetic_requests(layers: int, experts: int, top_k: int, requests: int, decode_tokens: int) -> list[tuple[torch.Tensor, int]]:
     """(ids [T, L, k], prompt tokens) per request: seed i's prompt, then its decode tokens."""
     out = []
     for seed in range(requests):
-        router = SyntheticRouter(layers, experts, top_k, seed=seed)
-        visual = torch.zeros(PROMPT, dtype=torch.bool)
-        visual[10:10 + VISUAL] = True
-        prompt = router.prefill(modality=visual)
-        out.append((torch.cat([prompt, router.route(decode_tokens, None, "decode").ids]), PROMPT))
+        _, prompt, routing = request_routing(seed, layers, experts, top_k, decode_tokens)
+        out.append((torch.cat([prompt, routing.ids]), PROMPT))
     return out
 
 
-def access_sequence(requests: int, decode_tokens: int, pinned: int = 1) -> list[tuple[Key, bool]]:
-    """(layer, expert) accesses in order, each with whether it is a decode access."""
+def access_sequence(requests: int, decode_tokens: int, pinned: int = 1, router_events: bool = False) -> list[tuple]:
+    """(layer, expert) accesses in order, each with whether it is a decode access; with `router_events`,
+    before each decode layer's accesses a ("router", layer, probabilities [E], next token's [E]) event."""
     sequence = []
-    for ids, prompt in synthetic_requests(LAYERS, EXPERTS, TOP_K, requests, decode_tokens):
+    for seed in range(requests):  # one token more than counted: the last token's next
+        router, prompt, routing = request_routing(seed, LAYERS, EXPERTS, TOP_K, decode_tokens + 1)
         for layer in range(pinned, LAYERS):
-            sequence += [((layer, e), False) for e in sorted(set(ids[:prompt, layer].flatten().tolist()))]
-        for token in ids[prompt:]:
+            sequence += [((layer, e), False) for e in sorted(set(prompt[:, layer].flatten().tolist()))]
+        for token in range(decode_tokens):
             for layer in range(pinned, LAYERS):
-                sequence += [((layer, e), True) for e in token[layer].tolist()]
+                if router_events:
+                    now, after = (torch.softmax(router.logits(layer, routing.hidden[t, layer]), -1).numpy()
+                                  for t in (token, token + 1))
+                    sequence.append(("router", layer, now, after))
+                sequence += [((layer, e), True) for e in routing.ids[token, layer].tolist()]
     return sequence
+
+
+def router_ranking(oracle: bool, keep: float = 0.8) -> tuple[Callable[[dict, int], tuple], Callable[[tuple], None]]:
+    """(rank, observe) of the router-probability ranking (the next token's with `oracle`)."""
+    scores = np.zeros((LAYERS, EXPERTS))
+
+    def observe(event: tuple) -> None:
+        _, layer, now, after = event
+        scores[layer] = keep * scores[layer] + (1 - keep) * (after if oracle else now)
+
+    return (lambda u, now: (scores[u["key"]], u["uses"][-1])), observe
 
 
 def _rankings(per_token: int) -> dict[str, Callable[[dict, int], tuple]]:
@@ -69,10 +99,16 @@ def _rankings(per_token: int) -> dict[str, Callable[[dict, int], tuple]]:
     }
 
 
-def decode_hit_rate(sequence: list[tuple[Key, bool]], slabs: int, rank: Callable[[dict, int], tuple]) -> float:
+def decode_hit_rate(sequence: list[tuple], slabs: int, rank: Callable[[dict, int], tuple],
+                    observe: Callable[[tuple], None] | None = None) -> float:
     cache: dict[Key, dict] = {}
     hits = total = 0
-    for now, (key, decode) in enumerate(sequence):
+    for now, item in enumerate(sequence):
+        if item[0] == "router":
+            if observe is not None:
+                observe(item)
+            continue
+        key, decode = item
         entry = cache.get(key)
         total += decode
         if entry is not None:
@@ -80,13 +116,14 @@ def decode_hit_rate(sequence: list[tuple[Key, bool]], slabs: int, rank: Callable
         else:
             if len(cache) >= slabs:
                 del cache[min(cache, key=lambda k: rank(cache[k], now))]
-            entry = cache[key] = {"uses": [], "decode": 0}
+            entry = cache[key] = {"uses": [], "decode": 0, "key": key}
         entry["uses"].append(now)
         entry["decode"] += decode
     return hits / total
 
 
-def belady_decode_hit_rate(sequence: list[tuple[Key, bool]], slabs: int) -> float:
+def belady_decode_hit_rate(sequence: list[tuple], slabs: int) -> float:
+    sequence = [item for item in sequence if item[0] != "router"]
     following, seen = [0] * len(sequence), {}
     for i in range(len(sequence) - 1, -1, -1):
         key = sequence[i][0]
@@ -116,10 +153,12 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--out", help="also write eviction_study.json here")
     args = parser.parse_args()
-    sequence = access_sequence(args.requests, args.decode_tokens)
+    sequence = access_sequence(args.requests, args.decode_tokens, router_events=True)
     results = {"belady": belady_decode_hit_rate(sequence, args.slabs)}
     for name, rank in _rankings((LAYERS - 1) * TOP_K).items():
         results[name] = decode_hit_rate(sequence, args.slabs, rank)
+    for name, oracle in (("router-probability", False), ("next-token-oracle", True)):
+        results[name] = decode_hit_rate(sequence, args.slabs, *router_ranking(oracle))
     print_table(["ranking", "decode hit rate"], [[name, f"{100 * rate:.1f}%"] for name, rate in results.items()])
     save_json(args.out, "eviction_study.json", {"slabs": args.slabs, "requests": args.requests,
                                                 "decode_tokens": args.decode_tokens, "decode_hit_rate": results})
