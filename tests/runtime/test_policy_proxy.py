@@ -37,7 +37,8 @@ def run(model_dir, rules, tokens, table=True):
 
 def test_vismmoe_base_fetches_no_more_than_lru_in_decode(proxy):
     """Ranking Expired experts by layer distance made VisMMOE's cache evict what the previous layer had
-    just used: 3783 decode fetches against LRU's 1545 on this proxy. Recency first fixes it."""
+    just used: 3783 decode fetches against LRU's 1545 on this proxy. Recency first fixed it; ranking by
+    the router's averaged probabilities misses less than recency alone."""
     counts = {}
     for name, rules in (("lru", "optimize_rules/qwen3vl-lru.yaml"), ("vismmoe", "optimize_rules/qwen3vl-offload.yaml")):
         runtime = run(proxy, rules, 16)
@@ -46,7 +47,7 @@ def test_vismmoe_base_fetches_no_more_than_lru_in_decode(proxy):
         runtime.close()
     assert counts["lru"][1] > 500  # the budget is tight enough for misses to matter
     assert counts["vismmoe"][0] <= counts["lru"][0], counts
-    assert counts["vismmoe"][1] <= counts["lru"][1] * 1.02, counts
+    assert counts["vismmoe"][1] < counts["lru"][1] * 0.97, counts
 
 
 def test_prefill_routing_is_not_replayed_as_decode_prefetch(proxy):

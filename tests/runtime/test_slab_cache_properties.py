@@ -171,3 +171,30 @@ def test_prefetch_precision_counts_used_and_wasted_prefetches():
     c = cache.counters
     assert (c.prefetches, c.prefetch_used, c.prefetch_wasted) == (2, 1, 1)
     assert cache.where.get((1, 1)) is None
+
+
+def test_vismmoe_evicts_what_the_router_favours_least_when_usage_is_known():
+    """With the router-probability average (table decode), an Expired expert the router still favours
+    stays although it was used longest ago; without it, recency decides (the lru order); the lru
+    policy ignores it."""
+    def filled(policy):
+        cache = SlabCache(3, [0, 1], policy)
+        cache.begin_layer(0, [])
+        for key in [(0, 0), (0, 1), (0, 2)]:  # (0, 0) least recent
+            cache.complete(cache.assign(key, urgent=True))
+        cache.end_layer(0)
+        cache.begin_layer(1, [])
+        cache.end_layer(1)
+        return cache
+
+    favoured = [0.9, 0.0, 0.1] + [0.0] * 5  # the router still favours expert 0, not expert 1
+    cache = filled("vismmoe")
+    assert cache.owner[cache.victim()] == (0, 0)
+    cache.usage = {0: favoured, 1: [0.0] * 8}
+    assert cache.owner[cache.victim()] == (0, 1)
+    cache.usage = {0: [0.0] * 8, 1: [0.0] * 8}  # ties: recency
+    assert cache.owner[cache.victim()] == (0, 0)
+    cache = filled("lru")
+    cache.usage = {0: favoured, 1: [0.0] * 8}
+    assert cache.owner[cache.victim()] == (0, 0)
+    cache.check_invariants()

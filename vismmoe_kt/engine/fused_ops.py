@@ -19,8 +19,10 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def route(weight: torch.Tensor, top_k: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids), both (T, K), of a softmax -> top-k -> renormalise router over `weight`."""
+def route(weight: torch.Tensor, top_k: int, hidden: torch.Tensor, probabilities: bool = False) -> tuple[torch.Tensor, ...]:
+    """(weights, expert ids), both (T, K), of a softmax -> top-k -> renormalise router over `weight`;
+    with `probabilities`, also the softmax over every expert (T, E), fp32."""
     logits = F.linear(hidden, weight)
     top, chosen = torch.topk(logits, top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=torch.float).to(logits.dtype), chosen
+    out = (torch.softmax(top, dim=-1, dtype=torch.float).to(logits.dtype), chosen)
+    return (*out, torch.softmax(logits, dim=-1, dtype=torch.float)) if probabilities else out

@@ -90,12 +90,18 @@ def norm_fn(adapter: ModelAdapter, norm: nn.Module) -> Callable[[torch.Tensor], 
     return lambda x: rms_norm(weight, eps, x)
 
 
-def router_fn(adapter: ModelAdapter, gate: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(weights, expert ids): the fused top-k router where the adapter allows it, else the module's."""
+def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = False) -> Callable[[torch.Tensor], tuple]:
+    """(weights, expert ids): the fused top-k router where the adapter allows it, else the module's;
+    with `probabilities`, also its softmax over every expert (T, E)."""
     params = adapter.fused_router(gate)
     if params is not None:
         weight, top_k = params
-        return lambda x: route(weight, top_k, x)
+        return lambda x: route(weight, top_k, x, probabilities)
+    if probabilities:
+        def run(x: torch.Tensor) -> tuple:
+            logits, weights, ids = gate(x)
+            return weights, ids, torch.softmax(logits.float(), dim=-1)
+        return run
     return lambda x: gate(x)[1:]
 
 
@@ -108,8 +114,11 @@ class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
                  graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
                  hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None,
-                 graph_pool: Any = None):
+                 graph_pool: Any = None, router_sink: Callable[[int, torch.Tensor], None] | None = None):
         self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
+        # (MoE index, (1, E) probabilities): the router's full softmax at each MoE layer, for an offload
+        # cache that ranks experts by it (device ops only: part of the captured step)
+        self.router_sink = router_sink
         self.routing = routing if routing is not None and routing.replaces else None  # a routing source's table
         # (before, after) callables around every step, e.g. expert parallelism announcing it to the
         # other ranks; a list shared with the decoder, so hooks added later apply too
@@ -155,6 +164,7 @@ class LeanDecodeStep:
         norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
         attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
         router = self._router(index, layer) if moe else None
+        moe_index = self._moe_index(index) if moe else None
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
@@ -165,17 +175,28 @@ class LeanDecodeStep:
             if not moe:
                 return hidden + mlp(normed), cos, sin, masks
             flat = normed.view(-1, normed.shape[-1])
-            weights, chosen = router(flat)
+            weights, chosen, *probabilities = router(flat)
+            if probabilities:
+                self.router_sink(moe_index, probabilities[0])
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
 
     def _router(self, index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The layer's router, or the routing source's row for the step's position (read on the device:
         the step stays capturable)."""
+        probabilities = self.router_sink is not None
         if self.routing is None:
-            return router_fn(self.adapter, self.adapter.router(layer))
+            return router_fn(self.adapter, self.adapter.router(layer), probabilities)
         moe_index, position = self.routing.moe_layers.index(index), self.cache.lengths[:1]  # a view: moves with the cache
+        if probabilities:
+            return lambda x: (*self.routing.decode_route(moe_index, position),
+                              self.routing.decode_probabilities(moe_index, position))
         return lambda x: self.routing.decode_route(moe_index, position)
+
+    def _moe_index(self, index: int) -> int:
+        """The MoE layer's index among the MoE layers (the offload runtime's row)."""
+        layers = self.adapter.layers_of(self.text)
+        return sum(1 for i in range(index) if self.adapter.experts(layers[i]) is not None)
 
     @staticmethod
     def _experts(experts: nn.Module) -> Callable[[State], State]:

@@ -70,6 +70,7 @@ class RoutingSource:
         self.ids: torch.Tensor | None = None      # (capacity, L, k) long, on the model's device
         self.weights: torch.Tensor | None = None  # (capacity, L, k)
         self.latents: torch.Tensor | None = None  # (capacity, L, D) float32, synthetic mode only
+        self.probabilities: torch.Tensor | None = None  # (capacity, L, E) float32: each router's full softmax
         self._routed_at: dict[int, torch.Tensor] = {}  # MoE layer index -> the positions it routed last
         self.requests = 0
         self.history: list[dict[str, Any]] = []   # per request: ids (N, L, k) on the host, prompt length
@@ -88,6 +89,7 @@ class RoutingSource:
             self.ids = torch.zeros(positions, self.layers, self.top_k, dtype=torch.long, device=device)
             self.weights = torch.zeros(positions, self.layers, self.top_k, dtype=dtype, device=device)
             self.latents = None
+            self.probabilities = torch.zeros(positions, self.layers, self.experts, device=device)
         if latent_dim and (self.latents is None or self.latents.shape[2] != latent_dim):
             self.latents = torch.zeros(self.ids.shape[0], self.layers, latent_dim, device=device)
 
@@ -101,7 +103,7 @@ class RoutingSource:
             return
         total = prompt + max_new_tokens
         visual = self.adapter.image_token_mask(self.config, input_ids[0]).cpu()
-        ids, weights, latents = self._table(total, visual)
+        ids, weights, latents, probabilities = self._table(total, visual)
         device = input_ids.device
         dtype = self.weights.dtype if self.weights is not None else torch.float32
         self.reserve(total, device, dtype, latents.shape[2] if latents is not None else 0)
@@ -109,20 +111,29 @@ class RoutingSource:
         self.weights[:total].copy_(weights.to(device=device, dtype=self.weights.dtype))
         if latents is not None:
             self.latents[:total].copy_(latents.to(device=device, dtype=torch.float32))
+        self.probabilities[:total].copy_(probabilities.to(device))
         self.history.append({"ids": ids, "prompt": prompt})
         del self.history[:-HISTORY]
         self.requests += 1
 
-    def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                              torch.Tensor]:
+        """ids, weights, the latent states (synthetic) and each router's full probabilities, per position."""
         if self.mode == "synthetic":
             from ..routing import SyntheticRouter
 
             router = SyntheticRouter(self.layers, self.experts, self.top_k, seed=self.seed + self.requests)
             prompt = router.route(len(visual), visual.to(torch.uint8), "prefill")
             rest = router.route(total - len(visual), None, "decode")
-            return (torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights]),
-                    torch.cat([prompt.hidden, rest.hidden]))
-        return (*self._trace_rows(total), None)
+            hidden = torch.cat([prompt.hidden, rest.hidden])
+            modality = torch.cat([visual.to(torch.float64), torch.zeros(total - len(visual), dtype=torch.float64)])
+            logits = torch.stack([router.logits(layer, hidden[:, layer], modality) for layer in range(self.layers)], 1)
+            return (torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights]), hidden,
+                    torch.softmax(logits, dim=-1).float())
+        ids, weights = self._trace_rows(total)
+        # a trace holds only the choices: each chosen expert gets its routing weight, the others none
+        probabilities = torch.zeros(total, self.layers, self.experts).scatter_(2, ids, weights.float())
+        return ids, weights, None, probabilities
 
     def _trace_rows(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's next request (its request ids; else the next `total` rows), cycled to `total` rows."""
@@ -183,6 +194,10 @@ class RoutingSource:
         """(weights (1, k), ids (1, k)) of MoE layer `index` at `position` ((1,) long on the device)."""
         self._routed_at[index] = position
         return self.weights[position, index], self.ids[position, index]
+
+    def decode_probabilities(self, index: int, position: torch.Tensor) -> torch.Tensor:
+        """(1, E): MoE layer `index`'s router probabilities over every expert at `position` (device)."""
+        return self.probabilities[position, index]
 
     # --- the synthetic router's latent state, for a predictor calibrated on it ---------------------
     def latent(self, index: int) -> torch.Tensor:

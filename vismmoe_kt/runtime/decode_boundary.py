@@ -8,7 +8,8 @@ step). Around each step the engine calls the runtime's step hooks, which land he
     before a step   1. decode starts (after a prefill or a cache reset): the table is rebuilt from the
                        slab cache, the prefetch queue emptied (nothing evicts behind the table's back)
                     2. the last step's records: counters (hits and host reads per layer), the slab
-                       cache's bookkeeping (recency, Expired/Speculative), what landed becomes resident
+                       cache's bookkeeping (recency, Expired/Speculative, the router-probability
+                       average it ranks victims by), what landed becomes resident
                        (a lookahead prefetch as a prefetch: its use or waste is counted)
                     3. copies that finished since (prefetches issued during prefill) are published
                     4. landing reservations for the next step: per offloaded layer, its last misses
@@ -105,6 +106,8 @@ class DecodeBoundary:
             rows.append(row)
         self.table.rebuild(rows)
         self.table.discard()
+        self.table.usage.zero_()  # a new request's decode: its router favours other experts
+        rt.cache.usage = None
         rt.prepare_lookahead()
         self.stale = False
 
@@ -136,6 +139,7 @@ class DecodeBoundary:
             self.reserved[row] = [s for s, e in zip(slabs, records.owner[row]) if e < 0]
             cache.begin_layer(layer, [e for e in ids if (layer, e) in cache.where])  # recency, Expired/Speculative
             cache.end_layer(layer)
+        cache.usage = {layer: records.usage[row] for row, layer in enumerate(rt.moe_layers)}
 
     def _publish_finished_copies(self) -> None:
         rt = self.runtime

@@ -13,6 +13,8 @@ per row (K, more when lookahead prefetch also lands there), B prefetch candidate
     owner    (L, R + 1)  what landed in each slot: the expert (a miss read through), E + the expert
                          (a lookahead prefetch), -1 if none (column R: dump)
     routed   (L, K)      this step's expert ids, and `read` (L, K): the slot each pair was read from
+    usage    (L, E)      per expert, an average over decode tokens of its router probability
+                         (`observe_router`; the cache ranks eviction victims by it)
 
 Inside the step (device ops only, so a CUDA graph holds them):
   * `lookup`: a missing expert claims its table entry (NOT_RESIDENT -> ARRIVING, compare-and-swap)
@@ -51,6 +53,7 @@ class StepReadback:
     routed: list[list[int]]        # per row: the step's expert ids
     read: list[list[int]]          # per row: the slot each was read from (-1: the host)
     owner: list[list[int]]         # per row: per landing slot, what landed (expert, E + expert if prefetched, -1: none)
+    usage: list[list[float]]       # per row: per expert, the averaged router probability
 
 
 class DecodeTable:
@@ -67,9 +70,10 @@ class DecodeTable:
         self.routed = torch.zeros(num_layers, top_k, **kw)
         self.read = torch.full((num_layers, top_k), -1, **kw)
         self.no_landing = torch.full((top_k,), -1, **kw)
+        self.usage = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
         cuda = device.type == "cuda"
-        self._host = [torch.empty(t.shape, dtype=torch.long, pin_memory=cuda)
-                      for t in (self.routed, self.read, self.owner)]
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+                      for t in (self.routed, self.read, self.owner, self.usage)]
         self._event: torch.cuda.Event | None = None
         self._pending = False
 
@@ -103,6 +107,10 @@ class DecodeTable:
         column = torch.where(lands, ids, self.num_experts)
         self.slots.view(-1).scatter_(0, rows * (self.num_experts + 1) + column, torch.full_like(ids, ARRIVING))
         return slab
+
+    def observe_router(self, row: int, probabilities: torch.Tensor, keep: float) -> None:
+        """usage[row] <- keep * usage[row] + (1 - keep) * the router's probabilities (1, E) of this token."""
+        self.usage[row].mul_(keep).add_(probabilities.reshape(-1).float(), alpha=1.0 - keep)
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
         """After the experts were written to their landing slabs: point the table at them (decode_kernel.combine
@@ -142,7 +150,7 @@ class DecodeTable:
     # --- between steps (host) ----------------------------------------------------------------------
     def readback(self) -> None:
         """Start copying the step's records to the host (after the step, asynchronously)."""
-        for host, device in zip(self._host, (self.routed, self.read, self.owner)):
+        for host, device in zip(self._host, (self.routed, self.read, self.owner, self.usage)):
             host.copy_(device, non_blocking=True)
         if self.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -156,8 +164,8 @@ class DecodeTable:
         if self._event is not None:
             self._event.synchronize()
         self._pending = False
-        routed, read, owner = (t.tolist() for t in self._host)
-        return StepReadback(routed, read, owner)
+        routed, read, owner, usage = (t.tolist() for t in self._host)
+        return StepReadback(routed, read, owner, usage)
 
     def discard(self) -> None:
         self._pending = False

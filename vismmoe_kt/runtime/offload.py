@@ -46,6 +46,9 @@ from .table_experts import combine, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
 
 
+ROUTER_KEEP = 0.8  # weight of the past in the router-probability average, per decode token (eviction_study.py)
+
+
 @dataclass
 class Placement:
     on_gpu: list[int]   # experts computed from slabs (resident, waited on, or fetched)
@@ -228,6 +231,16 @@ class OffloadRuntime:
         with torch.cuda.stream(self._side):
             rows, experts = lookahead.candidates(row, hidden, table.routed)
             table.prefetch(rows, experts, self.pool, self._host_rows, True, self.host_addresses)
+
+    def observe_router(self, moe_index: int, probabilities: torch.Tensor) -> None:
+        """A decode token's router probabilities over every expert of MoE layer `moe_index` (1, E),
+        from inside the step (device work only): the VisMMOE cache ranks eviction victims by their
+        average (decode_boundary.py), what the router favours beyond its top-k."""
+        self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
+
+    def router_sink(self) -> Any:
+        """`observe_router` where the eviction uses it (table decode, the VisMMOE policy), else None."""
+        return self.observe_router if self.table_enabled and self.settings.policy == "vismmoe" else None
 
     def prepare_lookahead(self) -> None:
         """As decode starts (outside any capture): the side stream, each row's mapped store address,
