@@ -491,3 +491,19 @@ def test_lookahead_prefetch_inside_table_steps(case, tmp_path):
     assert summary["decode_prefetch_used"] + summary["decode_prefetch_wasted"] <= summary["decode_prefetches"]
     _, watched = run_steps(model, inputs, 3)
     assert all(w.syncing == [] for w in watched), [w.syncing for w in watched]
+
+
+def test_offloaded_steps_average_the_routers_probabilities_for_eviction(case):
+    """Each table step hands every MoE layer's full router softmax to the runtime: after n decode
+    steps a row's average sums to 1 - 0.8**n (it starts at zeros), and the slab cache ranks by it."""
+    from vismmoe_kt.runtime.offload import ROUTER_KEEP
+
+    model_dir, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="off", **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    with torch.no_grad():
+        generate(model, inputs, 6)  # the prefill's token, then 5 decode steps
+    expected = 1 - ROUTER_KEEP ** 5
+    torch.testing.assert_close(runtime.table.usage.sum(dim=1), torch.full((len(runtime.moe_layers),), expected))
+    runtime.before_step()  # the boundary reads the last step's records back
+    assert set(runtime.cache.usage) == set(runtime.moe_layers)

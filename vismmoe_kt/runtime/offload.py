@@ -239,8 +239,10 @@ class OffloadRuntime:
         self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
 
     def router_sink(self) -> Any:
-        """`observe_router` where the eviction uses it (table decode, the VisMMOE policy), else None."""
-        return self.observe_router if self.table_enabled and self.settings.policy == "vismmoe" else None
+        """`observe_router` where the eviction uses it (table decode with slabs to evict from, the
+        VisMMOE policy), else None: an all-resident step computes no extra softmax."""
+        used = self.table_enabled and self.num_slabs > 0 and self.settings.policy == "vismmoe"
+        return self.observe_router if used else None
 
     def prepare_lookahead(self) -> None:
         """As decode starts (outside any capture): the side stream, each row's mapped store address,
