@@ -12,7 +12,8 @@ set -euo pipefail
 part=${1:?usage: bench_h200.sh PART OUT_DIR}
 out=${2:?usage: bench_h200.sh PART OUT_DIR}
 common=(--synthetic qwen3-vl-30b-a3b --layers 48 --image-sizes 448 896 --warmup 1 --repeats 3 --decode-tokens 16
-        --cpu_infer 12 --routing synthetic:0 --output "$out/part$part")
+        --cpu_infer 12 --routing synthetic:0 --output "$out/part$part"
+        --predictor results/predictor-synthetic-48x128/predictor.pt)  # +predict and -full: the calibrated lookahead
 small=16GiB   # expert budget standing for a 24 GB card (about 4 GB of other weights and activations besides)
 large=32GiB   # ... and for a 40 GB card
 case $part in
