@@ -7,7 +7,8 @@
 #                                                   lru at 16 GiB, lean offloaded at 16 and 32 GiB (synthetic
 #                                                   routing): five configurations in one process
 #   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lean-graphs, lru, vismmoe, vismmoe with the
-#                                                   lookahead predictor (results/predictor-synthetic-48x128), synthetic routing
+#                                                   lookahead predictor (results/predictor-synthetic-48x128) at
+#                                                   p >= 0.5 and 0.7, synthetic routing (about 8 min)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -47,8 +48,9 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     predict) shift
              px=$1 budget=$2; shift 2
              timeout 580 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" --layers 48 \
-               --reps 5 --image-size "$px" --decode-tokens 32 --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" | tee "$OUT/predict$px-$budget.txt" ;;
+               --reps 3 --image-size "$px" --decode-tokens 32 --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+minp=0.7" \
+               | tee "$OUT/predict$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
