@@ -163,8 +163,8 @@ class LeanDecodeStep:
         norm_in = norm_fn(adapter, adapter.input_norm(layer))
         norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
         attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
-        router = self._router(index, layer) if moe else None
         moe_index = self._moe_index(index) if moe else None
+        router = self._router(moe_index, layer) if moe else None
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
@@ -181,13 +181,13 @@ class LeanDecodeStep:
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
 
-    def _router(self, index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def _router(self, moe_index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The layer's router, or the routing source's row for the step's position (read on the device:
         the step stays capturable)."""
         probabilities = self.router_sink is not None
         if self.routing is None:
             return router_fn(self.adapter, self.adapter.router(layer), probabilities)
-        moe_index, position = self.routing.moe_layers.index(index), self.cache.lengths[:1]  # a view: moves with the cache
+        position = self.cache.lengths[:1]  # a view: moves with the cache
         if probabilities:
             return lambda x: (*self.routing.decode_route(moe_index, position),
                               self.routing.decode_probabilities(moe_index, position))

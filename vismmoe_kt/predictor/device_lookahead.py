@@ -43,7 +43,6 @@ class DeviceLookahead:
         self.min_probability, self.hidden_of = float(min_probability), hidden_of
         self.layers, self.experts, self.window = c.num_layers, c.num_experts, c.window
         kw = dict(dtype=torch.float32, device=device)
-        self.decay = torch.tensor([c.gamma ** d for d in range(c.window)], **kw)[:, None]
         self.rows = [torch.tensor([row], dtype=torch.long, device=device) for row in range(c.num_layers)]
         # W zero rows past the last layer: rows l+1 .. l+W is always a plain slice
         self.previous = torch.zeros(c.num_layers + c.window, c.num_experts, **kw)
@@ -79,13 +78,10 @@ class DeviceLookahead:
         extra = {"recent": self.recent[ahead][None]} if getattr(c, "recent", False) else {}
         scores = self.predictor(self.rows[row], past[None], state, self.visual,
                                 self.previous[ahead][None] if c.previous_token else None, **extra)[0]
-        probs = torch.sigmoid(scores.float()).expand(w, -1)  # (W, E); the paper's vector serves every d
-        valid = max(min(w, self.layers - 1 - row), 0)  # rows past the last layer hold nothing
-        ranked = (probs * self.decay)[:valid].flatten()
-        top = torch.topk(ranked, min(self.top_b, ranked.numel()))
-        believed = probs[:valid].flatten().index_select(0, top.indices) >= self.min_probability
-        experts = torch.where(believed, top.indices % self.experts, -1)
-        return row + 1 + top.indices // self.experts, experts
+        values, flat = self.predictor.top_pairs(row, scores, self.layers, self.top_b)  # value: probability * decay
+        distance = flat // self.experts
+        believed = values >= self.min_probability * self.predictor.decay.flatten().index_select(0, distance)
+        return row + 1 + distance, torch.where(believed, flat % self.experts, -1)
 
     @torch.no_grad()
     def end_step(self, routed: torch.Tensor) -> None:

@@ -137,6 +137,9 @@ class LookaheadPredictor(nn.Module):
         rows = c.window if c.output == "window" else 1
         self.history_proj = nn.Linear(c.history_length * c.num_experts, c.history_dim)
         self.layer_embedding = nn.Embedding(c.num_layers, c.history_dim)
+        # gamma**(d-1) per distance, (W, 1): made once (a tensor made per call would be a host copy
+        # inside a captured decode step); not saved, it follows from the config
+        self.register_buffer("decay", torch.tensor([c.gamma ** d for d in range(c.window)])[:, None], persistent=False)
         if c.previous_token:
             self.previous_proj = nn.Linear(c.window * c.num_experts, c.history_dim)
         features = c.history_dim + (c.hidden_size + c.visual_size if c.use_features else 0)
@@ -204,8 +207,7 @@ class LookaheadPredictor(nn.Module):
         probs = torch.sigmoid(scores.float())
         if c.output == "vector":
             probs = probs.expand(c.window, -1)
-        decay = torch.tensor([c.gamma ** d for d in range(c.window)], device=probs.device)[:, None]
-        ranked = (probs * decay).flatten()  # index d * E + e: layer l + 1 + d, expert e
+        ranked = (probs * self.decay).flatten()  # index d * E + e: layer l + 1 + d, expert e
         valid = max(min(c.window, moe_layers - 1 - layer), 0) * c.num_experts
         return torch.topk(ranked[:valid], min(top, valid))
 

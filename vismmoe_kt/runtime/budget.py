@@ -102,10 +102,16 @@ def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic:
     return choose(model, m_avail, num_moe_layers, candidates)
 
 
-def choose_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int,
-                         num_moe_layers: int, requested: int | None = None, model: DepthModel | None = None) -> int:
-    """L_pinned (pinned_depth_choice's depth); an automatic choice is logged with its reason."""
+def resolve_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int, num_moe_layers: int,
+                          requested: int | None = None, model: DepthModel | None = None) -> DepthChoice:
+    """pinned_depth_choice, with an automatic choice logged with its reason."""
     choice = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, requested, model)
     if requested is None:
         _log.info("pinned prefix: %s%s", choice.reason, f" [{choice.basis}]" if choice.basis else "")
-    return choice.depth
+    return choice
+
+
+def choose_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int,
+                         num_moe_layers: int, requested: int | None = None, model: DepthModel | None = None) -> int:
+    """L_pinned (resolve_pinned_layers' depth)."""
+    return resolve_pinned_layers(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, requested, model).depth

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .budget import BudgetError, choose_pinned_layers, human_bytes, pinned_depth_choice
+from .budget import BudgetError, human_bytes, resolve_pinned_layers
 from .expert_compute import bank_experts, row_chunks
 from .host_memory import empty_host_cache
 from .miss_policy import MissPolicy
@@ -67,10 +67,10 @@ class OffloadRuntime:
         self.layer_bytes = num_experts * self.store.block_bytes
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
-        self.depth_choice = pinned_depth_choice(settings.expert_budget, self.layer_bytes, c_safe,
-                                                settings.min_pinned_layers, len(self.moe_layers), settings.pinned_layers)
-        n_pinned = choose_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe, settings.min_pinned_layers,
-                                        len(self.moe_layers), settings.pinned_layers)
+        self.depth_choice = resolve_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe,
+                                                  settings.min_pinned_layers, len(self.moe_layers),
+                                                  settings.pinned_layers)
+        n_pinned = self.depth_choice.depth
         self.pinned = set(self.moe_layers[:n_pinned])
         offloaded = len(self.moe_layers) - n_pinned
         slab_budget = settings.expert_budget - n_pinned * self.layer_bytes
@@ -111,6 +111,7 @@ class OffloadRuntime:
         # tensors, end_step(routed) and start_decode(visual), device work only (predictor/device_lookahead.py)
         self.lookahead = lookahead
         self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store, for prefetch copies
+        self._host_blocks: list[torch.Tensor | None] = []  # per row: its store blocks (None: pinned), the twin's source
         self._side: Any = None  # the lookahead's stream (CUDA)
 
     # --- start-up ------------------------------------------------------------------------------
@@ -224,13 +225,13 @@ class OffloadRuntime:
             return
         if not cuda:
             rows, experts = lookahead.candidates(row, hidden, table.routed)
-            table.prefetch(rows, experts, self.pool, self._host_rows, False)
+            table.prefetch(rows, experts, self.pool, self._host_blocks, False)
             return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         hidden.record_stream(self._side)  # the compute stream may free it while the side stream reads
         with torch.cuda.stream(self._side):
             rows, experts = lookahead.candidates(row, hidden, table.routed)
-            table.prefetch(rows, experts, self.pool, self._host_rows, True, self.host_addresses)
+            table.prefetch(rows, experts, self.pool, self._host_blocks, True, self.host_addresses)
 
     def observe_router(self, moe_index: int, probabilities: torch.Tensor) -> None:
         """A decode token's router probabilities over every expert of MoE layer `moe_index` (1, E),
@@ -251,14 +252,11 @@ class OffloadRuntime:
             return
         if self.device.type == "cuda" and self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        if self.host_addresses is None:
-            addresses = [blocks.data_ptr() if blocks is not None else 0 for blocks in self._host_rows]
+        if self.host_addresses is None:  # every layer is loaded by now; the store never moves
+            self._host_blocks = [self.store.layers.get(layer) for layer in self.moe_layers]
+            addresses = [blocks.data_ptr() if blocks is not None else 0 for blocks in self._host_blocks]
             self.host_addresses = torch.tensor(addresses, dtype=torch.long, device=self.device)
         self.lookahead.start_decode(self.visual_summary)
-
-    @property
-    def _host_rows(self) -> list[torch.Tensor | None]:
-        return [self.store.layers.get(layer) for layer in self.moe_layers]
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> "Placement":
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
@@ -312,8 +310,9 @@ class OffloadRuntime:
     def enable_table(self, act: Any) -> bool:
         """Let lean decode read experts through the table, where it can: not with the hybrid CPU path
         (its misses go to the CPU), nor a prefetch policy with per-layer host logic unless a device
-        lookahead stands in for it in decode, and on CUDA only where the Triton kernels serve the dtype and activation. True: the caller
-        registers `boundary.before_step` / `after_step` as the engine's step hooks."""
+        lookahead stands in for it in decode, and on CUDA only where the Triton kernels serve the dtype
+        and activation. True: the caller registers `boundary.before_step` / `after_step` as the
+        engine's step hooks."""
         on_cuda = self.device.type == "cuda"
         self._use_kernel = on_cuda and kernel_usable(self.device, self.store.dtype, act)
         capturable = self.policy.capturable or self.lookahead is not None
