@@ -6,9 +6,12 @@
 #   bash scripts/device_session.sh decode [PX]      the decode benchmark at PX px (448): stock transformers, lean graphed,
 #                                                   lru at 16 GiB, lean offloaded at 16 and 32 GiB (synthetic
 #                                                   routing): five configurations in one process
-#   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lean-graphs, lru, vismmoe, vismmoe with the
+#   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lru, vismmoe, vismmoe with the
 #                                                   lookahead predictor (results/predictor-synthetic-48x128) at
 #                                                   p >= 0.5 and 0.7, synthetic routing (about 8 min)
+#   bash scripts/device_session.sh kernels PX BUDGET  all resident, lru, vismmoe, vismmoe + lookahead at PX px, BUDGET,
+#                                                   each with one request under torch.profiler: device time per
+#                                                   decode step by kernel and stream, idle and overlapped time
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -47,10 +50,18 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json" && { echo "smoke: steps not graphed" >&2; exit 3; } ;;
     predict) shift
              px=$1 budget=$2; shift 2
-             timeout 580 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" --layers 48 \
-               --reps 3 --image-size "$px" --decode-tokens 32 --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+minp=0.7" \
+             timeout "${PREDICT_TIMEOUT:-580}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" \
+               --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
+               --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --configs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+minp=0.7" \
                | tee "$OUT/predict$px-$budget.txt" ;;
+    kernels) shift  # one profiled request per configuration: where the decode step's device time goes
+             px=$1 budget=$2; shift 2
+             timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
+               --reps 1 --image-size "$px" --decode-tokens 32 --kernels \
+               --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" \
+               | tee "$OUT/kernels$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -64,6 +75,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, fits, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

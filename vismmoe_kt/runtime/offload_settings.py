@@ -32,7 +32,7 @@ class OffloadSettings:
     cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token} pins `auto`; None: measure
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
-    prefetch_min_probability: float = 0.5  # in table decode, prefetch only pairs the predictor gives at least this
+    prefetch_min_probability: float = 0.7  # in table decode, prefetch only pairs the predictor gives at least this
 
     def __post_init__(self):
         def put(name: str, value: Any) -> None:  # frozen: normalised values go in through object.__setattr__

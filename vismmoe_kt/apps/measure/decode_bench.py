@@ -32,6 +32,7 @@ import argparse
 import gc
 import io
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from vismmoe_kt import load
 from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
+from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
@@ -173,6 +175,10 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         row["lean"] = engine.stats()
         if args.profile:
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
+    if args.kernels:
+        trace = Path(args.out) / f"trace-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        row["kernels"] = profile_kernels(model, inputs, args.decode_tokens - 1, trace)
     if args.device.startswith("cuda"):
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["host_rss_gib"] = host_resident_bytes() / 2**30
@@ -187,6 +193,25 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     return row, tokens
 
 
+def kernel_report(rows: list[dict]) -> str:
+    """Per configuration: wall, busy, idle and overlapped device time per decode step, then its top kernels."""
+    lines = ["| config | wall ms/step | device busy | idle | overlapped | per stream |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        k = r.get("kernels") or {}
+        if not k.get("kernels"):
+            continue
+        streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in k["streams_ms_per_step"].items())
+        lines.append(f"| {r['config']} | {k['wall_ms_per_step']:.2f} | {k['busy_ms_per_step']:.2f} "
+                     f"| {k['idle_ms_per_step']:.2f} | {k['overlap_ms_per_step']:.2f} | {streams} |")
+    for r in rows:
+        k = r.get("kernels") or {}
+        if k.get("kernels"):
+            lines += ["", f"{r['config']} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",
+                      "|---|---|---|"]
+            lines += [f"| `{t['name']}` | {t['ms_per_step']:.3f} | {t['calls_per_step']:.1f} |" for t in k["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -198,6 +223,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--kernels", action="store_true",
+                        help="one more request per configuration under torch.profiler: decode kernels by name and "
+                             "stream, busy and idle device time per step (kernels.md and a trace-*.json.gz each)")
     parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
     parser.add_argument("--predictor", help="a predictor.pt for the +predict configurations (`vismmoe-kt calibrate`, "
                                             "or `calibrate synthetic` for synthetic routing)")
@@ -255,6 +283,10 @@ def main() -> int:
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+    if args.kernels:
+        report = kernel_report(rows)
+        (out / "kernels.md").write_text(report)
+        print("\n" + report)
     if args.turns > 1:
         print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
         print("|---" * (args.turns + 1) + "|")
