@@ -12,6 +12,12 @@
 #   bash scripts/device_session.sh kernels PX BUDGET  all resident, lru, vismmoe, vismmoe + lookahead at PX px, BUDGET,
 #                                                   each with one request under torch.profiler: device time per
 #                                                   decode step by kernel and stream, idle and overlapped time
+#   bash scripts/device_session.sh ktcpu [PX]       every routed expert on kt-kernel (needs .scratch/kt), decode graphed
+#                                                   on the lean path: the default worker plan and 16 workers
+#   bash scripts/device_session.sh ktquant [LAYERS] kt-kernel experts in BF16, INT8 and INT4 (quantized at load), LAYERS
+#                                                   (16) of the 48 layers
+#   bash scripts/device_session.sh hybrid PX BUDGET lru, offload-only and the hybrid mode (misses split with kt-kernel
+#                                                   INT8 inside the decode graph; and every miss on the CPU)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -62,6 +68,22 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                --predictor results/predictor-synthetic-48x128/predictor.pt \
                --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" \
                | tee "$OUT/kernels$px-$budget.txt" ;;
+    ktcpu) shift  # every routed expert on kt-kernel, decode on the lean path (graphed), two worker counts
+           px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
+           python3 -c "import kt_kernel; print('kt-kernel', kt_kernel.__cpu_variant__)"
+           timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/ktcpu$px" --layers 48 \
+             --reps 3 --image-size "$px" --decode-tokens 16 --configs kt-cpu kt-cpu:16 \
+             | tee "$OUT/ktcpu$px.txt" ;;
+    ktquant) shift  # kt-kernel BF16 / INT8 / INT4 experts, LAYERS of the 48 layers (load time: quantization)
+             layers=${1:-16}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
+             timeout 400 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/ktquant$layers" \
+               --layers "$layers" --reps 3 --image-size 448 --decode-tokens 16 \
+               --configs kt-cpu kt-cpu+int8 kt-cpu+int4 | tee "$OUT/ktquant$layers.txt" ;;
+    hybrid) shift  # VisMMOE hybrid decode in the graph (kt-kernel INT8 on misses) against lru and offload-only
+            px=$1 budget=$2; shift 2
+            timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
+              --reps 3 --image-size "$px" --decode-tokens 32 \
+              --configs "lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu" | tee "$OUT/hybrid$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -75,6 +97,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

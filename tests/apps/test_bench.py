@@ -51,7 +51,8 @@ def test_demo_run_writes_table_json_png_and_profile(tmp_path, capsys):
     breakdown = rows["vismmoe-full"]["decode_profile"]["seconds_per_step"]
     assert set(breakdown["attention"]) == set(breakdown["experts"]) == {str(i) for i in range(4)}
     assert rows["vismmoe-base"]["decode_profile"] is not None
-    assert rows["kt-cpu"]["decode_profile"] is None  # transformers' loop: no lean pieces to time
+    assert set(rows["kt-cpu"]["decode_profile"]["seconds_per_step"]["experts"]) == {str(i) for i in range(4)}
+    assert rows["all-on-gpu"]["decode_profile"] is None  # transformers' loop: no lean pieces to time
 
     # the parts of a long run merge into one table and chart (scripts/bench_h200.sh + merge_bench.py)
     from vismmoe_kt.apps.measure.merge_bench import main as merge

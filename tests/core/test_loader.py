@@ -186,3 +186,14 @@ def test_integer_tensor_where_a_float_weight_belongs_is_named(tmp_path, tiny_dir
     with pytest.raises(LoadError, match=r"model\.safetensors: tensor 'model.language_model.norm.weight' is int8, "
                                         r"not a floating-point type"):
         load(model_dir, None, progress=False, **CPU)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
+def test_a_bad_cpu_worker_count_is_a_clear_error(tiny_dir, value):
+    with pytest.raises(LoadError, match=r"cpu_infer must be a whole number of threads >= 1, got"):
+        load(tiny_dir, RULES, cpu_infer=value, generate_device="cpu", prefill_device="cpu", progress=False)
+
+
+def test_the_cpu_worker_count_reaches_the_model_context(tiny_dir):
+    model, _ = load(tiny_dir, RULES, cpu_infer=3, generate_device="cpu", prefill_device="cpu", progress=False)
+    assert model.vismmoe.context.cpu_threads == 3

@@ -507,3 +507,33 @@ def test_offloaded_steps_average_the_routers_probabilities_for_eviction(case):
     torch.testing.assert_close(runtime.table.usage.sum(dim=1), torch.full((len(runtime.moe_layers),), expected))
     runtime.before_step()  # the boundary reads the last step's records back
     assert set(runtime.cache.usage) == set(runtime.moe_layers)
+
+
+@pytest.mark.parametrize("miss_policy,cost", [("cpu", None), ("auto", {"fetch_seconds": 1.0, "cpu_seconds_fixed": 0.5,
+                                                                      "cpu_seconds_per_token": 0.1})])
+def test_hybrid_decode_through_the_table_splits_misses_with_the_cpu(case, miss_policy, cost):
+    """Hybrid mode in table decode: the first cpu_quota[m] of a layer's m misses are computed by the
+    CPU backend (no landing, no host read), the rest read through as before; every step is captured
+    (the graphs' CPU twin) and the tokens are the reference's. `auto` with one copy at 1 s and one CPU
+    expert at 0.6 s: one miss goes to the CPU, two split one and one, three send two to the CPU."""
+    model_dir, inputs, expected = case
+    extra = {"cost_model": cost} if cost else {}
+    model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), graphs="replay",
+                    miss_policy=miss_policy, keep_ratio=1.0, **extra, **CPU)  # the hybrid rule file, no pruning
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    assert runtime.table_enabled
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = decoder_of(model).stats()
+    assert stats["decode_graphed_steps"] == stats["decode_steps"] == TOKENS - 1
+    decode = [runtime.counters["decode"][layer] for layer in runtime.moe_layers if layer not in runtime.pinned]
+    cpu, misses = sum(c.cpu for c in decode), sum(c.misses + c.late for c in decode)
+    assert cpu > 0 and sum(c.cpu_pairs for c in decode) == cpu
+    expected_quota = [0, 1, 2, 3] if miss_policy == "cpu" else [0, 1, 1, 2]
+    assert runtime.table.cpu_quota.tolist()[:4] == expected_quota
+    if miss_policy == "cpu":
+        assert misses == 0 and runtime.copy_counters["decode"].bytes_host_reads == 0
+    else:
+        assert misses > 0
+        assert runtime.copy_counters["decode"].bytes_host_reads == misses * runtime.store.block_bytes

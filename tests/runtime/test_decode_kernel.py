@@ -66,6 +66,31 @@ for name in ("slots", "owner", "used", "routed", "read"):
 assert tables[1].slots[1, 3] == 3 and tables[1].slots[1, 1] == -1 and tables[1].owner[1, 1] == 3
 assert tables[1].used[1] == 3
 
+# hybrid: the first cpu_quota[m] of m misses go to the CPU (slot -3): no claim, and the experts read nothing
+tables = [DecodeTable(2, 6, 3, torch.device("cpu")) for _ in range(2)]
+for table in tables:
+    table.slots[1, :6] = torch.tensor([4, -1, -1, -1, 2, 0])
+    table.landing[1] = torch.tensor([1, 3, 5])
+    table.count[1] = 3
+    table.set_cpu_quota([0, 1, 1, 2])             # 3 misses: 2 to the CPU, the third lands
+ids = torch.tensor([3, 1, 2])                      # all three miss
+slots, land = tables[0].lookup(1, ids)
+k_slots, k_land = decode_kernel.plan(tables[1], 1, ids)
+assert k_slots.tolist() == slots.tolist() == [-3, -3, -1] and k_land.tolist() == land.tolist() == [-1, -1, 1]
+assert torch.equal(tables[0].slots[:, :6], tables[1].slots[:, :6])  # column 6 is the twin's scatter dump
+for name in ("owner", "used", "routed", "read"):
+    assert torch.equal(getattr(tables[0], name), getattr(tables[1], name)), name
+assert tables[1].slots[1, 3] == -1 and tables[1].slots[1, 2] == -2 and tables[1].read[1].tolist() == [-3, -3, -1]
+host = (torch.randn(E, 3 * I * H) / 8).float()
+pools = [torch.randn(S + 1, 2 * I, H), torch.randn(S + 1, H, I)]
+x, cpu_slots = torch.randn(1, H), torch.tensor([-3, 1, -1])
+ids, land = torch.tensor([3, 4, 0]), torch.tensor([-1, -1, 2])
+want = experts_twin(x, ids, cpu_slots, land, [p.clone() for p in pools], host, torch.nn.SiLU(), 3)
+got = decode_kernel.experts_where_they_lie(x, ids, cpu_slots, land, [p.clone() for p in pools], host.data_ptr(),
+                                           host.shape[1], 3)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
+
 # lookahead prefetch: claim, copy from the host, publish, against the twin
 L, R = 3, 4
 host_rows = [None] + [(torch.randn(E, 3 * I * H) / 8).to(torch.bfloat16) for _ in range(L - 1)]  # row 0 pinned
@@ -131,7 +156,7 @@ def test_kernels_compile_for_hopper():
     compile_for_hopper(dk._down_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", **weights},
                        {**shapes, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})
     table = {name: "*i64" for name in ("ids_ptr", "table_ptr", "landing_ptr", "count_ptr", "used_ptr", "owner_ptr",
-                                       "routed_ptr", "read_ptr", "slots_ptr", "land_ptr")}
+                                       "routed_ptr", "read_ptr", "slots_ptr", "land_ptr", "quota_ptr")}
     small = {"E1": 129, "K": 8, "KP": 8, "R": 12}
     compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr", "KP": "constexpr",
                                          "R": "constexpr"}, small)

@@ -24,6 +24,16 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+CPU_INFER_HELP = ("CPU expert workers (kt-kernel's pool) and torch's CPU threads (default: physical cores - 2, "
+                  "leaving two for the threads that feed the GPU)")
+
+
+def default_cpu_threads() -> int:
+    from ..runtime.cpu.threads import RESERVED_CORES
+
+    return max(physical_cores() - RESERVED_CORES, 1)
+
+
 def parse_set(values: list[str]) -> dict[str, Any]:
     """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings)."""
     import yaml
@@ -77,8 +87,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="replace a kwarg in every rule that has it (repeatable)")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
-    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
-                       help="CPU threads for CPU compute (default: physical cores - 3)")
+    group.add_argument("--cpu_infer", type=int, help=CPU_INFER_HELP)
     add_engine_flags(group)
     add_parallel_flags(group)
 
@@ -140,10 +149,12 @@ def load_from_args(args: argparse.Namespace):
 
     from ..core.loader import load
 
-    if args.cpu_infer < 1:
+    if args.cpu_infer is not None and args.cpu_infer < 1:
         raise InputError(f"--cpu_infer must be at least 1, got {args.cpu_infer}")
-    torch.set_num_threads(args.cpu_infer)
+    torch.set_num_threads(args.cpu_infer or default_cpu_threads())
     overrides = parse_set(args.set)  # bad flags fail before the (demo) model is assembled or loaded
+    if args.cpu_infer is not None:
+        overrides["cpu_infer"] = args.cpu_infer
     for flag in DEVICE_KEYS:
         if flag in overrides:
             check_device(overrides[flag], f"--set {flag}")

@@ -8,6 +8,8 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
                       set by `load(..., decode=, graphs=)` or the CLI; not a rule kwarg)
     offload_runtime   the OffloadRuntime every VisExperts of the model uses (the first one makes it)
     cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
+    cpu_threads       its worker count (`load(..., cpu_infer=N)` or `--cpu_infer`; None: physical
+                      cores - 2, runtime/cpu/threads.py)
     token_is_visual   which rows of the hidden states the layers process now are visual tokens
                       (written by the text model's forward, read by ReaLB's operators)
     saliency          the vision tower's saliency recorder (VisionSaliency), read when pruning
@@ -64,6 +66,7 @@ class LoadContext:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     offload_runtime: Any = None      # runtime.offload.OffloadRuntime
     cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
+    cpu_threads: int | None = None
     token_is_visual: torch.Tensor | None = None
     saliency: Any = None             # vision.saliency.SaliencyRecorder
     text_model: Any = None

@@ -141,7 +141,7 @@ def load(
 
     `overrides` apply on top of the rules: `generate_device`/`prefill_device` set every module's
     devices, `decode` (lean | hf) and `graphs` (auto | cuda | replay | off) are the engine's options,
-    any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
+    `cpu_infer` the CPU experts' worker count (default physical cores - 2), any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
     while loading (default: keep the checkpoint's dtype).
     """
     start = time.perf_counter()
@@ -164,11 +164,16 @@ def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device
              overrides: dict[str, Any]) -> nn.Module:
     """Meta model -> injected operators -> weights from `reader` (a checkpoint, or synthetic weights).
 
-    `decode` and `graphs` among the overrides are engine options (DecodeOptions), not rule kwargs."""
+    `decode` and `graphs` among the overrides are engine options (DecodeOptions), not rule kwargs;
+    `cpu_infer` is the CPU experts' worker count (LoadContext.cpu_threads)."""
     overrides = dict(overrides)
     engine = {key: overrides.pop(key) for key in ENGINE_KEYS if key in overrides}
+    cpu_threads = overrides.pop("cpu_infer", None)
+    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1):
+        raise LoadError(f"cpu_infer must be a whole number of threads >= 1, got {cpu_threads!r}")
     model = _build_on_meta(adapter, config)
     context = context_of(reader)
+    context.cpu_threads = cpu_threads
     plan = inject(model, rules if rules is not None else [], config, loader=reader, default_device=device,
                   overrides=overrides)
     if engine:  # explicit options win over the deprecated rule kwargs an old rule file may carry

@@ -6,7 +6,14 @@ else torch) computes the routed experts, and the result comes back. Weights are 
 loader straight into the backend: kt-kernel repacks them into its own memory (its copy is the only
 one kept); the torch backend keeps the loader's tensors (mmap-backed pages of the checkpoint).
 
-Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu/__init__.py). Threads: `--cpu_infer`.
+In decode on a CUDA device with kt-kernel, a token's call runs inside the stream (the backend's
+`forward_on_stream`: host functions start and await the CPU task), so the lean decode step captures
+these layers in its CUDA graph too; elsewhere (prefill, the torch backend) the call waits on the
+host. With kt-kernel serving a CUDA model, torch keeps only the reserved cores' threads: its
+host work is light, and its threads would otherwise compete with the pinned workers.
+
+Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu/__init__.py). Workers: `--cpu_infer`
+(runtime/cpu/threads.py).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from torch import nn
 
 from ..runtime.cpu import CpuExpertSettings, make_backend
+from ..runtime.cpu.threads import RESERVED_CORES
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 
@@ -38,7 +46,12 @@ class CpuExperts(BaseInjectedModule):
         settings = settings_from(CpuExpertSettings, kwargs, "CpuExperts")
         self.layer = self.adapter.layer_of(key)
         if self.context.cpu_backend is None:  # one backend (one kt-kernel worker pool) for every layer
-            self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config))
+            model_dir = getattr(gguf_loader, "model_dir", None)  # a checkpoint directory: the quantized cache
+            self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config),
+                                                    self.context.cpu_threads, settings.cpu_dtype, model_dir)
+            # kt-kernel on a GPU machine serves a CUDA model (the rule places only the experts here)
+            if getattr(self.context.cpu_backend, "streams", False) and torch.cuda.is_available():
+                torch.set_num_threads(min(torch.get_num_threads(), RESERVED_CORES))
         self.backend = self.context.cpu_backend
         self.counters = CpuCallStats()
 
@@ -52,7 +65,17 @@ class CpuExperts(BaseInjectedModule):
         for name in names:  # the backend holds the weights now
             del experts._parameters[name]
 
+    def decode_capturable(self) -> bool:
+        """A decode step may capture this layer: through kt-kernel's in-stream calls on a CUDA device
+        (on the CPU its calls wait on the host, which the graphs' CPU twin replays as well), or with the
+        torch backend where there is no GPU to capture for (a CUDA step would need a host sync)."""
+        return getattr(self.backend, "streams", False) or not torch.cuda.is_available()
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.device.type == "cuda" and hidden_states.shape[0] == 1 and getattr(self.backend, "streams", False):
+            self.counters.calls += 1  # host time is not measurable here: the call runs inside the stream
+            self.counters.tokens += 1
+            return self.backend.forward_on_stream(self.layer, hidden_states, top_k_index, top_k_weights)
         start = time.perf_counter()
         task = self.backend.submit(self.layer, hidden_states.cpu(), top_k_index.cpu(), top_k_weights.float().cpu())
         out = task.wait().to(hidden_states.device)

@@ -39,7 +39,8 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         if settings.predictor:
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
         runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
-                                 dtype, device, shape.top_k, prefetch, lookahead)
+                                 dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
+                                 getattr(operator.gguf_loader, "model_dir", None))
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)

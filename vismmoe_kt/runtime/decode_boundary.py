@@ -15,6 +15,8 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                     4. landing reservations for the next step: per offloaded layer, its last misses
                        and prefetches plus SPARE slabs (at most the table's R), victims chosen by the
                        cache policy and dropped from the table first
+                    5. hybrid mode: how many of a layer's misses the CPU computes, per miss count
+                       (the cost model's split)
 
 All of it runs under the runtime's lock; the device writes go on the compute stream, ordered after
 the previous step and before the next one.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .decode_table import ARRIVING, NOT_RESIDENT
+from .decode_table import ARRIVING, CPU_PAIR, NOT_RESIDENT
 from .offload_stats import LayerCounters
 from .slab_cache import SlabState
 
@@ -58,7 +60,14 @@ class DecodeBoundary:
                     self._account(records)
             self._publish_finished_copies()
             self._reserve()
+            offloaded = self._first_offloaded()
+            if rt.cpu is not None and offloaded is not None:  # hybrid: the cost model's share of misses for the CPU
+                self.table.set_cpu_quota(rt.miss.decode_quota(rt.store, offloaded, rt.device))
             rt.table_armed = True
+
+    def _first_offloaded(self) -> int | None:
+        rt = self.runtime
+        return next((layer for layer in rt.moe_layers if layer not in rt.pinned), None)
 
     def after_step(self) -> None:
         self.runtime.table_armed = False
@@ -122,9 +131,12 @@ class DecodeBoundary:
             ids, read = records.routed[row], records.read[row]
             counters = rt.counters["decode"].setdefault(layer, LayerCounters())
             counters.calls += 1
-            misses = sum(1 for s in read if s < 0)  # read from the host
+            misses = sum(1 for s in read if s in (NOT_RESIDENT, ARRIVING))  # read from the host
             late = sum(1 for s in read if s == ARRIVING)  # of which a copy (or prefetch) was on its way
-            counters.hits += len(ids) - misses
+            on_cpu = sum(1 for s in read if s == CPU_PAIR)  # hybrid: computed by the CPU backend
+            counters.hits += len(ids) - misses - on_cpu
+            counters.cpu += on_cpu
+            counters.cpu_pairs += on_cpu
             counters.misses += misses - late
             counters.late += late
             slabs = self.reserved.get(row, [])

@@ -65,7 +65,7 @@ if tl is not None:
             cols = start + tl.arange(0, BLOCK_COLS)
             col_ok = cols < H
             x = tl.load(x_ptr + token * H + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tile_ok = row_ok[:, None] & col_ok[None, :]
+            tile_ok = row_ok[:, None] & col_ok[None, :] & (slot != -3)  # a CPU pair reads nothing: h = 0
             gate_at = rows[:, None].to(tl.int64) * H + cols[None, :]
             up_at = (rows[:, None].to(tl.int64) + I) * H + cols[None, :]
             w_gate = tl.load(weights + gate_at, mask=tile_ok, other=0.0)
@@ -98,7 +98,7 @@ if tl is not None:
             cols = start + tl.arange(0, BLOCK_COLS)
             col_ok = cols < I
             h = tl.load(h_ptr + pair * I + cols, mask=col_ok, other=0.0)
-            tile_ok = row_ok[:, None] & col_ok[None, :]
+            tile_ok = row_ok[:, None] & col_ok[None, :] & (slot != -3)  # a CPU pair reads nothing: y = 0
             at = rows[:, None].to(tl.int64) * I + cols[None, :]
             w = tl.load(weights + at, mask=tile_ok, other=0.0)
             tl.store(target + at, w, mask=tile_ok & (land >= 0))
@@ -125,14 +125,19 @@ if tl is not None:
 
     @triton.jit
     def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, routed_ptr, read_ptr, slots_ptr,
-                     land_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
-        """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records."""
+                     land_ptr, quota_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
+        """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records;
+        the first quota[m] of the m misses go to the CPU (slot -3: no claim, no host read)."""
         k = tl.arange(0, KP)
         ok = k < K
         ids = tl.load(ids_ptr + k, mask=ok, other=0).to(tl.int64)
         slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0, volatile=True)  # a prefetch may publish
+        miss = ok & (slots == -1)
+        rank = tl.cumsum(miss.to(tl.int64), 0) - 1
+        on_cpu = miss & (rank < tl.load(quota_ptr + tl.sum(miss.to(tl.int64), 0)))
+        slots = tl.where(on_cpu, -3, slots)
         rows = tl.zeros([KP], tl.int64) + row
-        land = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, ok & (slots == -1), ids,
+        land = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, miss & (on_cpu == 0), ids,
                       E1, R, KP)
         tl.store(slots_ptr + k, slots, mask=ok)
         tl.store(land_ptr + k, land, mask=ok)
@@ -216,7 +221,7 @@ def plan(table, row: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     slots = torch.empty(k, dtype=torch.long, device=ids.device)
     land = torch.empty(k, dtype=torch.long, device=ids.device)
     _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.owner, table.routed, table.read,
-                       slots, land, row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k),
+                       slots, land, table.cpu_quota, row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k),
                        R=table.landing_slots)
     return slots, land
 

@@ -15,6 +15,10 @@ per row (K, more when lookahead prefetch also lands there), B prefetch candidate
     routed   (L, K)      this step's expert ids, and `read` (L, K): the slot each pair was read from
     usage    (L, E)      per expert, an average over decode tokens of its router probability
                          (`observe_router`; the cache ranks eviction victims by it)
+    cpu_quota (K + 1,)   hybrid mode: of a layer's m missing pairs, how many the CPU computes
+                         (`set_cpu_quota`, from the cost model's split; zeros: none). Those are the
+                         first cpu_quota[m] misses in routing order: they claim nothing, read nothing
+                         from the host, and their slot reads CPU_PAIR (-3) for the kernels and records
 
 Inside the step (device ops only, so a CUDA graph holds them):
   * `lookup`: a missing expert claims its table entry (NOT_RESIDENT -> ARRIVING, compare-and-swap)
@@ -45,7 +49,7 @@ import torch
 from . import decode_kernel
 from .store import block_views
 
-NOT_RESIDENT, ARRIVING = -1, -2
+NOT_RESIDENT, ARRIVING, CPU_PAIR = -1, -2, -3
 
 
 @dataclass
@@ -71,6 +75,8 @@ class DecodeTable:
         self.read = torch.full((num_layers, top_k), -1, **kw)
         self.no_landing = torch.full((top_k,), -1, **kw)
         self.usage = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)
+        self.cpu_quota = torch.zeros(top_k + 1, **kw)
+        self._quota: list[int] = [0] * (top_k + 1)
         cuda = device.type == "cuda"
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
                       for t in (self.routed, self.read, self.owner, self.usage)]
@@ -84,10 +90,23 @@ class DecodeTable:
         if use_kernel:
             return decode_kernel.plan(self, row, ids)
         slots = self.slots[row].index_select(0, ids)
+        miss = slots == NOT_RESIDENT
+        rank = torch.cumsum(miss.long(), 0) - 1  # each miss's place among the layer's misses
+        on_cpu = miss & (rank < self.cpu_quota.index_select(0, miss.long().sum().view(1)))  # no host read
+        slots = torch.where(on_cpu, CPU_PAIR, slots)
         self.routed[row].copy_(ids)
         self.read[row].copy_(slots)
         rows = torch.full_like(ids, row)
-        return slots, self._claim(rows, ids, slots == NOT_RESIDENT, ids)
+        return slots, self._claim(rows, ids, miss & ~on_cpu, ids)
+
+    def set_cpu_quota(self, quota: list[int]) -> None:
+        """Between steps: per count of missing pairs, how many the CPU computes (a write on the stream
+        only when it changes)."""
+        if len(quota) != self.top_k + 1 or any(not 0 <= q <= m for m, q in enumerate(quota)):
+            raise ValueError(f"cpu quota needs {self.top_k + 1} entries, entry m in 0..m: {quota}")
+        if list(quota) != self._quota:
+            self._quota = list(quota)
+            self.cpu_quota.copy_(torch.tensor(quota, dtype=torch.long))
 
     def _claim(self, rows: torch.Tensor, ids: torch.Tensor, wanted: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
         """The landing slab each wanted (row, expert) pair takes, -1 where its row has none left; the

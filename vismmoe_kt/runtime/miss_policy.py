@@ -1,9 +1,9 @@
 """The hybrid mode's choice for a missing expert: fetch it to the GPU and wait, or run its tokens on
 the CPU backend, overlapped with the GPU's hits (VisMMOE 3.5).
 
-`miss_policy`: wait (always fetch), cpu (always the CPU), auto (per expert, by the cost model: one
-block copy against the CPU's fixed cost plus its cost per token, measured once on this machine at the
-first miss, or pinned by the rule's `cost_model`). The CPU backend is made here: kt-kernel's AMX/AVX
+`miss_policy`: wait (always fetch), cpu (always the CPU), auto (per layer, the split of its misses
+that the cost model says finishes first, copies and CPU work overlapping: cost_model.py; rates
+measured on this machine at the first miss and followed online, or pinned by the rule's `cost_model`). The CPU backend is made here: kt-kernel's AMX/AVX
 kernels where they fit (its own BF16 copy of every expert it serves), else torch on the host store.
 """
 
@@ -12,22 +12,24 @@ from __future__ import annotations
 import torch
 
 from .budget import BudgetError, human_bytes
-from .cost_model import CostModel, calibrate
+from .cost_model import CostModel, CostTracker, calibrate
 from .offload_settings import OffloadSettings
 
 
 class MissPolicy:
     def __init__(self, settings: OffloadSettings, num_experts: int, hidden: int, inter: int, top_k: int,
-                 offloaded_layers: int, layer_bytes: int):
+                 offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None, model_dir=None):
         self.mode = settings.miss_policy
         self.top_k = top_k
-        self.cost = CostModel(*settings.cost_model) if settings.cost_model else None
-        self.cpu = None if self.mode == "wait" else self._make_cpu_backend(settings.cpu_backend, num_experts, hidden,
-                                                                           inter, top_k, offloaded_layers, layer_bytes)
+        self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
+        self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
+            settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
+            settings.cpu_dtype, model_dir)
 
     @staticmethod
     def _make_cpu_backend(requested: str, num_experts: int, hidden: int, inter: int, top_k: int,
-                          offloaded_layers: int, layer_bytes: int):
+                          offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None,
+                          dtype: str = "bf16", model_dir=None):
         """kt-kernel keeps its own copy of every expert it serves, which on top of the page-locked
         store doubles host memory: refuse it where that cannot fit."""
         import psutil
@@ -35,21 +37,22 @@ class MissPolicy:
         from .cpu.isa import choose_backend
         from .cpu.kt_backend import kt_kernel_supports
 
-        name = choose_backend(requested, shape_ok=kt_kernel_supports(hidden, inter))
+        name = choose_backend("kt-kernel" if dtype != "bf16" else requested, shape_ok=kt_kernel_supports(hidden, inter))
         if name == "torch":
             from .cpu.torch_backend import TorchCpuBackend
 
             return TorchCpuBackend()
-        needed = offloaded_layers * (layer_bytes + num_experts * 3 * inter * hidden * 2)
+        from .cpu.kt_backend import BYTES_PER_WEIGHT, KtKernelBackend
+
+        needed = offloaded_layers * (layer_bytes + num_experts * 3 * inter * hidden * BYTES_PER_WEIGHT[dtype])
         total = psutil.virtual_memory().total
         if needed > 0.9 * total:
             raise BudgetError(
-                f"cpu_backend kt-kernel keeps its own copy of the experts beside the store: "
+                f"cpu_backend kt-kernel keeps its own {dtype} copy of the experts beside the store: "
                 f"{human_bytes(needed)} of host memory for {offloaded_layers} offloaded layers, this host has "
-                f"{human_bytes(total)}; use cpu_backend: torch (reads the store in place)")
-        from .cpu.kt_backend import KtKernelBackend
-
-        return KtKernelBackend(num_experts, top_k, hidden, inter)
+                f"{human_bytes(total)}; use cpu_dtype: int8 or int4 (half or a quarter of the copy), or cpu_backend: "
+                "torch (reads the store in place)")
+        return KtKernelBackend(num_experts, top_k, hidden, inter, threads=cpu_threads, dtype=dtype, model_dir=model_dir)
 
     def on_cpu(self, store, layer: int, missing: list[int], pairs: dict[int, int], device: torch.device) -> set[int]:
         """Which missing experts run on the CPU backend (the rest are fetched)."""
@@ -58,5 +61,31 @@ class MissPolicy:
         if self.mode == "cpu":
             return set(missing)
         if self.cost is None:
-            self.cost = calibrate(store, layer, self.cpu, device, self.top_k)
-        return {e for e in missing if self.cost.prefers_cpu(pairs[e])}
+            self.cost = CostTracker(calibrate(store, layer, self.cpu, device, self.top_k))
+        return self.cost.model.split({e: pairs[e] for e in missing})
+
+    def decode_quota(self, store, layer: int, device: torch.device) -> list[int]:
+        """For table decode (one token: one token per missing expert): entry m is how many of a layer's
+        m misses the CPU computes (`cpu`: all of them; `auto`: the cost model's split)."""
+        k = self.top_k
+        if self.mode == "cpu":
+            return list(range(k + 1))
+        if self.mode != "auto":
+            return [0] * (k + 1)
+        if self.cost is None:
+            self.cost = CostTracker(calibrate(store, layer, self.cpu, device, self.top_k))
+        return [len(self.cost.model.split({e: 1 for e in range(m)})) for m in range(k + 1)]
+
+    def observed_copies(self, counters) -> None:
+        """Follow the link's copy rate: the copies' seconds since the last look, per copy (the
+        transfers' counters: issued copies and the seconds of those whose timing events have passed)."""
+        counters.resolve()
+        seen = getattr(self, "_seen", (0, 0.0))
+        copies, seconds = counters.copies - seen[0], counters.copy_seconds - seen[1]
+        if self.cost is not None and copies > 0 and seconds > 0:
+            self.cost.observe_copy(seconds / copies)
+            self._seen = (counters.copies, counters.copy_seconds)
+
+    def observed_cpu(self, experts: int, tokens: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.observe_cpu(experts, tokens, seconds)

@@ -38,7 +38,7 @@ from .offload_settings import OffloadSettings
 from .offload_stats import PHASES, LayerCounters, layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
 from .decode_boundary import DecodeBoundary
-from .decode_table import DecodeTable
+from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views
 from . import decode_kernel
@@ -59,7 +59,8 @@ class Placement:
 class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
-                 prefetch: PrefetchPolicy | None = None, lookahead: Any = None):
+                 prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,
+                 model_dir: Any = None):
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
@@ -97,7 +98,7 @@ class OffloadRuntime:
         self.loaded: set[int] = set()
         self.top_k = top_k
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
-                               self.layer_bytes)
+                               self.layer_bytes, cpu_threads, model_dir)
         self.cpu = self.miss.cpu
         self.policy = prefetch or HistoryPrefetch(settings.prefetch_window, settings.prefetch_gamma)
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill
@@ -185,7 +186,10 @@ class OffloadRuntime:
         if task is not None:
             start = time.perf_counter()
             cpu_out = task.wait().to(hidden.device, non_blocking=True)
-            counters.cpu_seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            counters.cpu_seconds += waited
+            if not placement.on_gpu:  # nothing overlapped the wait: it is the CPU's own time
+                self.miss.observed_cpu(len(placement.on_cpu), sum(pairs_of[e] for e in placement.on_cpu), waited)
             out = cpu_out if out is None else out + cpu_out
         with self.lock:
             self.transfers.release(placement.slabs)
@@ -207,11 +211,28 @@ class OffloadRuntime:
         slots, land = table.lookup(row, ids, kernel)
         if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
             self._look_ahead(row, hidden)
+        on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.cpu is not None else None
         y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
         if kernel:  # combines and publishes in one launch
-            return decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
-        table.publish(row, ids, land)
-        return combine(y, top_k_weights, hidden.dtype)
+            out = decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
+        else:
+            table.publish(row, ids, land)
+            out = combine(y, top_k_weights, hidden.dtype)
+        return out if on_cpu is None else out + on_cpu()
+
+    def _cpu_begin(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                   top_k_weights: torch.Tensor):
+        """Hybrid decode from the table: start the CPU on this layer's CPU pairs (slot CPU_PAIR, the
+        cost model's share of the misses; ids of the others -1, which the backend skips) and return
+        what waits for its output. On CUDA both halves are enqueued in the stream (kt-kernel's host
+        functions), so the GPU's pairs compute meanwhile and the step stays one graph; on the CPU the
+        backend runs there and then."""
+        cpu_ids = torch.where(slots == CPU_PAIR, ids, -1).view(1, -1)
+        if self.device.type == "cuda":
+            self.cpu.begin_on_stream(layer, hidden, cpu_ids, top_k_weights)
+            return lambda: self.cpu.end_on_stream(self.device, hidden.dtype)
+        out = self.cpu.submit(layer, hidden, cpu_ids, top_k_weights.float()).wait().to(hidden.dtype)
+        return lambda: out
 
     def _look_ahead(self, row: int, hidden: torch.Tensor) -> None:
         """Score the next layers' experts and prefetch the likely ones, on the side stream; at the
@@ -264,6 +285,8 @@ class OffloadRuntime:
         with self.lock:
             self.transfers.poll()
             placed = self.cache.begin_layer(layer, needed)
+            if placed["miss"] and self.miss.mode == "auto":
+                self.miss.observed_copies(self.transfers.counters)
             on_cpu = self.miss.on_cpu(self.store, layer, placed["miss"], pairs_of, self.device)
             counters.hits += len(placed["hit"])
             counters.late += len(placed["late"])
@@ -308,15 +331,18 @@ class OffloadRuntime:
         return self.cpu.submit(layer, hidden, ids.masked_fill(~keep, -1), top_k_weights.float())
 
     def enable_table(self, act: Any) -> bool:
-        """Let lean decode read experts through the table, where it can: not with the hybrid CPU path
-        (its misses go to the CPU), nor a prefetch policy with per-layer host logic unless a device
+        """Let lean decode read experts through the table, where it can: the hybrid CPU path only where
+        its calls can run inside the step (below), not a prefetch policy with per-layer host logic unless a device
         lookahead stands in for it in decode, and on CUDA only where the Triton kernels serve the dtype
         and activation. True: the caller registers `boundary.before_step` / `after_step` as the
         engine's step hooks."""
         on_cuda = self.device.type == "cuda"
         self._use_kernel = on_cuda and kernel_usable(self.device, self.store.dtype, act)
         capturable = self.policy.capturable or self.lookahead is not None
-        self.table_enabled = capturable and self.cpu is None and (self._use_kernel or not on_cuda)
+        # the hybrid CPU path joins a table step where its calls need no host wait: kt-kernel's in-stream
+        # calls on CUDA, any backend on the CPU (misses split by the cost model: DecodeTable.cpu_quota)
+        cpu_ok = self.cpu is None or not on_cuda or getattr(self.cpu, "streams", False)
+        self.table_enabled = capturable and cpu_ok and (self._use_kernel or not on_cuda)
         return self.table_enabled
 
     def before_step(self) -> None:

@@ -2,7 +2,8 @@
 
 Shapes: T tokens, K experts per token, P = T * K pairs, H hidden, I intermediate, S slabs.
 
-`slots[p]` is the slab holding pair p's expert, or -1 (not resident: read the host store);
+`slots[p]` is the slab holding pair p's expert, or -1 (not resident: read the host store), or -3
+(CPU_PAIR: the hybrid mode's CPU computes it; its output here is zero);
 `land[p]` is the slab a missing expert's weights are also written to as they are read (-1: none).
 On CUDA this is the Triton kernel pair of vismmoe_kt.runtime.decode_kernel (zero-copy reads of the
 mapped host store); elsewhere `experts_twin`, the same arithmetic in torch (fp32 accumulation, the
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from . import decode_kernel
+from .decode_table import CPU_PAIR
 from .store import block_views
 
 
@@ -65,7 +67,8 @@ def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: 
         down_pool.index_copy_(0, target, down)
     x_pairs = x.float()[torch.arange(ids.numel(), device=x.device) // top_k]
     gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+    y = torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return y * (slots != CPU_PAIR).unsqueeze(-1)  # the CPU computes those pairs (the kernels read nothing)
 
 
 def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,

@@ -39,7 +39,7 @@ def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
 def check_flags(args) -> None:
     for flag, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--repeats", args.repeats, 1),
                                ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1)):
-        if value < least:
+        if value is not None and value < least:
             raise InputError(f"{flag} must be at least {least}, got {value}")
     bad = [s for s in args.image_sizes if s < 32]
     if bad:
@@ -115,6 +115,7 @@ def run(args) -> int:
     from .source import model_source
 
     from ...parallel import launch
+    from ..flags import default_cpu_threads
 
     group = launch.join_from_env(args.ep_size, args.ep_timeout)
     configs = parse_configs(args.configs, in_group=group is not None)
@@ -122,12 +123,13 @@ def run(args) -> int:
     check_flags(args)
     routing_of(args)
     source = model_source(args)
-    torch.set_num_threads(args.cpu_infer)
+    torch.set_num_threads(args.cpu_infer or default_cpu_threads())
     cuda = torch.cuda.is_available()
     device = group.device if group is not None else "cuda:0" if cuda else "cpu"
     bandwidth = measure_copy_bandwidth(torch.device(device))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
-                        bandwidth["bytes_per_s"], args.predictor, args.profile, group, routing_of(args))
+                        bandwidth["bytes_per_s"], args.predictor, args.profile, group, routing_of(args),
+                        args.cpu_infer)
     leader = group is None or group.leader  # only rank 0 reports
     meta = run_meta(args, source, budgets, bandwidth, cuda)
     if group is not None:
@@ -159,7 +161,7 @@ def run(args) -> int:
 
 def add_parser(commands) -> None:
     from ...demo.synthetic import SYNTHETIC_MODELS
-    from ..flags import add_engine_flags, add_parallel_flags, physical_cores
+    from ..flags import CPU_INFER_HELP, add_engine_flags, add_parallel_flags
     from .configs import CONFIGS
 
     bench = commands.add_parser(
@@ -175,8 +177,7 @@ def add_parser(commands) -> None:
     group.add_argument("--layers", type=int, help="--synthetic only: keep the first N decoder layers")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="convert weights (default: the checkpoint's; bfloat16 for --synthetic)")
-    group.add_argument("--cpu_infer", type=int, default=max(physical_cores() - 3, 1),
-                       help="CPU threads for CPU compute (default: physical cores - 3)")
+    group.add_argument("--cpu_infer", type=int, help=CPU_INFER_HELP)
     group.add_argument("--predictor", help="a predictor.pt from `vismmoe-kt calibrate` for the +predict and -full "
                                            "steps (default: the runtime's history prefetch policy)")
     add_engine_flags(group)

@@ -25,7 +25,8 @@ Under torchrun only these run; without it they are rows skipped with the reason.
 
 Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
 configurations on our runtime keep the rule files' VisDecoder (without pruning below +compress), so
-they all decode through the lean path; all-on-gpu, accelerate and kt-cpu use transformers' loop.
+they all decode through the lean path, as does kt-cpu (its rule file has the VisDecoder too); all-on-gpu
+and accelerate use transformers' loop.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ class Settings:
     profile: bool = False
     group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
     routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (engine/routing_source.py)
+    cpu_infer: int | None = None  # CPU expert workers (None: physical cores - 2)
 
     @property
     def cuda(self) -> bool:
@@ -98,6 +99,8 @@ def _graph_state(model) -> str | None:
 def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings):
     """(model, processor, placement note) for this configuration."""
     devices = {} if settings.device == "cuda:0" else {"generate_device": settings.device, "prefill_device": settings.device}
+    if settings.cpu_infer is not None:
+        devices["cpu_infer"] = settings.cpu_infer
     if config.accelerate:  # whole model on the host first; accelerate decides what goes to the GPU
         model, processor = source.load(config.rules(None), {"generate_device": "cpu", "prefill_device": "cpu"})
         placed = dispatch_with_accelerate(model, parse_bytes(budget) + non_expert_bytes(model))

@@ -13,11 +13,20 @@ Configurations (all greedy, batch 1, an image prompt):
   lean:BUDGET+predict[+minp=P][+topk=B]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
                 graph: predictor/device_lookahead.py), optionally its probability floor and top-B
+  hybrid:BUDGET[+bf16|+int4][+cpu]
+                lean:BUDGET in VisMMOE's hybrid mode (optimize_rules/qwen3vl.yaml, no token pruning):
+                each layer's misses split between PCIe reads and kt-kernel (INT8 copy by default) by the
+                cost model, the CPU's calls inside the step's graph; +cpu: every miss to the CPU
+  kt-cpu[:N][+int8|+int4]
+                every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
+                N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
+                each layer's CPU call inside the step's CUDA graph
 Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
-lean-graphs' time per token). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
+lean-graphs' time per token); for kt-cpu rows the expert bytes the CPU reads per token and the host
+bandwidth that implies (a floor: the step's GPU work is in the time too). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
 path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
@@ -57,6 +66,8 @@ from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
 
 GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
 LRU_RULES = "optimize_rules/qwen3vl-lru.yaml"
+KT_CPU_RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"
+HYBRID_RULES = "optimize_rules/qwen3vl.yaml"
 
 
 def runtime_of(model):
@@ -75,9 +86,16 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
         elif name in ("minp", "topk") and value:
             extra["prefetch_min_probability" if name == "minp" else "prefetch_topk"] = \
                 float(value) if name == "minp" else int(value)
+        elif name in ("bf16", "int8", "int4") and not value:
+            if not spec.startswith(("kt-cpu", "hybrid:")):
+                raise SystemExit(f"--configs: +{name} applies to kt-cpu and hybrid:BUDGET only, not {spec!r}")
+            extra["cpu_dtype"] = name
+        elif name == "cpu" and not value and spec.startswith("hybrid:"):
+            extra["miss_policy"] = "cpu"
         else:
-            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B)")
-    if extra and not spec.startswith("lean:"):
+            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B; kt-cpu, hybrid: int8, "
+                             "int4; hybrid: cpu)")
+    if set(extra) - {"cpu_dtype", "miss_policy"} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
@@ -94,7 +112,16 @@ def _base_config(spec: str) -> tuple[str, dict]:
         return OFFLOAD_RULES, {"expert_budget": spec.split(":", 1)[1]}
     if spec.startswith("lru:"):
         return LRU_RULES, {"expert_budget": spec.split(":", 1)[1]}
-    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET, lru:BUDGET)")
+    if spec.startswith("hybrid:"):  # VisMMOE's hybrid mode, kt-kernel INT8 on the CPU, no token pruning
+        return HYBRID_RULES, {"expert_budget": spec.split(":", 1)[1], "keep_ratio": 1.0, "miss_policy": "auto",
+                              "cpu_backend": "kt-kernel", "cpu_dtype": "int8"}
+    if spec == "kt-cpu" or spec.startswith("kt-cpu:"):  # every routed expert on kt-kernel (KTransformers' placement)
+        workers = spec.partition(":")[2]
+        if workers and not workers.isdigit():
+            raise SystemExit(f"--configs {spec}: kt-cpu:N takes a worker count")
+        return KT_CPU_RULES, {"cpu_backend": "kt-kernel", **({"cpu_infer": int(workers)} if workers else {})}
+    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET, lru:BUDGET, "
+                     "hybrid:BUDGET, kt-cpu[:WORKERS])")
 
 
 def load_model(args, rules: str, overrides: dict):
@@ -112,6 +139,13 @@ def _decode_hit_rate(runtime) -> float | None:
     counters = [c for c in runtime.counters["decode"].values()]
     needed = sum(c.hits + c.late + c.misses for c in counters)
     return sum(c.hits + c.late for c in counters) / needed if needed else None
+
+
+def _decode_cpu_share(runtime) -> float | None:
+    """Hybrid mode: the share of offloaded layers' decode pairs the CPU computed."""
+    counters = list(runtime.counters["decode"].values())
+    pairs = sum(c.hits + c.late + c.misses + c.cpu for c in counters)
+    return sum(c.cpu for c in counters) / pairs if pairs and runtime.cpu is not None else None
 
 
 def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
@@ -163,13 +197,21 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
            "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference)}
     if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
         row["turn_prompt_s"] = conversation(model, processor, args)
+    backend = model.vismmoe.context.cpu_backend or (runtime.cpu if runtime is not None else None)
+    if backend is not None:
+        row["cpu_backend"] = backend.describe()
+        if getattr(backend, "layers", None) and runtime is None:  # every routed expert on the CPU: the bytes read
+            per_token = len(backend.layers) * backend.top_k * backend.host_bytes / len(backend.layers) / backend.num_experts
+            row["cpu_expert_bytes_per_token"] = per_token
+            row["cpu_expert_gb_s"] = per_token * row["decode_tok_s_median"] / 1e9  # a floor: the step has GPU work too
     if runtime is not None:
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
                    decode_bytes_per_token=(pcie(summary) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
-                   decode_prefetch_precision=used / (used + wasted) if used + wasted else None)
+                   decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
+                   decode_cpu_share=_decode_cpu_share(runtime))
     engine = decode_engine(model)
     if engine is not None:
         row["lean"] = engine.stats()
@@ -267,8 +309,8 @@ def main() -> int:
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n")
     print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | PCIe bytes/token "
-          "| decode hits | prefetch precision | vs bound | graphed steps | GPU peak | host RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak | host RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     hf = next((r for r in rows if r["config"] == "hf"), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
@@ -277,12 +319,13 @@ def main() -> int:
         agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
         hits = f"{100 * r['decode_hit_rate']:.0f}%" if r.get("decode_hit_rate") is not None else "-"
         precision = f"{100 * r['decode_prefetch_precision']:.0f}%" if r.get("decode_prefetch_precision") is not None else "-"
+        cpu_share = f"{100 * r['decode_cpu_share']:.0f}%" if r.get("decode_cpu_share") is not None else "-"
         lean = r.get("lean") or {}
         graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
         peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
-              f"| {precision} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+              f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     if args.kernels:
         report = kernel_report(rows)
         (out / "kernels.md").write_text(report)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BACKENDS = ("auto", "kt-kernel", "torch")
+CPU_DTYPES = ("bf16", "int8", "int4")
 
 
 @dataclass
@@ -28,22 +29,35 @@ class CpuExpertSettings:
     """The CpuExperts rule's kwargs."""
 
     cpu_backend: str = "auto"  # auto: kt-kernel where the ISA and expert shapes allow, else torch | kt-kernel | torch
+    cpu_dtype: str = "bf16"    # bf16 | int8 | int4: kt-kernel quantizes at load, cached beside the model
 
     def __post_init__(self):
         if self.cpu_backend not in BACKENDS:
             raise ValueError(f"cpu_backend {self.cpu_backend!r} is not one of: {', '.join(BACKENDS)}")
+        if self.cpu_dtype not in CPU_DTYPES:
+            raise ValueError(f"cpu_dtype {self.cpu_dtype!r} is not one of: {', '.join(CPU_DTYPES)}")
+        if self.cpu_dtype != "bf16" and self.cpu_backend == "torch":
+            raise ValueError(f"cpu_dtype {self.cpu_dtype} needs cpu_backend kt-kernel (or auto): the torch backend "
+                             "computes the checkpoint's dtype")
 
 
-def make_backend(requested: str, shape: Any):
-    """One CPU backend for a model's experts (`shape`: the adapter's MoEShape)."""
+def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: str = "bf16",
+                 model_dir: Any = None):
+    """One CPU backend for a model's experts (`shape`: the adapter's MoEShape; `threads`: kt-kernel's
+    workers, `--cpu_infer`, default physical cores - 2: runtime/cpu/threads.py; `dtype`: the experts'
+    precision there, quantized copies cached under `model_dir`)."""
     from .isa import choose_backend
     from .kt_backend import kt_kernel_supports
 
-    name = choose_backend(requested, shape_ok=kt_kernel_supports(shape.hidden, shape.inter))
+    name = choose_backend("kt-kernel" if dtype != "bf16" else requested,
+                          shape_ok=kt_kernel_supports(shape.hidden, shape.inter))
     if name == "kt-kernel":
         from .kt_backend import KtKernelBackend
 
-        return KtKernelBackend(shape.num_experts, shape.top_k, shape.hidden, shape.inter)
+        return KtKernelBackend(shape.num_experts, shape.top_k, shape.hidden, shape.inter, threads=threads,
+                               dtype=dtype, model_dir=model_dir)
+    if dtype != "bf16":
+        raise ValueError(f"cpu_dtype {dtype} needs kt-kernel, which cannot run on this CPU")
     from .torch_backend import TorchCpuBackend
 
     return TorchCpuBackend()

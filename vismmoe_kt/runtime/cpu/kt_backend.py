@@ -12,6 +12,17 @@ matching `sync()` (a freed temporary there is a use-after-free). `load_weights_t
 weights into kt-kernel's own memory: a layer served here costs its BF16 size again in host memory
 (measured: 302 MB of experts -> +304 MB RSS), after which the tensors given to it may be freed.
 Expert ids of -1 are skipped by the kernels. Inputs are BF16; other dtypes are converted.
+
+Precision (`dtype`): bf16 (per-expert pointers into the given tensors, copied), or int8 / int4, which
+kt-kernel quantizes itself at load (per-row scales; AMX kernels, or their AVX-512 build) and which
+are kept on disk beside the model for the next start (quant_cache.py).
+
+Workers: `threads.plan_workers` (physical cores minus two by default, one sub-pool per NUMA node).
+On a CUDA device one token's call runs inside the stream (`forward_on_stream`): kt-kernel's
+`submit_with_cuda_stream` / `sync_with_cuda_stream` enqueue host functions that start the task and
+wait for it, between a copy of the inputs to page-locked buffers and a copy of the output back. No
+Python thread waits, and a CUDA graph captures the whole call, so a decode step with CPU experts
+stays one graph (KTransformers captures its CPU experts the same way).
 Hidden and intermediate sizes must be multiples of 32: other sizes crash inside the kernels
 (measured on the AVX-512-BF16 build: I=40 and I=48 segfault, 32/64/96 work), so they are refused here.
 """
@@ -24,6 +35,17 @@ import sys
 import weakref
 
 import torch
+
+from . import CPU_DTYPES
+from .quant_cache import QuantCache
+from .threads import WorkerPlan, plan_workers, worker_pool_config
+
+# kt-kernel's classes per dtype: the AMX ones also exist in its AVX-512 builds; AVX2 builds have BF16 only
+MOE_CLASSES = {"bf16": ("AMXBF16_MOE", "AVX2BF16_MOE"), "int8": ("AMXInt8_MOE",), "int4": ("AMXInt4_MOE",)}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+# sizes the kernels' tiles take (measured on kt-kernel 0.7.2: INT8 refuses 96 or 32, INT4 refuses 64)
+ALIGN = {"bf16": 32, "int8": 64, "int4": 128}
+KT_WEIGHT_FIELDS = ("gate_proj", "up_proj", "down_proj")  # MOEConfig's whole-layer weight pointers
 
 
 @contextlib.contextmanager
@@ -73,22 +95,38 @@ def kt_kernel_supports(hidden: int, inter: int) -> bool:
 class KtKernelBackend:
     name = "kt-kernel"
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, threads: int | None = None,
-                 max_len: int = 4096):
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, threads: int | WorkerPlan | None = None,
+                 max_len: int = 4096, dtype: str = "bf16", model_dir: str | os.PathLike | None = None):
         if not kt_kernel_supports(hidden, inter):
             raise ValueError(f"kt-kernel needs hidden and expert intermediate sizes that are multiples of {KT_ALIGN}; "
                              f"this model has {hidden} and {inter}")
         import kt_kernel
         from kt_kernel import kt_kernel_ext as ext
 
-        self.ext, self.variant = ext, kt_kernel.__cpu_variant__
+        if dtype not in CPU_DTYPES:
+            raise ValueError(f"cpu_dtype {dtype!r} is not one of: {', '.join(CPU_DTYPES)}")
+        if hidden % ALIGN[dtype] or inter % ALIGN[dtype]:
+            raise ValueError(f"kt-kernel's {dtype} experts need hidden and expert intermediate sizes that are multiples "
+                             f"of {ALIGN[dtype]}; this model has {hidden} and {inter}")
+        self.ext, self.variant, self.dtype = ext, kt_kernel.__cpu_variant__, dtype
+        names = [n for n in MOE_CLASSES[dtype] if getattr(ext.moe, n, None) is not None]
+        if not names:
+            raise ValueError(f"cpu_dtype {dtype} needs kt-kernel's AMX or AVX-512 build; this CPU loads its "
+                             f"{self.variant} build, which computes BF16 experts only (cpu_dtype: bf16)")
+        self.moe_class = getattr(ext.moe, names[0])
         self.num_experts, self.top_k, self.hidden, self.inter = num_experts, top_k, hidden, inter
-        self.threads = threads or torch.get_num_threads()
-        with quiet_native_stdout():
-            self._infer = [ext.CPUInfer(self.threads)]  # the only reference, so the finalizer can free it
+        self.plan = threads if isinstance(threads, WorkerPlan) else plan_workers(threads)
+        self.threads = self.plan.workers
+        with quiet_native_stdout():  # the only reference, so the finalizer can free it
+            self._infer = [ext.CPUInfer(worker_pool_config(self.plan, ext))]
         weakref.finalize(self, _release_quietly, self._infer)
-        self.moe_class = getattr(ext.moe, "AMXBF16_MOE", None) or ext.moe.AVX2BF16_MOE
         self.max_len = max_len
+        self.cache = None
+        if dtype != "bf16":  # quantized once, then read from disk (a directory model only)
+            directory = model_dir if model_dir is not None and os.path.isdir(model_dir) else None
+            shape = {"experts": num_experts, "hidden": hidden, "inter": inter}
+            self.cache = QuantCache(directory, dtype, shape, getattr(kt_kernel, "__version__", "unknown"))
+        self.loaded_from_cache = 0
         self.gpu_mask = torch.zeros(num_experts, dtype=torch.bool)  # no expert of these layers is on a GPU
         self.layers: dict[int, object] = {}
         self._configs: list = []
@@ -106,20 +144,36 @@ class KtKernelBackend:
         config.layer_idx = layer
         config.pool = self.cpu_infer.backend_
         config.max_len = self.max_len
-        experts = range(self.num_experts)  # per-expert pointers: each (I, H) / (H, I) slice is contiguous
-        config.gate_projs = [[gate_up[e, :inter].data_ptr() for e in experts]]
-        config.up_projs = [[gate_up[e, inter:].data_ptr() for e in experts]]
-        config.down_projs = [[down[e].data_ptr() for e in experts]]
-        zeros = [[0] * self.num_experts]
-        config.gate_scales, config.up_scales, config.down_scales = zeros, zeros, zeros
+        keep: tuple = ()
+        cached = self.cache is not None and self.cache.has(layer)
+        if self.cache is None:
+            experts = range(self.num_experts)  # per-expert pointers: each (I, H) / (H, I) slice is contiguous
+            config.gate_projs = [[gate_up[e, :inter].data_ptr() for e in experts]]
+            config.up_projs = [[gate_up[e, inter:].data_ptr() for e in experts]]
+            config.down_projs = [[down[e].data_ptr() for e in experts]]
+            zeros = [[0] * self.num_experts]
+            config.gate_scales, config.up_scales, config.down_scales = zeros, zeros, zeros
+        elif cached:  # kt-kernel reads its own files from <cache>/_layer_N
+            config.load, config.save, config.path = True, False, str(self.cache.root)
+        else:  # kt-kernel quantizes (E, I, H) gate and up, (E, H, I) down, and writes <cache>/_layer_N
+            keep = (gate_up[:, :inter].contiguous(), gate_up[:, inter:].contiguous(), down.contiguous())
+            for field_name, tensor in zip(KT_WEIGHT_FIELDS, keep):  # kt-kernel's MOEConfig fields
+                setattr(config, field_name, tensor.data_ptr())
+            config.load, config.save, config.path = False, True, str(self.cache.root)
         logical = torch.arange(self.num_experts, dtype=torch.int64)
         with quiet_native_stdout():
             moe = self.moe_class(config)
             self.cpu_infer.submit(moe.load_weights_task(logical.data_ptr()))
-            self.cpu_infer.sync()  # `logical`, gate_up and down are alive until here; kt-kernel copied them
+            self.cpu_infer.sync()  # `logical`, the weights and `keep` are alive until here; kt-kernel copied them
+        del keep
+        if self.cache is not None:
+            if cached:
+                self.loaded_from_cache += 1
+            else:
+                self.cache.saved(layer)
         self.layers[layer] = moe
         self._configs.append(config)
-        self._bytes += self.num_experts * 3 * inter * self.hidden * 2
+        self._bytes += int(self.num_experts * 3 * inter * self.hidden * BYTES_PER_WEIGHT[self.dtype])
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> _KtTask:
         tokens = hidden.shape[0]
@@ -136,8 +190,65 @@ class KtKernelBackend:
         return _KtTask(self.cpu_infer, out, hidden.dtype, (x, ids, w, bsz))
 
     @property
+    def streams(self) -> bool:
+        """Whether one token's call can run inside a CUDA stream (and so inside a graph)."""
+        return hasattr(self.cpu_infer, "submit_with_cuda_stream")
+
+    def forward_on_stream(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+        """One token (1, H) on the CUDA device -> (1, H) there, ordered in the current stream with no host
+        wait: inputs to page-locked buffers, the task started and awaited by host functions in the
+        stream, the output copied back. The buffers are shared by every layer: the stream orders the
+        layers' calls, so one's output is copied out before the next one's inputs are copied in."""
+        self.begin_on_stream(layer, hidden, expert_ids, weights)
+        return self.end_on_stream(hidden.device, hidden.dtype)
+
+    def begin_on_stream(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                        weights: torch.Tensor) -> None:
+        """The first half of `forward_on_stream`: inputs copied out, the task started (GPU work
+        enqueued after this runs while the CPU computes; `end_on_stream` waits for it)."""
+        if hidden.shape[0] != 1:
+            raise ValueError(f"forward_on_stream takes one token, got {hidden.shape[0]}")
+        buffers = self._stream_buffers(hidden.device)
+        buffers["x"].copy_(hidden, non_blocking=True)
+        buffers["ids"].copy_(expert_ids, non_blocking=True)
+        buffers["w"].copy_(weights, non_blocking=True)
+        stream = torch.cuda.current_stream(hidden.device).cuda_stream
+        task = self.layers[layer].forward_task(buffers["bsz"].data_ptr(), self.top_k, buffers["ids"].data_ptr(),
+                                               buffers["w"].data_ptr(), buffers["x"].data_ptr(),
+                                               buffers["out"].data_ptr(), False)
+        self.cpu_infer.submit_with_cuda_stream(stream, task)
+
+    def end_on_stream(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The second half: the stream waits for the task, then the output comes back (1, H)."""
+        buffers = self._stream_buffers(device)
+        self.cpu_infer.sync_with_cuda_stream(torch.cuda.current_stream(device).cuda_stream, 0)
+        buffers["device_out"].copy_(buffers["out"], non_blocking=True)
+        return buffers["device_out"].to(dtype)
+
+    def _stream_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if getattr(self, "_buffers", None) is None:
+            pinned = dict(pin_memory=True)
+            self._buffers = {
+                "x": torch.empty(1, self.hidden, dtype=torch.bfloat16, **pinned),
+                "ids": torch.empty(1, self.top_k, dtype=torch.int64, **pinned),
+                "w": torch.empty(1, self.top_k, dtype=torch.float32, **pinned),
+                "out": torch.empty(1, self.hidden, dtype=torch.bfloat16, **pinned),
+                "bsz": torch.ones(1, dtype=torch.int32, **pinned),  # always one token: never written again
+                "device_out": torch.empty(1, self.hidden, dtype=torch.bfloat16, device=device),
+            }
+        return self._buffers
+
+    @property
     def host_bytes(self) -> int:
         return self._bytes
 
     def describe(self) -> str:
-        return f"kt-kernel {self.variant} {self.moe_class.__name__} ({self.threads} threads, own BF16 copy)"
+        if self.cache is None:
+            copy = "own BF16 copy"
+        elif self.cache.temporary:
+            copy = f"own {self.dtype.upper()} copy, quantized at load"
+        else:
+            copy = (f"own {self.dtype.upper()} copy, {self.loaded_from_cache} of {len(self.layers)} layers read from "
+                    f"{self.cache.root}")
+        return f"kt-kernel {self.variant} {self.moe_class.__name__} ({self.plan.describe()}, {copy})"
