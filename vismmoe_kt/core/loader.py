@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointReader
+from .gguf_checkpoint import GgufCheckpointReader
 from .context import DecodeOptions, LoadContext, context_of
 from ..errors import LoadError
 from .inject import inject
@@ -135,6 +136,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     default_device: str | None = None,
     progress: bool = True,
+    gguf_path: str | Path | None = None,
     **overrides: Any,
 ) -> tuple[nn.Module, Any]:
     """Load a model directory, inject the rule file's operators, return `(model, processor)`.
@@ -142,13 +144,20 @@ def load(
     `overrides` apply on top of the rules: `generate_device`/`prefill_device` set every module's
     devices, `decode` (lean | hf) and `graphs` (auto | cuda | replay | off) are the engine's options,
     `cpu_infer` the CPU experts' worker count (default physical cores - 2), any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
-    while loading (default: keep the checkpoint's dtype).
+    while loading (default: keep the checkpoint's dtype). `gguf_path` (a .gguf file or a directory of
+    them) reads the weights from GGUF instead, config and processor still from `model_path`
+    (core/gguf_checkpoint.py; tensors are dequantized to `dtype`, default bfloat16).
     """
     start = time.perf_counter()
     model_dir = Path(model_path)
     config, adapter = read_model_config(model_dir)
     device = default_device or overrides.get("generate_device") or pick_default_device()
-    reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout, default_device=device)
+    if gguf_path is not None:
+        reader = GgufCheckpointReader(model_dir, gguf_path, adapter.gguf_names, dtype=parse_dtype(dtype),
+                                      layout_fix=adapter.to_model_layout, default_device=device)
+    else:
+        reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout,
+                                  default_device=device)
     model = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():

@@ -55,6 +55,12 @@ class ModelAdapter:
         """Turn a stored tensor whose shape differs from the parameter into the model's layout."""
         return tensor
 
+    def gguf_names(self, name: str) -> tuple[str, ...] | None:
+        """The GGUF tensors (llama.cpp's names) that make up the model's tensor `name`, in the order
+        they are concatenated along dim 1; None where a GGUF file does not hold it (e.g. the vision
+        tower, which llama.cpp keeps in a separate mmproj file)."""
+        return None
+
     def load_processor(self, model_dir: Path) -> Any:
         raise NotImplementedError
 

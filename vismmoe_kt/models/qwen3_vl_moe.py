@@ -23,6 +23,19 @@ from ..errors import LoadError
 from .base import ModelAdapter, MoEShape
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_TEXT = "model.language_model."
+# llama.cpp's names for the text model (convert_hf_to_gguf.py, arch qwen3vlmoe); the fused gate_up
+# experts are two GGUF tensors, (E, I, H) each, concatenated along dim 1
+_GGUF_GLOBAL = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+_GGUF_LAYER = {
+    "self_attn.q_proj.weight": ("attn_q.weight",), "self_attn.k_proj.weight": ("attn_k.weight",),
+    "self_attn.v_proj.weight": ("attn_v.weight",), "self_attn.o_proj.weight": ("attn_output.weight",),
+    "self_attn.q_norm.weight": ("attn_q_norm.weight",), "self_attn.k_norm.weight": ("attn_k_norm.weight",),
+    "input_layernorm.weight": ("attn_norm.weight",), "post_attention_layernorm.weight": ("ffn_norm.weight",),
+    "mlp.gate.weight": ("ffn_gate_inp.weight",),
+    "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "mlp.experts.down_proj": ("ffn_down_exps.weight",),
+}
 
 
 class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
@@ -64,6 +77,19 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         if name.endswith(_EXPERT_TENSORS) and tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected:
             return tensor.transpose(1, 2).contiguous()
         return tensor
+
+    def gguf_names(self, name: str) -> tuple[str, ...] | None:
+        if name == "lm_head.weight":
+            return ("output.weight",)
+        if not name.startswith(_TEXT):
+            return None  # the vision tower: llama.cpp writes it to a separate mmproj file
+        rest = name[len(_TEXT):]
+        if rest in _GGUF_GLOBAL:
+            return (_GGUF_GLOBAL[rest],)
+        parts = rest.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in _GGUF_LAYER:
+            return tuple(f"blk.{parts[1]}.{suffix}" for suffix in _GGUF_LAYER[parts[2]])
+        return None
 
     def load_processor(self, model_dir: Path) -> Qwen3VLImageTextProcessor:
         from transformers import AutoTokenizer

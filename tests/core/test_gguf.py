@@ -1,0 +1,162 @@
+"""Loading weights from GGUF (`--gguf_path`): a tiny Qwen3-VL-MoE written by the `gguf` package's own
+writer in every type it writes, read back against the safetensors reference; the K-quants read
+against the package's dequantization; and clear errors for files and tensors that cannot be read."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vismmoe_kt import load
+from vismmoe_kt.core.gguf_checkpoint import GgufCheckpointReader
+from vismmoe_kt.demo.gguf_export import export_gguf
+from vismmoe_kt.demo.tiny import build_tiny_model, save_tiny_model
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.errors import LoadError
+from vismmoe_kt.models import adapter_for
+
+gguf = pytest.importorskip("gguf")
+
+CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False, dtype="float32")
+RULES = "optimize_rules/qwen3vl-offload.yaml"
+# relative L2 error of the logits against the float32 safetensors model (random tiny weights)
+EXPECTED_ERROR = {"F16": 2e-3, "BF16": 1.5e-2, "Q8_0": 3e-2, "Q5_0": 0.15, "Q5_1": 0.15, "Q4_0": 0.3, "Q4_1": 0.3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The reference model, and an HF directory holding only the vision tower's safetensors (so every
+    text tensor must come from the GGUF)."""
+    root = tmp_path_factory.mktemp("gguf")
+    model, processor = build_tiny_model("tiny-6x64", seed=0)
+    hf_dir = save_tiny_model(root / "hf", "tiny-6x64", seed=0)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith("model.visual")}, str(hf_dir / "model.safetensors"))
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    return root, model, hf_dir, inputs
+
+
+@pytest.mark.parametrize("qtype", list(EXPECTED_ERROR))
+def test_every_written_type_loads_within_its_error(tiny, qtype):
+    root, reference, hf_dir, inputs = tiny
+    written = export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / f"{qtype}.gguf", qtype)
+    assert written["blk.0.ffn_gate_exps.weight"] == qtype and written["blk.0.attn_norm.weight"] == "F32"
+    model, _ = load(hf_dir, RULES, gguf_path=root / f"{qtype}.gguf", expert_budget="1GiB", **CPU)
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    error = ((got - want).norm() / want.norm()).item()
+    assert error <= EXPECTED_ERROR[qtype], error
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0"])
+def test_the_trained_demo_model_answers_the_same_from_gguf(tmp_path, qtype):
+    """Random weights give flat logits (a 1% error flips a greedy token); the trained demo model's
+    answers to held-out questions, image and all, are the same read from BF16 or Q8_0 GGUF."""
+    import shutil
+
+    from vismmoe_kt.apps.evaluate import synthetic_items
+    from vismmoe_kt.demo.tiny import demo_model_dir
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    source = demo_model_dir()
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(source, hf_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith("model.visual")}, str(hf_dir / "model.safetensors"))
+    export_gguf(tensors, adapter_for("qwen3_vl_moe"), tmp_path / "demo.gguf", qtype)
+    cpu = dict(generate_device="cpu", prefill_device="cpu", progress=False)
+    reference, processor = load(source, RULES, expert_budget="1GiB", **cpu)
+    model, _ = load(hf_dir, RULES, gguf_path=tmp_path / "demo.gguf", dtype=str(next(iter(tensors.values())).dtype)
+                    .removeprefix("torch."), expert_budget="1GiB", **cpu)
+    for item in synthetic_items("test", 4, ["colour", "count"]):
+        inputs = build_inputs(processor, [user_turn(item.question, 1)], [item.image])
+        with torch.no_grad():
+            want = generate(reference, dict(inputs), 6, min_new_tokens=6)
+            got = generate(model, dict(inputs), 6, min_new_tokens=6)
+        assert torch.equal(got, want), (item.question, qtype)
+
+
+def _k_quant_bytes(kind, rows, rng):
+    """Random K-quant blocks with finite fp16 scales (the gguf package reads but cannot write them)."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, 256 // block * size), dtype=np.uint8)
+    scale_at = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[kind.name]
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    for offset in scale_at:
+        data[:, offset:offset + 2] = scale
+    return data
+
+
+@pytest.mark.parametrize("kind_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, kind_name):
+    kind = gguf.GGMLQuantizationType[kind_name]
+    rng = np.random.default_rng(0)
+    gate, up = _k_quant_bytes(kind, 6, rng), _k_quant_bytes(kind, 6, rng)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), arch="qwen3vlmoe")
+    writer.add_tensor("gate", gate.reshape(2, 3, -1), raw_dtype=kind)  # (E 2, I 3, H 256)
+    writer.add_tensor("up", up.reshape(2, 3, -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = {"experts.gate_up_proj": ("gate", "up")}
+    reader = GgufCheckpointReader(tmp_path, tmp_path / "k.gguf", names.get, dtype=torch.float32)
+    fused = reader.load_tensor("experts.gate_up_proj")
+    assert fused.shape == (2, 6, 256)  # (E, 2I, H): gate and up concatenated along dim 1
+    want_gate = gguf.quants.dequantize(gate, kind).reshape(2, 3, 256)
+    want_up = gguf.quants.dequantize(up, kind).reshape(2, 3, 256)
+    assert torch.equal(fused, torch.from_numpy(np.concatenate([want_gate, want_up], axis=1)).float())
+    assert torch.isfinite(fused).all() and fused.abs().sum() > 0
+
+
+def test_unreadable_files_and_tensors_are_clear_errors(tiny, tmp_path):
+    root, reference, hf_dir, _ = tiny
+    good = root / "Q8_0-errors.gguf"
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), good, "Q8_0")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(LoadError, match=r"cut.gguf: (not a readable GGUF file|cannot read tensor)"):
+        load(hf_dir, RULES, gguf_path=cut, expert_budget="1GiB", **CPU)
+    with pytest.raises(LoadError, match=r"--gguf_path .*absent.gguf: no such file or directory"):
+        load(hf_dir, RULES, gguf_path=tmp_path / "absent.gguf", expert_budget="1GiB", **CPU)
+    # a tensor of the wrong shape names itself and both shapes
+    state = dict(reference.state_dict())
+    state["model.language_model.layers.1.mlp.gate.weight"] = torch.zeros(32, 96)
+    export_gguf(state, adapter_for("qwen3_vl_moe"), tmp_path / "shape.gguf", "F16")
+    with pytest.raises(LoadError, match=r"blk.1.ffn_gate_inp.weight .* has shape \(32, 96\), the model config wants"):
+        load(hf_dir, RULES, gguf_path=tmp_path / "shape.gguf", expert_budget="1GiB", **CPU)
+    # a text tensor that is in neither the GGUF nor the directory's safetensors
+    del state["model.language_model.layers.1.mlp.gate.weight"]
+    state["model.language_model.layers.1.mlp.gate.weight"] = reference.state_dict()["model.language_model.layers.1.mlp.gate.weight"]
+    state.pop("model.language_model.norm.weight")
+    export_gguf(state, adapter_for("qwen3_vl_moe"), tmp_path / "missing.gguf", "F16")
+    with pytest.raises(LoadError, match=r"tensor 'model.language_model.norm.weight' is missing: it maps to GGUF tensor "
+                                        r"output_norm.weight"):
+        load(hf_dir, RULES, gguf_path=tmp_path / "missing.gguf", expert_budget="1GiB", **CPU)
+
+
+def test_an_unsupported_tensor_type_is_named(tmp_path):
+    kind = gguf.GGMLQuantizationType.IQ4_NL
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), arch="qwen3vlmoe")
+    writer.add_tensor("w", np.zeros((2, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GgufCheckpointReader(tmp_path, tmp_path / "iq.gguf", {"w": ("w",)}.get)
+    with pytest.raises(LoadError, match=r"tensor 'w' is IQ4_NL; this loader reads F32, F16, BF16, Q8_0"):
+        reader.load_tensor("w")
+
+
+def test_the_cli_reads_weights_from_gguf_path(tiny, capsys):
+    from vismmoe_kt.apps.cli import main
+
+    root, reference, hf_dir, _ = tiny
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "cli.gguf", "Q8_0")
+    args = ["chat", "--model_path", str(hf_dir), "--optimize_config_path", RULES, "--prompt", "hi",
+            "--max_new_tokens", "2", "--generate_device", "cpu", "--prefill_device", "cpu", "--set", "expert_budget=1GiB"]
+    assert main(args + ["--gguf_path", str(root / "cli.gguf")]) == 0
+    assert main(args + ["--gguf_path", str(root / "absent.gguf")]) != 0
+    err = capsys.readouterr().err
+    assert "--gguf_path" in err and "absent.gguf: no such file or directory" in err

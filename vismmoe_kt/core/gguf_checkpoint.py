@@ -1,0 +1,138 @@
+"""GgufCheckpointReader: a model's tensors from GGUF files (llama.cpp's format, what KTransformers users
+run with `--gguf_path`), the rest from the Hugging Face directory beside them.
+
+As in KTransformers, config, tokenizer and processor come from the HF directory (`--model_path`)
+and the weights from GGUF. The model family's adapter names the GGUF tensors behind each of the
+model's tensors (`ModelAdapter.gguf_names`: llama.cpp's `blk.N.attn_q.weight`, the experts'
+`ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, concatenated where the model fuses them).
+Tensors a GGUF file does not hold (the vision tower, which llama.cpp writes to a separate mmproj
+file) are read from safetensors in the HF directory when it has them; otherwise loading stops with
+an error that names the tensor.
+
+Reading: the `gguf` package maps each file (memmap) and dequantizes a tensor when it is asked for
+(`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to
+Q6_K), so a load holds one dequantized tensor at a time beside the model. The dequantized tensor
+is float32, then converted to the checkpoint dtype asked for (default: bfloat16, what a GGUF's
+unquantized tensors usually are).
+A file that is not GGUF (or is cut short), a tensor of another type, or a shape that does not
+match the model's config is a LoadError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import LoadError
+from .checkpoint import CheckpointReader, LayoutFix
+
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_SPLIT = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.gguf$")  # llama.cpp's split files: X-00001-of-00003.gguf
+
+
+def gguf_files(path: str | Path) -> list[Path]:
+    """The GGUF files of a model: a directory's `*.gguf` (without mmproj files), or one file with the
+    other parts of its split."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
+    elif path.is_file():
+        split = _SPLIT.match(path.name)
+        files = sorted(path.parent.glob(f"{split['stem']}-*-of-*.gguf")) if split else [path]
+    else:
+        raise LoadError(f"--gguf_path {path}: no such file or directory")
+    if not files:
+        raise LoadError(f"--gguf_path {path}: no .gguf files there")
+    return files
+
+
+class GgufCheckpointReader:
+    def __init__(self, model_dir: str | Path, gguf_path: str | Path, gguf_names: Callable[[str], tuple[str, ...] | None],
+                 dtype: torch.dtype | None = None, layout_fix: LayoutFix | None = None, default_device: str = "cpu"):
+        from gguf import GGUFReader
+
+        self.model_dir = Path(model_dir)
+        self.gguf_path = Path(gguf_path)
+        self.dtype = dtype if dtype is not None else torch.bfloat16
+        self.layout_fix = layout_fix
+        self.default_device = default_device
+        self.device_map: dict[str, dict[str, Any]] = {}
+        self.on_tensor: Callable[[str, int], None] | None = None
+        self.gguf_names = gguf_names
+        self._tensors: dict[str, tuple[Path, Any]] = {}
+        for file in gguf_files(gguf_path):
+            try:
+                reader = GGUFReader(str(file), "r")
+            except Exception as exc:  # the gguf package raises ValueError/struct errors on bad or short files
+                raise LoadError(f"{file}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+            for tensor in reader.tensors:
+                self._tensors[tensor.name] = (file, tensor)
+        has_safetensors = any(self.model_dir.glob("*.safetensors"))
+        self._fallback = CheckpointReader(self.model_dir, dtype, layout_fix, default_device) if has_safetensors else None
+
+    # --- what the loader asks ----------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return self._sources(name) is not None or (self._fallback is not None and name in self._fallback)
+
+    def planned_device(self, module_key: str, fallback: torch.device | str) -> torch.device:
+        kwargs = self.device_map.get(module_key, {})
+        return torch.device(kwargs.get("generate_device", fallback))
+
+    def load_tensor(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Read one of the model's tensors onto `device` (KTransformers' loader signature)."""
+        sources = self._sources(name)
+        if sources is None:
+            if self._fallback is not None and name in self._fallback:
+                return self._fallback.load_tensor(name, device)
+            wanted = self.gguf_names(name)
+            where = f"GGUF tensor{'s' if wanted and len(wanted) > 1 else ''} {', '.join(wanted)}" if wanted else \
+                "no GGUF tensor (llama.cpp keeps the vision tower in an mmproj file)"
+            raise LoadError(f"{self.gguf_path}: the model's tensor {name!r} is missing: it maps to {where}, and "
+                            f"{self.model_dir} has no safetensors holding it")
+        parts = [self._dequantize(gguf_name) for gguf_name in sources]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        tensor = tensor.to(self.dtype).to(device)
+        if self.on_tensor is not None:
+            self.on_tensor(name, tensor.numel() * tensor.element_size())
+        return tensor
+
+    def describe(self, name: str) -> str:
+        sources = self._sources(name)
+        if sources is None:
+            return self._fallback.describe(name) if self._fallback is not None else f"tensor {name!r}"
+        return f"{self._tensors[sources[0]][0]}: tensor {', '.join(sources)} (the model's {name!r})"
+
+    def close(self) -> None:
+        if self._fallback is not None:
+            self._fallback.close()
+
+    # --- reading -----------------------------------------------------------------------------
+    def _sources(self, name: str) -> tuple[str, ...] | None:
+        names = self.gguf_names(name)
+        if not names or not all(n in self._tensors for n in names):
+            return None
+        return names
+
+    def tensor_type(self, gguf_name: str) -> str:
+        return self._tensors[gguf_name][1].tensor_type.name
+
+    def _dequantize(self, gguf_name: str) -> torch.Tensor:
+        from gguf import quants
+
+        file, tensor = self._tensors[gguf_name]
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED:
+            raise LoadError(f"{file}: tensor {gguf_name!r} is {kind}; this loader reads {', '.join(SUPPORTED)}")
+        try:
+            values = quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:  # a tensor whose data is cut short or malformed
+            raise LoadError(f"{file}: cannot read tensor {gguf_name!r} ({kind}: {type(exc).__name__}: {exc})") from None
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists dims innermost first
+        if values.size != int(np.prod(shape)):
+            raise LoadError(f"{file}: tensor {gguf_name!r} holds {values.size} values, its header says {shape}")
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a copy: the file is read-only

@@ -1,0 +1,51 @@
+"""Write a model's text weights as a GGUF file with the `gguf` package's writer (tests and demos).
+
+Each tensor the family's adapter maps to GGUF (`ModelAdapter.gguf_names`) is written under
+llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (gate and up experts).
+2-D and 3-D weights whose rows divide into the type's blocks are written in `qtype`; the rest (norms,
+rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written (llama.cpp
+puts it in an mmproj file): it stays in the model directory's safetensors.
+
+The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
+cannot write them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
+                arch: str = "qwen3vlmoe") -> dict[str, str]:
+    """Write `state`'s GGUF-mapped tensors to `path`; returns GGUF name -> the type it was written in."""
+    import gguf
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype not in WRITABLE:
+        raise ValueError(f"the gguf package writes {', '.join(WRITABLE)}, not {qtype}")
+    kind = GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    written: dict[str, str] = {}
+    for name, tensor in state.items():
+        names = adapter.gguf_names(name)
+        if not names:
+            continue
+        parts = tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),)
+        for gguf_name, part in zip(names, parts):
+            values = part.contiguous().numpy().astype(np.float32)
+            use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
+            data = values if use == GGMLQuantizationType.F32 else quants.quantize(values, use)
+            writer.add_tensor(gguf_name, data, raw_dtype=use)
+            written[gguf_name] = use.name
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
