@@ -54,7 +54,10 @@ def gguf_files(path: str | Path) -> list[Path]:
 class GgufCheckpointReader:
     def __init__(self, model_dir: str | Path, gguf_path: str | Path, gguf_names: Callable[[str], tuple[str, ...] | None],
                  dtype: torch.dtype | None = None, layout_fix: LayoutFix | None = None, default_device: str = "cpu"):
-        from gguf import GGUFReader
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise LoadError("--gguf_path needs the gguf package (pip install gguf==0.19.0; `make test` installs it)") from None
 
         self.model_dir = Path(model_dir)
         self.gguf_path = Path(gguf_path)
