@@ -160,3 +160,31 @@ def test_the_cli_reads_weights_from_gguf_path(tiny, capsys):
     assert main(args + ["--gguf_path", str(root / "absent.gguf")]) != 0
     err = capsys.readouterr().err
     assert "--gguf_path" in err and "absent.gguf: no such file or directory" in err
+
+
+
+
+@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(),
+                    reason="kt_kernel is not installed")
+@pytest.mark.parametrize("qtype,error", [("Q8_0", 0.05), ("Q4_0", 0.35)])
+def test_kt_cpu_computes_gguf_experts_as_stored(tmp_path, qtype, error):
+    """KTransformers-style rules over a GGUF: the experts go to kt-kernel's llamafile kernels in the
+    file's own type (no BF16 copy: its host memory is the quantized size), within the type's error."""
+    from vismmoe_kt.demo.tiny import TinySpec
+
+    spec = TinySpec(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=256, heads=4, kv_heads=2, head_dim=64)
+    reference, processor = build_tiny_model(spec, seed=0)
+    hf_dir = save_tiny_model(tmp_path / "hf", spec, seed=0)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith("model.visual")}, str(hf_dir / "model.safetensors"))
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), tmp_path / "m.gguf", qtype)
+    model, _ = load(hf_dir, "optimize_rules/qwen3vl-kt-cpu.yaml", gguf_path=tmp_path / "m.gguf", cpu_backend="kt-kernel",
+                    cpu_infer=1, **CPU)
+    backend = model.vismmoe.context.cpu_backend
+    assert backend.stored_layers == spec.layers and "llamafile" in backend.describe()
+    block_bytes = {"Q8_0": 34 / 32, "Q4_0": 18 / 32}[qtype]  # bytes per weight as stored
+    assert backend.host_bytes == spec.layers * spec.experts * 3 * 256 * 256 * block_bytes
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert ((got - want).norm() / want.norm()).item() <= error

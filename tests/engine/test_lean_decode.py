@@ -512,7 +512,7 @@ def test_offloaded_steps_average_the_routers_probabilities_for_eviction(case):
 @pytest.mark.parametrize("miss_policy,cost", [("cpu", None), ("auto", {"fetch_seconds": 1.0, "cpu_seconds_fixed": 0.5,
                                                                       "cpu_seconds_per_token": 0.1})])
 def test_hybrid_decode_through_the_table_splits_misses_with_the_cpu(case, miss_policy, cost):
-    """Hybrid mode in table decode: the first cpu_quota[m] of a layer's m misses are computed by the
+    """Hybrid mode in table decode: the last cpu_quota[m] of a layer's m misses are computed by the
     CPU backend (no landing, no host read), the rest read through as before; every step is captured
     (the graphs' CPU twin) and the tokens are the reference's. `auto` with one copy at 1 s and one CPU
     expert at 0.6 s: one miss goes to the CPU, two split one and one, three send two to the CPU."""

@@ -138,3 +138,37 @@ def test_the_hybrid_modes_quantized_copy_needs_kt_kernel():
     with pytest.raises(BudgetError, match="cpu_dtype 'int3' is not one of"):
         OffloadSettings(expert_budget="1GiB", cpu_dtype="int3")
     assert OffloadSettings(expert_budget="1GiB", miss_policy="auto", cpu_backend="kt-kernel", cpu_dtype="int4").cpu_dtype == "int4"
+
+
+def _plan(*threads):
+    from vismmoe_kt.runtime.cpu.threads import WorkerPlan
+
+    return WorkerPlan(tuple(range(len(threads))), tuple(threads), sum(threads), None)
+
+
+def test_the_cache_is_rebuilt_when_the_sub_pools_change_or_a_file_is_gone(tmp_path):
+    """kt-kernel's files depend on how many sub-pools split each layer: another worker plan must not
+    read them (the manifest records it); a cached layer whose files kt-kernel cannot read is quantized again."""
+    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+
+    model_dir = _checkpoint(tmp_path)
+    tensors = experts(0)
+    one = KtKernelBackend(E, K, H, I, threads=_plan(1), dtype="int8", model_dir=model_dir)
+    one.add_layer(0, *tensors)
+    two = KtKernelBackend(E, K, H, I, threads=_plan(1, 1), dtype="int8", model_dir=model_dir)
+    two.add_layer(0, *tensors)
+    assert two.loaded_from_cache == 0  # the manifest's layout differs: quantized again
+    again = KtKernelBackend(E, K, H, I, threads=_plan(1, 1), dtype="int8", model_dir=model_dir)
+    files = [f for f in (again.cache.root / "_layer_0").rglob("*") if f.is_file()]
+    files[0].unlink()  # as if part of the layer's files were lost
+    again.add_layer(0, *tensors)
+    assert again.loaded_from_cache == 0 and again.cache.has(0)
+    torch.testing.assert_close(call(again, 0)[0].float(), call(two, 0)[0].float(), rtol=0, atol=0)
+
+
+def test_sizes_are_checked_per_sub_pool():
+    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+
+    with pytest.raises(ValueError, match=r"multiples of 128; this model has 256 and 128 split across 2 NUMA sub-pools "
+                                         r"\(64 each\)"):
+        KtKernelBackend(E, K, 256, 128, threads=_plan(1, 1), dtype="int4")

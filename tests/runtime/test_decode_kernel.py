@@ -66,21 +66,21 @@ for name in ("slots", "owner", "used", "routed", "read"):
 assert tables[1].slots[1, 3] == 3 and tables[1].slots[1, 1] == -1 and tables[1].owner[1, 1] == 3
 assert tables[1].used[1] == 3
 
-# hybrid: the first cpu_quota[m] of m misses go to the CPU (slot -3): no claim, and the experts read nothing
+# hybrid: the last cpu_quota[m] of m misses go to the CPU (slot -3): no claim, and the experts read nothing
 tables = [DecodeTable(2, 6, 3, torch.device("cpu")) for _ in range(2)]
 for table in tables:
     table.slots[1, :6] = torch.tensor([4, -1, -1, -1, 2, 0])
     table.landing[1] = torch.tensor([1, 3, 5])
     table.count[1] = 3
-    table.set_cpu_quota([0, 1, 1, 2])             # 3 misses: 2 to the CPU, the third lands
+    table.set_cpu_quota([0, 1, 1, 2])             # 3 misses: the last 2 to the CPU, the first lands
 ids = torch.tensor([3, 1, 2])                      # all three miss
 slots, land = tables[0].lookup(1, ids)
 k_slots, k_land = decode_kernel.plan(tables[1], 1, ids)
-assert k_slots.tolist() == slots.tolist() == [-3, -3, -1] and k_land.tolist() == land.tolist() == [-1, -1, 1]
+assert k_slots.tolist() == slots.tolist() == [-1, -3, -3] and k_land.tolist() == land.tolist() == [1, -1, -1]
 assert torch.equal(tables[0].slots[:, :6], tables[1].slots[:, :6])  # column 6 is the twin's scatter dump
 for name in ("owner", "used", "routed", "read"):
     assert torch.equal(getattr(tables[0], name), getattr(tables[1], name)), name
-assert tables[1].slots[1, 3] == -1 and tables[1].slots[1, 2] == -2 and tables[1].read[1].tolist() == [-3, -3, -1]
+assert tables[1].slots[1, 3] == -2 and tables[1].slots[1, 1] == -1 and tables[1].read[1].tolist() == [-1, -3, -3]
 host = (torch.randn(E, 3 * I * H) / 8).float()
 pools = [torch.randn(S + 1, 2 * I, H), torch.randn(S + 1, H, I)]
 x, cpu_slots = torch.randn(1, H), torch.tensor([-3, 1, -1])

@@ -68,7 +68,8 @@ class GgufCheckpointReader:
         self.on_tensor: Callable[[str, int], None] | None = None
         self.gguf_names = gguf_names
         self._tensors: dict[str, tuple[Path, Any]] = {}
-        for file in gguf_files(gguf_path):
+        self.files = gguf_files(gguf_path)
+        for file in self.files:
             try:
                 reader = GGUFReader(str(file), "r")
             except Exception as exc:  # the gguf package raises ValueError/struct errors on bad or short files
@@ -110,6 +111,11 @@ class GgufCheckpointReader:
             return self._fallback.describe(name) if self._fallback is not None else f"tensor {name!r}"
         return f"{self._tensors[sources[0]][0]}: tensor {', '.join(sources)} (the model's {name!r})"
 
+    def weight_files(self) -> list[Path]:
+        """The files the weights come from outside the model directory (caches derived from the
+        weights fingerprint them)."""
+        return list(self.files)
+
     def close(self) -> None:
         if self._fallback is not None:
             self._fallback.close()
@@ -123,6 +129,24 @@ class GgufCheckpointReader:
 
     def tensor_type(self, gguf_name: str) -> str:
         return self._tensors[gguf_name][1].tensor_type.name
+
+    def raw_tensors(self, name: str) -> list[tuple[torch.Tensor, int]] | None:
+        """The GGUF tensors behind the model's tensor `name` as stored: (bytes (rows, row bytes), ggml
+        type id) each, without dequantizing (for kernels that compute on the stored type); None where
+        they are not all in the GGUF files."""
+        sources = self._sources(name)
+        if sources is None:
+            return None
+        out = []
+        for gguf_name in sources:
+            file, tensor = self._tensors[gguf_name]
+            data = np.asarray(tensor.data)
+            try:
+                raw = torch.from_numpy(np.array(data.view(np.uint8), copy=True))  # the file's memmap is read-only
+            except ValueError as exc:
+                raise LoadError(f"{file}: cannot read tensor {gguf_name!r} ({exc})") from None
+            out.append((raw, int(tensor.tensor_type)))
+        return out
 
     def _dequantize(self, gguf_name: str) -> torch.Tensor:
         from gguf import quants

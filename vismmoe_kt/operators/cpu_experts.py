@@ -27,6 +27,8 @@ from torch import nn
 
 from ..runtime.cpu import CpuExpertSettings, make_backend
 from ..runtime.cpu.threads import RESERVED_CORES
+
+UNQUANTIZED_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 
@@ -47,23 +49,44 @@ class CpuExperts(BaseInjectedModule):
         self.layer = self.adapter.layer_of(key)
         if self.context.cpu_backend is None:  # one backend (one kt-kernel worker pool) for every layer
             model_dir = getattr(gguf_loader, "model_dir", None)  # a checkpoint directory: the quantized cache
+            sources = getattr(gguf_loader, "weight_files", list)()  # weights from elsewhere (GGUF files)
+            dtype = "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype
             self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config),
-                                                    self.context.cpu_threads, settings.cpu_dtype, model_dir)
+                                                    self.context.cpu_threads, dtype, model_dir, sources)
             # kt-kernel on a GPU machine serves a CUDA model (the rule places only the experts here)
             if getattr(self.context.cpu_backend, "streams", False) and torch.cuda.is_available():
                 torch.set_num_threads(min(torch.get_num_threads(), RESERVED_CORES))
         self.backend = self.context.cpu_backend
+        self.settings = settings
         self.counters = CpuCallStats()
 
     def load(self) -> None:
         from ..core.weights import read_tensor
 
         experts, names = self.orig_module, self.adapter.expert_tensors
-        tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"), getattr(experts, name).shape)
-                   for name in names]
-        self.backend.add_layer(self.layer, *tensors)
+        stored = self._stored_experts(names)
+        if stored is not None:  # a GGUF's quantized experts, computed as stored
+            self.backend.add_layer_stored(self.layer, *stored)
+        else:
+            tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"),
+                                   getattr(experts, name).shape) for name in names]
+            self.backend.add_layer(self.layer, *tensors)
         for name in names:  # the backend holds the weights now
             del experts._parameters[name]
+
+    def _stored_experts(self, names: tuple[str, str]):
+        """(gate, up, down) raw GGUF tensors with their types, where `cpu_dtype: auto` lets the
+        backend compute a quantized GGUF's experts as stored; None to read them dequantized."""
+        raw = getattr(self.gguf_loader, "raw_tensors", None)
+        can = getattr(self.backend, "add_layer_stored", None)
+        if self.settings.cpu_dtype != "auto" or raw is None or can is None or not self.backend.takes_stored():
+            return None
+        gate_up, down = raw(f"{self.key}.{names[0]}"), raw(f"{self.key}.{names[1]}")
+        if not gate_up or not down or len(gate_up) != 2 or len(down) != 1:
+            return None
+        if all(kind in UNQUANTIZED_GGML_TYPES for _, kind in gate_up + down):
+            return None  # F32 / F16 / BF16: nothing to gain over the BF16 path
+        return gate_up[0], gate_up[1], down[0]
 
     def decode_capturable(self) -> bool:
         """A decode step may capture this layer: through kt-kernel's in-stream calls on a CUDA device

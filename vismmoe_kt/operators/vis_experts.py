@@ -40,7 +40,8 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
         runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
-                                 getattr(operator.gguf_loader, "model_dir", None))
+                                 getattr(operator.gguf_loader, "model_dir", None),
+                                 getattr(operator.gguf_loader, "weight_files", list)())
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)

@@ -127,14 +127,15 @@ if tl is not None:
     def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, routed_ptr, read_ptr, slots_ptr,
                      land_ptr, quota_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
         """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records;
-        the first quota[m] of the m misses go to the CPU (slot -3: no claim, no host read)."""
+        the last quota[m] of the m misses go to the CPU (slot -3: no claim, no host read)."""
         k = tl.arange(0, KP)
         ok = k < K
         ids = tl.load(ids_ptr + k, mask=ok, other=0).to(tl.int64)
         slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0, volatile=True)  # a prefetch may publish
         miss = ok & (slots == -1)
         rank = tl.cumsum(miss.to(tl.int64), 0) - 1
-        on_cpu = miss & (rank < tl.load(quota_ptr + tl.sum(miss.to(tl.int64), 0)))
+        misses = tl.sum(miss.to(tl.int64), 0)
+        on_cpu = miss & (rank >= misses - tl.load(quota_ptr + misses))  # the last quota[m] misses
         slots = tl.where(on_cpu, -3, slots)
         rows = tl.zeros([KP], tl.int64) + row
         land = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, miss & (on_cpu == 0), ids,

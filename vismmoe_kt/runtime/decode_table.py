@@ -17,7 +17,8 @@ per row (K, more when lookahead prefetch also lands there), B prefetch candidate
                          (`observe_router`; the cache ranks eviction victims by it)
     cpu_quota (K + 1,)   hybrid mode: of a layer's m missing pairs, how many the CPU computes
                          (`set_cpu_quota`, from the cost model's split; zeros: none). Those are the
-                         first cpu_quota[m] misses in routing order: they claim nothing, read nothing
+                         last cpu_quota[m] misses in routing order (the router's lowest weights, where
+                         a quantized CPU copy's error weighs least): they claim nothing, read nothing
                          from the host, and their slot reads CPU_PAIR (-3) for the kernels and records
 
 Inside the step (device ops only, so a CUDA graph holds them):
@@ -92,7 +93,8 @@ class DecodeTable:
         slots = self.slots[row].index_select(0, ids)
         miss = slots == NOT_RESIDENT
         rank = torch.cumsum(miss.long(), 0) - 1  # each miss's place among the layer's misses
-        on_cpu = miss & (rank < self.cpu_quota.index_select(0, miss.long().sum().view(1)))  # no host read
+        misses = miss.long().sum().view(1)
+        on_cpu = miss & (rank >= misses - self.cpu_quota.index_select(0, misses))  # the last ones; no host read
         slots = torch.where(on_cpu, CPU_PAIR, slots)
         self.routed[row].copy_(ids)
         self.read[row].copy_(slots)

@@ -18,18 +18,19 @@ from .offload_settings import OffloadSettings
 
 class MissPolicy:
     def __init__(self, settings: OffloadSettings, num_experts: int, hidden: int, inter: int, top_k: int,
-                 offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None, model_dir=None):
+                 offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None, model_dir=None,
+                 sources=()):
         self.mode = settings.miss_policy
         self.top_k = top_k
         self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
         self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
             settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
-            settings.cpu_dtype, model_dir)
+            settings.cpu_dtype, model_dir, sources)
 
     @staticmethod
     def _make_cpu_backend(requested: str, num_experts: int, hidden: int, inter: int, top_k: int,
                           offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None,
-                          dtype: str = "bf16", model_dir=None):
+                          dtype: str = "bf16", model_dir=None, sources=()):
         """kt-kernel keeps its own copy of every expert it serves, which on top of the page-locked
         store doubles host memory: refuse it where that cannot fit."""
         import psutil
@@ -52,7 +53,8 @@ class MissPolicy:
                 f"{human_bytes(needed)} of host memory for {offloaded_layers} offloaded layers, this host has "
                 f"{human_bytes(total)}; use cpu_dtype: int8 or int4 (half or a quarter of the copy), or cpu_backend: "
                 "torch (reads the store in place)")
-        return KtKernelBackend(num_experts, top_k, hidden, inter, threads=cpu_threads, dtype=dtype, model_dir=model_dir)
+        return KtKernelBackend(num_experts, top_k, hidden, inter, threads=cpu_threads, dtype=dtype, model_dir=model_dir,
+                               sources=sources)
 
     def on_cpu(self, store, layer: int, missing: list[int], pairs: dict[int, int], device: torch.device) -> set[int]:
         """Which missing experts run on the CPU backend (the rest are fetched)."""
@@ -77,14 +79,17 @@ class MissPolicy:
         return [len(self.cost.model.split({e: 1 for e in range(m)})) for m in range(k + 1)]
 
     def observed_copies(self, counters) -> None:
-        """Follow the link's copy rate: the copies' seconds since the last look, per copy (the
-        transfers' counters: issued copies and the seconds of those whose timing events have passed)."""
+        """Follow the link's copy rate: the seconds of the copies timed since the last look, per copy
+        (the transfers' counters; a copy is timed once its CUDA events have passed)."""
         counters.resolve()
-        seen = getattr(self, "_seen", (0, 0.0))
-        copies, seconds = counters.copies - seen[0], counters.copy_seconds - seen[1]
-        if self.cost is not None and copies > 0 and seconds > 0:
+        seen = getattr(self, "_seen", None)
+        if seen is None or self.cost is None:  # before calibration: start counting from here
+            self._seen = (counters.copies_timed, counters.copy_seconds)
+            return
+        copies, seconds = counters.copies_timed - seen[0], counters.copy_seconds - seen[1]
+        if copies > 0 and seconds > 0:
             self.cost.observe_copy(seconds / copies)
-            self._seen = (counters.copies, counters.copy_seconds)
+            self._seen = (counters.copies_timed, counters.copy_seconds)
 
     def observed_cpu(self, experts: int, tokens: int, seconds: float) -> None:
         if self.cost is not None:

@@ -60,7 +60,7 @@ class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
                  prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,
-                 model_dir: Any = None):
+                 model_dir: Any = None, sources: Any = ()):
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
@@ -98,7 +98,7 @@ class OffloadRuntime:
         self.loaded: set[int] = set()
         self.top_k = top_k
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
-                               self.layer_bytes, cpu_threads, model_dir)
+                               self.layer_bytes, cpu_threads, model_dir, sources)
         self.cpu = self.miss.cpu
         self.policy = prefetch or HistoryPrefetch(settings.prefetch_window, settings.prefetch_gamma)
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill

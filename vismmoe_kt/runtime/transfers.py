@@ -33,6 +33,7 @@ class TransferCounters:
     copy_events: list = field(default_factory=list)   # (start, end) CUDA timing events around copies
     stall_seconds: float = 0.0
     copy_seconds: float = 0.0
+    copies_timed: int = 0      # copies whose seconds are in copy_seconds (copies counts them when issued)
     bytes_host_reads: int = 0  # expert bytes the decode kernels read from the host store directly (zero-copy)
 
     def resolve(self) -> None:
@@ -42,6 +43,7 @@ class TransferCounters:
             for start, end in getattr(self, attr):
                 if end.query():
                     setattr(self, total, getattr(self, total) + start.elapsed_time(end) / 1000)
+                    self.copies_timed += attr == "copy_events"
                 else:
                     pending.append((start, end))
             setattr(self, attr, pending)
@@ -83,6 +85,7 @@ class Transfers:
                 dst.copy_(src)
             elapsed = time.perf_counter() - start
             self.counters.copy_seconds += elapsed
+            self.counters.copies_timed += 1
             if urgent:  # synchronous: compute waits for the whole copy
                 self.counters.stall_seconds += elapsed
             self.cache.complete(slab)

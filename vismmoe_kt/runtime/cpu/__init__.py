@@ -29,23 +29,25 @@ class CpuExpertSettings:
     """The CpuExperts rule's kwargs."""
 
     cpu_backend: str = "auto"  # auto: kt-kernel where the ISA and expert shapes allow, else torch | kt-kernel | torch
-    cpu_dtype: str = "bf16"    # bf16 | int8 | int4: kt-kernel quantizes at load, cached beside the model
+    # auto: a GGUF's quantized experts as stored (kt-kernel's llamafile kernels), else bf16 | bf16 | int8 | int4:
+    # kt-kernel quantizes at load, cached beside the model
+    cpu_dtype: str = "auto"
 
     def __post_init__(self):
         if self.cpu_backend not in BACKENDS:
             raise ValueError(f"cpu_backend {self.cpu_backend!r} is not one of: {', '.join(BACKENDS)}")
-        if self.cpu_dtype not in CPU_DTYPES:
-            raise ValueError(f"cpu_dtype {self.cpu_dtype!r} is not one of: {', '.join(CPU_DTYPES)}")
-        if self.cpu_dtype != "bf16" and self.cpu_backend == "torch":
+        if self.cpu_dtype not in ("auto",) + CPU_DTYPES:
+            raise ValueError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, {', '.join(CPU_DTYPES)}")
+        if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":
             raise ValueError(f"cpu_dtype {self.cpu_dtype} needs cpu_backend kt-kernel (or auto): the torch backend "
                              "computes the checkpoint's dtype")
 
 
 def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: str = "bf16",
-                 model_dir: Any = None):
+                 model_dir: Any = None, sources: Any = ()):
     """One CPU backend for a model's experts (`shape`: the adapter's MoEShape; `threads`: kt-kernel's
     workers, `--cpu_infer`, default physical cores - 2: runtime/cpu/threads.py; `dtype`: the experts'
-    precision there, quantized copies cached under `model_dir`)."""
+    precision there, quantized copies cached under `model_dir`, fingerprinting it and `sources`)."""
     from .isa import choose_backend
     from .kt_backend import kt_kernel_supports
 
@@ -55,7 +57,7 @@ def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: 
         from .kt_backend import KtKernelBackend
 
         return KtKernelBackend(shape.num_experts, shape.top_k, shape.hidden, shape.inter, threads=threads,
-                               dtype=dtype, model_dir=model_dir)
+                               dtype=dtype, model_dir=model_dir, sources=sources)
     if dtype != "bf16":
         raise ValueError(f"cpu_dtype {dtype} needs kt-kernel, which cannot run on this CPU")
     from .torch_backend import TorchCpuBackend

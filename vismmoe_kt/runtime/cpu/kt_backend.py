@@ -46,6 +46,8 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 # sizes the kernels' tiles take (measured on kt-kernel 0.7.2: INT8 refuses 96 or 32, INT4 refuses 64)
 ALIGN = {"bf16": 32, "int8": 64, "int4": 128}
 KT_WEIGHT_FIELDS = ("gate_proj", "up_proj", "down_proj")  # MOEConfig's whole-layer weight pointers
+LLAMAFILE_ALIGN = 256  # QK_K: kt-kernel's llamafile MoE refuses other intermediate sizes
+BF16_GGML_TYPE = 30    # ggml's type id for BF16 (the activations' type in the llamafile kernels)
 
 
 @contextlib.contextmanager
@@ -96,7 +98,8 @@ class KtKernelBackend:
     name = "kt-kernel"
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, threads: int | WorkerPlan | None = None,
-                 max_len: int = 4096, dtype: str = "bf16", model_dir: str | os.PathLike | None = None):
+                 max_len: int = 4096, dtype: str = "bf16", model_dir: str | os.PathLike | None = None,
+                 sources: list = ()):
         if not kt_kernel_supports(hidden, inter):
             raise ValueError(f"kt-kernel needs hidden and expert intermediate sizes that are multiples of {KT_ALIGN}; "
                              f"this model has {hidden} and {inter}")
@@ -105,9 +108,12 @@ class KtKernelBackend:
 
         if dtype not in CPU_DTYPES:
             raise ValueError(f"cpu_dtype {dtype!r} is not one of: {', '.join(CPU_DTYPES)}")
-        if hidden % ALIGN[dtype] or inter % ALIGN[dtype]:
+        plan = threads if isinstance(threads, WorkerPlan) else plan_workers(threads)
+        pools = len(plan.threads)  # kt-kernel splits each layer's intermediate size across its sub-pools
+        if hidden % ALIGN[dtype] or inter % pools or (inter // pools) % ALIGN[dtype]:
+            split = f" split across {pools} NUMA sub-pools ({inter / pools:g} each)" if pools > 1 else ""
             raise ValueError(f"kt-kernel's {dtype} experts need hidden and expert intermediate sizes that are multiples "
-                             f"of {ALIGN[dtype]}; this model has {hidden} and {inter}")
+                             f"of {ALIGN[dtype]}; this model has {hidden} and {inter}{split}")
         self.ext, self.variant, self.dtype = ext, kt_kernel.__cpu_variant__, dtype
         names = [n for n in MOE_CLASSES[dtype] if getattr(ext.moe, n, None) is not None]
         if not names:
@@ -115,7 +121,7 @@ class KtKernelBackend:
                              f"{self.variant} build, which computes BF16 experts only (cpu_dtype: bf16)")
         self.moe_class = getattr(ext.moe, names[0])
         self.num_experts, self.top_k, self.hidden, self.inter = num_experts, top_k, hidden, inter
-        self.plan = threads if isinstance(threads, WorkerPlan) else plan_workers(threads)
+        self.plan = plan
         self.threads = self.plan.workers
         with quiet_native_stdout():  # the only reference, so the finalizer can free it
             self._infer = [ext.CPUInfer(worker_pool_config(self.plan, ext))]
@@ -125,8 +131,12 @@ class KtKernelBackend:
         if dtype != "bf16":  # quantized once, then read from disk (a directory model only)
             directory = model_dir if model_dir is not None and os.path.isdir(model_dir) else None
             shape = {"experts": num_experts, "hidden": hidden, "inter": inter}
-            self.cache = QuantCache(directory, dtype, shape, getattr(kt_kernel, "__version__", "unknown"))
+            layout = {"variant": self.variant, "subpools": list(self.plan.threads), "numa": list(self.plan.nodes)}
+            self.cache = QuantCache(directory, dtype, shape, getattr(kt_kernel, "__version__", "unknown"), layout,
+                                    [p for p in sources])
         self.loaded_from_cache = 0
+        self.stored_layers = 0  # layers served from GGUF's own types (add_layer_stored)
+        self._stored: dict[int, tuple] = {}  # their bytes, which kt-kernel reads in place
         self.gpu_mask = torch.zeros(num_experts, dtype=torch.bool)  # no expert of these layers is on a GPU
         self.layers: dict[int, object] = {}
         self._configs: list = []
@@ -161,19 +171,26 @@ class KtKernelBackend:
                 setattr(config, field_name, tensor.data_ptr())
             config.load, config.save, config.path = False, True, str(self.cache.root)
         logical = torch.arange(self.num_experts, dtype=torch.int64)
-        with quiet_native_stdout():
-            moe = self.moe_class(config)
-            self.cpu_infer.submit(moe.load_weights_task(logical.data_ptr()))
-            self.cpu_infer.sync()  # `logical`, the weights and `keep` are alive until here; kt-kernel copied them
+        try:
+            with quiet_native_stdout():
+                moe = self.moe_class(config)
+                self.cpu_infer.submit(moe.load_weights_task(logical.data_ptr()))
+                self.cpu_infer.sync()  # `logical`, the weights and `keep` are alive until here; kt-kernel copied them
+        except RuntimeError:
+            if not cached:
+                raise
+            self.cache.forget(layer)  # files kt-kernel cannot read back (moved, cut short): quantize again
+            return self.add_layer(layer, gate_up, down)
         del keep
+        layer_bytes = int(self.num_experts * 3 * inter * self.hidden * BYTES_PER_WEIGHT[self.dtype])
         if self.cache is not None:
             if cached:
                 self.loaded_from_cache += 1
             else:
-                self.cache.saved(layer)
+                self.cache.saved(layer, layer_bytes)
         self.layers[layer] = moe
         self._configs.append(config)
-        self._bytes += int(self.num_experts * 3 * inter * self.hidden * BYTES_PER_WEIGHT[self.dtype])
+        self._bytes += layer_bytes
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> _KtTask:
         tokens = hidden.shape[0]
@@ -188,6 +205,44 @@ class KtKernelBackend:
                                                x.data_ptr(), out.data_ptr(), False)
         self.cpu_infer.submit(task)
         return _KtTask(self.cpu_infer, out, hidden.dtype, (x, ids, w, bsz))
+
+    def takes_stored(self) -> bool:
+        """Whether `add_layer_stored` can serve this model (the llamafile kernels' sizes, a BF16 backend)."""
+        return (self.dtype == "bf16" and not self.inter % LLAMAFILE_ALIGN and not self.hidden % LLAMAFILE_ALIGN
+                and getattr(self.ext.moe, "MOE", None) is not None)
+
+    def add_layer_stored(self, layer: int, gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int],
+                         down: tuple[torch.Tensor, int]) -> None:
+        """Serve `layer` from GGUF experts as stored (raw bytes of (E, I, H), (E, I, H), (E, H, I) and
+        their ggml types) through kt-kernel's llamafile kernels: no dequantization, no BF16 copy (the
+        bytes are kept here, as the kernels read them in place). They take sizes that are multiples
+        of 256 (QK_K)."""
+        if self.inter % LLAMAFILE_ALIGN or self.hidden % LLAMAFILE_ALIGN:
+            raise ValueError(f"kt-kernel's llamafile kernels need hidden and intermediate sizes that are multiples of "
+                             f"{LLAMAFILE_ALIGN}; this model has {self.hidden} and {self.inter}")
+        ext = self.ext
+        config = ext.moe.MOEConfig(self.num_experts, self.top_k, self.hidden, self.inter, self.gpu_mask.data_ptr())
+        config.layer_idx = layer
+        config.pool = self.cpu_infer.backend_
+        config.max_len = config.group_max_len = self.max_len
+        config.m_block, config.group_min_len = 32, 10  # KTransformers' llamafile settings
+        keep = tuple(t.contiguous() for t, _ in (gate, up, down))
+        for field_name, tensor in zip(KT_WEIGHT_FIELDS, keep):
+            setattr(config, field_name, tensor.data_ptr())
+        config.gate_type, config.up_type, config.down_type = gate[1], up[1], down[1]
+        config.hidden_type = BF16_GGML_TYPE
+        logical = torch.arange(self.num_experts, dtype=torch.int32)
+        with quiet_native_stdout():
+            moe = ext.moe.MOE(config)
+            self.cpu_infer.submit(moe.load_weights_task(logical.data_ptr()))
+            self.cpu_infer.sync()
+        # the llamafile kernels compute on these bytes in place (KTransformers keeps the GGUF mapped for
+        # them): they live as long as the layer (freeing them gave NaNs once the next layer reused the memory)
+        self._stored[layer] = keep
+        self.layers[layer] = moe
+        self.stored_layers += 1
+        self._configs.append(config)
+        self._bytes += sum(t.numel() for t in keep)
 
     @property
     def streams(self) -> bool:
@@ -244,7 +299,9 @@ class KtKernelBackend:
         return self._bytes
 
     def describe(self) -> str:
-        if self.cache is None:
+        if self.stored_layers:
+            copy = f"llamafile kernels on the GGUF's own types in {self.stored_layers} layers"
+        elif self.cache is None:
             copy = "own BF16 copy"
         elif self.cache.temporary:
             copy = f"own {self.dtype.upper()} copy, quantized at load"

@@ -30,10 +30,13 @@ from pathlib import Path
 FORMAT = 1
 
 
-def checkpoint_fingerprint(model_dir: Path) -> list[list]:
-    """(name, bytes, mtime_ns) of every weight file: changes when the checkpoint does."""
+def checkpoint_fingerprint(model_dir: Path, extra: list[Path] = ()) -> list[list]:
+    """(name, bytes, mtime_ns) of every weight file, and of `extra` files (GGUF weights read from
+    elsewhere): changes when the checkpoint does."""
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".gguf") or p.name.endswith(".json"))
-    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files if p.is_file()]
+    files += sorted(Path(p) for p in extra)
+    return [[str(p) if p.parent != model_dir else p.name, p.stat().st_size, p.stat().st_mtime_ns]
+            for p in files if p.is_file()]
 
 
 def _writable(directory: Path) -> bool:
@@ -50,7 +53,10 @@ def _writable(directory: Path) -> bool:
 class QuantCache:
     """One dtype's cache directory for one model (see the module docstring)."""
 
-    def __init__(self, model_dir: Path | None, dtype: str, shape: dict, kt_version: str):
+    def __init__(self, model_dir: Path | None, dtype: str, shape: dict, kt_version: str, layout: dict | None = None,
+                 sources: list[Path] = ()):
+        """`layout`: what kt-kernel's files depend on beyond the shape (its build variant, the worker
+        sub-pools it splits each layer across); `sources`: weight files outside `model_dir`."""
         self.temporary = model_dir is None
         if model_dir is None:
             self.root = Path(tempfile.mkdtemp(prefix=f"vismmoe-cpu-{dtype}-"))
@@ -59,7 +65,7 @@ class QuantCache:
             return
         model_dir = Path(model_dir).resolve()
         self.manifest = {"format": FORMAT, "dtype": dtype, "shape": shape, "kt_kernel": kt_version,
-                         "checkpoint": checkpoint_fingerprint(model_dir)}
+                         "layout": layout or {}, "checkpoint": checkpoint_fingerprint(model_dir, list(sources))}
         root = model_dir / ".vismmoe-cache" / f"cpu-{dtype}"
         if not _writable(root):
             digest = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
@@ -80,11 +86,23 @@ class QuantCache:
     def has(self, layer: int) -> bool:
         return not self.temporary and (self.root / f"_layer_{layer}.done").exists()
 
-    def saved(self, layer: int) -> None:
-        """Layer `layer` is loaded from files kt-kernel just wrote: mark them complete, or (temporary)
-        delete them at once, so a synthetic model never holds its quantized experts on disk too."""
+    def saved(self, layer: int, least_bytes: int) -> None:
+        """Layer `layer` is loaded from files kt-kernel just wrote: mark them complete if they hold at
+        least `least_bytes` (kt-kernel only prints when a write fails, and a full disk truncates), or
+        (temporary) delete them at once, so a synthetic model never holds its experts on disk too."""
+        folder = self.root / f"_layer_{layer}"
         if self.temporary:
-            shutil.rmtree(self.root / f"_layer_{layer}", ignore_errors=True)
-        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+        if written >= least_bytes:
             (self.root / f"_layer_{layer}.done").write_text("")
+        else:  # not trusted next time: quantized again
+            print(f"warning: kt-kernel wrote {written} of at least {least_bytes} bytes for layer {layer} to {folder}; "
+                  "it will be quantized again at the next start")
+
+    def forget(self, layer: int) -> None:
+        """A layer whose files kt-kernel could not read back: drop them, so it is quantized again."""
+        (self.root / f"_layer_{layer}.done").unlink(missing_ok=True)
+        shutil.rmtree(self.root / f"_layer_{layer}", ignore_errors=True)
 
