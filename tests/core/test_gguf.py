@@ -188,3 +188,44 @@ def test_kt_cpu_computes_gguf_experts_as_stored(tmp_path, qtype, error):
     with torch.no_grad():
         got, want = model(**inputs).logits, reference(**inputs).logits
     assert ((got - want).norm() / want.norm()).item() <= error
+
+
+class UpstreamStyleGGUFLoader:
+    """The interface of KTransformers' GGUFLoader (util/custom_loader.py) that operators meet: tensors
+    by GGUF name through `load_gguf_tensor(name, device, target_dtype)`, no `load_tensor`, no
+    `context`; `safetensor_loader` None for a GGUF directory."""
+
+    safetensor_loader = None
+
+    def __init__(self, path):
+        reader = gguf.GGUFReader(str(path))
+        self.tensor_info = {t.name: t for t in reader.tensors}
+
+    def has_tensor(self, name):
+        return name in self.tensor_info
+
+    def load_gguf_tensor(self, name, device="cpu", target_dtype=None):
+        t = self.tensor_info[name]
+        values = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        return values.view(*reversed(t.shape.tolist())).to(device, target_dtype or torch.get_default_dtype())
+
+
+def test_operators_read_experts_through_kt_transformers_gguf_loader(tiny):
+    """Our operators' `load()` reads through upstream's GGUF interface (GGUF names, fused experts
+    concatenated), the same tensors as our own reader; and layer indices parse from GGUF names too."""
+    from vismmoe_kt.core.weights import read_tensor
+
+    root, reference, hf_dir, _ = tiny
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "up.gguf", "Q8_0")
+    adapter = adapter_for("qwen3_vl_moe")
+    ours = GgufCheckpointReader(hf_dir, root / "up.gguf", adapter.gguf_names, dtype=torch.float32)
+    upstream = UpstreamStyleGGUFLoader(root / "up.gguf")
+    for name in ("model.language_model.layers.2.mlp.experts.gate_up_proj",
+                 "model.language_model.layers.2.mlp.experts.down_proj"):
+        shape = reference.state_dict()[name].shape
+        got = read_tensor(upstream, name, torch.device("cpu"), shape, adapter.gguf_names)
+        assert torch.equal(got, ours.load_tensor(name)) and got.shape == shape
+    with pytest.raises(LoadError, match="no GGUF name is known"):
+        read_tensor(upstream, "model.visual.blocks.0.attn.qkv.weight", torch.device("cpu"), torch.Size([1]),
+                    adapter.gguf_names)
+    assert adapter.layer_of("blk.7.ffn_gate_exps") == 7 == adapter.layer_of("model.language_model.layers.7.mlp.experts")

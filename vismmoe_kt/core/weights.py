@@ -7,8 +7,9 @@ its parent's. An operator decides for its own subtree through its `load()` (by d
 `weights_device`). Tied parameters (one Parameter object under two names) are read once.
 
 The reader needs only `load_tensor(name, device)`, the method KTransformers' safetensors loader has,
-so operators loaded by upstream's `load_weights` work too; our CheckpointReader adds the plan's
-devices (`planned_device`) and the family's checkpoint layout (`layout_fix`).
+so operators loaded by upstream's `load_weights` work too (and `load_gguf_tensor`, its GGUFLoader's,
+where an operator passes its adapter's GGUF names to `read_tensor`); our CheckpointReader adds the
+plan's devices (`planned_device`) and the family's checkpoint layout (`layout_fix`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,14 @@ def load_module_tree(
             load_module_tree(child, reader, child_key, child_device, loaded=loaded)
 
 
-def read_tensor(reader, name: str, device: torch.device, shape: torch.Size) -> torch.Tensor:
-    """Read `name` and bring it to `shape` with the reader's layout fix; a mismatch is a LoadError."""
-    tensor = reader.load_tensor(name, device)
+def read_tensor(reader, name: str, device: torch.device, shape: torch.Size, gguf_names=None) -> torch.Tensor:
+    """Read `name` and bring it to `shape` with the reader's layout fix; a mismatch is a LoadError.
+    `gguf_names` (the adapter's): how to find the tensor in KTransformers' own GGUFLoader, which
+    reads by GGUF name (`load_gguf_tensor`) and has no `load_tensor`."""
+    if not hasattr(reader, "load_tensor") and hasattr(reader, "load_gguf_tensor"):
+        tensor = _from_upstream_gguf(reader, name, device, gguf_names)
+    else:
+        tensor = reader.load_tensor(name, device)
     if tensor.shape != shape:
         fix = getattr(reader, "layout_fix", None)
         tensor = fix(name, tensor, shape) if fix else tensor
@@ -63,6 +69,19 @@ def read_tensor(reader, name: str, device: torch.device, shape: torch.Size) -> t
         where = reader.describe(name) if hasattr(reader, "describe") else f"tensor {name!r}"
         raise LoadError(f"{where} has shape {tuple(tensor.shape)}, the model config wants {tuple(shape)}")
     return tensor
+
+
+def _from_upstream_gguf(reader, name: str, device: torch.device, gguf_names) -> torch.Tensor:
+    """The model's tensor `name` through KTransformers' GGUFLoader: its safetensors loader where it
+    wraps one, else its GGUF tensors (concatenated along dim 1 where the model fuses them)."""
+    inner = getattr(reader, "safetensor_loader", None)
+    if inner is not None:
+        return inner.load_tensor(name, device)
+    names = gguf_names(name) if gguf_names is not None else None
+    if not names:
+        raise LoadError(f"tensor {name!r}: no GGUF name is known for it, so KTransformers' GGUFLoader cannot read it")
+    parts = [reader.load_gguf_tensor(gguf_name, device=str(device)) for gguf_name in names]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _load_own_tensors(module: nn.Module, reader, key: str, device: torch.device, loaded: dict) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:layers|blk)\.(\d+)\.")  # Hugging Face's and GGUF's (KTransformers') names
 
 
 @dataclass(frozen=True)

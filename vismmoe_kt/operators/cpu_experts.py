@@ -69,7 +69,7 @@ class CpuExperts(BaseInjectedModule):
             self.backend.add_layer_stored(self.layer, *stored)
         else:
             tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"),
-                                   getattr(experts, name).shape) for name in names]
+                                   getattr(experts, name).shape, self.adapter.gguf_names) for name in names]
             self.backend.add_layer(self.layer, *tensors)
         for name in names:  # the backend holds the weights now
             del experts._parameters[name]

@@ -65,7 +65,8 @@ class ExpertParallelExperts(BaseInjectedModule):
 
         experts, (gate_up, down) = self.orig_module, self.adapter.expert_tensors
         device = self.weights_device
-        full = {name: read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"), getattr(experts, name).shape)
+        full = {name: read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"),
+                                       getattr(experts, name).shape, self.adapter.gguf_names)
                 for name in (gate_up, down)}
         self.local_gate_up = full[gate_up][self.local_experts].to(device).contiguous()
         self.local_down = full[down][self.local_experts].to(device).contiguous()

@@ -94,7 +94,8 @@ class VisExperts(BaseInjectedModule):
         # where the loader hands tensors over fastest: host memory for a checkpoint (mmap), the GPU for
         # synthetic weights (made there); the runtime copies them into its store or banks either way
         staging = torch.device(getattr(self.gguf_loader, "staging_device", "cpu"))
-        tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", staging, getattr(experts, name).shape)
+        tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", staging, getattr(experts, name).shape,
+                               self.adapter.gguf_names)
                    for name in names]
         self.runtime.load_layer(self.layer, *tensors)
         for name in names:  # the runtime owns the weights now; no meta parameters stay behind
