@@ -1,6 +1,8 @@
 """CheckpointReader: tensors of a local safetensors checkpoint, read one at a time through mmap.
 
-A checkpoint is one `model.safetensors` or shards listed in `model.safetensors.index.json`. Tensors
+A checkpoint is one `model.safetensors` or shards listed in `model.safetensors.index.json`, in a float
+dtype, or FP8 with block scales (`<name>_scale_inv`, as the published FP8 checkpoints store them:
+dequantized to bfloat16 as each tensor is read). Tensors
 are read lazily by name, straight to the device asked for, so loading never holds a second copy of
 the checkpoint: at most one shard is mapped at a time (its pages count in RSS while it is open), and
 each tensor is copied once into the memory that keeps it.
@@ -22,6 +24,7 @@ from safetensors import safe_open
 from ..errors import LoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SINGLE_FILE = "model.safetensors"
 
 # (name, tensor as stored, shape the model wants) -> tensor in the model's layout
@@ -112,13 +115,33 @@ class CheckpointReader:
             # Every tensor of the families we load is a float weight: integer data is a quantized or foreign
             # checkpoint, which would load without complaint and fail (or compute nonsense) in the forward.
             raise LoadError(f"{self.describe(name)} is {str(tensor.dtype).removeprefix('torch.')}, not a floating-point "
-                            f"type; this loader reads float checkpoints (float32, bfloat16, float16), not quantized ones")
+                            f"type; this loader reads float checkpoints (float32, bfloat16, float16), FP8 ones with "
+                            f"block scales (`*_scale_inv`) and GGUF files (--gguf_path), not integer-quantized "
+                            f"ones (GPTQ, AWQ)")
+        if tensor.dtype in FP8_DTYPES:  # an FP8 checkpoint: dequantized with its block scales
+            tensor = self._dequantize_fp8(name, tensor)
         if self.dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self.dtype)
         tensor = tensor.to(device)
         if self.on_tensor is not None:
             self.on_tensor(name, tensor.numel() * tensor.element_size())
         return tensor
+
+    def _dequantize_fp8(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """FP8 weights as published (e.g. Qwen3-VL-30B-A3B-Instruct-FP8): each block of the last two dims
+        times its `<name>_scale_inv` entry (the block size follows from the two shapes), in bfloat16."""
+        scale_name = f"{name}_scale_inv"
+        if scale_name not in self._shards:
+            raise LoadError(f"{self.describe(name)} is {str(tensor.dtype).removeprefix('torch.')} without "
+                            f"{scale_name!r}: an FP8 weight needs its block scales")
+        scale = self._file_for(scale_name).get_tensor(scale_name).float()
+        if scale.dim() != tensor.dim() or scale.shape[:-2] != tensor.shape[:-2]:
+            raise LoadError(f"{self.describe(scale_name)} has shape {tuple(scale.shape)}, which does not tile "
+                            f"{name!r} {tuple(tensor.shape)}")
+        rows, cols = tensor.shape[-2:]
+        block_rows, block_cols = -(-rows // scale.shape[-2]), -(-cols // scale.shape[-1])  # ceil division
+        full = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)[..., :rows, :cols]
+        return (tensor.float() * full).to(torch.bfloat16)
 
     def describe(self, name: str) -> str:
         """Where a tensor comes from, for error messages."""
