@@ -8,6 +8,8 @@ at random times. Invariants are checked after every layer.
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,3 +200,39 @@ def test_vismmoe_evicts_what_the_router_favours_least_when_usage_is_known():
     cache.usage = {0: favoured, 1: [0.0] * 8}
     assert cache.owner[cache.victim()] == (0, 0)
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_vectorised_usage_ranking_equals_the_plain_python_one(seed):
+    """The numpy ranking (every Expired slab by (router average, recency), then Speculative by
+    priority) against the rule written out in Python, on random caches with slabs in flight, in use,
+    in layers that ran and that did not, and usage rows of lists and arrays with missing layers."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    layers = list(range(6))
+    cache = SlabCache(40, layers, policy="vismmoe")
+    keys = rng.sample([(layer, expert) for layer in layers for expert in range(12)], 40)
+    slabs = cache.assign_many(keys, urgent=True)
+    for slab in slabs[:34]:  # the rest stay in flight (Required)
+        cache.complete(slab)
+    for layer in layers[:4]:
+        cache.begin_layer(layer, [])
+        cache.end_layer(layer)
+    cache.begin_layer(4, [e for (layer, e) in keys if layer == 4][:2])  # its experts in use
+    for _ in range(15):
+        cache._touch(rng.choice(slabs[:34]))
+    cache.usage = {layer: (np.array if layer % 2 else list)([rng.random() for _ in range(10)]) for layer in layers[:3]}
+    cache.set_priorities({key: rng.random() for key in keys[::3]})
+
+    def value(slab):
+        layer, expert = cache.owner[slab]
+        row = cache.usage.get(layer)
+        return float(row[expert]) if row is not None and expert < len(row) else 0.0
+
+    recency = list(cache._recency)
+    expired = [s for s in recency if cache.classify(s) == "expired"]
+    speculative = [s for s in recency if cache.classify(s) == "speculative"]
+    want = sorted(expired, key=lambda s: (value(s), recency.index(s))) + sorted(speculative, key=cache._priority_of)
+    assert list(cache._victims()) == want
+    assert expired and speculative  # both kinds were there to rank

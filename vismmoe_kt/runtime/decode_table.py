@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 import torch
 
 from . import decode_kernel
@@ -58,7 +60,7 @@ class StepReadback:
     routed: list[list[int]]        # per row: the step's expert ids
     read: list[list[int]]          # per row: the slot each was read from (-1: the host)
     owner: list[list[int]]         # per row: per landing slot, what landed (expert, E + expert if prefetched, -1: none)
-    usage: list[list[float]]       # per row: per expert, the averaged router probability
+    usage: "np.ndarray"            # (L, E): per row, per expert, the averaged router probability
 
 
 class DecodeTable:
@@ -185,7 +187,8 @@ class DecodeTable:
         if self._event is not None:
             self._event.synchronize()
         self._pending = False
-        routed, read, owner, usage = (t.tolist() for t in self._host)
+        routed, read, owner = (t.tolist() for t in self._host[:3])
+        usage = self._host[3].numpy().copy()  # (L, E) array: the cache ranks with numpy (the buffer is reused)
         return StepReadback(routed, read, owner, usage)
 
     def discard(self) -> None:
