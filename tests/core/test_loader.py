@@ -195,5 +195,7 @@ def test_a_bad_cpu_worker_count_is_a_clear_error(tiny_dir, value):
 
 
 def test_the_cpu_worker_count_reaches_the_model_context(tiny_dir):
+    before = torch.get_num_threads()
     model, _ = load(tiny_dir, RULES, cpu_infer=3, generate_device="cpu", prefill_device="cpu", progress=False)
-    assert model.vismmoe.context.cpu_threads == 3
+    assert model.vismmoe.context.cpu_threads == 3 and model.vismmoe.context.model_device == "cpu"
+    assert torch.get_num_threads() == before  # a CPU model keeps torch's threads (it computes with them)

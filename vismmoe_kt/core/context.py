@@ -10,6 +10,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
     cpu_threads       its worker count (`load(..., cpu_infer=N)` or `--cpu_infer`; None: physical
                       cores - 2, runtime/cpu/threads.py)
+    model_device      the device modules go to by default (our loader sets it; None under upstream's)
     token_is_visual   which rows of the hidden states the layers process now are visual tokens
                       (written by the text model's forward, read by ReaLB's operators)
     saliency          the vision tower's saliency recorder (VisionSaliency), read when pruning
@@ -67,6 +68,7 @@ class LoadContext:
     offload_runtime: Any = None      # runtime.offload.OffloadRuntime
     cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
     cpu_threads: int | None = None
+    model_device: str | None = None  # where the loader puts modules by default (None under upstream's loop)
     token_is_visual: torch.Tensor | None = None
     saliency: Any = None             # vision.saliency.SaliencyRecorder
     text_model: Any = None

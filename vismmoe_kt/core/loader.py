@@ -182,7 +182,7 @@ def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device
         raise LoadError(f"cpu_infer must be a whole number of threads >= 1, got {cpu_threads!r}")
     model = _build_on_meta(adapter, config)
     context = context_of(reader)
-    context.cpu_threads = cpu_threads
+    context.cpu_threads, context.model_device = cpu_threads, str(device)
     plan = inject(model, rules if rules is not None else [], config, loader=reader, default_device=device,
                   overrides=overrides)
     if engine:  # explicit options win over the deprecated rule kwargs an old rule file may carry

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..runtime.cpu import CpuExpertSettings, make_backend
-from ..runtime.cpu.threads import RESERVED_CORES
+from ..runtime.cpu.threads import leave_cores_to_workers
 
 UNQUANTIZED_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
@@ -53,9 +53,12 @@ class CpuExperts(BaseInjectedModule):
             dtype = "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype
             self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config),
                                                     self.context.cpu_threads, dtype, model_dir, sources)
-            # kt-kernel on a GPU machine serves a CUDA model (the rule places only the experts here)
-            if getattr(self.context.cpu_backend, "streams", False) and torch.cuda.is_available():
-                torch.set_num_threads(min(torch.get_num_threads(), RESERVED_CORES))
+            # the model's device (the rule places only the experts here); unknown under upstream's loop:
+            # a GPU machine serves a CUDA model
+            device = self.context.model_device
+            serves_cuda = torch.device(device).type == "cuda" if device else torch.cuda.is_available()
+            if getattr(self.context.cpu_backend, "streams", False) and serves_cuda:
+                leave_cores_to_workers()
         self.backend = self.context.cpu_backend
         self.settings = settings
         self.counters = CpuCallStats()

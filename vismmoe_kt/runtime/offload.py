@@ -38,6 +38,7 @@ from .offload_settings import OffloadSettings
 from .offload_stats import PHASES, LayerCounters, layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
 from .decode_boundary import DecodeBoundary
+from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views
@@ -100,6 +101,8 @@ class OffloadRuntime:
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
                                self.layer_bytes, cpu_threads, model_dir, sources)
         self.cpu = self.miss.cpu
+        if getattr(self.cpu, "streams", False) and self.device.type == "cuda":
+            leave_cores_to_workers()  # kt-kernel's pinned workers get the cores torch would otherwise spin on
         self.policy = prefetch or HistoryPrefetch(settings.prefetch_window, settings.prefetch_gamma)
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill
         self.host_reads = 0  # device->host synchronisations, one per offloaded layer call

@@ -115,6 +115,14 @@ def worker_pool_config(plan: WorkerPlan, ext):
     return config
 
 
+def leave_cores_to_workers() -> None:
+    """While kt-kernel serves a CUDA model, torch's CPU threads do little (the GPU computes the rest):
+    keep them to the reserved cores, so they do not compete with the pinned workers."""
+    import torch
+
+    torch.set_num_threads(min(torch.get_num_threads(), RESERVED_CORES))
+
+
 def live_threads() -> dict[int, tuple[str, frozenset[int]]]:
     """This process's threads: id -> (name, the CPUs it may run on). Linux only (empty elsewhere)."""
     out: dict[int, tuple[str, frozenset[int]]] = {}
