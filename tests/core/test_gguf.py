@@ -229,3 +229,30 @@ def test_operators_read_experts_through_kt_transformers_gguf_loader(tiny):
         read_tensor(upstream, "model.visual.blocks.0.attn.qkv.weight", torch.device("cpu"), torch.Size([1]),
                     adapter.gguf_names)
     assert adapter.layer_of("blk.7.ffn_gate_exps") == 7 == adapter.layer_of("model.language_model.layers.7.mlp.experts")
+
+
+@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(),
+                    reason="kt_kernel is not installed")
+def test_the_hybrid_cpu_copy_is_the_gguf_experts_as_stored(tmp_path):
+    """Hybrid mode over a Q8_0 GGUF: the store holds the dequantized experts for the GPU, and kt-kernel
+    computes the CPU's misses on the file's own Q8_0 bytes (no BF16 or re-quantized copy)."""
+    from vismmoe_kt.demo.tiny import TinySpec
+    from vismmoe_kt.operators.vis_experts import VisExperts
+
+    spec = TinySpec(layers=3, experts=8, top_k=2, hidden=256, moe_intermediate=256, heads=4, kv_heads=2, head_dim=64)
+    reference, processor = build_tiny_model(spec, seed=0)
+    hf_dir = save_tiny_model(tmp_path / "hf", spec, seed=0)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith("model.visual")}, str(hf_dir / "model.safetensors"))
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), tmp_path / "m.gguf", "Q8_0")
+    layer_bytes = spec.experts * 3 * 256 * 256 * 4  # float32 experts
+    model, _ = load(hf_dir, "optimize_rules/qwen3vl.yaml", gguf_path=tmp_path / "m.gguf", keep_ratio=1.0,
+                    expert_budget=2 * layer_bytes, miss_policy="cpu", cpu_backend="kt-kernel", cpu_infer=1, **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    offloaded = len(runtime.moe_layers) - len(runtime.pinned)
+    assert offloaded > 0 and runtime.cpu.stored_layers == offloaded
+    assert runtime.cpu.host_bytes == offloaded * spec.experts * 3 * 256 * 256 * 34 / 32
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert ((got - want).norm() / want.norm()).item() <= 0.05

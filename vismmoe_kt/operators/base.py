@@ -44,6 +44,24 @@ UPSTREAM = _upstream_base()
 T = TypeVar("T")
 
 
+UNQUANTIZED_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: nothing to gain over the BF16 path
+
+
+def stored_gguf_experts(loader: Any, key: str, names: tuple[str, str]) -> tuple | None:
+    """(gate, up, down) of a GGUF's quantized experts as stored ((bytes, ggml type) each) for a CPU
+    backend that computes them so (kt-kernel's llamafile kernels); None when the loader is not
+    reading GGUF, the experts are not all there, or they are not quantized."""
+    raw = getattr(loader, "raw_tensors", None)
+    if raw is None:
+        return None
+    gate_up, down = raw(f"{key}.{names[0]}"), raw(f"{key}.{names[1]}")
+    if not gate_up or not down or len(gate_up) != 2 or len(down) != 1:
+        return None
+    if all(kind in UNQUANTIZED_GGML_TYPES for _, kind in gate_up + down):
+        return None
+    return gate_up[0], gate_up[1], down[0]
+
+
 def settings_from(cls: type[T], kwargs: dict[str, Any], operator: str) -> T:
     """An operator's settings dataclass from its rule kwargs: `cls(**kwargs)`, whose `__post_init__`
     checks the values; an unknown kwarg is named beside the known ones (a ValueError the rule engine

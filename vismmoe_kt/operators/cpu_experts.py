@@ -27,9 +27,7 @@ from torch import nn
 
 from ..runtime.cpu import CpuExpertSettings, make_backend
 from ..runtime.cpu.threads import leave_cores_to_workers
-
-UNQUANTIZED_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16
-from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
+from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
 
 
 @dataclass
@@ -78,18 +76,10 @@ class CpuExperts(BaseInjectedModule):
             del experts._parameters[name]
 
     def _stored_experts(self, names: tuple[str, str]):
-        """(gate, up, down) raw GGUF tensors with their types, where `cpu_dtype: auto` lets the
-        backend compute a quantized GGUF's experts as stored; None to read them dequantized."""
-        raw = getattr(self.gguf_loader, "raw_tensors", None)
-        can = getattr(self.backend, "add_layer_stored", None)
-        if self.settings.cpu_dtype != "auto" or raw is None or can is None or not self.backend.takes_stored():
+        """The GGUF's quantized experts as stored, where `cpu_dtype: auto` and the backend take them."""
+        if self.settings.cpu_dtype != "auto" or not getattr(self.backend, "takes_stored", lambda: False)():
             return None
-        gate_up, down = raw(f"{self.key}.{names[0]}"), raw(f"{self.key}.{names[1]}")
-        if not gate_up or not down or len(gate_up) != 2 or len(down) != 1:
-            return None
-        if all(kind in UNQUANTIZED_GGML_TYPES for _, kind in gate_up + down):
-            return None  # F32 / F16 / BF16: nothing to gain over the BF16 path
-        return gate_up[0], gate_up[1], down[0]
+        return stored_gguf_experts(self.gguf_loader, self.key, names)
 
     def decode_capturable(self) -> bool:
         """A decode step may capture this layer: through kt-kernel's in-stream calls on a CUDA device

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..runtime.offload import OffloadRuntime
 from ..runtime.offload_settings import OffloadSettings
-from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
+from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
 
 
 def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> OffloadRuntime:
@@ -97,7 +97,9 @@ class VisExperts(BaseInjectedModule):
         tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", staging, getattr(experts, name).shape,
                                self.adapter.gguf_names)
                    for name in names]
-        self.runtime.load_layer(self.layer, *tensors)
+        # the hybrid's kt-kernel copy can be a GGUF's quantized experts as stored (cpu_dtype: auto)
+        stored = stored_gguf_experts(self.gguf_loader, self.key, names) if self.runtime.takes_stored(self.layer) else None
+        self.runtime.load_layer(self.layer, *tensors, stored=stored)
         for name in names:  # the runtime owns the weights now; no meta parameters stay behind
             del experts._parameters[name]
 

@@ -25,7 +25,7 @@ class MissPolicy:
         self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
         self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
             settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
-            settings.cpu_dtype, model_dir, sources)
+            "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype, model_dir, sources)
 
     @staticmethod
     def _make_cpu_backend(requested: str, num_experts: int, hidden: int, inter: int, top_k: int,

@@ -141,8 +141,14 @@ class OffloadRuntime:
         kw = dict(dtype=self.store.dtype, device=self.device)
         return (torch.zeros(rows, 2 * self.inter, self.hidden, **kw), torch.zeros(rows, self.hidden, self.inter, **kw))
 
-    def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Take one layer's experts (E, 2I, H) and (E, H, I): to a GPU bank if pinned, else to the store."""
+    def takes_stored(self, layer: int) -> bool:
+        """Whether `load_layer` would give the CPU backend a GGUF's experts as stored for `layer`."""
+        return (layer not in self.pinned and self.settings.cpu_dtype == "auto"
+                and getattr(self.cpu, "takes_stored", lambda: False)())
+
+    def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor, stored: tuple | None = None) -> None:
+        """Take one layer's experts (E, 2I, H) and (E, H, I): to a GPU bank if pinned, else to the store
+        (and to the hybrid's CPU backend: `stored`, a GGUF's quantized experts as stored, where given)."""
         if layer not in self.moe_layers:
             raise ValueError(f"layer {layer} is not an MoE layer of this model ({self.moe_layers})")
         self._allocate()
@@ -153,7 +159,9 @@ class OffloadRuntime:
             self.banks[layer] = bank
         else:
             self.store.fill_layer(layer, gate_up, down)
-            if self.cpu is not None:
+            if self.cpu is not None and stored is not None and self.takes_stored(layer):
+                self.cpu.add_layer_stored(layer, *stored)
+            elif self.cpu is not None:
                 self.cpu.add_layer(layer, *block_views(self.store.layers[layer], self.inter, self.hidden))
         self.loaded.add(layer)
 

@@ -29,7 +29,9 @@ class OffloadSettings:
     max_in_flight: int = 16            # prefetch copies outstanding at once
     miss_policy: str = "wait"          # wait (fetch, stall on it) | cpu (compute misses on the CPU) | auto (cost model)
     cpu_backend: str = "torch"         # torch (reads the store in place) | kt-kernel (own copy) | auto
-    cpu_dtype: str = "bf16"            # kt-kernel's copy: bf16 | int8 | int4 (quantized at load: half or a quarter the memory)
+    # kt-kernel's copy: auto (a GGUF's quantized experts as stored, else bf16) | bf16 | int8 | int4 (quantized at
+    # load: half or a quarter the memory)
+    cpu_dtype: str = "auto"
     cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token} pins `auto`; None: measure
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
@@ -58,9 +60,9 @@ class OffloadSettings:
         put("max_in_flight", int(self.max_in_flight))
         if self.miss_policy not in MISS_POLICIES:
             raise BudgetError(f"miss_policy {self.miss_policy!r} is not one of: {', '.join(MISS_POLICIES)}")
-        if self.cpu_dtype not in ("bf16", "int8", "int4"):
-            raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: bf16, int8, int4")
-        if self.cpu_dtype != "bf16" and self.cpu_backend == "torch":
+        if self.cpu_dtype not in ("auto", "bf16", "int8", "int4"):
+            raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, bf16, int8, int4")
+        if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":
             raise BudgetError(f"cpu_dtype {self.cpu_dtype} needs cpu_backend kt-kernel: the torch backend reads the "
                               "store's BF16 blocks in place")
         if isinstance(self.cost_model, dict):
