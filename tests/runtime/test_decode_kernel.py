@@ -91,6 +91,32 @@ got = decode_kernel.experts_where_they_lie(x, ids, cpu_slots, land, [p.clone() f
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
 
+# a Q8_0 store's misses: fetched and dequantized into their landing or scratch slabs, kernel = twin
+from vismmoe_kt.runtime.store import ExpertStore
+from vismmoe_kt.runtime.table_experts import fetch_dequantized
+from vismmoe_kt.runtime.decode_table import CPU_PAIR
+QE, QH, QI = 5, 96, 64
+for dtype in (torch.float32, torch.bfloat16):
+    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt="q8_0")
+    store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
+    results = []
+    for use_kernel in (False, True):
+        pools = [torch.zeros(9, 2 * QI, QH, dtype=dtype), torch.zeros(9, QH, QI, dtype=dtype)]  # 4 slabs, 4 scratch, dump
+        read = fetch_dequantized(ids, q_slots, q_land, pools, store.layers[0], store, 4, use_kernel)
+        results.append((read, pools))
+    (read, twin), (k_read, kern) = results
+    assert read.tolist() == k_read.tolist() == [1, 2, 6, CPU_PAIR]  # landed in slab 1; expert 4 in scratch 4 + 2
+    want_gu, want_dn = store.dequantized(store.layers[0][torch.tensor([1, 4])])
+    # exact in fp32; in bf16 the interpreter's cast from fp32 may round the last bit differently
+    close = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    for slab, i in ((1, 0), (6, 1)):
+        torch.testing.assert_close(kern[0][slab], want_gu[i], **close)
+        torch.testing.assert_close(kern[1][slab], want_dn[i], **close)
+        assert torch.equal(twin[0][slab], want_gu[i]) and torch.equal(twin[1][slab], want_dn[i])
+    for slab in (0, 2, 3, 4, 5, 7):  # nothing else written (the twin's dump is row 8)
+        assert not kern[0][slab].any() and not kern[1][slab].any()
+
 # lookahead prefetch: claim, copy from the host, publish, against the twin
 L, R = 3, 4
 host_rows = [None] + [(torch.randn(E, 3 * I * H) / 8).to(torch.bfloat16) for _ in range(L - 1)]  # row 0 pinned
@@ -160,6 +186,10 @@ def test_kernels_compile_for_hopper():
     small = {"E1": 129, "K": 8, "KP": 8, "R": 12}
     compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr", "KP": "constexpr",
                                          "R": "constexpr"}, small)
+    q8 = {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "pool_ptr": "*bf16", "host_addr": "i64",
+          "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
+          "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}
+    compile_for_hopper(dk._fetch_q8_kernel, q8, {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8})
     for publish in (True, False):
         compile_for_hopper(dk._combine_kernel, {
             "y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64", "land_ptr": "*i64",

@@ -107,6 +107,33 @@ if tl is not None:
 
 
     @triton.jit
+    def _fetch_q8_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
+                         part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         QBLOCKS: tl.constexpr):
+        """One part (gate_up or down) of the needed pairs' Q8_0 blocks, read from the mapped host store
+        and written dequantized into their slabs: program (pair, tile of BLOCK_ROWS rows)."""
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        need = tl.load(need_ptr + pair) != 0
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        target = tl.load(target_ptr + pair).to(tl.int64)
+        row_bytes: tl.constexpr = COLS // 32 * 34
+        base = host_addr + expert * block_bytes + part_bytes
+        lane = tl.arange(0, 32)
+        row_ok = (rows < ROWS) & need
+        for first in range(0, COLS // 32, QBLOCKS):
+            qb = first + tl.arange(0, QBLOCKS)
+            ok = row_ok[:, None] & (qb < COLS // 32)[None, :]                          # (R, Q)
+            at = rows[:, None].to(tl.int64) * row_bytes + qb[None, :].to(tl.int64) * 34  # each block's first byte
+            scale = tl.load((base + at).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0)
+            values = tl.load((base + at[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
+                             mask=ok[:, :, None], other=0)
+            weights = values.to(tl.float32) * scale.to(tl.float32)[:, :, None]
+            cols = qb[None, :, None].to(tl.int64) * 32 + lane[None, None, :]
+            out = pool_ptr + target * slab_elems + part_elems + rows[:, None, None].to(tl.int64) * COLS + cols
+            tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+    @triton.jit
     def _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, wanted, owners,
                E1: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr):
         """DecodeTable._claim: each wanted pair's entry NOT_RESIDENT -> ARRIVING (compare-and-swap:
@@ -240,6 +267,23 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
         table.slots if publish else y, row, hidden, E1=table.slots.shape[1] if publish else 1, K=k,
         KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
     return out
+
+
+def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
+             host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
+             qblocks: int = 8) -> None:
+    """TableExperts.fetch_dequantized's copy in two launches (gate_up, then down): the needed pairs'
+    Q8_0 blocks read from the mapped host store and written dequantized into their target slabs."""
+    from . import q8
+
+    p = ids.numel()
+    gate_up, down = pools
+    need = need.to(torch.int8)
+    for pool, rows, cols, part_bytes in ((gate_up, 2 * inter, hidden, 0),
+                                         (down, hidden, inter, 2 * inter * q8.row_bytes(hidden))):
+        _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows))](
+            ids, need, target, pool, host_address, block_bytes, part_bytes, pool[0].numel(), 0,
+            ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks)
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

@@ -43,7 +43,7 @@ from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views
 from . import decode_kernel
-from .table_experts import combine, kernel_usable, pair_outputs
+from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
 
 
@@ -65,8 +65,9 @@ class OffloadRuntime:
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
-        self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available())
-        self.layer_bytes = num_experts * self.store.block_bytes
+        self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(),
+                                 fmt=settings.store_dtype)
+        self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a layer (slabs are in `dtype`)
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
         self.depth_choice = resolve_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe,
@@ -76,7 +77,7 @@ class OffloadRuntime:
         self.pinned = set(self.moe_layers[:n_pinned])
         offloaded = len(self.moe_layers) - n_pinned
         slab_budget = settings.expert_budget - n_pinned * self.layer_bytes
-        self.num_slabs = min(slab_budget // self.store.block_bytes, offloaded * num_experts)
+        self.num_slabs = min(slab_budget // self.store.slab_bytes, offloaded * num_experts)
         if offloaded and self.num_slabs < num_experts:
             raise BudgetError(
                 f"expert budget {human_bytes(settings.expert_budget)} leaves {self.num_slabs} slabs after "
@@ -98,8 +99,14 @@ class OffloadRuntime:
         self.phase = "prefill"
         self.loaded: set[int] = set()
         self.top_k = top_k
+        if self.store.quantized and lookahead is not None:
+            raise BudgetError("store_dtype q8_0 does not work with the lookahead predictor yet (its prefetch copies "
+                              "move the model's dtype); use store_dtype: model, or no predictor")
+        if self.store.quantized and settings.miss_policy != "wait" and settings.cpu_backend == "torch":
+            raise BudgetError("store_dtype q8_0 with the hybrid mode needs cpu_backend: kt-kernel (the torch backend "
+                              "computes on the store's blocks in place, which are Q8_0 bytes)")
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
-                               self.layer_bytes, cpu_threads, model_dir, sources)
+                               num_experts * self.store.block_bytes, cpu_threads, model_dir, sources)
         self.cpu = self.miss.cpu
         if getattr(self.cpu, "streams", False) and self.device.type == "cuda":
             leave_cores_to_workers()  # kt-kernel's pinned workers get the cores torch would otherwise spin on
@@ -124,8 +131,10 @@ class OffloadRuntime:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
         if self.pool is not None:
             return
-        # one row past the slabs: a scratch slab the decode twin's masked landing writes go to
-        self.pool = self._bank(self.num_slabs + 1 if self.num_slabs else 1)
+        # one row past the slabs: a scratch slab the decode twin's masked landing writes go to; a Q8_0 store
+        # adds K rows (a decode miss without a landing slab is dequantized there) and a dump row
+        extra = 1 + (self.top_k + 1 if self.store.quantized else 0)
+        self.pool = self._bank(self.num_slabs + extra if self.num_slabs else extra)
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
         # with lookahead, prefetches land in the same per-layer slots as misses: room for both
         slots = 2 * self.top_k if self.lookahead is not None else self.top_k
@@ -161,6 +170,8 @@ class OffloadRuntime:
             self.store.fill_layer(layer, gate_up, down)
             if self.cpu is not None and stored is not None and self.takes_stored(layer):
                 self.cpu.add_layer_stored(layer, *stored)
+            elif self.cpu is not None and self.store.quantized:  # kt-kernel takes the model's dtype
+                self.cpu.add_layer(layer, gate_up, down)
             elif self.cpu is not None:
                 self.cpu.add_layer(layer, *block_views(self.store.layers[layer], self.inter, self.hidden))
         self.loaded.add(layer)
@@ -223,7 +234,12 @@ class OffloadRuntime:
         if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
             self._look_ahead(row, hidden)
         on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.cpu is not None else None
-        y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
+        if self.store.quantized:  # misses dequantized into their landing (or scratch) slabs first
+            read = fetch_dequantized(ids, slots, land, self.pool, self.store.layers[layer], self.store,
+                                     self.num_slabs + 1, kernel)
+            y = pair_outputs(hidden, ids, read, table.no_landing, self.pool, None, act, top_k, kernel)
+        else:
+            y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
         if kernel:  # combines and publishes in one launch
             out = decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
         else:

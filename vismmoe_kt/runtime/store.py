@@ -1,5 +1,7 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
+(With `fmt="q8_0"` a block holds the same two parts in llama.cpp's Q8_0 bytes: q8.py.)
+
 A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
 slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
 `(slabs, out, in)` tensor that grouped GEMM reads without a copy), so a fetch is two copies. A layer's blocks are one tensor `(E, block_elems)` of exactly that size, page-locked and
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import q8
 from .host_memory import HostBuffer
 
 
@@ -23,25 +26,65 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
     return blocks[:, :split].view(rows, 2 * inter, hidden), blocks[:, split:].view(rows, hidden, inter)
 
 
+def q8_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block bytes) of a Q8_0 store -> gate_up (rows, 2I, bytes of a row of H) and down
+    (rows, H, bytes of a row of I) views of the same memory."""
+    rows, split = blocks.shape[0], 2 * inter * q8.row_bytes(hidden)
+    return (blocks[:, :split].view(rows, 2 * inter, q8.row_bytes(hidden)),
+            blocks[:, split:].view(rows, hidden, q8.row_bytes(inter)))
+
+
+FORMATS = ("model", "q8_0")
+
+
 class ExpertStore:
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool):
+    """`fmt`: `model` keeps the model's dtype; `q8_0` keeps llama.cpp's 8-bit blocks (q8.py), about
+    half the bytes of BF16 per expert in host memory and over PCIe; slabs stay in `dtype` either way.
+    `block_bytes` is what a fetch moves, `slab_bytes` what a slab holds on the GPU."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool,
+                 fmt: str = "model"):
+        if fmt not in FORMATS:
+            raise ValueError(f"store format {fmt!r} is not one of: {', '.join(FORMATS)}")
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.dtype, self.pin_memory = dtype, pin_memory
+        self.dtype, self.pin_memory, self.fmt = dtype, pin_memory, fmt
         self.block_elems = 3 * inter * hidden
-        self.block_bytes = self.block_elems * torch.tensor([], dtype=dtype).element_size()
+        self.slab_bytes = self.block_elems * torch.tensor([], dtype=dtype).element_size()
+        self.block_bytes = self.slab_bytes if fmt == "model" else \
+            2 * inter * q8.row_bytes(hidden) + hidden * q8.row_bytes(inter)
         self.layers: dict[int, torch.Tensor] = {}
         self._buffers: dict[int, HostBuffer] = {}
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "model"
 
     def fill_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if layer in self._buffers:
             self._buffers.pop(layer).release()
-        buffer = HostBuffer(self.num_experts * self.block_elems, self.dtype, self.pin_memory)
-        blocks = buffer.tensor.view(self.num_experts, self.block_elems)
-        gu, dn = block_views(blocks, self.inter, self.hidden)
-        gu.copy_(gate_up)
-        dn.copy_(down)
+        if self.quantized:
+            buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
+            blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
+            gu, dn = q8_views(blocks, self.inter, self.hidden)
+            for expert in range(self.num_experts):  # one expert at a time: no second copy of the layer
+                gu[expert].copy_(q8.quantize(gate_up[expert]))
+                dn[expert].copy_(q8.quantize(down[expert]))
+        else:
+            buffer = HostBuffer(self.num_experts * self.block_elems, self.dtype, self.pin_memory)
+            blocks = buffer.tensor.view(self.num_experts, self.block_elems)
+            gu, dn = block_views(blocks, self.inter, self.hidden)
+            gu.copy_(gate_up)
+            dn.copy_(down)
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
+
+    def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, block) of this store's format -> gate_up (rows, 2I, H) and down (rows, H, I) in the
+        slab dtype (views for the model format; new tensors, on the blocks' device, for Q8_0)."""
+        if not self.quantized:
+            return block_views(blocks, self.inter, self.hidden)
+        gu, dn = q8_views(blocks, self.inter, self.hidden)
+        return q8.dequantize(gu, self.hidden, self.dtype), q8.dequantize(dn, self.inter, self.dtype)
 
     def release(self) -> None:
         """Unregister and free every layer's blocks (the store is empty afterwards)."""
@@ -54,7 +97,10 @@ class ExpertStore:
         return self.layers[layer][expert]
 
     def block_parts(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's gate_up (2I, H) and down (H, I) as views, to copy into the two slab pools."""
+        """The block's gate_up (2I, H) and down (H, I) as views, to copy into the two slab pools (the
+        model format; a Q8_0 block is fetched whole and dequantized: `dequantized`)."""
+        if self.quantized:
+            raise RuntimeError("a Q8_0 store's blocks are fetched whole and dequantized, not copied in parts")
         gate_up, down = block_views(self.layers[layer][expert:expert + 1], self.inter, self.hidden)
         return gate_up[0], down[0]
 

@@ -74,13 +74,25 @@ class Transfers:
             self._worker.start()
 
     # --- copies (lock held) -----------------------------------------------------------------
+    def _sources(self, key: Key, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's two parts in the slab dtype: views of the store, or (Q8_0) the block's bytes
+        moved to `device` whole (the PCIe bytes) and dequantized there."""
+        if not self.store.quantized:
+            return self.store.block_parts(*key)
+        layer, expert = key
+        block = self.store.layers[layer][expert:expert + 1]
+        if device is not None:
+            block = block.to(device, non_blocking=True)  # page-locked source: an asynchronous copy
+        gate_up, down = self.store.dequantized(block)
+        return gate_up[0], down[0]
+
     def _copy(self, slab: int, key: Key, urgent: bool) -> None:
-        sources = self.store.block_parts(*key)
         targets = (self.pool[0][slab], self.pool[1][slab])
         self.counters.bytes_copied += self.store.block_bytes
         self.counters.copies += 1
         if not self.cuda:
             start = time.perf_counter()
+            sources = self._sources(key)
             for dst, src in zip(targets, sources):
                 dst.copy_(src)
             elapsed = time.perf_counter() - start
@@ -97,7 +109,7 @@ class Transfers:
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             begin.record(stream)
-            for dst, src in zip(targets, sources):
+            for dst, src in zip(targets, self._sources(key, self.device)):
                 dst.copy_(src, non_blocking=True)
             done.record(stream)
         self.events[slab] = done

@@ -1,0 +1,76 @@
+"""The offload runtime's Q8_0 host store: llama.cpp's 8-bit blocks on the host (about half the bytes of
+BF16 in memory and per fetched expert), dequantized into the GPU's slabs as experts arrive, through the
+placement path's copies and the decode table's misses alike."""
+
+import pytest
+import torch
+
+from vismmoe_kt import load
+from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.errors import RuleError
+from vismmoe_kt.operators.vis_experts import VisExperts
+from vismmoe_kt.runtime import q8
+
+CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
+SPEC = SPECS["tiny-6x64"]  # rows of 96 and 64 weights: whole Q8_0 blocks
+LAYER_BYTES = SPEC.experts * 3 * SPEC.hidden * SPEC.moe_intermediate * 4  # float32
+
+
+def test_q8_round_trip_is_within_half_a_step_and_the_scales_rounding():
+    weights = torch.randn(3, 5, 64)
+    data = q8.quantize(weights)
+    assert data.dtype == torch.uint8 and data.shape == (3, 5, 68)
+    back = q8.dequantize(data, 64)
+    step = weights.reshape(3, 5, 2, 32).abs().amax(-1, keepdim=True) / 127
+    # half a step, plus the float16 scale's rounding (relative 2**-11) over up to 127 steps
+    assert ((back - weights).reshape(3, 5, 2, 32).abs() <= step * (0.5 + 127 * 2**-11)).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8.quantize(torch.randn(2, 48))
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("q8"), "tiny-6x64", seed=0)
+    reference, processor = build_tiny_model("tiny-6x64", seed=0)
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    return model_dir, reference, inputs
+
+
+@pytest.mark.parametrize("rules", ["optimize_rules/qwen3vl-offload.yaml", "optimize_rules/qwen3vl-lru.yaml"])
+def test_offloaded_decode_from_a_q8_store(case, rules):
+    model_dir, reference, inputs = case
+    runs = {}
+    for fmt, graphs in (("model", "off"), ("q8_0", "off"), ("q8_0", "replay")):
+        model, _ = load(model_dir, rules, expert_budget=2 * LAYER_BYTES, store_dtype=fmt, graphs=graphs, **CPU)
+        runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+        with torch.no_grad():
+            logits = model(**inputs).logits
+            tokens = generate(model, dict(inputs), 10, min_new_tokens=10)
+        runs[fmt, graphs] = (runtime, logits, tokens, decode_engine(model).stats())
+    runtime, logits, tokens, stats = runs["q8_0", "off"]
+    plain = runs["model", "off"][0]
+    assert runtime.store.nbytes == plain.store.nbytes * 34 / 32 / 4  # float32 blocks -> 34 bytes per 32 weights
+    assert runtime.num_slabs == plain.num_slabs  # the GPU's slabs keep the model's dtype
+    want = reference(**inputs).logits
+    assert 0 < ((logits - want).norm() / want.norm()).item() <= 1e-2  # quantized, and within Q8_0's error
+    decode = [runtime.counters["decode"][layer] for layer in runtime.moe_layers if layer not in runtime.pinned]
+    misses = sum(c.misses + c.late for c in decode)
+    assert misses > 0 and runtime.copy_counters["decode"].bytes_host_reads == misses * runtime.store.block_bytes
+    graphed = runs["q8_0", "replay"]
+    assert torch.equal(graphed[2], tokens)  # the graphs' CPU twin decodes the same tokens
+    assert graphed[3]["graphed_steps"] == graphed[3]["steps"] == 9
+
+
+def test_what_the_q8_store_cannot_do_yet_is_a_clear_error(case, tmp_path):
+    model_dir, _, _ = case
+    with pytest.raises(RuleError, match="store_dtype q8_0 with the hybrid mode needs cpu_backend: kt-kernel"):
+        load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q8_0",
+             keep_ratio=1.0, **CPU)
+    with pytest.raises(RuleError, match="store_dtype 'q4' is not one of: model, q8_0"):
+        load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q4", **CPU)
+    odd = save_tiny_model(tmp_path / "odd", "tiny-4x16", seed=0)  # intermediate 48: not whole Q8_0 blocks
+    with pytest.raises(RuleError, match="Q8_0 needs rows whose length is a multiple of 32, got 48"):
+        load(odd, "optimize_rules/qwen3vl-offload.yaml", expert_budget=int(2 * 16 * 3 * 64 * 48 * 4),
+             store_dtype="q8_0", **CPU)
