@@ -256,3 +256,26 @@ def test_the_hybrid_cpu_copy_is_the_gguf_experts_as_stored(tmp_path):
     with torch.no_grad():
         got, want = model(**inputs).logits, reference(**inputs).logits
     assert ((got - want).norm() / want.norm()).item() <= 0.05
+
+
+def test_a_q8_0_gguf_fills_a_q8_0_store_byte_for_byte(tiny):
+    """Offloaded layers of a Q8_0 GGUF go into a Q8_0 host store as the file stores them (no
+    dequantizing and requantizing); decoding from it stays within Q8_0's error."""
+    from vismmoe_kt.operators.vis_experts import VisExperts
+
+    root, reference, hf_dir, inputs = tiny
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "store.gguf", "Q8_0")
+    spec_bytes = 64 * 3 * 96 * 64 * 4  # one float32 layer of tiny-6x64's experts
+    model, _ = load(hf_dir, RULES, gguf_path=root / "store.gguf", expert_budget=2 * spec_bytes, store_dtype="q8_0",
+                    **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    layer = next(layer for layer in runtime.moe_layers if layer not in runtime.pinned)
+    file = gguf.GGUFReader(str(root / "store.gguf"))
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in file.tensors if t.name.startswith(f"blk.{layer}.ffn_")}
+    gate_up, down = (runtime.store.layers[layer][:, :128 * 102], runtime.store.layers[layer][:, 128 * 102:])
+    assert torch.equal(gate_up.reshape(64, 128, 102)[:, :64], raw[f"blk.{layer}.ffn_gate_exps.weight"])
+    assert torch.equal(gate_up.reshape(64, 128, 102)[:, 64:], raw[f"blk.{layer}.ffn_up_exps.weight"])
+    assert torch.equal(down.reshape(64, 96, 68), raw[f"blk.{layer}.ffn_down_exps.weight"])
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert ((got - want).norm() / want.norm()).item() <= 3e-2

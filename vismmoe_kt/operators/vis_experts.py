@@ -23,6 +23,8 @@ from ..runtime.offload import OffloadRuntime
 from ..runtime.offload_settings import OffloadSettings
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
 
+Q8_0_GGML_TYPE = 8
+
 
 def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> OffloadRuntime:
     """The one runtime of this load, made by the first operator; later ones must agree with it."""
@@ -91,6 +93,13 @@ class VisExperts(BaseInjectedModule):
         from ..core.weights import read_tensor
 
         experts, names = self.orig_module, self.adapter.expert_tensors
+        if self.runtime.takes_q8_bytes(self.layer):  # a Q8_0 GGUF into a Q8_0 store: its bytes as they are
+            stored = stored_gguf_experts(self.gguf_loader, self.key, names)
+            if stored is not None and all(kind == Q8_0_GGML_TYPE for _, kind in stored):
+                self.runtime.load_layer_q8(self.layer, *(data for data, _ in stored))
+                for name in names:
+                    del experts._parameters[name]
+                return
         # where the loader hands tensors over fastest: host memory for a checkpoint (mmap), the GPU for
         # synthetic weights (made there); the runtime copies them into its store or banks either way
         staging = torch.device(getattr(self.gguf_loader, "staging_device", "cpu"))

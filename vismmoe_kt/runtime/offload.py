@@ -150,6 +150,20 @@ class OffloadRuntime:
         kw = dict(dtype=self.store.dtype, device=self.device)
         return (torch.zeros(rows, 2 * self.inter, self.hidden, **kw), torch.zeros(rows, self.hidden, self.inter, **kw))
 
+    def takes_q8_bytes(self, layer: int) -> bool:
+        """Whether `load_layer_q8` can take `layer` (offloaded, a Q8_0 store, no CPU backend wanting
+        the model's dtype)."""
+        return layer not in self.pinned and self.store.quantized and self.cpu is None
+
+    def load_layer_q8(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """An offloaded layer from Q8_0 bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I) in
+        34-byte blocks): into the Q8_0 store as they are, with no dequantizing and requantizing."""
+        if not self.takes_q8_bytes(layer):
+            raise ValueError(f"layer {layer} cannot take Q8_0 bytes (pinned, or the store is not Q8_0)")
+        self._allocate()
+        self.store.fill_layer_q8(layer, gate, up, down)
+        self.loaded.add(layer)
+
     def takes_stored(self, layer: int) -> bool:
         """Whether `load_layer` would give the CPU backend a GGUF's experts as stored for `layer`."""
         return (layer not in self.pinned and self.settings.cpu_dtype == "auto"

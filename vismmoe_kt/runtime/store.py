@@ -78,6 +78,27 @@ class ExpertStore:
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
 
+    def fill_layer_q8(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """A Q8_0 store's layer from Q8_0 bytes as stored elsewhere (a GGUF's gate, up and down experts:
+        (E, I, row bytes of H), the same, (E, H, row bytes of I))."""
+        if not self.quantized:
+            raise RuntimeError("fill_layer_q8 needs a Q8_0 store")
+        e, i, h = self.num_experts, self.inter, self.hidden
+        shapes = ((e, i, q8.row_bytes(h)), (e, i, q8.row_bytes(h)), (e, h, q8.row_bytes(i)))
+        for name, part, shape in zip(("gate", "up", "down"), (gate, up, down), shapes):
+            if part.numel() != shape[0] * shape[1] * shape[2]:
+                raise ValueError(f"Q8_0 {name} experts hold {part.numel()} bytes, expected {shape}")
+        if layer in self._buffers:
+            self._buffers.pop(layer).release()
+        buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
+        blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
+        gu, dn = q8_views(blocks, i, h)
+        gu[:, :i].copy_(gate.reshape(shapes[0]))
+        gu[:, i:].copy_(up.reshape(shapes[1]))
+        dn.copy_(down.reshape(shapes[2]))
+        self._buffers[layer] = buffer
+        self.layers[layer] = blocks
+
     def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, block) of this store's format -> gate_up (rows, 2I, H) and down (rows, H, I) in the
         slab dtype (views for the model format; new tensors, on the blocks' device, for Q8_0)."""
