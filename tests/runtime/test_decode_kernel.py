@@ -190,6 +190,8 @@ def test_kernels_compile_for_hopper():
           "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
           "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}
     compile_for_hopper(dk._fetch_q8_kernel, q8, {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8})
+    compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
+                                          "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     for publish in (True, False):
         compile_for_hopper(dk._combine_kernel, {
             "y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64", "land_ptr": "*i64",

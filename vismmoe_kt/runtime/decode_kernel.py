@@ -38,6 +38,7 @@ DOWN_CONFIG = (16, 256, 2)
 # elements each moves per iteration (16 KiB of BF16: enough bytes in flight to keep PCIe busy)
 PREFETCH_PROGRAMS = 32
 PREFETCH_CHUNK = 8192
+STAGE_CHUNK = 4096  # 4-byte words per program of a Q8_0 miss's staging copy (16 KiB in flight each)
 
 _DTYPES = {}
 if tl is not None:
@@ -110,8 +111,8 @@ if tl is not None:
     def _fetch_q8_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
                          part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          QBLOCKS: tl.constexpr):
-        """One part (gate_up or down) of the needed pairs' Q8_0 blocks, read from the mapped host store
-        and written dequantized into their slabs: program (pair, tile of BLOCK_ROWS rows)."""
+        """One part (gate_up or down) of the needed pairs' Q8_0 blocks, read at `host_addr` (the staging
+        rows: `ids` index them) and written dequantized into their slabs: program (pair, tile of rows)."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         need = tl.load(need_ptr + pair) != 0
@@ -132,6 +133,21 @@ if tl is not None:
             cols = qb[None, :, None].to(tl.int64) * 32 + lane[None, None, :]
             out = pool_ptr + target * slab_elems + part_elems + rows[:, None, None].to(tl.int64) * COLS + cols
             tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+    @triton.jit
+    def _stage_kernel(ids_ptr, need_ptr, staging_ptr, host_addr, block_words, CHUNK: tl.constexpr):
+        """The needed pairs' whole blocks (as 4-byte words) from the mapped host store into a device
+        staging row per pair: contiguous, wide reads, so PCIe moves the blocks' bytes once and at speed
+        (a dequantizing read of 34-byte blocks in place would issue many small, strided reads)."""
+        pair = tl.program_id(0)
+        start = tl.program_id(1) * CHUNK
+        need = tl.load(need_ptr + pair) != 0
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        offsets = start + tl.arange(0, CHUNK)
+        inside = (offsets < block_words) & need
+        src = (host_addr + expert * block_words * 4).to(tl.pointer_type(tl.int32), bitcast=True)
+        tl.store(staging_ptr + pair.to(tl.int64) * block_words + offsets, tl.load(src + offsets, mask=inside),
+                 mask=inside)
 
     @triton.jit
     def _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, wanted, owners,
@@ -272,17 +288,24 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
 def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
              host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
              qblocks: int = 8) -> None:
-    """TableExperts.fetch_dequantized's copy in two launches (gate_up, then down): the needed pairs'
-    Q8_0 blocks read from the mapped host store and written dequantized into their target slabs."""
+    """TableExperts.fetch_dequantized in three launches: the needed pairs' Q8_0 blocks copied from the
+    mapped host store to device staging, then dequantized into their target slabs (gate_up, down)."""
     from . import q8
 
     p = ids.numel()
     gate_up, down = pools
     need = need.to(torch.int8)
+    if block_bytes % 4:
+        raise ValueError(f"a Q8_0 block of {block_bytes} bytes is not whole 4-byte words")
+    # first the blocks' bytes over PCIe into device memory, then dequantized from there
+    words = block_bytes // 4
+    staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
+    _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, staging, host_address, words, CHUNK=STAGE_CHUNK)
+    rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
     for pool, rows, cols, part_bytes in ((gate_up, 2 * inter, hidden, 0),
                                          (down, hidden, inter, 2 * inter * q8.row_bytes(hidden))):
         _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows))](
-            ids, need, target, pool, host_address, block_bytes, part_bytes, pool[0].numel(), 0,
+            rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
             ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks)
 
 
