@@ -258,24 +258,27 @@ def test_the_hybrid_cpu_copy_is_the_gguf_experts_as_stored(tmp_path):
     assert ((got - want).norm() / want.norm()).item() <= 0.05
 
 
-def test_a_q8_0_gguf_fills_a_q8_0_store_byte_for_byte(tiny):
-    """Offloaded layers of a Q8_0 GGUF go into a Q8_0 host store as the file stores them (no
-    dequantizing and requantizing); decoding from it stays within Q8_0's error."""
+@pytest.mark.parametrize("qtype,error", [("Q8_0", 3e-2), ("Q4_0", 0.3)])
+def test_a_quantized_gguf_fills_a_store_of_its_format_byte_for_byte(tiny, qtype, error):
+    """Offloaded layers of a Q8_0 (Q4_0) GGUF go into a Q8_0 (Q4_0) host store as the file stores them
+    (no dequantizing and requantizing); decoding from it stays within the format's error."""
     from vismmoe_kt.operators.vis_experts import VisExperts
 
     root, reference, hf_dir, inputs = tiny
-    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "store.gguf", "Q8_0")
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / f"store-{qtype}.gguf", qtype)
     spec_bytes = 64 * 3 * 96 * 64 * 4  # one float32 layer of tiny-6x64's experts
-    model, _ = load(hf_dir, RULES, gguf_path=root / "store.gguf", expert_budget=2 * spec_bytes, store_dtype="q8_0",
-                    **CPU)
+    model, _ = load(hf_dir, RULES, gguf_path=root / f"store-{qtype}.gguf", expert_budget=2 * spec_bytes,
+                    store_dtype=qtype.lower(), **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
     layer = next(layer for layer in runtime.moe_layers if layer not in runtime.pinned)
-    file = gguf.GGUFReader(str(root / "store.gguf"))
+    file = gguf.GGUFReader(str(root / f"store-{qtype}.gguf"))
     raw = {t.name: torch.from_numpy(np.array(t.data)) for t in file.tensors if t.name.startswith(f"blk.{layer}.ffn_")}
-    gate_up, down = (runtime.store.layers[layer][:, :128 * 102], runtime.store.layers[layer][:, 128 * 102:])
-    assert torch.equal(gate_up.reshape(64, 128, 102)[:, :64], raw[f"blk.{layer}.ffn_gate_exps.weight"])
-    assert torch.equal(gate_up.reshape(64, 128, 102)[:, 64:], raw[f"blk.{layer}.ffn_up_exps.weight"])
-    assert torch.equal(down.reshape(64, 96, 68), raw[f"blk.{layer}.ffn_down_exps.weight"])
+    per_block = {"Q8_0": 34, "Q4_0": 18}[qtype]
+    row_h, row_i = 96 // 32 * per_block, 64 // 32 * per_block
+    gate_up, down = (runtime.store.layers[layer][:, :128 * row_h], runtime.store.layers[layer][:, 128 * row_h:])
+    assert torch.equal(gate_up.reshape(64, 128, row_h)[:, :64], raw[f"blk.{layer}.ffn_gate_exps.weight"])
+    assert torch.equal(gate_up.reshape(64, 128, row_h)[:, 64:], raw[f"blk.{layer}.ffn_up_exps.weight"])
+    assert torch.equal(down.reshape(64, 96, row_i), raw[f"blk.{layer}.ffn_down_exps.weight"])
     with torch.no_grad():
         got, want = model(**inputs).logits, reference(**inputs).logits
-    assert ((got - want).norm() / want.norm()).item() <= 3e-2
+    assert ((got - want).norm() / want.norm()).item() <= error

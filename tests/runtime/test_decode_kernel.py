@@ -91,13 +91,13 @@ got = decode_kernel.experts_where_they_lie(x, ids, cpu_slots, land, [p.clone() f
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
 
-# a Q8_0 store's misses: fetched and dequantized into their landing or scratch slabs, kernel = twin
+# a quantized store's misses: fetched and dequantized into their landing or scratch slabs, kernel = twin
 from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import fetch_dequantized
 from vismmoe_kt.runtime.decode_table import CPU_PAIR
 QE, QH, QI = 5, 96, 64
-for dtype in (torch.float32, torch.bfloat16):
-    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt="q8_0")
+for dtype, fmt in ((torch.float32, "q8_0"), (torch.bfloat16, "q8_0"), (torch.float32, "q4_0")):
+    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
     store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
     ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
     results = []
@@ -189,7 +189,9 @@ def test_kernels_compile_for_hopper():
     q8 = {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "pool_ptr": "*bf16", "host_addr": "i64",
           "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
           "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}
-    compile_for_hopper(dk._fetch_q8_kernel, q8, {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8})
+    for q4 in (False, True):
+        compile_for_hopper(dk._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
+                           {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
     compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
                                           "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     for publish in (True, False):

@@ -23,8 +23,6 @@ from ..runtime.offload import OffloadRuntime
 from ..runtime.offload_settings import OffloadSettings
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
 
-Q8_0_GGML_TYPE = 8
-
 
 def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> OffloadRuntime:
     """The one runtime of this load, made by the first operator; later ones must agree with it."""
@@ -93,10 +91,10 @@ class VisExperts(BaseInjectedModule):
         from ..core.weights import read_tensor
 
         experts, names = self.orig_module, self.adapter.expert_tensors
-        if self.runtime.takes_q8_bytes(self.layer):  # a Q8_0 GGUF into a Q8_0 store: its bytes as they are
-            stored = stored_gguf_experts(self.gguf_loader, self.key, names)
-            if stored is not None and all(kind == Q8_0_GGML_TYPE for _, kind in stored):
-                self.runtime.load_layer_q8(self.layer, *(data for data, _ in stored))
+        if self.runtime.store.quantized and self.layer not in self.runtime.pinned:
+            stored = stored_gguf_experts(self.gguf_loader, self.key, names)  # a GGUF's quantized experts
+            if stored is not None and all(self.runtime.takes_raw(self.layer, kind) for _, kind in stored):
+                self.runtime.load_layer_raw(self.layer, *(data for data, _ in stored))  # its bytes, as they are
                 for name in names:
                     del experts._parameters[name]
                 return

@@ -110,7 +110,7 @@ if tl is not None:
     @triton.jit
     def _fetch_q8_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
                          part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         QBLOCKS: tl.constexpr):
+                         QBLOCKS: tl.constexpr, Q4: tl.constexpr = False):
         """One part (gate_up or down) of the needed pairs' Q8_0 blocks, read at `host_addr` (the staging
         rows: `ids` index them) and written dequantized into their slabs: program (pair, tile of rows)."""
         pair = tl.program_id(0)
@@ -118,18 +118,25 @@ if tl is not None:
         need = tl.load(need_ptr + pair) != 0
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         target = tl.load(target_ptr + pair).to(tl.int64)
-        row_bytes: tl.constexpr = COLS // 32 * 34
+        QB_BYTES: tl.constexpr = 18 if Q4 else 34  # Q4_0: scale + 16 bytes of two nibbles; Q8_0: scale + 32 int8
+        row_bytes: tl.constexpr = COLS // 32 * QB_BYTES
         base = host_addr + expert * block_bytes + part_bytes
         lane = tl.arange(0, 32)
         row_ok = (rows < ROWS) & need
         for first in range(0, COLS // 32, QBLOCKS):
             qb = first + tl.arange(0, QBLOCKS)
             ok = row_ok[:, None] & (qb < COLS // 32)[None, :]                          # (R, Q)
-            at = rows[:, None].to(tl.int64) * row_bytes + qb[None, :].to(tl.int64) * 34  # each block's first byte
+            at = rows[:, None].to(tl.int64) * row_bytes + qb[None, :].to(tl.int64) * QB_BYTES  # each block's first byte
             scale = tl.load((base + at).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0)
-            values = tl.load((base + at[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
-                             mask=ok[:, :, None], other=0)
-            weights = values.to(tl.float32) * scale.to(tl.float32)[:, :, None]
+            if Q4:  # weight j: the low nibble of byte j (j < 16), else the high nibble of byte j - 16
+                packed = tl.load((base + at[:, :, None] + 2 + (lane % 16)[None, None, :]).to(
+                    tl.pointer_type(tl.uint8), bitcast=True), mask=ok[:, :, None], other=0)
+                nibble = (packed.to(tl.int32) >> (4 * (lane // 16))[None, None, :]) & 0xF
+                weights = (nibble - 8).to(tl.float32) * scale.to(tl.float32)[:, :, None]
+            else:
+                values = tl.load((base + at[:, :, None] + 2 + lane[None, None, :]).to(
+                    tl.pointer_type(tl.int8), bitcast=True), mask=ok[:, :, None], other=0)
+                weights = values.to(tl.float32) * scale.to(tl.float32)[:, :, None]
             cols = qb[None, :, None].to(tl.int64) * 32 + lane[None, None, :]
             out = pool_ptr + target * slab_elems + part_elems + rows[:, None, None].to(tl.int64) * COLS + cols
             tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
@@ -287,26 +294,27 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
 
 def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
              host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
-             qblocks: int = 8) -> None:
+             qblocks: int = 8, fmt: str = "q8_0") -> None:
     """TableExperts.fetch_dequantized in three launches: the needed pairs' Q8_0 blocks copied from the
     mapped host store to device staging, then dequantized into their target slabs (gate_up, down)."""
-    from . import q8
+    from . import q4, q8
 
+    codec, is_q4 = (q4, True) if fmt == "q4_0" else (q8, False)
     p = ids.numel()
     gate_up, down = pools
     need = need.to(torch.int8)
     if block_bytes % 4:
-        raise ValueError(f"a Q8_0 block of {block_bytes} bytes is not whole 4-byte words")
+        raise ValueError(f"a {fmt} block of {block_bytes} bytes is not whole 4-byte words")
     # first the blocks' bytes over PCIe into device memory, then dequantized from there
     words = block_bytes // 4
     staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
     _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, staging, host_address, words, CHUNK=STAGE_CHUNK)
     rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
     for pool, rows, cols, part_bytes in ((gate_up, 2 * inter, hidden, 0),
-                                         (down, hidden, inter, 2 * inter * q8.row_bytes(hidden))):
+                                         (down, hidden, inter, 2 * inter * codec.row_bytes(hidden))):
         _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows))](
             rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
-            ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks)
+            ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=is_q4)
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

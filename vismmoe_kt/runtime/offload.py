@@ -41,7 +41,7 @@ from .decode_boundary import DecodeBoundary
 from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
-from .store import ExpertStore, block_views
+from .store import GGML_TYPES, ExpertStore, block_views
 from . import decode_kernel
 from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
@@ -100,11 +100,11 @@ class OffloadRuntime:
         self.loaded: set[int] = set()
         self.top_k = top_k
         if self.store.quantized and lookahead is not None:
-            raise BudgetError("store_dtype q8_0 does not work with the lookahead predictor yet (its prefetch copies "
-                              "move the model's dtype); use store_dtype: model, or no predictor")
+            raise BudgetError(f"store_dtype {settings.store_dtype} does not work with the lookahead predictor yet (its "
+                              "prefetch copies move the model's dtype); use store_dtype: model, or no predictor")
         if self.store.quantized and settings.miss_policy != "wait" and settings.cpu_backend == "torch":
-            raise BudgetError("store_dtype q8_0 with the hybrid mode needs cpu_backend: kt-kernel (the torch backend "
-                              "computes on the store's blocks in place, which are Q8_0 bytes)")
+            raise BudgetError(f"store_dtype {settings.store_dtype} with the hybrid mode needs cpu_backend: kt-kernel "
+                              "(the torch backend computes on the store's blocks in place, which are quantized bytes)")
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
                                num_experts * self.store.block_bytes, cpu_threads, model_dir, sources)
         self.cpu = self.miss.cpu
@@ -131,7 +131,7 @@ class OffloadRuntime:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
         if self.pool is not None:
             return
-        # one row past the slabs: a scratch slab the decode twin's masked landing writes go to; a Q8_0 store
+        # one row past the slabs: a scratch slab the decode twin's masked landing writes go to; a quantized store
         # adds K rows (a decode miss without a landing slab is dequantized there) and a dump row
         extra = 1 + (self.top_k + 1 if self.store.quantized else 0)
         self.pool = self._bank(self.num_slabs + extra if self.num_slabs else extra)
@@ -150,18 +150,17 @@ class OffloadRuntime:
         kw = dict(dtype=self.store.dtype, device=self.device)
         return (torch.zeros(rows, 2 * self.inter, self.hidden, **kw), torch.zeros(rows, self.hidden, self.inter, **kw))
 
-    def takes_q8_bytes(self, layer: int) -> bool:
-        """Whether `load_layer_q8` can take `layer` (offloaded, a Q8_0 store, no CPU backend wanting
-        the model's dtype)."""
-        return layer not in self.pinned and self.store.quantized and self.cpu is None
+    def takes_raw(self, layer: int, ggml_type: int) -> bool:
+        """Whether `load_layer_raw` can take `layer` in that ggml type (offloaded, a store of that
+        format, no CPU backend wanting the model's dtype)."""
+        return (layer not in self.pinned and self.store.quantized and self.cpu is None
+                and GGML_TYPES[self.store.fmt] == ggml_type)
 
-    def load_layer_q8(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """An offloaded layer from Q8_0 bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I) in
-        34-byte blocks): into the Q8_0 store as they are, with no dequantizing and requantizing."""
-        if not self.takes_q8_bytes(layer):
-            raise ValueError(f"layer {layer} cannot take Q8_0 bytes (pinned, or the store is not Q8_0)")
+    def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """An offloaded layer from block bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I)):
+        into the store of the same format as they are, with no dequantizing and requantizing."""
         self._allocate()
-        self.store.fill_layer_q8(layer, gate, up, down)
+        self.store.fill_layer_raw(layer, gate, up, down)
         self.loaded.add(layer)
 
     def takes_stored(self, layer: int) -> bool:

@@ -1,6 +1,6 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
-(With `fmt="q8_0"` a block holds the same two parts in llama.cpp's Q8_0 bytes: q8.py.)
+(With `fmt="q8_0"` or `"q4_0"` a block holds the same two parts in llama.cpp's block bytes: q8.py, q4.py.)
 
 A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
 slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import q8
+from . import q4, q8
 from .host_memory import HostBuffer
 
 
@@ -26,20 +26,25 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
     return blocks[:, :split].view(rows, 2 * inter, hidden), blocks[:, split:].view(rows, hidden, inter)
 
 
-def q8_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, block bytes) of a Q8_0 store -> gate_up (rows, 2I, bytes of a row of H) and down
+CODECS = {"q8_0": q8, "q4_0": q4}  # llama.cpp block formats: row_bytes, quantize, dequantize
+GGML_TYPES = {"q8_0": 8, "q4_0": 2}  # their ggml type ids (a GGUF tensor of that type fills the store as is)
+
+
+def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block bytes) of a quantized store -> gate_up (rows, 2I, bytes of a row of H) and down
     (rows, H, bytes of a row of I) views of the same memory."""
-    rows, split = blocks.shape[0], 2 * inter * q8.row_bytes(hidden)
-    return (blocks[:, :split].view(rows, 2 * inter, q8.row_bytes(hidden)),
-            blocks[:, split:].view(rows, hidden, q8.row_bytes(inter)))
+    rows, split = blocks.shape[0], 2 * inter * codec.row_bytes(hidden)
+    return (blocks[:, :split].view(rows, 2 * inter, codec.row_bytes(hidden)),
+            blocks[:, split:].view(rows, hidden, codec.row_bytes(inter)))
 
 
-FORMATS = ("model", "q8_0")
+FORMATS = ("model", "q8_0", "q4_0")
 
 
 class ExpertStore:
-    """`fmt`: `model` keeps the model's dtype; `q8_0` keeps llama.cpp's 8-bit blocks (q8.py), about
-    half the bytes of BF16 per expert in host memory and over PCIe; slabs stay in `dtype` either way.
+    """`fmt`: `model` keeps the model's dtype; `q8_0` / `q4_0` keep llama.cpp's 8- / 4-bit blocks (q8.py,
+    q4.py), about a half / a quarter of BF16's bytes per expert in host memory and over PCIe; slabs
+    stay in `dtype` either way.
     `block_bytes` is what a fetch moves, `slab_bytes` what a slab holds on the GPU."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool,
@@ -50,8 +55,9 @@ class ExpertStore:
         self.dtype, self.pin_memory, self.fmt = dtype, pin_memory, fmt
         self.block_elems = 3 * inter * hidden
         self.slab_bytes = self.block_elems * torch.tensor([], dtype=dtype).element_size()
+        self.codec = CODECS.get(fmt)
         self.block_bytes = self.slab_bytes if fmt == "model" else \
-            2 * inter * q8.row_bytes(hidden) + hidden * q8.row_bytes(inter)
+            2 * inter * self.codec.row_bytes(hidden) + hidden * self.codec.row_bytes(inter)
         self.layers: dict[int, torch.Tensor] = {}
         self._buffers: dict[int, HostBuffer] = {}
 
@@ -65,10 +71,10 @@ class ExpertStore:
         if self.quantized:
             buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
             blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
-            gu, dn = q8_views(blocks, self.inter, self.hidden)
+            gu, dn = quant_views(blocks, self.inter, self.hidden, self.codec)
             for expert in range(self.num_experts):  # one expert at a time: no second copy of the layer
-                gu[expert].copy_(q8.quantize(gate_up[expert]))
-                dn[expert].copy_(q8.quantize(down[expert]))
+                gu[expert].copy_(self.codec.quantize(gate_up[expert]))
+                dn[expert].copy_(self.codec.quantize(down[expert]))
         else:
             buffer = HostBuffer(self.num_experts * self.block_elems, self.dtype, self.pin_memory)
             blocks = buffer.tensor.view(self.num_experts, self.block_elems)
@@ -78,21 +84,21 @@ class ExpertStore:
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
 
-    def fill_layer_q8(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """A Q8_0 store's layer from Q8_0 bytes as stored elsewhere (a GGUF's gate, up and down experts:
-        (E, I, row bytes of H), the same, (E, H, row bytes of I))."""
+    def fill_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """A quantized store's layer from bytes of its format as stored elsewhere (a GGUF's gate, up and
+        down experts: (E, I, row bytes of H), the same, (E, H, row bytes of I))."""
         if not self.quantized:
-            raise RuntimeError("fill_layer_q8 needs a Q8_0 store")
-        e, i, h = self.num_experts, self.inter, self.hidden
-        shapes = ((e, i, q8.row_bytes(h)), (e, i, q8.row_bytes(h)), (e, h, q8.row_bytes(i)))
+            raise RuntimeError("fill_layer_raw needs a quantized store")
+        e, i, h, codec = self.num_experts, self.inter, self.hidden, self.codec
+        shapes = ((e, i, codec.row_bytes(h)), (e, i, codec.row_bytes(h)), (e, h, codec.row_bytes(i)))
         for name, part, shape in zip(("gate", "up", "down"), (gate, up, down), shapes):
             if part.numel() != shape[0] * shape[1] * shape[2]:
-                raise ValueError(f"Q8_0 {name} experts hold {part.numel()} bytes, expected {shape}")
+                raise ValueError(f"{self.fmt} {name} experts hold {part.numel()} bytes, expected {shape}")
         if layer in self._buffers:
             self._buffers.pop(layer).release()
         buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
         blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
-        gu, dn = q8_views(blocks, i, h)
+        gu, dn = quant_views(blocks, i, h, codec)
         gu[:, :i].copy_(gate.reshape(shapes[0]))
         gu[:, i:].copy_(up.reshape(shapes[1]))
         dn.copy_(down.reshape(shapes[2]))
@@ -101,11 +107,11 @@ class ExpertStore:
 
     def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, block) of this store's format -> gate_up (rows, 2I, H) and down (rows, H, I) in the
-        slab dtype (views for the model format; new tensors, on the blocks' device, for Q8_0)."""
+        slab dtype (views for the model format; new tensors, on the blocks' device, when quantized)."""
         if not self.quantized:
             return block_views(blocks, self.inter, self.hidden)
-        gu, dn = q8_views(blocks, self.inter, self.hidden)
-        return q8.dequantize(gu, self.hidden, self.dtype), q8.dequantize(dn, self.inter, self.dtype)
+        gu, dn = quant_views(blocks, self.inter, self.hidden, self.codec)
+        return self.codec.dequantize(gu, self.hidden, self.dtype), self.codec.dequantize(dn, self.inter, self.dtype)
 
     def release(self) -> None:
         """Unregister and free every layer's blocks (the store is empty afterwards)."""
@@ -119,9 +125,9 @@ class ExpertStore:
 
     def block_parts(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's gate_up (2I, H) and down (H, I) as views, to copy into the two slab pools (the
-        model format; a Q8_0 block is fetched whole and dequantized: `dequantized`)."""
+        model format; a quantized block is fetched whole and dequantized: `dequantized`)."""
         if self.quantized:
-            raise RuntimeError("a Q8_0 store's blocks are fetched whole and dequantized, not copied in parts")
+            raise RuntimeError("a quantized store's blocks are fetched whole and dequantized, not copied in parts")
         gate_up, down = block_views(self.layers[layer][expert:expert + 1], self.inter, self.hidden)
         return gate_up[0], down[0]
 

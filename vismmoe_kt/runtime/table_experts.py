@@ -73,7 +73,7 @@ def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: 
 
 def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
                       host_blocks: torch.Tensor, store: Any, scratch: int, use_kernel: bool) -> torch.Tensor:
-    """A Q8_0 store's decode misses: each pair read from the host (slot -1 or -2, not the CPU's -3) is
+    """A quantized store's decode misses: each pair read from the host (slot -1 or -2, not the CPU's -3) is
     fetched and dequantized into its landing slab, or the pair's scratch slab (`scratch + pair`) when it
     has none; returns the slots the experts then read, every one a slab (the host is not read again).
     Branch-free (no host read of the device's values): pairs that need nothing write the pool's last
@@ -83,7 +83,7 @@ def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor
     target = torch.where(land >= 0, land, scratch + pairs)
     if use_kernel:
         decode_kernel.fetch_q8(ids, need, target, pools, host_blocks.data_ptr(), store.block_bytes, store.inter,
-                               store.hidden)
+                               store.hidden, fmt=store.fmt)
     else:
         gate_up, down = store.dequantized(host_blocks[ids.to(host_blocks.device)])
         where = torch.where(need, target, pools[0].shape[0] - 1)

@@ -1,6 +1,6 @@
-"""The offload runtime's Q8_0 host store: llama.cpp's 8-bit blocks on the host (about half the bytes of
-BF16 in memory and per fetched expert), dequantized into the GPU's slabs as experts arrive, through the
-placement path's copies and the decode table's misses alike."""
+"""The offload runtime's quantized host stores: llama.cpp's Q8_0 and Q4_0 blocks on the host (about a half
+and a quarter of BF16's bytes in memory and per fetched expert), dequantized into the GPU's slabs as
+experts arrive, through the placement path's copies and the decode table's misses alike."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.runtime import q8
+from vismmoe_kt.runtime import q4, q8
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
 SPEC = SPECS["tiny-6x64"]  # rows of 96 and 64 weights: whole Q8_0 blocks
@@ -30,6 +30,15 @@ def test_q8_round_trip_is_within_half_a_step_and_the_scales_rounding():
         q8.quantize(torch.randn(2, 48))
 
 
+def test_q4_bytes_are_the_gguf_packages_own():
+    gguf = pytest.importorskip("gguf")
+    weights = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
+    theirs = gguf.quants.quantize(weights.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    assert (q4.quantize(weights).numpy() == theirs).all()
+    back = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(q4.dequantize(torch.from_numpy(theirs), 96), torch.from_numpy(back))
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("q8"), "tiny-6x64", seed=0)
@@ -38,27 +47,30 @@ def case(tmp_path_factory):
     return model_dir, reference, inputs
 
 
-@pytest.mark.parametrize("rules", ["optimize_rules/qwen3vl-offload.yaml", "optimize_rules/qwen3vl-lru.yaml"])
-def test_offloaded_decode_from_a_q8_store(case, rules):
+@pytest.mark.parametrize("rules,fmt,error", [("optimize_rules/qwen3vl-offload.yaml", "q8_0", 1e-2),
+                                              ("optimize_rules/qwen3vl-lru.yaml", "q8_0", 1e-2),
+                                              ("optimize_rules/qwen3vl-offload.yaml", "q4_0", 0.2)])
+def test_offloaded_decode_from_a_quantized_store(case, rules, fmt, error):
     model_dir, reference, inputs = case
     runs = {}
-    for fmt, graphs in (("model", "off"), ("q8_0", "off"), ("q8_0", "replay")):
+    for fmt, graphs in (("model", "off"), (fmt, "off"), (fmt, "replay")):
         model, _ = load(model_dir, rules, expert_budget=2 * LAYER_BYTES, store_dtype=fmt, graphs=graphs, **CPU)
         runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
         with torch.no_grad():
             logits = model(**inputs).logits
             tokens = generate(model, dict(inputs), 10, min_new_tokens=10)
         runs[fmt, graphs] = (runtime, logits, tokens, decode_engine(model).stats())
-    runtime, logits, tokens, stats = runs["q8_0", "off"]
+    runtime, logits, tokens, stats = runs[fmt, "off"]
     plain = runs["model", "off"][0]
-    assert runtime.store.nbytes == plain.store.nbytes * 34 / 32 / 4  # float32 blocks -> 34 bytes per 32 weights
+    block_bytes = {"q8_0": 34, "q4_0": 18}[fmt]  # per 32 weights, against float32's 128
+    assert runtime.store.nbytes == plain.store.nbytes * block_bytes / 32 / 4
     assert runtime.num_slabs == plain.num_slabs  # the GPU's slabs keep the model's dtype
     want = reference(**inputs).logits
-    assert 0 < ((logits - want).norm() / want.norm()).item() <= 1e-2  # quantized, and within Q8_0's error
+    assert 0 < ((logits - want).norm() / want.norm()).item() <= error  # quantized, and within the format's error
     decode = [runtime.counters["decode"][layer] for layer in runtime.moe_layers if layer not in runtime.pinned]
     misses = sum(c.misses + c.late for c in decode)
     assert misses > 0 and runtime.copy_counters["decode"].bytes_host_reads == misses * runtime.store.block_bytes
-    graphed = runs["q8_0", "replay"]
+    graphed = runs[fmt, "replay"]
     assert torch.equal(graphed[2], tokens)  # the graphs' CPU twin decodes the same tokens
     assert graphed[3]["graphed_steps"] == graphed[3]["steps"] == 9
 
@@ -68,7 +80,7 @@ def test_what_the_q8_store_cannot_do_yet_is_a_clear_error(case, tmp_path):
     with pytest.raises(RuleError, match="store_dtype q8_0 with the hybrid mode needs cpu_backend: kt-kernel"):
         load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q8_0",
              keep_ratio=1.0, **CPU)
-    with pytest.raises(RuleError, match="store_dtype 'q4' is not one of: model, q8_0"):
+    with pytest.raises(RuleError, match="store_dtype 'q4' is not one of: model, q8_0, q4_0"):
         load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q4", **CPU)
     odd = save_tiny_model(tmp_path / "odd", "tiny-4x16", seed=0)  # intermediate 48: not whole Q8_0 blocks
     with pytest.raises(RuleError, match="Q8_0 needs rows whose length is a multiple of 32, got 48"):
