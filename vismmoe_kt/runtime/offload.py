@@ -77,6 +77,7 @@ class OffloadRuntime:
         self.pinned = set(self.moe_layers[:n_pinned])
         offloaded = len(self.moe_layers) - n_pinned
         slab_budget = settings.expert_budget - n_pinned * self.layer_bytes
+        # (a quantized store adds K + 1 slabs and K blocks of staging beyond the budget: decode's scratch)
         self.num_slabs = min(slab_budget // self.store.slab_bytes, offloaded * num_experts)
         if offloaded and self.num_slabs < num_experts:
             raise BudgetError(
@@ -108,6 +109,9 @@ class OffloadRuntime:
         self.miss = MissPolicy(settings, num_experts, hidden, inter, top_k, len(self.moe_layers) - n_pinned,
                                num_experts * self.store.block_bytes, cpu_threads, model_dir, sources)
         self.cpu = self.miss.cpu
+        if self.store.quantized and getattr(self.cpu, "name", None) == "torch":  # `auto` fell back to torch
+            raise BudgetError(f"store_dtype {settings.store_dtype} with the hybrid mode needs kt-kernel, and "
+                              "cpu_backend auto chose torch here (kt-kernel missing, or the CPU or sizes unsuited)")
         if getattr(self.cpu, "streams", False) and self.device.type == "cuda":
             leave_cores_to_workers()  # kt-kernel's pinned workers get the cores torch would otherwise spin on
         self.policy = prefetch or HistoryPrefetch(settings.prefetch_window, settings.prefetch_gamma)
@@ -183,8 +187,8 @@ class OffloadRuntime:
             self.store.fill_layer(layer, gate_up, down)
             if self.cpu is not None and stored is not None and self.takes_stored(layer):
                 self.cpu.add_layer_stored(layer, *stored)
-            elif self.cpu is not None and self.store.quantized:  # kt-kernel takes the model's dtype
-                self.cpu.add_layer(layer, gate_up, down)
+            elif self.cpu is not None and self.store.quantized:  # kt-kernel takes the model's dtype, on the host
+                self.cpu.add_layer(layer, gate_up.cpu(), down.cpu())
             elif self.cpu is not None:
                 self.cpu.add_layer(layer, *block_views(self.store.layers[layer], self.inter, self.hidden))
         self.loaded.add(layer)

@@ -24,7 +24,7 @@ def quantize(weights: torch.Tensor) -> torch.Tensor:
     """(..., cols) float -> (..., cols / 32 * 18) uint8, as ggml (and the gguf package) quantize."""
     *lead, cols = weights.shape
     row_bytes(cols)
-    blocks = weights.double().reshape(*lead, cols // BLOCK, BLOCK)
+    blocks = weights.float().reshape(*lead, cols // BLOCK, BLOCK)  # float32, as ggml and the gguf package
     extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed, largest magnitude
     scale = extreme / -8
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))

@@ -29,7 +29,8 @@ def quantize(weights: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"Q8_0 needs rows whose length is a multiple of {BLOCK}, got {cols}")
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    q = (blocks * inverse).round().clamp(-127, 127).to(torch.int8)  # torch rounds half to even: within one ulp
+    scaled = blocks * inverse
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)  # half away from zero
     out = torch.empty(*lead, cols // BLOCK, BLOCK_BYTES, dtype=torch.uint8, device=weights.device)
     out[..., :2] = scale.to(torch.float16).view(torch.uint8).reshape(*lead, cols // BLOCK, 2)
     out[..., 2:] = q.view(torch.uint8)
