@@ -30,6 +30,7 @@ from torch import nn
 
 from ..core.context import context_of
 from ..models import ModelAdapter, adapter_for
+from ..runtime import ggml_types
 
 
 def _upstream_base() -> type | None:
@@ -44,9 +45,6 @@ UPSTREAM = _upstream_base()
 T = TypeVar("T")
 
 
-UNQUANTIZED_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: nothing to gain over the BF16 path
-
-
 def stored_gguf_experts(loader: Any, key: str, names: tuple[str, str]) -> tuple | None:
     """(gate, up, down) of a GGUF's quantized experts as stored ((bytes, ggml type) each) for a CPU
     backend that computes them so (kt-kernel's llamafile kernels); None when the loader is not
@@ -57,7 +55,7 @@ def stored_gguf_experts(loader: Any, key: str, names: tuple[str, str]) -> tuple 
     gate_up, down = raw(f"{key}.{names[0]}"), raw(f"{key}.{names[1]}")
     if not gate_up or not down or len(gate_up) != 2 or len(down) != 1:
         return None
-    if all(kind in UNQUANTIZED_GGML_TYPES for _, kind in gate_up + down):
+    if all(kind in ggml_types.UNQUANTIZED for _, kind in gate_up + down):  # nothing to gain
         return None
     return gate_up[0], gate_up[1], down[0]
 

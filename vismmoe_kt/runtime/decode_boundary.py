@@ -60,8 +60,8 @@ class DecodeBoundary:
                     self._account(records)
             self._publish_finished_copies()
             self._reserve()
-            offloaded = self._first_offloaded()
-            if rt.cpu is not None and offloaded is not None:  # hybrid: the cost model's share of misses for the CPU
+            offloaded = self._first_offloaded() if rt.cpu is not None else None
+            if offloaded is not None:  # hybrid: the cost model's share of misses for the CPU
                 self.table.set_cpu_quota(rt.miss.decode_quota(rt.store, offloaded, rt.device))
             rt.table_armed = True
 

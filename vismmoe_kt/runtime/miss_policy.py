@@ -23,6 +23,8 @@ class MissPolicy:
         self.mode = settings.miss_policy
         self.top_k = top_k
         self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
+        self._seen: tuple[int, float] | None = None  # the copy counters at the last look (observed_copies)
+        self._quota: tuple | None = None             # (cost model, decode quota) last computed
         self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
             settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
             "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype, model_dir, sources)
@@ -76,13 +78,15 @@ class MissPolicy:
             return [0] * (k + 1)
         if self.cost is None:
             self.cost = CostTracker(calibrate(store, layer, self.cpu, device, self.top_k))
-        return [len(self.cost.model.split({e: 1 for e in range(m)})) for m in range(k + 1)]
+        if self._quota is None or self._quota[0] != self.cost.model:  # recomputed only when the rates move
+            self._quota = (self.cost.model, [len(self.cost.model.split({e: 1 for e in range(m)})) for m in range(k + 1)])
+        return self._quota[1]
 
     def observed_copies(self, counters) -> None:
         """Follow the link's copy rate: the seconds of the copies timed since the last look, per copy
         (the transfers' counters; a copy is timed once its CUDA events have passed)."""
         counters.resolve()
-        seen = getattr(self, "_seen", None)
+        seen = self._seen
         if seen is None or self.cost is None:  # before calibration: start counting from here
             self._seen = (counters.copies_timed, counters.copy_seconds)
             return

@@ -41,7 +41,8 @@ from .decode_boundary import DecodeBoundary
 from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
-from .store import GGML_TYPES, ExpertStore, block_views
+from .ggml_types import STORE_FORMATS
+from .store import ExpertStore, block_views
 from . import decode_kernel
 from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
@@ -158,7 +159,7 @@ class OffloadRuntime:
         """Whether `load_layer_raw` can take `layer` in that ggml type (offloaded, a store of that
         format, no CPU backend wanting the model's dtype)."""
         return (layer not in self.pinned and self.store.quantized and self.cpu is None
-                and GGML_TYPES[self.store.fmt] == ggml_type)
+                and STORE_FORMATS[self.store.fmt] == ggml_type)
 
     def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """An offloaded layer from block bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I)):

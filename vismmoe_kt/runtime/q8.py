@@ -24,9 +24,8 @@ def row_bytes(cols: int) -> int:
 def quantize(weights: torch.Tensor) -> torch.Tensor:
     """(..., cols) float -> (..., cols / 32 * 34) uint8 (round half away from zero, as ggml)."""
     *lead, cols = weights.shape
-    blocks = weights.float().reshape(*lead, cols // BLOCK, BLOCK) if cols % BLOCK == 0 else None
-    if blocks is None:
-        raise ValueError(f"Q8_0 needs rows whose length is a multiple of {BLOCK}, got {cols}")
+    row_bytes(cols)  # checks the length
+    blocks = weights.float().reshape(*lead, cols // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     scaled = blocks * inverse

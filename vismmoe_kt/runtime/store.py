@@ -27,7 +27,6 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
 
 
 CODECS = {"q8_0": q8, "q4_0": q4}  # llama.cpp block formats: row_bytes, quantize, dequantize
-GGML_TYPES = {"q8_0": 8, "q4_0": 2}  # their ggml type ids (a GGUF tensor of that type fills the store as is)
 
 
 def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ import weakref
 
 import torch
 
+from .. import ggml_types
 from . import CPU_DTYPES
 from .quant_cache import QuantCache
 from .threads import WorkerPlan, plan_workers, worker_pool_config
@@ -47,7 +48,6 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 ALIGN = {"bf16": 32, "int8": 64, "int4": 128}
 KT_WEIGHT_FIELDS = ("gate_proj", "up_proj", "down_proj")  # MOEConfig's whole-layer weight pointers
 LLAMAFILE_ALIGN = 256  # QK_K: kt-kernel's llamafile MoE refuses other intermediate sizes
-BF16_GGML_TYPE = 30    # ggml's type id for BF16 (the activations' type in the llamafile kernels)
 
 
 @contextlib.contextmanager
@@ -230,7 +230,7 @@ class KtKernelBackend:
         for field_name, tensor in zip(KT_WEIGHT_FIELDS, keep):
             setattr(config, field_name, tensor.data_ptr())
         config.gate_type, config.up_type, config.down_type = gate[1], up[1], down[1]
-        config.hidden_type = BF16_GGML_TYPE
+        config.hidden_type = ggml_types.BF16  # the activations' type in the llamafile kernels
         logical = torch.arange(self.num_experts, dtype=torch.int32)
         with quiet_native_stdout():
             moe = ext.moe.MOE(config)
