@@ -83,7 +83,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                --configs kt-cpu kt-cpu+int8 kt-cpu+int4 | tee "$OUT/ktquant$layers.txt" ;;
     hybrid) shift  # VisMMOE hybrid decode in the graph (kt-kernel INT8 on misses) against lru and offload-only
             px=$1 budget=$2; shift 2
-            timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
+            timeout "${HYBRID_TIMEOUT:-590}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
               --reps 3 --image-size "$px" --decode-tokens 32 \
               --configs "lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu" | tee "$OUT/hybrid$px-$budget.txt" ;;
     q8) shift  # the host store in Q8_0 (half the PCIe bytes per miss) against the model's dtype, lru and VisMMOE

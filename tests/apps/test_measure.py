@@ -47,3 +47,24 @@ def test_predictor_study_trains_evaluates_and_keeps_its_references(tmp_path):
     calibrated = data["details"]["calibrated"]
     assert calibrated["config"]["hidden_source"] == "synthetic" and calibrated["forward_ms_cpu_batch1"] > 0
     assert list(calibrated["by_position"]) == ["tokens 1-1", "tokens 2-4"]
+
+
+def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_path):
+    """`--isolate` (what kt-kernel configurations always get) runs each configuration in a child
+    process: its row comes back, and its greedy tokens are compared with `hf`'s from the parent."""
+    common = ["--device", "cpu", "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "4", "--reps", "1",
+              "--configs", "hf", "lean:4MiB"]
+    runs = {}
+    for name, extra in (("inline", []), ("isolated", ["--isolate"])):
+        out = tmp_path / name
+        result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out),
+                                 *common, *extra], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[name] = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
+    assert (tmp_path / "isolated" / "isolated" / "lean_4MiB" / "tokens.pt").exists()
+    assert not (tmp_path / "inline" / "isolated").exists()
+    for config in ("hf", "lean:4MiB"):
+        inline, isolated = runs["inline"][config], runs["isolated"][config]
+        assert isolated["tokens_agreeing_with_hf"] == inline["tokens_agreeing_with_hf"]
+        assert isolated.get("decode_hit_rate") == inline.get("decode_hit_rate")
+    assert runs["isolated"]["lean:4MiB"]["tokens_agreeing_with_hf"] is not None

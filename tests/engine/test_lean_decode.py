@@ -537,3 +537,44 @@ def test_hybrid_decode_through_the_table_splits_misses_with_the_cpu(case, miss_p
     else:
         assert misses > 0
         assert runtime.copy_counters["decode"].bytes_host_reads == misses * runtime.store.block_bytes
+
+
+def test_hybrid_steps_without_cpu_work_are_captured_without_the_cpu_calls(case):
+    """While the cost model sends no miss to the CPU, the step is captured without the CPU's calls
+    (each would cost the GPU two host functions per layer); once it sends some, a second capture
+    holds them, and going back replays the first without capturing again. Tokens stay the reference's."""
+    from vismmoe_kt.runtime.cost_model import CostModel, CostTracker
+
+    model_dir, inputs, expected = case
+    slow_cpu = {"fetch_seconds": 1.0, "cpu_seconds_fixed": 5.0, "cpu_seconds_per_token": 0.1}
+    model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), graphs="replay",
+                    miss_policy="auto", keep_ratio=1.0, cost_model=slow_cpu, **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    calls = []  # the decode steps' CPU calls (the prefill's placement path may call the CPU too)
+    begin = runtime._cpu_begin
+    runtime._cpu_begin = lambda layer, *a: (calls.append(layer), begin(layer, *a))[1]
+    engine = decode_engine(model)
+
+    def pairs_on_cpu() -> int:
+        return sum(c.cpu for c in runtime.counters["decode"].values())
+
+    def decode() -> tuple[torch.Tensor, int, int]:
+        calls_before, pairs_before = len(calls), pairs_on_cpu()
+        with torch.no_grad():
+            tokens = generate(model, inputs, TOKENS)
+        runtime.before_step()  # the boundary counts the last step's records (then stands down: no step runs)
+        runtime.after_step()
+        return tokens, len(calls) - calls_before, pairs_on_cpu() - pairs_before
+
+    tokens, cpu_calls, _ = decode()
+    assert torch.equal(tokens, expected) and cpu_calls == 0 and not runtime.graph_variant()
+    assert engine.stats()["segments_captured"] == 1
+    runtime.miss.cost = CostTracker(CostModel(1.0, 0.5, 0.1), pinned=True)  # now the CPU is worth calling
+    tokens, cpu_calls, cpu_pairs = decode()
+    assert torch.equal(tokens, expected) and cpu_calls > 0 and cpu_pairs > 0 and runtime.graph_variant()
+    assert engine.stats()["segments_captured"] == 2
+    runtime.miss.cost = CostTracker(CostModel(**slow_cpu), pinned=True)
+    tokens, cpu_calls, _ = decode()
+    assert torch.equal(tokens, expected) and cpu_calls == 0
+    stats = engine.stats()
+    assert stats["segments_captured"] == 2 and stats["graphed_steps"] == stats["steps"]

@@ -50,3 +50,34 @@ def test_online_rates_follow_what_the_layers_measure():
     pinned.observe_copy(10e-3)
     pinned.observe_cpu(1, 1, 1.0)
     assert pinned.model == CostModel(1e-3, 1e-3, 0.0)  # the rule's numbers stay
+
+
+def test_the_per_call_cost_keeps_few_misses_on_the_gpu_and_splits_many():
+    """H200-like rates: a BF16 expert crosses the link in 0.17 ms, an INT8 one takes the CPU 0.1 ms,
+    and calling the CPU at all from a decode step costs 0.3 ms. One or two misses stay on the GPU
+    (the call alone outweighs what it saves); eight are split, and the split's layer time counts
+    the call once."""
+    model = CostModel(fetch_seconds=0.17e-3, cpu_seconds_fixed=0.1e-3, cpu_seconds_per_token=0.0,
+                      cpu_seconds_call=0.3e-3)
+    free_call = CostModel(fetch_seconds=0.17e-3, cpu_seconds_fixed=0.1e-3, cpu_seconds_per_token=0.0)
+    for misses in (1, 2):
+        tokens = {e: 1 for e in range(misses)}
+        assert model.split(tokens) == set() and free_call.split(tokens)
+    eight = {e: 1 for e in range(8)}
+    chosen = model.split(eight)
+    assert 0 < len(chosen) < len(free_call.split(eight))
+    assert model.layer_seconds(eight, chosen) == pytest.approx(
+        max(0.17e-3 * (8 - len(chosen)), 0.3e-3 + 0.1e-3 * len(chosen)))
+    assert model.layer_seconds(eight, set()) == pytest.approx(8 * 0.17e-3)  # no CPU, no call
+
+
+def test_a_rules_cost_model_takes_the_call_cost_too():
+    values = {"fetch_seconds": 1, "cpu_seconds_fixed": 0.5, "cpu_seconds_per_token": 0.1}
+    assert CostModel.from_kwargs(values).cpu_seconds_call == 0.0
+    assert CostModel.from_kwargs({**values, "cpu_seconds_call": "0.25"}).cpu_seconds_call == 0.25
+    with pytest.raises(ValueError, match="cpu_seconds_call"):
+        CostModel.from_kwargs({**values, "cpu_seconds_call": "soon"})
+    tracker = CostTracker(CostModel.from_kwargs({**values, "cpu_seconds_call": 0.25}))
+    tracker.observe_copy(2.0)
+    tracker.observe_cpu(1, 1, 1.2)
+    assert tracker.model.cpu_seconds_call == 0.25  # the online rates keep it

@@ -19,6 +19,9 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     pruning           what the last prefill kept (the engine's cache bookkeeping)
     expert_parallel   the expert-parallel operators in layer order (followers drive them)
     step_hooks        (before, after) callables around every lean decode step
+    graph_variants    callables read after the step hooks' `before`: a captured decode step is kept
+                      per distinct tuple of their answers (what the step's launches depend on beyond
+                      its tensors, e.g. whether the hybrid mode enqueues its CPU calls)
     decode_state      the engine's decode state for this model (made by the engine on first use)
     routing           a routing source that replaces the routers' choice (benchmarks: synthetic or
                       replayed routing on random weights), or None
@@ -29,7 +32,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -75,6 +78,7 @@ class LoadContext:
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
+    graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)
     decode_state: Any = None         # engine.lean_engine.LeanEngine
     routing: Any = None              # engine.routing_source.RoutingSource: replaces the routers' choice
     checks: list[Callable[[], None]] = field(default_factory=list)

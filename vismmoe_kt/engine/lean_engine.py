@@ -142,7 +142,8 @@ class LeanEngine:
             runtime = self.context.offload_runtime  # an offload cache that ranks eviction by the routers
             sink = runtime.router_sink() if runtime is not None and hasattr(runtime, "router_sink") else None
             self.step = LeanDecodeStep(text, adapter, self.lm_head, self.cache, self.graphs, self._set_visual,
-                                       self.context.step_hooks, routing, self.graph_pool, sink)
+                                       self.context.step_hooks, routing, self.graph_pool, sink,
+                                       self.context.graph_variants)
         self.step.profiling = self.profiling
         self.cache.reset()
         self.sequence, self.images, self.pruned, self.pruned_from = [], [], [], None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
@@ -114,7 +114,8 @@ class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
                  graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
                  hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None,
-                 graph_pool: Any = None, router_sink: Callable[[int, torch.Tensor], None] | None = None):
+                 graph_pool: Any = None, router_sink: Callable[[int, torch.Tensor], None] | None = None,
+                 variants: list[Callable[[], Hashable]] | None = None):
         self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
         # (MoE index, (1, E) probabilities): the router's full softmax at each MoE layer, for an offload
         # cache that ranks experts by it (device ops only: part of the captured step)
@@ -123,6 +124,10 @@ class LeanDecodeStep:
         # (before, after) callables around every step, e.g. expert parallelism announcing it to the
         # other ranks; a list shared with the decoder, so hooks added later apply too
         self.hooks = hooks if hooks is not None else []
+        # what the step's launches depend on beyond its tensors (read after the hooks' `before`): one
+        # capture per distinct answer, e.g. with and without the hybrid mode's CPU calls
+        self.variants = variants if variants is not None else []
+        self._captured: dict[tuple, list[Segment]] = {}
         device = cache.device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)    # the step's input
         self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
@@ -267,6 +272,8 @@ class LeanDecodeStep:
         return state[0]
 
     def _graphed_step(self) -> torch.Tensor:
+        key = tuple(variant() for variant in self.variants)
+        self.segments = self._captured.get(key)
         if self.segments is not None:
             return self._replay()
         lengths = self.cache.lengths.clone()
@@ -286,8 +293,10 @@ class LeanDecodeStep:
             difference, tolerance = logits_difference(logits, reference)
             self.counters.check_max_difference = max(self.counters.check_max_difference, difference)
             if difference <= tolerance:
+                self._captured[key] = self.segments
                 return logits
             self.segments = None  # capture again once: a transient difference should not cost the graphs
+            self._captured.clear()  # the backend drops every graph it holds, the other variants' too
             self.backend.reset()
             if attempt < CHECK_RETRIES:
                 self.counters.check_retries += 1
@@ -311,6 +320,7 @@ class LeanDecodeStep:
     def _give_up_graphs(self, reason: str) -> None:
         warnings.warn(f"decode runs without graphs: {reason}", RuntimeWarning, stacklevel=3)
         self.backend, self.segments = None, None
+        self._captured.clear()
         self.counters.reason_eager = reason
 
     # --- the step -----------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)
             context.step_hooks.append((runtime.before_step, runtime.after_step))
+            context.graph_variants.append(runtime.graph_variant)
     elif runtime.settings != settings or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
     return runtime

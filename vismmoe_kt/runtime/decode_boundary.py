@@ -16,7 +16,7 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                        and prefetches plus SPARE slabs (at most the table's R), victims chosen by the
                        cache policy and dropped from the table first
                     5. hybrid mode: how many of a layer's misses the CPU computes, per miss count
-                       (the cost model's split)
+                       (the cost model's split, kept while steps measure faster with it: QuotaTrial)
 
 All of it runs under the runtime's lock; the device writes go on the compute stream, ordered after
 the previous step and before the next one.
@@ -80,6 +80,8 @@ class DecodeBoundary:
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
             self._account(records)
+        if self.runtime.cpu is not None:
+            self.runtime.miss.decode_interrupted()
         cache = self.runtime.cache
         for slabs in self.reserved.values():
             for slab in slabs:
@@ -91,6 +93,8 @@ class DecodeBoundary:
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
+        if self.runtime.cpu is not None:
+            self.runtime.miss.decode_interrupted()
         self.reserved.clear()
         self.table.discard()
         self.stale = True

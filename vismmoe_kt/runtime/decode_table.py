@@ -103,6 +103,12 @@ class DecodeTable:
         rows = torch.full_like(ids, row)
         return slots, self._claim(rows, ids, miss & ~on_cpu, ids)
 
+    @property
+    def cpu_active(self) -> bool:
+        """Whether the quota sends any miss to the CPU: a step captured without the CPU's calls (no
+        host functions in its graph) serves every step while it does not."""
+        return any(self._quota)
+
     def set_cpu_quota(self, quota: list[int]) -> None:
         """Between steps: per count of missing pairs, how many the CPU computes (a write on the stream
         only when it changes)."""

@@ -14,6 +14,7 @@ import torch
 from .budget import BudgetError, human_bytes
 from .cost_model import CostModel, CostTracker, calibrate
 from .offload_settings import OffloadSettings
+from .quota_trial import QuotaTrial
 
 
 class MissPolicy:
@@ -25,6 +26,8 @@ class MissPolicy:
         self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
         self._seen: tuple[int, float] | None = None  # the copy counters at the last look (observed_copies)
         self._quota: tuple | None = None             # (cost model, decode quota) last computed
+        # table decode: the cost model's quota is kept only while steps measure faster with it
+        self.trial = QuotaTrial() if self.mode == "auto" else None
         self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
             settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
             "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype, model_dir, sources)
@@ -70,7 +73,8 @@ class MissPolicy:
 
     def decode_quota(self, store, layer: int, device: torch.device) -> list[int]:
         """For table decode (one token: one token per missing expert): entry m is how many of a layer's
-        m misses the CPU computes (`cpu`: all of them; `auto`: the cost model's split)."""
+        m misses the CPU computes (`cpu`: all of them; `auto`: the cost model's split, while decode
+        steps measure faster with it than without: QuotaTrial). Called once per decode step."""
         k = self.top_k
         if self.mode == "cpu":
             return list(range(k + 1))
@@ -80,7 +84,14 @@ class MissPolicy:
             self.cost = CostTracker(calibrate(store, layer, self.cpu, device, self.top_k))
         if self._quota is None or self._quota[0] != self.cost.model:  # recomputed only when the rates move
             self._quota = (self.cost.model, [len(self.cost.model.split({e: 1 for e in range(m)})) for m in range(k + 1)])
-        return self._quota[1]
+        if self.cost.pinned:  # the rule's numbers decide
+            return self._quota[1]
+        return self.trial.choose(self._quota[1])
+
+    def decode_interrupted(self) -> None:
+        """Decode steps stopped (prefill, reset): the next one's start times no step (QuotaTrial)."""
+        if self.trial is not None:
+            self.trial.interrupt()
 
     def observed_copies(self, counters) -> None:
         """Follow the link's copy rate: the seconds of the copies timed since the last look, per copy

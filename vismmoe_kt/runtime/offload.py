@@ -129,6 +129,7 @@ class OffloadRuntime:
         self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store, for prefetch copies
         self._host_blocks: list[torch.Tensor | None] = []  # per row: its store blocks (None: pinned), the twin's source
         self._side: Any = None  # the lookahead's stream (CUDA)
+        self._cpu_stream: Any = None  # the hybrid's CPU calls in table decode (CUDA)
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -251,7 +252,7 @@ class OffloadRuntime:
         slots, land = table.lookup(row, ids, kernel)
         if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
             self._look_ahead(row, hidden)
-        on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.cpu is not None else None
+        on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.graph_variant() else None
         if self.store.quantized:  # misses dequantized into their landing (or scratch) slabs first
             read = fetch_dequantized(ids, slots, land, self.pool, self.store.layers[layer], self.store,
                                      self.num_slabs + 1, kernel)
@@ -269,13 +270,28 @@ class OffloadRuntime:
                    top_k_weights: torch.Tensor):
         """Hybrid decode from the table: start the CPU on this layer's CPU pairs (slot CPU_PAIR, the
         cost model's share of the misses; ids of the others -1, which the backend skips) and return
-        what waits for its output. On CUDA both halves are enqueued in the stream (kt-kernel's host
-        functions), so the GPU's pairs compute meanwhile and the step stays one graph; on the CPU the
-        backend runs there and then."""
+        what waits for its output. On CUDA both halves (kt-kernel's host functions and the small
+        copies around them) go on a stream of their own, forked after the plan and joined before the
+        sum, so the GPU's pairs compute meanwhile, the compute stream never stalls on a host
+        function, and the step stays one graph; on the CPU the backend runs there and then."""
         cpu_ids = torch.where(slots == CPU_PAIR, ids, -1).view(1, -1)
-        if self.device.type == "cuda":
-            self.cpu.begin_on_stream(layer, hidden, cpu_ids, top_k_weights)
-            return lambda: self.cpu.end_on_stream(self.device, hidden.dtype)
+        if self.device.type == "cuda":  # on a stream of its own: the GPU's pairs never wait on a host function
+            compute = torch.cuda.current_stream(self.device)
+            if self._cpu_stream is None:
+                self._cpu_stream = torch.cuda.Stream(self.device)
+            side = self._cpu_stream
+            side.wait_stream(compute)
+            for t in (hidden, cpu_ids, top_k_weights):
+                t.record_stream(side)  # the compute stream may free them while the side stream reads
+            with torch.cuda.stream(side):
+                self.cpu.begin_on_stream(layer, hidden, cpu_ids, top_k_weights)
+                out = self.cpu.end_on_stream(self.device, hidden.dtype)
+
+            def joined() -> torch.Tensor:
+                compute.wait_stream(side)
+                out.record_stream(compute)
+                return out
+            return joined
         out = self.cpu.submit(layer, hidden, cpu_ids, top_k_weights.float()).wait().to(hidden.dtype)
         return lambda: out
 
@@ -397,6 +413,13 @@ class OffloadRuntime:
     def after_step(self) -> None:
         if self.table_enabled:
             self.boundary.after_step()
+
+    def graph_variant(self) -> bool:
+        """What a captured decode step depends on beyond its tensors (read after `before_step`):
+        whether the hybrid mode's CPU calls are in it. A layer's CPU call costs two host functions and
+        four small copies even when it has no CPU pairs, so while the cost model sends no miss to the
+        CPU the step is one captured without them."""
+        return self.table_enabled and self.cpu is not None and self.table.cpu_active
 
     def decode_capturable(self, layer: int) -> bool:
         """Whether this layer's decode forward is device work only (a CUDA graph can hold it): every

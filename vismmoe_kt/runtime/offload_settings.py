@@ -32,7 +32,8 @@ class OffloadSettings:
     # kt-kernel's copy: auto (a GGUF's quantized experts as stored, else bf16) | bf16 | int8 | int4 (quantized at
     # load: half or a quarter the memory)
     cpu_dtype: str = "auto"
-    cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token} pins `auto`; None: measure
+    cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token[, cpu_seconds_call]}
+                                       # pins `auto`; None: measure
     # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 (llama.cpp's 8- / 4-bit blocks: about a half /
     # a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the slabs as they arrive)
     store_dtype: str = "model"
@@ -72,7 +73,8 @@ class OffloadSettings:
                               "store's BF16 blocks in place")
         if isinstance(self.cost_model, dict):
             model = CostModel.from_kwargs(self.cost_model)
-            put("cost_model", (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token))
+            put("cost_model", (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token,
+                               model.cpu_seconds_call))
         elif self.cost_model is not None and not isinstance(self.cost_model, tuple):
             raise BudgetError("cost_model needs fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token")
         put("predictor", None if self.predictor is None else str(self.predictor))

@@ -28,8 +28,13 @@ tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded 
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
 lean-graphs' time per token); for kt-cpu rows the expert bytes the CPU reads per token and the host
-bandwidth that implies (a floor: the step's GPU work is in the time too). `--turns N` also times an N-turn chat about one image (prompt seconds per turn: the lean
-path prefills only each turn's new tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
+bandwidth that implies (a floor: the step's GPU work is in the time too).
+
+Configurations with kt-kernel experts (kt-cpu, hybrid) each run in a process of their own when there
+are several: kt-kernel never frees an expert layer's weights, so a second one would start with the
+first's host memory still taken (`--isolate` runs every configuration so). `--turns N` also times an
+N-turn chat about one image (prompt seconds per turn: the lean path prefills only each turn's new
+tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
 Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
@@ -45,6 +50,7 @@ import io
 import json
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -216,6 +222,9 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
                    decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
                    decode_cpu_share=_decode_cpu_share(runtime))
+        trial = getattr(runtime.miss, "trial", None)
+        if trial is not None and trial.describe():  # hybrid auto: kept or dropped the CPU's share, measured
+            row["cpu_quota_trial"] = trial.describe()
     engine = decode_engine(model)
     if engine is not None:
         row["lean"] = engine.stats()
@@ -237,6 +246,33 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         empty_host_cache()
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return row, tokens
+
+
+def uses_kt_kernel(spec: str) -> bool:
+    return spec.startswith(("kt-cpu", "hybrid:"))
+
+
+def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    """`run_config` in a child process (this module again, one configuration): whatever host memory
+    the configuration's native libraries keep goes with the process. The child writes its row and
+    greedy tokens under OUT/isolated/<config>."""
+    out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out), "--configs", spec,
+               "--layers", str(args.layers), "--device", args.device, "--image-size", str(args.image_size),
+               "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
+               "--routing", args.routing, "--child"]
+    command += ["--tiny", args.tiny] if args.tiny else []
+    command += ["--predictor", args.predictor] if args.predictor else []
+    command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
+    if reference is not None:
+        torch.save(reference, out / "reference.pt")
+        command += ["--reference", str(out / "reference.pt")]
+    done = subprocess.run(command)
+    if done.returncode:
+        raise SystemExit(f"--configs {spec}: its process exited with status {done.returncode} (output above)")
+    row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
+    return row, torch.load(out / "tokens.pt")
 
 
 def kernel_report(rows: list[dict]) -> str:
@@ -277,6 +313,10 @@ def main() -> int:
                                             "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="every configuration in a process of its own (kt-kernel ones always are)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
+    parser.add_argument("--reference", help=argparse.SUPPRESS)  # hf's greedy tokens, for a child's agreement
     args = parser.parse_args()
     for spec in args.configs:
         parse_config(spec, args.predictor)
@@ -287,13 +327,18 @@ def main() -> int:
     args.routing = args.routing or ("model" if args.tiny else "synthetic")
     args.tiny_dir = save_tiny_model(tempfile.mkdtemp(), args.tiny, seed=0) if args.tiny else None
     torch.manual_seed(0)
-    rows, reference = [], None
+    rows, reference = [], torch.load(args.reference) if args.reference else None
+    several = len(args.configs) > 1 and not args.child
     for spec in args.configs:
-        row, tokens = run_config(spec, args, reference)
+        isolate = several and (args.isolate or uses_kt_kernel(spec))
+        row, tokens = (run_isolated if isolate else run_config)(spec, args, reference)
+        if args.child:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            torch.save(tokens, Path(args.out) / "tokens.pt")
         if spec == "hf":
             reference = tokens
         rows.append(row)
-    cuda = args.device.startswith("cuda")  # a page-locked host -> device copy, what a slab fetch gets
+    cuda = args.device.startswith("cuda") and not args.child  # a page-locked host -> device copy, what a slab fetch gets
     bandwidth = measure_copy_bandwidth(torch.device(args.device))["bytes_per_s"] / 1e9 if cuda else None
     resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
     for r in rows:
@@ -330,6 +375,9 @@ def main() -> int:
         print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+    for r in rows:
+        if r.get("cpu_quota_trial"):
+            print(f"{r['config']}: {r['cpu_quota_trial']}")
     if args.kernels:
         report = kernel_report(rows)
         (out / "kernels.md").write_text(report)
