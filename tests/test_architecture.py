@@ -28,7 +28,7 @@ ALLOWED = {
     "parallel": {"errors", "runtime", "lb", "core"},
     "engine": {"errors", "core", "models", "vision", "routing"},
     "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
-    "demo": {"errors", "core", "models"},
+    "demo": {"errors", "core", "models", "runtime"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats
     "__main__": {"apps"},             # `python -m vismmoe_kt` is the command line

@@ -95,8 +95,10 @@ assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2]
 from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import fetch_dequantized
 from vismmoe_kt.runtime.decode_table import CPU_PAIR
-QE, QH, QI = 5, 96, 64
-for dtype, fmt in ((torch.float32, "q8_0"), (torch.bfloat16, "q8_0"), (torch.float32, "q4_0")):
+QE = 5
+for dtype, fmt, (QH, QI) in ((torch.float32, "q8_0", (96, 64)), (torch.bfloat16, "q8_0", (96, 64)),
+                             (torch.float32, "q4_0", (96, 64)), (torch.float32, "q4_k", (256, 512)),
+                             (torch.bfloat16, "q4_k", (256, 512))):
     store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
     store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
     ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
@@ -192,6 +194,9 @@ def test_kernels_compile_for_hopper():
     for q4 in (False, True):
         compile_for_hopper(dk._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
                            {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
+    q4k = {name: kind for name, kind in q8.items() if name != "QBLOCKS"}
+    for rows, cols in ((1536, 2048), (2048, 768)):  # gate_up and down of Qwen3-VL-30B-A3B
+        compile_for_hopper(dk._fetch_q4k_kernel, q4k, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16})
     compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
                                           "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     for publish in (True, False):

@@ -11,7 +11,7 @@ from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.runtime import q4, q8
+from vismmoe_kt.runtime import q4, q4k, q8
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
 SPEC = SPECS["tiny-6x64"]  # rows of 96 and 64 weights: whole Q8_0 blocks
@@ -40,6 +40,34 @@ def test_bytes_are_the_gguf_packages_own(codec, kind):
     assert (codec.quantize(weights).numpy() == theirs).all()
     back = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType[kind])
     assert torch.equal(codec.dequantize(torch.from_numpy(theirs), 512), torch.from_numpy(back))
+
+
+def test_q4_k_reads_any_q4_k_bytes_as_the_gguf_package_and_writes_valid_ones():
+    """Q4_K (the experts' type in Q4_K_M files): our reader equals the gguf package's on arbitrary
+    bytes (every packed scale and minimum bit used, as llama.cpp's quantizer writes them); our min-max
+    quantizer's bytes read back within each sub-block's step, and below Q4_0's error."""
+    gguf = pytest.importorskip("gguf")
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (3, 2 * q4k.BLOCK_BYTES), dtype=torch.uint8, generator=generator)
+    data[:, 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # finite d and dmin
+    data[:, 2:4] = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8)
+    data[:, 144:146], data[:, 146:148] = data[:, 0:2], data[:, 2:4]
+    want = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(q4k.dequantize(data, 512), torch.from_numpy(want))
+    weights = torch.randn(4, 512, generator=generator)
+    back = q4k.dequantize(q4k.quantize(weights), 512)
+    blocks = weights.reshape(4, 16, 32)
+    # a sub-block's step is its range / 15, up to rounding the scale and minimum to 6 bits of the largest
+    step = (blocks.amax(-1) - blocks.amin(-1).clamp(max=0)) / 15
+    largest = step.reshape(4, 2, 8).amax(-1, keepdim=True).expand(4, 2, 8).reshape(4, 16)
+    assert ((back - weights).reshape(4, 16, 32).abs() <= (step + largest / 63 * 16)[..., None]).all()
+    error = ((back - weights).norm() / weights.norm()).item()
+    assert error < ((q4.dequantize(q4.quantize(weights), 512) - weights).norm() / weights.norm()).item()
+    assert torch.equal(q4k.dequantize(q4k.quantize(torch.zeros(2, 256)), 256), torch.zeros(2, 256))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q4k.quantize(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="not Q4_K"):
+        q4k.dequantize(data[:, :100], 512)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not 
 puts it in an mmproj file): it stays in the model directory's safetensors.
 
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
-cannot write them.
+cannot write them. Q4_K is written with the host store's own quantizer (runtime/q4k.py: min-max
+scales, valid Q4_K bytes that the `gguf` package and llama.cpp read).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
 
 
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
@@ -41,7 +42,14 @@ def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, 
         for gguf_name, part in zip(names, parts):
             values = part.contiguous().numpy().astype(np.float32)
             use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
-            data = values if use == GGMLQuantizationType.F32 else quants.quantize(values, use)
+            if use == GGMLQuantizationType.F32:
+                data = values
+            elif use == GGMLQuantizationType.Q4_K:
+                from ..runtime import q4k
+
+                data = q4k.quantize(torch.from_numpy(values)).numpy()
+            else:
+                data = quants.quantize(values, use)
             writer.add_tensor(gguf_name, data, raw_dtype=use)
             written[gguf_name] = use.name
     writer.write_header_to_file()

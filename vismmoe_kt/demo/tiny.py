@@ -52,6 +52,8 @@ SPECS: dict[str, TinySpec] = {
     # sizes that are multiples of 32, so kt-kernel's CPU kernels can serve it too
     "tiny-6x64": TinySpec(layers=6, experts=64, top_k=8, hidden=96, moe_intermediate=64, vision_depth=3,
                           vision_hidden=48),
+    # sizes that are multiples of 256, the k-quants' super-block (a Q4_K store, Q4_K GGUF files)
+    "tiny-2x8": TinySpec(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=512, vision_depth=1),
     # the trained --demo model (scripts/train_demo_model.py): small enough to train on a CPU in half an hour
     "demo-4x32": TinySpec(layers=4, experts=32, top_k=4, hidden=96, moe_intermediate=64, vision_depth=2,
                           vision_hidden=64, max_image_pixels=224 * 224),

@@ -142,6 +142,43 @@ if tl is not None:
             tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
 
     @triton.jit
+    def _fetch_q4k_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
+                          part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        """`_fetch_q8_kernel` for Q4_K (q4k.py): one 256-weight super-block of 144 bytes per step of
+        the loop, every weight w of it decoded at once: sub-block s = w // 32 takes its 6-bit scale and
+        minimum from the packed 12 bytes, its quant is a nibble of byte 32 * (w // 64) + w % 32 (low for
+        the first 32 of each 64, high for the next)."""
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        need = tl.load(need_ptr + pair) != 0
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        target = tl.load(target_ptr + pair).to(tl.int64)
+        row_bytes: tl.constexpr = COLS // 256 * 144
+        base = host_addr + expert * block_bytes + part_bytes
+        w = tl.arange(0, 256)
+        s = w // 32                                                     # the weight's sub-block, 0..7
+        low = s < 4
+        s_hi = tl.where(low, 0, s - 4)
+        q_byte = 16 + 32 * (w // 64) + w % 32
+        shift = 4 * ((w // 32) % 2)
+        row_ok = (rows < ROWS) & need
+        out_rows = pool_ptr + target * slab_elems + part_elems + rows[:, None].to(tl.int64) * COLS
+        for sb in range(0, COLS // 256):
+            at = base + rows[:, None].to(tl.int64) * row_bytes + sb * 144        # (R, 1): the super-block's first byte
+            ok = row_ok[:, None]
+            d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+            dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+            at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+            a = tl.load(at8 + 4 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s]
+            b = tl.load(at8 + 8 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s + 4]
+            c = tl.load(at8 + 4 + s_hi[None, :], mask=ok, other=0).to(tl.int32)    # scales[s - 4] (s >= 4)
+            scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
+            minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
+            q = (tl.load(at8 + q_byte[None, :], mask=ok, other=0).to(tl.int32) >> shift[None, :]) & 0xF
+            weights = d * scale.to(tl.float32) * q.to(tl.float32) - dmin * minimum.to(tl.float32)
+            tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _stage_kernel(ids_ptr, need_ptr, staging_ptr, host_addr, block_words, CHUNK: tl.constexpr):
         """The needed pairs' whole blocks (as 4-byte words) from the mapped host store into a device
         staging row per pair: contiguous, wide reads, so PCIe moves the blocks' bytes once and at speed
@@ -295,11 +332,12 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
 def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
              host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
              qblocks: int = 8, fmt: str = "q8_0") -> None:
-    """TableExperts.fetch_dequantized in three launches: the needed pairs' Q8_0 blocks copied from the
-    mapped host store to device staging, then dequantized into their target slabs (gate_up, down)."""
-    from . import q4, q8
+    """TableExperts.fetch_dequantized in three launches: the needed pairs' blocks (Q8_0, Q4_0 or Q4_K:
+    `fmt`) copied from the mapped host store to device staging, then dequantized into their target slabs
+    (gate_up, down)."""
+    from . import q4, q4k, q8
 
-    codec, is_q4 = (q4, True) if fmt == "q4_0" else (q8, False)
+    codec, is_q4 = {"q4_0": (q4, True), "q4_k": (q4k, False)}.get(fmt, (q8, False))
     p = ids.numel()
     gate_up, down = pools
     need = need.to(torch.int8)
@@ -312,6 +350,11 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
     rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
     for pool, rows, cols, part_bytes in ((gate_up, 2 * inter, hidden, 0),
                                          (down, hidden, inter, 2 * inter * codec.row_bytes(hidden))):
+        if fmt == "q4_k":
+            _fetch_q4k_kernel[(p, triton.cdiv(rows, block_rows))](
+                rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
+                ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows)
+            continue
         _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows))](
             rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
             ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=is_q4)

@@ -12,6 +12,7 @@ from typing import Any
 
 from .budget import BudgetError, parse_bytes
 from .cost_model import CostModel
+from .store import FORMATS
 
 POLICIES = ("vismmoe", "lru")
 MISS_POLICIES = ("wait", "cpu", "auto")
@@ -34,8 +35,9 @@ class OffloadSettings:
     cpu_dtype: str = "auto"
     cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token[, cpu_seconds_call]}
                                        # pins `auto`; None: measure
-    # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 (llama.cpp's 8- / 4-bit blocks: about a half /
-    # a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the slabs as they arrive)
+    # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 / q4_k (llama.cpp's 8- / 4-bit blocks: about a
+    # half / a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the slabs as they
+    # arrive)
     store_dtype: str = "model"
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
@@ -64,8 +66,8 @@ class OffloadSettings:
         put("max_in_flight", int(self.max_in_flight))
         if self.miss_policy not in MISS_POLICIES:
             raise BudgetError(f"miss_policy {self.miss_policy!r} is not one of: {', '.join(MISS_POLICIES)}")
-        if self.store_dtype not in ("model", "q8_0", "q4_0"):
-            raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: model, q8_0, q4_0")
+        if self.store_dtype not in FORMATS:
+            raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: {', '.join(FORMATS)}")
         if self.cpu_dtype not in ("auto", "bf16", "int8", "int4"):
             raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, bf16, int8, int4")
         if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":

@@ -1,6 +1,7 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
-(With `fmt="q8_0"` or `"q4_0"` a block holds the same two parts in llama.cpp's block bytes: q8.py, q4.py.)
+(With `fmt="q8_0"`, `"q4_0"` or `"q4_k"` a block holds the same two parts in llama.cpp's block bytes: q8.py,
+q4.py, q4k.py.)
 
 A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
 slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import q4, q8
+from . import q4, q4k, q8
 from .host_memory import HostBuffer
 
 
@@ -26,7 +27,7 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
     return blocks[:, :split].view(rows, 2 * inter, hidden), blocks[:, split:].view(rows, hidden, inter)
 
 
-CODECS = {"q8_0": q8, "q4_0": q4}  # llama.cpp block formats: row_bytes, quantize, dequantize
+CODECS = {"q8_0": q8, "q4_0": q4, "q4_k": q4k}  # llama.cpp block formats: row_bytes, quantize, dequantize
 
 
 def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +38,13 @@ def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8) -> tupl
             blocks[:, split:].view(rows, hidden, codec.row_bytes(inter)))
 
 
-FORMATS = ("model", "q8_0", "q4_0")
+FORMATS = ("model", "q8_0", "q4_0", "q4_k")
 
 
 class ExpertStore:
-    """`fmt`: `model` keeps the model's dtype; `q8_0` / `q4_0` keep llama.cpp's 8- / 4-bit blocks (q8.py,
-    q4.py), about a half / a quarter of BF16's bytes per expert in host memory and over PCIe; slabs
-    stay in `dtype` either way.
+    """`fmt`: `model` keeps the model's dtype; `q8_0` / `q4_0` / `q4_k` keep llama.cpp's 8- / 4-bit
+    blocks (q8.py, q4.py, q4k.py), about a half / a quarter of BF16's bytes per expert in host memory
+    and over PCIe; slabs stay in `dtype` either way.
     `block_bytes` is what a fetch moves, `slab_bytes` what a slab holds on the GPU."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool,
