@@ -578,3 +578,44 @@ def test_hybrid_steps_without_cpu_work_are_captured_without_the_cpu_calls(case):
     assert torch.equal(tokens, expected) and cpu_calls == 0
     stats = engine.stats()
     assert stats["segments_captured"] == 2 and stats["graphed_steps"] == stats["steps"]
+
+
+def test_a_measured_quota_alternates_captured_variants_and_each_replays_what_it_captured(case):
+    """With a measured (unpinned) cost model the trial alternates steps with and without the CPU's
+    share; the capture's self-check (a nested step) keeps the quota it was captured with, and every
+    replay runs under the variant its capture saw (a backend that checks it, since the CPU twin
+    re-runs the Python and would not show a mis-filed graph)."""
+    from vismmoe_kt.runtime.cost_model import CostModel, CostTracker
+
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), graphs="replay",
+                    miss_policy="auto", keep_ratio=1.0, **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    runtime.miss.cost = CostTracker(CostModel(1.0, 0.5, 0.1))  # sends misses to the CPU; not pinned: tried
+
+    class KeyedReplay(ReplayCapture):
+        seen: list = []
+
+        def capture(self, run):
+            key = runtime.graph_variant()
+            replay, outputs = super().capture(run)
+
+            def checked():
+                assert runtime.graph_variant() == key, "a graph replayed under the other variant"
+                self.seen.append(key)
+                replay()
+            return checked, outputs
+
+    engine = decode_engine(model)
+    engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
+    engine.step.backend = KeyedReplay()
+    asked = []
+    choose = runtime.miss.trial.choose
+    runtime.miss.trial.choose = lambda quota: (asked.append(1), choose(quota))[1]
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    stats = engine.stats()
+    assert stats["segments_captured"] == 2 and stats["check_failures"] == 0 and stats["graphed_steps"] == stats["steps"]
+    assert len(asked) == stats["steps"]  # once per step: the self-checks' nested steps do not ask again
+    assert set(KeyedReplay.seen) == {True, False}  # both variants replayed, each under its own key

@@ -125,7 +125,9 @@ class LeanDecodeStep:
         # other ranks; a list shared with the decoder, so hooks added later apply too
         self.hooks = hooks if hooks is not None else []
         # what the step's launches depend on beyond its tensors (read after the hooks' `before`): one
-        # capture per distinct answer, e.g. with and without the hybrid mode's CPU calls
+        # capture per distinct answer, e.g. with and without the hybrid mode's CPU calls. The captures
+        # share the engine's graph pool, so one may reuse memory another freed: safe while no two
+        # replay at once and no caller keeps a step's outputs (the logits) past the next step
         self.variants = variants if variants is not None else []
         self._captured: dict[tuple, list[Segment]] = {}
         device = cache.device
@@ -293,6 +295,9 @@ class LeanDecodeStep:
             difference, tolerance = logits_difference(logits, reference)
             self.counters.check_max_difference = max(self.counters.check_max_difference, difference)
             if difference <= tolerance:
+                if tuple(variant() for variant in self.variants) != key:  # the variant moved under the check:
+                    self.segments = None  # do not file this capture under either key
+                    return reference
                 self._captured[key] = self.segments
                 return logits
             self.segments = None  # capture again once: a transient difference should not cost the graphs

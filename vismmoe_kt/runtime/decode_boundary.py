@@ -50,7 +50,8 @@ class DecodeBoundary:
     def before_step(self) -> None:
         rt = self.runtime
         with rt.lock:
-            if rt.table_armed:  # a step ran without its `after` (the graph self-check nests a second
+            nested = rt.table_armed
+            if nested:  # a step ran without its `after` (the graph self-check nests a second
                 self.table.readback()  # step inside the first): read what it did before moving on
             if self.stale:
                 self._enter()
@@ -61,7 +62,9 @@ class DecodeBoundary:
             self._publish_finished_copies()
             self._reserve()
             offloaded = self._first_offloaded() if rt.cpu is not None else None
-            if offloaded is not None:  # hybrid: the cost model's share of misses for the CPU
+            # hybrid: the cost model's share of misses for the CPU. A nested step (the self-check of a
+            # capture) keeps the quota its capture ran with: it must compute the same step
+            if offloaded is not None and not nested:
                 self.table.set_cpu_quota(rt.miss.decode_quota(rt.store, offloaded, rt.device))
             rt.table_armed = True
 

@@ -46,10 +46,12 @@ uniformly, so their own routing would make hit rates and bytes per token meaning
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import io
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -253,10 +255,11 @@ def uses_kt_kernel(spec: str) -> bool:
     return spec.startswith(("kt-cpu", "hybrid:"))
 
 
-def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict | None, torch.Tensor | None]:
     """`run_config` in a child process (this module again, one configuration): whatever host memory
     the configuration's native libraries keep goes with the process. The child writes its row and
-    greedy tokens under OUT/isolated/<config>."""
+    greedy tokens under OUT/isolated/<config>. A child that fails is reported and its row left out
+    (the other configurations still run and are written)."""
     out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out), "--configs", spec,
@@ -271,7 +274,9 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict,
         command += ["--reference", str(out / "reference.pt")]
     done = subprocess.run(command)
     if done.returncode:
-        raise SystemExit(f"--configs {spec}: its process exited with status {done.returncode} (output above)")
+        print(f"--configs {spec}: its process exited with status {done.returncode} (output above); "
+              "left out of the table", file=sys.stderr, flush=True)
+        return None, None
     row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
     return row, torch.load(out / "tokens.pt")
 
@@ -326,13 +331,19 @@ def main() -> int:
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
         parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
     args.routing = args.routing or ("model" if args.tiny else "synthetic")
-    args.tiny_dir = save_tiny_model(tempfile.mkdtemp(), args.tiny, seed=0) if args.tiny else None
+    args.tiny_dir = None
+    if args.tiny:
+        root = tempfile.mkdtemp(prefix="decode-bench-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        args.tiny_dir = save_tiny_model(root, args.tiny, seed=0)
     torch.manual_seed(0)
     rows, reference = [], torch.load(args.reference) if args.reference else None
     several = len(args.configs) > 1 and not args.child
     for spec in args.configs:
         isolate = several and (args.isolate or uses_kt_kernel(spec))
         row, tokens = (run_isolated if isolate else run_config)(spec, args, reference)
+        if row is None:
+            continue
         if args.child:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             torch.save(tokens, Path(args.out) / "tokens.pt")
