@@ -323,3 +323,40 @@ def test_a_q4_k_gguf_fills_a_q4_k_store_as_stored_and_decodes_within_its_error(t
     # every weight of the file in 4 bits (attention too): Q4_K's scale and minimum per 32 weights beat
     # Q4_0's scale alone, at the same bytes
     assert 0 < error < error_q4_0 <= 0.5, (error, error_q4_0)
+
+
+def test_the_vision_tower_loads_from_an_mmproj_file(tiny, tmp_path):
+    """`--mmproj_path`: with no safetensors at all beside the config, the text from the GGUF and the
+    vision tower from an mmproj file under llama.cpp's names (blocks through the gguf package's name
+    map, `mm.0` / `mm.2`, `v.post_ln`, `v.deepstack.<layer>`, the patch embedding in two time slices):
+    an image's logits match the float32 model within F16's error."""
+    from conftest import make_image
+    from vismmoe_kt.demo.gguf_export import export_mmproj
+
+    root, reference, hf_dir, _ = tiny
+    bare = tmp_path / "hf"
+    bare.mkdir()
+    for file in hf_dir.iterdir():  # everything but the weights
+        if file.suffix != ".safetensors":
+            (bare / file.name).write_bytes(file.read_bytes())
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), tmp_path / "text.gguf", "F16")
+    written = export_mmproj(reference.state_dict(), adapter_for("qwen3_vl_moe"), reference.config,
+                            tmp_path / "mmproj.gguf", "F16")
+    layers = reference.config.vision_config.deepstack_visual_indexes
+    assert {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "mm.2.bias", "v.post_ln.weight",
+            "v.blk.0.attn_qkv.weight", "v.position_embd.weight", f"v.deepstack.{layers[-1]}.fc2.weight"} <= set(written)
+    with pytest.raises(LoadError, match=r"'model.visual.patch_embed.proj.weight' is missing: it maps to mmproj "
+                                        r"tensors v.patch_embd.weight, v.patch_embd.weight.1 \(no --mmproj_path given\)"):
+        load(bare, RULES, gguf_path=tmp_path / "text.gguf", expert_budget="1GiB", **CPU)
+    with pytest.raises(LoadError, match=r"--mmproj_path .*absent.gguf: no such file"):
+        load(bare, RULES, gguf_path=tmp_path / "text.gguf", mmproj_path=tmp_path / "absent.gguf", **CPU)
+    with pytest.raises(LoadError, match="give --gguf_path too"):
+        load(bare, RULES, mmproj_path=tmp_path / "mmproj.gguf", expert_budget="1GiB", **CPU)
+    model, processor = load(bare, RULES, gguf_path=tmp_path / "text.gguf", mmproj_path=tmp_path / "mmproj.gguf",
+                            expert_budget="1GiB", **CPU)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(96, 64, seed=3)], return_tensors="pt")
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert ((got - want).norm() / want.norm()).item() <= EXPECTED_ERROR["F16"]

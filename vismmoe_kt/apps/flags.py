@@ -83,6 +83,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--demo", action="store_true", help="use the embedded demo model (tiny, trained on synthetic shapes VQA)")
     group.add_argument("--gguf_path", help="read the weights from GGUF (a .gguf file or a directory of them); config, "
                                            "tokenizer and processor still come from --model_path, as in KTransformers")
+    group.add_argument("--mmproj_path", help="with --gguf_path: the vision tower from llama.cpp's mmproj GGUF file "
+                                             "(default: the safetensors in --model_path)")
     group.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
     group.add_argument("--generate_device", help="put every module on this device for decode (overrides the rules)")
     group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
@@ -180,6 +182,8 @@ def load_from_args(args: argparse.Namespace):
     if fallback:  # rule files name cuda:0; without CUDA the command line runs them on the CPU (the API stays strict)
         overrides.update(generate_device="cpu", prefill_device="cpu")
     gguf = {"gguf_path": args.gguf_path} if getattr(args, "gguf_path", None) else {}
+    if getattr(args, "mmproj_path", None):
+        gguf["mmproj_path"] = args.mmproj_path
     loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **gguf, **overrides)
     if fallback and (group is None or group.leader):
         print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",

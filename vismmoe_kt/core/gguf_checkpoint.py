@@ -5,9 +5,10 @@ As in KTransformers, config, tokenizer and processor come from the HF directory 
 and the weights from GGUF. The model family's adapter names the GGUF tensors behind each of the
 model's tensors (`ModelAdapter.gguf_names`: llama.cpp's `blk.N.attn_q.weight`, the experts'
 `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, concatenated where the model fuses them).
-Tensors a GGUF file does not hold (the vision tower, which llama.cpp writes to a separate mmproj
-file) are read from safetensors in the HF directory when it has them; otherwise loading stops with
-an error that names the tensor.
+The vision tower, which llama.cpp writes to a separate mmproj file, comes from that file when one is
+given (`--mmproj_path`; `ModelAdapter.mmproj_source` names its tensors as llama.cpp's converter
+does), else from safetensors in the HF directory; a tensor found in neither stops loading with an
+error that names it.
 
 Reading: the `gguf` package maps each file (memmap) and dequantizes a tensor when it is asked for
 (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to
@@ -53,7 +54,8 @@ def gguf_files(path: str | Path) -> list[Path]:
 
 class GgufCheckpointReader:
     def __init__(self, model_dir: str | Path, gguf_path: str | Path, gguf_names: Callable[[str], tuple[str, ...] | None],
-                 dtype: torch.dtype | None = None, layout_fix: LayoutFix | None = None, default_device: str = "cpu"):
+                 dtype: torch.dtype | None = None, layout_fix: LayoutFix | None = None, default_device: str = "cpu",
+                 mmproj_path: str | Path | None = None, mmproj_source: Callable[[str], Any] | None = None):
         try:
             from gguf import GGUFReader
         except ImportError:
@@ -67,8 +69,17 @@ class GgufCheckpointReader:
         self.device_map: dict[str, dict[str, Any]] = {}
         self.on_tensor: Callable[[str, int], None] | None = None
         self.gguf_names = gguf_names
+        self.mmproj_source = mmproj_source
+        self.mmproj_path = mmproj_path
         self._tensors: dict[str, tuple[Path, Any]] = {}
         self.files = gguf_files(gguf_path)
+        if mmproj_path is not None:
+            mmproj = Path(mmproj_path)
+            if not mmproj.is_file():
+                raise LoadError(f"--mmproj_path {mmproj}: no such file")
+            if mmproj_source is None:
+                raise LoadError(f"--mmproj_path {mmproj}: this model family has no mmproj layout")
+            self.files.append(mmproj)
         for file in self.files:
             try:
                 reader = GGUFReader(str(file), "r")
@@ -94,12 +105,22 @@ class GgufCheckpointReader:
             if self._fallback is not None and name in self._fallback:
                 return self._fallback.load_tensor(name, device)
             wanted = self.gguf_names(name)
-            where = f"GGUF tensor{'s' if wanted and len(wanted) > 1 else ''} {', '.join(wanted)}" if wanted else \
-                "no GGUF tensor (llama.cpp keeps the vision tower in an mmproj file)"
+            mmproj = self.mmproj_source(name) if self.mmproj_source is not None and not wanted else None
+            if wanted:
+                where = f"GGUF tensor{'s' if len(wanted) > 1 else ''} {', '.join(wanted)}"
+            elif mmproj is not None:
+                where = f"mmproj tensor{'s' if len(mmproj.names) > 1 else ''} {', '.join(mmproj.names)}" + \
+                    (f" (not in {self.mmproj_path})" if self.mmproj_path else " (no --mmproj_path given)")
+            else:
+                where = "no GGUF tensor (llama.cpp keeps the vision tower in an mmproj file: --mmproj_path)"
             raise LoadError(f"{self.gguf_path}: the model's tensor {name!r} is missing: it maps to {where}, and "
                             f"{self.model_dir} has no safetensors holding it")
+        sources, stack_dim = sources
         parts = [self._dequantize(gguf_name) for gguf_name in sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(parts) == 1:
+            tensor = parts[0]
+        else:  # fused in the model: concatenated along dim 1, or slices stacked back (a 3-D convolution)
+            tensor = torch.cat(parts, dim=1) if stack_dim is None else torch.stack(parts, dim=stack_dim)
         tensor = tensor.to(self.dtype).to(device)
         if self.on_tensor is not None:
             self.on_tensor(name, tensor.numel() * tensor.element_size())
@@ -109,7 +130,8 @@ class GgufCheckpointReader:
         sources = self._sources(name)
         if sources is None:
             return self._fallback.describe(name) if self._fallback is not None else f"tensor {name!r}"
-        return f"{self._tensors[sources[0]][0]}: tensor {', '.join(sources)} (the model's {name!r})"
+        names = sources[0]
+        return f"{self._tensors[names[0]][0]}: tensor {', '.join(names)} (the model's {name!r})"
 
     def weight_files(self) -> list[Path]:
         """The files the weights come from outside the model directory (caches derived from the
@@ -121,11 +143,16 @@ class GgufCheckpointReader:
             self._fallback.close()
 
     # --- reading -----------------------------------------------------------------------------
-    def _sources(self, name: str) -> tuple[str, ...] | None:
-        names = self.gguf_names(name)
+    def _sources(self, name: str) -> tuple[tuple[str, ...], int | None] | None:
+        """The GGUF tensors behind `name` and the dim they stack along (None: concatenated along dim 1)."""
+        names, stack_dim = self.gguf_names(name), None
+        if not names and self.mmproj_source is not None:
+            source = self.mmproj_source(name)
+            if source is not None:
+                names, stack_dim = source.names, source.stack_dim
         if not names or not all(n in self._tensors for n in names):
             return None
-        return names
+        return names, stack_dim
 
     def tensor_type(self, gguf_name: str) -> str:
         return self._tensors[gguf_name][1].tensor_type.name
@@ -138,7 +165,7 @@ class GgufCheckpointReader:
         if sources is None:
             return None
         out = []
-        for gguf_name in sources:
+        for gguf_name in sources[0]:
             file, tensor = self._tensors[gguf_name]
             data = np.asarray(tensor.data)
             try:

@@ -137,6 +137,7 @@ def load(
     default_device: str | None = None,
     progress: bool = True,
     gguf_path: str | Path | None = None,
+    mmproj_path: str | Path | None = None,
     **overrides: Any,
 ) -> tuple[nn.Module, Any]:
     """Load a model directory, inject the rule file's operators, return `(model, processor)`.
@@ -146,15 +147,20 @@ def load(
     `cpu_infer` the CPU experts' worker count (default physical cores - 2), any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
     while loading (default: keep the checkpoint's dtype). `gguf_path` (a .gguf file or a directory of
     them) reads the weights from GGUF instead, config and processor still from `model_path`
-    (core/gguf_checkpoint.py; tensors are dequantized to `dtype`, default bfloat16).
+    (core/gguf_checkpoint.py; tensors are dequantized to `dtype`, default bfloat16). `mmproj_path`
+    (with `gguf_path`): the vision tower from llama.cpp's mmproj GGUF instead of the directory.
     """
     start = time.perf_counter()
     model_dir = Path(model_path)
     config, adapter = read_model_config(model_dir)
     device = default_device or overrides.get("generate_device") or pick_default_device()
+    if mmproj_path is not None and gguf_path is None:
+        raise LoadError("--mmproj_path holds the vision tower of a GGUF model: give --gguf_path too")
     if gguf_path is not None:
         reader = GgufCheckpointReader(model_dir, gguf_path, adapter.gguf_names, dtype=parse_dtype(dtype),
-                                      layout_fix=adapter.to_model_layout, default_device=device)
+                                      layout_fix=adapter.to_model_layout, default_device=device,
+                                      mmproj_path=mmproj_path,
+                                      mmproj_source=lambda name: adapter.mmproj_source(name, config))
     else:
         reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout,
                                   default_device=device)

@@ -1,10 +1,11 @@
-"""Write a model's text weights as a GGUF file with the `gguf` package's writer (tests and demos).
+"""Write a model's text weights as a GGUF file with the `gguf` package's writer (tests and demos), and its
+vision tower as llama.cpp's separate mmproj file (`export_mmproj`).
 
 Each tensor the family's adapter maps to GGUF (`ModelAdapter.gguf_names`) is written under
 llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (gate and up experts).
 2-D and 3-D weights whose rows divide into the type's blocks are written in `qtype`; the rest (norms,
-rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written (llama.cpp
-puts it in an mmproj file): it stays in the model directory's safetensors.
+rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written there
+(llama.cpp puts it in an mmproj file: `export_mmproj`).
 
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
 cannot write them. Q4_K is written with the host store's own quantizer (runtime/q4k.py: min-max
@@ -50,6 +51,37 @@ def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, 
                 data = q4k.quantize(torch.from_numpy(values)).numpy()
             else:
                 data = quants.quantize(values, use)
+            writer.add_tensor(gguf_name, data, raw_dtype=use)
+            written[gguf_name] = use.name
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
+                  qtype: str = "F16") -> dict[str, str]:
+    """Write `state`'s vision tower as an mmproj GGUF under llama.cpp's names (`ModelAdapter.mmproj_source`,
+    a 3-D convolution split into its 2-D slices as llama.cpp's converter does). Matrices whose rows
+    divide into `qtype`'s blocks are written in it, the rest in F32. Returns GGUF name -> type."""
+    import gguf
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    written: dict[str, str] = {}
+    for name, tensor in state.items():
+        source = adapter.mmproj_source(name, config)
+        if source is None:
+            continue
+        values = tensor.float()
+        parts = values.unbind(source.stack_dim) if source.stack_dim is not None else (values,)
+        for gguf_name, part in zip(source.names, parts):
+            array = part.contiguous().numpy().astype(np.float32)
+            use = kind if array.ndim >= 2 and array.shape[-1] % block == 0 else GGMLQuantizationType.F32
+            data = array if use == GGMLQuantizationType.F32 else quants.quantize(array, use)
             writer.add_tensor(gguf_name, data, raw_dtype=use)
             written[gguf_name] = use.name
     writer.write_header_to_file()

@@ -25,6 +25,14 @@ _LAYER_INDEX = re.compile(r"(?:layers|blk)\.(\d+)\.")  # Hugging Face's and GGUF
 
 
 @dataclass(frozen=True)
+class MmprojSource:
+    """The tensors of an mmproj GGUF (llama.cpp's file for the vision tower) behind one of the model's
+    tensors: one, or several stacked along `stack_dim` (a 3-D convolution written as 2-D slices)."""
+    names: tuple[str, ...]
+    stack_dim: int | None = None
+
+
+@dataclass(frozen=True)
 class MoEShape:
     """What the offload runtime and the CPU backends need to know of a model's experts."""
 
@@ -59,6 +67,12 @@ class ModelAdapter:
         """The GGUF tensors (llama.cpp's names) that make up the model's tensor `name`, in the order
         they are concatenated along dim 1; None where a GGUF file does not hold it (e.g. the vision
         tower, which llama.cpp keeps in a separate mmproj file)."""
+        return None
+
+    def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
+        """Where an mmproj GGUF (`--mmproj_path`) holds the model's vision tensor `name`, under the names
+        llama.cpp's converter gives it; None for tensors outside the vision tower, or a family without
+        an mmproj layout."""
         return None
 
     def load_processor(self, model_dir: Path) -> Any:

@@ -20,10 +20,11 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
-from .base import ModelAdapter, MoEShape
+from .base import MmprojSource, ModelAdapter, MoEShape
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _TEXT = "model.language_model."
+_VISUAL = "model.visual."
 # llama.cpp's names for the text model (convert_hf_to_gguf.py, arch qwen3vlmoe); the fused gate_up
 # experts are two GGUF tensors, (E, I, H) each, concatenated along dim 1
 _GGUF_GLOBAL = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
@@ -90,6 +91,38 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in _GGUF_LAYER:
             return tuple(f"blk.{parts[1]}.{suffix}" for suffix in _GGUF_LAYER[parts[2]])
         return None
+
+    def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
+        """llama.cpp's names for the vision tower (its converter's Qwen3VLVisionModel): the blocks,
+        position and patch embeddings through the gguf package's own name map; the merger as `mm.0` /
+        `mm.2` (its two linears) and `v.post_ln` (its norm); each DeepStack merger as
+        `v.deepstack.<vision layer it reads>`; the Conv3d patch embedding as two 2-D slices along time
+        (`v.patch_embd.weight`, `.weight.1`)."""
+        if not name.startswith(_VISUAL):
+            return None
+        import gguf
+
+        rest, vision = name[len(_VISUAL):], config.vision_config
+        names, kinds = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
+        if rest.startswith("deepstack_merger_list."):
+            _, index, part, suffix = rest.split(".", 3)
+            kind = {"norm": kinds.V_DS_NORM, "linear_fc1": kinds.V_DS_FC1, "linear_fc2": kinds.V_DS_FC2}.get(part)
+            layers = list(vision.deepstack_visual_indexes)
+            if kind is None or int(index) >= len(layers):
+                return None
+            return MmprojSource((f"{names[kind].format(bid=layers[int(index)])}.{suffix}",))
+        if rest.startswith("merger."):
+            _, part, suffix = rest.split(".", 2)
+            if part == "norm":
+                return MmprojSource((f"{names[kinds.V_POST_NORM]}.{suffix}",))
+            fc = {"linear_fc1": 0, "linear_fc2": 2}.get(part)
+            return None if fc is None else MmprojSource((f"{names[kinds.V_MMPROJ].format(bid=fc)}.{suffix}",))
+        if rest == "patch_embed.proj.weight":
+            patch = names[kinds.V_ENC_EMBD_PATCH]
+            return MmprojSource((f"{patch}.weight", f"{patch}.weight.1"), stack_dim=2)
+        mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth).get_name(
+            "visual." + rest, try_suffixes=(".weight", ".bias"))
+        return MmprojSource((mapped,)) if mapped else None
 
     def load_processor(self, model_dir: Path) -> Qwen3VLImageTextProcessor:
         from transformers import AutoTokenizer
