@@ -26,6 +26,31 @@ WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
                 arch: str = "qwen3vlmoe") -> dict[str, str]:
     """Write `state`'s GGUF-mapped tensors to `path`; returns GGUF name -> the type it was written in."""
+    def parts():
+        for name, tensor in state.items():
+            names = adapter.gguf_names(name)
+            if names:  # fused in the model (gate and up): split along dim 1
+                yield from zip(names, tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),))
+    return _write(parts(), path, qtype, arch)
+
+
+def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
+                  qtype: str = "F16") -> dict[str, str]:
+    """Write `state`'s vision tower as an mmproj GGUF under llama.cpp's names (`ModelAdapter.mmproj_source`,
+    a 3-D convolution split into its 2-D slices as llama.cpp's converter does). Matrices whose rows
+    divide into `qtype`'s blocks are written in it, the rest in F32. Returns GGUF name -> type."""
+    def parts():
+        for name, tensor in state.items():
+            source = adapter.mmproj_source(name, config)
+            if source is not None:
+                values = tensor.float()
+                yield from zip(source.names, values.unbind(source.stack_dim) if source.stack_dim is not None else (values,))
+    return _write(parts(), path, qtype, "clip")
+
+
+def _write(parts, path: str | Path, qtype: str, arch: str) -> dict[str, str]:
+    """(GGUF name, float tensor) pairs to a GGUF file: 2-D and larger whose rows divide into `qtype`'s
+    blocks in `qtype`, the rest in F32."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -35,55 +60,19 @@ def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, 
     block = gguf.GGML_QUANT_SIZES[kind][0]
     writer = gguf.GGUFWriter(str(path), arch=arch)
     written: dict[str, str] = {}
-    for name, tensor in state.items():
-        names = adapter.gguf_names(name)
-        if not names:
-            continue
-        parts = tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),)
-        for gguf_name, part in zip(names, parts):
-            values = part.contiguous().numpy().astype(np.float32)
-            use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
-            if use == GGMLQuantizationType.F32:
-                data = values
-            elif use == GGMLQuantizationType.Q4_K:
-                from ..runtime import q4k
+    for gguf_name, part in parts:
+        values = part.contiguous().numpy().astype(np.float32)
+        use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
+        if use == GGMLQuantizationType.F32:
+            data = values
+        elif use == GGMLQuantizationType.Q4_K:
+            from ..runtime import q4k
 
-                data = q4k.quantize(torch.from_numpy(values)).numpy()
-            else:
-                data = quants.quantize(values, use)
-            writer.add_tensor(gguf_name, data, raw_dtype=use)
-            written[gguf_name] = use.name
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return written
-
-
-def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
-                  qtype: str = "F16") -> dict[str, str]:
-    """Write `state`'s vision tower as an mmproj GGUF under llama.cpp's names (`ModelAdapter.mmproj_source`,
-    a 3-D convolution split into its 2-D slices as llama.cpp's converter does). Matrices whose rows
-    divide into `qtype`'s blocks are written in it, the rest in F32. Returns GGUF name -> type."""
-    import gguf
-    from gguf import GGMLQuantizationType, quants
-
-    kind = GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
-    writer = gguf.GGUFWriter(str(path), arch="clip")
-    written: dict[str, str] = {}
-    for name, tensor in state.items():
-        source = adapter.mmproj_source(name, config)
-        if source is None:
-            continue
-        values = tensor.float()
-        parts = values.unbind(source.stack_dim) if source.stack_dim is not None else (values,)
-        for gguf_name, part in zip(source.names, parts):
-            array = part.contiguous().numpy().astype(np.float32)
-            use = kind if array.ndim >= 2 and array.shape[-1] % block == 0 else GGMLQuantizationType.F32
-            data = array if use == GGMLQuantizationType.F32 else quants.quantize(array, use)
-            writer.add_tensor(gguf_name, data, raw_dtype=use)
-            written[gguf_name] = use.name
+            data = q4k.quantize(torch.from_numpy(values)).numpy()
+        else:
+            data = quants.quantize(values, use)
+        writer.add_tensor(gguf_name, data, raw_dtype=use)
+        written[gguf_name] = use.name
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
