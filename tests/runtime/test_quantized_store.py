@@ -66,6 +66,10 @@ def test_q4_k_reads_any_q4_k_bytes_as_the_gguf_package_and_writes_valid_ones():
     assert torch.equal(q4k.dequantize(q4k.quantize(torch.zeros(2, 256)), 256), torch.zeros(2, 256))
     with pytest.raises(ValueError, match="multiple of 256"):
         q4k.quantize(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="non-finite"):
+        q4k.quantize(torch.full((1, 256), float("nan")))
+    with pytest.raises(ValueError, match="overflow"):
+        q4k.quantize(torch.linspace(-1e9, 1e9, 256).view(1, 256))
     with pytest.raises(ValueError, match="not Q4_K"):
         q4k.dequantize(data[:, :100], 512)
 

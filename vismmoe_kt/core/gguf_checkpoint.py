@@ -77,8 +77,6 @@ class GgufCheckpointReader:
             mmproj = Path(mmproj_path)
             if not mmproj.is_file():
                 raise LoadError(f"--mmproj_path {mmproj}: no such file")
-            if mmproj_source is None:
-                raise LoadError(f"--mmproj_path {mmproj}: this model family has no mmproj layout")
             self.files.append(mmproj)
         for file in self.files:
             try:
@@ -101,12 +99,16 @@ class GgufCheckpointReader:
     def load_tensor(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """Read one of the model's tensors onto `device` (KTransformers' loader signature)."""
         sources = self._sources(name)
+        mmproj = self.mmproj_source(name) if self.mmproj_source is not None and self.mmproj_path else None
+        if sources is None and mmproj is not None:  # never half the vision tower from elsewhere
+            raise LoadError(f"{self.mmproj_path}: the model's vision tensor {name!r} is missing: it maps to mmproj "
+                            f"tensor{'s' if len(mmproj.names) > 1 else ''} {', '.join(mmproj.names)}")
         if sources is None:
             if self._fallback is not None and name in self._fallback:
                 return self._fallback.load_tensor(name, device)
             wanted = self.gguf_names(name)
             mmproj = self.mmproj_source(name) if self.mmproj_source is not None and not wanted else None
-            if wanted:
+            if wanted:  # (with --mmproj_path, a vision tensor it lacks was named above)
                 where = f"GGUF tensor{'s' if len(wanted) > 1 else ''} {', '.join(wanted)}"
             elif mmproj is not None:
                 where = f"mmproj tensor{'s' if len(mmproj.names) > 1 else ''} {', '.join(mmproj.names)}" + \
@@ -120,6 +122,9 @@ class GgufCheckpointReader:
         if len(parts) == 1:
             tensor = parts[0]
         else:  # fused in the model: concatenated along dim 1, or slices stacked back (a 3-D convolution)
+            if stack_dim is not None and len({p.shape for p in parts}) > 1:
+                raise LoadError(f"{self.describe(name)}: its slices have different shapes "
+                                f"{', '.join(str(tuple(p.shape)) for p in parts)}")
             tensor = torch.cat(parts, dim=1) if stack_dim is None else torch.stack(parts, dim=stack_dim)
         tensor = tensor.to(self.dtype).to(device)
         if self.on_tensor is not None:

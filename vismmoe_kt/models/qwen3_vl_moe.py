@@ -10,6 +10,7 @@ Checkpoints on the hub store the fused experts transposed ((E, H, 2I) and (E, I,
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,14 @@ _GGUF_LAYER = {
     "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
     "mlp.experts.down_proj": ("ffn_down_exps.weight",),
 }
+
+
+@functools.lru_cache(maxsize=4)
+def _mmproj_name_map(depth: int):
+    """The gguf package's HF -> GGUF name map for vision towers of `depth` blocks (slow to build: once)."""
+    import gguf
+
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, depth)
 
 
 class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
@@ -120,8 +129,7 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         if rest == "patch_embed.proj.weight":
             patch = names[kinds.V_ENC_EMBD_PATCH]
             return MmprojSource((f"{patch}.weight", f"{patch}.weight.1"), stack_dim=2)
-        mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth).get_name(
-            "visual." + rest, try_suffixes=(".weight", ".bias"))
+        mapped = _mmproj_name_map(vision.depth).get_name("visual." + rest, try_suffixes=(".weight", ".bias"))
         return MmprojSource((mapped,)) if mapped else None
 
     def load_processor(self, model_dir: Path) -> Qwen3VLImageTextProcessor:

@@ -57,6 +57,8 @@ def quantize(weights: torch.Tensor) -> torch.Tensor:
     row_bytes(cols)
     nb = cols // BLOCK
     x = weights.float().reshape(*lead, nb, BLOCK // SUB, SUB)
+    if not torch.isfinite(x).all():
+        raise ValueError("Q4_K cannot hold non-finite weights (NaN or inf)")
     low = x.amin(-1).clamp(max=0.0)                     # ggml keeps minimums <= 0 (stored as -min >= 0)
     scale = (x.amax(-1) - low) / 15
     d = scale.amax(-1, keepdim=True) / 63               # the super-block's scale of the 6-bit scales
@@ -64,6 +66,9 @@ def quantize(weights: torch.Tensor) -> torch.Tensor:
     ls = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1)), 0).clamp(0, 63)
     lm = torch.where(dmin > 0, torch.round(-low / torch.where(dmin > 0, dmin, 1)), 0).clamp(0, 63)
     d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)  # what a reader will multiply by
+    if not (torch.isfinite(d16).all() and torch.isfinite(dmin16).all()):
+        raise ValueError("Q4_K's float16 super-block scales overflow: a 32-weight sub-block spans more than "
+                         "about 6e7 (as in ggml)")
     step = d16.float() * ls                              # (..., nb, 8)
     offset = dmin16.float() * lm
     q = torch.where(step[..., None] > 0, torch.round((x + offset[..., None]) / torch.where(step > 0, step, 1)[..., None]),
