@@ -8,7 +8,8 @@
 #                                                   routing): five configurations in one process
 #   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lru, vismmoe, vismmoe with the
 #                                                   lookahead predictor (results/predictor-synthetic-48x128) at
-#                                                   p >= 0.5 and 0.7, synthetic routing (about 8 min)
+#                                                   every MoE layer, every 2nd and every 5th (prefetch_stride),
+#                                                   synthetic routing (about 9 min)
 #   bash scripts/device_session.sh kernels PX BUDGET  all resident, lru, vismmoe, vismmoe + lookahead at PX px, BUDGET,
 #                                                   each with one request under torch.profiler: device time per
 #                                                   decode step by kernel and stream, idle and overlapped time
@@ -61,7 +62,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout "${PREDICT_TIMEOUT:-580}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" \
                --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
                --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+minp=0.7" \
+               --configs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=2" \
+                 "lean:$budget+predict+stride=5" \
                | tee "$OUT/predict$px-$budget.txt" ;;
     kernels) shift  # one profiled request per configuration: where the decode step's device time goes
              px=$1 budget=$2; shift 2

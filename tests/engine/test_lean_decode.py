@@ -619,3 +619,37 @@ def test_a_measured_quota_alternates_captured_variants_and_each_replays_what_it_
     assert stats["segments_captured"] == 2 and stats["check_failures"] == 0 and stats["graphed_steps"] == stats["steps"]
     assert len(asked) == stats["steps"]  # once per step: the self-checks' nested steps do not ask again
     assert set(KeyedReplay.seen) == {True, False}  # both variants replayed, each under its own key
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_lookahead_stride_runs_the_predictor_at_every_sth_layer(case, tmp_path, stride):
+    """`prefetch_stride: S` runs the predictor at MoE rows 0, S, 2S, ... of each step (its window of W
+    rows ahead covers the rows between), so a step launches 1/S of its kernels; tokens stay the
+    reference's. A stride beyond the window would leave rows no prediction reaches: an error."""
+    from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
+
+    spec = SPECS["tiny-4x16"]
+    config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
+                             visual_size=spec.hidden, window=2, width=32, history_dim=16)
+    torch.manual_seed(0)
+    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    model_dir, inputs, expected = case
+    kwargs = dict(expert_budget=budget(2), graphs="off", predictor=str(tmp_path / "predictor.pt"), prefetch_topk=6,
+                  prefetch_min_probability=0.0, **CPU)
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", prefetch_stride=stride, **kwargs)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    rows = []
+    candidates = runtime.lookahead.candidates
+    runtime.lookahead.candidates = lambda row, *a: (rows.append(row), candidates(row, *a))[1]
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    steps = decoder_of(model).stats()["decode_steps"]
+    last = spec.layers - 1  # the last row closes the step (no prediction: nothing lies ahead)
+    assert sorted(set(rows)) == [r for r in range(last) if r % stride == 0]
+    assert len(rows) == steps * len([r for r in range(last) if r % stride == 0])
+    assert runtime.summary()["decode_prefetches"] > 0
+    with pytest.raises(RuleError, match=r"prefetch_stride 3 must be between 1 and the predictor's window \(2\)"):
+        load(model_dir, "optimize_rules/qwen3vl-offload.yaml", prefetch_stride=3, **kwargs)
+    with pytest.raises(RuleError, match="prefetch_stride must be a whole number >= 1"):
+        load(model_dir, "optimize_rules/qwen3vl-offload.yaml", prefetch_stride=0, **kwargs)

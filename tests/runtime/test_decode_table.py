@@ -80,6 +80,9 @@ class RandomLookahead:
         experts = torch.randint(-1, E, (self.budget,), generator=self.generator)
         return rows, experts
 
+    def predicts_at(self, row):
+        return True
+
     def end_step(self, routed):
         self.steps += 1
 

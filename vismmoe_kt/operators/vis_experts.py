@@ -72,7 +72,7 @@ def predictor_policies(settings: OffloadSettings, shape: Any, context: Any, devi
             return context.routing.latent(index)
         prefetch.hidden_of = hidden_of
     lookahead = DeviceLookahead(prefetch.predictor, settings.prefetch_topk, device,
-                                settings.prefetch_min_probability, hidden_of)
+                                settings.prefetch_min_probability, hidden_of, settings.prefetch_stride)
     return prefetch, lookahead
 
 

@@ -5,6 +5,8 @@ Shapes: L MoE layers (rows), E experts, K experts per token, W window, R history
 The offload runtime calls it at every MoE layer of a slab-table decode step (runtime/offload.py,
 on a side stream while the layer's experts compute):
 
+    predicts_at(row)                 whether the step runs the predictor at this row (every `stride`-th
+                                     row: each run covers W rows ahead, so S <= W leaves no gap)
     candidates(row, hidden, routed)  -> (rows (B,), experts (B,)) long device tensors: the top-B
                                         (layer row + d, expert) pairs by sigmoid(score) * gamma**(d-1),
                                         expert -1 where the predictor's probability is below
@@ -37,8 +39,12 @@ MIN_PROBABILITY = 0.5  # ours (the paper prefetches the top B unconditionally): 
 class DeviceLookahead:
     def __init__(self, predictor: LookaheadPredictor, top_b: int, device: torch.device,
                  min_probability: float = MIN_PROBABILITY,
-                 hidden_of: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+                 hidden_of: Callable[[int, torch.Tensor], torch.Tensor] | None = None, stride: int = 1):
         c = predictor.config
+        if not 1 <= stride <= c.window:
+            raise ValueError(f"prefetch_stride {stride} must be between 1 and the predictor's window ({c.window}): "
+                             "its predictions reach that many layers ahead")
+        self.stride = stride
         self.predictor, self.config, self.top_b = predictor.eval(), c, int(top_b)
         self.min_probability, self.hidden_of = float(min_probability), hidden_of
         self.layers, self.experts, self.window = c.num_layers, c.num_experts, c.window
@@ -51,6 +57,9 @@ class DeviceLookahead:
         self._past_rows = [(torch.arange(row - c.history_length + 1, row + 1, device=device).clamp(min=0),
                             torch.arange(row - c.history_length + 1, row + 1, device=device)[:, None] >= 0)
                            for row in range(c.num_layers)]
+
+    def predicts_at(self, row: int) -> bool:
+        return row % self.stride == 0
 
     def start_decode(self, visual: torch.Tensor | None) -> None:
         self.previous.zero_()

@@ -305,6 +305,8 @@ class OffloadRuntime:
                 torch.cuda.current_stream(self.device).wait_stream(self._side)
             lookahead.end_step(table.routed)
             return
+        if not lookahead.predicts_at(row):  # `prefetch_stride`: the last run's window covers this row
+            return
         if not cuda:
             rows, experts = lookahead.candidates(row, hidden, table.routed)
             table.prefetch(rows, experts, self.pool, self._host_blocks, False)

@@ -42,6 +42,8 @@ class OffloadSettings:
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
     prefetch_min_probability: float = 0.7  # in table decode, prefetch only pairs the predictor gives at least this
+    prefetch_stride: int = 1           # in table decode, the predictor runs at every S-th MoE layer (1 <= S <= its
+                                       # window W): its W layers ahead still cover the gap, at 1/S of its kernels
 
     def __post_init__(self):
         def put(name: str, value: Any) -> None:  # frozen: normalised values go in through object.__setattr__
@@ -82,5 +84,7 @@ class OffloadSettings:
         put("predictor", None if self.predictor is None else str(self.predictor))
         put("prefetch_topk", int(self.prefetch_topk))
         put("prefetch_min_probability", float(self.prefetch_min_probability))
+        if isinstance(self.prefetch_stride, bool) or not isinstance(self.prefetch_stride, int) or self.prefetch_stride < 1:
+            raise BudgetError(f"prefetch_stride must be a whole number >= 1, got {self.prefetch_stride!r}")
         if not 0 <= self.prefetch_min_probability <= 1:
             raise BudgetError(f"prefetch_min_probability must be in [0, 1], got {self.prefetch_min_probability}")

@@ -13,9 +13,10 @@ Configurations (all greedy, batch 1, an image prompt):
   ...+q8, +q4, +q4k
                 (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K blocks (store_dtype): a half / a quarter
                 of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
-  lean:BUDGET+predict[+minp=P][+topk=B]
+  lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
-                graph: predictor/device_lookahead.py), optionally its probability floor and top-B
+                graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
+                stride (the predictor at every S-th MoE layer)
   hybrid:BUDGET[+bf16|+int4][+cpu]
                 lean:BUDGET in VisMMOE's hybrid mode (optimize_rules/qwen3vl.yaml, no token pruning):
                 each layer's misses split between PCIe reads and kt-kernel (INT8 copy by default) by the
@@ -94,9 +95,9 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             if not predictor:
                 raise SystemExit(f"--configs {spec}+predict needs --predictor PATH")
             extra["predictor"] = predictor
-        elif name in ("minp", "topk") and value:
-            extra["prefetch_min_probability" if name == "minp" else "prefetch_topk"] = \
-                float(value) if name == "minp" else int(value)
+        elif name in ("minp", "topk", "stride") and value:
+            key = {"minp": "prefetch_min_probability", "topk": "prefetch_topk", "stride": "prefetch_stride"}[name]
+            extra[key] = float(value) if name == "minp" else int(value)
         elif name in ("bf16", "int8", "int4") and not value:
             if not spec.startswith(("kt-cpu", "hybrid:")):
                 raise SystemExit(f"--configs: +{name} applies to kt-cpu and hybrid:BUDGET only, not {spec!r}")
@@ -106,10 +107,10 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
         elif name in ("q8", "q4", "q4k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
             extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k"}[name]
         else:
-            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B; kt-cpu, hybrid: int8, "
+            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
                              "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k)")
     if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype"} and not spec.startswith("lean:"):
-        raise SystemExit(f"--configs: +predict, +minp, +topk apply to lean:BUDGET only, not {spec!r}")
+        raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
 
