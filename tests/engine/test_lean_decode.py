@@ -465,17 +465,22 @@ def test_the_public_generate_is_the_lean_path(case):
     assert decoder_of(model).stats()["decode_steps"] == TOKENS - 1
 
 
-def test_lookahead_prefetch_inside_table_steps(case, tmp_path):
-    """With a predictor, table steps prefetch the next layers' likely experts on the device (a side
-    stream on CUDA): the tokens stay the reference's, graphed and eager steps agree to the bit,
-    prefetches land and are counted, and a step still reads nothing back from the device."""
+def tiny_predictor(path) -> None:
+    """An untrained lookahead predictor for tiny-4x16 (window 2), saved at `path`."""
     from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
 
     spec = SPECS["tiny-4x16"]
     config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
                              visual_size=spec.hidden, window=2, width=32, history_dim=16)
     torch.manual_seed(0)
-    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    LookaheadPredictor(config).save(path)
+
+
+def test_lookahead_prefetch_inside_table_steps(case, tmp_path):
+    """With a predictor, table steps prefetch the next layers' likely experts on the device (a side
+    stream on CUDA): the tokens stay the reference's, graphed and eager steps agree to the bit,
+    prefetches land and are counted, and a step still reads nothing back from the device."""
+    tiny_predictor(tmp_path / "predictor.pt")
     model_dir, inputs, expected = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay",
                     predictor=str(tmp_path / "predictor.pt"), prefetch_topk=6, prefetch_min_probability=0.0, **CPU)
@@ -626,13 +631,7 @@ def test_lookahead_stride_runs_the_predictor_at_every_sth_layer(case, tmp_path, 
     """`prefetch_stride: S` runs the predictor at MoE rows 0, S, 2S, ... of each step (its window of W
     rows ahead covers the rows between), so a step launches 1/S of its kernels; tokens stay the
     reference's. A stride beyond the window would leave rows no prediction reaches: an error."""
-    from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
-
-    spec = SPECS["tiny-4x16"]
-    config = PredictorConfig(num_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
-                             visual_size=spec.hidden, window=2, width=32, history_dim=16)
-    torch.manual_seed(0)
-    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    tiny_predictor(tmp_path / "predictor.pt")
     model_dir, inputs, expected = case
     kwargs = dict(expert_budget=budget(2), graphs="off", predictor=str(tmp_path / "predictor.pt"), prefetch_topk=6,
                   prefetch_min_probability=0.0, **CPU)
@@ -645,7 +644,7 @@ def test_lookahead_stride_runs_the_predictor_at_every_sth_layer(case, tmp_path, 
         tokens = generate(model, inputs, TOKENS)
     assert torch.equal(tokens, expected)
     steps = decoder_of(model).stats()["decode_steps"]
-    last = spec.layers - 1  # the last row closes the step (no prediction: nothing lies ahead)
+    last = SPECS["tiny-4x16"].layers - 1  # the last row closes the step (no prediction: nothing lies ahead)
     assert sorted(set(rows)) == [r for r in range(last) if r % stride == 0]
     assert len(rows) == steps * len([r for r in range(last) if r % stride == 0])
     assert runtime.summary()["decode_prefetches"] > 0
