@@ -160,8 +160,12 @@ def test_the_cli_reads_weights_from_gguf_path(tiny, capsys):
     assert main(args + ["--gguf_path", str(root / "absent.gguf")]) != 0
     err = capsys.readouterr().err
     assert "--gguf_path" in err and "absent.gguf: no such file or directory" in err
+    from vismmoe_kt.demo.gguf_export import export_mmproj
 
-
+    export_mmproj(reference.state_dict(), adapter_for("qwen3_vl_moe"), reference.config, root / "cli-mmproj.gguf")
+    assert main(args + ["--gguf_path", str(root / "cli.gguf"), "--mmproj_path", str(root / "cli-mmproj.gguf")]) == 0
+    assert main(args + ["--mmproj_path", str(root / "cli-mmproj.gguf")]) != 0
+    assert "give --gguf_path too" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(),
