@@ -25,7 +25,7 @@ Configurations (all greedy, batch 1, an image prompt):
                 every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
                 N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
                 each layer's CPU call inside the step's CUDA graph
-Per configuration: prefill seconds, decode tokens/s (median and range over --reps), how many greedy
+Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
@@ -204,7 +204,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
         prefill.append(p)
         decode.append(d)
-    row = {"config": spec, "prompt_tokens": int(inputs["input_ids"].shape[1]), "decode_tok_s_reps": decode,
+    row = {"config": spec, "load_s": model.vismmoe.load_seconds, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+           "decode_tok_s_reps": decode,
            "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
            "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
@@ -370,9 +371,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n")
-    print("| config | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf | PCIe bytes/token "
-          "| decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak | host RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | load s | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf "
+          "| PCIe bytes/token | decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak "
+          "| host RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     hf = next((r for r in rows if r["config"] == "hf"), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
@@ -385,7 +387,8 @@ def main() -> int:
         lean = r.get("lean") or {}
         graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
         peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
-        print(f"| {r['config']} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
+        load_s = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "-"
+        print(f"| {r['config']} | {load_s} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     for r in rows:
