@@ -70,7 +70,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
                --reps 1 --image-size "$px" --decode-tokens 32 --kernels \
                --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" \
+               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=5" \
                | tee "$OUT/kernels$px-$budget.txt" ;;
     ktcpu) shift  # every routed expert on kt-kernel, decode on the lean path (graphed), two worker counts
            px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift

@@ -596,7 +596,9 @@ def test_a_measured_quota_alternates_captured_variants_and_each_replays_what_it_
     model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), graphs="replay",
                     miss_policy="auto", keep_ratio=1.0, **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
-    runtime.miss.cost = CostTracker(CostModel(1.0, 0.5, 0.1))  # sends misses to the CPU; not pinned: tried
+    # sends misses to the CPU (a link 100x slower than the CPU: the prefill's measured copies cannot undo
+    # that); not pinned, so the trial runs
+    runtime.miss.cost = CostTracker(CostModel(100.0, 0.5, 0.1))
 
     class KeyedReplay(ReplayCapture):
         seen: list = []
