@@ -164,3 +164,21 @@ def test_the_runtime_summary_says_why_it_pinned_what_it_did():
         runtime = OffloadRuntime(OffloadSettings(expert_budget=3 * layer, **kwargs), [0, 1, 2, 3, 4], experts, hidden,
                                  inter, torch.float32, "cpu", top_k=2)
         assert runtime.summary()["pinned_layers_reason"].startswith(expected)
+
+
+def test_a_quantized_stores_cheaper_misses_are_priced_at_their_bytes():
+    """With Q4_0 blocks (18 bytes per 32 weights, 0.28x of BF16's) a miss reads a quarter of the bytes
+    while the budget still holds BF16 slabs: the same slabs per depth, fewer bytes read and less time
+    per token. Cheap misses flatten the cost of pinning deeper, so the tolerance rule's deepest
+    near-fastest depth may be deeper than BF16's (16 GiB: 2 against 1)."""
+    block = QWEN_LAYER // 128 * 18 // 64  # BF16's 2 bytes per weight -> Q4_0's 18 bytes per 32 weights
+    for gib in (16, 32):
+        bf16 = pinned_depth_choice(gib * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48)
+        q4 = pinned_depth_choice(gib * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48, read_bytes=block)
+        assert [r.slabs for r in q4.rows] == [r.slabs for r in bf16.rows]
+        for fast, slow in zip(q4.rows, bf16.rows):
+            assert fast.bytes_read == pytest.approx(slow.bytes_read * block / (QWEN_LAYER // 128))
+            assert fast.seconds < slow.seconds or fast.experts_read == 0
+        chosen = {r.depth: r for r in q4.rows}[q4.depth]
+        assert chosen.seconds < {r.depth: r for r in bf16.rows}[bf16.depth].seconds
+        assert q4.valid == bf16.valid and q4.valid[0] <= q4.depth <= q4.valid[1]

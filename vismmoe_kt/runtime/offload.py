@@ -71,9 +71,11 @@ class OffloadRuntime:
         self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a layer (slabs are in `dtype`)
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
+        # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
+        read_bytes = self.store.block_bytes if self.store.quantized else 0
         self.depth_choice = resolve_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe,
                                                   settings.min_pinned_layers, len(self.moe_layers),
-                                                  settings.pinned_layers)
+                                                  settings.pinned_layers, read_bytes=read_bytes)
         n_pinned = self.depth_choice.depth
         self.pinned = set(self.moe_layers[:n_pinned])
         offloaded = len(self.moe_layers) - n_pinned

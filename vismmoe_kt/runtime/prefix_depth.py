@@ -18,7 +18,8 @@ approximation (on the synthetic trace, 16 and 32 GiB, 0-12 pinned layers, a shar
 then taken linearly down from h_l(k) to 0 (optimistic: there the shared pool thrashes, 18% against
 44% at 7.9 slabs per layer): such depths are slow either way.
 
-Time per token, `lookahead` W:
+Time per token, `lookahead` W (in the reads below, B is what a miss reads from the host: with a
+quantized store its block, a half or a quarter of the slab B the budget holds; `read_bytes`):
     W = 0 (today's offloaded decode: a miss is read when its layer runs, zero-copy at bw_zc)
         T(p) = sum_l compute_l + n_l B / bw_zc
     W >= 1 (prefetch: a fraction `recall` of layer l's misses is known when layer max(l - W, 0) starts
@@ -117,7 +118,7 @@ def shipped_curve() -> HitRateCurve | None:
 class DepthModel:
     """Everything the prediction needs besides the budget; see the module docstring for the formula."""
     curve: HitRateCurve
-    expert_bytes: int
+    expert_bytes: int        # B: an expert's slab on the GPU (what the budget holds)
     zero_copy_bytes_per_s: float = H200_DEFAULTS["zero_copy_bytes_per_s"][0]
     copy_bytes_per_s: float = H200_DEFAULTS["copy_bytes_per_s"][0]
     layer_seconds: float = H200_DEFAULTS["layer_seconds"][0]
@@ -125,6 +126,7 @@ class DepthModel:
     lookahead: int = 0       # W: 0 reads misses when their layer runs; >= 1 prefetches W layers ahead
     recall: float = 1.0      # with W >= 1: the fraction of misses known ahead
     tolerance: float = 0.02  # depths within this fraction of the fastest count as equal (the deepest wins)
+    read_bytes: int = 0      # bytes a miss reads from the host (a quantized store's block); 0: expert_bytes
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # figure -> where it came from
 
     def __post_init__(self):
@@ -198,7 +200,7 @@ class DepthChoice:
 
 
 def _token_seconds(model: DepthModel, misses: list[float], depth: int) -> float:
-    block = model.expert_bytes
+    block = model.read_bytes or model.expert_bytes  # what crosses the link per miss
     compute = [model.layer_seconds + (model.offload_overhead_seconds if layer >= depth else 0.0)
                for layer in range(len(misses))]
     if model.lookahead == 0:
@@ -223,7 +225,8 @@ def predict(model: DepthModel, budget: int, num_layers: int, depth: int) -> Dept
     misses = [0.0] * depth + [curve.top_k * (1 - curve.rate(layer, per_layer)) for layer in range(depth, num_layers)]
     read = sum(misses)
     hit = 1 - read / (offloaded * curve.top_k) if offloaded else 1.0
-    return DepthRow(depth, int(slabs), per_layer, hit, read, read * block, _token_seconds(model, misses, depth))
+    return DepthRow(depth, int(slabs), per_layer, hit, read, read * (model.read_bytes or block),
+                    _token_seconds(model, misses, depth))
 
 
 def choose(model: DepthModel, budget: int, num_layers: int, valid: range) -> DepthChoice:
@@ -247,12 +250,14 @@ def choose(model: DepthModel, budget: int, num_layers: int, valid: range) -> Dep
     return DepthChoice(chosen.depth, reason, rows, (valid.start, valid.stop - 1), model.describe(short=True))
 
 
-def default_model(num_layers: int, layer_bytes: int, lookahead: int = 0, recall: float = 1.0) -> DepthModel | None:
-    """The shipped curve with the H200 defaults, where this model has the shape the curve was measured on."""
+def default_model(num_layers: int, layer_bytes: int, lookahead: int = 0, recall: float = 1.0,
+                  read_bytes: int = 0) -> DepthModel | None:
+    """The shipped curve with the H200 defaults, where this model has the shape the curve was measured on;
+    `read_bytes`: what a miss reads from the host where the store is quantized (0: the slab's bytes)."""
     curve = shipped_curve()
     if curve is None or curve.layers != num_layers or curve.experts * curve.expert_bytes != layer_bytes:
         return None
-    return DepthModel(curve, curve.expert_bytes, lookahead=lookahead, recall=recall)
+    return DepthModel(curve, curve.expert_bytes, lookahead=lookahead, recall=recall, read_bytes=read_bytes)
 
 
 def with_measurements(model: DepthModel, **figures: tuple[float, str] | None) -> DepthModel:
