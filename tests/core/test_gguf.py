@@ -402,3 +402,43 @@ def test_mmproj_names_are_llama_cpps_for_qwen3_vl_30b_a3b():
     for outside in ("model.language_model.layers.0.mlp.gate.weight", "lm_head.weight",
                     "model.visual.deepstack_merger_list.3.norm.weight"):  # no fourth DeepStack merger
         assert adapter.mmproj_source(outside, config) is None
+
+
+def test_a_q4_k_m_files_q6_k_down_experts_go_into_the_store_as_stored(tmp_path):
+    """Q4_K_M files keep the down experts of about half of the layers in Q6_K: a Q4_K store takes such
+    a layer as stored (gate and up Q4_K, down Q6_K, blocks of their own size) instead of requantizing,
+    and computes what the same file gives when every tensor is dequantized at load."""
+    from vismmoe_kt.operators.vis_experts import VisExperts
+    from vismmoe_kt.runtime import q6k
+
+    model_ref, processor = build_tiny_model("tiny-2x8", seed=0)
+    hf_dir = save_tiny_model(tmp_path / "hf", "tiny-2x8", seed=0)
+    export_gguf(model_ref.state_dict(), adapter_for("qwen3_vl_moe"), tmp_path / "q4k.gguf", "Q4_K")
+    # the same file with layer 1's down experts in Q6_K (random blocks: the gguf package cannot write them)
+    source = gguf.GGUFReader(str(tmp_path / "q4k.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "q4km.gguf"), arch="qwen3vlmoe")
+    rng = np.random.default_rng(1)
+    for tensor in source.tensors:
+        data, kind = np.array(tensor.data), tensor.tensor_type
+        if tensor.name == "blk.1.ffn_down_exps.weight":  # (E 8, H 256, I 512)
+            kind = gguf.GGMLQuantizationType.Q6_K
+            data = _k_quant_bytes(kind, 8 * 256 * 2, rng).reshape(8, 256, 2 * 210)
+            q6k_down = torch.from_numpy(data.copy())
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    layer_bytes = 8 * 3 * 256 * 512 * 4
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    model, _ = load(hf_dir, "optimize_rules/qwen3vl-lru.yaml", gguf_path=tmp_path / "q4km.gguf",
+                    expert_budget=layer_bytes, store_dtype="q4_k", **CPU)
+    store = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime.store
+    assert store.down_format(0) == "q4_k" and store.down_format(1) == "q6_k"
+    assert store.block_bytes_of(1) == 1024 * 144 + 256 * q6k.row_bytes(512) > store.block_bytes_of(0)
+    assert torch.equal(store.layers[1][:, 1024 * 144:].reshape(8, 256, 420), q6k_down)  # as stored
+    dequantized, _ = load(hf_dir, "optimize_rules/qwen3vl-lru.yaml", gguf_path=tmp_path / "q4km.gguf",
+                          expert_budget=layer_bytes, **CPU)  # every tensor dequantized at load
+    with torch.no_grad():
+        got, want = model(**inputs).logits, dequantized(**inputs).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -96,20 +96,31 @@ from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import fetch_dequantized
 from vismmoe_kt.runtime.decode_table import CPU_PAIR
 QE = 5
-for dtype, fmt, (QH, QI) in ((torch.float32, "q8_0", (96, 64)), (torch.bfloat16, "q8_0", (96, 64)),
-                             (torch.float32, "q4_0", (96, 64)), (torch.float32, "q4_k", (256, 512)),
-                             (torch.bfloat16, "q4_k", (256, 512))):
+from vismmoe_kt.runtime import q4k
+QE = 5
+gen = torch.Generator().manual_seed(0)
+q6k_down = torch.randint(0, 256, (QE, 256, 2 * 210), dtype=torch.uint8, generator=gen)  # Q6_K rows of 512
+q6k_down[..., 208:210] = q6k_down[..., 418:420] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), (torch.bfloat16, "q8_0", (96, 64), None),
+                                       (torch.float32, "q4_0", (96, 64), None), (torch.float32, "q4_k", (256, 512), None),
+                                       (torch.bfloat16, "q4_k", (256, 512), None),
+                                       (torch.float32, "q4_k", (256, 512), "q6_k")):
     store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
-    store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    if down_fmt is None:
+        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    else:  # a Q4_K_M file's layer: gate and up in Q4_K, down in Q6_K, as stored
+        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
+        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
+        assert store.down_format(0) == "q6_k" and store.block_bytes_of(0) > store.block_bytes
     ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
     results = []
     for use_kernel in (False, True):
         pools = [torch.zeros(9, 2 * QI, QH, dtype=dtype), torch.zeros(9, QH, QI, dtype=dtype)]  # 4 slabs, 4 scratch, dump
-        read = fetch_dequantized(ids, q_slots, q_land, pools, store.layers[0], store, 4, use_kernel)
+        read = fetch_dequantized(ids, q_slots, q_land, pools, store.layers[0], store, 4, use_kernel, 0)
         results.append((read, pools))
     (read, twin), (k_read, kern) = results
     assert read.tolist() == k_read.tolist() == [1, 2, 6, CPU_PAIR]  # landed in slab 1; expert 4 in scratch 4 + 2
-    want_gu, want_dn = store.dequantized(store.layers[0][torch.tensor([1, 4])])
+    want_gu, want_dn = store.dequantized(store.layers[0][torch.tensor([1, 4])], 0)
     # exact in fp32; in bf16 the interpreter's cast from fp32 may round the last bit differently
     close = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
     for slab, i in ((1, 0), (6, 1)):
@@ -195,9 +206,9 @@ def test_kernels_compile_for_hopper():
     for q4 in (False, True):
         compile_for_hopper(dk._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
                            {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
-    q4k = {name: kind for name, kind in q8.items() if name != "QBLOCKS"}
-    for rows, cols in ((1536, 2048), (2048, 768)):  # gate_up and down of Qwen3-VL-30B-A3B
-        compile_for_hopper(dk._fetch_q4k_kernel, q4k, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16})
+    kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "Q6": "constexpr"}
+    for rows, cols, q6 in ((1536, 2048, False), (2048, 768, False), (2048, 768, True)):  # Qwen3-VL-30B-A3B's parts
+        compile_for_hopper(dk._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "Q6": q6})
     compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
                                           "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     for publish in (True, False):

@@ -94,8 +94,9 @@ class VisExperts(BaseInjectedModule):
         experts, names = self.orig_module, self.adapter.expert_tensors
         if self.runtime.store.quantized and self.layer not in self.runtime.pinned:
             stored = stored_gguf_experts(self.gguf_loader, self.key, names)  # a GGUF's quantized experts
-            if stored is not None and all(self.runtime.takes_raw(self.layer, kind) for _, kind in stored):
-                self.runtime.load_layer_raw(self.layer, *(data for data, _ in stored))  # its bytes, as they are
+            down = self.runtime.raw_down_format(self.layer, *(kind for _, kind in stored)) if stored else None
+            if down is not None:  # its bytes, as they are (a Q4_K_M file's Q6_K down too)
+                self.runtime.load_layer_raw(self.layer, *(data for data, _ in stored), down_format=down)
                 for name in names:
                     del experts._parameters[name]
                 return

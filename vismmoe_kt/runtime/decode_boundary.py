@@ -152,7 +152,7 @@ class DecodeBoundary:
                 if owner >= 0:  # owner E + e: a lookahead prefetch of e
                     cache.land(slabs[slot], (layer, owner % experts), prefetched=owner >= experts)
                     prefetched += owner >= experts
-            copies.bytes_host_reads += (misses + prefetched) * rt.store.block_bytes
+            copies.bytes_host_reads += (misses + prefetched) * rt.store.block_bytes_of(layer)
             self.last_misses[row] = misses + prefetched
             rt.last_routed[layer] = list(ids)
             self.reserved[row] = [s for s, e in zip(slabs, records.owner[row]) if e < 0]

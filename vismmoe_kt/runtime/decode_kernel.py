@@ -142,40 +142,66 @@ if tl is not None:
             tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
 
     @triton.jit
-    def _fetch_q4k_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
-                          part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-        """`_fetch_q8_kernel` for Q4_K (q4k.py): one 256-weight super-block of 144 bytes per step of
-        the loop, every weight w of it decoded at once: sub-block s = w // 32 takes its 6-bit scale and
-        minimum from the packed 12 bytes, its quant is a nibble of byte 32 * (w // 64) + w % 32 (low for
-        the first 32 of each 64, high for the next)."""
+    def _q4k_weights(at, at8, w, ok):
+        """Q4_K (q4k.py): the 256 weights of the super-blocks at `at` (R, 1). Weight w's sub-block
+        s = w // 32 takes its 6-bit scale and minimum from the packed 12 bytes, its quant is a nibble of
+        byte 32 * (w // 64) + w % 32 (low for the first 32 of each 64, high for the next)."""
+        s = w // 32
+        low = s < 4
+        s_hi = tl.where(low, 0, s - 4)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(at8 + 4 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s]
+        b = tl.load(at8 + 8 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s + 4]
+        c = tl.load(at8 + 4 + s_hi[None, :], mask=ok, other=0).to(tl.int32)    # scales[s - 4] (s >= 4)
+        scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
+        minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
+        q_byte = 16 + 32 * (w // 64) + w % 32
+        q = (tl.load(at8 + q_byte[None, :], mask=ok, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 0xF
+        return d * scale.to(tl.float32) * q.to(tl.float32) - dmin * minimum.to(tl.float32)
+
+    @triton.jit
+    def _q6k_weights(at, at8, w, ok):
+        """Q6_K (q6k.py; a Q4_K_M file's down experts in some layers): weight w is, in its half
+        h = w // 128 at r = w % 128 (quarter q = r // 32, l = r % 32), nibble q // 2 of
+        ql[64 h + 32 (q % 2) + l] with bits 2q of qh[32 h + l] above it, minus 32, times the int8
+        scales[8 h + l // 16 + 2 q] and d."""
+        h = w // 128
+        q = (w % 128) // 32
+        lane = w % 32
+        d = tl.load((at + 208).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        low = (tl.load(at8 + (64 * h + 32 * (q % 2) + lane)[None, :], mask=ok, other=0).to(tl.int32)
+               >> (4 * (q // 2))[None, :]) & 0xF
+        high = (tl.load(at8 + (128 + 32 * h + lane)[None, :], mask=ok, other=0).to(tl.int32) >> (2 * q)[None, :]) & 3
+        scale = tl.load((at + (192 + 8 * h + lane // 16 + 2 * q)[None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
+                        mask=ok, other=0)
+        return d * scale.to(tl.float32) * ((low | (high << 4)) - 32).to(tl.float32)
+
+    @triton.jit
+    def _fetch_kquant_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
+                             part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                             Q6: tl.constexpr = False):
+        """`_fetch_q8_kernel` for the k-quants' 256-weight super-blocks, Q4_K (144 bytes) or Q6_K (210):
+        one super-block per step of the loop, its 256 weights decoded at once."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         need = tl.load(need_ptr + pair) != 0
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         target = tl.load(target_ptr + pair).to(tl.int64)
-        row_bytes: tl.constexpr = COLS // 256 * 144
+        SB_BYTES: tl.constexpr = 210 if Q6 else 144
+        row_bytes: tl.constexpr = COLS // 256 * SB_BYTES
         base = host_addr + expert * block_bytes + part_bytes
         w = tl.arange(0, 256)
-        s = w // 32                                                     # the weight's sub-block, 0..7
-        low = s < 4
-        s_hi = tl.where(low, 0, s - 4)
-        q_byte = 16 + 32 * (w // 64) + w % 32
-        shift = 4 * ((w // 32) % 2)
         row_ok = (rows < ROWS) & need
         out_rows = pool_ptr + target * slab_elems + part_elems + rows[:, None].to(tl.int64) * COLS
         for sb in range(0, COLS // 256):
-            at = base + rows[:, None].to(tl.int64) * row_bytes + sb * 144        # (R, 1): the super-block's first byte
+            at = base + rows[:, None].to(tl.int64) * row_bytes + sb * SB_BYTES   # (R, 1): the super-block's first byte
             ok = row_ok[:, None]
-            d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-            dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
             at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-            a = tl.load(at8 + 4 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s]
-            b = tl.load(at8 + 8 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s + 4]
-            c = tl.load(at8 + 4 + s_hi[None, :], mask=ok, other=0).to(tl.int32)    # scales[s - 4] (s >= 4)
-            scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
-            minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
-            q = (tl.load(at8 + q_byte[None, :], mask=ok, other=0).to(tl.int32) >> shift[None, :]) & 0xF
-            weights = d * scale.to(tl.float32) * q.to(tl.float32) - dmin * minimum.to(tl.float32)
+            if Q6:
+                weights = _q6k_weights(at, at8, w, ok)
+            else:
+                weights = _q4k_weights(at, at8, w, ok)
             tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -331,13 +357,13 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
 
 def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
              host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
-             qblocks: int = 8, fmt: str = "q8_0") -> None:
+             qblocks: int = 8, fmt: str = "q8_0", down_fmt: str | None = None) -> None:
     """TableExperts.fetch_dequantized in three launches: the needed pairs' blocks (Q8_0, Q4_0 or Q4_K:
     `fmt`) copied from the mapped host store to device staging, then dequantized into their target slabs
-    (gate_up, down)."""
-    from . import q4, q4k, q8
+    (gate_up, down); `down_fmt`: the down part's own format where it differs (Q6_K in a Q4_K_M file)."""
+    from .store import PART_CODECS
 
-    codec, is_q4 = {"q4_0": (q4, True), "q4_k": (q4k, False)}.get(fmt, (q8, False))
+    down_fmt = down_fmt or fmt
     p = ids.numel()
     gate_up, down = pools
     need = need.to(torch.int8)
@@ -348,16 +374,16 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
     staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
     _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, staging, host_address, words, CHUNK=STAGE_CHUNK)
     rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
-    for pool, rows, cols, part_bytes in ((gate_up, 2 * inter, hidden, 0),
-                                         (down, hidden, inter, 2 * inter * codec.row_bytes(hidden))):
-        if fmt == "q4_k":
-            _fetch_q4k_kernel[(p, triton.cdiv(rows, block_rows))](
-                rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
-                ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows)
-            continue
-        _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows))](
-            rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0,
-            ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=is_q4)
+    for pool, rows, cols, part_bytes, part_fmt in (
+            (gate_up, 2 * inter, hidden, 0, fmt),
+            (down, hidden, inter, 2 * inter * PART_CODECS[fmt].row_bytes(hidden), down_fmt)):
+        args = (rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0)
+        grid = (p, triton.cdiv(rows, block_rows))
+        if part_fmt in ("q4_k", "q6_k"):  # 256-weight super-blocks
+            _fetch_kquant_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, Q6=part_fmt == "q6_k")
+        else:
+            _fetch_q8_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks,
+                                   Q4=part_fmt == "q4_0")
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

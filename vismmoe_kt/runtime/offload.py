@@ -41,7 +41,7 @@ from .decode_boundary import DecodeBoundary
 from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
-from .ggml_types import STORE_FORMATS
+from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .store import ExpertStore, block_views
 from . import decode_kernel
 from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
@@ -158,17 +158,26 @@ class OffloadRuntime:
         kw = dict(dtype=self.store.dtype, device=self.device)
         return (torch.zeros(rows, 2 * self.inter, self.hidden, **kw), torch.zeros(rows, self.hidden, self.inter, **kw))
 
-    def takes_raw(self, layer: int, ggml_type: int) -> bool:
-        """Whether `load_layer_raw` can take `layer` in that ggml type (offloaded, a store of that
-        format, no CPU backend wanting the model's dtype)."""
-        return (layer not in self.pinned and self.store.quantized and self.cpu is None
-                and STORE_FORMATS[self.store.fmt] == ggml_type)
+    def raw_down_format(self, layer: int, gate_type: int, up_type: int, down_type: int) -> str | None:
+        """The down part's format if `load_layer_raw` can take `layer` as a file stores it (offloaded, gate
+        and up in the store's format, down in it or in another block format whose rows fit, e.g. a
+        Q4_K_M file's Q6_K; no CPU backend wanting the model's dtype); None: dequantize and requantize."""
+        if layer in self.pinned or not self.store.quantized or self.cpu is not None:
+            return None
+        if gate_type != STORE_FORMATS[self.store.fmt] or up_type != gate_type:
+            return None
+        down = next((name for name, kind in PART_FORMATS.items() if kind == down_type), None)
+        if down is None or self.inter % (256 if down.endswith("_k") else 32):
+            return None
+        return down
 
-    def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                       down_format: str | None = None) -> None:
         """An offloaded layer from block bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I)):
-        into the store of the same format as they are, with no dequantizing and requantizing."""
+        into the store of the same format as they are (down in `down_format`, where it differs), with
+        no dequantizing and requantizing."""
         self._allocate()
-        self.store.fill_layer_raw(layer, gate, up, down)
+        self.store.fill_layer_raw(layer, gate, up, down, down_format)
         self.loaded.add(layer)
 
     def takes_stored(self, layer: int) -> bool:
@@ -257,7 +266,7 @@ class OffloadRuntime:
         on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.graph_variant() else None
         if self.store.quantized:  # misses dequantized into their landing (or scratch) slabs first
             read = fetch_dequantized(ids, slots, land, self.pool, self.store.layers[layer], self.store,
-                                     self.num_slabs + 1, kernel)
+                                     self.num_slabs + 1, kernel, layer)
             y = pair_outputs(hidden, ids, read, table.no_landing, self.pool, None, act, top_k, kernel)
         else:
             y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)

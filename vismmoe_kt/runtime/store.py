@@ -1,7 +1,9 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
 (With `fmt="q8_0"`, `"q4_0"` or `"q4_k"` a block holds the same two parts in llama.cpp's block bytes: q8.py,
-q4.py, q4k.py.)
+q4.py, q4k.py. A layer filled from a GGUF file as stored may keep its down part in another of those
+formats, or in Q6_K (q6k.py), as Q4_K_M files do in about half of the layers: `down_format(layer)`,
+`block_bytes_of(layer)`.)
 
 A block is `[gate_up (2I x H) | down (H x I)]` in the model's dtype: its two parts are exactly a
 slab's rows in the GPU's two pools (gate_up and down kept apart there, so each pool is a contiguous
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import q4, q4k, q8
+from . import q4, q4k, q6k, q8
 from .host_memory import HostBuffer
 
 
@@ -28,14 +30,17 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
 
 
 CODECS = {"q8_0": q8, "q4_0": q4, "q4_k": q4k}  # llama.cpp block formats: row_bytes, quantize, dequantize
+PART_CODECS = {**CODECS, "q6_k": q6k}  # what a block's down part may hold as a GGUF file stores it (read only)
 
 
-def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8,
+                down_codec=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, block bytes) of a quantized store -> gate_up (rows, 2I, bytes of a row of H) and down
-    (rows, H, bytes of a row of I) views of the same memory."""
+    (rows, H, bytes of a row of I, in `down_codec`'s format: default `codec`'s) views of the same memory."""
+    down_codec = down_codec or codec
     rows, split = blocks.shape[0], 2 * inter * codec.row_bytes(hidden)
     return (blocks[:, :split].view(rows, 2 * inter, codec.row_bytes(hidden)),
-            blocks[:, split:].view(rows, hidden, codec.row_bytes(inter)))
+            blocks[:, split:].view(rows, hidden, down_codec.row_bytes(inter)))
 
 
 FORMATS = ("model", "q8_0", "q4_0", "q4_k")
@@ -60,14 +65,30 @@ class ExpertStore:
             2 * inter * self.codec.row_bytes(hidden) + hidden * self.codec.row_bytes(inter)
         self.layers: dict[int, torch.Tensor] = {}
         self._buffers: dict[int, HostBuffer] = {}
+        self._down_formats: dict[int, str] = {}  # layers whose down part is not in `fmt` (as a GGUF stores it)
 
     @property
     def quantized(self) -> bool:
         return self.fmt != "model"
 
+    def down_format(self, layer: int) -> str:
+        return self._down_formats.get(layer, self.fmt)
+
+    def block_bytes_of(self, layer: int) -> int:
+        """What a fetch of one of `layer`'s experts moves (`block_bytes` unless its down part differs)."""
+        down = self._down_formats.get(layer)
+        if down is None:
+            return self.block_bytes
+        return 2 * self.inter * self.codec.row_bytes(self.hidden) + self.hidden * PART_CODECS[down].row_bytes(self.inter)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return max([self.block_bytes] + [self.block_bytes_of(layer) for layer in self._down_formats])
+
     def fill_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if layer in self._buffers:
             self._buffers.pop(layer).release()
+        self._down_formats.pop(layer, None)
         if self.quantized:
             buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
             blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
@@ -84,38 +105,50 @@ class ExpertStore:
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
 
-    def fill_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def fill_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                       down_format: str | None = None) -> None:
         """A quantized store's layer from bytes of its format as stored elsewhere (a GGUF's gate, up and
-        down experts: (E, I, row bytes of H), the same, (E, H, row bytes of I))."""
+        down experts: (E, I, row bytes of H), the same, (E, H, row bytes of I)); `down_format`: the down
+        experts' own format where it differs (PART_CODECS, e.g. a Q4_K_M file's Q6_K)."""
         if not self.quantized:
             raise RuntimeError("fill_layer_raw needs a quantized store")
-        e, i, h, codec = self.num_experts, self.inter, self.hidden, self.codec
-        shapes = ((e, i, codec.row_bytes(h)), (e, i, codec.row_bytes(h)), (e, h, codec.row_bytes(i)))
-        for name, part, shape in zip(("gate", "up", "down"), (gate, up, down), shapes):
+        down_format = down_format or self.fmt
+        if down_format not in PART_CODECS:
+            raise ValueError(f"a block's down part cannot be {down_format!r}: one of {', '.join(PART_CODECS)}")
+        e, i, h, codec, down_codec = self.num_experts, self.inter, self.hidden, self.codec, PART_CODECS[down_format]
+        shapes = ((e, i, codec.row_bytes(h)), (e, i, codec.row_bytes(h)), (e, h, down_codec.row_bytes(i)))
+        for name, part, shape, fmt in zip(("gate", "up", "down"), (gate, up, down), shapes,
+                                          (self.fmt, self.fmt, down_format)):
             if part.numel() != shape[0] * shape[1] * shape[2]:
-                raise ValueError(f"{self.fmt} {name} experts hold {part.numel()} bytes, expected {shape}")
+                raise ValueError(f"{fmt} {name} experts hold {part.numel()} bytes, expected {shape}")
         if layer in self._buffers:
             self._buffers.pop(layer).release()
-        buffer = HostBuffer(self.num_experts * self.block_bytes, torch.uint8, self.pin_memory)
-        blocks = buffer.tensor.view(self.num_experts, self.block_bytes)
-        gu, dn = quant_views(blocks, i, h, codec)
+        self._down_formats.pop(layer, None)
+        if down_format != self.fmt:
+            self._down_formats[layer] = down_format
+        block_bytes = self.block_bytes_of(layer)
+        buffer = HostBuffer(self.num_experts * block_bytes, torch.uint8, self.pin_memory)
+        blocks = buffer.tensor.view(self.num_experts, block_bytes)
+        gu, dn = quant_views(blocks, i, h, codec, down_codec)
         gu[:, :i].copy_(gate.reshape(shapes[0]))
         gu[:, i:].copy_(up.reshape(shapes[1]))
         dn.copy_(down.reshape(shapes[2]))
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
 
-    def dequantized(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, block) of this store's format -> gate_up (rows, 2I, H) and down (rows, H, I) in the
-        slab dtype (views for the model format; new tensors, on the blocks' device, when quantized)."""
+    def dequantized(self, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, block) of `layer` in this store's format -> gate_up (rows, 2I, H) and down (rows, H, I)
+        in the slab dtype (views for the model format; new tensors, on the blocks' device, when quantized)."""
         if not self.quantized:
             return block_views(blocks, self.inter, self.hidden)
-        gu, dn = quant_views(blocks, self.inter, self.hidden, self.codec)
-        return self.codec.dequantize(gu, self.hidden, self.dtype), self.codec.dequantize(dn, self.inter, self.dtype)
+        down_codec = PART_CODECS[self.down_format(layer)]
+        gu, dn = quant_views(blocks, self.inter, self.hidden, self.codec, down_codec)
+        return self.codec.dequantize(gu, self.hidden, self.dtype), down_codec.dequantize(dn, self.inter, self.dtype)
 
     def release(self) -> None:
         """Unregister and free every layer's blocks (the store is empty afterwards)."""
         self.layers.clear()
+        self._down_formats.clear()
         for buffer in self._buffers.values():
             buffer.release()
         self._buffers.clear()
@@ -133,4 +166,4 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return len(self.layers) * self.num_experts * self.block_bytes
+        return sum(self.num_experts * self.block_bytes_of(layer) for layer in self.layers)

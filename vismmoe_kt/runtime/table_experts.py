@@ -72,7 +72,7 @@ def experts_twin(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: 
 
 
 def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
-                      host_blocks: torch.Tensor, store: Any, scratch: int, use_kernel: bool) -> torch.Tensor:
+                      host_blocks: torch.Tensor, store: Any, scratch: int, use_kernel: bool, layer: int) -> torch.Tensor:
     """A quantized store's decode misses: each pair read from the host (slot -1 or -2, not the CPU's -3) is
     fetched and dequantized into its landing slab, or the pair's scratch slab (`scratch + pair`) when it
     has none; returns the slots the experts then read, every one a slab (the host is not read again).
@@ -82,10 +82,10 @@ def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor
     pairs = torch.arange(ids.numel(), device=ids.device)
     target = torch.where(land >= 0, land, scratch + pairs)
     if use_kernel:
-        decode_kernel.fetch_q8(ids, need, target, pools, host_blocks.data_ptr(), store.block_bytes, store.inter,
-                               store.hidden, fmt=store.fmt)
+        decode_kernel.fetch_q8(ids, need, target, pools, host_blocks.data_ptr(), store.block_bytes_of(layer),
+                               store.inter, store.hidden, fmt=store.fmt, down_fmt=store.down_format(layer))
     else:
-        gate_up, down = store.dequantized(host_blocks[ids.to(host_blocks.device)])
+        gate_up, down = store.dequantized(host_blocks[ids.to(host_blocks.device)], layer)
         where = torch.where(need, target, pools[0].shape[0] - 1)
         pools[0].index_copy_(0, where, gate_up.to(pools[0].device))
         pools[1].index_copy_(0, where, down.to(pools[1].device))

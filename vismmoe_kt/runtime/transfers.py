@@ -83,12 +83,12 @@ class Transfers:
         block = self.store.layers[layer][expert:expert + 1]
         if device is not None:
             block = block.to(device, non_blocking=True)  # page-locked source: an asynchronous copy
-        gate_up, down = self.store.dequantized(block)
+        gate_up, down = self.store.dequantized(block, layer)
         return gate_up[0], down[0]
 
     def _copy(self, slab: int, key: Key, urgent: bool) -> None:
         targets = (self.pool[0][slab], self.pool[1][slab])
-        self.counters.bytes_copied += self.store.block_bytes
+        self.counters.bytes_copied += self.store.block_bytes_of(key[0])
         self.counters.copies += 1
         if not self.cuda:
             start = time.perf_counter()
