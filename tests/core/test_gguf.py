@@ -77,13 +77,14 @@ def test_the_trained_demo_model_answers_the_same_from_gguf(tmp_path, qtype):
 
 
 def _k_quant_bytes(kind, rows, rng):
-    """Random K-quant blocks with finite fp16 scales (the gguf package reads but cannot write them)."""
+    """Random K-quant super-blocks (one per row) with random finite fp16 scales (the gguf package reads
+    but cannot write them)."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
     data = rng.integers(0, 256, (rows, 256 // block * size), dtype=np.uint8)
     scale_at = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[kind.name]
-    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
     for offset in scale_at:
-        data[:, offset:offset + 2] = scale
+        scales = rng.uniform(0.001, 0.02, (rows, 1)).astype(np.float16)
+        data[:, offset:offset + 2] = scales.view(np.uint8)
     return data
 
 

@@ -95,12 +95,13 @@ assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2]
 from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import fetch_dequantized
 from vismmoe_kt.runtime.decode_table import CPU_PAIR
-QE = 5
 from vismmoe_kt.runtime import q4k
 QE = 5
 gen = torch.Generator().manual_seed(0)
 q6k_down = torch.randint(0, 256, (QE, 256, 2 * 210), dtype=torch.uint8, generator=gen)  # Q6_K rows of 512
-q6k_down[..., 208:210] = q6k_down[..., 418:420] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+for d_at in (208, 418):  # each super-block's own finite d (a kernel reading another block's would differ)
+    d = (torch.rand(QE, 256, 1, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    q6k_down[..., d_at:d_at + 2] = d.view(torch.uint8)
 for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), (torch.bfloat16, "q8_0", (96, 64), None),
                                        (torch.float32, "q4_0", (96, 64), None), (torch.float32, "q4_k", (256, 512), None),
                                        (torch.bfloat16, "q4_k", (256, 512), None),

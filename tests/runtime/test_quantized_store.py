@@ -11,7 +11,7 @@ from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.runtime import q4, q4k, q8
+from vismmoe_kt.runtime import q4, q4k, q6k, q8
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
 SPEC = SPECS["tiny-6x64"]  # rows of 96 and 64 weights: whole Q8_0 blocks
@@ -72,6 +72,23 @@ def test_q4_k_reads_any_q4_k_bytes_as_the_gguf_package_and_writes_valid_ones():
         q4k.quantize(torch.linspace(-1e9, 1e9, 256).view(1, 256))
     with pytest.raises(ValueError, match="not Q4_K"):
         q4k.dequantize(data[:, :100], 512)
+
+
+def test_q6_k_reads_as_the_gguf_package():
+    """Q6_K (a Q4_K_M file's down experts in some layers): random super-blocks, each with its own d,
+    read exactly as the gguf package reads them."""
+    gguf = pytest.importorskip("gguf")
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (4, 3 * q6k.BLOCK_BYTES), dtype=torch.uint8, generator=generator)
+    for block in range(3):
+        d = (torch.rand(4, 1, generator=generator) * 0.02 + 0.001).to(torch.float16)
+        data[:, block * 210 + 208:block * 210 + 210] = d.view(torch.uint8)
+    want = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q6_K)
+    assert torch.equal(q6k.dequantize(data, 768), torch.from_numpy(want))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q6k.row_bytes(96)
+    with pytest.raises(ValueError, match="not Q6_K"):
+        q6k.dequantize(data[:, :100], 768)
 
 
 @pytest.fixture(scope="module")

@@ -81,9 +81,6 @@ class ExpertStore:
             return self.block_bytes
         return 2 * self.inter * self.codec.row_bytes(self.hidden) + self.hidden * PART_CODECS[down].row_bytes(self.inter)
 
-    @property
-    def max_block_bytes(self) -> int:
-        return max([self.block_bytes] + [self.block_bytes_of(layer) for layer in self._down_formats])
 
     def fill_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if layer in self._buffers:
