@@ -105,6 +105,7 @@ for d_at in (208, 418):  # each super-block's own finite d (a kernel reading ano
 for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), (torch.bfloat16, "q8_0", (96, 64), None),
                                        (torch.float32, "q4_0", (96, 64), None), (torch.float32, "q4_k", (256, 512), None),
                                        (torch.bfloat16, "q4_k", (256, 512), None),
+                                       (torch.float32, "q5_k", (256, 512), None),
                                        (torch.float32, "q4_k", (256, 512), "q6_k")):
     store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
     if down_fmt is None:
@@ -207,9 +208,9 @@ def test_kernels_compile_for_hopper():
     for q4 in (False, True):
         compile_for_hopper(dk._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
                            {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
-    kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "Q6": "constexpr"}
-    for rows, cols, q6 in ((1536, 2048, False), (2048, 768, False), (2048, 768, True)):  # Qwen3-VL-30B-A3B's parts
-        compile_for_hopper(dk._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "Q6": q6})
+    kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "KIND": "constexpr"}
+    for rows, cols, kind in ((1536, 2048, 4), (2048, 768, 4), (1536, 2048, 5), (2048, 768, 6)):  # Qwen3-VL-30B-A3B's
+        compile_for_hopper(dk._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "KIND": kind})
     compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
                                           "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     for publish in (True, False):

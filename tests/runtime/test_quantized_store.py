@@ -11,7 +11,7 @@ from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
-from vismmoe_kt.runtime import q4, q4k, q6k, q8
+from vismmoe_kt.runtime import q4, q4k, q5k, q6k, q8
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
 SPEC = SPECS["tiny-6x64"]  # rows of 96 and 64 weights: whole Q8_0 blocks
@@ -72,6 +72,27 @@ def test_q4_k_reads_any_q4_k_bytes_as_the_gguf_package_and_writes_valid_ones():
         q4k.quantize(torch.linspace(-1e9, 1e9, 256).view(1, 256))
     with pytest.raises(ValueError, match="not Q4_K"):
         q4k.dequantize(data[:, :100], 512)
+
+
+def test_q5_k_reads_as_the_gguf_package_and_halves_q4_ks_error():
+    """Q5_K (Q5_K_M files' experts): our reader equals the gguf package's on arbitrary bytes, our
+    min-max quantizer's bytes read the same through both, and the fifth bit halves Q4_K's error."""
+    gguf = pytest.importorskip("gguf")
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (3, 2 * q5k.BLOCK_BYTES), dtype=torch.uint8, generator=generator)
+    for block in range(2):  # finite d and dmin of each super-block's own
+        scales = (torch.rand(3, 2, generator=generator) * 0.02 + 0.001).to(torch.float16)
+        data[:, block * 176:block * 176 + 4] = scales.view(torch.uint8)
+    want = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q5_K)
+    assert torch.equal(q5k.dequantize(data, 512), torch.from_numpy(want))
+    weights = torch.randn(4, 512, generator=generator)
+    ours = q5k.quantize(weights)
+    theirs = gguf.quants.dequantize(ours.numpy(), gguf.GGMLQuantizationType.Q5_K)
+    assert torch.equal(q5k.dequantize(ours, 512), torch.from_numpy(theirs))
+    error = lambda codec: ((codec.dequantize(codec.quantize(weights), 512) - weights).norm() / weights.norm()).item()  # noqa: E731
+    assert error(q5k) < 0.6 * error(q4k)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q5k.quantize(torch.randn(2, 96))
 
 
 def test_q6_k_reads_as_the_gguf_package():

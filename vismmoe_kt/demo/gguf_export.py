@@ -8,8 +8,8 @@ rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not 
 (llama.cpp puts it in an mmproj file: `export_mmproj`).
 
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
-cannot write them. Q4_K is written with the host store's own quantizer (runtime/q4k.py: min-max
-scales, valid Q4_K bytes that the `gguf` package and llama.cpp read).
+cannot write them. Q4_K and Q5_K are written with the host store's own quantizers (runtime/q4k.py,
+q5k.py: min-max scales, valid bytes that the `gguf` package and llama.cpp read).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
 
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
@@ -65,10 +65,11 @@ def _write(parts, path: str | Path, qtype: str, arch: str) -> dict[str, str]:
         use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
         if use == GGMLQuantizationType.F32:
             data = values
-        elif use == GGMLQuantizationType.Q4_K:
-            from ..runtime import q4k
+        elif use in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):  # the store's own quantizers
+            from ..runtime import q4k, q5k
 
-            data = q4k.quantize(torch.from_numpy(values)).numpy()
+            codec = q4k if use == GGMLQuantizationType.Q4_K else q5k
+            data = codec.quantize(torch.from_numpy(values)).numpy()
         else:
             data = quants.quantize(values, use)
         writer.add_tensor(gguf_name, data, raw_dtype=use)

@@ -142,10 +142,11 @@ if tl is not None:
             tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
 
     @triton.jit
-    def _q4k_weights(at, at8, w, ok):
-        """Q4_K (q4k.py): the 256 weights of the super-blocks at `at` (R, 1). Weight w's sub-block
-        s = w // 32 takes its 6-bit scale and minimum from the packed 12 bytes, its quant is a nibble of
-        byte 32 * (w // 64) + w % 32 (low for the first 32 of each 64, high for the next)."""
+    def _kquant_weights(at, at8, w, ok, FIFTH_BIT: tl.constexpr):
+        """Q4_K (q4k.py) or, with FIFTH_BIT, Q5_K (q5k.py): the 256 weights of the super-blocks at `at`
+        (R, 1). Weight w's sub-block s = w // 32 takes its 6-bit scale and minimum from the packed 12
+        bytes; its low 4 bits are a nibble of byte 32 * (w // 64) + w % 32 of the quants (low for the
+        first 32 of each 64, high for the next), Q5_K's fifth bit is bit s of qh[w % 32]."""
         s = w // 32
         low = s < 4
         s_hi = tl.where(low, 0, s - 4)
@@ -156,8 +157,11 @@ if tl is not None:
         c = tl.load(at8 + 4 + s_hi[None, :], mask=ok, other=0).to(tl.int32)    # scales[s - 4] (s >= 4)
         scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
         minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
-        q_byte = 16 + 32 * (w // 64) + w % 32
+        QS: tl.constexpr = 48 if FIFTH_BIT else 16                              # Q5_K's qh[32] come first
+        q_byte = QS + 32 * (w // 64) + w % 32
         q = (tl.load(at8 + q_byte[None, :], mask=ok, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 0xF
+        if FIFTH_BIT:
+            q = q | (((tl.load(at8 + (16 + w % 32)[None, :], mask=ok, other=0).to(tl.int32) >> s[None, :]) & 1) << 4)
         return d * scale.to(tl.float32) * q.to(tl.float32) - dmin * minimum.to(tl.float32)
 
     @triton.jit
@@ -180,15 +184,15 @@ if tl is not None:
     @triton.jit
     def _fetch_kquant_kernel(ids_ptr, need_ptr, target_ptr, pool_ptr, host_addr, block_bytes, part_bytes, slab_elems,
                              part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                             Q6: tl.constexpr = False):
-        """`_fetch_q8_kernel` for the k-quants' 256-weight super-blocks, Q4_K (144 bytes) or Q6_K (210):
-        one super-block per step of the loop, its 256 weights decoded at once."""
+                             KIND: tl.constexpr = 4):
+        """`_fetch_q8_kernel` for the k-quants' 256-weight super-blocks, KIND 4 (Q4_K, 144 bytes), 5 (Q5_K,
+        176) or 6 (Q6_K, 210): one super-block per step of the loop, its 256 weights decoded at once."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         need = tl.load(need_ptr + pair) != 0
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         target = tl.load(target_ptr + pair).to(tl.int64)
-        SB_BYTES: tl.constexpr = 210 if Q6 else 144
+        SB_BYTES: tl.constexpr = 210 if KIND == 6 else (176 if KIND == 5 else 144)
         row_bytes: tl.constexpr = COLS // 256 * SB_BYTES
         base = host_addr + expert * block_bytes + part_bytes
         w = tl.arange(0, 256)
@@ -198,10 +202,10 @@ if tl is not None:
             at = base + rows[:, None].to(tl.int64) * row_bytes + sb * SB_BYTES   # (R, 1): the super-block's first byte
             ok = row_ok[:, None]
             at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-            if Q6:
+            if KIND == 6:
                 weights = _q6k_weights(at, at8, w, ok)
             else:
-                weights = _q4k_weights(at, at8, w, ok)
+                weights = _kquant_weights(at, at8, w, ok, KIND == 5)
             tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -379,8 +383,8 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
             (down, hidden, inter, 2 * inter * PART_CODECS[fmt].row_bytes(hidden), down_fmt)):
         args = (rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0)
         grid = (p, triton.cdiv(rows, block_rows))
-        if part_fmt in ("q4_k", "q6_k"):  # 256-weight super-blocks
-            _fetch_kquant_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, Q6=part_fmt == "q6_k")
+        if part_fmt in ("q4_k", "q5_k", "q6_k"):  # 256-weight super-blocks
+            _fetch_kquant_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, KIND=int(part_fmt[1]))
         else:
             _fetch_q8_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks,
                                    Q4=part_fmt == "q4_0")

@@ -35,9 +35,9 @@ class OffloadSettings:
     cpu_dtype: str = "auto"
     cost_model: Any = None             # {fetch_seconds, cpu_seconds_fixed, cpu_seconds_per_token[, cpu_seconds_call]}
                                        # pins `auto`; None: measure
-    # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 / q4_k (llama.cpp's 8- / 4-bit blocks: about a
-    # half / a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the slabs as they
-    # arrive)
+    # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 / q4_k / q5_k (llama.cpp's 8-, 4- or 5-bit
+    # blocks: a half to a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the
+    # slabs as they arrive)
     store_dtype: str = "model"
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer

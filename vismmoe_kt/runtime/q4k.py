@@ -51,48 +51,75 @@ def _pack_scales_and_mins(scale: torch.Tensor, mins: torch.Tensor) -> torch.Tens
     return out.to(torch.uint8)
 
 
-def quantize(weights: torch.Tensor) -> torch.Tensor:
-    """(..., cols) float -> (..., cols / 256 * 144) uint8 (min-max scales; see the module's note)."""
+def min_max_codes(weights: torch.Tensor, levels: int, name: str):
+    """The k-quants' min-max encoding of (..., cols) weights into 256-weight super-blocks of eight
+    32-weight sub-blocks, quants in 0..levels (15 for Q4_K, 31 for Q5_K): returns float16 d and dmin
+    (..., nb, 1) as bytes (..., nb, 2) each, the packed 6-bit scales and minimums (..., nb, 12), and the
+    quants (..., nb, 8, 32) uint8."""
     *lead, cols = weights.shape
-    row_bytes(cols)
     nb = cols // BLOCK
     x = weights.float().reshape(*lead, nb, BLOCK // SUB, SUB)
     if not torch.isfinite(x).all():
-        raise ValueError("Q4_K cannot hold non-finite weights (NaN or inf)")
+        raise ValueError(f"{name} cannot hold non-finite weights (NaN or inf)")
     low = x.amin(-1).clamp(max=0.0)                     # ggml keeps minimums <= 0 (stored as -min >= 0)
-    scale = (x.amax(-1) - low) / 15
+    scale = (x.amax(-1) - low) / levels
     d = scale.amax(-1, keepdim=True) / 63               # the super-block's scale of the 6-bit scales
     dmin = (-low).amax(-1, keepdim=True) / 63
     ls = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1)), 0).clamp(0, 63)
     lm = torch.where(dmin > 0, torch.round(-low / torch.where(dmin > 0, dmin, 1)), 0).clamp(0, 63)
     d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)  # what a reader will multiply by
     if not (torch.isfinite(d16).all() and torch.isfinite(dmin16).all()):
-        raise ValueError("Q4_K's float16 super-block scales overflow: a 32-weight sub-block spans more than "
+        raise ValueError(f"{name}'s float16 super-block scales overflow: a 32-weight sub-block spans more than "
                          "about 6e7 (as in ggml)")
     step = d16.float() * ls                              # (..., nb, 8)
     offset = dmin16.float() * lm
     q = torch.where(step[..., None] > 0, torch.round((x + offset[..., None]) / torch.where(step > 0, step, 1)[..., None]),
-                    0).clamp(0, 15).to(torch.uint8)      # (..., nb, 8, 32)
+                    0).clamp(0, levels).to(torch.uint8)  # (..., nb, 8, 32)
+    return (d16.view(torch.uint8).reshape(*lead, nb, 2), dmin16.view(torch.uint8).reshape(*lead, nb, 2),
+            _pack_scales_and_mins(ls, lm), q)
+
+
+def quantize(weights: torch.Tensor) -> torch.Tensor:
+    """(..., cols) float -> (..., cols / 256 * 144) uint8 (min-max scales; see the module's note)."""
+    *lead, cols = weights.shape
+    row_bytes(cols)
+    nb = cols // BLOCK
+    d, dmin, scales, q = min_max_codes(weights, 15, "Q4_K")
     pairs = q.reshape(*lead, nb, 4, 2, SUB)              # sub-blocks 2j (low nibbles) and 2j + 1 (high)
     out = torch.empty(*lead, nb, BLOCK_BYTES, dtype=torch.uint8, device=weights.device)
-    out[..., 0:2] = d16.view(torch.uint8).reshape(*lead, nb, 2)
-    out[..., 2:4] = dmin16.view(torch.uint8).reshape(*lead, nb, 2)
-    out[..., 4:16] = _pack_scales_and_mins(ls, lm)
+    out[..., 0:2], out[..., 2:4], out[..., 4:16] = d, dmin, scales
     out[..., 16:] = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*lead, nb, 128)
     return out.reshape(*lead, nb * BLOCK_BYTES)
 
 
-def dequantize(data: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(..., cols / 256 * 144) uint8 -> (..., cols) in `dtype`."""
-    *lead, nbytes = data.shape
-    if nbytes != row_bytes(cols):
-        raise ValueError(f"{nbytes} bytes per row is not Q4_K for {cols} weights")
-    nb = cols // BLOCK
-    blocks = data.reshape(*lead, nb, BLOCK_BYTES)
+def scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., nb, block bytes) of Q4_K or Q5_K (the same first 16 bytes) -> d * scale and dmin * min per
+    sub-block (..., nb, 8), float32."""
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()        # (..., nb, 1)
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
     scale, mins = _scales_and_mins(blocks[..., 4:16])                     # (..., nb, 8)
-    qs = blocks[..., 16:].reshape(*lead, nb, 4, SUB)
-    q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(*lead, nb, 8, SUB).float()
-    w = (d * scale)[..., None] * q - (dmin * mins)[..., None]
+    return d * scale, dmin * mins
+
+
+def dequantize(data: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(..., cols / 256 * 144) uint8 -> (..., cols) in `dtype`."""
+    return kquant_dequantize(data, cols, dtype, BLOCK_BYTES, "Q4_K", fifth_bit=False)
+
+
+def kquant_dequantize(data: torch.Tensor, cols: int, dtype: torch.dtype, block_bytes: int, name: str,
+                      fifth_bit: bool) -> torch.Tensor:
+    """Q4_K, or with `fifth_bit` Q5_K (q5k.py: qh[32] before the quants, bit s of qh[l] above weight
+    32 s + l's nibble): (..., cols / 256 * block_bytes) uint8 -> (..., cols) in `dtype`."""
+    *lead, nbytes = data.shape
+    if cols % BLOCK or nbytes != cols // BLOCK * block_bytes:
+        raise ValueError(f"{nbytes} bytes per row is not {name} for {cols} weights")
+    nb = cols // BLOCK
+    blocks = data.reshape(*lead, nb, block_bytes)
+    step, offset = scales_and_mins(blocks)                                # (..., nb, 8)
+    qs = blocks[..., block_bytes - 128:].reshape(*lead, nb, 4, SUB)
+    q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(*lead, nb, 8, SUB).to(torch.int32)
+    if fifth_bit:
+        qh = blocks[..., 16:48].to(torch.int32)[..., None, :]            # (..., nb, 1, 32)
+        q = q | (((qh >> torch.arange(8, device=data.device)[:, None]) & 1) << 4)
+    w = step[..., None] * q.float() - offset[..., None]
     return w.reshape(*lead, cols).to(dtype)

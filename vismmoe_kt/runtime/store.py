@@ -1,7 +1,7 @@
 """ExpertStore: one contiguous host block per logical expert of the offloaded layers.
 
-(With `fmt="q8_0"`, `"q4_0"` or `"q4_k"` a block holds the same two parts in llama.cpp's block bytes: q8.py,
-q4.py, q4k.py. A layer filled from a GGUF file as stored may keep its down part in another of those
+(With `fmt="q8_0"`, `"q4_0"`, `"q4_k"` or `"q5_k"` a block holds the same two parts in llama.cpp's block
+bytes: q8.py, q4.py, q4k.py, q5k.py. A layer filled from a GGUF file as stored may keep its down part in another of those
 formats, or in Q6_K (q6k.py), as Q4_K_M files do in about half of the layers: `down_format(layer)`,
 `block_bytes_of(layer)`.)
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import q4, q4k, q6k, q8
+from . import q4, q4k, q5k, q6k, q8
 from .host_memory import HostBuffer
 
 
@@ -29,7 +29,7 @@ def block_views(blocks: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Te
     return blocks[:, :split].view(rows, 2 * inter, hidden), blocks[:, split:].view(rows, hidden, inter)
 
 
-CODECS = {"q8_0": q8, "q4_0": q4, "q4_k": q4k}  # llama.cpp block formats: row_bytes, quantize, dequantize
+CODECS = {"q8_0": q8, "q4_0": q4, "q4_k": q4k, "q5_k": q5k}  # llama.cpp block formats: row_bytes, quantize, dequantize
 PART_CODECS = {**CODECS, "q6_k": q6k}  # what a block's down part may hold as a GGUF file stores it (read only)
 
 
@@ -43,13 +43,13 @@ def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8,
             blocks[:, split:].view(rows, hidden, down_codec.row_bytes(inter)))
 
 
-FORMATS = ("model", "q8_0", "q4_0", "q4_k")
+FORMATS = ("model", "q8_0", "q4_0", "q4_k", "q5_k")
 
 
 class ExpertStore:
-    """`fmt`: `model` keeps the model's dtype; `q8_0` / `q4_0` / `q4_k` keep llama.cpp's 8- / 4-bit
-    blocks (q8.py, q4.py, q4k.py), about a half / a quarter of BF16's bytes per expert in host memory
-    and over PCIe; slabs stay in `dtype` either way.
+    """`fmt`: `model` keeps the model's dtype; `q8_0` / `q4_0` / `q4_k` / `q5_k` keep llama.cpp's 8-, 4-
+    or 5-bit blocks (q8.py, q4.py, q4k.py, q5k.py), a half to a quarter of BF16's bytes per expert in
+    host memory and over PCIe; slabs stay in `dtype` either way.
     `block_bytes` is what a fetch moves, `slab_bytes` what a slab holds on the GPU."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin_memory: bool,

@@ -1,6 +1,6 @@
 """Accuracy cost of quantized CPU experts: kt-kernel INT8 / INT4 against its BF16 experts, at Qwen3-VL-30B-A3B's
 expert shapes (2048 hidden, 768 intermediate, 128 experts, top 8); with `--store`, the offload
-runtime's host store in Q8_0 / Q4_0 / Q4_K (`store_dtype`, dequantized into the GPU's slabs) against BF16.
+runtime's host store in Q8_0 / Q4_0 / Q4_K / Q5_K (`store_dtype`, dequantized into the GPU's slabs) against BF16.
 
     python3 -m vismmoe_kt.apps.measure.cpu_quant_accuracy --out DIR [--layers 2] [--tokens 64] [--store]
 
@@ -32,7 +32,7 @@ from vismmoe_kt.demo.synthetic import load_synthetic
 RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"
 DTYPES = ("bf16", "int8", "int4")
 STORE_RULES = "optimize_rules/qwen3vl-lru.yaml"
-STORE_DTYPES = ("model", "q8_0", "q4_0", "q4_k")
+STORE_DTYPES = ("model", "q8_0", "q4_0", "q4_k", "q5_k")
 
 
 def run(dtype: str, layers: int, ids: torch.Tensor, threads: int | None, store: bool = False) -> dict:

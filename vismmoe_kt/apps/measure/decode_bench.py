@@ -10,8 +10,8 @@ Configurations (all greedy, batch 1, an image prompt):
   lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
   lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
   lru:BUDGET    the same with the LRU cache policy (no pinned prefix, no prefetch)
-  ...+q8, +q4, +q4k
-                (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K blocks (store_dtype): a half / a quarter
+  ...+q8, +q4, +q4k, +q5k
+                (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K / Q5_K blocks (store_dtype): a half / a quarter
                 of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
   lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
@@ -104,11 +104,11 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             extra["cpu_dtype"] = name
         elif name == "cpu" and not value and spec.startswith("hybrid:"):
             extra["miss_policy"] = "cpu"
-        elif name in ("q8", "q4", "q4k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
-            extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k"}[name]
+        elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
+            extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
         else:
             raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
-                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k)")
+                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k)")
     if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype"} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
