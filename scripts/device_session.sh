@@ -20,7 +20,7 @@
 #   bash scripts/device_session.sh hybrid PX BUDGET lru, offload-only and the hybrid mode (misses split with kt-kernel
 #                                                   INT8 inside the decode graph; and every miss on the CPU)
 #   bash scripts/device_session.sh q8 PX BUDGET     lru and VisMMOE with the host store in the model's dtype, VisMMOE
-#                                                   in Q8_0, Q4_0 and Q4_K
+#                                                   in Q8_0, Q4_0, Q4_K and Q5_K
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -88,11 +88,11 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             timeout "${HYBRID_TIMEOUT:-590}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
               --reps 3 --image-size "$px" --decode-tokens 32 \
               --configs "lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu" | tee "$OUT/hybrid$px-$budget.txt" ;;
-    q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K (a half / a quarter of the PCIe bytes per miss) against BF16
+    q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K / Q5_K (a half to a quarter of the PCIe bytes per miss) vs BF16
         px=$1 budget=$2; shift 2
         timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
           --image-size "$px" --decode-tokens 32 \
-          --configs "lru:$budget" "lean:$budget" "lean:$budget+q8" "lean:$budget+q4" "lean:$budget+q4k" \
+          --configs "lru:$budget" "lean:$budget" "lean:$budget+q8" "lean:$budget+q4" "lean:$budget+q4k" "lean:$budget+q5k" \
           | tee "$OUT/q8-$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
