@@ -445,3 +445,28 @@ def test_a_q4_k_m_files_q6_k_down_experts_go_into_the_store_as_stored(tmp_path):
     with torch.no_grad():
         got, want = model(**inputs).logits, dequantized(**inputs).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_store_dtype_auto_keeps_a_ggufs_expert_format(tiny):
+    """The rule files' `store_dtype: auto`: a Q8_0 GGUF's experts stay Q8_0 in the host store (its
+    bytes, half of BF16's host memory); a BF16 GGUF, safetensors, an explicit `model` or the hybrid's
+    CPU miss path keep the model's dtype."""
+    from vismmoe_kt.operators.vis_experts import VisExperts
+
+    root, reference, hf_dir, _ = tiny
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "auto-q8.gguf", "Q8_0")
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), root / "auto-bf16.gguf", "BF16")
+
+    def store_of(**kwargs):
+        model, _ = load(hf_dir, RULES, expert_budget="1GiB", **kwargs, **CPU)
+        return next(m for m in model.modules() if isinstance(m, VisExperts)).runtime.store
+
+    assert store_of(gguf_path=root / "auto-q8.gguf").fmt == "q8_0"
+    assert store_of(gguf_path=root / "auto-q8.gguf", store_dtype="model").fmt == "model"
+    assert store_of(gguf_path=root / "auto-bf16.gguf").fmt == "model"
+    full = save_tiny_model(root / "auto-st", "tiny-6x64", seed=0)
+    model, _ = load(full, RULES, expert_budget="1GiB", **CPU)
+    assert next(m for m in model.modules() if isinstance(m, VisExperts)).runtime.store.fmt == "model"
+    hybrid, _ = load(hf_dir, "optimize_rules/qwen3vl.yaml", gguf_path=root / "auto-q8.gguf", expert_budget="1GiB",
+                     keep_ratio=1.0, cpu_backend="torch", **CPU)
+    assert next(m for m in hybrid.modules() if isinstance(m, VisExperts)).runtime.store.fmt == "model"

@@ -14,6 +14,7 @@ decode upkeep as step hooks of the lean engine. Compute runs on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,18 @@ from torch import nn
 
 from ..runtime.offload import OffloadRuntime
 from ..runtime.offload_settings import OffloadSettings
-from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
+from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, gguf_expert_format, settings_from, stored_gguf_experts
+
+
+def resolve_store_dtype(operator: "VisExperts", settings: OffloadSettings) -> OffloadSettings:
+    """`store_dtype: auto`: the GGUF's expert format where the store can keep the file's bytes as they
+    are (a GGUF in q8_0, q4_0, q4_k or q5_k; no lookahead predictor and no CPU miss path, which need
+    the model's dtype today), else the model's dtype."""
+    if settings.store_dtype != "auto":
+        return settings
+    fmt = gguf_expert_format(operator.gguf_loader, operator.key, operator.adapter.expert_tensors)
+    usable = fmt is not None and not settings.predictor and settings.miss_policy == "wait"
+    return replace(settings, store_dtype=fmt if usable else "model")
 
 
 def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> OffloadRuntime:
@@ -29,6 +41,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
     context, adapter, config = operator.context, operator.adapter, operator.config
     runtime = context.offload_runtime
     device = operator.generate_device
+    requested, settings = settings, resolve_store_dtype(operator, settings)
     if runtime is None:
         shape = adapter.moe_shape(config)
         text = adapter.text_config(config)
@@ -42,12 +55,13 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
                                  getattr(operator.gguf_loader, "model_dir", None),
                                  getattr(operator.gguf_loader, "weight_files", list)())
+        runtime.requested_settings = requested  # what the rules said (store_dtype auto before resolving)
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)
             context.step_hooks.append((runtime.before_step, runtime.after_step))
             context.graph_variants.append(runtime.graph_variant)
-    elif runtime.settings != settings or runtime.device != torch.device(device):
+    elif runtime.requested_settings != requested or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
     return runtime
 

@@ -66,8 +66,9 @@ class OffloadRuntime:
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
-        self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(),
-                                 fmt=settings.store_dtype)
+        # `auto` is resolved by the operator, which sees the checkpoint (a GGUF's format); here: the model's dtype
+        fmt = "model" if settings.store_dtype == "auto" else settings.store_dtype
+        self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(), fmt=fmt)
         self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a layer (slabs are in `dtype`)
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why

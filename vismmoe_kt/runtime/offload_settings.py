@@ -37,8 +37,9 @@ class OffloadSettings:
                                        # pins `auto`; None: measure
     # the host store: model (the checkpoint's dtype) | q8_0 / q4_0 / q4_k / q5_k (llama.cpp's 8-, 4- or 5-bit
     # blocks: a half to a quarter of BF16's host memory and PCIe bytes per fetched expert; dequantized into the
-    # slabs as they arrive)
-    store_dtype: str = "model"
+    # slabs as they arrive) | auto: a GGUF's expert format where the store can keep it as the file stores
+    # it (no predictor, miss_policy wait), else model (VisExperts resolves it at load)
+    store_dtype: str = "auto"
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
     prefetch_min_probability: float = 0.7  # in table decode, prefetch only pairs the predictor gives at least this
@@ -68,8 +69,8 @@ class OffloadSettings:
         put("max_in_flight", int(self.max_in_flight))
         if self.miss_policy not in MISS_POLICIES:
             raise BudgetError(f"miss_policy {self.miss_policy!r} is not one of: {', '.join(MISS_POLICIES)}")
-        if self.store_dtype not in FORMATS:
-            raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: {', '.join(FORMATS)}")
+        if self.store_dtype not in FORMATS + ("auto",):
+            raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: auto, {', '.join(FORMATS)}")
         if self.cpu_dtype not in ("auto", "bf16", "int8", "int4"):
             raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, bf16, int8, int4")
         if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":
