@@ -99,20 +99,19 @@ class GgufCheckpointReader:
     def load_tensor(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """Read one of the model's tensors onto `device` (KTransformers' loader signature)."""
         sources = self._sources(name)
-        mmproj = self.mmproj_source(name) if self.mmproj_source is not None and self.mmproj_path else None
-        if sources is None and mmproj is not None:  # never half the vision tower from elsewhere
-            raise LoadError(f"{self.mmproj_path}: the model's vision tensor {name!r} is missing: it maps to mmproj "
-                            f"tensor{'s' if len(mmproj.names) > 1 else ''} {', '.join(mmproj.names)}")
         if sources is None:
-            if self._fallback is not None and name in self._fallback:
-                return self._fallback.load_tensor(name, device)
             wanted = self.gguf_names(name)
             mmproj = self.mmproj_source(name) if self.mmproj_source is not None and not wanted else None
-            if wanted:  # (with --mmproj_path, a vision tensor it lacks was named above)
-                where = f"GGUF tensor{'s' if len(wanted) > 1 else ''} {', '.join(wanted)}"
+            listed = lambda names: f"tensor{'s' if len(names) > 1 else ''} {', '.join(names)}"  # noqa: E731
+            if mmproj is not None and self.mmproj_path:  # never half the vision tower from elsewhere
+                raise LoadError(f"{self.mmproj_path}: the model's vision tensor {name!r} is missing: it maps to "
+                                f"mmproj {listed(mmproj.names)}")
+            if self._fallback is not None and name in self._fallback:
+                return self._fallback.load_tensor(name, device)
+            if wanted:
+                where = f"GGUF {listed(wanted)}"
             elif mmproj is not None:
-                where = f"mmproj tensor{'s' if len(mmproj.names) > 1 else ''} {', '.join(mmproj.names)}" + \
-                    (f" (not in {self.mmproj_path})" if self.mmproj_path else " (no --mmproj_path given)")
+                where = f"mmproj {listed(mmproj.names)} (no --mmproj_path given)"
             else:
                 where = "no GGUF tensor (llama.cpp keeps the vision tower in an mmproj file: --mmproj_path)"
             raise LoadError(f"{self.gguf_path}: the model's tensor {name!r} is missing: it maps to {where}, and "

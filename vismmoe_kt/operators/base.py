@@ -64,8 +64,6 @@ def gguf_expert_format(loader: Any, key: str, names: tuple[str, str]) -> str | N
     """The host store format (runtime/store.py) a GGUF's experts under `key` are in, where the store can
     keep them as stored (gate and up of one type among q8_0, q4_0, q4_k, q5_k); None otherwise, or
     when the loader is not reading GGUF. Reads the file's header only."""
-    from ..runtime.store import FORMATS
-
     gguf_names, tensor_type = getattr(loader, "gguf_names", None), getattr(loader, "tensor_type", None)
     if gguf_names is None or tensor_type is None:
         return None
@@ -75,7 +73,7 @@ def gguf_expert_format(loader: Any, key: str, names: tuple[str, str]) -> str | N
     except KeyError:  # not in the file: read from elsewhere
         return None
     kind = kinds.pop() if len(kinds) == 1 else None
-    return kind if kind in FORMATS and kind != "model" else None
+    return kind if kind in ggml_types.STORE_FORMATS else None
 
 
 def settings_from(cls: type[T], kwargs: dict[str, Any], operator: str) -> T:

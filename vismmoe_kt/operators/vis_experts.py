@@ -41,7 +41,6 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
     context, adapter, config = operator.context, operator.adapter, operator.config
     runtime = context.offload_runtime
     device = operator.generate_device
-    requested, settings = settings, resolve_store_dtype(operator, settings)
     if runtime is None:
         shape = adapter.moe_shape(config)
         text = adapter.text_config(config)
@@ -51,17 +50,17 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         prefetch = lookahead = None
         if settings.predictor:
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
-        runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
+        runtime = OffloadRuntime(resolve_store_dtype(operator, settings), list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
                                  getattr(operator.gguf_loader, "model_dir", None),
                                  getattr(operator.gguf_loader, "weight_files", list)())
-        runtime.requested_settings = requested  # what the rules said (store_dtype auto before resolving)
+        runtime.requested_settings = settings  # what the rules said (store_dtype auto before resolving)
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)
             context.step_hooks.append((runtime.before_step, runtime.after_step))
             context.graph_variants.append(runtime.graph_variant)
-    elif runtime.requested_settings != requested or runtime.device != torch.device(device):
+    elif runtime.requested_settings != settings or runtime.device != torch.device(device):
         raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
     return runtime
 

@@ -42,7 +42,7 @@ from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .ggml_types import PART_FORMATS, STORE_FORMATS
-from .store import ExpertStore, block_views
+from .store import PART_CODECS, ExpertStore, block_views
 from . import decode_kernel
 from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
 from .transfers import TransferCounters, Transfers
@@ -64,6 +64,7 @@ class OffloadRuntime:
                  prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,
                  model_dir: Any = None, sources: Any = ()):
         self.settings, self.moe_layers = settings, list(moe_layers)
+        self.requested_settings = settings  # the rules' own (an operator that resolved `auto` keeps them here)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.device = torch.device(device)
         # `auto` is resolved by the operator, which sees the checkpoint (a GGUF's format); here: the model's dtype
@@ -168,7 +169,9 @@ class OffloadRuntime:
         if gate_type != STORE_FORMATS[self.store.fmt] or up_type != gate_type:
             return None
         down = next((name for name, kind in PART_FORMATS.items() if kind == down_type), None)
-        if down is None or self.inter % (256 if down.endswith("_k") else 32):
+        try:
+            PART_CODECS[down].row_bytes(self.inter)  # rows of whole blocks
+        except (KeyError, ValueError):
             return None
         return down
 
