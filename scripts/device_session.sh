@@ -21,6 +21,13 @@
 #                                                   INT8 inside the decode graph; and every miss on the CPU)
 #   bash scripts/device_session.sh q8 PX BUDGET     lru and VisMMOE with the host store in the model's dtype, VisMMOE
 #                                                   in Q8_0, Q4_0, Q4_K and Q5_K
+#   bash scripts/device_session.sh stores           the quantized host stores (Q8_0, Q4_0, Q4_K, Q5_K): the GPU's Triton
+#                                                   kernels against the CPU's torch twins (scripts/gpu_check.py --stores)
+#   bash scripts/device_session.sh ggufwrite        the synthetic model's 48 layers written as a GGUF checkpoint (Q4_K
+#                                                   experts, Q8_0 rest) under .scratch/gguf-q4k, timed
+#   bash scripts/device_session.sh gguf PX BUDGET   lru and VisMMOE on BF16 against VisMMOE loaded from that GGUF (Q4_K
+#                                                   in the host store) and quantized to Q4_K at load (writes it first
+#                                                   if it is not there)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -33,6 +40,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vismmoe-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.:.scratch/kt${PYTHONPATH:+:$PYTHONPATH}
+GGUF_DIR=.scratch/gguf-q4k  # an ignored path: it stays on the device machine between calls while it is held
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 while [[ $# -gt 0 ]]; do
@@ -70,7 +78,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
                --reps 1 --image-size "$px" --decode-tokens 32 --kernels \
                --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=5" \
+               --configs ${KERNEL_CONFIGS:-lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=5"} \
                | tee "$OUT/kernels$px-$budget.txt" ;;
     ktcpu) shift  # every routed expert on kt-kernel, decode on the lean path (graphed), two worker counts
            px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
@@ -94,6 +102,17 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           --image-size "$px" --decode-tokens 32 \
           --configs "lru:$budget" "lean:$budget" "lean:$budget+q8" "lean:$budget+q4" "lean:$budget+q4k" "lean:$budget+q5k" \
           | tee "$OUT/q8-$px-$budget.txt" ;;
+    stores) shift
+            timeout 300 python3 scripts/gpu_check.py --stores --out "$OUT/gpu_stores.json" | tee "$OUT/gpu_stores.txt" ;;
+    ggufwrite) shift
+               timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48 | tee "$OUT/gguf_write.txt"
+               cp "$GGUF_DIR/synthetic_gguf.json" "$OUT/" ;;
+    gguf) shift  # VisMMOE from a Q4_K GGUF checkpoint against BF16 (lru, VisMMOE) and Q4_K quantized at load
+          px=$1 budget=$2; shift 2
+          [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48
+          timeout 580 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/gguf-$px-$budget" --layers 48 --reps 3 \
+            --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" \
+            --configs "lru:$budget" "lean:$budget" "lean:$budget+gguf" "lean:$budget+q4k" | tee "$OUT/gguf-$px-$budget.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -107,6 +126,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

@@ -8,7 +8,11 @@ went and what the operators did; exits non-zero if any rule file disagrees. Gene
 CUDA graphs (a capture error or a graphed step that differs from the eager one counts as a failure).
 qwen3vl-ep.yaml is left out: it needs a torchrun launch.
 
-    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR]
+`--stores`: instead, the host store in each quantized format (Q8_0, Q4_0, Q4_K, Q5_K) read by the
+GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to the `gguf` package's
+dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store.
+
+    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores]
 """
 
 import argparse
@@ -32,12 +36,15 @@ from vismmoe_kt.engine.inputs import build_inputs, user_turn
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write results as JSON here")
+    parser.add_argument("--stores", action="store_true", help="the quantized host stores, GPU kernels vs CPU twins")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for the GPU machine", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if args.stores:
+        return check_stores(args.out)
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-6x64", "tiny-6x64", seed=0)
     rules = sorted(r for r in Path("optimize_rules").glob("*.yaml") if r.name != "qwen3vl-ep.yaml")  # needs torchrun
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
@@ -78,6 +85,40 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def check_stores(out: str | None) -> int:
+    spec = SPECS["tiny-3x32"]
+    model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-3x32", spec, seed=0)
+    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # one layer of fp32 experts
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
+    results, ok = [], True
+    for fmt in ("q8_0", "q4_0", "q4_k", "q5_k"):
+        runs = {}
+        for device in ("cpu", "cuda:0"):
+            model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, store_dtype=fmt,
+                                    expert_budget=2 * layer, generate_device=device, prefill_device=device)
+            inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
+            with torch.inference_mode():
+                logits = model(**inputs).logits.float().cpu()
+                tokens = generate(model, inputs, 8).cpu()
+            runtime = model.vismmoe.context.offload_runtime
+            runs[device] = logits, tokens, runtime.summary(), collect_stats(model)["operators"].get("VisDecoder", {})
+        (cpu_logits, cpu_tokens, _, _), (logits, tokens, summary, lean) = runs["cpu"], runs["cuda:0"]
+        error = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
+        same = torch.equal(tokens, cpu_tokens)
+        misses = summary["bytes_copied_decode"] + summary["bytes_host_reads_decode"]
+        good = error <= 1e-4 and same and misses > 0 and lean.get("decode_capture_failures", 0) == 0 \
+            and lean.get("decode_check_failures", 0) == 0
+        ok &= good
+        row = {"store": fmt, "relative_logit_error_vs_cpu": error, "greedy_tokens_equal": same,
+               "decode_store_bytes": misses, "lean": {k: v for k, v in lean.items() if k.startswith("decode_")}}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if out:
+        Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "results": results}, indent=2))
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

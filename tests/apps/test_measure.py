@@ -68,3 +68,25 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
         assert isolated["tokens_agreeing_with_hf"] == inline["tokens_agreeing_with_hf"]
         assert isolated.get("decode_hit_rate") == inline.get("decode_hit_rate")
     assert runs["isolated"]["lean:4MiB"]["tokens_agreeing_with_hf"] is not None
+
+
+def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
+    """`+gguf` loads from `--gguf DIR` (here the synthetic writer's tiny checkpoint, Q4_K experts): its
+    store keeps the file's format, the other configuration's is the model's dtype."""
+    from vismmoe_kt.demo.synthetic_gguf import write_synthetic_checkpoint
+    from vismmoe_kt.demo.tiny import SPECS, build_config, build_processor
+
+    spec = SPECS["tiny-2x8"]
+    processor = build_processor(spec)
+    write_synthetic_checkpoint(tmp_path / "ckpt", build_config(spec, processor.tokenizer), processor, progress=False)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out), "--device", "cpu",
+               "--tiny", "tiny-2x8", "--image-size", "96", "--decode-tokens", "3", "--reps", "1", "--routing", "model",
+               "--configs", "lean:24MiB", "lean:24MiB+gguf"]
+    result = subprocess.run([*command, "--gguf", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
+    assert rows["lean:24MiB+gguf"]["store"] == "q4_k" and rows["lean:24MiB"]["store"] == "model"
+    assert rows["lean:24MiB+gguf"]["load_s"] > 0
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=600)  # no --gguf: refused up front
+    assert missing.returncode == 2 and "give --gguf" in missing.stderr

@@ -143,6 +143,9 @@ class GgufCheckpointReader:
         return list(self.files)
 
     def close(self) -> None:
+        """Unmap the files: a mapped page the load touched counts in the process's resident memory for
+        as long as the mapping lives, so a model kept after loading would seem to hold its file twice."""
+        self._tensors.clear()
         if self._fallback is not None:
             self._fallback.close()
 

@@ -9,11 +9,17 @@ rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not 
 
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
 cannot write them. Q4_K and Q5_K are written with the host store's own quantizers (runtime/q4k.py,
-q5k.py: min-max scales, valid bytes that the `gguf` package and llama.cpp read).
+q5k.py: min-max scales, valid bytes that the `gguf` package and llama.cpp read), Q8_0 and Q4_0 too
+(the same bytes as the `gguf` package's, made by torch on whatever device holds the values).
+`write_planned` streams: a file is written one tensor at a time (demo/synthetic_gguf.py writes a
+full-size model's so).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,31 +57,75 @@ def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, pat
 def _write(parts, path: str | Path, qtype: str, arch: str) -> dict[str, str]:
     """(GGUF name, float tensor) pairs to a GGUF file: 2-D and larger whose rows divide into `qtype`'s
     blocks in `qtype`, the rest in F32."""
+    planned = [PlannedTensor(name, tuple(part.shape), tensor_type(tuple(part.shape), qtype), lambda part=part: part)
+               for name, part in parts]
+    return write_planned(planned, path, arch)
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of a GGUF file before it is made: its name, float shape (numpy order), the ggml type
+    it is written in, and how to make its float values (called once, when its turn comes)."""
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    make: Callable[[], torch.Tensor]
+
+
+def tensor_type(shape: tuple[int, ...], qtype: str) -> str:
+    """`qtype` for 2-D and larger tensors whose rows divide into its blocks, else F32 (as llama.cpp
+    keeps norms and odd rows)."""
     import gguf
-    from gguf import GGMLQuantizationType, quants
 
     if qtype not in WRITABLE:
         raise ValueError(f"the gguf package writes {', '.join(WRITABLE)}, not {qtype}")
-    kind = GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    written: dict[str, str] = {}
-    for gguf_name, part in parts:
-        values = part.contiguous().numpy().astype(np.float32)
-        use = kind if values.ndim >= 2 and values.shape[-1] % block == 0 else GGMLQuantizationType.F32
-        if use == GGMLQuantizationType.F32:
-            data = values
-        elif use in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):  # the store's own quantizers
-            from ..runtime import q4k, q5k
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    return qtype if len(shape) >= 2 and shape[-1] % block == 0 else "F32"
 
-            codec = q4k if use == GGMLQuantizationType.Q4_K else q5k
-            data = codec.quantize(torch.from_numpy(values)).numpy()
+
+def encode(values: torch.Tensor, kind: str) -> np.ndarray:
+    """Float values (on any device) -> what a GGUF file stores for `kind`: float32 for F32, else the
+    type's bytes. Q8_0, Q4_0, Q4_K and Q5_K go through the host store's quantizers (runtime/q8.py,
+    q4.py, q4k.py, q5k.py: torch, so they run on the GPU where the values are; Q8_0 and Q4_0 give the
+    `gguf` package's bytes exactly, the K-quants min-max scales it reads); the rest through the
+    `gguf` package."""
+    from gguf import GGMLQuantizationType, quants
+
+    from ..runtime import q4, q4k, q5k, q8
+
+    ours = {"Q8_0": q8, "Q4_0": q4, "Q4_K": q4k, "Q5_K": q5k}
+    if kind == "F32":
+        return values.float().cpu().numpy()
+    if kind in ours:
+        return ours[kind].quantize(values.float()).cpu().numpy()
+    return quants.quantize(values.float().cpu().numpy(), GGMLQuantizationType[kind])
+
+
+def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, progress: bool = False) -> dict[str, str]:
+    """Write `planned` to one GGUF file, one tensor made and encoded at a time (the header lists every
+    tensor's type and size first, so a file far larger than memory can be written). Returns GGUF
+    name -> the type it was written in."""
+    import gguf
+    from gguf import GGMLQuantizationType
+    from tqdm import tqdm
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for t in planned:
+        if t.kind == "F32":
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
         else:
-            data = quants.quantize(values, use)
-        writer.add_tensor(gguf_name, data, raw_dtype=use)
-        written[gguf_name] = use.name
+            kind = GGMLQuantizationType[t.kind]
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            row = t.shape[-1] // block * size
+            writer.add_tensor_info(t.name, (*t.shape[:-1], row), np.dtype(np.uint8), math.prod(t.shape[:-1]) * row,
+                                   raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for t in tqdm(planned, desc=f"Writing {Path(path).name}", unit="tensor", disable=not progress):
+        values = t.make()
+        if tuple(values.shape) != t.shape:
+            raise ValueError(f"{t.name}: planned as {t.shape}, made as {tuple(values.shape)}")
+        writer.write_tensor_data(encode(values, t.kind))
     writer.close()
-    return written
+    return {t.name: t.kind for t in planned}

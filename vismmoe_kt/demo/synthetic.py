@@ -95,9 +95,16 @@ def load_synthetic(name: str = "qwen3-vl-30b-a3b", rules: Any = None, *, layers:
                    dtype: str | torch.dtype = "bfloat16", seed: int = 0, progress: bool = True,
                    max_image_pixels: int = 1024 * 1024, **overrides: Any):
     """Like `vismmoe_kt.load`, for a full-size random-weight model; returns `(model, processor)`."""
-    start = time.perf_counter()
     processor = build_processor(TinySpec(1, 1, 1, 1, 1, max_image_pixels=max_image_pixels))
     config = synthetic_config(name, processor.tokenizer, layers)
+    return assemble_synthetic(config, processor, rules, dtype=dtype, seed=seed, name=name, progress=progress,
+                              **overrides)
+
+
+def assemble_synthetic(config: Any, processor: Any, rules: Any = None, *, dtype: str | torch.dtype = "bfloat16",
+                       seed: int = 0, name: str = "synthetic", progress: bool = True, **overrides: Any):
+    """`config`'s model with SyntheticReader's weights (`seed`), assembled as `vismmoe_kt.load` does."""
+    start = time.perf_counter()
     adapter = adapter_for(config.model_type)
     meta = _build_on_meta(adapter, config)
     shapes = {n: t.shape for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}

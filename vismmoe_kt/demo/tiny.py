@@ -54,6 +54,9 @@ SPECS: dict[str, TinySpec] = {
                           vision_hidden=48),
     # sizes that are multiples of 256, the k-quants' super-block (a Q4_K store, Q4_K GGUF files)
     "tiny-2x8": TinySpec(layers=2, experts=8, top_k=2, hidden=256, moe_intermediate=512, vision_depth=1),
+    # the same at more experts than one layer's slabs hold at the smallest budget: decode misses read a
+    # quantized store (scripts/gpu_check.py --stores)
+    "tiny-3x32": TinySpec(layers=3, experts=32, top_k=4, hidden=256, moe_intermediate=256, vision_depth=1),
     # the trained --demo model (scripts/train_demo_model.py): small enough to train on a CPU in half an hour
     "demo-4x32": TinySpec(layers=4, experts=32, top_k=4, hidden=96, moe_intermediate=64, vision_depth=2,
                           vision_hidden=64, max_image_pixels=224 * 224),

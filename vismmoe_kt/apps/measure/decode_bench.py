@@ -25,6 +25,10 @@ Configurations (all greedy, batch 1, an image prompt):
                 every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
                 N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
                 each layer's CPU call inside the step's CUDA graph
+  ...+gguf      any of the above loaded from the checkpoint in `--gguf DIR` (an HF directory with GGUF
+                files, read as `--gguf_path`; `python -m vismmoe_kt.demo.synthetic_gguf DIR` writes the
+                synthetic model's weights so, Q4_K experts by default) instead of made in memory; with
+                store_dtype auto, a GGUF's quantized experts stay in its format in the host store
 Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
@@ -81,6 +85,8 @@ LRU_RULES = "optimize_rules/qwen3vl-lru.yaml"
 KT_CPU_RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"
 HYBRID_RULES = "optimize_rules/qwen3vl.yaml"
 
+FROM_GGUF = "from_gguf"  # a configuration's own key: load from --gguf instead of making the weights
+
 
 def runtime_of(model):
     return model.vismmoe.context.offload_runtime
@@ -106,10 +112,12 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             extra["miss_policy"] = "cpu"
         elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
             extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
+        elif name == "gguf" and not value:
+            extra[FROM_GGUF] = True
         else:
             raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
-                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k)")
-    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype"} and not spec.startswith("lean:"):
+                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; any: gguf)")
+    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", FROM_GGUF} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
@@ -140,7 +148,15 @@ def _base_config(spec: str) -> tuple[str, dict]:
 
 def load_model(args, rules: str, overrides: dict):
     devices = {"generate_device": args.device, "prefill_device": args.device}
-    if args.tiny_dir:
+    overrides = dict(overrides)
+    if overrides.pop(FROM_GGUF, False):
+        if not args.gguf:
+            raise SystemExit("--configs ...+gguf loads the checkpoint in --gguf DIR: give --gguf")
+        start = time.perf_counter()
+        model, processor = load(args.gguf, rules, gguf_path=args.gguf, progress=False, **devices, **overrides)
+        model.vismmoe.load_seconds = time.perf_counter() - start
+        model.generation_config.eos_token_id = None  # random weights: decode the requested number of tokens
+    elif args.tiny_dir:
         model, processor = load(args.tiny_dir, rules, progress=False, **devices, **overrides)
     else:
         model, processor = load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
@@ -222,7 +238,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     if runtime is not None:
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
-        row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"],
+        row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
                    decode_bytes_per_token=(pcie(summary) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
                    decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
@@ -270,6 +286,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
                "--routing", args.routing, "--child"]
     command += ["--tiny", args.tiny] if args.tiny else []
     command += ["--predictor", args.predictor] if args.predictor else []
+    command += ["--gguf", args.gguf] if args.gguf else []
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -321,13 +338,16 @@ def main() -> int:
                                             "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
+    parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
+                                       "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
                         help="every configuration in a process of its own (kt-kernel ones always are)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # hf's greedy tokens, for a child's agreement
     args = parser.parse_args()
     for spec in args.configs:
-        parse_config(spec, args.predictor)
+        if parse_config(spec, args.predictor)[1].get(FROM_GGUF) and not args.gguf:
+            parser.error(f"--configs {spec} loads the checkpoint in --gguf DIR: give --gguf")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
