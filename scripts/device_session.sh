@@ -110,9 +110,14 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     gguf) shift  # VisMMOE from a Q4_K GGUF checkpoint against BF16 (lru, VisMMOE) and Q4_K quantized at load
           px=$1 budget=$2; shift 2
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48
-          timeout 580 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/gguf-$px-$budget" --layers 48 --reps 3 \
-            --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" \
-            --configs "lru:$budget" "lean:$budget" "lean:$budget+gguf" "lean:$budget+q4k" | tee "$OUT/gguf-$px-$budget.txt" ;;
+          # a process per configuration: each one's host RSS is its own (and a row survives a timeout)
+          timeout "${GGUF_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/gguf-$px-$budget" \
+            --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" --isolate \
+            --configs "lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k" | tee "$OUT/gguf-$px-$budget.txt" || true
+          for row in "$OUT/gguf-$px-$budget"/isolated/*/decode_bench.json; do  # deeper files do not come back
+            [[ -f $row ]] && cp "$row" "$OUT/gguf-$px-$budget-$(basename "$(dirname "$row")").json"
+          done
+          rm -rf "$OUT/gguf-$px-$budget/isolated" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
