@@ -34,12 +34,14 @@
 #                                                   all-resident; then stock vs all-resident at 448 px
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
-# .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present.
+# .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present; the gguf package from .scratch/pylib
+# (cp -r .venv/lib/python3.*/site-packages/gguf .scratch/pylib/), for the GGUF stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vismmoe-out}
 mkdir -p "$OUT"
-export PYTHONPATH=.:.scratch/kt${PYTHONPATH:+:$PYTHONPATH}
+# the gguf package (pure Python; the machine has no index to install it from) travels in .scratch/pylib
+export PYTHONPATH=.:.scratch/kt:.scratch/pylib${PYTHONPATH:+:$PYTHONPATH}
 GGUF_DIR=.scratch/gguf-q4k  # an ignored path: it stays on the device machine between calls while it is held
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
@@ -70,8 +72,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout "${PREDICT_TIMEOUT:-580}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" \
                --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
                --predictor results/predictor-synthetic-48x128/predictor.pt \
-               --configs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=2" \
-                 "lean:$budget+predict+stride=5" \
+               --configs ${PREDICT_CONFIGS:-"lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=2" \
+                 "lean:$budget+predict+stride=5"} \
                | tee "$OUT/predict$px-$budget.txt" ;;
     kernels) shift  # one profiled request per configuration: where the decode step's device time goes
              px=$1 budget=$2; shift 2
@@ -95,7 +97,12 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             px=$1 budget=$2; shift 2
             timeout "${HYBRID_TIMEOUT:-590}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
               --reps 3 --image-size "$px" --decode-tokens 32 \
-              --configs "lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu" | tee "$OUT/hybrid$px-$budget.txt" ;;
+              --configs ${HYBRID_CONFIGS:-"lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu"} \
+              | tee "$OUT/hybrid$px-$budget.txt" || true
+            for row in "$OUT/hybrid$px-$budget"/isolated/*/decode_bench.json; do  # deeper files do not come back
+              [[ -f $row ]] && cp "$row" "$OUT/hybrid$px-$budget-$(basename "$(dirname "$row")").json"
+            done
+            rm -rf "$OUT/hybrid$px-$budget/isolated" ;;
     q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K / Q5_K (a half to a quarter of the PCIe bytes per miss) vs BF16
         px=$1 budget=$2; shift 2
         timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
@@ -113,7 +120,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           # a process per configuration: each one's host RSS is its own (and a row survives a timeout)
           timeout "${GGUF_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/gguf-$px-$budget" \
             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" --isolate \
-            --configs "lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k" | tee "$OUT/gguf-$px-$budget.txt" || true
+            --configs ${GGUF_CONFIGS:-"lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k"} \
+            | tee "$OUT/gguf-$px-$budget.txt" || true
           for row in "$OUT/gguf-$px-$budget"/isolated/*/decode_bench.json; do  # deeper files do not come back
             [[ -f $row ]] && cp "$row" "$OUT/gguf-$px-$budget-$(basename "$(dirname "$row")").json"
           done

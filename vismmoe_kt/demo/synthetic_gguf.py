@@ -43,6 +43,10 @@ def write_synthetic_checkpoint(out_dir: str | Path, config: Any, processor: Any,
     `model-<qtype>.gguf`. Returns what was written: seconds, bytes, the GGUF's type per tensor."""
     from safetensors.torch import save_file
 
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError("writing GGUF needs the gguf package (pip install gguf==0.19.0; `make test` installs it)") from None
     for kind in (qtype, rest):
         if kind not in WRITABLE:
             raise ValueError(f"cannot write {kind}: the writable GGUF types are {', '.join(WRITABLE)}")

@@ -112,7 +112,9 @@ if tl is not None:
                          part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          QBLOCKS: tl.constexpr, Q4: tl.constexpr = False):
         """One part (gate_up or down) of the needed pairs' Q8_0 blocks, read at `host_addr` (the staging
-        rows: `ids` index them) and written dequantized into their slabs: program (pair, tile of rows)."""
+        rows: `ids` index them) and written dequantized into their slabs: program (pair, tile of rows,
+        QBLOCKS blocks of columns). One step per program, no loop: a miss is on the critical path, and
+        many short programs finish sooner than a few that walk a row's blocks one after another."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         need = tl.load(need_ptr + pair) != 0
@@ -123,23 +125,22 @@ if tl is not None:
         base = host_addr + expert * block_bytes + part_bytes
         lane = tl.arange(0, 32)
         row_ok = (rows < ROWS) & need
-        for first in range(0, COLS // 32, QBLOCKS):
-            qb = first + tl.arange(0, QBLOCKS)
-            ok = row_ok[:, None] & (qb < COLS // 32)[None, :]                          # (R, Q)
-            at = rows[:, None].to(tl.int64) * row_bytes + qb[None, :].to(tl.int64) * QB_BYTES  # each block's first byte
-            scale = tl.load((base + at).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0)
-            if Q4:  # weight j: the low nibble of byte j (j < 16), else the high nibble of byte j - 16
-                packed = tl.load((base + at[:, :, None] + 2 + (lane % 16)[None, None, :]).to(
-                    tl.pointer_type(tl.uint8), bitcast=True), mask=ok[:, :, None], other=0)
-                nibble = (packed.to(tl.int32) >> (4 * (lane // 16))[None, None, :]) & 0xF
-                weights = (nibble - 8).to(tl.float32) * scale.to(tl.float32)[:, :, None]
-            else:
-                values = tl.load((base + at[:, :, None] + 2 + lane[None, None, :]).to(
-                    tl.pointer_type(tl.int8), bitcast=True), mask=ok[:, :, None], other=0)
-                weights = values.to(tl.float32) * scale.to(tl.float32)[:, :, None]
-            cols = qb[None, :, None].to(tl.int64) * 32 + lane[None, None, :]
-            out = pool_ptr + target * slab_elems + part_elems + rows[:, None, None].to(tl.int64) * COLS + cols
-            tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
+        qb = tl.program_id(2) * QBLOCKS + tl.arange(0, QBLOCKS)
+        ok = row_ok[:, None] & (qb < COLS // 32)[None, :]                          # (R, Q)
+        at = rows[:, None].to(tl.int64) * row_bytes + qb[None, :].to(tl.int64) * QB_BYTES  # each block's first byte
+        scale = tl.load((base + at).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0)
+        if Q4:  # weight j: the low nibble of byte j (j < 16), else the high nibble of byte j - 16
+            packed = tl.load((base + at[:, :, None] + 2 + (lane % 16)[None, None, :]).to(
+                tl.pointer_type(tl.uint8), bitcast=True), mask=ok[:, :, None], other=0)
+            nibble = (packed.to(tl.int32) >> (4 * (lane // 16))[None, None, :]) & 0xF
+            weights = (nibble - 8).to(tl.float32) * scale.to(tl.float32)[:, :, None]
+        else:
+            values = tl.load((base + at[:, :, None] + 2 + lane[None, None, :]).to(
+                tl.pointer_type(tl.int8), bitcast=True), mask=ok[:, :, None], other=0)
+            weights = values.to(tl.float32) * scale.to(tl.float32)[:, :, None]
+        cols = qb[None, :, None].to(tl.int64) * 32 + lane[None, None, :]
+        out = pool_ptr + target * slab_elems + part_elems + rows[:, None, None].to(tl.int64) * COLS + cols
+        tl.store(out, weights.to(pool_ptr.dtype.element_ty), mask=ok[:, :, None])
 
     @triton.jit
     def _kquant_weights(at, at8, w, ok, FIFTH_BIT: tl.constexpr):
@@ -186,7 +187,8 @@ if tl is not None:
                              part_elems, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                              KIND: tl.constexpr = 4):
         """`_fetch_q8_kernel` for the k-quants' 256-weight super-blocks, KIND 4 (Q4_K, 144 bytes), 5 (Q5_K,
-        176) or 6 (Q6_K, 210): one super-block per step of the loop, its 256 weights decoded at once."""
+        176) or 6 (Q6_K, 210): program (pair, tile of rows, super-block column), its 256 weights decoded
+        at once."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         need = tl.load(need_ptr + pair) != 0
@@ -198,15 +200,15 @@ if tl is not None:
         w = tl.arange(0, 256)
         row_ok = (rows < ROWS) & need
         out_rows = pool_ptr + target * slab_elems + part_elems + rows[:, None].to(tl.int64) * COLS
-        for sb in range(0, COLS // 256):
-            at = base + rows[:, None].to(tl.int64) * row_bytes + sb * SB_BYTES   # (R, 1): the super-block's first byte
-            ok = row_ok[:, None]
-            at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-            if KIND == 6:
-                weights = _q6k_weights(at, at8, w, ok)
-            else:
-                weights = _kquant_weights(at, at8, w, ok, KIND == 5)
-            tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
+        sb = tl.program_id(2)
+        at = base + rows[:, None].to(tl.int64) * row_bytes + sb * SB_BYTES   # (R, 1): the super-block's first byte
+        ok = row_ok[:, None]
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        if KIND == 6:
+            weights = _q6k_weights(at, at8, w, ok)
+        else:
+            weights = _kquant_weights(at, at8, w, ok, KIND == 5)
+        tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _stage_kernel(ids_ptr, need_ptr, staging_ptr, host_addr, block_words, CHUNK: tl.constexpr):
@@ -382,12 +384,12 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
             (gate_up, 2 * inter, hidden, 0, fmt),
             (down, hidden, inter, 2 * inter * PART_CODECS[fmt].row_bytes(hidden), down_fmt)):
         args = (rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0)
-        grid = (p, triton.cdiv(rows, block_rows))
         if part_fmt in ("q4_k", "q5_k", "q6_k"):  # 256-weight super-blocks
-            _fetch_kquant_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, KIND=int(part_fmt[1]))
+            _fetch_kquant_kernel[(p, triton.cdiv(rows, block_rows), cols // 256)](
+                *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, KIND=int(part_fmt[1]))
         else:
-            _fetch_q8_kernel[grid](*args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks,
-                                   Q4=part_fmt == "q4_0")
+            _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows), triton.cdiv(cols // 32, qblocks))](
+                *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=part_fmt == "q4_0")
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

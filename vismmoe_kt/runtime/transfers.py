@@ -30,7 +30,7 @@ class TransferCounters:
     bytes_copied: int = 0
     copies: int = 0
     stall_events: list = field(default_factory=list)  # (start, end) CUDA timing events around compute-stream waits
-    copy_events: list = field(default_factory=list)   # (start, end) CUDA timing events around copies
+    copy_events: list = field(default_factory=list)   # (start, end[, copies]) CUDA timing events around copies
     stall_seconds: float = 0.0
     copy_seconds: float = 0.0
     copies_timed: int = 0      # copies whose seconds are in copy_seconds (copies counts them when issued)
@@ -40,12 +40,12 @@ class TransferCounters:
         """Turn finished CUDA timing events into seconds (keeps the lists short)."""
         for attr, total in (("stall_events", "stall_seconds"), ("copy_events", "copy_seconds")):
             pending = []
-            for start, end in getattr(self, attr):
+            for start, end, *copies in getattr(self, attr):
                 if end.query():
                     setattr(self, total, getattr(self, total) + start.elapsed_time(end) / 1000)
-                    self.copies_timed += attr == "copy_events"
+                    self.copies_timed += (copies[0] if copies else 1) if attr == "copy_events" else 0
                 else:
-                    pending.append((start, end))
+                    pending.append((start, end, *copies))
             setattr(self, attr, pending)
 
 
@@ -135,10 +135,50 @@ class Transfers:
             missing = [k for k, s in zip(keys, slabs) if s is None]
             got = iter(self.cache.assign_many(missing, urgent=True))
             slabs = [s if s is not None else next(got) for s in slabs]
-        for key, slab in zip(keys, slabs):
-            self._copy(slab, key, urgent=True)
+        if self._dequantizes_on_device():
+            self._fetch_dequantized(slabs, keys)
+        else:
+            for key, slab in zip(keys, slabs):
+                self._copy(slab, key, urgent=True)
+        for slab in slabs:
             self.cache.use(slab)
         return slabs
+
+    def _dequantizes_on_device(self) -> bool:
+        """A quantized store on CUDA with the Triton kernels: a fetch moves each layer's blocks in one
+        launch and dequantizes them there (decode_kernel.fetch_q8), instead of a dozen small torch
+        kernels per expert (which made a prefill touching every expert of every layer 3x slower)."""
+        from . import decode_kernel
+
+        return self.cuda and self.store.quantized and self.store.pin_memory and decode_kernel.available(self.pool[0].dtype)
+
+    def _fetch_dequantized(self, slabs: list[int], keys: list[Key]) -> None:
+        """Urgent copies of `keys` into `slabs`, one launch per layer among them, on the urgent stream."""
+        from . import decode_kernel
+
+        stream = self.urgent_stream
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for slab, (layer, expert) in zip(slabs, keys):
+            by_layer.setdefault(layer, []).append((slab, expert))
+        for layer, pairs in by_layer.items():
+            for slab, _ in pairs:
+                if slab in self.read_done:
+                    stream.wait_event(self.read_done.pop(slab))
+            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                begin.record(stream)
+                ids = torch.tensor([e for _, e in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+                target = torch.tensor([s for s, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+                need = torch.ones(len(pairs), dtype=torch.int8, device=self.device)
+                decode_kernel.fetch_q8(ids, need, target, self.pool, self.store.layers[layer].data_ptr(),
+                                       self.store.block_bytes_of(layer), self.store.inter, self.store.hidden,
+                                       fmt=self.store.fmt, down_fmt=self.store.down_format(layer))
+                done.record(stream)
+            for slab, _ in pairs:
+                self.events[slab] = done
+            self.counters.bytes_copied += len(pairs) * self.store.block_bytes_of(layer)
+            self.counters.copies += len(pairs)
+            self.counters.copy_events.append((begin, done, len(pairs)))
 
     def wait_for(self, slabs: list[int]) -> None:
         """Make the current (compute) stream wait for these slabs' copies, timing the wait."""
