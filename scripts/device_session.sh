@@ -45,6 +45,13 @@ export PYTHONPATH=.:.scratch/kt:.scratch/pylib${PYTHONPATH:+:$PYTHONPATH}
 GGUF_DIR=.scratch/gguf-q4k  # an ignored path: it stays on the device machine between calls while it is held
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) to OUT/X-C.json: deeper files do
+            # not come back from the device machine
+  for row in "$1"/isolated/*/decode_bench.json; do
+    [[ -f $row ]] && cp "$row" "$1-$(basename "$(dirname "$row")").json"
+  done
+  rm -rf "$1/isolated"
+}
 while [[ $# -gt 0 ]]; do
   case $1 in
     check) timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
@@ -99,10 +106,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               --reps 3 --image-size "$px" --decode-tokens 32 \
               --configs ${HYBRID_CONFIGS:-"lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu"} \
               | tee "$OUT/hybrid$px-$budget.txt" || true
-            for row in "$OUT/hybrid$px-$budget"/isolated/*/decode_bench.json; do  # deeper files do not come back
-              [[ -f $row ]] && cp "$row" "$OUT/hybrid$px-$budget-$(basename "$(dirname "$row")").json"
-            done
-            rm -rf "$OUT/hybrid$px-$budget/isolated" ;;
+            rows_up "$OUT/hybrid$px-$budget" ;;
     q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K / Q5_K (a half to a quarter of the PCIe bytes per miss) vs BF16
         px=$1 budget=$2; shift 2
         timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
@@ -122,10 +126,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" --isolate \
             --configs ${GGUF_CONFIGS:-"lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k"} \
             | tee "$OUT/gguf-$px-$budget.txt" || true
-          for row in "$OUT/gguf-$px-$budget"/isolated/*/decode_bench.json; do  # deeper files do not come back
-            [[ -f $row ]] && cp "$row" "$OUT/gguf-$px-$budget-$(basename "$(dirname "$row")").json"
-          done
-          rm -rf "$OUT/gguf-$px-$budget/isolated" ;;
+          rows_up "$OUT/gguf-$px-$budget" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
