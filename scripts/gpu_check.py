@@ -10,7 +10,8 @@ qwen3vl-ep.yaml is left out: it needs a torchrun launch.
 
 `--stores`: instead, the host store in each quantized format (Q8_0, Q4_0, Q4_K, Q5_K) read by the
 GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to the `gguf` package's
-dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store.
+dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
+then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts).
 
     PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores]
 """
@@ -31,6 +32,7 @@ from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.core.stats import collect_stats
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
+from vismmoe_kt.runtime.store import ExpertStore
 
 
 def main() -> int:
@@ -95,11 +97,15 @@ def check_stores(out: str | None) -> int:
     layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # one layer of fp32 experts
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
     results, ok = [], True
-    for fmt in ("q8_0", "q4_0", "q4_k", "q5_k"):
+    for fmt, slabs in [(f, s) for s in ("dequantized", "quantized") for f in ("q8_0", "q4_0", "q4_k", "q5_k")]:
         runs = {}
         for device in ("cpu", "cuda:0"):
+            # quantized slabs: one pinned layer, slabs for 40 of the other layers' 64 experts (at least one layer's)
+            block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt=fmt).block_bytes
+            budget = 2 * layer if slabs == "dequantized" else layer + 40 * block
             model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, store_dtype=fmt,
-                                    expert_budget=2 * layer, generate_device=device, prefill_device=device)
+                                    slab_format=slabs, expert_budget=budget, pinned_layers=1, generate_device=device,
+                                    prefill_device=device)
             inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
             with torch.inference_mode():
                 logits = model(**inputs).logits.float().cpu()
@@ -113,7 +119,7 @@ def check_stores(out: str | None) -> int:
         good = error <= 1e-4 and same and misses > 0 and lean.get("decode_capture_failures", 0) == 0 \
             and lean.get("decode_check_failures", 0) == 0
         ok &= good
-        row = {"store": fmt, "relative_logit_error_vs_cpu": error, "greedy_tokens_equal": same,
+        row = {"store": fmt, "slabs": slabs, "relative_logit_error_vs_cpu": error, "greedy_tokens_equal": same,
                "decode_store_bytes": misses, "lean": {k: v for k, v in lean.items() if k.startswith("decode_")}}
         results.append(row)
         print(json.dumps(row), flush=True)

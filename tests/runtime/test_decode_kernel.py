@@ -132,6 +132,50 @@ for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), 
     for slab in (0, 2, 3, 4, 5, 7):  # nothing else written (the twin's dump is row 8)
         assert not kern[0][slab].any() and not kern[1][slab].any()
 
+# quantized slabs: misses copied as they are into their landing or scratch slab, every pair decoded by the GEMVs
+from vismmoe_kt.runtime.table_experts import quantized_slab_outputs
+QH, QI, QK = 256, 512, 2
+for dtype, fmt in ((torch.float32, "q8_0"), (torch.float32, "q4_0"), (torch.float32, "q4_k"), (torch.bfloat16, "q4_k"),
+                   (torch.float32, "q5_k")):
+    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
+    store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    bb = store.block_bytes_of(0)
+    ids = torch.tensor([1, 3, 4, 0])                    # tokens 0 and 1, two experts each
+    slots, land = torch.tensor([-1, 2, -2, -1]), torch.tensor([1, -1, -1, -1])
+    x = torch.randn(2, QH).to(dtype)
+    outs = []
+    for use_kernel in (False, True):
+        pool = torch.zeros(9, bb + 64, dtype=torch.uint8)  # rows wider than a block: the row stride matters
+        pool[2, :bb] = store.layers[0][3]                    # expert 3 resident in slab 2
+        y = quantized_slab_outputs(x, ids, slots, land, pool, store.layers[0], store, 0, 4, torch.nn.SiLU(), QK,
+                                   use_kernel)
+        outs.append((y, pool))
+    (want, twin_pool), (got, kern_pool) = outs
+    # the kernels decode into fp32; the twin (and the reference below) round the weights to the model's dtype first
+    close = dict(rtol=2e-4, atol=2e-4) if dtype == torch.float32 else dict(rtol=0, atol=1e-2 * want.abs().max().item())
+    torch.testing.assert_close(got, want, **close)
+    # expert 1 landed in slab 1; experts 4 and 0 (no landing slab) in scratch slabs 4 + 2 and 4 + 3
+    for slab, expert in ((1, 1), (6, 4), (7, 0)):
+        assert torch.equal(kern_pool[slab, :bb], store.layers[0][expert]), (fmt, slab)
+        assert torch.equal(twin_pool[slab, :bb], store.layers[0][expert]), (fmt, slab)
+    for slab in (0, 3, 4, 5):
+        assert not kern_pool[slab].any(), (fmt, slab)
+    gu, dn = store.dequantized(store.layers[0][ids], 0)  # the reference: dequantize, then compute in fp32
+    xs = x.float()[torch.arange(4) // QK]
+    gate, up = torch.bmm(gu.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    ref = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, ref, **close)
+    # a prefill's bank decoded from the slabs (fetch_q8 on blocks already on the device, `staged`)
+    bank = [torch.zeros(QE, 2 * QI, QH, dtype=dtype), torch.zeros(QE, QH, QI, dtype=dtype)]
+    slabs_of, experts_of = torch.tensor([1, 6, 2]), torch.tensor([1, 4, 3])
+    decode_kernel.fetch_q8(slabs_of, torch.ones(3, dtype=torch.int8), experts_of, bank, kern_pool.data_ptr(),
+                           kern_pool.shape[1], QI, QH, fmt=fmt, staged=True)
+    want_gu, want_dn = store.dequantized(store.layers[0][experts_of], 0)
+    exact = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(bank[0][experts_of], want_gu, **exact)
+    torch.testing.assert_close(bank[1][experts_of], want_dn, **exact)
+    assert not bank[0][0].any() and not bank[0][2].any()
+
 # lookahead prefetch: claim, copy from the host, publish, against the twin
 L, R = 3, 4
 host_rows = [None] + [(torch.randn(E, 3 * I * H) / 8).to(torch.bfloat16) for _ in range(L - 1)]  # row 0 pinned
@@ -211,8 +255,16 @@ def test_kernels_compile_for_hopper():
     kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "KIND": "constexpr"}
     for rows, cols, kind in ((1536, 2048, 4), (2048, 768, 4), (1536, 2048, 5), (2048, 768, 6)):  # Qwen3-VL-30B-A3B's
         compile_for_hopper(dk._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "KIND": kind})
-    compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "staging_ptr": "*i32", "host_addr": "i64",
-                                          "block_words": "i64", "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
+    compile_for_hopper(dk._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "staging_ptr": "*i32",
+                                          "host_addr": "i64", "block_words": "i64", "row_words": "i64",
+                                          "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
+    quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
+                 "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr"}
+    for fmt in dk.TILE_KINDS:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
+        tile = {"H": 2048, "I": 768, "KIND": dk.TILE_KINDS[fmt], "SB_BYTES": dk.TILE_BYTES[fmt], "BLOCK_ROWS": 16}
+        compile_for_hopper(dk._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
+                           {**tile, "TOP_K": 8})
+        compile_for_hopper(dk._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)
     for publish in (True, False):
         compile_for_hopper(dk._combine_kernel, {
             "y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64", "land_ptr": "*i64",

@@ -159,3 +159,76 @@ def test_what_the_q8_store_cannot_do_yet_is_a_clear_error(case, tmp_path):
     with pytest.raises(RuleError, match="Q8_0 needs rows whose length is a multiple of 32, got 48"):
         load(odd, "optimize_rules/qwen3vl-offload.yaml", expert_budget=int(2 * 16 * 3 * 64 * 48 * 4),
              store_dtype="q8_0", **CPU)
+
+
+@pytest.fixture(scope="module")
+def case256(tmp_path_factory):
+    spec = SPECS["tiny-3x32"]  # rows of 256 weights: whole tiles of every format the slabs can hold
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("qslabs"), spec, seed=0)
+    _, processor = build_tiny_model(spec, seed=0)
+    inputs = processor(text=["<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+    return model_dir, spec, inputs
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k"])
+def test_quantized_slabs_decode_as_dequantized_ones_and_hold_more_experts(case256, fmt):
+    """slab_format quantized: the GPU's slabs keep the store's blocks and the decode GEMVs decode them as
+    they read; the same numbers as slabs dequantized on arrival, in a fraction of the memory."""
+    model_dir, spec, inputs = case256
+    layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4  # float32 experts of one layer
+    runs = {}
+    for slabs, budget, graphs in (("dequantized", 3 * layer, "off"), ("quantized", None, "off"),
+                                  ("quantized", None, "replay")):
+        if budget is None:  # one pinned layer, and slabs for 40 of the other layers' 64 experts
+            probe, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=3 * layer,
+                            store_dtype=fmt, **CPU)
+            block = next(m for m in probe.modules() if isinstance(m, VisExperts)).runtime.store.block_bytes
+            budget = layer + 40 * block
+        model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, store_dtype=fmt,
+                        slab_format=slabs, graphs=graphs, pinned_layers=1, **CPU)
+        runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+        with torch.no_grad():
+            logits = model(**inputs).logits
+            tokens = generate(model, dict(inputs), 10, min_new_tokens=10)
+        runs[slabs, graphs] = (runtime, logits, tokens, decode_engine(model).stats())
+    runtime, logits, tokens, _ = runs["quantized", "off"]
+    dequantized = runs["dequantized", "off"]
+    assert runtime.num_slabs == 40 and runtime.pool[0].dtype == torch.uint8 and len(runtime.pool) == 1
+    assert runtime.summary()["slab_format"] == "quantized"
+    torch.testing.assert_close(logits, dequantized[1], rtol=1e-4, atol=1e-5)  # the same bytes, decoded elsewhere
+    assert torch.equal(tokens, dequantized[2])
+    decode = [runtime.counters["decode"][layer] for layer in runtime.moe_layers if layer not in runtime.pinned]
+    misses = sum(c.misses + c.late for c in decode)
+    assert misses > 0 and runtime.copy_counters["decode"].bytes_host_reads == misses * runtime.store.block_bytes
+    graphed = runs["quantized", "replay"]
+    assert torch.equal(graphed[2], tokens) and graphed[3]["graphed_steps"] == graphed[3]["steps"] == 9
+
+
+def test_what_quantized_slabs_need_is_a_clear_error(case, case256):
+    model_dir, _, _ = case256
+    rules, budget = "optimize_rules/qwen3vl-offload.yaml", 10**9
+    with pytest.raises(RuleError, match="slab_format quantized keeps the store's blocks in the slabs: it needs a quantized"):
+        load(model_dir, rules, expert_budget=budget, store_dtype="model", slab_format="quantized", **CPU)
+    with pytest.raises(RuleError, match="slab_format quantized works with miss_policy wait, not auto"):
+        load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget, store_dtype="q8_0", slab_format="quantized",
+             keep_ratio=1.0, **CPU)
+    with pytest.raises(RuleError, match="slab_format 'q4' is not one of: dequantized, quantized"):
+        load(model_dir, rules, expert_budget=budget, store_dtype="q8_0", slab_format="q4", **CPU)
+    narrow_dir = case[0]  # tiny-6x64: hidden 96, not whole 256-weight tiles
+    with pytest.raises(RuleError, match="hidden 96 and expert intermediate 64 must be multiples of 256"):
+        load(narrow_dir, rules, expert_budget=2 * LAYER_BYTES, store_dtype="q8_0", slab_format="quantized", **CPU)
+
+
+def test_quantized_slabs_refuse_a_layer_in_another_format():
+    """A Q4_K_M file's Q6_K down experts are larger than the Q4_K blocks quantized slabs are sized for."""
+    from vismmoe_kt.runtime.budget import BudgetError
+    from vismmoe_kt.runtime.offload import OffloadRuntime
+    from vismmoe_kt.runtime.offload_settings import OffloadSettings
+
+    settings = OffloadSettings(expert_budget=10**8, store_dtype="q4_k", slab_format="quantized", pinned_layers=1)
+    runtime = OffloadRuntime(settings, [0, 1], 4, 256, 256, torch.float32, "cpu", top_k=2)
+    gate, up = (q4k.quantize(torch.randn(4, 256, 256)) for _ in range(2))
+    with pytest.raises(BudgetError, match="layer 1's down experts are q6_k"):
+        runtime.load_layer_raw(1, gate, up, torch.zeros(4, 256, 210, dtype=torch.uint8), down_format="q6_k")
+    runtime.load_layer_raw(1, gate, up, q4k.quantize(torch.randn(4, 256, 256)), down_format="q4_k")
+    assert 1 in runtime.loaded

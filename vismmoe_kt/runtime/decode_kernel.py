@@ -39,6 +39,9 @@ DOWN_CONFIG = (16, 256, 2)
 PREFETCH_PROGRAMS = 32
 PREFETCH_CHUNK = 8192
 STAGE_CHUNK = 4096  # 4-byte words per program of a Q8_0 miss's staging copy (16 KiB in flight each)
+# quantized slabs: each format's kernel tile (`_tile`) and its bytes per 256 weights of a row
+TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 
 _DTYPES = {}
 if tl is not None:
@@ -211,19 +214,95 @@ if tl is not None:
         tl.store(out_rows + sb * 256 + w[None, :], weights.to(pool_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _stage_kernel(ids_ptr, need_ptr, staging_ptr, host_addr, block_words, CHUNK: tl.constexpr):
-        """The needed pairs' whole blocks (as 4-byte words) from the mapped host store into a device
-        staging row per pair: contiguous, wide reads, so PCIe moves the blocks' bytes once and at speed
-        (a dequantizing read of 34-byte blocks in place would issue many small, strided reads)."""
+    def _stage_kernel(ids_ptr, need_ptr, target_ptr, staging_ptr, host_addr, block_words, row_words,
+                      CHUNK: tl.constexpr):
+        """The needed pairs' whole blocks (as 4-byte words) from the mapped host store into device rows
+        (`target`: each pair's row of `staging`, rows `row_words` apart): contiguous, wide reads, so
+        PCIe moves the blocks' bytes once and at speed (a dequantizing read of 34-byte blocks in place
+        would issue many small, strided reads). The rows are a staging area, or quantized slabs."""
         pair = tl.program_id(0)
         start = tl.program_id(1) * CHUNK
         need = tl.load(need_ptr + pair) != 0
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        row = tl.load(target_ptr + pair).to(tl.int64)
         offsets = start + tl.arange(0, CHUNK)
         inside = (offsets < block_words) & need
         src = (host_addr + expert * block_words * 4).to(tl.pointer_type(tl.int32), bitcast=True)
-        tl.store(staging_ptr + pair.to(tl.int64) * block_words + offsets, tl.load(src + offsets, mask=inside),
-                 mask=inside)
+        tl.store(staging_ptr + row * row_words + offsets, tl.load(src + offsets, mask=inside), mask=inside)
+
+    @triton.jit
+    def _q8_tile(at, w, ok, Q4: tl.constexpr):
+        """Q8_0 (34-byte blocks: an fp16 scale, 32 int8) or, with Q4, Q4_0 (18: the scale, 16 bytes of
+        nibbles, weight j the low nibble of byte j < 16, else the high nibble of byte j - 16, minus 8):
+        the 256 weights (eight blocks) whose first block starts at `at` (R, 1), as (R, 256) floats."""
+        QB: tl.constexpr = 18 if Q4 else 34
+        block = at + (w // 32)[None, :] * QB                                    # (R, 256): each weight's block
+        scale = tl.load(block.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        lane = w % 32
+        if Q4:
+            packed = tl.load((block + 2 + (lane % 16)[None, :]).to(tl.pointer_type(tl.uint8), bitcast=True),
+                             mask=ok, other=0).to(tl.int32)
+            q = ((packed >> (4 * (lane // 16))[None, :]) & 0xF) - 8
+        else:
+            q = tl.load((block + 2 + lane[None, :]).to(tl.pointer_type(tl.int8), bitcast=True), mask=ok,
+                        other=0).to(tl.int32)
+        return scale * q.to(tl.float32)
+
+    @triton.jit
+    def _tile(at, w, ok, KIND: tl.constexpr):
+        """256 weights per row from the blocks at `at` (R, 1), in the format `KIND` (TILE_KINDS)."""
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        if KIND == 6:
+            weights = _q6k_weights(at, at8, w, ok)
+        elif KIND == 8 or KIND == 40:
+            weights = _q8_tile(at, w, ok, KIND == 40)
+        else:
+            weights = _kquant_weights(at, at8, w, ok, KIND == 5)
+        return weights
+
+    @triton.jit
+    def _gate_up_q_kernel(x_ptr, slots_ptr, h_ptr, pool_addr, slab_bytes, TOP_K: tl.constexpr, H: tl.constexpr,
+                          I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        """`_gate_up_kernel` for quantized slabs: each pair's weights decoded from its slab's blocks as
+        they are read, 256 columns a step (every pair reads a slab: misses were staged into theirs)."""
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        base = pool_addr + tl.maximum(slot, 0) * slab_bytes
+        ROW_BYTES: tl.constexpr = H // 256 * SB_BYTES
+        token = pair // TOP_K
+        row_ok = rows < I
+        ok = row_ok[:, None] & (slot >= 0)
+        w = tl.arange(0, 256)
+        gate = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        up = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        for sb in range(0, H // 256):
+            x = tl.load(x_ptr + token * H + sb * 256 + w).to(tl.float32)
+            gate_at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
+            up_at = base + (rows[:, None].to(tl.int64) + I) * ROW_BYTES + sb * SB_BYTES
+            gate += tl.sum(_tile(gate_at, w, ok, KIND) * x[None, :], axis=1)
+            up += tl.sum(_tile(up_at, w, ok, KIND) * x[None, :], axis=1)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(h_ptr + pair * I + rows, h, mask=row_ok)
+
+    @triton.jit
+    def _down_q_kernel(h_ptr, slots_ptr, y_ptr, pool_addr, slab_bytes, part_bytes, H: tl.constexpr,
+                       I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+        """`_down_kernel` for quantized slabs (the down part starts `part_bytes` into the slab)."""
+        pair = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        base = pool_addr + tl.maximum(slot, 0) * slab_bytes + part_bytes
+        ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
+        row_ok = rows < H
+        ok = row_ok[:, None] & (slot >= 0)
+        w = tl.arange(0, 256)
+        acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        for sb in range(0, I // 256):
+            h = tl.load(h_ptr + pair * I + sb * 256 + w)
+            at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
+            acc += tl.sum(_tile(at, w, ok, KIND) * h[None, :], axis=1)
+        tl.store(y_ptr + pair * H + rows, acc, mask=row_ok)
 
     @triton.jit
     def _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, wanted, owners,
@@ -363,10 +442,12 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
 
 def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor],
              host_address: int, block_bytes: int, inter: int, hidden: int, block_rows: int = 16,
-             qblocks: int = 8, fmt: str = "q8_0", down_fmt: str | None = None) -> None:
+             qblocks: int = 8, fmt: str = "q8_0", down_fmt: str | None = None, staged: bool = False) -> None:
     """TableExperts.fetch_dequantized in three launches: the needed pairs' blocks (Q8_0, Q4_0 or Q4_K:
     `fmt`) copied from the mapped host store to device staging, then dequantized into their target slabs
-    (gate_up, down); `down_fmt`: the down part's own format where it differs (Q6_K in a Q4_K_M file)."""
+    (gate_up, down); `down_fmt`: the down part's own format where it differs (Q6_K in a Q4_K_M file).
+    `staged`: the blocks are on the device already (quantized slabs: `ids` are rows of `host_address`,
+    `block_bytes` apart), and are only dequantized."""
     from .store import PART_CODECS
 
     down_fmt = down_fmt or fmt
@@ -376,20 +457,56 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
     if block_bytes % 4:
         raise ValueError(f"a {fmt} block of {block_bytes} bytes is not whole 4-byte words")
     # first the blocks' bytes over PCIe into device memory, then dequantized from there
-    words = block_bytes // 4
-    staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
-    _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, staging, host_address, words, CHUNK=STAGE_CHUNK)
-    rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
+    if staged:
+        rows_of_staging, staging_address = ids, host_address
+    else:
+        words = block_bytes // 4
+        staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
+        rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
+        _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, rows_of_staging, staging, host_address, words,
+                                                            words, CHUNK=STAGE_CHUNK)
+        staging_address = staging.data_ptr()
     for pool, rows, cols, part_bytes, part_fmt in (
             (gate_up, 2 * inter, hidden, 0, fmt),
             (down, hidden, inter, 2 * inter * PART_CODECS[fmt].row_bytes(hidden), down_fmt)):
-        args = (rows_of_staging, need, target, pool, staging.data_ptr(), block_bytes, part_bytes, pool[0].numel(), 0)
+        args = (rows_of_staging, need, target, pool, staging_address, block_bytes, part_bytes, pool[0].numel(), 0)
         if part_fmt in ("q4_k", "q5_k", "q6_k"):  # 256-weight super-blocks
             _fetch_kquant_kernel[(p, triton.cdiv(rows, block_rows), cols // 256)](
                 *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, KIND=int(part_fmt[1]))
         else:
             _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows), triton.cdiv(cols // 32, qblocks))](
                 *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=part_fmt == "q4_0")
+
+
+def stage_blocks(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, rows: torch.Tensor, host_address: int,
+                 block_bytes: int) -> None:
+    """The needed pairs' blocks (`block_bytes` each, at `host_address` + expert * block_bytes in mapped
+    host memory) copied as they are into rows `target` of `rows` (uint8, (N, row bytes)): quantized
+    slabs, which the `_q` kernels read in place."""
+    if block_bytes % 4 or rows.shape[1] % 4:
+        raise ValueError(f"blocks of {block_bytes} bytes into rows of {rows.shape[1]}: not whole 4-byte words")
+    words = block_bytes // 4
+    _stage_kernel[(ids.numel(), triton.cdiv(words, STAGE_CHUNK))](
+        ids, need.to(torch.int8), target, rows.view(torch.int32), host_address, words, rows.shape[1] // 4,
+        CHUNK=STAGE_CHUNK)
+
+
+def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, fmt: str, down_fmt: str, inter: int,
+                      hidden: int, top_k: int, block_rows: int = 16, warps: int = 4) -> torch.Tensor:
+    """(P, H) fp32 expert outputs, unweighted, each pair's weights decoded from its quantized slab (a row
+    of `pool`, uint8 (S, slab bytes): gate and up rows, then down rows, in `fmt` / `down_fmt` blocks;
+    every slot >= 0). H and I must be multiples of 256 (whole 256-weight tiles in every format)."""
+    pairs = slots.numel()
+    h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
+    _gate_up_q_kernel[(pairs, triton.cdiv(inter, block_rows))](
+        x.contiguous(), slots, h, pool.data_ptr(), pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
+        KIND=TILE_KINDS[fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=block_rows, num_warps=warps)
+    _down_q_kernel[(pairs, triton.cdiv(hidden, block_rows))](
+        h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=TILE_KINDS[down_fmt],
+        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=block_rows, num_warps=warps)
+    return y
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

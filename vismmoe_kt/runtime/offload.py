@@ -44,7 +44,7 @@ from .slab_cache import CacheCounters, Key, SlabCache
 from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .store import PART_CODECS, ExpertStore, block_views
 from . import decode_kernel
-from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs
+from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_slab_outputs
 from .transfers import TransferCounters, Transfers
 
 
@@ -70,20 +70,28 @@ class OffloadRuntime:
         # `auto` is resolved by the operator, which sees the checkpoint (a GGUF's format); here: the model's dtype
         fmt = "model" if settings.store_dtype == "auto" else settings.store_dtype
         self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(), fmt=fmt)
-        self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a layer (slabs are in `dtype`)
-        c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else self.layer_bytes
+        self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
+        # quantized slabs keep the store's blocks as they are (the decode GEMVs decode them as they read)
+        self.quantized_slabs = settings.slab_format == "quantized"
+        if self.quantized_slabs:
+            self._check_quantized_slabs(settings, lookahead)
+        self.slab_bytes = self.store.block_bytes if self.quantized_slabs else self.store.slab_bytes
+        c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else num_experts * self.slab_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
         # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
         read_bytes = self.store.block_bytes if self.store.quantized else 0
+        unpriced = (f"a pinned layer's {human_bytes(self.layer_bytes)} in {dtype} would hold "
+                    f"{self.layer_bytes // self.slab_bytes} quantized slabs") if self.quantized_slabs else None
         self.depth_choice = resolve_pinned_layers(settings.expert_budget, self.layer_bytes, c_safe,
                                                   settings.min_pinned_layers, len(self.moe_layers),
-                                                  settings.pinned_layers, read_bytes=read_bytes)
+                                                  settings.pinned_layers, read_bytes=read_bytes, unpriced=unpriced)
         n_pinned = self.depth_choice.depth
         self.pinned = set(self.moe_layers[:n_pinned])
         offloaded = len(self.moe_layers) - n_pinned
         slab_budget = settings.expert_budget - n_pinned * self.layer_bytes
-        # (a quantized store adds K + 1 slabs and K blocks of staging beyond the budget: decode's scratch)
-        self.num_slabs = min(slab_budget // self.store.slab_bytes, offloaded * num_experts)
+        # (a quantized store adds K + 1 slabs and K blocks of staging beyond the budget: decode's scratch; quantized
+        # slabs add a layer of experts in `dtype` that a prefill computes from)
+        self.num_slabs = min(slab_budget // self.slab_bytes, offloaded * num_experts)
         if offloaded and self.num_slabs < num_experts:
             raise BudgetError(
                 f"expert budget {human_bytes(settings.expert_budget)} leaves {self.num_slabs} slabs after "
@@ -134,8 +142,19 @@ class OffloadRuntime:
         self._host_blocks: list[torch.Tensor | None] = []  # per row: its store blocks (None: pinned), the twin's source
         self._side: Any = None  # the lookahead's stream (CUDA)
         self._cpu_stream: Any = None  # the hybrid's CPU calls in table decode (CUDA)
+        self._bank_of_layer: tuple[torch.Tensor, torch.Tensor] | None = None  # quantized slabs: a prefill's layer
 
     # --- start-up ------------------------------------------------------------------------------
+    def _check_quantized_slabs(self, settings: OffloadSettings, lookahead: Any) -> None:
+        if not self.store.quantized:
+            raise BudgetError("slab_format quantized keeps the store's blocks in the slabs: it needs a quantized store "
+                              f"(store_dtype q8_0, q4_0, q4_k or q5_k), not store_dtype {settings.store_dtype}")
+        if self.hidden % 256 or self.inter % 256:
+            raise BudgetError(f"slab_format quantized decodes whole 256-weight tiles: hidden {self.hidden} and expert "
+                              f"intermediate {self.inter} must be multiples of 256")
+        if lookahead is not None:
+            raise BudgetError("slab_format quantized does not work with the lookahead predictor yet")
+
 
     def _allocate(self) -> None:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""
@@ -144,7 +163,11 @@ class OffloadRuntime:
         # one row past the slabs: a scratch slab the decode twin's masked landing writes go to; a quantized store
         # adds K rows (a decode miss without a landing slab is dequantized there) and a dump row
         extra = 1 + (self.top_k + 1 if self.store.quantized else 0)
-        self.pool = self._bank(self.num_slabs + extra if self.num_slabs else extra)
+        rows = self.num_slabs + extra if self.num_slabs else extra
+        if self.quantized_slabs:  # one tensor of blocks: gate and up rows, then down rows, in the store's format
+            self.pool = (torch.zeros(rows, self.slab_bytes, dtype=torch.uint8, device=self.device),)
+        else:
+            self.pool = self._bank(rows)
         self.transfers = Transfers(self.store, self.pool, self.cache, self.lock, self.settings.max_in_flight)
         # with lookahead, prefetches land in the same per-layer slots as misses: room for both
         slots = 2 * self.top_k if self.lookahead is not None else self.top_k
@@ -181,6 +204,9 @@ class OffloadRuntime:
         into the store of the same format as they are (down in `down_format`, where it differs), with
         no dequantizing and requantizing."""
         self._allocate()
+        if self.quantized_slabs and down_format not in (None, self.store.fmt):
+            raise BudgetError(f"slab_format quantized sizes every slab for {self.store.fmt} blocks, but layer {layer}'s down "
+                              f"experts are {down_format} (as in a Q4_K_M file): use slab_format dequantized")
         self.store.fill_layer_raw(layer, gate, up, down, down_format)
         self.loaded.add(layer)
 
@@ -268,7 +294,10 @@ class OffloadRuntime:
         if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
             self._look_ahead(row, hidden)
         on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.graph_variant() else None
-        if self.store.quantized:  # misses dequantized into their landing (or scratch) slabs first
+        if self.quantized_slabs:  # misses copied as they are into their landing (or scratch) slabs, then decoded
+            y = quantized_slab_outputs(hidden, ids, slots, land, self.pool[0], self.store.layers[layer], self.store,
+                                       layer, self.num_slabs + 1, act, top_k, kernel)
+        elif self.store.quantized:  # misses dequantized into their landing (or scratch) slabs first
             read = fetch_dequantized(ids, slots, land, self.pool, self.store.layers[layer], self.store,
                                      self.num_slabs + 1, kernel, layer)
             y = pair_outputs(hidden, ids, read, table.no_landing, self.pool, None, act, top_k, kernel)
@@ -388,8 +417,31 @@ class OffloadRuntime:
         for expert, slab in zip(placement.on_gpu, placement.slabs):
             pairs_per_slab[slab] = pairs_per_slab.get(slab, 0) + pairs_of[expert]
         pairs_per_slab[placement.slabs[0]] += sum(pairs_of[e] for e in placement.on_cpu)
+        if self.quantized_slabs:  # the layer's experts decoded into a bank at their own indices, computed from there
+            bank = self._decoded_bank(layer, placement.on_gpu, placement.slabs)
+            return bank_experts(hidden, top_k_index, weights, self._identity, *bank, act)
         chunks = row_chunks(list(pairs_per_slab.items()))
         return bank_experts(hidden, top_k_index, weights, self.row_map[self._index[layer]], *self.pool, act, chunks)
+
+    def _decoded_bank(self, layer: int, experts: list[int], slabs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized slabs: `experts` of `layer` decoded from their slabs into a bank of one layer in the
+        model's dtype (made once, outside the budget), at their own indices (the rest keep stale values
+        that no pair reads)."""
+        if self._bank_of_layer is None:
+            self._bank_of_layer = self._bank(self.num_experts)
+        bank, pool = self._bank_of_layer, self.pool[0]
+        ids = torch.tensor(slabs, dtype=torch.long).to(self.device, non_blocking=True)
+        target = torch.tensor(experts, dtype=torch.long).to(self.device, non_blocking=True)
+        block_bytes = self.store.block_bytes_of(layer)
+        if self._use_kernel or (self.device.type == "cuda" and decode_kernel.available(self.store.dtype)):
+            need = torch.ones(len(slabs), dtype=torch.int8, device=self.device)
+            decode_kernel.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], self.inter, self.hidden,
+                                   fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
+        else:
+            gate_up, down = self.store.dequantized(pool[ids, :block_bytes], layer)
+            bank[0].index_copy_(0, target, gate_up)
+            bank[1].index_copy_(0, target, down)
+        return bank
 
     def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Device->host copies issued together and waited for once (counted in `host_reads`)."""

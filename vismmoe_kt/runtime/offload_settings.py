@@ -16,6 +16,7 @@ from .store import FORMATS
 
 POLICIES = ("vismmoe", "lru")
 MISS_POLICIES = ("wait", "cpu", "auto")
+SLAB_FORMATS = ("dequantized", "quantized")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class OffloadSettings:
     # slabs as they arrive) | auto: a GGUF's expert format where the store can keep it as the file stores
     # it (no predictor, miss_policy wait), else model (VisExperts resolves it at load)
     store_dtype: str = "auto"
+    # the GPU's slabs with a quantized store: dequantized (the model's dtype, decoded once as an expert
+    # arrives) | quantized (the store's blocks as they are, decoded by the decode GEMVs as they read them:
+    # 2-7x more experts in the same budget; table decode with miss_policy wait, H and I multiples of 256)
+    slab_format: str = "dequantized"
     predictor: str | None = None       # predictor.pt from `vismmoe-kt calibrate`; None: the history policy
     prefetch_topk: int = 20            # B: (layer, expert) pairs the predictor queues per layer
     prefetch_min_probability: float = 0.7  # in table decode, prefetch only pairs the predictor gives at least this
@@ -71,6 +76,14 @@ class OffloadSettings:
             raise BudgetError(f"miss_policy {self.miss_policy!r} is not one of: {', '.join(MISS_POLICIES)}")
         if self.store_dtype not in FORMATS + ("auto",):
             raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: auto, {', '.join(FORMATS)}")
+        if self.slab_format not in SLAB_FORMATS:
+            raise BudgetError(f"slab_format {self.slab_format!r} is not one of: {', '.join(SLAB_FORMATS)}")
+        if self.slab_format == "quantized" and self.store_dtype == "model":
+            raise BudgetError("slab_format quantized keeps the store's blocks in the slabs: it needs a quantized "
+                              "store (store_dtype q8_0, q4_0, q4_k or q5_k, or auto with a GGUF's quantized experts)")
+        if self.slab_format == "quantized" and self.miss_policy != "wait":
+            raise BudgetError(f"slab_format quantized works with miss_policy wait, not {self.miss_policy} (the "
+                              "hybrid's CPU backends read the model's dtype)")
         if self.cpu_dtype not in ("auto", "bf16", "int8", "int4"):
             raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, bf16, int8, int4")
         if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":

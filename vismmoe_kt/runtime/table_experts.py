@@ -92,6 +92,30 @@ def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor
     return torch.where(need, target, slots)
 
 
+def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                           pool: torch.Tensor, host_blocks: torch.Tensor, store: Any, layer: int, scratch: int,
+                           act: Any, top_k: int, use_kernel: bool) -> torch.Tensor:
+    """(P, H) fp32 unweighted outputs from quantized slabs (`pool`: uint8 (S, slab bytes), the store's
+    blocks as they are): each miss's block is copied as it is into its landing slab (or the pair's
+    scratch slab) over PCIe, then every pair's weights are decoded from its slab as the GEMVs read
+    them. Branch-free like `fetch_dequantized`: pairs that need nothing write the pool's last row."""
+    need = slots < 0
+    pairs = torch.arange(ids.numel(), device=ids.device)
+    target = torch.where(land >= 0, land, scratch + pairs)
+    read = torch.where(need, target, slots)
+    fmt, down_fmt = store.fmt, store.down_format(layer)
+    block_bytes = store.block_bytes_of(layer)
+    if use_kernel:
+        decode_kernel.stage_blocks(ids, need, target, pool, host_blocks.data_ptr(), block_bytes)
+        return decode_kernel.quantized_experts(hidden, read, pool, fmt, down_fmt, store.inter, store.hidden, top_k)
+    where = torch.where(need, target, pool.shape[0] - 1)
+    pool[:, :block_bytes].index_copy_(0, where, host_blocks[ids.to(host_blocks.device)].to(pool.device))
+    gate_up, down = store.dequantized(pool[read, :block_bytes], layer)
+    x_pairs = hidden.float()[pairs // top_k]
+    gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
 def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                  pools: tuple[torch.Tensor, torch.Tensor], host_blocks: torch.Tensor | None, act: Any,
                  top_k: int, use_kernel: bool) -> torch.Tensor:

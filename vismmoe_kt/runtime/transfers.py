@@ -74,12 +74,14 @@ class Transfers:
             self._worker.start()
 
     # --- copies (lock held) -----------------------------------------------------------------
-    def _sources(self, key: Key, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sources(self, key: Key, device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
         """The block's two parts in the slab dtype: views of the store, or (Q8_0) the block's bytes
-        moved to `device` whole (the PCIe bytes) and dequantized there."""
+        moved to `device` whole (the PCIe bytes) and dequantized there; for quantized slabs, the block."""
         if not self.store.quantized:
             return self.store.block_parts(*key)
         layer, expert = key
+        if len(self.pool) == 1:
+            return (self.store.layers[layer][expert],)
         block = self.store.layers[layer][expert:expert + 1]
         if device is not None:
             block = block.to(device, non_blocking=True)  # page-locked source: an asynchronous copy
@@ -87,7 +89,11 @@ class Transfers:
         return gate_up[0], down[0]
 
     def _copy(self, slab: int, key: Key, urgent: bool) -> None:
-        targets = (self.pool[0][slab], self.pool[1][slab])
+        if len(self.pool) == 1:  # quantized slabs: the block's bytes as they are
+            nbytes = self.store.block_bytes_of(key[0])
+            targets = (self.pool[0][slab, :nbytes],)
+        else:
+            targets = (self.pool[0][slab], self.pool[1][slab])
         self.counters.bytes_copied += self.store.block_bytes_of(key[0])
         self.counters.copies += 1
         if not self.cuda:
@@ -150,7 +156,8 @@ class Transfers:
         kernels per expert (which made a prefill touching every expert of every layer 3x slower)."""
         from . import decode_kernel
 
-        return self.cuda and self.store.quantized and self.store.pin_memory and decode_kernel.available(self.pool[0].dtype)
+        return self.cuda and self.store.quantized and len(self.pool) == 2 and self.store.pin_memory and \
+            decode_kernel.available(self.pool[0].dtype)
 
     def _fetch_dequantized(self, slabs: list[int], keys: list[Key]) -> None:
         """Urgent copies of `keys` into `slabs`, one launch per layer among them, on the urgent stream."""

@@ -13,6 +13,8 @@ Configurations (all greedy, batch 1, an image prompt):
   ...+q8, +q4, +q4k, +q5k
                 (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K / Q5_K blocks (store_dtype): a half / a quarter
                 of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
+  ...+qslabs    (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
+                slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget)
   lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
                 graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
@@ -112,12 +114,14 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             extra["miss_policy"] = "cpu"
         elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
             extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
+        elif name == "qslabs" and not value and spec.startswith(("lean:", "lru:")):
+            extra["slab_format"] = "quantized"
         elif name == "gguf" and not value:
             extra[FROM_GGUF] = True
         else:
             raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
-                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; any: gguf)")
-    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", FROM_GGUF} and not spec.startswith("lean:"):
+                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs; any: gguf)")
+    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
