@@ -135,10 +135,15 @@ for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), 
 # quantized slabs: misses copied as they are into their landing or scratch slab, every pair decoded by the GEMVs
 from vismmoe_kt.runtime.table_experts import quantized_slab_outputs
 QH, QI, QK = 256, 512, 2
-for dtype, fmt in ((torch.float32, "q8_0"), (torch.float32, "q4_0"), (torch.float32, "q4_k"), (torch.bfloat16, "q4_k"),
-                   (torch.float32, "q5_k")):
+for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_0", None), (torch.float32, "q4_k", None),
+                             (torch.bfloat16, "q4_k", None), (torch.float32, "q5_k", None),
+                             (torch.float32, "q4_k", "q6_k")):  # the last: a Q4_K_M file's layer, down in Q6_K
     store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
-    store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    if down_fmt is None:
+        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    else:
+        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
+        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
     bb = store.block_bytes_of(0)
     ids = torch.tensor([1, 3, 4, 0])                    # tokens 0 and 1, two experts each
     slots, land = torch.tensor([-1, 2, -2, -1]), torch.tensor([1, -1, -1, -1])
@@ -169,7 +174,7 @@ for dtype, fmt in ((torch.float32, "q8_0"), (torch.float32, "q4_0"), (torch.floa
     bank = [torch.zeros(QE, 2 * QI, QH, dtype=dtype), torch.zeros(QE, QH, QI, dtype=dtype)]
     slabs_of, experts_of = torch.tensor([1, 6, 2]), torch.tensor([1, 4, 3])
     decode_kernel.fetch_q8(slabs_of, torch.ones(3, dtype=torch.int8), experts_of, bank, kern_pool.data_ptr(),
-                           kern_pool.shape[1], QI, QH, fmt=fmt, staged=True)
+                           kern_pool.shape[1], QI, QH, fmt=fmt, down_fmt=down_fmt, staged=True)
     want_gu, want_dn = store.dequantized(store.layers[0][experts_of], 0)
     exact = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
     torch.testing.assert_close(bank[0][experts_of], want_gu, **exact)

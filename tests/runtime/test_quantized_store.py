@@ -219,16 +219,31 @@ def test_what_quantized_slabs_need_is_a_clear_error(case, case256):
         load(narrow_dir, rules, expert_budget=2 * LAYER_BYTES, store_dtype="q8_0", slab_format="quantized", **CPU)
 
 
-def test_quantized_slabs_refuse_a_layer_in_another_format():
-    """A Q4_K_M file's Q6_K down experts are larger than the Q4_K blocks quantized slabs are sized for."""
+def test_quantized_slabs_hold_the_largest_down_experts_the_file_declares():
+    """A Q4_K_M file's Q6_K down experts are larger than Q4_K blocks: the slabs are sized for what the
+    file's header declares (gguf_down_formats), and a layer larger than that is a clear error."""
+    from vismmoe_kt.models import adapter_for
+    from vismmoe_kt.operators.base import gguf_down_formats
     from vismmoe_kt.runtime.budget import BudgetError
     from vismmoe_kt.runtime.offload import OffloadRuntime
     from vismmoe_kt.runtime.offload_settings import OffloadSettings
 
+    class Header:  # what the GGUF reader answers from a Q4_K_M file's header
+        def gguf_names(self, name):
+            return adapter_for("qwen3_vl_moe").gguf_names(name)
+
+        def tensor_type(self, name):
+            return {"blk.1.ffn_down_exps.weight": "Q6_K", "blk.2.ffn_down_exps.weight": "Q4_K"}[name]
+
+    assert gguf_down_formats(Header(), adapter_for("qwen3_vl_moe"), [1, 2, 3]) == {1: "q6_k", 2: "q4_k"}
+    assert gguf_down_formats(object(), adapter_for("qwen3_vl_moe"), [1, 2]) == {}  # not reading GGUF
     settings = OffloadSettings(expert_budget=10**8, store_dtype="q4_k", slab_format="quantized", pinned_layers=1)
-    runtime = OffloadRuntime(settings, [0, 1], 4, 256, 256, torch.float32, "cpu", top_k=2)
     gate, up = (q4k.quantize(torch.randn(4, 256, 256)) for _ in range(2))
-    with pytest.raises(BudgetError, match="layer 1's down experts are q6_k"):
-        runtime.load_layer_raw(1, gate, up, torch.zeros(4, 256, 210, dtype=torch.uint8), down_format="q6_k")
-    runtime.load_layer_raw(1, gate, up, q4k.quantize(torch.randn(4, 256, 256)), down_format="q4_k")
-    assert 1 in runtime.loaded
+    q6k_down = torch.zeros(4, 256, 210, dtype=torch.uint8)
+    plain = OffloadRuntime(settings, [0, 1], 4, 256, 256, torch.float32, "cpu", top_k=2)
+    with pytest.raises(BudgetError, match="layer 1's experts with q6_k down experts take"):
+        plain.load_layer_raw(1, gate, up, q6k_down, down_format="q6_k")
+    sized = OffloadRuntime(settings, [0, 1], 4, 256, 256, torch.float32, "cpu", top_k=2, down_formats={1: "q6_k"})
+    assert sized.slab_bytes == sized.store.block_bytes_with("q6_k") > plain.slab_bytes == plain.store.block_bytes
+    sized.load_layer_raw(1, gate, up, q6k_down, down_format="q6_k")
+    assert 1 in sized.loaded and sized.store.block_bytes_of(1) == sized.slab_bytes

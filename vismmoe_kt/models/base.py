@@ -69,6 +69,11 @@ class ModelAdapter:
         tower, which llama.cpp keeps in a separate mmproj file)."""
         return None
 
+    def experts_key(self, layer: int) -> str | None:
+        """The module name of decoder layer `layer`'s routed experts (whose `expert_tensors` a checkpoint
+        holds); None where the family has not said."""
+        return None
+
     def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
         """Where an mmproj GGUF (`--mmproj_path`) holds the model's vision tensor `name`, under the names
         llama.cpp's converter gives it; None for tensors outside the vision tower, or a family without

@@ -88,6 +88,9 @@ class Qwen3VLMoeAdapter(ModelAdapter):
             return tensor.transpose(1, 2).contiguous()
         return tensor
 
+    def experts_key(self, layer: int) -> str:
+        return f"{_TEXT}layers.{layer}.mlp.experts"
+
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
         if name == "lm_head.weight":
             return ("output.weight",)

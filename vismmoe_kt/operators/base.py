@@ -76,6 +76,26 @@ def gguf_expert_format(loader: Any, key: str, names: tuple[str, str]) -> str | N
     return kind if kind in ggml_types.STORE_FORMATS else None
 
 
+def gguf_down_formats(loader: Any, adapter: ModelAdapter, layers: list[int]) -> dict[int, str]:
+    """The store format (ggml_types.PART_FORMATS) of each of `layers`' down experts in a GGUF, from the
+    file's header (a Q4_K_M file keeps some layers' in Q6_K); empty when the loader is not reading GGUF
+    or the family cannot name its expert tensors."""
+    gguf_names, tensor_type = getattr(loader, "gguf_names", None), getattr(loader, "tensor_type", None)
+    if gguf_names is None or tensor_type is None:
+        return {}
+    formats = {}
+    for layer in layers:
+        key = adapter.experts_key(layer)
+        names = gguf_names(f"{key}.{adapter.expert_tensors[1]}") if key is not None else None
+        try:
+            kinds = {tensor_type(name).lower() for name in names or ()}
+        except KeyError:  # not in the file
+            continue
+        if len(kinds) == 1 and (kind := kinds.pop()) in ggml_types.PART_FORMATS:
+            formats[layer] = kind
+    return formats
+
+
 def settings_from(cls: type[T], kwargs: dict[str, Any], operator: str) -> T:
     """An operator's settings dataclass from its rule kwargs: `cls(**kwargs)`, whose `__post_init__`
     checks the values; an unknown kwarg is named beside the known ones (a ValueError the rule engine

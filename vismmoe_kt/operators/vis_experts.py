@@ -22,7 +22,8 @@ from torch import nn
 
 from ..runtime.offload import OffloadRuntime
 from ..runtime.offload_settings import OffloadSettings
-from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, gguf_expert_format, settings_from, stored_gguf_experts
+from .base import (HF_READ_ATTRIBUTES, BaseInjectedModule, gguf_down_formats, gguf_expert_format, settings_from,
+                   stored_gguf_experts)
 
 
 def resolve_store_dtype(operator: "VisExperts", settings: OffloadSettings) -> OffloadSettings:
@@ -50,10 +51,14 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         prefetch = lookahead = None
         if settings.predictor:
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
-        runtime = OffloadRuntime(resolve_store_dtype(operator, settings), list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
+        resolved = resolve_store_dtype(operator, settings)
+        # quantized slabs are sized for the largest down experts the file holds (a Q4_K_M file's Q6_K)
+        down_formats = gguf_down_formats(operator.gguf_loader, adapter, list(shape.moe_layers)) \
+            if resolved.slab_format == "quantized" else {}
+        runtime = OffloadRuntime(resolved, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
                                  getattr(operator.gguf_loader, "model_dir", None),
-                                 getattr(operator.gguf_loader, "weight_files", list)())
+                                 getattr(operator.gguf_loader, "weight_files", list)(), down_formats)
         runtime.requested_settings = settings  # what the rules said (store_dtype auto before resolving)
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):

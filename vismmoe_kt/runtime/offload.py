@@ -62,7 +62,7 @@ class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
                  prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,
-                 model_dir: Any = None, sources: Any = ()):
+                 model_dir: Any = None, sources: Any = (), down_formats: dict[int, str] | None = None):
         self.settings, self.moe_layers = settings, list(moe_layers)
         self.requested_settings = settings  # the rules' own (an operator that resolved `auto` keeps them here)
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
@@ -75,7 +75,10 @@ class OffloadRuntime:
         self.quantized_slabs = settings.slab_format == "quantized"
         if self.quantized_slabs:
             self._check_quantized_slabs(settings, lookahead)
-        self.slab_bytes = self.store.block_bytes if self.quantized_slabs else self.store.slab_bytes
+        # a quantized slab holds the largest block among the layers (down parts in their files' formats, where given)
+        self.slab_bytes = max([self.store.block_bytes] + [self.store.block_bytes_with(fmt) for fmt in
+                                                          (down_formats or {}).values()]) \
+            if self.quantized_slabs else self.store.slab_bytes
         c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else num_experts * self.slab_bytes
         # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
         # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
@@ -204,9 +207,10 @@ class OffloadRuntime:
         into the store of the same format as they are (down in `down_format`, where it differs), with
         no dequantizing and requantizing."""
         self._allocate()
-        if self.quantized_slabs and down_format not in (None, self.store.fmt):
-            raise BudgetError(f"slab_format quantized sizes every slab for {self.store.fmt} blocks, but layer {layer}'s down "
-                              f"experts are {down_format} (as in a Q4_K_M file): use slab_format dequantized")
+        if self.quantized_slabs and self.store.block_bytes_with(down_format or self.store.fmt) > self.slab_bytes:
+            raise BudgetError(f"slab_format quantized sized its slabs for {self.slab_bytes} bytes, but layer {layer}'s "
+                              f"experts with {down_format} down experts take {self.store.block_bytes_with(down_format or self.store.fmt)} "
+                              "(the file's header did not say so): use slab_format dequantized")
         self.store.fill_layer_raw(layer, gate, up, down, down_format)
         self.loaded.add(layer)
 

@@ -76,8 +76,11 @@ class ExpertStore:
 
     def block_bytes_of(self, layer: int) -> int:
         """What a fetch of one of `layer`'s experts moves (`block_bytes` unless its down part differs)."""
-        down = self._down_formats.get(layer)
-        if down is None:
+        return self.block_bytes_with(self._down_formats.get(layer, self.fmt))
+
+    def block_bytes_with(self, down: str) -> int:
+        """A quantized block's bytes with its down part in `down` (a PART_CODECS format)."""
+        if down == self.fmt:
             return self.block_bytes
         return 2 * self.inter * self.codec.row_bytes(self.hidden) + self.hidden * PART_CODECS[down].row_bytes(self.inter)
 
