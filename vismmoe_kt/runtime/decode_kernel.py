@@ -39,9 +39,10 @@ DOWN_CONFIG = (16, 256, 2)
 PREFETCH_PROGRAMS = 32
 PREFETCH_CHUNK = 8192
 STAGE_CHUNK = 4096  # 4-byte words per program of a Q8_0 miss's staging copy (16 KiB in flight each)
-# quantized slabs: each format's kernel tile (`_tile`) and its bytes per 256 weights of a row
+# quantized slabs: each format's kernel code (`_dot`) and its bytes per 256 weights of a row
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+QUANTIZED_CONFIG = (16, 4)  # (rows per program, warps) of the quantized GEMVs; `decode_kernel_bench --tune` sweeps them
 
 _DTYPES = {}
 if tl is not None:
@@ -231,40 +232,88 @@ if tl is not None:
         tl.store(staging_ptr + row * row_words + offsets, tl.load(src + offsets, mask=inside), mask=inside)
 
     @triton.jit
-    def _q8_tile(at, w, ok, Q4: tl.constexpr):
-        """Q8_0 (34-byte blocks: an fp16 scale, 32 int8) or, with Q4, Q4_0 (18: the scale, 16 bytes of
-        nibbles, weight j the low nibble of byte j < 16, else the high nibble of byte j - 16, minus 8):
-        the 256 weights (eight blocks) whose first block starts at `at` (R, 1), as (R, 256) floats."""
-        QB: tl.constexpr = 18 if Q4 else 34
-        block = at + (w // 32)[None, :] * QB                                    # (R, 256): each weight's block
-        scale = tl.load(block.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        lane = w % 32
-        if Q4:
-            packed = tl.load((block + 2 + (lane % 16)[None, :]).to(tl.pointer_type(tl.uint8), bitcast=True),
-                             mask=ok, other=0).to(tl.int32)
-            q = ((packed >> (4 * (lane // 16))[None, :]) & 0xF) - 8
-        else:
-            q = tl.load((block + 2 + lane[None, :]).to(tl.pointer_type(tl.int8), bitcast=True), mask=ok,
-                        other=0).to(tl.int32)
-        return scale * q.to(tl.float32)
+    def _scales_mins(at8, s, ok):
+        """The k-quants' 6-bit scales and minimums of sub-blocks `s` (S,) from the 12 packed bytes after d
+        and dmin, as (R, S) floats (q4k.py's `_scales_and_mins`)."""
+        low = s < 4
+        a = tl.load(at8 + 4 + s[None, :], mask=ok, other=0).to(tl.int32)                      # scales[s]
+        b = tl.load(at8 + 8 + s[None, :], mask=ok, other=0).to(tl.int32)                      # scales[s + 4]
+        c = tl.load(at8 + 4 + tl.where(low, 0, s - 4)[None, :], mask=ok, other=0).to(tl.int32)  # scales[s - 4]
+        scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
+        minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
+        return scale.to(tl.float32), minimum.to(tl.float32)
 
     @triton.jit
-    def _tile(at, w, ok, KIND: tl.constexpr):
-        """256 weights per row from the blocks at `at` (R, 1), in the format `KIND` (TILE_KINDS)."""
+    def _kquant_dot(at, xs, ok, FIFTH_BIT: tl.constexpr):
+        """Q4_K (or, with FIFTH_BIT, Q5_K) super-blocks at `at` (R, 1) dotted with the 256 values at `xs`:
+        (R,) floats. Sub-blocks 2j and 2j + 1 share the 32 quant bytes 32j.. (low and high nibbles), so
+        each is summed against its 32 inputs first and scaled once (d * scale, dmin * min times the
+        inputs' sum): whole bytes loaded, no per-weight scale."""
+        j = tl.arange(0, 4)
+        lane = tl.arange(0, 32)
+        x_even = tl.load(xs + (2 * j)[:, None] * 32 + lane[None, :]).to(tl.float32)     # (4, 32): sub-blocks 0, 2, ..
+        x_odd = tl.load(xs + (2 * j + 1)[:, None] * 32 + lane[None, :]).to(tl.float32)  # 1, 3, ..
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-        if KIND == 6:
-            weights = _q6k_weights(at, at8, w, ok)
-        elif KIND == 8 or KIND == 40:
-            weights = _q8_tile(at, w, ok, KIND == 40)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)      # (R, 1)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        scale_even, min_even = _scales_mins(at8, 2 * j, ok)                              # (R, 4)
+        scale_odd, min_odd = _scales_mins(at8, 2 * j + 1, ok)
+        QS: tl.constexpr = 48 if FIFTH_BIT else 16                                        # Q5_K's qh[32] come first
+        quants = tl.load(at8[:, :, None] + QS + (j[:, None] * 32 + lane[None, :])[None, :, :], mask=ok[:, :, None],
+                         other=0).to(tl.int32)                                            # (R, 4, 32)
+        low, high = quants & 0xF, quants >> 4
+        if FIFTH_BIT:  # bit s of qh[lane] is sub-block s's fifth bit
+            qh = tl.load(at8[:, :, None] + 16 + lane[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
+            low = low | (((qh >> (2 * j)[None, :, None]) & 1) << 4)
+            high = high | (((qh >> (2 * j + 1)[None, :, None]) & 1) << 4)
+        dot_even = tl.sum(low.to(tl.float32) * x_even[None, :, :], axis=2)               # (R, 4)
+        dot_odd = tl.sum(high.to(tl.float32) * x_odd[None, :, :], axis=2)
+        sum_even, sum_odd = tl.sum(x_even, axis=1), tl.sum(x_odd, axis=1)                 # (4,)
+        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even[None, :]
+                                                                            + min_odd * sum_odd[None, :])
+        return tl.sum(terms, axis=1)
+
+    @triton.jit
+    def _q8_dot(at, xs, ok, Q4: tl.constexpr):
+        """Eight Q8_0 blocks (34 bytes: an fp16 scale, 32 int8) or, with Q4, Q4_0 blocks (18: the scale, 16
+        bytes of nibbles, weight l the low nibble of byte l < 16, else the high nibble of byte l - 16,
+        minus 8) at `at` (R, 1) dotted with the 256 values at `xs`: (R,) floats, one scale per block."""
+        QB: tl.constexpr = 18 if Q4 else 34
+        blocks = tl.arange(0, 8)
+        lane = tl.arange(0, 32)
+        x = tl.load(xs + blocks[:, None] * 32 + lane[None, :]).to(tl.float32)           # (8, 32)
+        first = at + (blocks * QB)[None, :]                                              # (R, 8)
+        scale = tl.load(first.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        if Q4:
+            packed = tl.load((first[:, :, None] + 2 + (lane % 16)[None, None, :]).to(tl.pointer_type(tl.uint8),
+                                                                                      bitcast=True),
+                             mask=ok[:, :, None], other=0).to(tl.int32)
+            q = ((packed >> (4 * (lane // 16))[None, None, :]) & 0xF) - 8
         else:
-            weights = _kquant_weights(at, at8, w, ok, KIND == 5)
-        return weights
+            q = tl.load((first[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
+                        mask=ok[:, :, None], other=0).to(tl.int32)
+        return tl.sum(scale * tl.sum(q.to(tl.float32) * x[None, :, :], axis=2), axis=1)
+
+    @triton.jit
+    def _dot(at, xs, ok, KIND: tl.constexpr):
+        """256 weights per row, from the blocks at `at` (R, 1) in the format `KIND` (TILE_KINDS), dotted
+        with the 256 values at `xs`: (R,) floats."""
+        if KIND == 6:  # Q6_K (a Q4_K_M file's down experts in some layers): decoded weight by weight
+            w = tl.arange(0, 256)
+            x = tl.load(xs + w).to(tl.float32)
+            result = tl.sum(_q6k_weights(at, at.to(tl.pointer_type(tl.uint8), bitcast=True), w, ok) * x[None, :], axis=1)
+        elif KIND == 8 or KIND == 40:
+            result = _q8_dot(at, xs, ok, KIND == 40)
+        else:
+            result = _kquant_dot(at, xs, ok, KIND == 5)
+        return result
 
     @triton.jit
     def _gate_up_q_kernel(x_ptr, slots_ptr, h_ptr, pool_addr, slab_bytes, TOP_K: tl.constexpr, H: tl.constexpr,
                           I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr):
         """`_gate_up_kernel` for quantized slabs: each pair's weights decoded from its slab's blocks as
-        they are read, 256 columns a step (every pair reads a slab: misses were staged into theirs)."""
+        they are read, one 256-weight super-block (or eight 32-weight blocks) of each row a step (every
+        pair reads a slab: misses were staged into theirs)."""
         pair = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -273,15 +322,14 @@ if tl is not None:
         token = pair // TOP_K
         row_ok = rows < I
         ok = row_ok[:, None] & (slot >= 0)
-        w = tl.arange(0, 256)
         gate = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         up = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         for sb in range(0, H // 256):
-            x = tl.load(x_ptr + token * H + sb * 256 + w).to(tl.float32)
+            xs = x_ptr + token * H + sb * 256
             gate_at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
             up_at = base + (rows[:, None].to(tl.int64) + I) * ROW_BYTES + sb * SB_BYTES
-            gate += tl.sum(_tile(gate_at, w, ok, KIND) * x[None, :], axis=1)
-            up += tl.sum(_tile(up_at, w, ok, KIND) * x[None, :], axis=1)
+            gate += _dot(gate_at, xs, ok, KIND)
+            up += _dot(up_at, xs, ok, KIND)
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(h_ptr + pair * I + rows, h, mask=row_ok)
 
@@ -296,12 +344,10 @@ if tl is not None:
         ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
         row_ok = rows < H
         ok = row_ok[:, None] & (slot >= 0)
-        w = tl.arange(0, 256)
         acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         for sb in range(0, I // 256):
-            h = tl.load(h_ptr + pair * I + sb * 256 + w)
             at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
-            acc += tl.sum(_tile(at, w, ok, KIND) * h[None, :], axis=1)
+            acc += _dot(at, h_ptr + pair * I + sb * 256, ok, KIND)
         tl.store(y_ptr + pair * H + rows, acc, mask=row_ok)
 
     @triton.jit
@@ -492,10 +538,11 @@ def stage_blocks(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, ro
 
 
 def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, fmt: str, down_fmt: str, inter: int,
-                      hidden: int, top_k: int, block_rows: int = 16, warps: int = 4) -> torch.Tensor:
+                      hidden: int, top_k: int, config: tuple[int, int] | None = None) -> torch.Tensor:
     """(P, H) fp32 expert outputs, unweighted, each pair's weights decoded from its quantized slab (a row
     of `pool`, uint8 (S, slab bytes): gate and up rows, then down rows, in `fmt` / `down_fmt` blocks;
     every slot >= 0). H and I must be multiples of 256 (whole 256-weight tiles in every format)."""
+    block_rows, warps = config or QUANTIZED_CONFIG
     pairs = slots.numel()
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -15,7 +15,9 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
                        runs on a side stream: how much each slows the other
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
 page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
-path alone, resident, over (rows per program, columns per tile, warps), fastest first.
+path alone, resident, over (rows per program, columns per tile, warps), fastest first. Quantized
+slabs (Q8_0, Q4_K, Q5_K): their GEMVs with every expert resident, and with `--tune` over (rows per
+program, warps).
 """
 
 from __future__ import annotations
@@ -81,6 +83,42 @@ def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]
                     results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
                                     "gb_s": LAYERS * K * block_bytes * share / seconds / 1e9})
         out[part] = sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))
+    return out
+
+
+def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
+    """The quantized slabs' GEMVs (decode_kernel.quantized_experts), every expert resident in its slab, per
+    format: microseconds per layer, the blocks' bytes read per second, and the error against the same
+    blocks dequantized and computed in fp32; `sweep`: every (rows per program, warps)."""
+    from vismmoe_kt.runtime.store import ExpertStore
+
+    out = {}
+    for fmt in ("q8_0", "q4_k", "q5_k"):
+        store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
+        gate_up, down = torch.randn(LAYERS * K, 2 * I, H, device=device) / 50, torch.randn(LAYERS * K, H, I, device=device) / 50
+        store.fill_layer(0, gate_up, down)
+        pool = store.layers[0].to(device)           # slab i holds expert i
+        slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
+        configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else [decode_kernel.QUANTIZED_CONFIG]
+        results = []
+        for config in configs:
+            def run():
+                for l in range(LAYERS):
+                    decode_kernel.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)
+            try:
+                seconds = timed(run, repeats=10)
+            except Exception as exc:  # a shape the compiler refuses
+                results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
+                continue
+            results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
+                            "gb_s": LAYERS * K * store.block_bytes / seconds / 1e9})
+        got = decode_kernel.quantized_experts(x, slots[0], pool, fmt, fmt, I, H, K)
+        gu, dn = store.dequantized(pool[:K], 0)
+        gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        error = float((got - want).norm() / want.norm())
+        out[fmt] = {"relative_error_vs_dequantized": error,
+                    "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
     return out
 
 
@@ -209,10 +247,12 @@ def main() -> int:
         reference[0] += w[0, k] * (host[e, 2 * I * H:].view(H, I).to(device).float() @ (act(gate) * up))
     error = float((a.float() - reference).norm() / reference.norm())
     tuning = tune(x, ids, resident, no_land, pools, host, block_bytes) if args.tune else None
+    quantized = quantized_rows(device, x, args.tune)
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": K, "layers_per_graph": LAYERS},
            "register_s_per_gib": register_s / (E * block_bytes / 2**30), "rows": rows,
-           "host_equals_slab_bitwise": bool(torch.equal(a, b)), "relative_error_vs_fp32": error, "tuning": tuning}
+           "host_equals_slab_bitwise": bool(torch.equal(a, b)), "relative_error_vs_fp32": error, "tuning": tuning,
+           "quantized_slabs": quantized}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_kernel_bench.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
