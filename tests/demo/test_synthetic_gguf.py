@@ -56,9 +56,9 @@ def test_read_back_it_is_the_synthetic_model_up_to_q4_k_and_the_store_keeps_q4_k
     error = ((got - want).norm() / want.norm()).item()
     # quantized (not 0) and close; this random model is sensitive: Q8_0 everywhere alone gives about 10%
     assert 0.01 < error < 0.2, error
-    runtime = model.model.language_model.layers[1].mlp.experts.runtime
+    runtime = model.vismmoe.context.offload_runtime
     assert 1 not in runtime.pinned and runtime.summary()["bytes_copied_prefill"] > 0  # the store was read
-    assert runtime.store.fmt == "q4_k" and dequantized.model.language_model.layers[1].mlp.experts.runtime.store.fmt == "model"
+    assert runtime.store.fmt == "q4_k" and dequantized.vismmoe.context.offload_runtime.store.fmt == "model"
     bf16_bytes = 3 * config.text_config.hidden_size * config.text_config.moe_intermediate_size * 2
     assert runtime.store.block_bytes <= 0.3 * bf16_bytes
 

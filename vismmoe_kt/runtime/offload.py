@@ -207,10 +207,11 @@ class OffloadRuntime:
         into the store of the same format as they are (down in `down_format`, where it differs), with
         no dequantizing and requantizing."""
         self._allocate()
-        if self.quantized_slabs and self.store.block_bytes_with(down_format or self.store.fmt) > self.slab_bytes:
+        block_bytes = self.store.block_bytes_with(down_format or self.store.fmt)
+        if self.quantized_slabs and block_bytes > self.slab_bytes:
             raise BudgetError(f"slab_format quantized sized its slabs for {self.slab_bytes} bytes, but layer {layer}'s "
-                              f"experts with {down_format} down experts take {self.store.block_bytes_with(down_format or self.store.fmt)} "
-                              "(the file's header did not say so): use slab_format dequantized")
+                              f"experts with {down_format} down experts take {block_bytes} (the file's header did not "
+                              "say so): use slab_format dequantized")
         self.store.fill_layer_raw(layer, gate, up, down, down_format)
         self.loaded.add(layer)
 

@@ -95,8 +95,8 @@ def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
     out = {}
     for fmt in ("q8_0", "q4_k", "q5_k"):
         store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
-        gate_up, down = torch.randn(LAYERS * K, 2 * I, H, device=device) / 50, torch.randn(LAYERS * K, H, I, device=device) / 50
-        store.fill_layer(0, gate_up, down)
+        store.fill_layer(0, torch.randn(LAYERS * K, 2 * I, H, device=device) / 50,
+                         torch.randn(LAYERS * K, H, I, device=device) / 50)
         pool = store.layers[0].to(device)           # slab i holds expert i
         slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
         configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else [decode_kernel.QUANTIZED_CONFIG]
