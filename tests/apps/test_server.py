@@ -65,6 +65,26 @@ def test_openai_client_streamed_and_plain_answers_agree(server):
                                             max_tokens=8, stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
     assert streamed == plain.choices[0].message.content
+    # stream_options.include_usage: one last chunk without choices that carries the usage
+    chunks = list(client.chat.completions.create(model="vismmoe-demo", messages=image_message("Describe the image."),
+                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_the_load_test_drives_the_server_at_each_concurrency(server, tmp_path):
+    """apps/measure/load_test.py against this server: a row per concurrency, every request answered,
+    no answer changed by the load, and its table and plot written."""
+    from vismmoe_kt.apps.measure.load_test import main
+
+    assert main(["--out", str(tmp_path), "--url", server + "/v1", "--concurrency", "1", "3", "--requests", "4",
+                 "--max_tokens", "6", "--timeout_s", "120"]) == 0
+    rows = json.loads((tmp_path / "load_test.json").read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    assert all(r["errors"] == 0 and r["changed_answers"] == 0 and r["tokens"] >= 4 for r in rows)
+    assert all(r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] for r in rows)
+    assert "| 3 |" in (tmp_path / "load_test.md").read_text()
+    assert (tmp_path / "load_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def good(server):

@@ -137,6 +137,10 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
     async def health():
         return {"status": "ok", "model": engine.name}
 
+    def usage_of(usage: Usage) -> dict[str, int]:
+        return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0, "owned_by": "vismmoe-kt"}]}
@@ -148,14 +152,15 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
             raise ApiError(404, f"the model '{body['model']}' does not exist; this server has '{engine.name}'",
                            param="model", type_="not_found_error", code="model_not_found")
         chat = parse_chat(body, limits)
+        options = body.get("stream_options") if isinstance(body, dict) else None
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         usage, created, rid = Usage(), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
         def respond(text: str) -> dict:
             return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "finish_reason": usage.finish_reason}],
-                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                              "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
+                    "usage": usage_of(usage)}
 
         def chunk(delta: dict, finish: str | None = None) -> str:
             return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -174,6 +179,9 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                 yield "data: " + json.dumps(ApiError(500, f"generation failed: {job.error}", type_="internal_error").body()) + "\n\n"
             else:
                 yield chunk({}, usage.finish_reason)
+                if include_usage:  # OpenAI's stream_options.include_usage: one last chunk, no choices, the usage
+                    yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                                 "model": engine.name, "choices": [], "usage": usage_of(usage)}) + "\n\n"
             yield "data: [DONE]\n\n"
         return await run(request, chat, usage, respond, events, "text/event-stream")
 
