@@ -1,0 +1,86 @@
+"""SlotKVCache (engine/slot_cache.py): several sequences' keys and values at once, one slot each. A
+decoder layer's attention run for B sequences in one call, each row at its own length, gives what it
+gives for each sequence alone over a StaticKVCache."""
+
+import pytest
+import torch
+
+from vismmoe_kt.demo.tiny import build_tiny_model
+from vismmoe_kt.engine.slot_cache import SlotKVCache
+from vismmoe_kt.engine.static_cache import CacheFullError, StaticKVCache
+from vismmoe_kt.engine.text_forward import causal_mask
+from vismmoe_kt.models import adapter_for
+
+
+@pytest.fixture(scope="module")
+def attention():
+    model, _ = build_tiny_model("tiny-4x16", seed=0)
+    adapter = adapter_for("qwen3_vl_moe")
+    text = adapter.text_model(model)
+    layer = adapter.layers_of(text)[1]  # layer_idx 1: the caches' other layers stay untouched
+    attn = adapter.attention(layer)
+    config = text.config
+
+    def rotary(hidden, positions):  # text tokens: the same position on all three M-RoPE axes
+        return adapter.rotary(text, hidden, positions[None].expand(3, *positions.shape))
+
+    return attn, rotary, config
+
+
+def test_a_batched_decode_step_attends_each_row_as_alone(attention):
+    attn, rotary, config = attention
+    heads, dim = config.num_key_value_heads, config.head_dim
+    torch.manual_seed(0)
+    lengths = [3, 6, 4]
+    prompts = [torch.randn(1, n, config.hidden_size) for n in lengths]
+    steps = [torch.randn(1, 1, config.hidden_size) for _ in lengths]
+    alone = []
+    with torch.no_grad():
+        for prompt, step, n in zip(prompts, steps, lengths):
+            cache = StaticKVCache(2, heads, dim, 16, torch.float32, "cpu")
+            attn(hidden_states=prompt, position_embeddings=rotary(prompt, torch.arange(n)[None]),
+                 attention_mask=causal_mask(n, 0, torch.float32, prompt.device), past_key_values=cache)
+            cache.decoding = True
+            out, _ = attn(hidden_states=step, position_embeddings=rotary(step, torch.tensor([[n]])),
+                          attention_mask=cache.decode_masks(torch.float32)[1:2][0], past_key_values=cache)
+            alone.append(out)
+        slots = SlotKVCache(2, 4, heads, dim, 16, torch.float32, "cpu")
+        order = [2, 0, 3]  # any slots, in any order
+        for prompt, n, slot in zip(prompts, lengths, order):
+            attn(hidden_states=prompt, position_embeddings=rotary(prompt, torch.arange(n)[None]),
+                 attention_mask=causal_mask(n, 0, torch.float32, prompt.device), past_key_values=slots.slot_view(slot))
+        assert [slots.host_lengths[1][s] for s in order] == lengths and slots.host_lengths[0] == [0] * 4
+        slots.begin_decode(order)
+        batch = torch.cat(steps)
+        together, _ = attn(hidden_states=batch, position_embeddings=rotary(batch, torch.tensor(lengths)[:, None]),
+                           attention_mask=slots.decode_masks(torch.float32)[1], past_key_values=slots)
+        slots.advance()
+    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
+    assert [slots.host_lengths[1][s] for s in order] == [n + 1 for n in lengths]
+    assert slots.lengths[1].tolist() == [7, 0, 4, 5]  # slots 2, 0, 3 held 3, 6, 4
+    assert slots.lengths[0].tolist() == [1, 0, 1, 1]  # a step moves every layer of its rows on
+
+
+def test_slots_are_released_checked_and_bounded():
+    cache = SlotKVCache(layers=1, slots=2, kv_heads=1, head_dim=4, capacity=4, dtype=torch.float32, device="cpu")
+    view = cache.slot_view(1)
+    view.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    assert view.get_seq_length(0) == 3 and cache.slot_view(0).get_seq_length(0) == 0
+    with pytest.raises(CacheFullError, match="slot 1, layer 0 needs 5 positions, the cache holds 4"):
+        view.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), 0)
+    cache.begin_decode([1])
+    masks = cache.decode_masks(torch.float32)
+    assert masks.shape == (1, 1, 1, 1, 4) and (masks[0, 0, 0, 0] == 0).tolist() == [True, True, True, True]
+    cache.update(torch.full((1, 1, 1, 4), 2.0), torch.full((1, 1, 1, 4), 2.0), 0)
+    cache.advance()
+    assert cache.keys[0][1, 0, 3].tolist() == [2.0] * 4 and not cache.keys[0][0].any()
+    with pytest.raises(CacheFullError, match=r"slot\(s\) \[1\] hold 4 positions already"):
+        cache.begin_decode([1])
+    with pytest.raises(ValueError, match="must be distinct slots"):
+        cache.begin_decode([0, 0])
+    with pytest.raises(RuntimeError, match="outside a decode step"):
+        cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)
+    cache.release(1)
+    assert cache.slot_view(1).get_seq_length(0) == 0 and cache.lengths.tolist() == [[0, 0]]
+    with pytest.raises(ValueError, match="slot 2 is not one of"):
+        cache.slot_view(2)

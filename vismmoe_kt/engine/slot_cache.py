@@ -1,0 +1,127 @@
+"""SlotKVCache: keys and values of several sequences at once, one slot each (continuous batching).
+
+Shapes: L decoder layers, S slots, B sequences in a step, Hkv key/value heads, C capacity, D head dim.
+
+Each layer owns (S, Hkv, C, D) buffers made once, and a length per (layer, slot): a slot holds one
+sequence (scheduler.py decides which), and after VisDecoder prunes visual tokens a sequence's later
+layers hold fewer tokens than its prefix layers, as in StaticKVCache (static_cache.py, batch 1).
+
+Two ways in, with the interface transformers' attention calls (`update`, `get_seq_length`):
+- prefill of one sequence: `slot_view(s)` is a batch-1 cache over slot s (copies at the layer's
+  host-side length, returns the filled part), what the attention gets from StaticKVCache;
+- decode of B sequences at once: after `begin_decode(slots)`, `update` writes each row's one new key
+  at its own layer length (an index_put on the device) and returns the B rows' whole buffers; the
+  step masks each row's empty positions with `decode_masks()`, and `advance()` moves the B sequences'
+  lengths on by one.
+The decode returns gathered copies of the B rows (B, Hkv, C, D) per layer: attention over rows of
+different lengths without a paged-attention kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .static_cache import CacheFullError
+
+
+class SlotKVCache:
+    is_compileable = False  # transformers' mask helpers must not treat this as its StaticCache
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"a slot cache needs at least one slot and one position, got {slots} x {capacity}")
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.capacity, self.device = capacity, torch.device(device)
+        self.host_lengths = [[0] * slots for _ in range(layers)]
+        self.lengths = torch.zeros(layers, slots, dtype=torch.long, device=device)  # device mirror, for decode
+        self.positions = torch.arange(capacity, device=device)
+        self.active: torch.Tensor | None = None  # the B slots of the decode step under way
+        self._active_host: list[int] = []
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    def release(self, slot: int) -> None:
+        """Empty a slot (its sequence finished, was cancelled or preempted); the buffers stay."""
+        for lengths in self.host_lengths:
+            lengths[slot] = 0
+        self.lengths[:, slot] = 0
+
+    def slot_view(self, slot: int) -> "SlotView":
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not one of this cache's {self.num_slots}")
+        return SlotView(self, slot)
+
+    # --- decode -----------------------------------------------------------------------------------
+    def begin_decode(self, slots: list[int]) -> None:
+        """The next `update` calls write one token for each of these slots, in this order."""
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.num_slots for s in slots):
+            raise ValueError(f"decode slots {slots} must be distinct slots of this cache's {self.num_slots}")
+        full = [s for s in slots if max(lengths[s] for lengths in self.host_lengths) >= self.capacity]
+        if full:
+            raise CacheFullError(f"slot(s) {full} hold {self.capacity} positions already, the cache's capacity")
+        self._active_host = list(slots)
+        self.active = torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """The longest active row's length (transformers asks; the masks give each row its own)."""
+        return max(self.host_lengths[layer_idx or 0][s] for s in self._active_host) if self._active_host else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hkv, 1, D) new keys and values -> the B rows' whole (B, Hkv, C, D) buffers."""
+        if self.active is None:
+            raise RuntimeError("SlotKVCache.update outside a decode step: prefill goes through slot_view(slot)")
+        at = self.lengths[layer_idx, self.active]                                   # (B,)
+        heads = torch.arange(key_states.shape[1], device=self.device)
+        rows, heads, at = self.active[:, None], heads[None, :], at[:, None]         # (B, 1), (1, Hkv), (B, 1)
+        self.keys[layer_idx][rows, heads, at] = key_states[:, :, 0]
+        self.values[layer_idx][rows, heads, at] = value_states[:, :, 0]
+        return self.keys[layer_idx][self.active], self.values[layer_idx][self.active]
+
+    def decode_masks(self, dtype: torch.dtype) -> torch.Tensor:
+        """(L, B, 1, 1, C) additive masks for the step about to run: position p of row b in layer l is
+        visible when p <= that row's length there (the position the step writes is the length itself)."""
+        visible = self.positions <= self.lengths[:, self.active, None]              # (L, B, C)
+        masks = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        return masks[:, :, None, None, :]
+
+    def advance(self) -> None:
+        """After the step: every active row moved on by one in every layer."""
+        self.lengths[:, self.active] += 1
+        for lengths in self.host_lengths:
+            for s in self._active_host:
+                lengths[s] += 1
+        self.active, self._active_host = None, []
+
+
+class SlotView:
+    """One slot of a SlotKVCache as a batch-1 cache: a sequence's prefill (or a chunk of it) writes here."""
+    is_compileable = False
+
+    def __init__(self, cache: SlotKVCache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.cache.host_lengths[layer_idx or 0][self.slot]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, slot = self.cache, self.slot
+        start = cache.host_lengths[layer_idx][slot]
+        end = start + key_states.shape[2]
+        if end > cache.capacity:
+            raise CacheFullError(f"slot {slot}, layer {layer_idx} needs {end} positions, the cache holds {cache.capacity}")
+        cache.keys[layer_idx][slot, :, start:end] = key_states[0]
+        cache.values[layer_idx][slot, :, start:end] = value_states[0]
+        cache.host_lengths[layer_idx][slot] = end
+        cache.lengths[layer_idx, slot] = end
+        return cache.keys[layer_idx][slot:slot + 1, :, :end], cache.values[layer_idx][slot:slot + 1, :, :end]
