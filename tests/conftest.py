@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random Qwen3-VL-MoE models saved once per test session, and inputs for them."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -63,3 +65,43 @@ def tiny_case(tmp_path_factory, name, seed, question, image_size, image_seed):
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[prompt], images=[make_image(*image_size, seed=image_seed)], return_tensors="pt")
     return model_dir, ref, inputs
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_app(app, log_level: str = "warning"):
+    """An ASGI app served by uvicorn on a thread, on a free loopback port: yields the port."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def serve_in_thread(serve_args: list[str]):
+    """`vismmoe-kt serve ARGS` in this process: yields its base URL, stops it after."""
+    from vismmoe_kt.apps.cli import build_parser
+    from vismmoe_kt.apps.serve.command import build_server
+
+    app = build_server(build_parser().parse_args(["serve", *serve_args]))
+    with running_app(app) as port:
+        yield f"http://127.0.0.1:{port}"

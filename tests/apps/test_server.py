@@ -5,41 +5,17 @@ import base64
 import concurrent.futures
 import io
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
-from conftest import make_image
-from vismmoe_kt.apps.cli import build_parser
-from vismmoe_kt.apps.serve.command import build_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import make_image, serve_in_thread
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    args = build_parser().parse_args(["serve", "--demo", "--generate_device", "cpu", "--prefill_device", "cpu",
-                                      "--max_new_tokens", "8", "--port", str(port), "--max_queue", "4", "--max_image_mb", "1"])
-    app = build_server(args)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    yield from serve_in_thread(["--demo", "--generate_device", "cpu", "--prefill_device", "cpu", "--max_new_tokens", "8",
+                                "--max_queue", "4", "--max_image_mb", "1"])
 
 
 def data_url(width=64, height=48, seed=0) -> str:

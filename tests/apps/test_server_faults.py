@@ -14,14 +14,12 @@ import struct
 import threading
 import time
 import zlib
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
-from conftest import make_image
+from conftest import make_image, running_app
 from vismmoe_kt import load
 from vismmoe_kt.apps.serve.app import create_app
 from vismmoe_kt.apps.serve.engine import Engine
@@ -80,22 +78,8 @@ class Spy:
         return getattr(self.processor, name)
 
 
-@contextmanager
 def running(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+    return running_app(app, log_level="critical")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,12 @@ def add_parser(commands) -> None:
     serve.add_argument("--temperature", type=TEMPERATURE)
     serve.add_argument("--top_p", type=TOP_P)
     serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
+    serve.add_argument("--max_batch", type=at_least(1), default=1,
+                       help="requests decoded together (continuous batching; needs the lean decode path, i.e. rules "
+                            "with a VisDecoder; default 1: one at a time)")
+    serve.add_argument("--slot_tokens", type=at_least(2), default=4096,
+                       help="with --max_batch > 1: the tokens (prompt and answer) each running request's KV slot "
+                            "holds (default: %(default)s)")
     serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
     serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
@@ -45,7 +51,17 @@ def build_server(args: argparse.Namespace):
     name = "vismmoe-demo" if args.demo else Path(args.model_path).name
     limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path,
                     args.max_image_pixels, int(args.max_body_mb * 2**20) if args.max_body_mb else None)
-    engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue, limits)
+    if args.max_batch > 1:
+        from .batching import BatchedEngine
+
+        try:
+            engine = BatchedEngine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p,
+                                   args.max_queue, limits, max_batch=args.max_batch, slot_tokens=args.slot_tokens)
+        except ValueError as exc:  # e.g. no lean decode path for these rules
+            raise InputError(f"--max_batch {args.max_batch}: {exc}") from None
+    else:
+        engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue,
+                        limits)
     hosts = args.allowed_hosts or default_allowed_hosts(args.host)
     return create_app(engine, limits, args.api_key, hosts)
 

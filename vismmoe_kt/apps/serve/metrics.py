@@ -47,6 +47,8 @@ class ServerMetrics:
         self.rejected = Counter("vismmoe_requests_rejected", "requests refused with 429 (queue full)", registry=registry)
         self.cancelled = Counter("vismmoe_requests_cancelled", "generations stopped early because the client left",
                                  registry=registry)
+        self.batch_size = Histogram("vismmoe_decode_batch_size", "sequences per decode step (--max_batch > 1)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry)
         registry.register(_RuntimeCollector(model))
 
     def set_queue(self, waiting: int, running: int) -> None:

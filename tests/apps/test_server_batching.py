@@ -1,0 +1,104 @@
+"""`vismmoe-kt serve --max_batch N`: concurrent requests decoded together give each client the answer it
+gets alone, a client that leaves frees its slot, and what batching needs is a clear error."""
+
+import base64
+import concurrent.futures
+import io
+
+import httpx
+import pytest
+
+from conftest import make_image, serve_in_thread
+from vismmoe_kt.apps.cli import build_parser
+from vismmoe_kt.apps.serve.command import build_server
+from vismmoe_kt.errors import InputError
+
+RULES = "optimize_rules/qwen3vl-offload.yaml"  # a VisDecoder: the lean decode path batching runs on
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    yield from serve_in_thread(["--model_path", str(tiny_dir), "--optimize_config_path", RULES, "--generate_device",
+                                "cpu", "--prefill_device", "cpu", "--max_new_tokens", "10", "--max_batch", "3",
+                                "--max_queue", "8", "--slot_tokens", "512"])
+
+
+def message(i: int) -> list[dict]:
+    """Request i: its own question, and an image of its own for the even ones."""
+    content = [{"type": "text", "text": f"Question {i}: what do you see?" + " more" * i}]
+    if i % 2 == 0:
+        buffer = io.BytesIO()
+        make_image(64 + 16 * i, 48, seed=i).save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    return [{"role": "user", "content": content}]
+
+
+def test_concurrent_requests_get_the_answers_they_get_alone(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(i: int) -> tuple[str, int]:
+        out = client.chat.completions.create(model=model, messages=message(i), max_tokens=4 + i, temperature=0)
+        return out.choices[0].message.content, out.usage.completion_tokens
+
+    alone = [ask(i) for i in range(6)]  # one at a time: batches of one
+    before = batch_steps(server)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        together = list(pool.map(ask, range(6)))
+    assert together == alone
+    assert all(1 <= tokens <= 4 + i for i, (_, tokens) in enumerate(together))
+    count, above_one = batch_steps(server)
+    assert above_one > before[1]  # some steps decoded several requests at once
+
+
+def batch_steps(server: str) -> tuple[float, float]:
+    """(decode steps, steps with more than one sequence) from /metrics."""
+    text = httpx.get(server + "/metrics").text
+    value = lambda name: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name)))  # noqa: E731
+    count = value("vismmoe_decode_batch_size_count")
+    return count, count - value('vismmoe_decode_batch_size_bucket{le="1.0"}')
+
+
+def test_a_cancelled_request_stops_within_a_step_and_frees_its_slot(tiny_dir):
+    """Through the engine itself (over HTTP this tiny model finishes 400 tokens before a client can leave)."""
+    import asyncio
+
+    from vismmoe_kt import load
+    from vismmoe_kt.apps.serve.batching import BatchedEngine
+    from vismmoe_kt.apps.serve.engine import Usage
+    from vismmoe_kt.apps.serve.inputs import Limits, parse_chat
+
+    model, processor = load(tiny_dir, RULES, generate_device="cpu", prefill_device="cpu", progress=False)
+    engine = BatchedEngine(model, processor, "tiny", 400, None, None, 4, Limits(), max_batch=2, slot_tokens=512)
+
+    async def scenario() -> tuple[Usage, Usage]:
+        cancelled, kept = Usage(), Usage()
+        job = await engine.submit(parse_chat({"messages": message(1), "max_tokens": 400}, Limits()), cancelled)
+        other = await engine.submit(parse_chat({"messages": message(3), "max_tokens": 6}, Limits()), kept)
+        async for _ in job.pieces():
+            break
+        job.cancel()
+        await asyncio.wait_for(job.finished.wait(), 60)
+        await asyncio.wait_for(other.text(), 60)
+        return cancelled, kept
+
+    cancelled, kept = asyncio.run(scenario())
+    assert cancelled.completion_tokens < 400 and 1 <= kept.completion_tokens <= 6
+    assert engine.runner.idle and engine._running == 0  # every slot and place given back
+
+
+def test_what_batching_needs_is_a_clear_error(tiny_dir):
+    args = build_parser().parse_args(["serve", "--model_path", str(tiny_dir), "--generate_device", "cpu",
+                                      "--prefill_device", "cpu", "--max_batch", "2"])  # no rules: no lean decode path
+    with pytest.raises(InputError, match="--max_batch 2: batched generation runs on the lean decode path"):
+        build_server(args)
+
+
+def test_a_prompt_longer_than_a_slot_is_refused(tiny_dir):
+    for url in serve_in_thread(["--model_path", str(tiny_dir), "--optimize_config_path", RULES, "--generate_device",
+                                "cpu", "--prefill_device", "cpu", "--max_batch", "2", "--slot_tokens", "16"]):
+        reply = httpx.post(url + "/v1/chat/completions", json={"messages": message(5), "max_tokens": 4})
+        assert reply.status_code == 400 and "--slot_tokens" in reply.json()["error"]["message"]
