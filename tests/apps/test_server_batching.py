@@ -52,6 +52,9 @@ def test_concurrent_requests_get_the_answers_they_get_alone(server):
     assert all(1 <= tokens <= 4 + i for i, (_, tokens) in enumerate(together))
     count, above_one = batch_steps(server)
     assert above_one > before[1]  # some steps decoded several requests at once
+    metrics = httpx.get(server + "/metrics").text
+    tpot = next(l for l in metrics.splitlines() if l.startswith("vismmoe_time_per_output_token_seconds_count"))
+    assert float(tpot.split()[-1]) >= 6  # requests of more than one token each observed
 
 
 def batch_steps(server: str) -> tuple[float, float]:

@@ -42,6 +42,9 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.latency = Histogram("vismmoe_e2e_request_latency_seconds", "generation start to end",
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("vismmoe_time_per_output_token_seconds", "a request's mean time per token after its first",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+                              registry=registry)
         self.waiting = Gauge("vismmoe_num_requests_waiting", "requests admitted and not yet generating", registry=registry)
         self.running = Gauge("vismmoe_num_requests_running", "requests generating", registry=registry)
         self.rejected = Counter("vismmoe_requests_rejected", "requests refused with 429 (queue full)", registry=registry)
@@ -64,6 +67,8 @@ class ServerMetrics:
         self.latency.observe(usage.total_seconds)
         if ttft is not None:
             self.ttft.observe(ttft)
+            if usage.completion_tokens > 1:
+                self.tpot.observe(max(usage.total_seconds - ttft, 0.0) / (usage.completion_tokens - 1))
         if cancelled:
             self.cancelled.inc()
 
