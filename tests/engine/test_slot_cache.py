@@ -84,3 +84,16 @@ def test_slots_are_released_checked_and_bounded():
     assert cache.slot_view(1).get_seq_length(0) == 0 and cache.lengths.tolist() == [[0, 0]]
     with pytest.raises(ValueError, match="slot 2 is not one of"):
         cache.slot_view(2)
+
+
+def test_a_decode_step_attends_to_its_rows_span_not_the_whole_capacity():
+    cache = SlotKVCache(layers=1, slots=2, kv_heads=1, head_dim=2, capacity=600, dtype=torch.float32, device="cpu")
+    cache.slot_view(0).update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), 0)
+    cache.slot_view(1).update(torch.ones(1, 1, 300, 2), torch.ones(1, 1, 300, 2), 0)
+    cache.begin_decode([0])
+    keys, _ = cache.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 0)
+    assert keys.shape[2] == 256 and cache.decode_masks(torch.float32).shape[-1] == 256
+    cache.advance()
+    cache.begin_decode([0, 1])  # the longer row sets the span: 301 positions, in steps of 256
+    keys, _ = cache.update(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2), 0)
+    assert keys.shape[2] == 512 and cache.decode_masks(torch.float32).shape[-1] == 512

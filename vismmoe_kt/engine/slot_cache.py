@@ -13,8 +13,9 @@ Two ways in, with the interface transformers' attention calls (`update`, `get_se
   at its own layer length (an index_put on the device) and returns the B rows' whole buffers; the
   step masks each row's empty positions with `decode_masks()`, and `advance()` moves the B sequences'
   lengths on by one.
-The decode returns gathered copies of the B rows (B, Hkv, C, D) per layer: attention over rows of
-different lengths without a paged-attention kernel.
+The decode returns gathered copies of the B rows per layer, cut at the step's span (the longest row
+plus the new token, rounded up to SPAN_STEP positions, not the whole capacity C): attention over rows
+of different lengths without a paged-attention kernel, at a cost that follows the rows' lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from .static_cache import CacheFullError
+
+SPAN_STEP = 256  # decode attends to this many positions more at a time (few distinct shapes, little waste)
 
 
 class SlotKVCache:
@@ -40,6 +43,7 @@ class SlotKVCache:
         self.positions = torch.arange(capacity, device=device)
         self.active: torch.Tensor | None = None  # the B slots of the decode step under way
         self._active_host: list[int] = []
+        self.span = capacity  # positions the step under way attends to
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +74,8 @@ class SlotKVCache:
             raise CacheFullError(f"slot(s) {full} hold {self.capacity} positions already, the cache's capacity")
         self._active_host = list(slots)
         self.active = torch.tensor(slots, dtype=torch.long, device=self.device)
+        longest = max(lengths[s] for lengths in self.host_lengths for s in slots) + 1  # with the token written now
+        self.span = min(self.capacity, -(-longest // SPAN_STEP) * SPAN_STEP)
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """The longest active row's length (transformers asks; the masks give each row its own)."""
@@ -77,7 +83,7 @@ class SlotKVCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Hkv, 1, D) new keys and values -> the B rows' whole (B, Hkv, C, D) buffers."""
+        """(B, Hkv, 1, D) new keys and values -> the B rows' buffers up to the step's span (B, Hkv, span, D)."""
         if self.active is None:
             raise RuntimeError("SlotKVCache.update outside a decode step: prefill goes through slot_view(slot)")
         at = self.lengths[layer_idx, self.active]                                   # (B,)
@@ -85,12 +91,13 @@ class SlotKVCache:
         rows, heads, at = self.active[:, None], heads[None, :], at[:, None]         # (B, 1), (1, Hkv), (B, 1)
         self.keys[layer_idx][rows, heads, at] = key_states[:, :, 0]
         self.values[layer_idx][rows, heads, at] = value_states[:, :, 0]
-        return self.keys[layer_idx][self.active], self.values[layer_idx][self.active]
+        span = self.span
+        return self.keys[layer_idx][self.active, :, :span], self.values[layer_idx][self.active, :, :span]
 
     def decode_masks(self, dtype: torch.dtype) -> torch.Tensor:
-        """(L, B, 1, 1, C) additive masks for the step about to run: position p of row b in layer l is
+        """(L, B, 1, 1, span) additive masks for the step about to run: position p of row b in layer l is
         visible when p <= that row's length there (the position the step writes is the length itself)."""
-        visible = self.positions <= self.lengths[:, self.active, None]              # (L, B, C)
+        visible = self.positions[:self.span] <= self.lengths[:, self.active, None]  # (L, B, span)
         masks = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
         return masks[:, :, None, None, :]
 

@@ -25,6 +25,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +176,7 @@ def write_report(out: Path, meta: dict, rows: list[dict]) -> None:
     right.set_xticklabels([str(c) for c in levels])
     right.xaxis.set_minor_locator(NullLocator())
     right.legend()
-    fig.suptitle(meta["server"])
+    fig.suptitle("\n".join(textwrap.wrap(meta["server"], 120)), fontsize=9)  # a server's flags run long
     fig.savefig(out / "load_test.png", dpi=120)
     plt.close(fig)
 
