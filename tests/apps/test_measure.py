@@ -90,3 +90,18 @@ def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
     assert rows["lean:24MiB+gguf"]["load_s"] > 0
     missing = subprocess.run(command, capture_output=True, text=True, timeout=600)  # no --gguf: refused up front
     assert missing.returncode == 2 and "give --gguf" in missing.stderr
+
+
+def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
+    """`--concurrency N`: the configuration's N requests through batched generation, reported beside
+    the single request's rate; it needs the model's own routing (batching takes no routing source)."""
+    command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(tmp_path), "--device", "cpu",
+               "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "6", "--reps", "1", "--configs", "lean:1GiB",
+               "--concurrency", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    batched = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]["batched"]
+    assert batched["requests"] == 3 and batched["full_batch_steps"] >= 1 and batched["full_batch_decode_tok_s"] > 0
+    assert "3 requests together" in result.stdout
+    refused = subprocess.run([*command, "--routing", "synthetic"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "add --routing model" in refused.stderr

@@ -45,6 +45,9 @@ N-turn chat about one image (prompt seconds per turn: the lean path prefills onl
 tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
+`--concurrency N` also decodes N requests together (engine/batched.py, eager steps): tokens per second
+over the run and while all N decode, against the single request's rate (needs `--routing model`).
+
 Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
 uniformly, so their own routing would make hit rates and bytes per token meaningless), `model` or
 `trace:PATH`.
@@ -208,6 +211,37 @@ def conversation(model, processor, args) -> list[float]:
     return [statistics.median(t) for t in per_turn]
 
 
+def batched_run(model, processor, args) -> dict:
+    """--concurrency N: N requests, each with its own image of the same size, decoded together
+    (engine/batched.py, eager): tokens per second over the whole run (prefills included), and over the
+    decode steps that ran all N at once, against which the single request's rate compares."""
+    from vismmoe_kt.apps.bench.inputs import PROMPT
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    n, size = args.concurrency, args.image_size
+    images = [Image.fromarray(np.random.default_rng(size + i).integers(0, 256, (size, size, 3), dtype=np.uint8))
+              for i in range(n)]
+    requests = [build_inputs(processor, [user_turn(PROMPT, 1)], [image], args.device) for image in images]
+    tokens = args.decode_tokens
+    generate_batch(model, requests, tokens, max_batch=n, min_new_tokens=tokens)  # warm-up
+    marks: list[tuple[float, int]] = []
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+    def stepped(size_of_step: int) -> None:
+        sync()
+        marks.append((time.perf_counter(), size_of_step))
+    sync()
+    start = time.perf_counter()
+    generate_batch(model, requests, tokens, max_batch=n, min_new_tokens=tokens, on_step=stepped)
+    sync()
+    wall = time.perf_counter() - start
+    full = [(t1 - t0, b) for (t0, _), (t1, b) in zip(marks, marks[1:]) if b == n]  # steps after every prefill
+    return {"requests": n, "aggregate_tok_s": n * tokens / wall, "wall_s": wall,
+            "full_batch_decode_tok_s": sum(b for _, b in full) / sum(t for t, _ in full) if full else None,
+            "full_batch_steps": len(full)}
+
+
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     rules, overrides = parse_config(spec, args.predictor)
     if args.device.startswith("cuda"):
@@ -255,6 +289,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         row["lean"] = engine.stats()
         if args.profile:
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
+    if args.concurrency > 1:
+        row["batched"] = batched_run(model, processor, args)
     if args.kernels:
         trace = Path(args.out) / f"trace-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -291,6 +327,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--tiny", args.tiny] if args.tiny else []
     command += ["--predictor", args.predictor] if args.predictor else []
     command += ["--gguf", args.gguf] if args.gguf else []
+    command += ["--concurrency", str(args.concurrency)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -342,6 +379,9 @@ def main() -> int:
                                             "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="also decode N requests together (batched generation, eager; needs --routing model): "
+                             "aggregate tokens/s and the rate while all N run")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
@@ -357,6 +397,10 @@ def main() -> int:
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
         parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
     args.routing = args.routing or ("model" if args.tiny else "synthetic")
+    if args.concurrency > 1 and args.routing != "model":
+        parser.error("--concurrency decodes through batched generation, which takes no routing source yet: add "
+                     "--routing model (the random weights' own routing: offloaded rows' hit rates are then not "
+                     "realistic)")
     args.tiny_dir = None
     if args.tiny:
         root = tempfile.mkdtemp(prefix="decode-bench-")
@@ -418,6 +462,13 @@ def main() -> int:
     for r in rows:
         if r.get("cpu_quota_trial"):
             print(f"{r['config']}: {r['cpu_quota_trial']}")
+    for r in rows:
+        if r.get("batched"):
+            b = r["batched"]
+            full = b["full_batch_decode_tok_s"]
+            ratio = f" ({full / r['decode_tok_s_median']:.2f}x one request)" if full else ""
+            print(f"{r['config']}: {b['requests']} requests together: {b['aggregate_tok_s']:.2f} tok/s over the run, "
+                  f"{f'{full:.2f}' if full else '-'} tok/s while all {b['requests']} decode{ratio}")
     if args.kernels:
         report = kernel_report(rows)
         (out / "kernels.md").write_text(report)
