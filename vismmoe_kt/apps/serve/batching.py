@@ -64,8 +64,8 @@ class BatchedEngine(Engine):
         streamer.put(prepared.inputs["input_ids"].cpu())  # the prompt, which the streamer skips
         job = Job(streamer, request.stop, limit)
         sampling = self._sampling(request)
-        batch_request = BatchRequest(prepared.inputs, limit, Sampling(sampling["do_sample"], sampling.get("temperature", 1.0),
-                                                                      sampling.get("top_p", 1.0)),
+        chosen = Sampling(sampling["do_sample"], sampling.get("temperature", 1.0), sampling.get("top_p", 1.0))
+        batch_request = BatchRequest(prepared.inputs, limit, chosen,
                                      on_token=lambda token: streamer.put(torch.tensor([token])))
         with self._wake:
             self._inbox.append((job, batch_request, ticket, usage, time.perf_counter(), asyncio.get_running_loop()))
