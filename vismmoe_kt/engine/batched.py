@@ -164,7 +164,7 @@ class BatchRunner:
             if request.on_token is not None:
                 request.on_token(token)
         self.scheduler.finish_step(plan, sampled)
-        ended = [r for i, r in list(self.requests.items()) if r.sequence.done]
+        ended = [r for r in self.requests.values() if r.sequence.done]
         for request in ended:
             del self.requests[request.sequence.id]
         return len(plan.decode), ended

@@ -153,21 +153,15 @@ if tl is not None:
         bytes; its low 4 bits are a nibble of byte 32 * (w // 64) + w % 32 of the quants (low for the
         first 32 of each 64, high for the next), Q5_K's fifth bit is bit s of qh[w % 32]."""
         s = w // 32
-        low = s < 4
-        s_hi = tl.where(low, 0, s - 4)
         d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
         dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        a = tl.load(at8 + 4 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s]
-        b = tl.load(at8 + 8 + s[None, :], mask=ok, other=0).to(tl.int32)       # scales[s + 4]
-        c = tl.load(at8 + 4 + s_hi[None, :], mask=ok, other=0).to(tl.int32)    # scales[s - 4] (s >= 4)
-        scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
-        minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
+        scale, minimum = _scales_mins(at8, s, ok)                                # (R, 256): each weight's sub-block's
         QS: tl.constexpr = 48 if FIFTH_BIT else 16                              # Q5_K's qh[32] come first
         q_byte = QS + 32 * (w // 64) + w % 32
         q = (tl.load(at8 + q_byte[None, :], mask=ok, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 0xF
         if FIFTH_BIT:
             q = q | (((tl.load(at8 + (16 + w % 32)[None, :], mask=ok, other=0).to(tl.int32) >> s[None, :]) & 1) << 4)
-        return d * scale.to(tl.float32) * q.to(tl.float32) - dmin * minimum.to(tl.float32)
+        return d * scale * q.to(tl.float32) - dmin * minimum
 
     @triton.jit
     def _q6k_weights(at, at8, w, ok):

@@ -207,8 +207,8 @@ class OffloadRuntime:
         into the store of the same format as they are (down in `down_format`, where it differs), with
         no dequantizing and requantizing."""
         self._allocate()
-        block_bytes = self.store.block_bytes_with(down_format or self.store.fmt)
-        if self.quantized_slabs and block_bytes > self.slab_bytes:
+        block_bytes = self.store.block_bytes_with(down_format or self.store.fmt) if self.quantized_slabs else 0
+        if block_bytes > self.slab_bytes:
             raise BudgetError(f"slab_format quantized sized its slabs for {self.slab_bytes} bytes, but layer {layer}'s "
                               f"experts with {down_format} down experts take {block_bytes} (the file's header did not "
                               "say so): use slab_format dequantized")
@@ -437,13 +437,12 @@ class OffloadRuntime:
         bank, pool = self._bank_of_layer, self.pool[0]
         ids = torch.tensor(slabs, dtype=torch.long).to(self.device, non_blocking=True)
         target = torch.tensor(experts, dtype=torch.long).to(self.device, non_blocking=True)
-        block_bytes = self.store.block_bytes_of(layer)
-        if self._use_kernel or (self.device.type == "cuda" and decode_kernel.available(self.store.dtype)):
+        if self.device.type == "cuda" and decode_kernel.available(self.store.dtype):
             need = torch.ones(len(slabs), dtype=torch.int8, device=self.device)
             decode_kernel.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], self.inter, self.hidden,
                                    fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
         else:
-            gate_up, down = self.store.dequantized(pool[ids, :block_bytes], layer)
+            gate_up, down = self.store.dequantized(pool[ids, :self.store.block_bytes_of(layer)], layer)
             bank[0].index_copy_(0, target, gate_up)
             bank[1].index_copy_(0, target, down)
         return bank
