@@ -31,8 +31,10 @@
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
-#   bash scripts/device_session.sh batch PX N       every expert resident (lean-graphs): one request graphed against N
-#                                                   decoded together (batched generation, eager), the model's own routing
+#   bash scripts/device_session.sh batch PX N...    every expert resident (lean-graphs), and offloaded at 16 GiB: one
+#                                                   request graphed against N decoded together for each N (batched
+#                                                   generation, CUDA graphs per batch size), synthetic routing
+#                                                   (BATCH_ROUTING, BATCH_CONFIGS override)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -135,13 +137,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     qslabs) shift  # quantized slabs: the GGUF's Q4_K blocks kept on the GPU too, decoded by the decode GEMVs
             px=$1 budget=$2; shift 2
             half=$(( ${budget%GiB} / 2 ))GiB
-            GGUF_CONFIGS=${GGUF_CONFIGS:-"lean:$budget lean:$budget+gguf lean:$budget+gguf+qslabs lean:$half+gguf+qslabs"} \
+            GGUF_CONFIGS=${GGUF_CONFIGS:-"lean:$budget lean:$budget+gguf+dqslabs lean:$budget+gguf+qslabs lean:$half+gguf+qslabs"} \
               bash "$0" gguf "$px" "$budget" ;;
-    batch) shift  # continuous batching, all resident: the single graphed request against N together
-           px=$1 n=$2; shift 2
-           timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batch$px-$n" --layers 48 --reps 3 \
-             --image-size "$px" --decode-tokens 32 --routing model --concurrency "$n" --configs lean-graphs \
-             | tee "$OUT/batch$px-$n.txt" ;;
+    batch) shift  # continuous batching: the single graphed request against N together, for each N
+           px=$1; shift
+           levels=()
+           while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
+           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batch$px" \
+             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing "${BATCH_ROUTING:-synthetic}" \
+             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} | tee "$OUT/batch$px.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -155,6 +159,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N, fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

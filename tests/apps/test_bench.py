@@ -81,6 +81,26 @@ def test_synthetic_routing_rows_carry_the_belady_bound(tmp_path, capsys):
     assert pinned["belady_hit_rate_decode"] is None  # nothing offloaded: no cache to bound
 
 
+@pytest.mark.slow
+def test_concurrency_levels_report_batched_generation_against_batch_one(tmp_path, capsys):
+    """`--concurrency N`: N requests with their own pictures decoded together, beside the configuration's
+    batch-1 figures; a configuration off the lean decode path says why it has no such line."""
+    rc = main(["bench", "--demo", "--configs", "lru", "all-on-gpu", "--image-sizes", "64", "--decode-tokens", "4",
+               "--warmup", "0", "--repeats", "1", "--budgets", "5MiB", "--cpu_infer", "2", "--routing", "synthetic:5",
+               "--concurrency", "2", "3", "--output", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {row["config"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    levels = rows["lru"]["concurrency"]
+    assert [level["requests"] for level in levels] == [2, 3] and all(level["status"] == "ok" for level in levels)
+    for level in levels:
+        assert level["aggregate_tok_s"] > 0 and level["full_batch_steps"] >= 1
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] and 0 < level["itl_p50_s"] <= level["itl_p95_s"]
+        assert level["decode_bytes_per_token"] >= 0 and level["steps"] >= 2 * (4 - 1)
+    assert rows["all-on-gpu"]["concurrency"][0]["reason"] == "batched generation runs on the lean decode path"
+    assert "| lru | 5MiB | 64 | 3 |" in out and "skipped: batched generation runs on the lean decode path" in out
+
+
 def test_ablation_steps_add_one_thing_each():
     classes = lambda rules: {r["replace"].get("class") for r in rules}  # noqa: E731
     base, compress, predict, full = (CONFIGS[f"vismmoe{s}"].rules("24GB", "p.pt") for s in
@@ -104,6 +124,8 @@ def test_ablation_steps_add_one_thing_each():
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--layers", "2"], "--layers applies to --synthetic models only"),
     (["--profile"], "--profile writes profile.json into the --output directory"),
+    (["--concurrency", "1"], "--concurrency must be at least 2"),
+    (["--concurrency", "2", "--decode-tokens", "1"], "--decode-tokens must be at least 2"),
 ])
 def test_bad_input_gives_a_clear_error(args, message, capsys):
     assert main(["bench", "--demo", *args]) == 2

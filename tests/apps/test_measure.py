@@ -94,14 +94,23 @@ def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
 
 def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     """`--concurrency N`: the configuration's N requests through batched generation, reported beside
-    the single request's rate; it needs the model's own routing (batching takes no routing source)."""
+    the single request's rate; with a routing source and offloaded experts, also the PCIe bytes per
+    generated token."""
     command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(tmp_path), "--device", "cpu",
                "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "6", "--reps", "1", "--configs", "lean:1GiB",
-               "--concurrency", "3"]
+               "--concurrency", "2", "3"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    batched = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]["batched"]
-    assert batched["requests"] == 3 and batched["full_batch_steps"] >= 1 and batched["full_batch_decode_tok_s"] > 0
-    assert "3 requests together" in result.stdout
-    refused = subprocess.run([*command, "--routing", "synthetic"], capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "add --routing model" in refused.stderr
+    levels = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]["batched"]
+    assert [b["requests"] for b in levels] == [2, 3]
+    for batched in levels:
+        assert batched["full_batch_steps"] >= 1 and batched["full_batch_decode_tok_s"] > 0
+        assert batched["graphed_steps"] == 0 and batched["steps"] >= 6  # graphs: auto is eager on the CPU
+    assert "3 requests together" in result.stdout and "2 requests together" in result.stdout
+    offloaded = [*command[:command.index("--configs")], "--configs", "lean:1280KiB", "--routing", "synthetic",
+                 "--concurrency", "3", "--out", str(tmp_path / "offloaded")]
+    result = subprocess.run(offloaded, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads((tmp_path / "offloaded" / "decode_bench.json").read_text())["rows"][0]
+    assert row["decode_bytes_per_token"] > 0 and row["batched"][0]["decode_bytes_per_token"] > 0
+    assert "MB over PCIe per token" in result.stdout

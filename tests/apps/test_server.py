@@ -57,7 +57,8 @@ def test_the_load_test_drives_the_server_at_each_concurrency(server, tmp_path):
                  "--max_tokens", "6", "--timeout_s", "120"]) == 0
     rows = json.loads((tmp_path / "load_test.json").read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 3]
-    assert all(r["errors"] == 0 and r["changed_answers"] == 0 and r["tokens"] >= 4 for r in rows)
+    assert all(r["errors"] == 0 and r["lost"] == 0 and r["changed_answers"] == 0 and r["tokens"] >= 4 for r in rows)
+    assert rows[0]["correct"] == rows[1]["correct"]  # the known answers the demo model gets do not move with the load
     assert all(r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] for r in rows)
     assert "| 3 |" in (tmp_path / "load_test.md").read_text()
     assert (tmp_path / "load_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -31,27 +31,65 @@ def requests_for(processor):
             build_inputs(processor, [user_turn("Two shapes?", 1)], [make_image(128, 128, seed=3)])]
 
 
-@pytest.mark.parametrize("rules,layers,max_batch", [("qwen3vl-offload", 4, 4), ("qwen3vl-offload", 4, 2),
-                                                    ("qwen3vl-offload", 2, 3), ("qwen3vl", 2, 3)])
-def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers, max_batch):
+@pytest.mark.parametrize("rules,layers,max_batch,graphs", [
+    ("qwen3vl-offload", 4, 4, "off"), ("qwen3vl-offload", 4, 2, "off"), ("qwen3vl-offload", 2, 3, "off"),
+    ("qwen3vl", 2, 3, "off"), ("qwen3vl-offload", 4, 3, "replay"), ("qwen3vl-offload", 2, 3, "replay")])
+def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers, max_batch, graphs):
     """qwen3vl: VisMMOE whole, visual tokens pruned after the pinned layer (each slot's later layers hold
-    fewer tokens than its first), misses split between the GPU and the CPU."""
+    fewer tokens than its first), misses split between the GPU and the CPU. graphs replay: the CPU twin
+    of the captured steps, one per power-of-two batch size (3 sequences run as 4 rows, one of them
+    padding), with offloaded layers' experts eager between the captures."""
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * layers)
-    model, processor = load(case, f"optimize_rules/{rules}.yaml", expert_budget=budget, **CPU)
+    model, processor = load(case, f"optimize_rules/{rules}.yaml", expert_budget=budget, graphs=graphs, **CPU)
     requests = requests_for(processor)
     budgets = [12, 5, 9, 7]
     with torch.no_grad():
         alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
-        sizes = []
+        sizes, stats = [], {}
         together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=max_batch,
-                                  min_new_tokens=max(budgets), on_step=sizes.append)
+                                  min_new_tokens=max(budgets), on_step=sizes.append, stats=stats)
     for got, want in zip(together, alone):
         assert torch.equal(got, want)
     assert max(sizes) == min(max_batch, len(requests)) and max(sizes) > 1  # rows really ran together
+    if graphs == "off":
+        assert stats["graphed_steps"] == 0 and stats["captured_shapes"] == []
+    else:
+        assert stats["graphed_steps"] == stats["steps"] == len(sizes) and stats["check_failures"] == 0
+        assert {rows for rows, _ in stats["captured_shapes"]} == {1 << (b - 1).bit_length() for b in sizes}
+        assert 4 in {rows for rows, _ in stats["captured_shapes"]}  # 3 sequences padded to 4 rows
+        offloaded = layers < 4
+        assert (stats["eager_pieces_per_step"] > 0) == offloaded  # offloaded layers' experts run between graphs
     if rules == "qwen3vl":
         assert model.vismmoe.context.pruning.pruned_prefills == 6  # three image requests, alone and batched
     with torch.no_grad():  # the single-request path still works after a batch
         assert torch.equal(generate(model, dict(requests[0]), budgets[0], min_new_tokens=budgets[0]), alone[0])
+
+
+@pytest.mark.parametrize("graphs", ["off", "replay"])
+def test_batched_requests_follow_their_own_routing_tables(case, graphs):
+    """A routing source under batching: each request's slot gets the table it gets alone (request i
+    of the synthetic seeds), its prefill and every batched step read it, so the tokens are the same
+    as alone; offloaded layers fetch for the real rows only (padding rows add no experts)."""
+    from vismmoe_kt.engine.routing_source import install_routing
+
+    budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
+    model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
+    routing = install_routing(model, "synthetic:3")
+    requests, budgets = requests_for(processor)[:3], [6, 4, 5]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        tables = [entry["ids"] for entry in routing.history]
+        routing.requests, stats = 0, {}  # the same seeds again, in the same order
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,
+                                  min_new_tokens=max(budgets), stats=stats)
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    for table, entry in zip(tables, routing.history[-3:]):
+        assert torch.equal(table, entry["ids"])
+    runtime = model.vismmoe.context.offload_runtime
+    assert runtime.counters["decode"]  # the batched steps' offloaded layers counted as decode
+    if graphs == "replay":
+        assert {rows for rows, _ in stats["captured_shapes"]} >= {4}
 
 
 def test_what_batched_generation_refuses(case):

@@ -27,7 +27,10 @@ def attention():
     return attn, rotary, config
 
 
-def test_a_batched_decode_step_attends_each_row_as_alone(attention):
+@pytest.mark.parametrize("rows", [3, 4])
+def test_a_batched_decode_step_attends_each_row_as_alone(attention, rows):
+    """rows 4: the step padded to a power of two, as captured steps run; the padding row writes the
+    pad slot only."""
     attn, rotary, config = attention
     heads, dim = config.num_key_value_heads, config.head_dim
     torch.manual_seed(0)
@@ -50,15 +53,21 @@ def test_a_batched_decode_step_attends_each_row_as_alone(attention):
             attn(hidden_states=prompt, position_embeddings=rotary(prompt, torch.arange(n)[None]),
                  attention_mask=causal_mask(n, 0, torch.float32, prompt.device), past_key_values=slots.slot_view(slot))
         assert [slots.host_lengths[1][s] for s in order] == lengths and slots.host_lengths[0] == [0] * 4
-        slots.begin_decode(order)
-        batch = torch.cat(steps)
-        together, _ = attn(hidden_states=batch, position_embeddings=rotary(batch, torch.tensor(lengths)[:, None]),
+        before = [k.clone() for k in slots.keys]
+        slots.begin_decode(order, rows)
+        batch = torch.cat(steps + [torch.randn(1, 1, config.hidden_size)] * (rows - 3))
+        positions = torch.tensor(lengths + [0] * (rows - 3))[:, None]
+        together, _ = attn(hidden_states=batch, position_embeddings=rotary(batch, positions),
                            attention_mask=slots.decode_masks(torch.float32)[1], past_key_values=slots)
         slots.advance()
-    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(together[:3], torch.cat(alone), rtol=1e-5, atol=1e-6)
     assert [slots.host_lengths[1][s] for s in order] == [n + 1 for n in lengths]
-    assert slots.lengths[1].tolist() == [7, 0, 4, 5]  # slots 2, 0, 3 held 3, 6, 4
-    assert slots.lengths[0].tolist() == [1, 0, 1, 1]  # a step moves every layer of its rows on
+    assert slots.lengths[1, :4].tolist() == [7, 0, 4, 5]  # slots 2, 0, 3 held 3, 6, 4
+    assert slots.lengths[0, :4].tolist() == [1, 0, 1, 1]  # a step moves every layer of its rows on
+    assert slots.lengths[1, slots.pad_slot] == (rows > 3)
+    assert torch.equal(slots.keys[1][1], before[1][1])  # slot 1 holds no sequence: nothing wrote it
+    with pytest.raises(ValueError, match="a step of 3 slots cannot run as 2 rows"):
+        slots.begin_decode(order, 2)
 
 
 def test_slots_are_released_checked_and_bounded():
@@ -81,7 +90,7 @@ def test_slots_are_released_checked_and_bounded():
     with pytest.raises(RuntimeError, match="outside a decode step"):
         cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)
     cache.release(1)
-    assert cache.slot_view(1).get_seq_length(0) == 0 and cache.lengths.tolist() == [[0, 0]]
+    assert cache.slot_view(1).get_seq_length(0) == 0 and cache.lengths[:, :2].tolist() == [[0, 0]]
     with pytest.raises(ValueError, match="slot 2 is not one of"):
         cache.slot_view(2)
 

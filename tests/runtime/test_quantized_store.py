@@ -212,7 +212,7 @@ def test_what_quantized_slabs_need_is_a_clear_error(case, case256):
     with pytest.raises(RuleError, match="slab_format quantized works with miss_policy wait, not auto"):
         load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget, store_dtype="q8_0", slab_format="quantized",
              keep_ratio=1.0, **CPU)
-    with pytest.raises(RuleError, match="slab_format 'q4' is not one of: dequantized, quantized"):
+    with pytest.raises(RuleError, match="slab_format 'q4' is not one of: auto, dequantized, quantized"):
         load(model_dir, rules, expert_budget=budget, store_dtype="q8_0", slab_format="q4", **CPU)
     narrow_dir = case[0]  # tiny-6x64: hidden 96, not whole 256-weight tiles
     with pytest.raises(RuleError, match="hidden 96 and expert intermediate 64 must be multiples of 256"):
@@ -247,3 +247,29 @@ def test_quantized_slabs_hold_the_largest_down_experts_the_file_declares():
     assert sized.slab_bytes == sized.store.block_bytes_with("q6_k") > plain.slab_bytes == plain.store.block_bytes
     sized.load_layer_raw(1, gate, up, q6k_down, down_format="q6_k")
     assert 1 in sized.loaded and sized.store.block_bytes_of(1) == sized.slab_bytes
+
+
+def test_slab_format_auto_is_quantized_wherever_quantized_slabs_work(case, case256):
+    """The rules' default: a quantized store with whole 256-weight tiles and miss_policy wait gets
+    quantized slabs; the model's dtype, sizes that are not whole tiles or a CPU miss path get
+    dequantized ones, with no error (auto never asks for what cannot work)."""
+    def slabs(model_dir, rules, **kw):
+        model, _ = load(model_dir, rules, **kw, **CPU)
+        runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+        return runtime.summary()["slab_format"], runtime.quantized_slabs
+
+    rules = "optimize_rules/qwen3vl-offload.yaml"
+    model_dir = case256[0]
+    assert slabs(model_dir, rules, expert_budget=10**9, store_dtype="q4_k") == ("quantized", True)
+    assert slabs(model_dir, rules, expert_budget=10**9, store_dtype="model") == ("dequantized", False)
+    assert slabs(model_dir, rules, expert_budget=10**9, store_dtype="q4_k", slab_format="dequantized") \
+        == ("dequantized", False)
+    assert slabs(case[0], rules, expert_budget=2 * LAYER_BYTES, store_dtype="q8_0") == ("dequantized", False)
+    from vismmoe_kt.runtime.offload import OffloadRuntime
+    from vismmoe_kt.runtime.offload_settings import OffloadSettings
+
+    for miss_policy, quantized in (("wait", True), ("cpu", False), ("auto", False)):  # the CPU backends read BF16
+        settings = OffloadSettings(expert_budget=10**8, store_dtype="q8_0", miss_policy=miss_policy,
+                                   cpu_backend="kt-kernel")
+        runtime = OffloadRuntime(settings, [0, 1], 4, 256, 256, torch.float32, "cpu", top_k=2)
+        assert runtime.quantized_slabs is quantized

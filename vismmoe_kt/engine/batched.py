@@ -10,9 +10,13 @@ the whole batch, so an expert that several rows route to is fetched once per ste
 when a slot is free and leave when they finish, between steps. Greedy rows give the tokens the
 request gets alone (`generate`), whatever ran beside it.
 
-This first version decodes eagerly (no CUDA graphs), prefills a prompt in one piece, gives each
-sequence a slot of the longest request's size (so nothing is preempted), and takes neither a
-routing source nor prefix reuse; the offload runtime serves its batch through the placement path.
+The step is LeanDecodeStep's pieces over B rows, captured in CUDA graphs per power-of-two batch size
+and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routing source
+(`--routing synthetic`) gives each slot its own table. This version prefills a prompt in one piece,
+gives each sequence a slot of the longest request's size (so nothing is preempted), and takes no
+prefix reuse; the offload runtime serves a batch's offloaded layers through the placement path
+(eagerly, between the graphs: one read of the step's routing per layer, each missing expert fetched
+once for every row), its pinned ones inside them.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from torch import nn
 
 from ..models import ModelAdapter
 from .generation import _eos_ids, next_token
+from .graphs import State
 from .lean_engine import decode_engine
-from .lean_step import norm_fn, router_fn
+from .lean_step import LeanDecodeStep, experts_capturable, router_fn
 from .scheduler import BlockPool, Scheduler, SchedulerError, Sequence
 from .slot_cache import SlotKVCache
 
@@ -38,49 +43,84 @@ class Sampling:
     top_p: float = 1.0
 
 
-class BatchedDecodeStep:
-    """One decode token for each of B sequences in a SlotKVCache (its active slots), eagerly."""
+class BatchedDecodeStep(LeanDecodeStep):
+    """One decode token for each of B sequences in a SlotKVCache: LeanDecodeStep's pieces over B rows.
 
-    def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache, context: Any):
-        self.text, self.adapter, self.lm_head, self.cache, self.context = text, adapter, lm_head, cache, context
-        self.embed = adapter.token_embedding(text)
-        self.layers = [self._layer(index, layer) for index, layer in enumerate(adapter.layers_of(text))]
-        self.final_norm = norm_fn(adapter, adapter.final_norm(text))
-        if len(self.layers) != cache.num_layers:
-            raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(self.layers)}")
+    With graphs, a step runs as R rows, R the next power of two of B (padding rows read and write the
+    cache's pad slot), and each (R, attention span) gets its captures, made when first needed and
+    checked against the eager step as LeanDecodeStep checks its own. Experts that are device work only
+    for several rows (`batch_capturable`: the offload runtime's pinned layers) join the graphs; the
+    others (offloaded layers, which read the routing on the host) run eagerly between them."""
 
-    def _layer(self, index: int, layer: nn.Module) -> Callable[..., torch.Tensor]:
-        adapter, cache = self.adapter, self.cache
-        norm_in = norm_fn(adapter, adapter.input_norm(layer))
-        norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
-        attention, mlp, experts = adapter.attention(layer), adapter.feed_forward(layer), adapter.experts(layer)
-        router = router_fn(adapter, adapter.router(layer)) if experts is not None else None
+    def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache, context: Any,
+                 graphs: str = "off"):
+        runtime = context.offload_runtime  # serves the step's rows as decode tokens while it runs
+        hooks = [(runtime.begin_batch_step, runtime.end_batch_step)] if hasattr(runtime, "begin_batch_step") else []
+        self.context, self.rows, self.real_rows = context, 1, 1
+        super().__init__(text, adapter, lm_head, cache, graphs, hooks=hooks, routing=context.routing,
+                         variants=[lambda: (self.rows, self.cache.span)])
+        rows, device = cache.max_rows, cache.device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)       # the captures' inputs
+        self.deltas = torch.zeros(rows, dtype=torch.long, device=device)
+        self.not_visual = torch.zeros(rows, dtype=torch.bool, device=device)
 
-        def run(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-            attended, _ = attention(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
-                                    attention_mask=masks[index], past_key_values=cache)
-            hidden = hidden + attended
-            normed = norm_post(hidden)
-            if experts is None:
-                return hidden + mlp(normed)
-            flat = normed.view(-1, normed.shape[-1])                        # (B, H): one token per row
-            weights, chosen = router(flat)                                   # (B, K) each
-            return hidden + experts(flat, chosen, weights).view_as(hidden)
+    @staticmethod
+    def _experts_capturable(experts: nn.Module) -> bool:
+        return experts_capturable(experts, "batch_capturable")
+
+    @staticmethod
+    def _layer_mask(masks: torch.Tensor, index: int) -> torch.Tensor:
+        return masks[index]  # (R, 1, 1, span): each row's own
+
+    def _router(self, moe_index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's router, or the routing source's row of each sequence's slot at its position (read
+        on the device: the step stays capturable)."""
+        if self.routing is None:
+            return router_fn(self.adapter, self.adapter.router(layer))
+        cache, routing = self.cache, self.routing
+        return lambda x: routing.batch_decode_route(moe_index, cache.active, cache.lengths[0, cache.active])
+
+    def _experts(self, experts: nn.Module) -> Callable[[State], State]:
+        capturable = self._experts_capturable(experts)
+
+        def run(state: State) -> State:
+            hidden, flat, chosen, weights, cos, sin, masks = state
+            rows = self.real_rows
+            if capturable or rows == flat.shape[0]:
+                out = experts(flat, chosen, weights)
+            else:  # eager, between graphs: padding rows would add their experts to the step's fetches
+                out = torch.zeros_like(flat)
+                out[:rows] = experts(flat[:rows], chosen[:rows], weights[:rows])
+            return hidden + out.view_as(hidden), cos, sin, masks
         return run
 
-    def __call__(self, tokens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
-        """(B,) last tokens and M-RoPE deltas of the cache's active rows -> (B, V) logits; the rows move on."""
-        hidden = self.embed(tokens.view(-1, 1))                              # (B, 1, H)
-        # decode tokens are text: what the operators that treat visual tokens apart read from the context
-        self.context.token_is_visual = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        position = self.cache.lengths[0, self.cache.active] + rope_deltas    # the prefix layer holds every position
+    def _embed(self, state: State) -> State:
+        rows = self.rows
+        hidden = self.embed(self.tokens[:rows])                                  # (R, 1, H)
+        position = self.cache.lengths[0, self.cache.active] + self.deltas[:rows]  # the prefix layer holds every position
         cos, sin = self.adapter.rotary(self.text, hidden, position.view(1, -1, 1).expand(3, -1, 1))
-        masks = self.cache.decode_masks(hidden.dtype)                        # (L, B, 1, 1, C)
-        for run in self.layers:
-            hidden = run(hidden, cos, sin, masks)
-        logits = self.lm_head(self.final_norm(hidden))[:, -1]
-        self.cache.advance()
-        return logits
+        return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)           # masks (L, R, 1, 1, span)
+
+    def __call__(self, slots: list[int], tokens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
+        """(B,) last tokens and M-RoPE deltas of the sequences in `slots` -> (B, V) logits; the rows move on."""
+        b = self.real_rows = len(slots)
+        self.rows = b if self.backend is None else 1 << (b - 1).bit_length()
+        self.cache.begin_decode(slots, self.rows)
+        self.tokens[:b, 0].copy_(tokens.view(-1))
+        self.tokens[b:self.rows].zero_()
+        self.deltas[:b].copy_(rope_deltas.view(-1))
+        self.deltas[b:self.rows].zero_()
+        # decode tokens are text: what the operators that treat visual tokens apart read from the context
+        self.context.token_is_visual = self.not_visual[:self.rows]
+        try:
+            logits = self._announced(self._eager_step if self.backend is None else self._graphed_step)
+        except BaseException:
+            self.cache.active, self.cache._active_host = None, []
+            raise
+        self.cache.advance_on_host()
+        self.counters.steps += 1
+        self.counters.graphed_steps += self.segments is not None
+        return logits[:b]
 
 
 @dataclass(eq=False)
@@ -106,15 +146,18 @@ class BatchRunner:
         if engine is None:
             raise ValueError("batched generation runs on the lean decode path: the rules need a VisDecoder "
                              "(e.g. optimize_rules/qwen3vl.yaml) and decode: lean")
-        if engine.context.routing is not None:
-            raise ValueError("batched generation does not take a routing source yet (--routing model)")
         self.model, self.engine, self.capacity = model, engine, capacity
         adapter, text = engine.adapter, engine.text
         config, weight = text.config, adapter.token_embedding(text).weight
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(len(adapter.layers_of(text)), max_batch, config.num_key_value_heads, head_dim,
                                  capacity, weight.dtype, weight.device)
-        self.step_fn = BatchedDecodeStep(text, adapter, adapter.output_head(model), self.cache, engine.context)
+        self.routing = engine.context.routing if engine.context.routing is not None \
+            and engine.context.routing.replaces else None
+        if self.routing is not None:  # a table per slot, read by the batched step's routers
+            self.routing.reserve_slots(max_batch, capacity, weight.device, weight.dtype)
+        self.step_fn = BatchedDecodeStep(text, adapter, adapter.output_head(model), self.cache, engine.context,
+                                         engine.graphs)
         # a slot is one block of `capacity` tokens: a request fits one (`add` checks), so nothing is preempted
         self.scheduler = Scheduler(BlockPool(max_batch, capacity), max_batch=max_batch, max_queue=max_queue,
                                    prefill_chunk=capacity)
@@ -126,6 +169,11 @@ class BatchRunner:
     @property
     def idle(self) -> bool:
         return self.scheduler.idle
+
+    def stats(self) -> dict[str, Any]:
+        """The batched step's counters (LeanDecodeStep.stats) and the (rows, span) shapes it captured."""
+        step = self.step_fn
+        return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured)}  # keys: (variant,)
 
     def add(self, request: BatchRequest) -> Sequence:
         prompt = request.inputs["input_ids"]
@@ -151,12 +199,13 @@ class BatchRunner:
             sampled[plan.prefill.sequence.id] = self._prefill(plan.prefill.sequence)
         if plan.decode:
             requests = [self.requests[s.id] for s in plan.decode]
-            self.cache.begin_decode([s.kv_blocks[0] for s in plan.decode])
             last = torch.tensor([s.generated[-1] for s in plan.decode], device=self.device)
             deltas = torch.tensor([r.rope_delta for r in requests], device=self.device)
-            logits = self.step_fn(last, deltas)
+            logits = self.step_fn([s.kv_blocks[0] for s in plan.decode], last, deltas)
+            greedy = logits.argmax(dim=-1).tolist()  # one device read for every greedy row
             for row, (sequence, request) in enumerate(zip(plan.decode, requests)):
-                sampled[sequence.id] = _sample(logits[row:row + 1], request.sampling)
+                sampled[sequence.id] = _sample(logits[row:row + 1], request.sampling) \
+                    if request.sampling.do_sample else greedy[row]
         for sequence_id, token in sampled.items():
             request = self.requests[sequence_id]
             if request.min_new_tokens and len(request.sequence.generated) + 1 >= request.min_new_tokens:
@@ -174,8 +223,14 @@ class BatchRunner:
         request, slot, adapter = self.requests[sequence.id], sequence.kv_blocks[0], self.engine.adapter
         self.cache.release(slot)
         adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
-        logits = self.model(**request.inputs, past_key_values=self.cache.slot_view(slot), use_cache=True,
-                            logits_to_keep=1).logits[:, -1]
+        if self.routing is not None:
+            self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
+        try:
+            logits = self.model(**request.inputs, past_key_values=self.cache.slot_view(slot), use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+        finally:
+            if self.routing is not None:
+                self.routing.end_slot_prefill()
         delta = adapter.rope_delta(self.model)
         request.rope_delta = int(delta.reshape(-1)[0]) if delta is not None else 0
         return _sample(logits, request.sampling)
@@ -183,15 +238,21 @@ class BatchRunner:
 
 def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_tokens: int | list[int],
                    max_batch: int = 8, sampling: Sampling | list[Sampling] | None = None,
-                   min_new_tokens: int = 0, on_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                   min_new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
+                   stats: dict | None = None, runner: "BatchRunner | None" = None) -> list[torch.Tensor]:
     """Each request's (1, prompt + new) token ids, the requests decoded together (at most `max_batch` at
-    once, the rest waiting for a free slot). `on_step(B)` is told each decode step's batch size."""
+    once, the rest waiting for a free slot). `on_step(B)` is told each decode step's batch size; `stats`
+    gets the batched step's counters (BatchRunner.stats). `runner`: an idle BatchRunner to run them on
+    (its slots, and the graphs its earlier steps captured), instead of a new one of `max_batch` slots."""
     budgets = [max_new_tokens] * len(requests) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     samplings = sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(requests)
     if not len(budgets) == len(samplings) == len(requests):
         raise ValueError(f"{len(requests)} requests, {len(budgets)} token budgets, {len(samplings)} samplings")
-    capacity = max(r["input_ids"].shape[1] + n for r, n in zip(requests, budgets))
-    runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests))
+    if runner is None:
+        capacity = max(r["input_ids"].shape[1] + n for r, n in zip(requests, budgets))
+        runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests))
+    elif not runner.idle:
+        raise ValueError("generate_batch needs an idle runner")
     batch = [BatchRequest(r, n, s, min_new_tokens) for r, n, s in zip(requests, budgets, samplings)]
     for request in batch:
         runner.add(request)
@@ -199,6 +260,8 @@ def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_
         size, _ = runner.step()
         if size and on_step is not None:
             on_step(size)
+    if stats is not None:
+        stats.update(runner.stats())
     return [torch.cat([r.inputs["input_ids"], torch.tensor([r.sequence.generated], dtype=r.inputs["input_ids"].dtype,
                                                            device=r.inputs["input_ids"].device)], dim=1)
             for r in batch]

@@ -105,8 +105,8 @@ def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = Fals
     return lambda x: gate(x)[1:]
 
 
-def experts_capturable(experts: nn.Module) -> bool:
-    probe = getattr(experts, "decode_capturable", None)
+def experts_capturable(experts: nn.Module, probe_name: str = "decode_capturable") -> bool:
+    probe = getattr(experts, probe_name, None)
     return bool(probe()) if callable(probe) else False  # unknown modules may sync or branch on the host
 
 
@@ -152,12 +152,20 @@ class LeanDecodeStep:
             pieces.append(Piece(f"attention {index}", self._attention(index, layer, experts is not None), True, index,
                                 "attention"))
             if experts is not None:
-                pieces.append(Piece(f"experts {index}", self._experts(experts), experts_capturable(experts), index,
-                                    "experts"))
+                pieces.append(Piece(f"experts {index}", self._experts(experts), self._experts_capturable(experts),
+                                    index, "experts"))
         pieces.append(Piece("head", self._head(norm_fn(adapter, adapter.final_norm(text))), True, kind="head"))
         if len(layers) != cache.num_layers:
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(layers)}")
         return pieces
+
+    @staticmethod
+    def _experts_capturable(experts: nn.Module) -> bool:
+        return experts_capturable(experts)
+
+    @staticmethod
+    def _layer_mask(masks: torch.Tensor, index: int) -> torch.Tensor:
+        return masks[index:index + 1]  # (1, 1, 1, C): the one row's
 
     def _embed(self, state: State) -> State:
         hidden = self.embed(self.token)
@@ -176,7 +184,7 @@ class LeanDecodeStep:
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
             attended, _ = attention(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
-                                    attention_mask=masks[index:index + 1], past_key_values=cache)
+                                    attention_mask=self._layer_mask(masks, index), past_key_values=cache)
             hidden = hidden + attended
             normed = norm_post(hidden)
             if not moe:

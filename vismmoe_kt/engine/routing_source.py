@@ -16,6 +16,10 @@ output); the decode engine reads the row of the step's position on the device, s
 step replays with the table's next row and no host work. Rows of a pruned prefill (fewer tokens
 after the prefix) are the kept positions (`context.pruning.keep`).
 
+Batched generation (batched.py) gives each KV slot a table of its own (`reserve_slots`): a request's
+`begin(..., slot=s)` fills slot s's rows, its prefill reads them, and a batched step's router reads
+each row's own slot at its own position (`batch_decode_route`, on the device).
+
 A synthetic source also keeps the latent state each router read (N, L, D): `latent(index)` is its
 mean over the positions layer `index` routed last (the prompt's in a prefill, the step's position
 in decode, read on the device). A lookahead predictor calibrated on synthetic routing
@@ -77,6 +81,10 @@ class RoutingSource:
         self._start = self._prompt = 0
         self._next: list[int] = []
         self._recorded: dict[int, list[torch.Tensor]] = {}
+        # batched generation: per KV slot (and one for padding rows), (S + 1, capacity, L, k) tables
+        self.slot_ids: torch.Tensor | None = None
+        self.slot_weights: torch.Tensor | None = None
+        self._slot: int | None = None  # the slot whose prefill runs now (None: the single-request table)
 
     @property
     def replaces(self) -> bool:
@@ -93,17 +101,36 @@ class RoutingSource:
         if latent_dim and (self.latents is None or self.latents.shape[2] != latent_dim):
             self.latents = torch.zeros(self.ids.shape[0], self.layers, latent_dim, device=device)
 
-    def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0) -> None:
-        """A request: prompt `input_ids` (1, T), of which the first `start` are in the cache already."""
+    def reserve_slots(self, slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Tables for batched generation: `slots` KV slots of `capacity` positions, and a padding row's
+        (all zeros: expert 0 with weight 0)."""
+        shape = (slots + 1, capacity, self.layers, self.top_k)
+        if self.slot_ids is None or self.slot_ids.shape != shape or self.slot_ids.device != torch.device(device):
+            self.slot_ids = torch.zeros(shape, dtype=torch.long, device=device)
+            self.slot_weights = torch.zeros(shape, dtype=dtype, device=device)
+
+    def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0, slot: int | None = None) -> None:
+        """A request: prompt `input_ids` (1, T), of which the first `start` are in the cache already;
+        `slot`: batched generation's KV slot, whose table it fills (reserve_slots) instead of the single one."""
         prompt = int(input_ids.shape[1])
         self._start, self._prompt = start, prompt
         self._next = [start] * self.layers
         self._recorded = {}
+        self._slot = slot
         if not self.replaces:
             return
         total = prompt + max_new_tokens
         visual = self.adapter.image_token_mask(self.config, input_ids[0]).cpu()
         ids, weights, latents, probabilities = self._table(total, visual)
+        if slot is not None:
+            if self.slot_ids is None or not 0 <= slot < self.slot_ids.shape[0] - 1 or total > self.slot_ids.shape[1]:
+                raise ValueError(f"slot {slot} with {total} positions: reserve_slots made "
+                                 f"{None if self.slot_ids is None else tuple(self.slot_ids.shape[:2])}")
+            self.slot_ids[slot, :total].copy_(ids.to(self.slot_ids.device))
+            self.slot_weights[slot, :total].copy_(weights.to(device=self.slot_weights.device,
+                                                             dtype=self.slot_weights.dtype))
+            self._count(ids, prompt)
+            return
         device = input_ids.device
         dtype = self.weights.dtype if self.weights is not None else torch.float32
         self.reserve(total, device, dtype, latents.shape[2] if latents is not None else 0)
@@ -112,9 +139,17 @@ class RoutingSource:
         if latents is not None:
             self.latents[:total].copy_(latents.to(device=device, dtype=torch.float32))
         self.probabilities[:total].copy_(probabilities.to(device))
+        self._count(ids, prompt)
+
+    def _count(self, ids: torch.Tensor, prompt: int) -> None:
+        """A request's table made: kept for the benchmark's Belady figures; the next request's seed moves on."""
         self.history.append({"ids": ids, "prompt": prompt})
         del self.history[:-HISTORY]
         self.requests += 1
+
+    def end_slot_prefill(self) -> None:
+        """After a batched request's prefill: the routers' hooks read the single-request table again."""
+        self._slot = None
 
     def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                               torch.Tensor]:
@@ -174,6 +209,9 @@ class RoutingSource:
                 self._recorded.setdefault(index, []).append(chosen.detach().cpu())
             if not self.replaces:
                 return None
+            if self._slot is not None:  # a batched request's prefill: its slot's table
+                return self.adapter.with_routing(output, self.slot_weights[self._slot, positions, index],
+                                                 self.slot_ids[self._slot, positions, index])
             return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
         return hook
 
@@ -194,6 +232,12 @@ class RoutingSource:
         """(weights (1, k), ids (1, k)) of MoE layer `index` at `position` ((1,) long on the device)."""
         self._routed_at[index] = position
         return self.weights[position, index], self.ids[position, index]
+
+    def batch_decode_route(self, index: int, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """(weights (R, k), ids (R, k)) of MoE layer `index` for a batched step's R rows: row r at
+        `positions[r]` of slot `slots[r]`'s table (device tensors, read on the device)."""
+        return self.slot_weights[slots, positions, index], self.slot_ids[slots, positions, index]
 
     def decode_probabilities(self, index: int, position: torch.Tensor) -> torch.Tensor:
         """(1, E): MoE layer `index`'s router probabilities over every expert at `position` (device)."""

@@ -16,6 +16,10 @@ Two ways in, with the interface transformers' attention calls (`update`, `get_se
 The decode returns gathered copies of the B rows per layer, cut at the step's span (the longest row
 plus the new token, rounded up to SPAN_STEP positions, not the whole capacity C): attention over rows
 of different lengths without a paged-attention kernel, at a cost that follows the rows' lengths.
+
+A captured step (a CUDA graph per batch size) runs a fixed number of rows: `begin_decode(slots, rows)`
+pads the step to `rows` with a pad slot of its own (one slot past the sequences' ones, emptied at each
+step, never read by a real row), and the step's active slots live in one fixed buffer the graphs read.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ class SlotKVCache:
                  device: torch.device | str):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a slot cache needs at least one slot and one position, got {slots} x {capacity}")
-        shape = (slots, kv_heads, capacity, head_dim)
+        shape = (slots + 1, kv_heads, capacity, head_dim)  # the last slot: padding rows of a captured step
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.capacity, self.device = capacity, torch.device(device)
         self.host_lengths = [[0] * slots for _ in range(layers)]
-        self.lengths = torch.zeros(layers, slots, dtype=torch.long, device=device)  # device mirror, for decode
+        self.lengths = torch.zeros(layers, slots + 1, dtype=torch.long, device=device)  # device mirror, for decode
         self.positions = torch.arange(capacity, device=device)
-        self.active: torch.Tensor | None = None  # the B slots of the decode step under way
+        self.pad_slot = slots
+        # the step's rows' slots: views of one buffer (a graph reads the same memory at every replay)
+        self._active_rows = torch.full((1 << (slots - 1).bit_length(),), slots, dtype=torch.long, device=device)
+        self.active: torch.Tensor | None = None  # the rows of the decode step under way
         self._active_host: list[int] = []
         self.span = capacity  # positions the step under way attends to
 
@@ -51,7 +58,12 @@ class SlotKVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.keys[0].shape[0]
+        return len(self.host_lengths[0])
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step can run: the slots, padded up to a power of two."""
+        return self._active_rows.numel()
 
     def release(self, slot: int) -> None:
         """Empty a slot (its sequence finished, was cancelled or preempted); the buffers stay."""
@@ -65,15 +77,22 @@ class SlotKVCache:
         return SlotView(self, slot)
 
     # --- decode -----------------------------------------------------------------------------------
-    def begin_decode(self, slots: list[int]) -> None:
-        """The next `update` calls write one token for each of these slots, in this order."""
+    def begin_decode(self, slots: list[int], rows: int | None = None) -> None:
+        """The next `update` calls write one token for each of these slots, in this order, and for
+        `rows` - len(slots) padding rows after them (the pad slot, emptied first)."""
         if len(set(slots)) != len(slots) or not all(0 <= s < self.num_slots for s in slots):
             raise ValueError(f"decode slots {slots} must be distinct slots of this cache's {self.num_slots}")
+        rows = len(slots) if rows is None else rows
+        if not len(slots) <= rows <= self.max_rows:
+            raise ValueError(f"a step of {len(slots)} slots cannot run as {rows} rows (at most {self.max_rows})")
         full = [s for s in slots if max(lengths[s] for lengths in self.host_lengths) >= self.capacity]
         if full:
             raise CacheFullError(f"slot(s) {full} hold {self.capacity} positions already, the cache's capacity")
         self._active_host = list(slots)
-        self.active = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._active_rows[:rows].copy_(torch.tensor(slots + [self.pad_slot] * (rows - len(slots)), dtype=torch.long))
+        self.active = self._active_rows[:rows]
+        if rows > len(slots):  # padding rows start empty at every step: their single position stays in range
+            self.lengths[:, self.pad_slot] = 0
         longest = max(lengths[s] for lengths in self.host_lengths for s in slots) + 1  # with the token written now
         self.span = min(self.capacity, -(-longest // SPAN_STEP) * SPAN_STEP)
 
@@ -103,7 +122,15 @@ class SlotKVCache:
 
     def advance(self) -> None:
         """After the step: every active row moved on by one in every layer."""
+        self.advance_on_device()
+        self.advance_on_host()
+
+    def advance_on_device(self) -> None:
+        """The device half of `advance`: part of the (capturable) step. Padding rows repeat the pad
+        slot; each of them writes the same value, so the repeats are harmless."""
         self.lengths[:, self.active] += 1
+
+    def advance_on_host(self) -> None:
         for lengths in self.host_lengths:
             for s in self._active_host:
                 lengths[s] += 1

@@ -54,7 +54,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
         resolved = resolve_store_dtype(operator, settings)
         # quantized slabs are sized for the largest down experts the file holds (a Q4_K_M file's Q6_K)
         down_formats = gguf_down_formats(operator.gguf_loader, adapter, list(shape.moe_layers)) \
-            if resolved.slab_format == "quantized" else {}
+            if resolved.slab_format != "dequantized" else {}
         runtime = OffloadRuntime(resolved, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
                                  getattr(operator.gguf_loader, "model_dir", None),
@@ -135,6 +135,9 @@ class VisExperts(BaseInjectedModule):
 
     def decode_capturable(self) -> bool:
         return self.runtime.decode_capturable(self.layer)
+
+    def batch_capturable(self) -> bool:
+        return self.runtime.batch_capturable(self.layer)
 
     def stats(self) -> dict[str, Any]:
         return {**self.runtime.summary_once(self.layer), **self.runtime.layer_stats(self.layer)}

@@ -42,7 +42,10 @@ STAGE_CHUNK = 4096  # 4-byte words per program of a Q8_0 miss's staging copy (16
 # quantized slabs: each format's kernel code (`_dot`) and its bytes per 256 weights of a row
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-QUANTIZED_CONFIG = (16, 4)  # (rows per program, warps) of the quantized GEMVs; `decode_kernel_bench --tune` sweeps them
+# (rows per program, warps) of the quantized GEMVs per format, from `decode_kernel_bench --tune` on an H200
+# (us per layer, 8 pairs: q8_0 42.6 at (4, 1) vs 83.9 at (16, 4); q4_k 66.6; q5_k 68.1). q4_0 shares q8_0's
+# 32-weight blocks and q6_k q5_k's super-blocks: untuned, they take their neighbour's
+QUANTIZED_CONFIGS = {"q8_0": (4, 1), "q4_0": (4, 1), "q4_k": (8, 2), "q5_k": (8, 1), "q6_k": (8, 1)}
 
 _DTYPES = {}
 if tl is not None:
@@ -536,17 +539,18 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     """(P, H) fp32 expert outputs, unweighted, each pair's weights decoded from its quantized slab (a row
     of `pool`, uint8 (S, slab bytes): gate and up rows, then down rows, in `fmt` / `down_fmt` blocks;
     every slot >= 0). H and I must be multiples of 256 (whole 256-weight tiles in every format)."""
-    block_rows, warps = config or QUANTIZED_CONFIG
+    rows_up, warps_up = config or QUANTIZED_CONFIGS[fmt]
+    rows_down, warps_down = config or QUANTIZED_CONFIGS[down_fmt]
     pairs = slots.numel()
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
-    _gate_up_q_kernel[(pairs, triton.cdiv(inter, block_rows))](
+    _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
         x.contiguous(), slots, h, pool.data_ptr(), pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
-        KIND=TILE_KINDS[fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=block_rows, num_warps=warps)
-    _down_q_kernel[(pairs, triton.cdiv(hidden, block_rows))](
+        KIND=TILE_KINDS[fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, num_warps=warps_up)
+    _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
         h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=TILE_KINDS[down_fmt],
-        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=block_rows, num_warps=warps)
+        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, num_warps=warps_down)
     return y
 
 

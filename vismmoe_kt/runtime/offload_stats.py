@@ -53,7 +53,7 @@ def summary(runtime: Any) -> dict[str, Any]:
         "pinned_layers": len(runtime.pinned),
         "pinned_layers_reason": pinned_reason(runtime),
         "slabs": runtime.num_slabs,
-        "slab_format": settings.slab_format,  # dequantized (the model's dtype) | quantized (the store's blocks)
+        "slab_format": "quantized" if runtime.quantized_slabs else "dequantized",  # resolved: dequantized (the model's dtype) | quantized (the store's blocks)
         "expert_budget": human_bytes(settings.expert_budget),
         "miss_policy": settings.miss_policy,
         "host_reads": runtime.host_reads,  # device->host synchronisations: one per offloaded layer call

@@ -7,6 +7,7 @@
     figures.py             hit rates, bytes moved, copy time hidden, CPU share, the copy bound
     accelerate_offload.py  the accelerate `device_map` baseline
     runner.py              one configuration at one budget
+    concurrency.py         --concurrency N: N requests with images decoded together (batched generation)
     report.py              table, JSON, PNG
 """
 
@@ -38,12 +39,15 @@ def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
 
 def check_flags(args) -> None:
     for flag, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--repeats", args.repeats, 1),
-                               ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1)):
+                               ("--warmup", args.warmup, 0), ("--cpu_infer", args.cpu_infer, 1),
+                               ("--concurrency", min(args.concurrency or [2]), 2)):
         if value is not None and value < least:
             raise InputError(f"{flag} must be at least {least}, got {value}")
     bad = [s for s in args.image_sizes if s < 32]
     if bad:
         raise InputError(f"--image-sizes must be at least 32 px, got {bad[0]}")
+    if args.concurrency and args.decode_tokens < 2:
+        raise InputError("--concurrency measures inter-token latency: --decode-tokens must be at least 2")
     if args.profile and not args.output:
         raise InputError("--profile writes profile.json into the --output directory: give --output DIR")
     if args.predictor:
@@ -110,7 +114,7 @@ def run(args) -> int:
 
     from .bandwidth import measure_copy_bandwidth
     from .configs import parse_configs, run_label
-    from .report import describe_meta, markdown_table, write_outputs
+    from .report import concurrency_table, describe_meta, markdown_table, write_outputs
     from .runner import Settings, run_config
     from .source import model_source
 
@@ -129,7 +133,7 @@ def run(args) -> int:
     bandwidth = measure_copy_bandwidth(torch.device(device))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
                         bandwidth["bytes_per_s"], args.predictor, args.profile, group, routing_of(args),
-                        args.cpu_infer)
+                        args.cpu_infer, tuple(args.concurrency or ()))
     leader = group is None or group.leader  # only rank 0 reports
     meta = run_meta(args, source, budgets, bandwidth, cuda)
     if group is not None:
@@ -153,6 +157,8 @@ def run(args) -> int:
     meta["load_average"].append(round(os.getloadavg()[0], 2))
     print(describe_meta(meta))
     print(markdown_table(rows))
+    if settings.concurrency:
+        print("\n" + concurrency_table(rows))
     if args.output:
         written = write_outputs(Path(args.output), meta, rows, profile if args.profile else None)
         print(f"wrote {', '.join(str(p) for p in written)}")
@@ -197,6 +203,10 @@ def add_parser(commands) -> None:
                                        "(the calibrated synthetic router) or trace:PATH (replay); default: synthetic "
                                        "for --synthetic models, model otherwise")
     run.add_argument("--output", help="directory for bench.json and bench.png")
+    run.add_argument("--concurrency", type=int, nargs="+", metavar="N",
+                     help="also decode N requests with images together, for each N (>= 2; batched generation, lean "
+                          "decode configurations): aggregate and per-request tokens/s, time to first token and "
+                          "inter-token latency p50 / p95, PCIe bytes per generated token")
     run.add_argument("--profile", action="store_true",
                      help="also write profile.json: every operator's counters (per layer and phase) per configuration, "
                           "and time each lean decode piece per layer in one extra request (decode_profile)")

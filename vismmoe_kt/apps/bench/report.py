@@ -61,6 +61,39 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CONCURRENCY_COLUMNS = ("config", "budget", "image px", "requests together", "aggregate tok/s (x one request)",
+                       "while all decode tok/s", "per request tok/s", "TTFT p50 / p95 s", "inter-token p50 / p95 ms",
+                       "bytes/decode token (x one request)", "steps graphed")
+
+
+def concurrency_rows(row: dict[str, Any]) -> list[list[str]]:
+    """--concurrency: a line per level of one configuration and image size, against its batch-1 figures."""
+    single = row["decode_tok_s"] and row["decode_tok_s"]["median"]
+    out = []
+    for level in row.get("concurrency") or []:
+        head = [row["config"], row["budget"] or "-", str(row["image_size"]), str(level["requests"])]
+        if level["status"] != "ok":
+            out.append(head + [f"skipped: {level['reason']}"] + ["-"] * (len(CONCURRENCY_COLUMNS) - 5))
+            continue
+        ratio = lambda value, base: f" ({value / base:.2f}x)" if value is not None and base else ""  # noqa: E731
+        bytes_per = level["decode_bytes_per_token"]
+        ms = lambda v: _num(v * 1e3 if v is not None else None, ".1f")  # noqa: E731
+        out.append(head + [
+            f"{level['aggregate_tok_s']:.1f}{ratio(level['aggregate_tok_s'], single)}",
+            _num(level["full_batch_decode_tok_s"], ".1f"), _num(level["per_request_tok_s"], ".1f"),
+            f"{_num(level['ttft_p50_s'], '.3f')} / {_num(level['ttft_p95_s'], '.3f')}",
+            f"{ms(level['itl_p50_s'])} / {ms(level['itl_p95_s'])}",
+            _bytes(bytes_per) + ratio(bytes_per, row.get("bytes_per_decode_token")),
+            f"{level['graphed_steps']}/{level['steps']}"])
+    return out
+
+
+def concurrency_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(CONCURRENCY_COLUMNS) + " |", "|" + "---|" * len(CONCURRENCY_COLUMNS)]
+    lines += ["| " + " | ".join(cells) + " |" for row in rows for cells in concurrency_rows(row)]
+    return "\n".join(lines)
+
+
 def describe_meta(meta: dict[str, Any]) -> str:
     bandwidth = meta["copy_bandwidth"]
     lines = [f"model: {meta['model']}", f"device: {meta['device']}; torch {meta['torch']}; {meta['date']}",

@@ -36,6 +36,7 @@ class Settings:
     group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
     routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (engine/routing_source.py)
     cpu_infer: int | None = None  # CPU expert workers (None: physical cores - 2)
+    concurrency: tuple[int, ...] = ()  # also N requests decoded together, for each N (concurrency.py)
 
     @property
     def cuda(self) -> bool:
@@ -54,6 +55,7 @@ def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, A
             "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
             "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
             "peak_gpu_load_bytes": None, "host_rss_bytes": None, "decode_graphs": None, "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, "decode_profile": None,
+            "concurrency": None,
             **dict.fromkeys(FIGURE_KEYS)}
 
 
@@ -165,6 +167,23 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
             row["belady_hit_rate_decode"] = belady_decode(measured, settings.decode_tokens, offloaded, runtime.num_slabs)
     elif "CpuExperts" in after["operators"]:
         row["cpu_expert_share"] = 1.0  # every routed expert runs on the CPU backend
+    if settings.concurrency:
+        row["concurrency"] = [measure_level(model, processor, size, settings, n) for n in settings.concurrency]
+
+
+def measure_level(model, processor, size: int, settings: Settings, n: int) -> dict[str, Any]:
+    """N requests at `size` px decoded together, or why this configuration cannot."""
+    from ...engine.lean_engine import decode_engine
+    from .concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
+
+    if settings.group is not None:
+        return {"requests": n, "status": "skipped", "reason": "batched generation does not run under expert parallelism"}
+    if decode_engine(model) is None:
+        return {"requests": n, "status": "skipped", "reason": "batched generation runs on the lean decode path"}
+    runtime = _runtime(model)
+    pcie = (lambda: decode_pcie_bytes(runtime)) if runtime is not None else None
+    requests = concurrent_requests(processor, n, size, settings.device)
+    return {"status": "ok", **measure_concurrency(model, requests, settings.decode_tokens, pcie)}
 
 
 def run_config(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings,

@@ -13,8 +13,10 @@ Configurations (all greedy, batch 1, an image prompt):
   ...+q8, +q4, +q4k, +q5k
                 (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K / Q5_K blocks (store_dtype): a half / a quarter
                 of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
-  ...+qslabs    (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
-                slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget)
+  ...+qslabs, +dqslabs
+                (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
+                slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget), or
+                dequantized (the model's dtype); neither: auto (quantized where it works)
   lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
                 graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
@@ -45,8 +47,11 @@ N-turn chat about one image (prompt seconds per turn: the lean path prefills onl
 tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
-`--concurrency N` also decodes N requests together (engine/batched.py, eager steps): tokens per second
-over the run and while all N decode, against the single request's rate (needs `--routing model`).
+`--concurrency N [N...]` also decodes N requests together (engine/batched.py: steps in CUDA graphs per
+power-of-two batch size where the configuration's decode is graphed), for each N: tokens per second
+over the run and while all N decode, against the single request's rate, and for offloaded
+configurations the expert bytes over PCIe per generated decode token (each request gets its own
+routing table, request i of the source's seeds in turn).
 
 Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
 uniformly, so their own routing would make hit rates and bytes per token meaningless), `model` or
@@ -76,6 +81,7 @@ from PIL import Image
 
 from vismmoe_kt import load
 from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
+from vismmoe_kt.apps.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
 from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels
@@ -117,13 +123,13 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             extra["miss_policy"] = "cpu"
         elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
             extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
-        elif name == "qslabs" and not value and spec.startswith(("lean:", "lru:")):
-            extra["slab_format"] = "quantized"
+        elif name in ("qslabs", "dqslabs") and not value and spec.startswith(("lean:", "lru:")):
+            extra["slab_format"] = "quantized" if name == "qslabs" else "dequantized"
         elif name == "gguf" and not value:
             extra[FROM_GGUF] = True
         else:
             raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
-                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs; any: gguf)")
+                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; any: gguf)")
     if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
@@ -211,35 +217,17 @@ def conversation(model, processor, args) -> list[float]:
     return [statistics.median(t) for t in per_turn]
 
 
-def batched_run(model, processor, args) -> dict:
+def batched_run(model, processor, args, n: int) -> dict:
     """--concurrency N: N requests, each with its own image of the same size, decoded together
-    (engine/batched.py, eager): tokens per second over the whole run (prefills included), and over the
-    decode steps that ran all N at once, against which the single request's rate compares."""
-    from vismmoe_kt.apps.bench.inputs import PROMPT
-    from vismmoe_kt.engine.batched import generate_batch
-    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+    (apps/bench/concurrency.py): aggregate and full-batch rates, TTFT and inter-token latency,
+    PCIe bytes per generated token; the batched step's graph counters."""
 
-    n, size = args.concurrency, args.image_size
-    images = [Image.fromarray(np.random.default_rng(size + i).integers(0, 256, (size, size, 3), dtype=np.uint8))
-              for i in range(n)]
-    requests = [build_inputs(processor, [user_turn(PROMPT, 1)], [image], args.device) for image in images]
-    tokens = args.decode_tokens
-    generate_batch(model, requests, tokens, max_batch=n, min_new_tokens=tokens)  # warm-up
-    marks: list[tuple[float, int]] = []
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-
-    def stepped(size_of_step: int) -> None:
-        sync()
-        marks.append((time.perf_counter(), size_of_step))
-    sync()
-    start = time.perf_counter()
-    generate_batch(model, requests, tokens, max_batch=n, min_new_tokens=tokens, on_step=stepped)
-    sync()
-    wall = time.perf_counter() - start
-    full = [(t1 - t0, b) for (t0, _), (t1, b) in zip(marks, marks[1:]) if b == n]  # steps after every prefill
-    return {"requests": n, "aggregate_tok_s": n * tokens / wall, "wall_s": wall,
-            "full_batch_decode_tok_s": sum(b for _, b in full) / sum(t for t, _ in full) if full else None,
-            "full_batch_steps": len(full)}
+    offload = runtime_of(model)
+    if args.batch_table_pairs is not None and offload is not None:
+        offload.batch_table_pairs = args.batch_table_pairs
+    requests = concurrent_requests(processor, n, args.image_size, args.device)
+    return measure_concurrency(model, requests, args.decode_tokens,
+                               (lambda: decode_pcie_bytes(offload)) if offload is not None else None)
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -251,8 +239,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     # warm-up of the measured length: the same cache capacity, so the capture happens here, not in a rep
     timed_generate(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
-    pcie = lambda summary: summary["bytes_copied_decode"] + summary["bytes_host_reads_decode"]  # noqa: E731
-    copied = pcie(runtime.summary()) if runtime else 0
+    copied = decode_pcie_bytes(runtime) if runtime else 0
     prefill, decode, tokens = [], [], None
     for _ in range(args.reps):
         p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
@@ -277,7 +264,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
-                   decode_bytes_per_token=(pcie(summary) - copied) / (args.reps * (args.decode_tokens - 1)),
+                   decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
                    decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
                    decode_cpu_share=_decode_cpu_share(runtime))
@@ -289,8 +276,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         row["lean"] = engine.stats()
         if args.profile:
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
-    if args.concurrency > 1:
-        row["batched"] = batched_run(model, processor, args)
+    if any(n > 1 for n in args.concurrency):
+        row["batched"] = [batched_run(model, processor, args, n) for n in args.concurrency if n > 1]
     if args.kernels:
         trace = Path(args.out) / f"trace-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +314,8 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--tiny", args.tiny] if args.tiny else []
     command += ["--predictor", args.predictor] if args.predictor else []
     command += ["--gguf", args.gguf] if args.gguf else []
-    command += ["--concurrency", str(args.concurrency)]
+    command += ["--concurrency", *map(str, args.concurrency)]
+    command += ["--batch-table-pairs", str(args.batch_table_pairs)] if args.batch_table_pairs is not None else []
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -379,9 +367,12 @@ def main() -> int:
                                             "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="also decode N requests together (batched generation, eager; needs --routing model): "
-                             "aggregate tokens/s and the rate while all N run")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="also decode N requests together, for each N given (batched generation): aggregate "
+                             "tokens/s, the rate while all N run, PCIe bytes per generated token")
+    parser.add_argument("--batch-table-pairs", type=int,
+                        help="with --concurrency: a batched step's resident layers use the table kernel up to this "
+                             "many (token, expert) pairs, grouped GEMM beyond (default: the runtime's, 64)")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
@@ -397,10 +388,6 @@ def main() -> int:
     if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
         parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
     args.routing = args.routing or ("model" if args.tiny else "synthetic")
-    if args.concurrency > 1 and args.routing != "model":
-        parser.error("--concurrency decodes through batched generation, which takes no routing source yet: add "
-                     "--routing model (the random weights' own routing: offloaded rows' hit rates are then not "
-                     "realistic)")
     args.tiny_dir = None
     if args.tiny:
         root = tempfile.mkdtemp(prefix="decode-bench-")
@@ -463,12 +450,17 @@ def main() -> int:
         if r.get("cpu_quota_trial"):
             print(f"{r['config']}: {r['cpu_quota_trial']}")
     for r in rows:
-        if r.get("batched"):
-            b = r["batched"]
+        for b in r.get("batched") or []:
             full = b["full_batch_decode_tok_s"]
             ratio = f" ({full / r['decode_tok_s_median']:.2f}x one request)" if full else ""
+            pcie = b.get("decode_bytes_per_token")
+            bytes_note = "" if pcie is None or not r.get("decode_bytes_per_token") else \
+                f"; {pcie / 1e6:.1f} MB over PCIe per token ({pcie / r['decode_bytes_per_token']:.2f}x one request)"
+            itl = "" if b.get("itl_p95_s") is None else \
+                f"; inter-token p95 {b['itl_p95_s'] * 1e3:.1f} ms ({b['itl_p95_s'] * r['decode_tok_s_median']:.2f}x one request's)"
             print(f"{r['config']}: {b['requests']} requests together: {b['aggregate_tok_s']:.2f} tok/s over the run, "
-                  f"{f'{full:.2f}' if full else '-'} tok/s while all {b['requests']} decode{ratio}")
+                  f"{f'{full:.2f}' if full else '-'} tok/s while all {b['requests']} decode{ratio}; "
+                  f"{b['graphed_steps']}/{b['steps']} steps graphed{itl}{bytes_note}")
     if args.kernels:
         report = kernel_report(rows)
         (out / "kernels.md").write_text(report)

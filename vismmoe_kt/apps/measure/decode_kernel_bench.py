@@ -16,7 +16,7 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
 page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
 path alone, resident, over (rows per program, columns per tile, warps), fastest first. Quantized
-slabs (Q8_0, Q4_K, Q5_K): their GEMVs with every expert resident, and with `--tune` over (rows per
+slabs (Q8_0, Q4_0, Q4_K, Q5_K): their GEMVs with every expert resident, and with `--tune` over (rows per
 program, warps).
 """
 
@@ -93,13 +93,13 @@ def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
     from vismmoe_kt.runtime.store import ExpertStore
 
     out = {}
-    for fmt in ("q8_0", "q4_k", "q5_k"):
+    for fmt in ("q8_0", "q4_0", "q4_k", "q5_k"):
         store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
         store.fill_layer(0, torch.randn(LAYERS * K, 2 * I, H, device=device) / 50,
                          torch.randn(LAYERS * K, H, I, device=device) / 50)
         pool = store.layers[0].to(device)           # slab i holds expert i
         slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
-        configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else [decode_kernel.QUANTIZED_CONFIG]
+        configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else [decode_kernel.QUANTIZED_CONFIGS[fmt]]
         results = []
         for config in configs:
             def run():

@@ -7,7 +7,9 @@ Without `--url` it starts `vismmoe-kt serve` itself on a free loopback port (`--
 the demo model on the CPU), waits for /health and stops it at the end; every wait is bounded.
 Each request asks about its own picture from the demo's synthetic VQA task (greedy, streamed) and
 the same requests go out at every concurrency, so an answer that changes with the load is a request
-mixed with another's (counted as `changed_answers`). Per concurrency: requests and tokens per second
+mixed with another's (counted as `changed_answers`); each answer is also checked against its picture's
+known answer (`correct`: the demo model's accuracy, which must not move with the load), and every
+request must get exactly one answer (`lost`: none came back). Per concurrency: requests and tokens per second
 in aggregate, time to first token and time per output token after it (p50, p95), errors (a 429 from
 a full queue counts there). Writes load_test.json, load_test.md (the table) and load_test.png
 (matplotlib). Tokens are the server's count (`stream_options.include_usage`); a stream may carry
@@ -49,15 +51,16 @@ class RequestResult:
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.tokens - 1)
 
 
-def demo_requests(count: int) -> list[tuple[str, str]]:
-    """(question, PNG data URL) pairs: the demo task's held-out colour questions, each with its picture."""
+def demo_requests(count: int) -> list[tuple[str, str, str]]:
+    """(question, PNG data URL, known answer): the demo task's held-out colour questions, each with its picture."""
     from vismmoe_kt.apps.evaluate import synthetic_items
 
     out = []
     for item in synthetic_items("test", count, ["colour"]):
         buffer = io.BytesIO()
         item.image.save(buffer, format="PNG")
-        out.append((item.question, "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()))
+        out.append((item.question, "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(),
+                    item.answer))
     return out
 
 
@@ -90,18 +93,23 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_level(client, model: str, requests: list[tuple[str, str]], concurrency: int, max_tokens: int,
+def run_level(client, model: str, requests: list[tuple[str, str, str]], concurrency: int, max_tokens: int,
               timeout_s: float) -> tuple[dict, list[RequestResult]]:
+    from vismmoe_kt.apps.evaluate import normalise
+
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(ask, client, model, i, q, url, max_tokens) for i, (q, url) in enumerate(requests)]
+        futures = [pool.submit(ask, client, model, i, q, url, max_tokens) for i, (q, url, _) in enumerate(requests)]
         results = [f.result(timeout=timeout_s) for f in futures]
     wall = time.perf_counter() - start
     done = [r for r in results if r.error is None]
+    known = [answer for _, _, answer in requests]
     tokens = sum(r.tokens for r in done)
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
-    row = {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(done), "wall_s": wall,
+    row = {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(done),
+           "lost": sum(1 for r in done if not r.answer),  # a 200 with no text: a request that got nothing
+           "correct": sum(1 for r in done if normalise(r.answer) == normalise(known[r.index])), "wall_s": wall,
            "requests_per_s": len(done) / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p95_s": percentile(ttfts, 0.95),
            "tpot_p50_s": percentile(tpots, 0.5), "tpot_p95_s": percentile(tpots, 0.95)}
@@ -152,10 +160,10 @@ def write_report(out: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"{meta['server']}, {meta['requests']} requests per concurrency, max_tokens {meta['max_tokens']}, "
              f"{meta['date']}", "",
              "| concurrency | tokens/s (aggregate) | requests/s | TTFT p50 / p95 ms | TPOT p50 / p95 ms | errors "
-             "| changed answers |", "|---|---|---|---|---|---|---|"]
+             "| lost | changed answers | known answer |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {ms(r['ttft_p50_s'])} / "
-              f"{ms(r['ttft_p95_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p95_s'])} | {r['errors']} | "
-              f"{r['changed_answers']} |" for r in rows]
+              f"{ms(r['ttft_p95_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p95_s'])} | {r['errors']} | {r['lost']} | "
+              f"{r['changed_answers']} | {r['correct']}/{r['requests']} |" for r in rows]
     (out / "load_test.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -216,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             row["changed_answers"] = sum(1 for i, a in answers.items() if i in first_answers and a != first_answers[i])
             row["error_messages"] = sorted({r.error for r in results if r.error})[:5]
             rows.append(row)
-            print(f"concurrency {level}: {row['tokens_per_s']:.1f} tokens/s, {row['errors']} errors, "
-                  f"{row['changed_answers']} changed answers", flush=True)
+            print(f"concurrency {level}: {row['tokens_per_s']:.1f} tokens/s, {row['errors']} errors, {row['lost']} lost, "
+                  f"{row['changed_answers']} changed answers, {row['correct']}/{row['requests']} known answers",
+                  flush=True)
     finally:
         if process is not None:
             stop_server(process)

@@ -1,0 +1,90 @@
+"""N requests at once through batched generation (engine/batched.py): what a server's N clients see.
+
+All N arrive together, each with its own picture of the same size (and, under a routing source, its
+own routing table). One BatchRunner serves a warm-up and the timed run, as a server keeps one: the
+CUDA graphs of each batch size are captured in the warm-up. Per level:
+    aggregate_tok_s            generated tokens / wall time of the run (the prefills included)
+    full_batch_decode_tok_s    the rate over the decode steps that ran all N together
+    ttft_p50_s / ttft_p95_s    time to each request's first token (the last waits for N - 1 prefills)
+    itl_p50_s / itl_p95_s      every gap between a request's consecutive tokens (steps that also
+                               prefilled a newcomer included: what a streaming client sees)
+    per_request_tok_s          median over requests of their decode rate after the first token
+    decode_bytes_per_token     offloaded: expert bytes over PCIe per generated decode token
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ...engine.batched import BatchRequest, BatchRunner
+from ...engine.inputs import build_inputs, user_turn
+from .inputs import PROMPT
+
+
+def concurrent_requests(processor: Any, n: int, size: int, device: torch.device | str) -> list[dict]:
+    """N requests of PROMPT, each with its own random `size` x `size` picture (seeded: every run alike)."""
+    images = [Image.fromarray(np.random.default_rng([size, i]).integers(0, 256, (size, size, 3), dtype=np.uint8))
+              for i in range(n)]
+    return [build_inputs(processor, [user_turn(PROMPT, 1)], [image], device) for image in images]
+
+
+def decode_pcie_bytes(runtime: Any) -> int:
+    """Expert bytes that crossed PCIe in decode so far: copies, and misses the kernels read in place."""
+    summary = runtime.summary()
+    return summary["bytes_copied_decode"] + summary["bytes_host_reads_decode"]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[list[float]], list[tuple[float, int]]]:
+    """Every request's token times and every step's (end time, decode batch size)."""
+    times: list[list[float]] = [[] for _ in requests]
+    batch = [BatchRequest(dict(r), tokens, min_new_tokens=tokens,
+                          on_token=lambda _token, i=i: times[i].append(time.perf_counter()))
+             for i, r in enumerate(requests)]
+    for request in batch:
+        runner.add(request)
+    steps = []
+    while not runner.idle:
+        size, _ = runner.step()  # its tokens were read on the host: the step's device work is done
+        steps.append((time.perf_counter(), size))
+    return times, steps
+
+
+def measure_concurrency(model: Any, requests: list[dict], tokens: int,
+                        pcie_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
+    """The figures above for len(requests) requests of `tokens` new tokens each."""
+    n = len(requests)
+    if n < 2 or tokens < 2:
+        raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
+    runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n)
+    _run(runner, requests, tokens)  # warm-up: captures, caches
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    copied = pcie_bytes() if pcie_bytes is not None else None
+    sync()
+    start = time.perf_counter()
+    times, steps = _run(runner, requests, tokens)
+    wall = time.perf_counter() - start
+    full = [(t1 - t0) for (t0, _), (t1, b) in zip(steps, steps[1:]) if b == n]  # steps after every prefill
+    gaps = [b - a for stamps in times for a, b in zip(stamps, stamps[1:])]
+    rates = [(len(stamps) - 1) / (stamps[-1] - stamps[0]) for stamps in times if len(stamps) > 1 and stamps[-1] > stamps[0]]
+    stats = runner.stats()
+    return {"requests": n, "tokens_per_request": tokens, "wall_s": wall, "aggregate_tok_s": n * tokens / wall,
+            "full_batch_decode_tok_s": n * len(full) / sum(full) if full else None, "full_batch_steps": len(full),
+            "ttft_p50_s": percentile([s[0] - start for s in times if s], 0.5),
+            "ttft_p95_s": percentile([s[0] - start for s in times if s], 0.95),
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p95_s": percentile(gaps, 0.95),
+            "per_request_tok_s": float(np.median(rates)) if rates else None,
+            "decode_bytes_per_token": None if copied is None else (pcie_bytes() - copied) / (n * (tokens - 1)),
+            "steps": stats["steps"], "graphed_steps": stats["graphed_steps"],
+            "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"]}
