@@ -85,9 +85,9 @@ def test_synthetic_routing_rows_carry_the_belady_bound(tmp_path, capsys):
 def test_concurrency_levels_report_batched_generation_against_batch_one(tmp_path, capsys):
     """`--concurrency N`: N requests with their own pictures decoded together, beside the configuration's
     batch-1 figures; a configuration off the lean decode path says why it has no such line."""
-    rc = main(["bench", "--demo", "--configs", "lru", "all-on-gpu", "--image-sizes", "64", "--decode-tokens", "4",
+    rc = main(["bench", "--demo", "--configs", "lru", "all-on-gpu", "--image-sizes", "64", "--decode-tokens", "8",
                "--warmup", "0", "--repeats", "1", "--budgets", "5MiB", "--cpu_infer", "2", "--routing", "synthetic:5",
-               "--concurrency", "2", "3", "--output", str(tmp_path)])
+               "--concurrency", "2", "3", "--prefill-chunk", "16", "--output", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     rows = {row["config"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
@@ -96,7 +96,8 @@ def test_concurrency_levels_report_batched_generation_against_batch_one(tmp_path
     for level in levels:
         assert level["aggregate_tok_s"] > 0 and level["full_batch_steps"] >= 1
         assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] and 0 < level["itl_p50_s"] <= level["itl_p95_s"]
-        assert level["decode_bytes_per_token"] >= 0 and level["steps"] >= 2 * (4 - 1)
+        assert level["decode_bytes_per_token"] >= 0 and level["steps"] >= 2 * (8 - 1)
+        assert level["prefill_chunk"] == 16  # the demo's prompts (about 40 tokens) in chunks
     assert rows["all-on-gpu"]["concurrency"][0]["reason"] == "batched generation runs on the lean decode path"
     assert "| lru | 5MiB | 64 | 3 |" in out and "skipped: batched generation runs on the lean decode path" in out
 
@@ -126,6 +127,7 @@ def test_ablation_steps_add_one_thing_each():
     (["--profile"], "--profile writes profile.json into the --output directory"),
     (["--concurrency", "1"], "--concurrency must be at least 2"),
     (["--concurrency", "2", "--decode-tokens", "1"], "--decode-tokens must be at least 2"),
+    (["--concurrency", "2", "--prefill-chunk", "1"], "--prefill-chunk must be 0 (whole prompts) or at least 2"),
 ])
 def test_bad_input_gives_a_clear_error(args, message, capsys):
     assert main(["bench", "--demo", *args]) == 2

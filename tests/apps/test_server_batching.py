@@ -57,6 +57,8 @@ def test_concurrent_requests_get_the_answers_they_get_alone(server):
     metrics = httpx.get(server + "/metrics").text
     tpot = next(l for l in metrics.splitlines() if l.startswith("vismmoe_time_per_output_token_seconds_count"))
     assert float(tpot.split()[-1]) >= 6  # requests of more than one token each observed
+    gaps = next(l for l in metrics.splitlines() if l.startswith("vismmoe_inter_token_latency_seconds_count"))
+    assert float(gaps.split()[-1]) >= sum(tokens - 1 for _, tokens in together)  # every gap between two tokens
 
 
 def batch_steps(server: str) -> tuple[float, float]:

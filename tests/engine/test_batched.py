@@ -68,28 +68,54 @@ def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers, max
 @pytest.mark.parametrize("graphs", ["off", "replay"])
 def test_batched_requests_follow_their_own_routing_tables(case, graphs):
     """A routing source under batching: each request's slot gets the table it gets alone (request i
-    of the synthetic seeds), its prefill and every batched step read it, so the tokens are the same
-    as alone; offloaded layers fetch for the real rows only (padding rows add no experts)."""
+    of the synthetic seeds), its prefill (whole, or 16 tokens a step) and every batched step read it,
+    so the tokens are the same as alone."""
     from vismmoe_kt.engine.routing_source import install_routing
 
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
     routing = install_routing(model, "synthetic:3")
-    requests, budgets = requests_for(processor)[:3], [6, 4, 5]
+    requests, budgets = requests_for(processor)[:3], [10, 8, 6]
     with torch.no_grad():
         alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
         tables = [entry["ids"] for entry in routing.history]
-        routing.requests, stats = 0, {}  # the same seeds again, in the same order
-        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,
-                                  min_new_tokens=max(budgets), stats=stats)
+        routing.requests, stats, sizes = 0, {}, []  # the same seeds again, in the same order
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,  # replay: chunked too
+                                  min_new_tokens=max(budgets), stats=stats, on_step=sizes.append,
+                                  prefill_chunk=16 if graphs == "replay" else None)
     for got, want in zip(together, alone):
         assert torch.equal(got, want)
     for table, entry in zip(tables, routing.history[-3:]):
         assert torch.equal(table, entry["ids"])
     runtime = model.vismmoe.context.offload_runtime
     assert runtime.counters["decode"]  # the batched steps' offloaded layers counted as decode
+    assert max(sizes) > 1  # rows decoded together
     if graphs == "replay":
-        assert {rows for rows, _ in stats["captured_shapes"]} >= {4}
+        assert {rows for rows, _ in stats["captured_shapes"]} == {1 << (b - 1).bit_length() for b in sizes}
+
+
+@pytest.mark.parametrize("rules,graphs", [("qwen3vl-offload", "off"), ("qwen3vl-offload", "replay"), ("qwen3vl", "off")])
+def test_prompts_prefilled_in_chunks_between_decode_steps_give_the_same_tokens(case, rules, graphs):
+    """prefill_chunk 8: a prompt of ~60 tokens (an image's among them) goes through the text model 8
+    tokens per step while the running requests decode; the vision tower's output, M-RoPE positions
+    and deepstack features are cut per chunk, and every request gets its tokens alone. qwen3vl prunes
+    visual tokens, which needs the whole prompt: it prefills whole, and says so (prefill_chunk None)."""
+    budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
+    model, processor = load(case, f"optimize_rules/{rules}.yaml", expert_budget=budget, graphs=graphs, **CPU)
+    requests, budgets = requests_for(processor), [6, 5, 4, 7]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        stats, sizes = {}, []
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3, prefill_chunk=8,
+                                  min_new_tokens=max(budgets), stats=stats, on_step=sizes.append)
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    chunked = rules == "qwen3vl-offload"
+    assert stats["prefill_chunk"] == (8 if chunked else None)
+    lengths = [r["input_ids"].shape[1] for r in requests]
+    assert stats["prefill_pieces"] == (sum(-(-n // 8) for n in lengths) if chunked else len(requests))
+    if chunked:  # the running requests decoded while later prompts came in, a chunk per step
+        assert min(lengths) > 8 and stats["prefill_pieces_beside_decode"] > len(requests)  # whole prompts: < 4
 
 
 def test_what_batched_generation_refuses(case):

@@ -16,6 +16,8 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     saliency          the vision tower's saliency recorder (VisionSaliency), read when pruning
     text_model        the text model whose forward is ours (a VisDecoder rule): the engine may hold
                       its cache and run the decode steps itself
+    text_forward      that text model's forward (TextForward): batched generation prefills through it
+                      a chunk at a time
     pruning           what the last prefill kept (the engine's cache bookkeeping)
     expert_parallel   the expert-parallel operators in layer order (followers drive them)
     step_hooks        (before, after) callables around every lean decode step
@@ -75,6 +77,7 @@ class LoadContext:
     token_is_visual: torch.Tensor | None = None
     saliency: Any = None             # vision.saliency.SaliencyRecorder
     text_model: Any = None
+    text_forward: Any = None         # engine.text_forward.TextForward of that text model (chunked prefill)
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)

@@ -12,9 +12,9 @@ request gets alone (`generate`), whatever ran beside it.
 
 The step is LeanDecodeStep's pieces over B rows, captured in CUDA graphs per power-of-two batch size
 and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routing source
-(`--routing synthetic`) gives each slot its own table. This version prefills a prompt in one piece,
-gives each sequence a slot of the longest request's size (so nothing is preempted), and takes no
-prefix reuse; the offload runtime serves a batch's offloaded layers through the placement path
+(`--routing synthetic`) gives each slot its own table. Prompts are prefilled whole, or `prefill_chunk`
+tokens per step (BatchRunner). This version gives each sequence a slot of the longest request's size
+(so nothing is preempted), and takes no prefix reuse; the offload runtime serves a batch's offloaded layers through the placement path
 (eagerly, between the graphs: one read of the step's routing per layer, each missing expert fetched
 once for every row), its pinned ones inside them.
 """
@@ -32,7 +32,7 @@ from .generation import _eos_ids, next_token
 from .graphs import State
 from .lean_engine import decode_engine
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
-from .scheduler import BlockPool, Scheduler, SchedulerError, Sequence
+from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence
 from .slot_cache import SlotKVCache
 
 
@@ -138,10 +138,14 @@ class BatchRequest:
 
 class BatchRunner:
     """The open loop of continuous batching: `add` requests at any time, `step` runs the scheduler's next
-    plan (one prefill and a decode token for every running sequence), `cancel` drops one at the next step.
-    Slots hold `capacity` tokens each (prompt and new tokens); `max_batch` of them run at once."""
+    plan (a prefill chunk and a decode token for every running sequence), `cancel` drops one at the next
+    step. Slots hold `capacity` tokens each (prompt and new tokens); `max_batch` of them run at once.
+    `prefill_chunk` tokens of a prompt go through the model per step (None: whole prompts), so a long
+    image prompt does not stall the running streams for its whole prefill; the vision tower still runs
+    on the prompt's images at once, in its first chunk. Rules that prune visual tokens prefill whole
+    (pruning needs the whole prompt in one forward)."""
 
-    def __init__(self, model: Any, max_batch: int, capacity: int, max_queue: int):
+    def __init__(self, model: Any, max_batch: int, capacity: int, max_queue: int, prefill_chunk: int | None = None):
         engine = decode_engine(model)
         if engine is None:
             raise ValueError("batched generation runs on the lean decode path: the rules need a VisDecoder "
@@ -158,9 +162,18 @@ class BatchRunner:
             self.routing.reserve_slots(max_batch, capacity, weight.device, weight.dtype)
         self.step_fn = BatchedDecodeStep(text, adapter, adapter.output_head(model), self.cache, engine.context,
                                          engine.graphs)
+        self._parts: dict[int, dict] = {}  # sequence id -> its prompt's text-model inputs, while chunks remain
+        self.prefill_pieces = 0       # prompt chunks (or whole prompts) run
+        self.pieces_beside_decode = 0  # ... of them in a step that also decoded running sequences
+        if prefill_chunk is not None and prefill_chunk < 2:
+            raise ValueError(f"prefill_chunk must be at least 2 tokens, got {prefill_chunk}")
+        self.text_forward = engine.context.text_forward
+        chunked = prefill_chunk is not None and self.text_forward is not None and not engine.context.pruning.active
+        self.prefill_chunk = prefill_chunk if chunked else None
         # a slot is one block of `capacity` tokens: a request fits one (`add` checks), so nothing is preempted
         self.scheduler = Scheduler(BlockPool(max_batch, capacity), max_batch=max_batch, max_queue=max_queue,
-                                   prefill_chunk=capacity)
+                                   prefill_chunk=self.prefill_chunk or capacity)
+        self.lm_head = adapter.output_head(model)
         self.eos = frozenset(_eos_ids(model))
         self.device = weight.device
         self.requests: dict[int, BatchRequest] = {}
@@ -171,9 +184,12 @@ class BatchRunner:
         return self.scheduler.idle
 
     def stats(self) -> dict[str, Any]:
-        """The batched step's counters (LeanDecodeStep.stats) and the (rows, span) shapes it captured."""
+        """The batched step's counters (LeanDecodeStep.stats), the (rows, span) shapes it captured, and
+        the prefill chunk in use (None: whole prompts)."""
         step = self.step_fn
-        return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured)}  # keys: (variant,)
+        return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured),  # keys: (variant,)
+                "prefill_chunk": self.prefill_chunk, "prefill_pieces": self.prefill_pieces,
+                "prefill_pieces_beside_decode": self.pieces_beside_decode}
 
     def add(self, request: BatchRequest) -> Sequence:
         prompt = request.inputs["input_ids"]
@@ -196,7 +212,11 @@ class BatchRunner:
         plan = self.scheduler.plan()
         sampled: dict[int, int] = {}
         if plan.prefill is not None:
-            sampled[plan.prefill.sequence.id] = self._prefill(plan.prefill.sequence)
+            self.prefill_pieces += 1
+            self.pieces_beside_decode += bool(plan.decode)
+            token = self._prefill(plan.prefill)
+            if token is not None:  # the prompt's last chunk
+                sampled[plan.prefill.sequence.id] = token
         if plan.decode:
             requests = [self.requests[s.id] for s in plan.decode]
             last = torch.tensor([s.generated[-1] for s in plan.decode], device=self.device)
@@ -216,41 +236,64 @@ class BatchRunner:
         ended = [r for r in self.requests.values() if r.sequence.done]
         for request in ended:
             del self.requests[request.sequence.id]
+            self._parts.pop(request.sequence.id, None)
         return len(plan.decode), ended
 
-    def _prefill(self, sequence: Sequence) -> int:
-        """A new sequence's prompt through the model into its slot; the token it samples."""
+    def _prefill(self, chunk: PrefillChunk) -> int | None:
+        """A chunk of a sequence's prompt through the model into its slot; at the prompt's end, the token
+        it samples (None before)."""
+        sequence = chunk.sequence
         request, slot, adapter = self.requests[sequence.id], sequence.kv_blocks[0], self.engine.adapter
-        self.cache.release(slot)
-        adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
-        if self.routing is not None:
-            self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
+        if chunk.end > sequence.prompt_len:
+            raise SchedulerError(f"sequence {sequence.id} was preempted: this runner holds a slot per sequence")
+        view = self.cache.slot_view(slot)
+        if chunk.start == 0:
+            self.cache.release(slot)
+            adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
+            if self.routing is not None:
+                self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
+        elif self.routing is not None:
+            self.routing.resume_slot_prefill(slot)
         try:
-            logits = self.model(**request.inputs, past_key_values=self.cache.slot_view(slot), use_cache=True,
-                                logits_to_keep=1).logits[:, -1]
+            if chunk.start == 0 and chunk.end == sequence.prompt_len:  # the whole prompt at once
+                logits = self.model(**request.inputs, past_key_values=view, use_cache=True,
+                                    logits_to_keep=1).logits[:, -1]
+            else:
+                if chunk.start == 0:  # the vision tower and the positions, for every chunk to come
+                    self._parts[sequence.id] = self.text_forward.prefill_parts(
+                        lambda: self.model(**request.inputs, past_key_values=view, use_cache=True, logits_to_keep=1))
+                hidden = self.text_forward.prefill_chunk(self._parts[sequence.id], chunk.start, chunk.end, view)
+                logits = self.lm_head(hidden[:, -1]) if chunk.end == sequence.prompt_len else None
         finally:
             if self.routing is not None:
                 self.routing.end_slot_prefill()
-        delta = adapter.rope_delta(self.model)
-        request.rope_delta = int(delta.reshape(-1)[0]) if delta is not None else 0
+        if chunk.start == 0:
+            delta = adapter.rope_delta(self.model)
+            request.rope_delta = int(delta.reshape(-1)[0]) if delta is not None else 0
+        if logits is None:
+            return None
+        self._parts.pop(sequence.id, None)
         return _sample(logits, request.sampling)
 
 
 def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_tokens: int | list[int],
                    max_batch: int = 8, sampling: Sampling | list[Sampling] | None = None,
                    min_new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
-                   stats: dict | None = None, runner: "BatchRunner | None" = None) -> list[torch.Tensor]:
+                   stats: dict | None = None, runner: "BatchRunner | None" = None,
+                   prefill_chunk: int | None = None) -> list[torch.Tensor]:
     """Each request's (1, prompt + new) token ids, the requests decoded together (at most `max_batch` at
     once, the rest waiting for a free slot). `on_step(B)` is told each decode step's batch size; `stats`
     gets the batched step's counters (BatchRunner.stats). `runner`: an idle BatchRunner to run them on
-    (its slots, and the graphs its earlier steps captured), instead of a new one of `max_batch` slots."""
+    (its slots, and the graphs its earlier steps captured), instead of a new one of `max_batch` slots
+    that prefills `prefill_chunk` prompt tokens per step (None: whole prompts)."""
     budgets = [max_new_tokens] * len(requests) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     samplings = sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(requests)
     if not len(budgets) == len(samplings) == len(requests):
         raise ValueError(f"{len(requests)} requests, {len(budgets)} token budgets, {len(samplings)} samplings")
     if runner is None:
         capacity = max(r["input_ids"].shape[1] + n for r, n in zip(requests, budgets))
-        runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests))
+        runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests),
+                             prefill_chunk=prefill_chunk)
     elif not runner.idle:
         raise ValueError("generate_batch needs an idle runner")
     batch = [BatchRequest(r, n, s, min_new_tokens) for r, n, s in zip(requests, budgets, samplings)]

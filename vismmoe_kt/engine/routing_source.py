@@ -148,8 +148,13 @@ class RoutingSource:
         self.requests += 1
 
     def end_slot_prefill(self) -> None:
-        """After a batched request's prefill: the routers' hooks read the single-request table again."""
+        """After a batched request's prefill (or a chunk of it): the routers' hooks read the
+        single-request table again."""
         self._slot = None
+
+    def resume_slot_prefill(self, slot: int) -> None:
+        """The next chunk of slot `slot`'s prefill: its table again, positions where the last chunk ended."""
+        self._slot = slot
 
     def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                               torch.Tensor]:

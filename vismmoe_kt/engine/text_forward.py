@@ -63,6 +63,7 @@ class TextForward:
         self.layers = adapter.layers_of(text)
         self.num_experts = adapter.moe_shape(text.config).num_experts
         self.counters = CompressionStats()
+        self._capture: dict[str, Any] | None = None  # prefill_parts: what the model's forward hands us
         self._routes: dict[int, torch.Tensor] = {}
         self._recording = False
         self._llm_saliency: torch.Tensor | None = None
@@ -125,6 +126,10 @@ class TextForward:
         text, adapter, context = self.text, self.adapter, self.context
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if self._capture is not None:  # prefill_parts: keep the inputs, run nothing
+            self._capture.update(inputs_embeds=inputs_embeds, position_ids=position_ids, visual_pos_masks=visual_pos_masks,
+                                 deepstack_visual_embeds=deepstack_visual_embeds)
+            return MoeModelOutputWithPast(last_hidden_state=inputs_embeds[:, -1:], past_key_values=past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=text.config)
         if inputs_embeds is None:
@@ -203,6 +208,38 @@ class TextForward:
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    # --- chunked prefill (continuous batching) -------------------------------------------------------
+    def prefill_parts(self, run: Any) -> dict[str, Any]:
+        """What the model's forward hands the text model when `run()` calls it (the prompt's embeddings
+        with the vision tower's output in place, M-RoPE positions, the visual mask, deepstack features),
+        the text model itself not run: `prefill_chunk` then runs it a chunk at a time."""
+        if self.settings.active:
+            raise ValueError("a chunked prefill cannot prune visual tokens (pruning needs the whole prompt in "
+                             "one forward): prefill whole, or set keep_ratio: 1.0")
+        self._capture = {}
+        try:
+            run()
+            parts, self._capture = self._capture, None
+        finally:
+            self._capture = None
+        if "inputs_embeds" not in parts:
+            raise RuntimeError("the model's forward did not call its text model")
+        return parts
+
+    def prefill_chunk(self, parts: dict[str, Any], start: int, end: int, past_key_values: Any) -> torch.Tensor:
+        """Positions [start, end) of a prompt from `prefill_parts` through the text model, on top of the
+        first `start` in `past_key_values`: (1, end - start, H), final norm applied."""
+        visual, deepstack = parts["visual_pos_masks"], parts["deepstack_visual_embeds"]
+        if visual is not None:
+            before, inside = int(visual[0, :start].sum()), int(visual[0, start:end].sum())
+            visual = visual[:, start:end] if inside else None
+            deepstack = [d[before:before + inside] for d in deepstack] if deepstack is not None and inside else None
+        positions = parts["position_ids"]  # None for text alone: positions follow the cache's length
+        return self(inputs_embeds=parts["inputs_embeds"][:, start:end],
+                    position_ids=positions[..., start:end] if positions is not None else None,
+                    past_key_values=past_key_values, use_cache=True, visual_pos_masks=visual,
+                    deepstack_visual_embeds=deepstack).last_hidden_state
 
     def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor) -> None:
         """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""

@@ -55,6 +55,7 @@ class VisDecoder(BaseInjectedModule):
         self.settings = settings_from(CompressionSettings, kwargs, "VisDecoder")
         self.text_forward = TextForward(orig_module, self.adapter, self.settings, context)
         context.text_model = orig_module
+        context.text_forward = self.text_forward
         if self.settings.needs_vision_saliency:
             context.pruning.needs_vision_saliency = True
             if context.saliency is not None:  # a VisionSaliency rule came first

@@ -46,6 +46,8 @@ def check_flags(args) -> None:
     bad = [s for s in args.image_sizes if s < 32]
     if bad:
         raise InputError(f"--image-sizes must be at least 32 px, got {bad[0]}")
+    if args.prefill_chunk < 0 or args.prefill_chunk == 1:
+        raise InputError(f"--prefill-chunk must be 0 (whole prompts) or at least 2, got {args.prefill_chunk}")
     if args.concurrency and args.decode_tokens < 2:
         raise InputError("--concurrency measures inter-token latency: --decode-tokens must be at least 2")
     if args.profile and not args.output:
@@ -133,7 +135,7 @@ def run(args) -> int:
     bandwidth = measure_copy_bandwidth(torch.device(device))
     settings = Settings(tuple(args.image_sizes), args.decode_tokens, args.warmup, args.repeats,
                         bandwidth["bytes_per_s"], args.predictor, args.profile, group, routing_of(args),
-                        args.cpu_infer, tuple(args.concurrency or ()))
+                        args.cpu_infer, tuple(args.concurrency or ()), args.prefill_chunk or None)
     leader = group is None or group.leader  # only rank 0 reports
     meta = run_meta(args, source, budgets, bandwidth, cuda)
     if group is not None:
@@ -207,6 +209,9 @@ def add_parser(commands) -> None:
                      help="also decode N requests with images together, for each N (>= 2; batched generation, lean "
                           "decode configurations): aggregate and per-request tokens/s, time to first token and "
                           "inter-token latency p50 / p95, PCIe bytes per generated token")
+    run.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=int, default=0,
+                     help="with --concurrency: prompt tokens prefilled per step beside the running requests' decode, "
+                          "as `serve --prefill_chunk` (default 0: whole prompts)")
     run.add_argument("--profile", action="store_true",
                      help="also write profile.json: every operator's counters (per layer and phase) per configuration, "
                           "and time each lean decode piece per layer in one extra request (decode_profile)")

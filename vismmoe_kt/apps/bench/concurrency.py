@@ -61,13 +61,15 @@ def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[l
     return times, steps
 
 
-def measure_concurrency(model: Any, requests: list[dict], tokens: int,
-                        pcie_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
-    """The figures above for len(requests) requests of `tokens` new tokens each."""
+def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_bytes: Callable[[], int] | None = None,
+                        prefill_chunk: int | None = None) -> dict[str, Any]:
+    """The figures above for len(requests) requests of `tokens` new tokens each, prompts prefilled
+    `prefill_chunk` tokens a step (None: whole)."""
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
-    runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n)
+    runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n,
+                         prefill_chunk=prefill_chunk)
     _run(runner, requests, tokens)  # warm-up: captures, caches
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     copied = pcie_bytes() if pcie_bytes is not None else None
@@ -87,4 +89,5 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int,
             "per_request_tok_s": float(np.median(rates)) if rates else None,
             "decode_bytes_per_token": None if copied is None else (pcie_bytes() - copied) / (n * (tokens - 1)),
             "steps": stats["steps"], "graphed_steps": stats["graphed_steps"],
-            "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"]}
+            "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"],
+            "prefill_chunk": stats["prefill_chunk"]}

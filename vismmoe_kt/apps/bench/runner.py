@@ -37,6 +37,7 @@ class Settings:
     routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (engine/routing_source.py)
     cpu_infer: int | None = None  # CPU expert workers (None: physical cores - 2)
     concurrency: tuple[int, ...] = ()  # also N requests decoded together, for each N (concurrency.py)
+    prefill_chunk: int | None = None   # ... their prompts prefilled this many tokens a step (None: whole)
 
     @property
     def cuda(self) -> bool:
@@ -183,7 +184,7 @@ def measure_level(model, processor, size: int, settings: Settings, n: int) -> di
     runtime = _runtime(model)
     pcie = (lambda: decode_pcie_bytes(runtime)) if runtime is not None else None
     requests = concurrent_requests(processor, n, size, settings.device)
-    return {"status": "ok", **measure_concurrency(model, requests, settings.decode_tokens, pcie)}
+    return {"status": "ok", **measure_concurrency(model, requests, settings.decode_tokens, pcie, settings.prefill_chunk)}
 
 
 def run_config(config: BenchConfig, budget: str | None, source: ModelSource, settings: Settings,

@@ -227,7 +227,8 @@ def batched_run(model, processor, args, n: int) -> dict:
         offload.batch_table_pairs = args.batch_table_pairs
     requests = concurrent_requests(processor, n, args.image_size, args.device)
     return measure_concurrency(model, requests, args.decode_tokens,
-                               (lambda: decode_pcie_bytes(offload)) if offload is not None else None)
+                               (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
+                               args.prefill_chunk or None)
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -316,6 +317,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
     command += ["--batch-table-pairs", str(args.batch_table_pairs)] if args.batch_table_pairs is not None else []
+    command += ["--prefill-chunk", str(args.prefill_chunk)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -370,6 +372,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="also decode N requests together, for each N given (batched generation): aggregate "
                              "tokens/s, the rate while all N run, PCIe bytes per generated token")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="with --concurrency: prompt tokens prefilled per step beside the others' decode (0: whole)")
     parser.add_argument("--batch-table-pairs", type=int,
                         help="with --concurrency: a batched step's resident layers use the table kernel up to this "
                              "many (token, expert) pairs, grouped GEMM beyond (default: the runtime's, 64)")

@@ -4,8 +4,8 @@ Admission, preparation (images, tokens) and the streamed, stop-matched text are 
 (engine.py). What changes is the turn: instead of one generation thread per request behind a lock,
 one batching thread owns the model and a BatchRunner (engine/batched.py). Started jobs go into its
 inbox; at every step it takes them in, drops the cancelled ones (a client that left, or a stop
-string matched), runs the scheduler's next plan (one prompt prefilled, a token for every running
-request, all rows in one forward) and hands each sampled id to its request's streamer. A request
+string matched), runs the scheduler's next plan (a chunk of one prompt prefilled, `--prefill_chunk`
+tokens, and a token for every running request, all rows in one forward) and hands each sampled id to its request's streamer. A request
 that ends is finished on the event loop, as in the serial engine.
 
 Slots hold `slot_tokens` tokens (prompt and answer): a request that would not fit gets 400 before it
@@ -29,12 +29,13 @@ from .inputs import ApiError, ChatRequest
 
 
 class BatchedEngine(Engine):
-    def __init__(self, *args: Any, max_batch: int, slot_tokens: int, **kwargs: Any):
+    def __init__(self, *args: Any, max_batch: int, slot_tokens: int, prefill_chunk: int | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_batch = max_batch
         self.slot_tokens = min(slot_tokens, self.context)
         # made here, on the thread that loads: an unsuitable model (no lean decode path) fails at start-up
-        self.runner = BatchRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue)
+        self.runner = BatchRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
+                                  prefill_chunk=prefill_chunk)
         self._inbox: list[tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = []
         self._active: dict[int, tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = {}
         self._wake = threading.Condition()
@@ -65,12 +66,24 @@ class BatchedEngine(Engine):
         job = Job(streamer, request.stop, limit)
         sampling = self._sampling(request)
         chosen = Sampling(sampling["do_sample"], sampling.get("temperature", 1.0), sampling.get("top_p", 1.0))
-        batch_request = BatchRequest(prepared.inputs, limit, chosen,
-                                     on_token=lambda token: streamer.put(torch.tensor([token])))
+        batch_request = BatchRequest(prepared.inputs, limit, chosen, on_token=self._token_sink(streamer))
         with self._wake:
             self._inbox.append((job, batch_request, ticket, usage, time.perf_counter(), asyncio.get_running_loop()))
             self._wake.notify()
         return job
+
+    def _token_sink(self, streamer: AsyncTextIteratorStreamer):
+        """What a request's sampled ids go to (on the batching thread): its streamer, and the gap since
+        its last token to the inter-token latency histogram."""
+        last: list[float] = []
+
+        def put(token: int) -> None:
+            now = time.perf_counter()
+            if last:
+                self.metrics.inter_token.observe(now - last[0])
+            last[:] = [now]
+            streamer.put(torch.tensor([token]))
+        return put
 
     # -- the batching thread ------------------------------------------------------------------------
     def _loop(self) -> None:

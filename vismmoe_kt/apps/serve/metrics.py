@@ -52,6 +52,10 @@ class ServerMetrics:
                                  registry=registry)
         self.batch_size = Histogram("vismmoe_decode_batch_size", "sequences per decode step (--max_batch > 1)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry)
+        self.inter_token = Histogram("vismmoe_inter_token_latency_seconds",
+                                     "gap between a request's consecutive tokens (--max_batch > 1)",
+                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+                                     registry=registry)
         registry.register(_RuntimeCollector(model))
 
     def set_queue(self, waiting: int, running: int) -> None:
