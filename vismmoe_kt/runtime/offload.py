@@ -58,6 +58,9 @@ class Placement:
     slabs: list[int]    # the slab of each on_gpu expert
 
 
+BATCH_EXPERTS = ("auto", "table", "grouped-gemm")  # a batched step's resident experts
+
+
 class OffloadRuntime:
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
@@ -135,9 +138,11 @@ class OffloadRuntime:
         self.boundary = DecodeBoundary(self)
         self.table_armed = False   # set by the boundary around a lean decode step
         self.batch_step = False    # set around a batched decode step (several sequences' tokens, one each)
-        # a batched step's pinned layers: the table kernel (each pair reads its expert) up to this many pairs,
-        # grouped GEMM (each routed expert read once) beyond. H200, 48 layers resident, 8 experts per token:
-        # 2 rows 175.7 vs 151.5 tok/s, 4 rows 286.0 vs 279.7, 8 rows 409.0 vs 504.3 (table vs grouped)
+        # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
+        # expert) up to batch_table_pairs pairs, grouped GEMM (each routed expert read once) beyond. H200, 48
+        # layers resident, 8 experts per token: 2 rows 175.7 vs 151.5 tok/s, 4 rows 286.0 vs 279.7, 8 rows
+        # 409.0 vs 504.3 (table vs grouped)
+        self.batch_experts = "auto"
         self.batch_table_pairs = 32
         self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
         self._use_kernel = False
@@ -259,12 +264,7 @@ class OffloadRuntime:
         if self.table_armed and top_k_index.numel() == self.top_k:  # a lean decode step: no host work
             return self._run_from_table(layer, hidden, top_k_index, top_k_weights, act)
         if self.batch_step and layer in self.pinned:  # device work only: a batched step's graph holds it
-            if self._use_kernel and top_k_index.numel() <= self.batch_table_pairs:
-                ids = top_k_index.reshape(-1)
-                y = pair_outputs(hidden, ids, ids, torch.full_like(ids, -1), self.banks[layer], None, act,
-                                 top_k_index.shape[1], True)
-                return combine(y, top_k_weights, hidden.dtype, True)
-            return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
+            return self._batch_bank_experts(layer, hidden, top_k_index, top_k_weights, act)
         phase = "prefill" if hidden.shape[0] > 1 and not self.batch_step else "decode"
         if phase != self.phase or not self.boundary.stale:
             with self.lock:
@@ -523,6 +523,20 @@ class OffloadRuntime:
         grouped_ok = self.device.type != "cuda" or self.store.dtype == torch.bfloat16
         return (layer in self.pinned and self.num_slabs == 0 and self.policy.capturable and self.cpu is None
                 and grouped_ok)
+
+    def _batch_bank_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+        """A pinned layer's experts for a batched step's rows, by `batch_experts` (Triton kernels where
+        the table's are usable, grouped GEMM otherwise)."""
+        mode = self.batch_experts if self._use_kernel else "grouped-gemm"
+        if mode == "auto":
+            mode = "table" if top_k_index.numel() <= self.batch_table_pairs else "grouped-gemm"
+        if mode == "table":
+            ids = top_k_index.reshape(-1)
+            y = pair_outputs(hidden, ids, ids, torch.full_like(ids, -1), self.banks[layer], None, act,
+                             top_k_index.shape[1], True)
+            return combine(y, top_k_weights, hidden.dtype, True)
+        return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
 
     def begin_batch_step(self) -> None:
         self.batch_step = True

@@ -90,6 +90,7 @@ from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
 from vismmoe_kt.demo.tiny import save_tiny_model
 from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
+from vismmoe_kt.runtime.offload import BATCH_EXPERTS
 
 GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
 LRU_RULES = "optimize_rules/qwen3vl-lru.yaml"
@@ -223,8 +224,8 @@ def batched_run(model, processor, args, n: int) -> dict:
     PCIe bytes per generated token; the batched step's graph counters."""
 
     offload = runtime_of(model)
-    if args.batch_table_pairs is not None and offload is not None:
-        offload.batch_table_pairs = args.batch_table_pairs
+    if offload is not None:
+        offload.batch_experts = args.batch_experts
     requests = concurrent_requests(processor, n, args.image_size, args.device)
     return measure_concurrency(model, requests, args.decode_tokens,
                                (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
@@ -316,7 +317,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--predictor", args.predictor] if args.predictor else []
     command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
-    command += ["--batch-table-pairs", str(args.batch_table_pairs)] if args.batch_table_pairs is not None else []
+    command += ["--batch-experts", args.batch_experts]
     command += ["--prefill-chunk", str(args.prefill_chunk)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
@@ -374,9 +375,10 @@ def main() -> int:
                              "tokens/s, the rate while all N run, PCIe bytes per generated token")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="with --concurrency: prompt tokens prefilled per step beside the others' decode (0: whole)")
-    parser.add_argument("--batch-table-pairs", type=int,
-                        help="with --concurrency: a batched step's resident layers use the table kernel up to this "
-                             "many (token, expert) pairs, grouped GEMM beyond (default: the runtime's, 64)")
+    parser.add_argument("--batch-experts", choices=BATCH_EXPERTS, default="auto",
+                        help="with --concurrency: a batched step's resident experts through the table kernel (a read "
+                             "per token and expert) or grouped GEMM (a read per expert); auto: the table kernel up to "
+                             "32 pairs, grouped GEMM beyond")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
