@@ -249,8 +249,10 @@ def test_kernels_compile_for_hopper():
     table = {name: "*i64" for name in ("ids_ptr", "table_ptr", "landing_ptr", "count_ptr", "used_ptr", "owner_ptr",
                                        "routed_ptr", "read_ptr", "slots_ptr", "land_ptr", "quota_ptr")}
     small = {"E1": 129, "K": 8, "KP": 8, "R": 12}
-    compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr", "KP": "constexpr",
-                                         "R": "constexpr"}, small)
+    for stride in (8, 64):  # a single step's records, and a batched step's
+        compile_for_hopper(dk._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr",
+                                             "KP": "constexpr", "R": "constexpr", "STRIDE": "constexpr"},
+                           {**small, "STRIDE": stride})
     q8 = {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "pool_ptr": "*bf16", "host_addr": "i64",
           "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
           "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}

@@ -14,9 +14,11 @@ The step is LeanDecodeStep's pieces over B rows, captured in CUDA graphs per pow
 and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routing source
 (`--routing synthetic`) gives each slot its own table. Prompts are prefilled whole, or `prefill_chunk`
 tokens per step (BatchRunner). This version gives each sequence a slot of the longest request's size
-(so nothing is preempted), and takes no prefix reuse; the offload runtime serves a batch's offloaded layers through the placement path
-(eagerly, between the graphs: one read of the step's routing per layer, each missing expert fetched
-once for every row), its pinned ones inside them.
+(so nothing is preempted), and takes no prefix reuse. The offload runtime serves a batch's pinned
+layers from their banks and its offloaded ones through the decode table, token after token inside
+the step (a miss one token lands is a hit for the next), both inside the graphs; with the hybrid's
+CPU calls or a lookahead predictor, offloaded layers take the placement path instead, eagerly
+between the graphs (one read of the step's routing per layer).
 """
 
 from __future__ import annotations
@@ -47,15 +49,24 @@ class BatchedDecodeStep(LeanDecodeStep):
     """One decode token for each of B sequences in a SlotKVCache: LeanDecodeStep's pieces over B rows.
 
     With graphs, a step runs as R rows, R the next power of two of B (padding rows read and write the
-    cache's pad slot), and each (R, attention span) gets its captures, made when first needed and
-    checked against the eager step as LeanDecodeStep checks its own. Experts that are device work only
-    for several rows (`batch_capturable`: the offload runtime's pinned layers) join the graphs; the
-    others (offloaded layers, which read the routing on the host) run eagerly between them."""
+    cache's pad slot), or R = B where offloaded layers look experts up row by row in the decode table
+    (a padding row would fetch experts for nobody); each (R, attention span) gets its captures, made
+    when first needed and checked against the eager step as LeanDecodeStep checks its own. Experts that
+    are device work only for several rows (`batch_capturable`) join the graphs; the others (the
+    placement path, which reads the routing on the host) run eagerly between them."""
 
     def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache, context: Any,
                  graphs: str = "off"):
         runtime = context.offload_runtime  # serves the step's rows as decode tokens while it runs
-        hooks = [(runtime.begin_batch_step, runtime.end_batch_step)] if hasattr(runtime, "begin_batch_step") else []
+        hooks = []
+        # an offload runtime whose table serves the batch: its step hooks too, and no padding rows (each row
+        # looks its experts up in the table: a padding row would fetch experts nobody asked for)
+        self.exact_rows = bool(getattr(runtime, "batch_table", False)) and len(runtime.pinned) < len(runtime.moe_layers)
+        if hasattr(runtime, "begin_batch_step"):
+            runtime.prepare_batch(cache.max_rows)
+            hooks.append((lambda: runtime.begin_batch_step(self.rows), runtime.end_batch_step))
+            if runtime.batch_table:
+                hooks.append((runtime.before_step, runtime.after_step))
         self.context, self.rows, self.real_rows = context, 1, 1
         super().__init__(text, adapter, lm_head, cache, graphs, hooks=hooks, routing=context.routing,
                          variants=[lambda: (self.rows, self.cache.span)])
@@ -104,7 +115,7 @@ class BatchedDecodeStep(LeanDecodeStep):
     def __call__(self, slots: list[int], tokens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
         """(B,) last tokens and M-RoPE deltas of the sequences in `slots` -> (B, V) logits; the rows move on."""
         b = self.real_rows = len(slots)
-        self.rows = b if self.backend is None else 1 << (b - 1).bit_length()
+        self.rows = b if self.backend is None or self.exact_rows else 1 << (b - 1).bit_length()
         self.cache.begin_decode(slots, self.rows)
         self.tokens[:b, 0].copy_(tokens.view(-1))
         self.tokens[b:self.rows].zero_()

@@ -156,7 +156,8 @@ class DecodeBoundary:
             self.last_misses[row] = misses + prefetched
             rt.last_routed[layer] = list(ids)
             self.reserved[row] = [s for s, e in zip(slabs, records.owner[row]) if e < 0]
-            cache.begin_layer(layer, [e for e in ids if (layer, e) in cache.where])  # recency, Expired/Speculative
+            # recency, Expired/Speculative (a batched step's tokens may share experts: each once)
+            cache.begin_layer(layer, [e for e in dict.fromkeys(ids) if (layer, e) in cache.where])
             cache.end_layer(layer)
         cache.usage = {layer: records.usage[row] for row, layer in enumerate(rt.moe_layers)}
 

@@ -366,7 +366,8 @@ if tl is not None:
 
     @triton.jit
     def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, routed_ptr, read_ptr, slots_ptr,
-                     land_ptr, quota_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr):
+                     land_ptr, quota_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr,
+                     STRIDE: tl.constexpr):
         """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records;
         the last quota[m] of the m misses go to the CPU (slot -3: no claim, no host read)."""
         k = tl.arange(0, KP)
@@ -383,8 +384,8 @@ if tl is not None:
                       E1, R, KP)
         tl.store(slots_ptr + k, slots, mask=ok)
         tl.store(land_ptr + k, land, mask=ok)
-        tl.store(routed_ptr + row * K + k, ids, mask=ok)
-        tl.store(read_ptr + row * K + k, slots, mask=ok)
+        tl.store(routed_ptr + row * STRIDE + k, ids, mask=ok)  # the records' rows: STRIDE apart
+        tl.store(read_ptr + row * STRIDE + k, slots, mask=ok)
 
     @triton.jit
     def _combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, land_ptr, table_ptr, row, H,
@@ -457,14 +458,16 @@ if tl is not None:
         tl.store(table_ptr + rows * (E + 1) + ids, slab, mask=slab >= 0)
 
 
-def plan(table, row: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, land) for one decode token's K experts of one offloaded layer, in one launch."""
+def plan(table, row: int, ids: torch.Tensor, offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, land) for one decode token's K experts of one offloaded layer, in one launch; its records
+    where DecodeTable.records(offset) says."""
     k = ids.numel()
     slots = torch.empty(k, dtype=torch.long, device=ids.device)
     land = torch.empty(k, dtype=torch.long, device=ids.device)
-    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.owner, table.routed, table.read,
+    routed, read = table.records(offset)  # views: row r at r * stride
+    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.owner, routed, read,
                        slots, land, table.cpu_quota, row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k),
-                       R=table.landing_slots)
+                       R=table.landing_slots, STRIDE=routed.stride(0))
     return slots, land
 
 

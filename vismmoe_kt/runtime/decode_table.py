@@ -13,6 +13,8 @@ per row (K, more when lookahead prefetch also lands there), B prefetch candidate
     owner    (L, R + 1)  what landed in each slot: the expert (a miss read through), E + the expert
                          (a lookahead prefetch), -1 if none (column R: dump)
     routed   (L, K)      this step's expert ids, and `read` (L, K): the slot each pair was read from
+                         (a batched step of T tokens records into batch_routed / batch_read (L, T K),
+                         token t's pairs at columns t K.., once `enable_batch` made them)
     usage    (L, E)      per expert, an average over decode tokens of its router probability
                          (`observe_router`; the cache ranks eviction victims by it)
     cpu_quota (K + 1,)   hybrid mode: of a layer's m missing pairs, how many the CPU computes
@@ -85,21 +87,48 @@ class DecodeTable:
                       for t in (self.routed, self.read, self.owner, self.usage)]
         self._event: torch.cuda.Event | None = None
         self._pending = False
+        self._read_pairs = 0
+        self.batch_routed: torch.Tensor | None = None  # (L, K * max rows): a batched step's records
+        self.batch_read: torch.Tensor | None = None
+        self._batch_host: list[torch.Tensor] = []
+        self.batch_pairs = 0  # pairs per layer the step under way records there (0: a single token's step)
+
+    def enable_batch(self, rows: int) -> None:
+        """Record buffers for batched steps of up to `rows` tokens (made once: captured steps write them)."""
+        if self.batch_routed is not None and self.batch_routed.shape[1] >= rows * self.top_k:
+            return
+        kw = dict(dtype=torch.long, device=self.device)
+        self.batch_routed = torch.zeros(self.num_layers, rows * self.top_k, **kw)
+        self.batch_read = torch.full((self.num_layers, rows * self.top_k), -1, **kw)
+        cuda = self.device.type == "cuda"
+        self._batch_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+                            for t in (self.batch_routed, self.batch_read)]
+
+    def records(self, offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a lookup writes its token's (routed, read): the single step's rows, or a batched step's
+        columns `offset`.. of the batch buffers (views; each row one layer)."""
+        if offset is None:
+            return self.routed, self.read
+        k = self.top_k
+        return self.batch_routed[:, offset:offset + k], self.batch_read[:, offset:offset + k]
 
     # --- inside the step (device ops only) ---------------------------------------------------------
-    def lookup(self, row: int, ids: torch.Tensor, use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, row: int, ids: torch.Tensor, use_kernel: bool = False,
+               offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, landing slab per pair) for one token's K expert ids of an offloaded layer; records
-        the step and claims the landings. `use_kernel`: the same in one Triton launch (decode_kernel.plan)."""
+        the step (a batched step's token at `offset`: records()) and claims the landings. `use_kernel`:
+        the same in one Triton launch (decode_kernel.plan)."""
         if use_kernel:
-            return decode_kernel.plan(self, row, ids)
+            return decode_kernel.plan(self, row, ids, offset)
+        routed, read = self.records(offset)
         slots = self.slots[row].index_select(0, ids)
         miss = slots == NOT_RESIDENT
         rank = torch.cumsum(miss.long(), 0) - 1  # each miss's place among the layer's misses
         misses = miss.long().sum().view(1)
         on_cpu = miss & (rank >= misses - self.cpu_quota.index_select(0, misses))  # the last ones; no host read
         slots = torch.where(on_cpu, CPU_PAIR, slots)
-        self.routed[row].copy_(ids)
-        self.read[row].copy_(slots)
+        routed[row].copy_(ids)
+        read[row].copy_(slots)
         rows = torch.full_like(ids, row)
         return slots, self._claim(rows, ids, miss & ~on_cpu, ids)
 
@@ -181,6 +210,10 @@ class DecodeTable:
         """Start copying the step's records to the host (after the step, asynchronously)."""
         for host, device in zip(self._host, (self.routed, self.read, self.owner, self.usage)):
             host.copy_(device, non_blocking=True)
+        if self.batch_pairs:  # a batched step's records: its tokens' columns
+            for host, device in zip(self._batch_host, (self.batch_routed, self.batch_read)):
+                host[:, :self.batch_pairs].copy_(device[:, :self.batch_pairs], non_blocking=True)
+        self._read_pairs = self.batch_pairs
         if self.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(self.device))
@@ -194,6 +227,8 @@ class DecodeTable:
             self._event.synchronize()
         self._pending = False
         routed, read, owner = (t.tolist() for t in self._host[:3])
+        if self._read_pairs:  # a batched step: every token's pairs, in token order
+            routed, read = (t[:, :self._read_pairs].tolist() for t in self._batch_host)
         usage = self._host[3].numpy().copy()  # (L, E) array: the cache ranks with numpy (the buffer is reused)
         return StepReadback(routed, read, owner, usage)
 

@@ -261,10 +261,14 @@ class OffloadRuntime:
     # --- per layer ------------------------------------------------------------------------------
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
-        if self.table_armed and top_k_index.numel() == self.top_k:  # a lean decode step: no host work
-            return self._run_from_table(layer, hidden, top_k_index, top_k_weights, act)
         if self.batch_step and layer in self.pinned:  # device work only: a batched step's graph holds it
             return self._batch_bank_experts(layer, hidden, top_k_index, top_k_weights, act)
+        if self.table_armed and self.batch_step:  # a batched step through the table: token by token, so a
+            k = top_k_index.shape[1]              # miss one token lands is a hit for the next
+            return torch.cat([self._run_from_table(layer, hidden[t:t + 1], top_k_index[t:t + 1], top_k_weights[t:t + 1],
+                                                   act, offset=t * k) for t in range(hidden.shape[0])])
+        if self.table_armed and top_k_index.numel() == self.top_k:  # a lean decode step: no host work
+            return self._run_from_table(layer, hidden, top_k_index, top_k_weights, act)
         phase = "prefill" if hidden.shape[0] > 1 and not self.batch_step else "decode"
         if phase != self.phase or not self.boundary.stale:
             with self.lock:
@@ -303,9 +307,10 @@ class OffloadRuntime:
         return out
 
     def _run_from_table(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+                        top_k_weights: torch.Tensor, act: Any, offset: int | None = None) -> torch.Tensor:
         """One decode token's experts, each read from its slab or the host store (device work only).
-        On CUDA three launches besides the two expert kernels' (plan, and combine with publish)."""
+        On CUDA three launches besides the two expert kernels' (plan, and combine with publish).
+        `offset`: a batched step's token, whose records go to the table's batch columns from there."""
         row, ids, top_k, kernel = self._index[layer], top_k_index.reshape(-1), top_k_index.shape[1], self._use_kernel
         table = self.table
         if layer in self.pinned:  # the bank holds every expert at its own index: nothing to look up
@@ -314,7 +319,7 @@ class OffloadRuntime:
                 self._look_ahead(row, hidden)
             y = pair_outputs(hidden, ids, ids, table.no_landing, self.banks[layer], None, act, top_k, kernel)
             return combine(y, top_k_weights, hidden.dtype, kernel)
-        slots, land = table.lookup(row, ids, kernel)
+        slots, land = table.lookup(row, ids, kernel, offset)
         if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
             self._look_ahead(row, hidden)
         on_cpu = self._cpu_begin(layer, hidden, ids, slots, top_k_weights) if self.graph_variant() else None
@@ -538,17 +543,40 @@ class OffloadRuntime:
             return combine(y, top_k_weights, hidden.dtype, True)
         return bank_experts(hidden, top_k_index, top_k_weights, self._identity, *self.banks[layer], act)
 
-    def begin_batch_step(self) -> None:
+    @property
+    def batch_table(self) -> bool:
+        """Whether a batched step's offloaded layers go through the decode table (token by token, device
+        work only, with the table's step hooks around the step), not the placement path: a table the
+        lean decode uses, without the hybrid's CPU calls or a lookahead predictor (both per token)."""
+        return self.table_enabled and self.cpu is None and self.lookahead is None
+
+    def prepare_batch(self, max_rows: int) -> None:
+        """Batched steps of up to `max_rows` tokens will run: the table's record buffers for them, made
+        before any step is captured (captured steps write into them)."""
+        if self.batch_table and self.table is not None:
+            self.table.enable_batch(max_rows)
+
+    def begin_batch_step(self, rows: int = 0) -> None:
+        """A batched step of `rows` tokens starts (before the table's own step hook)."""
         self.batch_step = True
+        if self.batch_table and self.table is not None:
+            if self.table.batch_routed is None or rows * self.top_k > self.table.batch_routed.shape[1]:
+                raise ValueError(f"a batched step of {rows} tokens: prepare_batch made room for "
+                                 f"{0 if self.table.batch_routed is None else self.table.batch_routed.shape[1] // self.top_k}")
+            self.table.batch_pairs = rows * self.top_k
 
     def end_batch_step(self) -> None:
         self.batch_step = False
+        if self.table is not None:
+            self.table.batch_pairs = 0
 
     def batch_capturable(self, layer: int) -> bool:
         """Whether this layer's part of a batched decode step is device work only: a pinned layer (its
-        bank, grouped GEMM: capture-safe on CUDA in BF16). An offloaded one takes the placement path,
-        which reads the routing on the host."""
-        return layer in self.pinned and (self.device.type != "cuda" or self.store.dtype == torch.bfloat16)
+        bank, grouped GEMM: capture-safe on CUDA in BF16), and an offloaded one through the table
+        (`batch_table`); otherwise the placement path, which reads the routing on the host."""
+        if layer not in self.pinned:
+            return self.batch_table
+        return self.device.type != "cuda" or self.store.dtype == torch.bfloat16
 
     def row_of(self, layer: int) -> int:
         return self._index[layer]
