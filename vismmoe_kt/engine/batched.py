@@ -126,7 +126,7 @@ class BatchedDecodeStep(LeanDecodeStep):
         try:
             logits = self._announced(self._eager_step if self.backend is None else self._graphed_step)
         except BaseException:
-            self.cache.active, self.cache._active_host = None, []
+            self.cache.abandon_step()
             raise
         self.cache.advance_on_host()
         self.counters.steps += 1

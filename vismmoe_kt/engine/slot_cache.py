@@ -130,6 +130,11 @@ class SlotKVCache:
         slot; each of them writes the same value, so the repeats are harmless."""
         self.lengths[:, self.active] += 1
 
+    def abandon_step(self) -> None:
+        """The step under way failed: no decode step is under way any more (its rows' host lengths stay;
+        their sequences fail with it and release their slots)."""
+        self.active, self._active_host = None, []
+
     def advance_on_host(self) -> None:
         for lengths in self.host_lengths:
             for s in self._active_host:
