@@ -124,3 +124,61 @@ def test_what_batched_generation_refuses(case):
     model, processor = load(case, "optimize_rules/qwen3vl-gpu.yaml", **CPU)  # no VisDecoder: no lean engine
     with pytest.raises(ValueError, match="runs on the lean decode path"):
         generate_batch(model, requests_for(processor)[:1], 4)
+
+
+@pytest.mark.parametrize("graphs,chunk", [("off", None), ("replay", 16)])
+def test_a_conversations_next_turn_prefills_only_what_follows_its_history(case, graphs, chunk):
+    """A finished request's slot keeps its KV; the conversation's next turn (the history re-sent, as
+    chat clients do) is admitted to that slot and prefills only the tokens after the history, and
+    gets the tokens it gets alone. The same prompt again reuses all but its last token."""
+    from vismmoe_kt.engine.batched import BatchRunner
+
+    budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
+    model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
+    image = make_image(160, 128, seed=1)
+    first = build_inputs(processor, [user_turn("Describe the image.", 1)], [image])
+    other = build_inputs(processor, [user_turn("Hello there", 0)], [])
+    runner = BatchRunner(model, max_batch=2, capacity=512, max_queue=4, prefill_chunk=chunk)
+    with torch.no_grad():
+        answered, _ = generate_batch(model, [dict(first), dict(other)], [6, 5], min_new_tokens=6, runner=runner)
+        answer = processor.decode(answered[0, first["input_ids"].shape[1]:], skip_special_tokens=True)
+        follow_up = build_inputs(processor, [user_turn("Describe the image.", 1),
+                                             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                                             user_turn("What colour is it?", 0)], [image])
+        together = generate_batch(model, [dict(follow_up), dict(other)], [6, 5], min_new_tokens=6, runner=runner)
+        alone = [generate(model, dict(r), n, min_new_tokens=6) for r, n in ((follow_up, 6), (other, 5))]
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    stats = runner.stats()
+    assert stats["reused_prefixes"] == 2  # the follow-up on its history, the repeated prompt on itself
+    assert stats["reused_tokens"] >= first["input_ids"].shape[1] + other["input_ids"].shape[1] - 1
+
+
+def test_a_history_overwritten_before_its_turn_is_prefilled_again(case):
+    """One slot: the follow-up was matched to the slot's history when it was added, but an earlier
+    request in the queue ran there first; the follow-up then prefills from its first token (and gets
+    the tokens it gets alone), never reading the other request's keys and values."""
+    from vismmoe_kt.engine.batched import BatchRequest, BatchRunner
+
+    model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4),
+                            **CPU)
+    first = build_inputs(processor, [user_turn("Hello there, how are you today?", 0)], [])
+    runner = BatchRunner(model, max_batch=1, capacity=256, max_queue=4)
+    with torch.no_grad():
+        answered = generate_batch(model, [dict(first)], 4, min_new_tokens=4, runner=runner)[0]
+        answer = processor.decode(answered[0, first["input_ids"].shape[1]:], skip_special_tokens=True)
+        follow_up = build_inputs(processor, [user_turn("Hello there, how are you today?", 0),
+                                             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                                             user_turn("And tomorrow?", 0)], [])
+        squatter = BatchRequest(dict(build_inputs(processor, [user_turn("Something else entirely", 0)], [])), 4,
+                                min_new_tokens=4)
+        late = BatchRequest(dict(follow_up), 4, min_new_tokens=4)
+        runner.add(squatter)
+        runner.add(late)
+        assert late.sequence.preferred_block == 0 and late.sequence.cached > 0  # matched to the history when added
+        while not runner.idle:
+            runner.step()
+        alone = generate(model, dict(follow_up), 4, min_new_tokens=4)
+    assert late.sequence.generated == alone[0, follow_up["input_ids"].shape[1]:].tolist()
+    # the squatter shares the chat template's opening with the history, never the whole first prompt
+    assert runner.stats()["reused_tokens"] < first["input_ids"].shape[1] // 2

@@ -77,6 +77,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     assert len(scheduler.pool.free) == 64
 
 
+def test_a_sequence_whose_prefix_a_free_block_holds_starts_there_or_from_scratch():
+    """preferred_block: the block keeping a conversation's history is taken first, and the prefill
+    starts after the `cached` tokens; if another sequence took that block meanwhile, from the start."""
+    scheduler = Scheduler(BlockPool(2, 64), max_batch=2, max_queue=4, prefill_chunk=64)
+    follow_up = Sequence(40, 4)
+    follow_up.preferred_block, follow_up.cached = 1, 30
+    scheduler.add(follow_up)
+    plan = scheduler.plan()
+    assert follow_up.kv_blocks == [1] and (plan.prefill.start, plan.prefill.end) == (30, 40)
+    scheduler2 = Scheduler(BlockPool(2, 64), max_batch=2, max_queue=4, prefill_chunk=64)
+    squatter, late = Sequence(10, 4), Sequence(40, 4)
+    late.preferred_block, late.cached = 0, 30  # block 0 goes to the first sequence admitted
+    scheduler2.add(squatter)
+    scheduler2.add(late)
+    scheduler2.finish_step(scheduler2.plan(), {squatter.id: 1})
+    plan = scheduler2.plan()
+    assert squatter.kv_blocks == [0] and late.kv_blocks == [1] and (plan.prefill.start, plan.prefill.end) == (0, 40)
+
+
 def test_no_more_than_max_batch_run_and_the_queue_refuses_beyond_max_queue():
     scheduler = Scheduler(BlockPool(64, 4), max_batch=2, max_queue=3, prefill_chunk=8)
     for _ in range(3):

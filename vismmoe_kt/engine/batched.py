@@ -13,8 +13,10 @@ request gets alone (`generate`), whatever ran beside it.
 The step is LeanDecodeStep's pieces over B rows, captured in CUDA graphs per power-of-two batch size
 and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routing source
 (`--routing synthetic`) gives each slot its own table. Prompts are prefilled whole, or `prefill_chunk`
-tokens per step (BatchRunner). This version gives each sequence a slot of the longest request's size
-(so nothing is preempted), and takes no prefix reuse. The offload runtime serves a batch's pinned
+tokens per step (BatchRunner). A finished request's slot keeps its KV until another request needs
+it: a conversation's next turn, which re-sends the history, goes to that slot and prefills only what
+follows (as the single-request engine reuses its cache). Each sequence gets a slot of the longest
+request's size, so nothing is preempted. The offload runtime serves a batch's pinned
 layers from their banks and its offloaded ones through the decode table, token after token inside
 the step (a miss one token lands is a hit for the next), both inside the graphs; with the hybrid's
 CPU calls or a lookahead predictor, offloaded layers take the placement path instead, eagerly
@@ -30,11 +32,11 @@ import torch
 from torch import nn
 
 from ..models import ModelAdapter
-from .generation import _eos_ids, next_token
+from .generation import _eos_ids, continuation, next_token
 from .graphs import State
-from .lean_engine import decode_engine
+from .lean_engine import ImageKey, decode_engine, image_keys, reusable_prefix
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
-from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence
+from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status
 from .slot_cache import SlotKVCache
 
 
@@ -145,6 +147,9 @@ class BatchRequest:
     on_token: Callable[[int], None] | None = None
     sequence: Sequence | None = None
     rope_delta: int = 0
+    started: bool = False     # its first prefill chunk ran
+    slot: int | None = None   # the KV slot it ran in
+    history: Any = None       # the slot's held history it was matched with when added (BatchRunner.held)
 
 
 class BatchRunner:
@@ -188,6 +193,10 @@ class BatchRunner:
         self.eos = frozenset(_eos_ids(model))
         self.device = weight.device
         self.requests: dict[int, BatchRequest] = {}
+        # what each free slot still holds from the request that finished there (a chat's next turn re-sends
+        # it and prefills only what follows): token ids with KV in the slot, its images, its M-RoPE delta
+        self.held: dict[int, tuple[list[int], list[ImageKey], int]] = {}
+        self.reuses = self.reused_tokens = 0
         engine.forget()  # the single-request cache is not this one: its next request prefills whole
 
     @property
@@ -200,7 +209,8 @@ class BatchRunner:
         step = self.step_fn
         return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured),  # keys: (variant,)
                 "prefill_chunk": self.prefill_chunk, "prefill_pieces": self.prefill_pieces,
-                "prefill_pieces_beside_decode": self.pieces_beside_decode}
+                "prefill_pieces_beside_decode": self.pieces_beside_decode, "reused_prefixes": self.reuses,
+                "reused_tokens": self.reused_tokens}
 
     def add(self, request: BatchRequest) -> Sequence:
         prompt = request.inputs["input_ids"]
@@ -210,9 +220,29 @@ class BatchRunner:
             raise SchedulerError(f"a request of {prompt.shape[1]} prompt tokens and {request.max_new_tokens} new ones "
                                  f"is longer than a slot ({self.capacity} tokens)")
         stops = self.eos if request.min_new_tokens == 0 else frozenset()
-        request.sequence = self.scheduler.add(Sequence(prompt.shape[1], request.max_new_tokens, stops))
+        sequence = Sequence(prompt.shape[1], request.max_new_tokens, stops)
+        sequence.preferred_block, sequence.cached = self._reusable_slot(request)
+        request.history = self.held.get(sequence.preferred_block)  # what it expects to find there
+        request.sequence = self.scheduler.add(sequence)
         self.requests[request.sequence.id] = request
         return request.sequence
+
+    def _reusable_slot(self, request: BatchRequest) -> tuple[int | None, int]:
+        """(the free slot holding the longest prefix of this request, that prefix's length), or (None, 0).
+        Not with rules that prune visual tokens (a pruned slot's layers hold different lengths) or
+        without the text model's own forward (a continuation runs through it)."""
+        if not self.held or self.text_forward is None or self.engine.context.pruning.active \
+                or "pixel_values_videos" in request.inputs:
+            return None, 0
+        adapter, config = self.engine.adapter, self.model.config
+        ids, images = request.inputs["input_ids"][0].tolist(), image_keys(request.inputs)
+        best = (None, 0)
+        for slot, (held, held_images, _) in self.held.items():
+            common = reusable_prefix(held, held_images, ids, images, adapter.image_token_id(config),
+                                     1 / adapter.vision_merge_size(config) ** 2, new_images_ok=True)
+            if common > best[1]:
+                best = (slot, common)
+        return best
 
     def cancel(self, request: BatchRequest) -> None:
         if request.sequence is not None:
@@ -248,7 +278,19 @@ class BatchRunner:
         for request in ended:
             del self.requests[request.sequence.id]
             self._parts.pop(request.sequence.id, None)
+            self._keep_history(request)
         return len(plan.decode), ended
+
+    def _keep_history(self, request: BatchRequest) -> None:
+        """A finished request's slot keeps its KV for the conversation's next turn: the prompt and every
+        generated token but the last (which no step consumed)."""
+        sequence = request.sequence
+        if sequence.status is not Status.FINISHED or not request.started or len(sequence.kv_blocks) > 0:
+            return  # cancelled, never prefilled, or (cannot happen here) still holding its block
+        slot = request.slot
+        ids = request.inputs["input_ids"][0].tolist() + sequence.generated[:-1]
+        if all(lengths[slot] == len(ids) for lengths in self.cache.host_lengths):  # pruned slots are not kept
+            self.held[slot] = (ids, image_keys(request.inputs), request.rope_delta)
 
     def _prefill(self, chunk: PrefillChunk) -> int | None:
         """A chunk of a sequence's prompt through the model into its slot; at the prompt's end, the token
@@ -258,27 +300,41 @@ class BatchRunner:
         if chunk.end > sequence.prompt_len:
             raise SchedulerError(f"sequence {sequence.id} was preempted: this runner holds a slot per sequence")
         view = self.cache.slot_view(slot)
-        if chunk.start == 0:
-            self.cache.release(slot)
-            adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
+        first = not request.started
+        inputs, offset = request.inputs, 0  # what the model's forward takes, and the prompt position it starts at
+        start = chunk.start
+        if first:
+            request.started, request.slot = True, slot
+            held = self.held.pop(slot, None)
+            if start and held is not None and held is request.history:  # a chat's next turn: its history is here
+                self.cache.keep(slot, start)
+                adapter.set_rope_delta(self.model, torch.tensor([[held[2]]], device=self.device))
+                inputs = continuation(self.model, adapter, request.inputs, start, image_keys(request.inputs),
+                                      len(held[1]))
+                offset = start
+                self.reuses, self.reused_tokens = self.reuses + 1, self.reused_tokens + start
+            else:  # a new prompt, or a history another request overwrote since: from the first token
+                start = 0
+                self.cache.release(slot)
+                adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
             if self.routing is not None:
-                self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
+                self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, start=start, slot=slot)
         elif self.routing is not None:
             self.routing.resume_slot_prefill(slot)
         try:
-            if chunk.start == 0 and chunk.end == sequence.prompt_len:  # the whole prompt at once
-                logits = self.model(**request.inputs, past_key_values=view, use_cache=True,
-                                    logits_to_keep=1).logits[:, -1]
+            if first and chunk.end == sequence.prompt_len:  # the whole prompt (or what follows the history) at once
+                logits = self.model(**inputs, past_key_values=view, use_cache=True, logits_to_keep=1).logits[:, -1]
             else:
-                if chunk.start == 0:  # the vision tower and the positions, for every chunk to come
-                    self._parts[sequence.id] = self.text_forward.prefill_parts(
-                        lambda: self.model(**request.inputs, past_key_values=view, use_cache=True, logits_to_keep=1))
-                hidden = self.text_forward.prefill_chunk(self._parts[sequence.id], chunk.start, chunk.end, view)
+                if first:  # the vision tower and the positions, for every chunk to come
+                    self._parts[sequence.id] = (offset, self.text_forward.prefill_parts(
+                        lambda: self.model(**inputs, past_key_values=view, use_cache=True, logits_to_keep=1)))
+                offset, parts = self._parts[sequence.id]
+                hidden = self.text_forward.prefill_chunk(parts, start - offset, chunk.end - offset, view)
                 logits = self.lm_head(hidden[:, -1]) if chunk.end == sequence.prompt_len else None
         finally:
             if self.routing is not None:
                 self.routing.end_slot_prefill()
-        if chunk.start == 0:
+        if first:
             delta = adapter.rope_delta(self.model)
             request.rope_delta = int(delta.reshape(-1)[0]) if delta is not None else 0
         if logits is None:

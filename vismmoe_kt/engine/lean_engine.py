@@ -52,6 +52,31 @@ def image_keys(inputs: dict[str, torch.Tensor]) -> list[ImageKey]:
     return keys
 
 
+def reusable_prefix(held: list[int], held_images: list[ImageKey], ids: list[int], images: list[ImageKey],
+                    image_token_id: int | None, tokens_per_patch: float, new_images_ok: bool) -> int:
+    """How many leading tokens of a request (`ids`, `images`) a cache holding `held` (with
+    `held_images`) can keep (0: prefill everything)."""
+    if not held or images[:len(held_images)] != held_images:
+        return 0  # another image where one was: same tokens, different keys and values
+    common = 0
+    for a, b in zip(held, ids):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(ids) - 1)  # at least one token to prefill: it gives the next logits
+    if image_token_id is None:
+        return common
+    if image_token_id in held[common:]:
+        return 0  # a held image would be cut: its M-RoPE offsets would go stale
+    new = images[len(held_images):]
+    if new and not new_images_ok:
+        return 0
+    # the new part must hold exactly the new images, whole
+    if ids[common:].count(image_token_id) != round(sum(k.patches() for k in new) * tokens_per_patch):
+        return 0
+    return common
+
+
 class LeanEngine:
     """A model's decode state across requests: one StaticKVCache and the step bound to it."""
 
@@ -72,28 +97,10 @@ class LeanEngine:
     def reusable_prefix(self, ids: list[int], images: list[ImageKey], image_token_id: int | None,
                         tokens_per_patch: float, new_images_ok: bool) -> int:
         """How many leading tokens of `ids` can stay in the cache (0: prefill everything)."""
-        held = self.sequence
-        if self.cache is None or not held or self.cache.host_lengths[0] != len(held):
+        if self.cache is None or not self.sequence or self.cache.host_lengths[0] != len(self.sequence):
             return 0
-        if images[:len(self.images)] != self.images:
-            return 0  # another image where one was: same tokens, different keys and values
-        common = 0
-        for a, b in zip(held, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # at least one token to prefill: it gives the next logits
-        if image_token_id is None:
-            return common
-        if image_token_id in held[common:]:
-            return 0  # a held image would be cut: its M-RoPE offsets would go stale
-        new = images[len(self.images):]
-        if new and not new_images_ok:
-            return 0
-        # the new part must hold exactly the new images, whole
-        if ids[common:].count(image_token_id) != round(sum(k.patches() for k in new) * tokens_per_patch):
-            return 0
-        return common
+        return reusable_prefix(self.sequence, self.images, ids, images, image_token_id, tokens_per_patch,
+                               new_images_ok)
 
     def forget(self) -> None:
         """The next request prefills whole (benchmarks of cold prefill)."""

@@ -51,6 +51,7 @@ class Sequence:
     kv_blocks: list[int] = field(default_factory=list)   # the KV blocks it holds, in token order
     cancel_requested: bool = False
     preemptions: int = 0
+    preferred_block: int | None = None  # a free block holding the first `cached` tokens already (a chat's history)
 
     @property
     def length(self) -> int:
@@ -101,6 +102,10 @@ class BlockPool:
         missing = self.blocks_for(tokens) - len(sequence.kv_blocks)
         if missing > len(self.free):
             return False
+        if missing > 0 and not sequence.kv_blocks and sequence.preferred_block in self.free:
+            self.free.remove(sequence.preferred_block)  # the block that holds its prefix comes first
+            sequence.kv_blocks.append(sequence.preferred_block)
+            missing -= 1
         sequence.kv_blocks.extend(self.free.popleft() for _ in range(max(missing, 0)))
         return True
 
@@ -192,6 +197,8 @@ class Scheduler:
             sequence = self.waiting[0]
         if sequence is None:
             return None
+        if sequence.status is Status.WAITING and sequence.cached and sequence.preferred_block not in self.pool.free:
+            sequence.cached = 0  # the block holding its prefix went to another sequence: prefill from the start
         # up to the sequence's end (after a preemption its generated tokens too): the last chunk samples the next
         end = min(sequence.cached + self.prefill_chunk, sequence.length)
         if not self.pool.grow(sequence, end):

@@ -71,6 +71,15 @@ class SlotKVCache:
             lengths[slot] = 0
         self.lengths[:, slot] = 0
 
+    def keep(self, slot: int, tokens: int) -> None:
+        """Cut a slot back to its first `tokens` positions in every layer (a chat's next turn keeps its
+        history); the slot must hold at least that many everywhere (no pruned layers)."""
+        if any(lengths[slot] < tokens for lengths in self.host_lengths):
+            raise ValueError(f"slot {slot} holds fewer than {tokens} positions in some layer")
+        for lengths in self.host_lengths:
+            lengths[slot] = tokens
+        self.lengths[:, slot] = tokens
+
     def slot_view(self, slot: int) -> "SlotView":
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not one of this cache's {self.num_slots}")
