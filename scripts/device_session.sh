@@ -35,6 +35,9 @@
 #                                                   request graphed against N decoded together for each N (batched
 #                                                   generation, CUDA graphs per batch size), synthetic routing
 #                                                   (BATCH_ROUTING, BATCH_CONFIGS override)
+#   bash scripts/device_session.sh batchoff PX N... offloaded batching at 16 GiB (the batch's offloaded layers through the
+#                                                   decode table): BF16 slabs, and Q4_K store and slabs (quantized at
+#                                                   load), synthetic routing, one process each (BATCH_CONFIGS overrides)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -146,6 +149,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batch$px" \
              --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing "${BATCH_ROUTING:-synthetic}" \
              --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} | tee "$OUT/batch$px.txt" ;;
+    batchoff) shift  # offloaded batching, one configuration per process (each loads its own store)
+           px=$1; shift
+           levels=()
+           while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
+           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batchoff$px" \
+             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing synthetic --isolate \
+             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} \
+             | tee "$OUT/batchoff$px.txt" || true
+           rows_up "$OUT/batchoff$px" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -159,6 +171,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done
