@@ -60,11 +60,13 @@ class BatchedDecodeStep(LeanDecodeStep):
     def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache, context: Any,
                  graphs: str = "off"):
         runtime = context.offload_runtime  # serves the step's rows as decode tokens while it runs
+        if not hasattr(runtime, "begin_batch_step"):
+            runtime = None  # none, or one without batched steps
         hooks = []
         # an offload runtime whose table serves the batch: its step hooks too, and no padding rows (each row
         # looks its experts up in the table: a padding row would fetch experts nobody asked for)
-        self.exact_rows = bool(getattr(runtime, "batch_table", False)) and len(runtime.pinned) < len(runtime.moe_layers)
-        if hasattr(runtime, "begin_batch_step"):
+        self.exact_rows = runtime is not None and runtime.batch_table and len(runtime.pinned) < len(runtime.moe_layers)
+        if runtime is not None:
             runtime.prepare_batch(cache.max_rows)
             hooks.append((lambda: runtime.begin_batch_step(self.rows), runtime.end_batch_step))
             if runtime.batch_table:
@@ -176,8 +178,8 @@ class BatchRunner:
             and engine.context.routing.replaces else None
         if self.routing is not None:  # a table per slot, read by the batched step's routers
             self.routing.reserve_slots(max_batch, capacity, weight.device, weight.dtype)
-        self.step_fn = BatchedDecodeStep(text, adapter, adapter.output_head(model), self.cache, engine.context,
-                                         engine.graphs)
+        self.lm_head = adapter.output_head(model)
+        self.step_fn = BatchedDecodeStep(text, adapter, self.lm_head, self.cache, engine.context, engine.graphs)
         self._parts: dict[int, dict] = {}  # sequence id -> its prompt's text-model inputs, while chunks remain
         self.prefill_pieces = 0       # prompt chunks (or whole prompts) run
         self.pieces_beside_decode = 0  # ... of them in a step that also decoded running sequences
@@ -189,7 +191,6 @@ class BatchRunner:
         # a slot is one block of `capacity` tokens: a request fits one (`add` checks), so nothing is preempted
         self.scheduler = Scheduler(BlockPool(max_batch, capacity), max_batch=max_batch, max_queue=max_queue,
                                    prefill_chunk=self.prefill_chunk or capacity)
-        self.lm_head = adapter.output_head(model)
         self.eos = frozenset(_eos_ids(model))
         self.device = weight.device
         self.requests: dict[int, BatchRequest] = {}
@@ -285,8 +286,8 @@ class BatchRunner:
         """A finished request's slot keeps its KV for the conversation's next turn: the prompt and every
         generated token but the last (which no step consumed)."""
         sequence = request.sequence
-        if sequence.status is not Status.FINISHED or not request.started or len(sequence.kv_blocks) > 0:
-            return  # cancelled, never prefilled, or (cannot happen here) still holding its block
+        if sequence.status is not Status.FINISHED or not request.started:
+            return  # cancelled, or never prefilled
         slot = request.slot
         ids = request.inputs["input_ids"][0].tolist() + sequence.generated[:-1]
         if all(lengths[slot] == len(ids) for lengths in self.cache.host_lengths):  # pruned slots are not kept

@@ -220,7 +220,7 @@ class TextForward:
         self._capture = {}
         try:
             run()
-            parts, self._capture = self._capture, None
+            parts = self._capture
         finally:
             self._capture = None
         if "inputs_embeds" not in parts:

@@ -40,10 +40,7 @@ def decode_pcie_bytes(runtime: Any) -> int:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return float(np.percentile(values, 100 * q, method="nearest")) if values else None
 
 
 def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[list[float]], list[tuple[float, int]]]:
