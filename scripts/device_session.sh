@@ -34,7 +34,9 @@
 #   bash scripts/device_session.sh batch PX N...    every expert resident (lean-graphs), and offloaded at 16 GiB: one
 #                                                   request graphed against N decoded together for each N (batched
 #                                                   generation, CUDA graphs per batch size), synthetic routing
-#                                                   (BATCH_ROUTING, BATCH_CONFIGS override)
+#                                                   (BATCH_ROUTING, BATCH_CONFIGS override; BATCH_ARGS adds
+#                                                   decode_bench flags, e.g. --prefill-budget 0; BATCH_TAG names
+#                                                   the output apart)
 #   bash scripts/device_session.sh batchoff PX N... offloaded batching at 16 GiB (the batch's offloaded layers through the
 #                                                   decode table): BF16 slabs, and Q4_K store and slabs (quantized at
 #                                                   load), synthetic routing, one process each (BATCH_CONFIGS overrides)
@@ -146,16 +148,17 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            px=$1; shift
            levels=()
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
-           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batch$px" \
-             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing "${BATCH_ROUTING:-synthetic}" \
-             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} | tee "$OUT/batch$px.txt" ;;
+           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench \
+             --out "$OUT/batch$px${BATCH_TAG:-}" --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
+             --routing "${BATCH_ROUTING:-synthetic}" --concurrency "${levels[@]}" \
+             --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} ${BATCH_ARGS:-} | tee "$OUT/batch$px${BATCH_TAG:-}.txt" ;;
     batchoff) shift  # offloaded batching, one configuration per process (each loads its own store)
            px=$1; shift
            levels=()
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
            timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batchoff$px" \
              --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing synthetic --isolate \
-             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} \
+             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} ${BATCH_ARGS:-} \
              | tee "$OUT/batchoff$px.txt" || true
            rows_up "$OUT/batchoff$px" ;;
     bench) shift

@@ -52,6 +52,13 @@ def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers, max
     for got, want in zip(together, alone):
         assert torch.equal(got, want)
     assert max(sizes) == min(max_batch, len(requests)) and max(sizes) > 1  # rows really ran together
+    # the first step prefills as many prompts as there are slots, right-padded in one forward (the
+    # images through one vision-tower call); pruning prefills each prompt alone
+    if rules == "qwen3vl":
+        assert stats["prefill_groups"] == stats["grouped_prompts"] == 0
+    else:
+        assert stats["prefill_groups"] >= 1 and stats["grouped_prompts"] >= min(max_batch, len(requests))
+        assert stats["prefill_pieces"] == len(requests) - stats["grouped_prompts"] + stats["prefill_groups"]
     if graphs == "off":
         assert stats["graphed_steps"] == 0 and stats["captured_shapes"] == []
     else:
@@ -91,6 +98,8 @@ def test_batched_requests_follow_their_own_routing_tables(case, graphs):
         assert torch.equal(table, entry["ids"])
     runtime = model.vismmoe.context.offload_runtime
     assert runtime.counters["decode"]  # the batched steps' offloaded layers counted as decode
+    # whole prompts: the three prefilled in one forward, each token reading its own slot's table
+    assert (stats["prefill_groups"], stats["grouped_prompts"]) == ((0, 0) if graphs == "replay" else (1, 3))
     assert max(sizes) > 1  # rows decoded together
     if graphs == "replay":  # offloaded layers through the table: one capture per batch size, no padding
         assert {rows for rows, _ in stats["captured_shapes"]} == set(sizes) and stats["eager_pieces_per_step"] == 0
@@ -182,3 +191,19 @@ def test_a_history_overwritten_before_its_turn_is_prefilled_again(case):
     assert late.sequence.generated == alone[0, follow_up["input_ids"].shape[1]:].tolist()
     # the squatter shares the chat template's opening with the history, never the whole first prompt
     assert runner.stats()["reused_tokens"] < first["input_ids"].shape[1] // 2
+
+
+def test_prompts_grouped_for_prefill_are_right_padded_and_their_images_concatenated():
+    from vismmoe_kt.engine.batched import group_inputs
+
+    a = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+         "pixel_values": torch.ones(4, 2), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    b = {"input_ids": torch.tensor([[8]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    c = {"input_ids": torch.tensor([[9, 9]]), "attention_mask": torch.ones(1, 2, dtype=torch.long),
+         "pixel_values": torch.zeros(8, 2), "image_grid_thw": torch.tensor([[1, 2, 4]])}
+    out = group_inputs([a, b, c], pad_id=3)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 3, 3], [9, 9, 3]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert out["pixel_values"].shape == (12, 2) and out["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4]]
+    with pytest.raises(ValueError, match="'pixel_values_videos' cannot be batched"):
+        group_inputs([a, {**b, "pixel_values_videos": torch.ones(2, 2)}], pad_id=3)

@@ -1,5 +1,5 @@
 """The continuous-batching scheduler (engine/scheduler.py) as pure bookkeeping: chunked prefill beside
-decode, admission within `max_batch` and the KV blocks, preemption and recompute, cancellation, and
+decode, whole prompts prefilled together within a token budget, admission within `max_batch` and the KV blocks, preemption and recompute, cancellation, and
 (hypothesis) its invariants over random arrivals, stops and cancels. A fake engine samples token
 f(sequence, position), so a sequence's output does not depend on what ran beside it: batched runs must
 give every request the tokens it gets alone."""
@@ -18,8 +18,9 @@ def token_for(sequence: Sequence, salt: int = 0) -> int:
 
 def sampled_by(plan) -> dict[int, int]:
     out = {s.id: token_for(s) for s in plan.decode}
-    if plan.prefill is not None and plan.prefill.end == plan.prefill.sequence.length:
-        out[plan.prefill.sequence.id] = token_for(plan.prefill.sequence)
+    for chunk in plan.prefills:
+        if chunk.end == chunk.sequence.length:
+            out[chunk.sequence.id] = token_for(chunk.sequence)
     return out
 
 
@@ -39,11 +40,14 @@ def check_plan(scheduler: Scheduler, plan) -> None:
     assert len({id(s) for s in plan.decode}) == len(plan.decode)
     assert all(s.status is Status.RUNNING and s.in_cache for s in plan.decode)
     assert all(len(s.kv_blocks) * scheduler.pool.block_size >= s.length for s in plan.decode)
-    if plan.prefill is not None:
-        chunk = plan.prefill
+    for chunk in plan.prefills:
         assert chunk.sequence not in plan.decode and chunk.sequence.status is Status.RUNNING
         assert 0 < chunk.end - chunk.start <= scheduler.prefill_chunk and chunk.start == chunk.sequence.cached
         assert len(chunk.sequence.kv_blocks) * scheduler.pool.block_size >= chunk.end
+    assert len({id(c.sequence) for c in plan.prefills}) == len(plan.prefills)
+    if len(plan.prefills) > 1:  # a group: whole fresh prompts within the budget
+        assert all(c.start == 0 and c.end == c.sequence.length for c in plan.prefills)
+        assert sum(c.end for c in plan.prefills) <= scheduler.prefill_budget
     assert len(scheduler.running) <= scheduler.max_batch
 
 
@@ -68,10 +72,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
     short = scheduler.add(Sequence(3, 6))
     long = scheduler.add(Sequence(13, 2))
     plans = run_to_end(scheduler)
-    long_chunks = [(p.prefill.start, p.prefill.end) for p in plans if p.prefill and p.prefill.sequence is long]
+    long_chunks = [(c.start, c.end) for p in plans for c in p.prefills if c.sequence is long]
     assert long_chunks == [(0, 4), (4, 8), (8, 12), (12, 13)]
     # the short one decodes in the steps that prefill the long one
-    assert all(short in p.decode for p in plans if p.prefill and p.prefill.sequence is long)
+    assert all(short in p.decode for p in plans if any(c.sequence is long for c in p.prefills))
     assert short.status is long.status is Status.FINISHED and len(short.generated) == 6 and len(long.generated) == 2
     assert short.generated == alone(3, 6, short.id) and long.generated == alone(13, 2, long.id)
     assert len(scheduler.pool.free) == 64
@@ -85,7 +89,7 @@ def test_a_sequence_whose_prefix_a_free_block_holds_starts_there_or_from_scratch
     follow_up.preferred_block, follow_up.cached = 1, 30
     scheduler.add(follow_up)
     plan = scheduler.plan()
-    assert follow_up.kv_blocks == [1] and (plan.prefill.start, plan.prefill.end) == (30, 40)
+    assert follow_up.kv_blocks == [1] and [(c.start, c.end) for c in plan.prefills] == [(30, 40)]
     scheduler2 = Scheduler(BlockPool(2, 64), max_batch=2, max_queue=4, prefill_chunk=64)
     squatter, late = Sequence(10, 4), Sequence(40, 4)
     late.preferred_block, late.cached = 0, 30  # block 0 goes to the first sequence admitted
@@ -93,7 +97,7 @@ def test_a_sequence_whose_prefix_a_free_block_holds_starts_there_or_from_scratch
     scheduler2.add(late)
     scheduler2.finish_step(scheduler2.plan(), {squatter.id: 1})
     plan = scheduler2.plan()
-    assert squatter.kv_blocks == [0] and late.kv_blocks == [1] and (plan.prefill.start, plan.prefill.end) == (0, 40)
+    assert squatter.kv_blocks == [0] and late.kv_blocks == [1] and [(c.start, c.end) for c in plan.prefills] == [(0, 40)]
 
 
 def test_no_more_than_max_batch_run_and_the_queue_refuses_beyond_max_queue():
@@ -103,7 +107,35 @@ def test_no_more_than_max_batch_run_and_the_queue_refuses_beyond_max_queue():
     with pytest.raises(SchedulerError, match="queue is full"):
         scheduler.add(Sequence(4, 3))
     plans = run_to_end(scheduler)
-    assert max(len(p.decode) + (p.prefill is not None and not p.prefill.sequence.in_cache) for p in plans) <= 2
+    assert max(len(p.decode) + sum(not c.sequence.in_cache for c in p.prefills) for p in plans) <= 2
+
+
+def test_fresh_prompts_that_arrive_together_are_prefilled_in_one_step_within_the_budget():
+    """With a budget, whole fresh prompts join the first one's prefill while they fit it and a free
+    slot; a prompt with a history to continue (cached), a solo one, or one past the budget waits for
+    the next step, and the queue keeps its order."""
+    scheduler = Scheduler(BlockPool(64, 4), max_batch=4, max_queue=8, prefill_chunk=64, prefill_budget=20)
+    a, b, c = scheduler.add(Sequence(6, 3)), scheduler.add(Sequence(7, 3)), scheduler.add(Sequence(8, 3))
+    plan = scheduler.plan()
+    assert [ch.sequence for ch in plan.prefills] == [a, b] and all(ch.start == 0 for ch in plan.prefills)
+    scheduler.finish_step(plan, sampled_by(plan))
+    assert a.in_cache and b.in_cache and c.status is Status.WAITING
+    plan = scheduler.plan()
+    assert [ch.sequence for ch in plan.prefills] == [c] and set(plan.decode) == {a, b}
+    scheduler.finish_step(plan, sampled_by(plan))
+    run_to_end(scheduler)
+    assert [s.generated for s in (a, b, c)] == [alone(6, 3, a.id), alone(7, 3, b.id), alone(8, 3, c.id)]
+
+    scheduler = Scheduler(BlockPool(8, 64), max_batch=4, max_queue=8, prefill_chunk=64, prefill_budget=100)
+    fresh, solo, later = Sequence(10, 2), Sequence(10, 2), Sequence(10, 2)
+    solo.solo_prefill = True
+    for sequence in (fresh, solo, later):
+        scheduler.add(sequence)
+    assert [ch.sequence for ch in scheduler.plan().prefills] == [fresh]  # the solo one stops the group
+    no_budget = Scheduler(BlockPool(8, 64), max_batch=4, max_queue=8, prefill_chunk=64)
+    for _ in range(3):
+        no_budget.add(Sequence(10, 2))
+    assert len(no_budget.plan().prefills) == 1  # budget 0: one sequence at a time, as before
 
 
 def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed():
@@ -161,12 +193,15 @@ requests = st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integer
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(requests, st.integers(1, 4), st.integers(1, 3), st.integers(8, 40), st.integers(1, 9))
-def test_invariants_hold_and_every_request_ends_as_it_would_alone(arrivals, max_batch, block_size, blocks, chunk):
+@given(requests, st.integers(1, 4), st.integers(1, 3), st.integers(8, 40), st.integers(1, 9), st.integers(0, 40))
+def test_invariants_hold_and_every_request_ends_as_it_would_alone(arrivals, max_batch, block_size, blocks, chunk,
+                                                                   budget):
     """Random arrivals (prompt, budget, step it arrives at, cancelled later or not): the pool is never
     over-committed, at most max_batch run, plans are well-formed, nothing is lost, and every request
-    that is not cancelled gets exactly the tokens it gets alone."""
-    scheduler = Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_queue=100, prefill_chunk=chunk)
+    that is not cancelled gets exactly the tokens it gets alone, whether its prompt was prefilled alone,
+    in chunks or beside others."""
+    scheduler = Scheduler(BlockPool(blocks, block_size), max_batch=max_batch, max_queue=100, prefill_chunk=chunk,
+                          prefill_budget=budget)
     pending = sorted(arrivals, key=lambda a: a[2])
     added, step = [], 0
     while pending or not scheduler.idle:

@@ -106,3 +106,28 @@ def test_a_decode_step_attends_to_its_rows_span_not_the_whole_capacity():
     cache.begin_decode([0, 1])  # the longer row sets the span: 301 positions, in steps of 256
     keys, _ = cache.update(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2), 0)
     assert keys.shape[2] == 512 and cache.decode_masks(torch.float32).shape[-1] == 512
+
+
+def test_prompts_prefilled_together_land_in_their_slots_at_their_own_lengths():
+    """rows_view: B right-padded prompts written at once; each slot keeps its own prompt's length (the
+    padding past it is masked in decode and written over); misuse is refused."""
+    cache = SlotKVCache(layers=2, slots=3, kv_heads=1, head_dim=2, capacity=6, dtype=torch.float32, device="cpu")
+    cache.slot_view(0).update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), 0)  # an old sequence's keys go
+    view = cache.rows_view([2, 0], [4, 2])
+    keys = torch.arange(16, dtype=torch.float32).reshape(2, 1, 4, 2)
+    for layer in range(2):
+        out_keys, _ = view.update(keys, -keys, layer)
+        assert torch.equal(out_keys, keys)
+    assert [lengths[:3] for lengths in cache.host_lengths] == [[2, 0, 4]] * 2
+    assert cache.lengths[:, :3].tolist() == [[2, 0, 4]] * 2
+    assert torch.equal(cache.keys[1][2, :, :4], keys[0]) and torch.equal(cache.values[0][0, :, :2], -keys[1, :, :2])
+    cache.begin_decode([0, 2])  # decode sees each row up to its own length, the new token included
+    visible = cache.decode_masks(torch.float32)[0, :, 0, 0] == 0
+    assert visible[:, :6].tolist() == [[True] * 3 + [False] * 3, [True] * 5 + [False]]
+    cache.abandon_step()
+    with pytest.raises(RuntimeError, match="written twice"):
+        view.update(keys, keys, 0)
+    with pytest.raises(ValueError, match="must be distinct slots"):
+        cache.rows_view([1, 1], [2, 2])
+    with pytest.raises(CacheFullError, match="a slot holds 1 to 6"):
+        cache.rows_view([1], [7])

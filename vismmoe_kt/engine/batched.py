@@ -13,7 +13,9 @@ request gets alone (`generate`), whatever ran beside it.
 The step is LeanDecodeStep's pieces over B rows, captured in CUDA graphs per power-of-two batch size
 and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routing source
 (`--routing synthetic`) gives each slot its own table. Prompts are prefilled whole, or `prefill_chunk`
-tokens per step (BatchRunner). A finished request's slot keeps its KV until another request needs
+tokens per step (BatchRunner); fresh whole prompts waiting together (up to `prefill_budget` tokens)
+run as one right-padded forward, their images through one vision-tower call, so a burst of
+requests costs one prefill's fixed cost and the running streams wait once, not once per newcomer. A finished request's slot keeps its KV until another request needs
 it: a conversation's next turn, which re-sends the history, goes to that slot and prefills only what
 follows (as the single-request engine reuses its cache). Each sequence gets a slot of the longest
 request's size, so nothing is preempted. The offload runtime serves a batch's pinned
@@ -38,6 +40,11 @@ from .lean_engine import ImageKey, decode_engine, image_keys, reusable_prefix
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
 from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status
 from .slot_cache import SlotKVCache
+
+PREFILL_BUDGET = 8192  # prompt tokens prefilled together in one step (vLLM's default max_num_batched_tokens)
+# what a prompt's inputs may hold to join a group: per-token rows and images (videos prefill alone)
+PER_TOKEN_INPUTS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
+GROUPABLE_INPUTS = PER_TOKEN_INPUTS | {"pixel_values", "image_grid_thw"}
 
 
 @dataclass(frozen=True)
@@ -161,9 +168,11 @@ class BatchRunner:
     `prefill_chunk` tokens of a prompt go through the model per step (None: whole prompts), so a long
     image prompt does not stall the running streams for its whole prefill; the vision tower still runs
     on the prompt's images at once, in its first chunk. Rules that prune visual tokens prefill whole
-    (pruning needs the whole prompt in one forward)."""
+    (pruning needs the whole prompt in one forward). With whole prompts, fresh ones that wait together
+    are prefilled in one forward up to `prefill_budget` tokens (0: one at a time)."""
 
-    def __init__(self, model: Any, max_batch: int, capacity: int, max_queue: int, prefill_chunk: int | None = None):
+    def __init__(self, model: Any, max_batch: int, capacity: int, max_queue: int, prefill_chunk: int | None = None,
+                 prefill_budget: int = PREFILL_BUDGET):
         engine = decode_engine(model)
         if engine is None:
             raise ValueError("batched generation runs on the lean decode path: the rules need a VisDecoder "
@@ -188,9 +197,15 @@ class BatchRunner:
         self.text_forward = engine.context.text_forward
         chunked = prefill_chunk is not None and self.text_forward is not None and not engine.context.pruning.active
         self.prefill_chunk = prefill_chunk if chunked else None
+        if prefill_budget < 0:
+            raise ValueError(f"prefill_budget must be at least 0 tokens, got {prefill_budget}")
+        # prompts prefill together only whole, unpruned, through our text model's forward
+        grouping = self.prefill_chunk is None and self.text_forward is not None and not engine.context.pruning.active
+        self.prefill_groups = self.grouped_prompts = 0
         # a slot is one block of `capacity` tokens: a request fits one (`add` checks), so nothing is preempted
         self.scheduler = Scheduler(BlockPool(max_batch, capacity), max_batch=max_batch, max_queue=max_queue,
-                                   prefill_chunk=self.prefill_chunk or capacity)
+                                   prefill_chunk=self.prefill_chunk or capacity,
+                                   prefill_budget=prefill_budget if grouping else 0)
         self.eos = frozenset(_eos_ids(model))
         self.device = weight.device
         self.requests: dict[int, BatchRequest] = {}
@@ -210,7 +225,8 @@ class BatchRunner:
         step = self.step_fn
         return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured),  # keys: (variant,)
                 "prefill_chunk": self.prefill_chunk, "prefill_pieces": self.prefill_pieces,
-                "prefill_pieces_beside_decode": self.pieces_beside_decode, "reused_prefixes": self.reuses,
+                "prefill_pieces_beside_decode": self.pieces_beside_decode, "prefill_groups": self.prefill_groups,
+                "grouped_prompts": self.grouped_prompts, "reused_prefixes": self.reuses,
                 "reused_tokens": self.reused_tokens}
 
     def add(self, request: BatchRequest) -> Sequence:
@@ -223,6 +239,7 @@ class BatchRunner:
         stops = self.eos if request.min_new_tokens == 0 else frozenset()
         sequence = Sequence(prompt.shape[1], request.max_new_tokens, stops)
         sequence.preferred_block, sequence.cached = self._reusable_slot(request)
+        sequence.solo_prefill = not set(request.inputs.keys()) <= GROUPABLE_INPUTS
         request.history = self.held.get(sequence.preferred_block)  # what it expects to find there
         request.sequence = self.scheduler.add(sequence)
         self.requests[request.sequence.id] = request
@@ -253,12 +270,15 @@ class BatchRunner:
         """Run one plan: (the decode step's batch size, the requests that ended in it, cancelled ones too)."""
         plan = self.scheduler.plan()
         sampled: dict[int, int] = {}
-        if plan.prefill is not None:
+        if plan.prefills:
             self.prefill_pieces += 1
             self.pieces_beside_decode += bool(plan.decode)
-            token = self._prefill(plan.prefill)
+        if len(plan.prefills) > 1:
+            sampled.update(self._prefill_group(plan.prefills))
+        elif plan.prefills:
+            token = self._prefill(plan.prefills[0])
             if token is not None:  # the prompt's last chunk
-                sampled[plan.prefill.sequence.id] = token
+                sampled[plan.prefills[0].sequence.id] = token
         if plan.decode:
             requests = [self.requests[s.id] for s in plan.decode]
             last = torch.tensor([s.generated[-1] for s in plan.decode], device=self.device)
@@ -343,17 +363,89 @@ class BatchRunner:
         self._parts.pop(sequence.id, None)
         return _sample(logits, request.sampling)
 
+    def _prefill_group(self, chunks: tuple[PrefillChunk, ...]) -> dict[int, int]:
+        """Fresh whole prompts through the model in one forward, right-padded to the longest, each into
+        its own slot: {sequence id: the token it samples}."""
+        adapter, model = self.engine.adapter, self.model
+        requests = [self.requests[c.sequence.id] for c in chunks]
+        slots = [c.sequence.kv_blocks[0] for c in chunks]
+        lengths = [c.end for c in chunks]
+        if any(c.start or c.end != c.sequence.prompt_len for c in chunks):
+            raise SchedulerError("a prefill group takes fresh whole prompts only")
+        self.prefill_groups, self.grouped_prompts = self.prefill_groups + 1, self.grouped_prompts + len(chunks)
+        for request, slot in zip(requests, slots):
+            request.started, request.slot = True, slot
+            self.held.pop(slot, None)  # a fresh prompt: whatever the slot held goes
+            if self.routing is not None:
+                self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
+        inputs = group_inputs([r.inputs for r in requests], pad_id=_pad_id(model, adapter))
+        view = self.cache.rows_view(slots, lengths)
+        adapter.set_rope_delta(model, None)  # the prompts' own M-RoPE positions
+        parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
+                                                              logits_to_keep=1))
+        if self.routing is not None:
+            self.routing.begin_rows(slots, lengths, max(lengths))
+        try:
+            hidden = self.text_forward(inputs_embeds=parts["inputs_embeds"], position_ids=parts["position_ids"],
+                                       past_key_values=view, use_cache=True,
+                                       visual_pos_masks=parts["visual_pos_masks"],
+                                       deepstack_visual_embeds=parts["deepstack_visual_embeds"]).last_hidden_state
+        finally:
+            if self.routing is not None:
+                self.routing.end_slot_prefill()
+        last = torch.tensor(lengths, device=hidden.device) - 1
+        logits = self.lm_head(hidden[torch.arange(len(chunks), device=hidden.device), last])   # (B, V)
+        delta = adapter.rope_delta(model)
+        sampled = {}
+        for row, (chunk, request) in enumerate(zip(chunks, requests)):
+            request.rope_delta = int(delta.reshape(-1)[row]) if delta is not None else 0
+            sampled[chunk.sequence.id] = _sample(logits[row:row + 1], request.sampling)
+        return sampled
+
+
+def group_inputs(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Several prompts' processor outputs as one batch: per-token rows right-padded to the longest
+    (`pad_id`, attention mask 0), the images' patches and grids concatenated in the prompts' order."""
+    width = max(int(i["input_ids"].shape[1]) for i in inputs)
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted({k for i in inputs for k in i.keys()}):
+        present = [i[key] for i in inputs if key in i]
+        if key in PER_TOKEN_INPUTS:
+            if len(present) != len(inputs):
+                raise ValueError(f"prompts grouped for prefill: {key} is missing from some")
+            fill = pad_id if key == "input_ids" else 0
+            out[key] = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in present])
+        elif key in GROUPABLE_INPUTS:
+            out[key] = torch.cat(present)
+        else:
+            raise ValueError(f"prompts grouped for prefill: input {key!r} cannot be batched")
+    if "attention_mask" not in out:
+        out["attention_mask"] = torch.stack([
+            torch.arange(width, device=out["input_ids"].device) < i["input_ids"].shape[1] for i in inputs]).long()
+    return out
+
+
+def _pad_id(model: Any, adapter: ModelAdapter) -> int:
+    """A token id for padding: the config's pad token, else 0; never the image placeholder."""
+    config = model.config
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(adapter.text_config(config), "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    return pad if pad != adapter.image_token_id(config) else pad + 1
+
 
 def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_tokens: int | list[int],
                    max_batch: int = 8, sampling: Sampling | list[Sampling] | None = None,
                    min_new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
                    stats: dict | None = None, runner: "BatchRunner | None" = None,
-                   prefill_chunk: int | None = None) -> list[torch.Tensor]:
+                   prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET) -> list[torch.Tensor]:
     """Each request's (1, prompt + new) token ids, the requests decoded together (at most `max_batch` at
     once, the rest waiting for a free slot). `on_step(B)` is told each decode step's batch size; `stats`
     gets the batched step's counters (BatchRunner.stats). `runner`: an idle BatchRunner to run them on
     (its slots, and the graphs its earlier steps captured), instead of a new one of `max_batch` slots
-    that prefills `prefill_chunk` prompt tokens per step (None: whole prompts)."""
+    that prefills `prefill_chunk` prompt tokens per step (None: whole prompts, fresh ones together up to
+    `prefill_budget` tokens)."""
     budgets = [max_new_tokens] * len(requests) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     samplings = sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(requests)
     if not len(budgets) == len(samplings) == len(requests):
@@ -361,7 +453,7 @@ def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_
     if runner is None:
         capacity = max(r["input_ids"].shape[1] + n for r, n in zip(requests, budgets))
         runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests),
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
     elif not runner.idle:
         raise ValueError("generate_batch needs an idle runner")
     batch = [BatchRequest(r, n, s, min_new_tokens) for r, n, s in zip(requests, budgets, samplings)]

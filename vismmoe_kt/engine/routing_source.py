@@ -18,7 +18,9 @@ after the prefix) are the kept positions (`context.pruning.keep`).
 
 Batched generation (batched.py) gives each KV slot a table of its own (`reserve_slots`): a request's
 `begin(..., slot=s)` fills slot s's rows, its prefill reads them, and a batched step's router reads
-each row's own slot at its own position (`batch_decode_route`, on the device).
+each row's own slot at its own position (`batch_decode_route`, on the device). Prompts prefilled
+together (right-padded to one length) read their own slots' rows through `begin_rows`; padding
+tokens read the padding table (expert 0 at weight 0).
 
 A synthetic source also keeps the latent state each router read (N, L, D): `latent(index)` is its
 mean over the positions layer `index` routed last (the prompt's in a prefill, the step's position
@@ -85,6 +87,7 @@ class RoutingSource:
         self.slot_ids: torch.Tensor | None = None
         self.slot_weights: torch.Tensor | None = None
         self._slot: int | None = None  # the slot whose prefill runs now (None: the single-request table)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # begin_rows: (slot, position) per token
 
     @property
     def replaces(self) -> bool:
@@ -148,9 +151,21 @@ class RoutingSource:
         self.requests += 1
 
     def end_slot_prefill(self) -> None:
-        """After a batched request's prefill (or a chunk of it): the routers' hooks read the
-        single-request table again."""
-        self._slot = None
+        """After a batched request's prefill (or a chunk of it, or a group's): the routers' hooks read
+        the single-request table again."""
+        self._slot, self._rows = None, None
+
+    def begin_rows(self, slots: list[int], lengths: list[int], width: int) -> None:
+        """A prefill of several prompts at once, each `begin(..., slot=)`-ed, right-padded to `width`
+        tokens: token t of row b reads slot `slots[b]`'s table at position t, padding the padding table."""
+        if not self.replaces:
+            return
+        device = self.slot_ids.device
+        positions = torch.arange(width, device=device).repeat(len(slots), 1)                     # (B, width)
+        real = positions < torch.tensor(lengths, device=device)[:, None]
+        rows = torch.tensor(slots, device=device)[:, None].expand(-1, width)
+        pad = self.slot_ids.shape[0] - 1
+        self._rows = (torch.where(real, rows, pad).reshape(-1), torch.where(real, positions, 0).reshape(-1))
 
     def resume_slot_prefill(self, slot: int) -> None:
         """The next chunk of slot `slot`'s prefill: its table again, positions where the last chunk ended."""
@@ -214,6 +229,12 @@ class RoutingSource:
                 self._recorded.setdefault(index, []).append(chosen.detach().cpu())
             if not self.replaces:
                 return None
+            if self._rows is not None:  # prompts prefilled together: each token its own slot's row
+                slots, at = self._rows
+                if slots.numel() != rows:
+                    raise RuntimeError(f"a grouped prefill of {slots.numel()} tokens routed {rows} at layer {index}")
+                return self.adapter.with_routing(output, self.slot_weights[slots, at, index],
+                                                 self.slot_ids[slots, at, index])
             if self._slot is not None:  # a batched request's prefill: its slot's table
                 return self.adapter.with_routing(output, self.slot_weights[self._slot, positions, index],
                                                  self.slot_ids[self._slot, positions, index])

@@ -1,10 +1,13 @@
 """Scheduler: which sequences a batched step runs, and the KV memory each one holds (continuous batching).
 
 Requests wait in a queue (at most `max_queue`); up to `max_batch` run at once. Each step is a plan:
-one decode token for every running sequence whose prompt is in the cache, and at most one chunk of
-`prefill_chunk` prompt tokens of one other sequence (a long image prompt is prefilled over several
-steps, so the running streams keep decoding meanwhile). Sequences join when there is room and leave
-when they finish or are cancelled, always between steps.
+one decode token for every running sequence whose prompt is in the cache, and prefill work: either
+one chunk of `prefill_chunk` prompt tokens of one sequence (a long image prompt is prefilled over
+several steps, so the running streams keep decoding meanwhile), or several whole fresh prompts that
+together fit `prefill_budget` tokens (requests that arrive together are prefilled in one forward, as
+vLLM schedules them, so their images share one vision-tower call and no running stream waits for one
+newcomer's prefill after another's). Sequences join when there is room and leave when they finish or
+are cancelled, always between steps.
 
 KV memory is counted in blocks of `block_size` tokens (`BlockPool`): a sequence holds enough blocks
 for every token in the cache, taken as it grows. When a decode token finds no free block, the most
@@ -52,6 +55,7 @@ class Sequence:
     cancel_requested: bool = False
     preemptions: int = 0
     preferred_block: int | None = None  # a free block holding the first `cached` tokens already (a chat's history)
+    solo_prefill: bool = False  # its prompt prefills in a forward of its own (the engine cannot group it)
 
     @property
     def length(self) -> int:
@@ -77,12 +81,12 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    decode: tuple[Sequence, ...]   # one token each
-    prefill: PrefillChunk | None
+    decode: tuple[Sequence, ...]       # one token each
+    prefills: tuple[PrefillChunk, ...]  # one chunk, or several whole fresh prompts run as one forward
 
     @property
     def empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefills
 
 
 class BlockPool:
@@ -116,11 +120,15 @@ class BlockPool:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, max_queue: int, prefill_chunk: int):
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+    def __init__(self, pool: BlockPool, max_batch: int, max_queue: int, prefill_chunk: int,
+                 prefill_budget: int = 0):
+        """`prefill_budget`: prompt tokens a step may prefill in whole fresh prompts together (0: one
+        sequence's chunk per step)."""
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or prefill_budget < 0:
             raise SchedulerError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be at least 1, "
-                                 f"max_queue ({max_queue}) at least 0")
+                                 f"max_queue ({max_queue}) and prefill_budget ({prefill_budget}) at least 0")
         self.pool, self.max_batch, self.max_queue, self.prefill_chunk = pool, max_batch, max_queue, prefill_chunk
+        self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self._ids = itertools.count()
@@ -152,7 +160,8 @@ class Scheduler:
 
     # --- steps ---------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
-        """The next step: decode every running sequence that is in the cache, and prefill one chunk."""
+        """The next step: decode every running sequence that is in the cache, and prefill one chunk (or
+        several whole prompts)."""
         self._drop_cancelled()
         decode: list[Sequence] = []
         for sequence in list(self.running):
@@ -166,7 +175,7 @@ class Scheduler:
                     decode.remove(victim)
             else:
                 decode.append(sequence)
-        return StepPlan(tuple(decode), self._prefill_chunk())
+        return StepPlan(tuple(decode), self._prefills())
 
     def finish_step(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Record a run plan: `sampled` maps sequence id -> the token sampled for it (every decoded one,
@@ -175,10 +184,10 @@ class Scheduler:
         for sequence in plan.decode:
             sequence.cached = sequence.length  # the decoded token's KV went in
         stepped = list(plan.decode)
-        if plan.prefill is not None:
-            plan.prefill.sequence.cached = plan.prefill.end
-            if plan.prefill.end == plan.prefill.sequence.length:  # the prompt's last chunk: a token is sampled
-                stepped.append(plan.prefill.sequence)
+        for chunk in plan.prefills:
+            chunk.sequence.cached = chunk.end
+            if chunk.end == chunk.sequence.length:  # the prompt's last chunk: a token is sampled
+                stepped.append(chunk.sequence)
         for sequence in stepped:
             if sequence.id not in sampled:
                 raise SchedulerError(f"step result lacks a token for sequence {sequence.id}")
@@ -190,6 +199,33 @@ class Scheduler:
         return finished
 
     # --- internals -----------------------------------------------------------------------------
+    def _prefills(self) -> tuple[PrefillChunk, ...]:
+        """The step's prefill work: `_prefill_chunk`'s, and when that is a whole fresh prompt, the waiting
+        fresh prompts behind it that fit the budget and a free slot, whole."""
+        first = self._prefill_chunk()
+        if first is None:
+            return ()
+        chunks = [first]
+        if not self._groupable(first.sequence) or first.start or first.end != first.sequence.length:
+            return tuple(chunks)
+        budget = self.prefill_budget - first.sequence.length
+        while self.waiting and len(self.running) < self.max_batch:
+            sequence = self.waiting[0]
+            if not self._groupable(sequence) or sequence.length > budget or not self.pool.grow(sequence, sequence.length):
+                break  # the queue's order holds: what cannot join now goes first next step
+            self.waiting.popleft()
+            sequence.status, sequence.cached = Status.RUNNING, 0
+            self.running.append(sequence)
+            chunks.append(PrefillChunk(sequence, 0, sequence.length))
+            budget -= sequence.length
+        return tuple(chunks)
+
+    def _groupable(self, sequence: Sequence) -> bool:
+        """A prompt that may share a prefill forward: fresh (no history to continue), not marked solo,
+        short enough for the budget and one chunk."""
+        return not sequence.solo_prefill and not sequence.cached and not sequence.preemptions \
+            and sequence.length <= min(self.prefill_budget, self.prefill_chunk)
+
     def _prefill_chunk(self) -> PrefillChunk | None:
         """Continue a running sequence's prefill, else admit the first waiting one if there is room."""
         sequence = next((s for s in self.running if not s.in_cache), None)

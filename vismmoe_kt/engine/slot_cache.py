@@ -9,6 +9,9 @@ layers hold fewer tokens than its prefix layers, as in StaticKVCache (static_cac
 Two ways in, with the interface transformers' attention calls (`update`, `get_seq_length`):
 - prefill of one sequence: `slot_view(s)` is a batch-1 cache over slot s (copies at the layer's
   host-side length, returns the filled part), what the attention gets from StaticKVCache;
+- prefill of several fresh prompts in one forward: `rows_view(slots, lengths)` takes their (B, Hkv, T, D)
+  keys, right-padded to the longest prompt T, into the B empty slots at once; each slot's length is
+  its own prompt's (the padding's keys lie past it: decode masks them and writes over them);
 - decode of B sequences at once: after `begin_decode(slots)`, `update` writes each row's one new key
   at its own layer length (an index_put on the device) and returns the B rows' whole buffers; the
   step masks each row's empty positions with `decode_masks()`, and `advance()` moves the B sequences'
@@ -84,6 +87,18 @@ class SlotKVCache:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not one of this cache's {self.num_slots}")
         return SlotView(self, slot)
+
+    def rows_view(self, slots: list[int], lengths: list[int]) -> "SlotRowsView":
+        """A batch-B cache over empty `slots` for one prefill of B prompts of `lengths` tokens."""
+        if len(set(slots)) != len(slots) or len(slots) != len(lengths) or \
+                not all(0 <= s < self.num_slots for s in slots):
+            raise ValueError(f"prefill slots {slots} must be distinct slots of this cache's {self.num_slots}, "
+                             f"one per length ({lengths})")
+        if max(lengths) > self.capacity or min(lengths) < 1:
+            raise CacheFullError(f"prompts of {lengths} tokens: a slot holds 1 to {self.capacity}")
+        for slot in slots:
+            self.release(slot)
+        return SlotRowsView(self, slots, lengths)
 
     # --- decode -----------------------------------------------------------------------------------
     def begin_decode(self, slots: list[int], rows: int | None = None) -> None:
@@ -173,3 +188,30 @@ class SlotView:
         cache.host_lengths[layer_idx][slot] = end
         cache.lengths[layer_idx, slot] = end
         return cache.keys[layer_idx][slot:slot + 1, :, :end], cache.values[layer_idx][slot:slot + 1, :, :end]
+
+
+class SlotRowsView:
+    """Several empty slots as one batch-B cache: a prefill of B right-padded prompts writes here."""
+    is_compileable = False
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], lengths: list[int]):
+        self.cache, self.slots, self.lengths = cache, list(slots), list(lengths)
+        self._rows = torch.tensor(slots, dtype=torch.long, device=cache.device)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return 0  # fresh prompts: nothing before them (a continuation prefills alone, through slot_view)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, width = self.cache, key_states.shape[2]
+        if key_states.shape[0] != len(self.slots) or width < max(self.lengths):
+            raise ValueError(f"a prefill of {len(self.slots)} prompts up to {max(self.lengths)} tokens got keys "
+                             f"{tuple(key_states.shape)}")
+        if cache.host_lengths[layer_idx][self.slots[0]]:
+            raise RuntimeError(f"layer {layer_idx} of slots {self.slots} was written twice in one prefill")
+        cache.keys[layer_idx][self._rows, :, :width] = key_states
+        cache.values[layer_idx][self._rows, :, :width] = value_states
+        for slot, length in zip(self.slots, self.lengths):
+            cache.host_lengths[layer_idx][slot] = length
+        cache.lengths[layer_idx, self._rows] = torch.tensor(self.lengths, device=cache.device)
+        return key_states, value_states  # what the prompts attend to: their own keys (causal, from empty)

@@ -11,7 +11,9 @@ its cache holds). Pruned positions leave with their prefix hidden states, so the
 input's length. What the prefill kept goes to the load context (`pruning`), where the decode
 engine reads it. keep_ratio 1.0 gives exactly the reference model's outputs.
 
-Limitation: pruning needs batch size 1 without padding; other batches raise a clear error.
+Limitation: pruning needs batch size 1 without padding; other batches raise a clear error. Batched
+generation's prompts prefilled together (right-padded, into a `SlotRowsView`) run this loop unpruned:
+from an empty cache, causal attention alone keeps each prompt from its padding.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from ..core.context import LoadContext
 from ..models import ModelAdapter
 from ..vision.compression import CompressionSettings, select
+from .slot_cache import SlotRowsView
 
 IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")  # kernels that take is_causal themselves
 
@@ -148,7 +151,10 @@ class TextForward:
         prune = self.settings.active and prefill and visual_pos_masks is not None and bool(visual_pos_masks.any())
         if prefill:
             self.counters.prefills += 1
-        if batch != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+        grouped = isinstance(past_key_values, SlotRowsView)  # prompts prefilled together, right-padded
+        if grouped and prune:
+            raise ValueError("prompts prefilled together cannot prune visual tokens: prefill them one at a time")
+        if not grouped and (batch != 1 or (attention_mask is not None and not bool(attention_mask.all()))):
             if prune:
                 raise ValueError("VisDecoder prunes visual tokens for batch size 1 without padding only; "
                                  "send requests one at a time or set keep_ratio: 1.0")

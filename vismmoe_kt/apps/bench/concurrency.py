@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ...engine.batched import BatchRequest, BatchRunner
+from ...engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner
 from ...engine.inputs import build_inputs, user_turn
 from .inputs import PROMPT
 
@@ -59,14 +59,17 @@ def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[l
 
 
 def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_bytes: Callable[[], int] | None = None,
-                        prefill_chunk: int | None = None) -> dict[str, Any]:
+                        prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET,
+                        profile: Callable[[Callable[[], int]], dict] | None = None) -> dict[str, Any]:
     """The figures above for len(requests) requests of `tokens` new tokens each, prompts prefilled
-    `prefill_chunk` tokens a step (None: whole)."""
+    `prefill_chunk` tokens a step (None: whole, those waiting together in one forward up to
+    `prefill_budget` tokens). `profile(run)`: one more run of them under a profiler (`run()` returns
+    its decode steps), its result under "kernels"."""
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
     runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n,
-                         prefill_chunk=prefill_chunk)
+                         prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
     _run(runner, requests, tokens)  # warm-up: captures, caches
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     copied = pcie_bytes() if pcie_bytes is not None else None
@@ -78,13 +81,17 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
     gaps = [b - a for stamps in times for a, b in zip(stamps, stamps[1:])]
     rates = [(len(stamps) - 1) / (stamps[-1] - stamps[0]) for stamps in times if len(stamps) > 1 and stamps[-1] > stamps[0]]
     stats = runner.stats()
-    return {"requests": n, "tokens_per_request": tokens, "wall_s": wall, "aggregate_tok_s": n * tokens / wall,
-            "full_batch_decode_tok_s": n * len(full) / sum(full) if full else None, "full_batch_steps": len(full),
-            "ttft_p50_s": percentile([s[0] - start for s in times if s], 0.5),
-            "ttft_p95_s": percentile([s[0] - start for s in times if s], 0.95),
-            "itl_p50_s": percentile(gaps, 0.5), "itl_p95_s": percentile(gaps, 0.95),
-            "per_request_tok_s": float(np.median(rates)) if rates else None,
-            "decode_bytes_per_token": None if copied is None else (pcie_bytes() - copied) / (n * (tokens - 1)),
-            "steps": stats["steps"], "graphed_steps": stats["graphed_steps"],
-            "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"],
-            "prefill_chunk": stats["prefill_chunk"]}
+    result = {"requests": n, "tokens_per_request": tokens, "wall_s": wall, "aggregate_tok_s": n * tokens / wall,
+              "full_batch_decode_tok_s": n * len(full) / sum(full) if full else None, "full_batch_steps": len(full),
+              "ttft_p50_s": percentile([s[0] - start for s in times if s], 0.5),
+              "ttft_p95_s": percentile([s[0] - start for s in times if s], 0.95),
+              "itl_p50_s": percentile(gaps, 0.5), "itl_p95_s": percentile(gaps, 0.95),
+              "per_request_tok_s": float(np.median(rates)) if rates else None,
+              "decode_bytes_per_token": None if copied is None else (pcie_bytes() - copied) / (n * (tokens - 1)),
+              "steps": stats["steps"], "graphed_steps": stats["graphed_steps"],
+              "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"],
+              "prefill_chunk": stats["prefill_chunk"], "prefill_budget": prefill_budget,
+              "prefill_groups": stats["prefill_groups"], "grouped_prompts": stats["grouped_prompts"]}
+    if profile is not None:
+        result["kernels"] = profile(lambda: sum(1 for _, size in _run(runner, requests, tokens)[1] if size))
+    return result

@@ -84,7 +84,8 @@ from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
 from vismmoe_kt.apps.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
-from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels
+from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels, profile_run
+from vismmoe_kt.engine.batched import PREFILL_BUDGET
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
@@ -218,18 +219,21 @@ def conversation(model, processor, args) -> list[float]:
     return [statistics.median(t) for t in per_turn]
 
 
-def batched_run(model, processor, args, n: int) -> dict:
+def batched_run(model, processor, args, n: int, spec: str) -> dict:
     """--concurrency N: N requests, each with its own image of the same size, decoded together
     (apps/bench/concurrency.py): aggregate and full-batch rates, TTFT and inter-token latency,
-    PCIe bytes per generated token; the batched step's graph counters."""
+    PCIe bytes per generated token; the batched step's graph counters (with --kernels, one more run
+    under torch.profiler: the batched steps' kernels)."""
 
     offload = runtime_of(model)
     if offload is not None:
         offload.batch_experts = args.batch_experts
     requests = concurrent_requests(processor, n, args.image_size, args.device)
+    trace = Path(args.out) / f"trace-batch{n}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
     return measure_concurrency(model, requests, args.decode_tokens,
                                (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
-                               args.prefill_chunk or None)
+                               args.prefill_chunk or None, args.prefill_budget,
+                               (lambda run: profile_run(run, trace)) if args.kernels else None)
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -279,7 +283,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         if args.profile:
             row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
     if any(n > 1 for n in args.concurrency):
-        row["batched"] = [batched_run(model, processor, args, n) for n in args.concurrency if n > 1]
+        row["batched"] = [batched_run(model, processor, args, n, spec) for n in args.concurrency if n > 1]
     if args.kernels:
         trace = Path(args.out) / f"trace-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +322,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
     command += ["--batch-experts", args.batch_experts]
-    command += ["--prefill-chunk", str(args.prefill_chunk)]
+    command += ["--prefill-chunk", str(args.prefill_chunk), "--prefill-budget", str(args.prefill_budget)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -333,19 +337,20 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
 
 
 def kernel_report(rows: list[dict]) -> str:
-    """Per configuration: wall, busy, idle and overlapped device time per decode step, then its top kernels."""
+    """Per configuration (and its --concurrency runs, "config xN"): wall, busy, idle and overlapped
+    device time per decode step, then its top kernels."""
+    profiled = [(r["config"], r.get("kernels") or {}) for r in rows]
+    profiled += [(f"{r['config']} x{b['requests']}", b.get("kernels") or {}) for r in rows for b in r.get("batched", [])]
+    profiled = [(label, k) for label, k in profiled if k.get("kernels")]
     lines = ["| config | wall ms/step | device busy | idle | overlapped | per stream |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        k = r.get("kernels") or {}
-        if not k.get("kernels"):
-            continue
+    for label, k in profiled:
         streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in k["streams_ms_per_step"].items())
-        lines.append(f"| {r['config']} | {k['wall_ms_per_step']:.2f} | {k['busy_ms_per_step']:.2f} "
+        wall = f"{k['wall_ms_per_step']:.2f}" if "wall_ms_per_step" in k else "-"
+        lines.append(f"| {label} | {wall} | {k['busy_ms_per_step']:.2f} "
                      f"| {k['idle_ms_per_step']:.2f} | {k['overlap_ms_per_step']:.2f} | {streams} |")
-    for r in rows:
-        k = r.get("kernels") or {}
+    for label, k in profiled:
         if k.get("kernels"):
-            lines += ["", f"{r['config']} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",
+            lines += ["", f"{label} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",
                       "|---|---|---|"]
             lines += [f"| `{t['name']}` | {t['ms_per_step']:.3f} | {t['calls_per_step']:.1f} |" for t in k["top_kernels"]]
     return "\n".join(lines) + "\n"
@@ -375,6 +380,9 @@ def main() -> int:
                              "tokens/s, the rate while all N run, PCIe bytes per generated token")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="with --concurrency: prompt tokens prefilled per step beside the others' decode (0: whole)")
+    parser.add_argument("--prefill-budget", type=int, default=PREFILL_BUDGET,
+                        help="with --concurrency and whole prompts: prompt tokens prefilled together in one forward "
+                             "(default: %(default)s; 0: one prompt per step)")
     parser.add_argument("--batch-experts", choices=BATCH_EXPERTS, default="auto",
                         help="with --concurrency: a batched step's resident experts through the table kernel (a read "
                              "per token and expert) or grouped GEMM (a read per expert); auto: the table kernel up to "

@@ -13,6 +13,7 @@ import gzip
 import shutil
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -59,11 +60,26 @@ def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 2
 
 def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path | None = None) -> dict:
     """One more request under torch.profiler; the decode window's kernels summarized (see summarize)."""
+    rate: list[float] = []
+
+    def run() -> int:
+        _, tokens_per_s, _ = timed_generate(model, request, decode_tokens)
+        rate.append(tokens_per_s)
+        return decode_tokens
+
+    summary = profile_run(run, trace_path)
+    summary["wall_ms_per_step"] = 1e3 / rate[0]
+    return summary
+
+
+def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
+    """`run()` under torch.profiler (it returns its decode steps); the kernels from its first graph
+    replay on summarized per step (see summarize)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        _, tokens_per_s, _ = timed_generate(model, request, decode_tokens)
+        steps = run()
     events = prof.profiler.kineto_results.events()
     kernels = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns()) for e in events
                       if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0),
@@ -73,12 +89,12 @@ def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path |
     launches = [e.start_ns() for e in events if "GraphLaunch" in e.name()]
     decode = [k for k in kernels if k[2] >= min(launches)] if launches else kernels
     if trace_path is not None:
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
         raw = trace_path.with_suffix("")
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-    summary = summarize(decode, decode_tokens)
-    summary["wall_ms_per_step"] = 1e3 / tokens_per_s
+    summary = summarize(decode, steps)
     summary["window"] = "decode (from the first graph replay)" if launches else "the whole request (no graph replays)"
     return summary

@@ -23,19 +23,20 @@ from typing import Any
 import torch
 from transformers import AsyncTextIteratorStreamer
 
-from ...engine.batched import BatchRequest, BatchRunner, Sampling
+from ...engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner, Sampling
 from .engine import Engine, Job, Prepared, Ticket, Usage
 from .inputs import ApiError, ChatRequest
 
 
 class BatchedEngine(Engine):
-    def __init__(self, *args: Any, max_batch: int, slot_tokens: int, prefill_chunk: int | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, max_batch: int, slot_tokens: int, prefill_chunk: int | None = None,
+                 prefill_budget: int = PREFILL_BUDGET, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_batch = max_batch
         self.slot_tokens = min(slot_tokens, self.context)
         # made here, on the thread that loads: an unsuitable model (no lean decode path) fails at start-up
         self.runner = BatchRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
-                                  prefill_chunk=prefill_chunk)
+                                  prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
         self._inbox: list[tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = []
         self._active: dict[int, tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = {}
         self._wake = threading.Condition()

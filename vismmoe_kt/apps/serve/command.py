@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ...engine.batched import PREFILL_BUDGET
 from ...errors import InputError
 from ..flags import POSITIVE, PORT, TEMPERATURE, TOP_P, add_model_flags, at_least, checked, load_from_args
 
@@ -32,6 +33,10 @@ def add_parser(commands) -> None:
                             "decode (default 0: whole prompts, which measured faster on an H200: an eager prefill "
                             "forward costs about the same for 128 tokens as for 800; rules that prune visual tokens "
                             "prefill whole)")
+    serve.add_argument("--prefill_budget", type=at_least(0), default=PREFILL_BUDGET,
+                       help="with --max_batch > 1 and whole prompts: new prompts waiting together are prefilled in "
+                            "one forward, their images through one vision-tower call, up to this many tokens "
+                            "(default: %(default)s; 0: one prompt per step)")
     serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
     serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
@@ -63,7 +68,7 @@ def build_server(args: argparse.Namespace):
         try:
             engine = BatchedEngine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p,
                                    args.max_queue, limits, max_batch=args.max_batch, slot_tokens=args.slot_tokens,
-                                   prefill_chunk=args.prefill_chunk or None)
+                                   prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget)
         except ValueError as exc:  # e.g. no lean decode path for these rules
             raise InputError(f"--max_batch {args.max_batch}: {exc}") from None
     else:
