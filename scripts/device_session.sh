@@ -40,6 +40,9 @@
 #   bash scripts/device_session.sh batchoff PX N... offloaded batching at 16 GiB (the batch's offloaded layers through the
 #                                                   decode table): BF16 slabs, and Q4_K store and slabs (quantized at
 #                                                   load), synthetic routing, one process each (BATCH_CONFIGS overrides)
+#   bash scripts/device_session.sh kbatch           a batched step's resident experts, kernels alone: grouped GEMM, the
+#                                                   table kernels and the expert-major ones at 2-16 tokens, and the
+#                                                   expert-major tiles swept (decode_kernel_bench --batch --tune)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -161,6 +164,10 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} ${BATCH_ARGS:-} \
              | tee "$OUT/batchoff$px.txt" || true
            rows_up "$OUT/batchoff$px" ;;
+    kbatch) shift  # a batched step's resident experts: grouped GEMM, the table kernels, the expert-major kernels
+            timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kbatch" --batch --tune \
+              > "$OUT/kbatch.txt" 2>&1 || true
+            tail -c 3000 "$OUT/kbatch.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -174,6 +181,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

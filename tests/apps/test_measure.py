@@ -95,7 +95,9 @@ def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
 def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     """`--concurrency N`: the configuration's N requests through batched generation, reported beside
     the single request's rate; with a routing source and offloaded experts, also the PCIe bytes per
-    generated token."""
+    generated token. The timed run prefills its prompts whole, together (not continuing the warm-up's
+    KV, which the runner would keep for a next turn), and each request gets its tokens alone, under
+    the routing source too (the same table it had in the timed run)."""
     command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(tmp_path), "--device", "cpu",
                "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "6", "--reps", "1", "--configs", "lean:1GiB",
                "--concurrency", "2", "3"]
@@ -106,6 +108,8 @@ def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     for batched in levels:
         assert batched["full_batch_steps"] >= 1 and batched["full_batch_decode_tok_s"] > 0
         assert batched["graphed_steps"] == 0 and batched["steps"] >= 6  # graphs: auto is eager on the CPU
+        assert batched["reused_prefixes"] == 0 and batched["grouped_prompts"] == batched["requests"]
+        assert batched["tokens_agreeing_alone"] == [1.0] * batched["requests"]
     assert "3 requests together" in result.stdout and "2 requests together" in result.stdout
     offloaded = [*command[:command.index("--configs")], "--configs", "lean:1280KiB", "--routing", "synthetic",
                  "--concurrency", "3", "--out", str(tmp_path / "offloaded")]
@@ -113,4 +117,5 @@ def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads((tmp_path / "offloaded" / "decode_bench.json").read_text())["rows"][0]
     assert row["decode_bytes_per_token"] > 0 and row["batched"][0]["decode_bytes_per_token"] > 0
+    assert row["batched"][0]["tokens_agreeing_alone"] == [1.0] * 3
     assert "MB over PCIe per token" in result.stdout

@@ -129,6 +129,28 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_give_the_same_tokens(c
         assert min(lengths) > 8 and stats["prefill_pieces_beside_decode"] > len(requests)  # whole prompts: < 4
 
 
+@pytest.mark.parametrize("mode", ["expert-major", "grouped-gemm"])
+def test_each_way_of_computing_a_batched_steps_resident_experts_gives_the_tokens_alone(case, mode, monkeypatch):
+    """batch_experts: the expert-major blocks (their torch twin here; the Triton kernels are checked
+    against it in tests/runtime/test_expert_major.py) and grouped GEMM, every expert resident."""
+    from vismmoe_kt.runtime import expert_major
+
+    calls = []
+    twin = expert_major.experts_by_block
+    monkeypatch.setattr(expert_major, "experts_by_block", lambda *a, **k: calls.append(1) or twin(*a, **k))
+    model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml",
+                            expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4), **CPU)
+    runtime = model.vismmoe.context.offload_runtime
+    runtime.batch_experts = mode
+    requests, budgets = requests_for(processor), [6, 5, 4, 7]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=4, min_new_tokens=max(budgets))
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    assert bool(calls) == (mode == "expert-major")  # the batched steps' layers went the way asked
+
+
 def test_what_batched_generation_refuses(case):
     model, processor = load(case, "optimize_rules/qwen3vl-gpu.yaml", **CPU)  # no VisDecoder: no lean engine
     with pytest.raises(ValueError, match="runs on the lean decode path"):

@@ -262,6 +262,11 @@ class BatchRunner:
                 best = (slot, common)
         return best
 
+    def forget_histories(self) -> None:
+        """Free slots keep nothing for a next turn any more (a benchmark's timed run re-sends its warm-up's
+        prompts, which must prefill whole, not continue the warm-up's KV)."""
+        self.held.clear()
+
     def cancel(self, request: BatchRequest) -> None:
         if request.sequence is not None:
             self.scheduler.cancel(request.sequence)

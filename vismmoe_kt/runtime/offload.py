@@ -43,7 +43,7 @@ from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .store import PART_CODECS, ExpertStore, block_views
-from . import decode_kernel
+from . import decode_kernel, expert_major
 from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_slab_outputs
 from .transfers import TransferCounters, Transfers
 
@@ -58,7 +58,7 @@ class Placement:
     slabs: list[int]    # the slab of each on_gpu expert
 
 
-BATCH_EXPERTS = ("auto", "table", "grouped-gemm")  # a batched step's resident experts
+BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
 
 
 class OffloadRuntime:
@@ -139,7 +139,8 @@ class OffloadRuntime:
         self.table_armed = False   # set by the boundary around a lean decode step
         self.batch_step = False    # set around a batched decode step (several sequences' tokens, one each)
         # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
-        # expert) up to batch_table_pairs pairs, grouped GEMM (each routed expert read once) beyond. H200, 48
+        # expert) up to batch_table_pairs pairs, and beyond, the expert-major tensor-core kernels (each
+        # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, 48
         # layers resident, 8 experts per token: 2 rows 175.7 vs 151.5 tok/s, 4 rows 286.0 vs 279.7, 8 rows
         # 409.0 vs 504.3 (table vs grouped)
         self.batch_experts = "auto"
@@ -531,11 +532,24 @@ class OffloadRuntime:
 
     def _batch_bank_experts(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
-        """A pinned layer's experts for a batched step's rows, by `batch_experts` (Triton kernels where
-        the table's are usable, grouped GEMM otherwise)."""
-        mode = self.batch_experts if self._use_kernel else "grouped-gemm"
+        """A pinned layer's experts for a batched step's rows, by `batch_experts`: the table kernel or
+        the expert-major kernels where Triton serves the layer (the expert-major twin on the CPU when
+        asked for), grouped GEMM otherwise."""
+        mode = self.batch_experts
         if mode == "auto":
-            mode = "table" if top_k_index.numel() <= self.batch_table_pairs else "grouped-gemm"
+            mode = "grouped-gemm" if not self._use_kernel else "table" \
+                if top_k_index.numel() <= self.batch_table_pairs else "expert-major"
+        if mode == "expert-major":
+            gate_up, down = self.banks[layer]
+            if self._use_kernel and expert_major.available(gate_up.dtype):
+                y = expert_major.experts_expert_major(hidden, top_k_index, gate_up, down)
+            else:  # its torch twin (CPU, or weights the kernels do not take): same blocks, eagerly
+                y = expert_major.experts_by_block(hidden, top_k_index.shape[1],
+                                                  *expert_major.expert_blocks(top_k_index.reshape(-1), gate_up.shape[0]),
+                                                  gate_up, down, act)
+            return combine(y, top_k_weights, hidden.dtype, self._use_kernel)
+        if mode == "table" and not self._use_kernel:
+            mode = "grouped-gemm"  # the table's kernels need the GPU
         if mode == "table":
             ids = top_k_index.reshape(-1)
             y = pair_outputs(hidden, ids, ids, torch.full_like(ids, -1), self.banks[layer], None, act,

@@ -10,6 +10,8 @@ CUDA graphs of each batch size are captured in the warm-up. Per level:
                                prefilled a newcomer included: what a streaming client sees)
     per_request_tok_s          median over requests of their decode rate after the first token
     decode_bytes_per_token     offloaded: expert bytes over PCIe per generated decode token
+    tokens_agreeing_alone      with `alone`: per request, the share of its tokens, from the first, that
+                               equal what it gets alone (greedy; low-precision kernels may differ late)
 """
 
 from __future__ import annotations
@@ -43,11 +45,24 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, 100 * q, method="nearest")) if values else None
 
 
-def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[list[float]], list[tuple[float, int]]]:
-    """Every request's token times and every step's (end time, decode batch size)."""
+def _agreeing(got: list[int], want: list[int]) -> float:
+    """The share of `want` that `got` repeats from the first token on."""
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return same / max(len(want), 1)
+
+
+def _run(runner: BatchRunner, requests: list[dict], tokens: int,
+         generated: list[list[int]] | None = None) -> tuple[list[list[float]], list[tuple[float, int]]]:
+    """Every request's token times and every step's (end time, decode batch size); each request's
+    tokens into `generated` if given."""
     times: list[list[float]] = [[] for _ in requests]
-    batch = [BatchRequest(dict(r), tokens, min_new_tokens=tokens,
-                          on_token=lambda _token, i=i: times[i].append(time.perf_counter()))
+    generated = [[] for _ in requests] if generated is None else generated
+
+    def record(i: int, token: int) -> None:
+        times[i].append(time.perf_counter())
+        generated[i].append(token)
+
+    batch = [BatchRequest(dict(r), tokens, min_new_tokens=tokens, on_token=lambda token, i=i: record(i, token))
              for i, r in enumerate(requests)]
     for request in batch:
         runner.add(request)
@@ -60,22 +75,27 @@ def _run(runner: BatchRunner, requests: list[dict], tokens: int) -> tuple[list[l
 
 def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_bytes: Callable[[], int] | None = None,
                         prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET,
-                        profile: Callable[[Callable[[], int]], dict] | None = None) -> dict[str, Any]:
+                        profile: Callable[[Callable[[], int]], dict] | None = None,
+                        alone: Callable[[int, dict, int], list[int]] | None = None) -> dict[str, Any]:
     """The figures above for len(requests) requests of `tokens` new tokens each, prompts prefilled
     `prefill_chunk` tokens a step (None: whole, those waiting together in one forward up to
     `prefill_budget` tokens). `profile(run)`: one more run of them under a profiler (`run()` returns
-    its decode steps), its result under "kernels"."""
+    its decode steps), its result under "kernels". `alone(i, request, tokens)`: request i's greedy
+    tokens run by itself (after the timed run, which made it the i-th request), for the agreement."""
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
     runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n,
                          prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
     _run(runner, requests, tokens)  # warm-up: captures, caches
+    runner.forget_histories()  # the same prompts again: prefilled whole, as new requests are
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     copied = pcie_bytes() if pcie_bytes is not None else None
+    before = runner.stats()
     sync()
     start = time.perf_counter()
-    times, steps = _run(runner, requests, tokens)
+    generated: list[list[int]] = [[] for _ in requests]
+    times, steps = _run(runner, requests, tokens, generated)
     wall = time.perf_counter() - start
     full = [(t1 - t0) for (t0, _), (t1, b) in zip(steps, steps[1:]) if b == n]  # steps after every prefill
     gaps = [b - a for stamps in times for a, b in zip(stamps, stamps[1:])]
@@ -91,7 +111,15 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
               "steps": stats["steps"], "graphed_steps": stats["graphed_steps"],
               "eager_pieces_per_step": stats["eager_pieces_per_step"], "captured_shapes": stats["captured_shapes"],
               "prefill_chunk": stats["prefill_chunk"], "prefill_budget": prefill_budget,
-              "prefill_groups": stats["prefill_groups"], "grouped_prompts": stats["grouped_prompts"]}
+              # the timed run's own (the runner's counters include the warm-up's)
+              **{key: stats[key] - before[key] for key in ("prefill_groups", "grouped_prompts", "reused_prefixes")}}
+    if alone is not None:
+        result["tokens_agreeing_alone"] = [_agreeing(got, alone(i, r, tokens)) for i, (got, r)
+                                           in enumerate(zip(generated, requests))]
     if profile is not None:
-        result["kernels"] = profile(lambda: sum(1 for _, size in _run(runner, requests, tokens)[1] if size))
+        def run() -> int:
+            runner.forget_histories()
+            return sum(1 for _, size in _run(runner, requests, tokens)[1] if size)
+
+        result["kernels"] = profile(run)
     return result

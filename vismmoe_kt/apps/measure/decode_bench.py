@@ -87,6 +87,7 @@ from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
 from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels, profile_run
 from vismmoe_kt.engine.batched import PREFILL_BUDGET
 from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.routing_source import install_routing
 from vismmoe_kt.demo.synthetic import load_synthetic
 from vismmoe_kt.demo.tiny import save_tiny_model
@@ -222,18 +223,29 @@ def conversation(model, processor, args) -> list[float]:
 def batched_run(model, processor, args, n: int, spec: str) -> dict:
     """--concurrency N: N requests, each with its own image of the same size, decoded together
     (apps/bench/concurrency.py): aggregate and full-batch rates, TTFT and inter-token latency,
-    PCIe bytes per generated token; the batched step's graph counters (with --kernels, one more run
-    under torch.profiler: the batched steps' kernels)."""
+    PCIe bytes per generated token; the batched step's graph counters; how many of each request's
+    tokens equal its tokens alone (with --kernels, one more run under torch.profiler: the batched
+    steps' kernels)."""
 
     offload = runtime_of(model)
     if offload is not None:
         offload.batch_experts = args.batch_experts
     requests = concurrent_requests(processor, n, args.image_size, args.device)
     trace = Path(args.out) / f"trace-batch{n}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
+    source = model.vismmoe.context.routing
+    timed = source.requests + n if source is not None else 0  # the timed run's first table: after the warm-up's
+
+    def alone(i: int, request: dict, tokens: int) -> list[int]:
+        if source is not None:
+            source.requests = timed + i  # the table request i had in the timed run
+        with torch.inference_mode():
+            out = generate(model, dict(request), tokens, min_new_tokens=tokens)
+        return out[0, request["input_ids"].shape[1]:].tolist()
+
     return measure_concurrency(model, requests, args.decode_tokens,
                                (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
                                args.prefill_chunk or None, args.prefill_budget,
-                               (lambda run: profile_run(run, trace)) if args.kernels else None)
+                               (lambda run: profile_run(run, trace)) if args.kernels else None, alone)
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -474,7 +486,8 @@ def main() -> int:
                 f"; inter-token p95 {b['itl_p95_s'] * 1e3:.1f} ms ({b['itl_p95_s'] * r['decode_tok_s_median']:.2f}x one request's)"
             print(f"{r['config']}: {b['requests']} requests together: {b['aggregate_tok_s']:.2f} tok/s over the run, "
                   f"{f'{full:.2f}' if full else '-'} tok/s while all {b['requests']} decode{ratio}; "
-                  f"{b['graphed_steps']}/{b['steps']} steps graphed{itl}{bytes_note}")
+                  f"{b['graphed_steps']}/{b['steps']} steps graphed{itl}{bytes_note}; tokens equal to each request "
+                  f"alone: {100 * float(np.mean(b['tokens_agreeing_alone'])):.0f}%")
     if args.kernels:
         report = kernel_report(rows)
         (out / "kernels.md").write_text(report)

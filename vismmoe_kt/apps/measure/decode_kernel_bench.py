@@ -18,6 +18,12 @@ page-locked host memory takes per GiB (the store's load cost). `--tune`: each ke
 path alone, resident, over (rows per program, columns per tile, warps), fastest first. Quantized
 slabs (Q8_0, Q4_0, Q4_K, Q5_K): their GEMVs with every expert resident, and with `--tune` over (rows per
 program, warps).
+
+`--batch`: a batched step's resident experts instead (T = 2, 4, 8, 16 tokens, each with K distinct
+random experts of a layer, LAYERS layers each with its own bank of E experts): grouped GEMM, the
+table kernels (a read per pair) and the expert-major tensor-core kernels (runtime/expert_major.py, a
+read per expert), with the distinct experts read per layer, the rate that makes, and each result's
+error against grouped GEMM; with `--tune`, the expert-major kernels' tiles at T = 8.
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from vismmoe_kt.runtime import decode_kernel
+from vismmoe_kt.runtime import decode_kernel, expert_major
 from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.host_memory import HostBuffer
-from vismmoe_kt.runtime.table_experts import table_experts
+from vismmoe_kt.runtime.table_experts import combine, pair_outputs, table_experts
 
 E, H, I, K = 128, 2048, 768, 8
 LAYERS = 8
@@ -168,12 +174,82 @@ def prefetch_rows(device, host, pools, compute, per_token: int) -> list[dict]:
     return out
 
 
+def batch_rows(device, sweep: bool) -> dict:
+    """--batch: a batched step's resident experts, three ways (see the module's docstring)."""
+    banks = [(torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) / 50,
+              torch.randn(E, H, I, device=device, dtype=torch.bfloat16) / 50) for _ in range(LAYERS)]
+    identity = torch.arange(E, device=device)
+    act = torch.nn.SiLU()
+    expert_bytes = 3 * I * H * 2
+    generator = torch.Generator().manual_seed(0)
+    rows, tuning = [], []
+    for tokens in (2, 4, 8, 16):
+        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
+        w = torch.rand(tokens, K, device=device)
+        ids = [torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)]).to(device)
+               for _ in range(LAYERS)]
+        distinct = sum(int(i.unique().numel()) for i in ids) / LAYERS
+
+        def grouped():
+            return [bank_experts(x, ids[l], w, identity, *banks[l], act) for l in range(LAYERS)]
+
+        def table():
+            out = []
+            for l in range(LAYERS):
+                flat = ids[l].reshape(-1)
+                y = pair_outputs(x, flat, flat, torch.full_like(flat, -1), banks[l], None, act, K, True)
+                out.append(combine(y, w, x.dtype, True))
+            return out
+
+        def major(gate_up_tiles=expert_major.GATE_UP_TILES, down_tiles=expert_major.DOWN_TILES):
+            def run():
+                out = []
+                for l in range(LAYERS):
+                    y = expert_major.experts_expert_major(x, ids[l], *banks[l], gate_up_tiles, down_tiles)
+                    out.append(combine(y, w, x.dtype, True))
+                return out
+            return run
+
+        want = grouped()
+        for name, run in (("grouped GEMM", grouped), ("table (a read per pair)", table),
+                          ("expert-major (a read per expert)", major())):
+            got = run()
+            error = max(float((g.float() - r.float()).norm() / r.float().norm()) for g, r in zip(got, want))
+            seconds = timed(run)
+            rows.append({"tokens": tokens, "kernel": name, "us_per_layer": seconds / LAYERS * 1e6,
+                         "distinct_experts": distinct, "gb_s": distinct * expert_bytes * LAYERS / seconds / 1e9,
+                         "relative_error_vs_grouped": error})
+        if sweep and tokens == 8:
+            for n in (16, 32, 64):
+                for k in (64, 128, 256):
+                    for warps in (4, 8):
+                        for stages in (3, 4):
+                            tiles = (n, k, warps, stages)
+                            for part, run in (("gate_up", major(gate_up_tiles=tiles)), ("down", major(down_tiles=tiles))):
+                                try:
+                                    seconds = timed(run)
+                                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
+                                    tuning.append({"part": part, "tiles": tiles, "error": str(exc)[:200]})
+                                    continue
+                                tuning.append({"part": part, "tiles": tiles, "us_per_layer": seconds / LAYERS * 1e6})
+            tuning.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
+    return {"rows": rows, "tuning": tuning}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
+    parser.add_argument("--batch", action="store_true", help="a batched step's resident experts (see above)")
     args = parser.parse_args()
     device = torch.device("cuda:0")
+    if args.batch:
+        out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               **batch_rows(device, args.tune)}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode_kernel_bench_batch.json").write_text(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2))
+        return 0
     torch.manual_seed(0)
     block = 3 * I * H
     block_bytes = block * 2

@@ -1,0 +1,160 @@
+"""A batched decode step's resident experts, expert by expert, on tensor cores.
+
+Shapes: T tokens (the step's rows), K experts per token, P = T x K pairs, E experts of the layer,
+H hidden, I expert intermediate size, M = BLOCK_M pairs per block.
+
+With B requests in a step, a layer's P pairs name fewer distinct experts than P when requests share
+some, but rarely many fewer (8 requests under realistic routing: about 50 of 64). The table kernel
+(decode_kernel.py) reads an expert's weights once per pair; grouped GEMM reads them once per expert
+but pads every group to its large tiles and sorts, gathers and scatters around two library calls.
+Here each expert's pairs are gathered into blocks of M (usually one block: few tokens share an
+expert), and one program per (block, output tile) reads that tile of the expert's weights once and
+multiplies it with the block's M token rows by `tl.dot` (tensor cores, fp32 accumulation):
+
+    gate_up:  h[p] = silu(W_gate[e] @ x[t_p]) * (W_up[e] @ x[t_p])   grid (blocks, I / BLOCK_N)
+    down:     y[p] = W_down[e] @ h[p]                                  grid (blocks, H / BLOCK_N)
+
+`expert_blocks` builds the blocks on the device with fixed shapes (at most P blocks: an expert with
+c pairs takes ceil(c / M) <= c of them), so the step stays capturable in a CUDA graph. No atomics:
+each pair's output row is written by exactly one program per tile, and the caller combines the K rows
+of each token in a fixed order, so results are deterministic. `expert_blocks` and the torch twin
+`experts_by_block` run anywhere (the CPU tests); the kernels need Triton (or its interpreter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the twin runs instead
+    triton = tl = None
+
+BLOCK_M = 16  # pairs per block: tl.dot's smallest M
+# (output columns per program, input elements per loop step, warps, pipeline stages) per projection;
+# `decode_kernel_bench --batch` times the alternatives on the GPU
+GATE_UP_TILES = (32, 128, 4, 4)
+DOWN_TILES = (64, 128, 4, 4)
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_expert (P,), block_pairs (P, block)) for P pairs' expert `ids` (P,): block b serves expert
+    block_expert[b] (-1: unused) for the pairs block_pairs[b] (-1: an empty lane), each expert's pairs
+    in pair order. Fixed shapes, device ops only (capturable)."""
+    pairs = ids.numel()
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    first_pair = torch.cumsum(counts, 0) - counts                 # each expert's first place in sorted order
+    blocks = (counts + block - 1) // block
+    first_block = torch.cumsum(blocks, 0) - blocks
+    rank = torch.arange(pairs, device=ids.device) - first_pair[sorted_ids]   # place within its expert
+    at = first_block[sorted_ids] + rank // block
+    block_pairs = torch.full((pairs, block), -1, dtype=torch.long, device=ids.device)
+    block_pairs[at, rank % block] = order
+    block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
+    block_expert[at] = sorted_ids
+    return block_expert, block_pairs
+
+
+def experts_by_block(hidden: torch.Tensor, top_k: int, block_expert: torch.Tensor, block_pairs: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor, act: Any) -> torch.Tensor:
+    """The kernels' torch twin: (P, H) fp32 unweighted pair outputs, block by block."""
+    pairs, inter = block_pairs.shape[0], down.shape[2]
+    y = torch.zeros(pairs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for b in torch.nonzero(block_expert >= 0, as_tuple=True)[0].tolist():
+        lanes = block_pairs[b][block_pairs[b] >= 0]
+        e = int(block_expert[b])
+        x = hidden[lanes // top_k].float()
+        gate, up = (x @ gate_up[e].float().T).split(inter, dim=-1)
+        h = (act(gate) * up).to(hidden.dtype).float()  # the kernel stores h in the weights' dtype too
+        y[lanes] = h @ down[e].float().T
+    return y
+
+
+def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, gate_up_tiles: tuple[int, int, int, int] = GATE_UP_TILES,
+                         down_tiles: tuple[int, int, int, int] = DOWN_TILES) -> torch.Tensor:
+    """(P, H) fp32 unweighted pair outputs of T tokens' K experts each, from a bank whose row e holds
+    expert e (gate_up (E, 2I, H), down (E, H, I), contiguous), SiLU-gated, on tensor cores; the tiles
+    as (BLOCK_N, BLOCK_K, warps, stages) per kernel."""
+    num_experts, two_inter, hidden_size = gate_up.shape
+    inter = two_inter // 2
+    top_k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1)
+    pairs = ids.numel()
+    block_expert, block_pairs = expert_blocks(ids, num_experts)
+    x = hidden.to(gate_up.dtype).contiguous()
+    h = torch.empty(pairs, inter, dtype=gate_up.dtype, device=hidden.device)
+    y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    n, k, warps, stages = gate_up_tiles
+    _gate_up_blocks[(pairs, triton.cdiv(inter, n))](
+        x, block_expert, block_pairs, gate_up, h, TOP_K=top_k, H=hidden_size, I=inter, BLOCK_M=BLOCK_M,
+        BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
+    n, k, warps, stages = down_tiles
+    _down_blocks[(pairs, triton.cdiv(hidden_size, n))](
+        h, block_expert, block_pairs, down, y, H=hidden_size, I=inter, BLOCK_M=BLOCK_M, BLOCK_N=n, BLOCK_K=k,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+if tl is not None:
+    @triton.jit
+    def _gate_up_blocks(x_ptr, expert_ptr, pairs_ptr, w_ptr, h_ptr, TOP_K: tl.constexpr, H: tl.constexpr,
+                        I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(expert_ptr + block)
+        if expert >= 0:
+            lanes = tl.arange(0, BLOCK_M)
+            pair = tl.load(pairs_ptr + block * BLOCK_M + lanes)
+            ok = pair >= 0
+            token = tl.where(ok, pair // TOP_K, 0)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < I
+            weights = w_ptr + expert.to(tl.int64) * (2 * I * H)  # (2I, H): gate rows, then up rows
+            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, H, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                k_ok = ks < H
+                x = tl.load(x_ptr + token[:, None] * H + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+                w_ok = k_ok[:, None] & col_ok[None, :]
+                w_gate = tl.load(weights + cols[None, :].to(tl.int64) * H + ks[:, None], mask=w_ok, other=0.0)
+                w_up = tl.load(weights + (cols[None, :].to(tl.int64) + I) * H + ks[:, None], mask=w_ok, other=0.0)
+                gate = tl.dot(x, w_gate, gate)
+                up = tl.dot(x, w_up, up)
+            h = gate * tl.sigmoid(gate) * up
+            tl.store(h_ptr + pair[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_blocks(h_ptr, expert_ptr, pairs_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        block = tl.program_id(0)
+        expert = tl.load(expert_ptr + block)
+        if expert >= 0:
+            lanes = tl.arange(0, BLOCK_M)
+            pair = tl.load(pairs_ptr + block * BLOCK_M + lanes)
+            ok = pair >= 0
+            row = tl.where(ok, pair, 0).to(tl.int64)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < H
+            weights = w_ptr + expert.to(tl.int64) * (H * I)  # (H, I)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, I, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                k_ok = ks < I
+                h = tl.load(h_ptr + row[:, None] * I + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(weights + cols[None, :].to(tl.int64) * I + ks[:, None],
+                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc = tl.dot(h, w, acc)
+            tl.store(y_ptr + row[:, None] * H + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the kernels run for weights of `dtype`: tensor-core dtypes with Triton present."""
+    return tl is not None and dtype in (torch.bfloat16, torch.float16)
