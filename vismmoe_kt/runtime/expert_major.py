@@ -104,29 +104,38 @@ def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_u
 
 if tl is not None:
     @triton.jit
+    def _block(expert_ptr, pairs_ptr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's expert (-1: an unused block), its lanes' pairs, which lanes hold one, and its
+        output columns."""
+        block = tl.program_id(0)
+        pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tl.load(expert_ptr + block), pair, pair >= 0, cols, cols < N
+
+    @triton.jit
+    def _rows_times_weights(x_ptr, rows, ok, w_ptr, cols, col_ok, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) fp32: x[rows] (each of K elements) times the weight rows `cols` of a
+        row-major (N, K) matrix, on tensor cores."""
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(x, w, acc)
+        return acc
+
+    @triton.jit
     def _gate_up_blocks(x_ptr, expert_ptr, pairs_ptr, w_ptr, h_ptr, TOP_K: tl.constexpr, H: tl.constexpr,
                         I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        block = tl.program_id(0)
-        expert = tl.load(expert_ptr + block)
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            lanes = tl.arange(0, BLOCK_M)
-            pair = tl.load(pairs_ptr + block * BLOCK_M + lanes)
-            ok = pair >= 0
-            token = tl.where(ok, pair // TOP_K, 0)
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < I
-            weights = w_ptr + expert.to(tl.int64) * (2 * I * H)  # (2I, H): gate rows, then up rows
-            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, H, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                k_ok = ks < H
-                x = tl.load(x_ptr + token[:, None] * H + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-                w_ok = k_ok[:, None] & col_ok[None, :]
-                w_gate = tl.load(weights + cols[None, :].to(tl.int64) * H + ks[:, None], mask=w_ok, other=0.0)
-                w_up = tl.load(weights + (cols[None, :].to(tl.int64) + I) * H + ks[:, None], mask=w_ok, other=0.0)
-                gate = tl.dot(x, w_gate, gate)
-                up = tl.dot(x, w_up, up)
+            token = tl.where(ok, pair // TOP_K, 0).to(tl.int64)
+            gate_w = w_ptr + expert.to(tl.int64) * (2 * I * H)  # (2I, H): gate rows, then up rows
+            gate = _rows_times_weights(x_ptr, token, ok, gate_w, cols, col_ok, H, BLOCK_M, BLOCK_N, BLOCK_K)
+            up = _rows_times_weights(x_ptr, token, ok, gate_w + I * H, cols, col_ok, H, BLOCK_M, BLOCK_N, BLOCK_K)
             h = gate * tl.sigmoid(gate) * up
             tl.store(h_ptr + pair[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
                      mask=ok[:, None] & col_ok[None, :])
@@ -134,24 +143,11 @@ if tl is not None:
     @triton.jit
     def _down_blocks(h_ptr, expert_ptr, pairs_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        block = tl.program_id(0)
-        expert = tl.load(expert_ptr + block)
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            lanes = tl.arange(0, BLOCK_M)
-            pair = tl.load(pairs_ptr + block * BLOCK_M + lanes)
-            ok = pair >= 0
             row = tl.where(ok, pair, 0).to(tl.int64)
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < H
-            weights = w_ptr + expert.to(tl.int64) * (H * I)  # (H, I)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, I, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                k_ok = ks < I
-                h = tl.load(h_ptr + row[:, None] * I + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(weights + cols[None, :].to(tl.int64) * I + ks[:, None],
-                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(h, w, acc)
+            down_w = w_ptr + expert.to(tl.int64) * (H * I)  # (H, I)
+            acc = _rows_times_weights(h_ptr, row, ok, down_w, cols, col_ok, I, BLOCK_M, BLOCK_N, BLOCK_K)
             tl.store(y_ptr + row[:, None] * H + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
 
 
