@@ -22,6 +22,7 @@ from torch import nn
 
 from ..core.context import LoadContext, context_of_model
 from ..models import ModelAdapter, adapter_for
+from .decode_attention import use_grouped_decode_attention
 from .lean_step import LeanDecodeStep
 from .static_cache import StaticKVCache
 
@@ -93,6 +94,7 @@ class LeanEngine:
         self.pruned_from: int | None = None
         self.reuses = self.reused_tokens = 0
         self.graph_pool = None  # one CUDA graph memory pool for every step (cache size) this engine makes
+        use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
 
     def reusable_prefix(self, ids: list[int], images: list[ImageKey], image_token_id: int | None,
                         tokens_per_patch: float, new_images_ok: bool) -> int:

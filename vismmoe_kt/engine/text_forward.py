@@ -28,9 +28,11 @@ from torch import nn
 from ..core.context import LoadContext
 from ..models import ModelAdapter
 from ..vision.compression import CompressionSettings, select
+from .decode_attention import NAME as GROUPED_DECODE_ATTENTION
 from .slot_cache import SlotRowsView
 
-IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")  # kernels that take is_causal themselves
+# kernels that take is_causal themselves (grouped decode attention hands every prefill to sdpa)
+IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3", GROUPED_DECODE_ATTENTION)
 
 
 @dataclass

@@ -36,7 +36,7 @@ except ImportError:  # CPU-only installs: the twin runs instead
 BLOCK_M = 16  # pairs per block: tl.dot's smallest M
 # (output columns per program, input elements per loop step, warps, pipeline stages) per projection;
 # `decode_kernel_bench --batch` times the alternatives on the GPU
-GATE_UP_TILES = (32, 128, 4, 4)
+GATE_UP_TILES = (64, 128, 4, 4)
 DOWN_TILES = (64, 128, 4, 4)
 
 
