@@ -78,8 +78,13 @@ def main() -> int:
         same = torch.equal(tokens, ref_tokens)
         lean = stats["operators"].get("VisDecoder", {})
         graphs_ok = lean.get("decode_capture_failures", 0) == 0 and lean.get("decode_check_failures", 0) == 0
-        ok &= diff <= 1e-5 and same and graphs_ok
-        row = {"rules": rule_file.name, "overrides": overrides, "max_abs_logit_diff": diff, "greedy_tokens_equal": same,
+        # kt-kernel computes the CPU's experts in BF16 (its AMX/AVX-512 kernels), whatever the model's dtype:
+        # its logits may differ by BF16 rounding; every other path matches the fp32 reference
+        bf16_experts = str(stats["operators"].get("CpuExperts", {}).get("cpu_backend", "")).startswith("kt-kernel")
+        tolerance = 1e-2 * ref_logits.abs().max().item() if bf16_experts else 1e-5
+        ok &= diff <= tolerance and same and graphs_ok
+        row = {"rules": rule_file.name, "overrides": overrides, "max_abs_logit_diff": diff, "tolerance": tolerance,
+               "greedy_tokens_equal": same,
                "generate_8_tokens_s": round(seconds, 3), "weights_by_device": stats.get("weights_by_device"),
                "operators": stats["operators"]}
         results.append(row)

@@ -63,6 +63,12 @@ for T in (1, 5):                # T=5, K=4 over 6 experts: several pairs per exp
     want = em.experts_by_block(hidden, K, block_expert, block_pairs, gate_up, down, torch.nn.SiLU())
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     assert got.abs().sum() > 0
+# the one-program block plan gives the torch version's blocks exactly
+generator = torch.Generator().manual_seed(1)
+for pairs, experts in ((1, 4), (7, 3), (64, 128), (40, 2), (128, 128), (200, 9)):
+    ids = torch.randint(0, experts, (pairs,), generator=generator)
+    for got, want in zip(em.block_plan(ids, experts), em.expert_blocks(ids, experts)):
+        assert torch.equal(got, want), (pairs, experts, got, want)
 print("OK")
 """
 
@@ -95,3 +101,7 @@ def test_kernels_compile_for_hopper():
     n, k, warps, stages = em.DOWN_TILES
     compile_for_hopper(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
                        {**shapes, "BLOCK_N": n, "BLOCK_K": k}, warps, stages)
+    for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
+        compile_for_hopper(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
+                                               "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
+                           {"P": pairs, "PP": triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M}, 4, 1)

@@ -15,7 +15,10 @@ multiplies it with the block's M token rows by `tl.dot` (tensor cores, fp32 accu
     down:     y[p] = W_down[e] @ h[p]                                  grid (blocks, H / BLOCK_N)
 
 `expert_blocks` builds the blocks on the device with fixed shapes (at most P blocks: an expert with
-c pairs takes ceil(c / M) <= c of them), so the step stays capturable in a CUDA graph. No atomics:
+c pairs takes ceil(c / M) <= c of them), so the step stays capturable in a CUDA graph; on the GPU one
+Triton program does it (`_blocks_kernel`: each pair's rank among its expert's pairs and its expert's
+first block, from P x P comparisons), where the torch version takes some fifteen small kernels a layer,
+each a launch gap in the step. No atomics:
 each pair's output row is written by exactly one program per tile, and the caller combines the K rows
 of each token in a fixed order, so results are deterministic. `expert_blocks` and the torch twin
 `experts_by_block` run anywhere (the CPU tests); the kernels need Triton (or its interpreter).
@@ -61,6 +64,21 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> 
     return block_expert, block_pairs
 
 
+MAX_PLAN_PAIRS = 256  # the plan kernel compares every pair with every other in one program
+
+
+def block_plan(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_blocks` of (P,) ids on the device: one Triton program (up to MAX_PLAN_PAIRS pairs), else torch."""
+    pairs = ids.numel()
+    if pairs > MAX_PLAN_PAIRS:
+        return expert_blocks(ids, num_experts)
+    block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
+    block_pairs = torch.full((pairs, BLOCK_M), -1, dtype=torch.long, device=ids.device)
+    _blocks_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
+                         BLOCK_M=BLOCK_M, num_warps=4)
+    return block_expert, block_pairs
+
+
 def experts_by_block(hidden: torch.Tensor, top_k: int, block_expert: torch.Tensor, block_pairs: torch.Tensor,
                      gate_up: torch.Tensor, down: torch.Tensor, act: Any) -> torch.Tensor:
     """The kernels' torch twin: (P, H) fp32 unweighted pair outputs, block by block."""
@@ -87,7 +105,7 @@ def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_u
     top_k = top_k_index.shape[1]
     ids = top_k_index.reshape(-1)
     pairs = ids.numel()
-    block_expert, block_pairs = expert_blocks(ids, num_experts)
+    block_expert, block_pairs = block_plan(ids, num_experts)
     x = hidden.to(gate_up.dtype).contiguous()
     h = torch.empty(pairs, inter, dtype=gate_up.dtype, device=hidden.device)
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
@@ -103,6 +121,24 @@ def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_u
 
 
 if tl is not None:
+    @triton.jit
+    def _blocks_kernel(ids_ptr, expert_ptr, pairs_ptr, P: tl.constexpr, PP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """expert_blocks in one program: P x P comparisons of the pairs' experts give each pair its rank
+        among its expert's pairs (those before it) and its expert's first block (the blocks of the
+        experts with smaller ids)."""
+        i = tl.arange(0, PP)
+        valid = i < P
+        e = tl.load(ids_ptr + i, mask=valid, other=-1)
+        both = valid[:, None] & valid[None, :]                       # row: the pair, column: another
+        same = (e[:, None] == e[None, :]) & both
+        rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+        blocks = (tl.sum(same.to(tl.int32), axis=1) + BLOCK_M - 1) // BLOCK_M   # its expert's blocks
+        first = valid & (rank == 0)                                  # one pair stands for each expert
+        lower = (e[None, :] < e[:, None]) & first[None, :] & both
+        block = tl.sum(tl.where(lower, blocks[None, :], 0), axis=1) + rank // BLOCK_M
+        tl.store(pairs_ptr + block * BLOCK_M + rank % BLOCK_M, i.to(tl.int64), mask=valid)
+        tl.store(expert_ptr + block, e, mask=valid)
+
     @triton.jit
     def _block(expert_ptr, pairs_ptr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """This program's expert (-1: an unused block), its lanes' pairs, which lanes hold one, and its
