@@ -23,6 +23,7 @@ from torch import nn
 from ..core.context import LoadContext, context_of_model
 from ..models import ModelAdapter, adapter_for
 from .decode_attention import use_grouped_decode_attention
+from .fused_ops import fuse_norms
 from .lean_step import LeanDecodeStep
 from .static_cache import StaticKVCache
 
@@ -95,6 +96,9 @@ class LeanEngine:
         self.reuses = self.reused_tokens = 0
         self.graph_pool = None  # one CUDA graph memory pool for every step (cache size) this engine makes
         use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
+        # the attention's query/key RMSNorms in one kernel each on the GPU (7 launches fewer per norm: ~670 per step)
+        fuse_norms([norm for layer in adapter.layers_of(text) for norm in adapter.attention_norms(adapter.attention(layer))],
+                   adapter.rms_norm_params)
 
     def reusable_prefix(self, ids: list[int], images: list[ImageKey], image_token_id: int | None,
                         tokens_per_patch: float, new_images_ok: bool) -> int:

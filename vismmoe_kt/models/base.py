@@ -172,6 +172,11 @@ class ModelAdapter:
         """(weight, eps) when `norm` is an RMSNorm the decode step may fuse; None otherwise."""
         return None
 
+    def attention_norms(self, attn: nn.Module) -> tuple[nn.Module, ...]:
+        """The norms inside an attention module (Qwen3's per-head query and key RMSNorms), which the
+        lean engine may give a fused forward; () where there are none."""
+        return ()
+
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError

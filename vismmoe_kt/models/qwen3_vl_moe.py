@@ -214,6 +214,9 @@ class Qwen3VLMoeAdapter(ModelAdapter):
             return router.weight, int(router.top_k)
         return None
 
+    def attention_norms(self, attn: nn.Module) -> tuple[nn.Module, ...]:
+        return tuple(norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None)
+
     def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
         if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
             return norm.weight, float(norm.variance_epsilon)

@@ -140,9 +140,10 @@ class OffloadRuntime:
         self.batch_step = False    # set around a batched decode step (several sequences' tokens, one each)
         # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
         # expert) up to batch_table_pairs pairs, and beyond, the expert-major tensor-core kernels (each
-        # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, 48
-        # layers resident, 8 experts per token: 2 rows 175.7 vs 151.5 tok/s, 4 rows 286.0 vs 279.7, 8 rows
-        # 409.0 vs 504.3 (table vs grouped)
+        # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, one
+        # layer's experts, random distinct experts per token (`decode_kernel_bench --batch`), us per layer
+        # table / grouped / expert-major: 2 tokens 60.6 / 118.1 / 92.6, 4: 106.5 / 169.1 / 123.4,
+        # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6
         self.batch_experts = "auto"
         self.batch_table_pairs = 32
         self.table_enabled = False  # `enable_table`: this runtime's decode may use the table

@@ -397,8 +397,8 @@ def main() -> int:
                              "(default: %(default)s; 0: one prompt per step)")
     parser.add_argument("--batch-experts", choices=BATCH_EXPERTS, default="auto",
                         help="with --concurrency: a batched step's resident experts through the table kernel (a read "
-                             "per token and expert) or grouped GEMM (a read per expert); auto: the table kernel up to "
-                             "32 pairs, grouped GEMM beyond")
+                             "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
+                             "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU)")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",

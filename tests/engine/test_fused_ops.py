@@ -1,0 +1,60 @@
+"""The decode step's fused ops (engine/fused_ops.py): the RMSNorm kernel against transformers' RMSNorm
+formula (fp32 statistics, the weight applied in the input dtype), in Triton's interpreter and compiled
+for Hopper; modules keep their own forward where the kernel does not serve them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vismmoe_kt.engine.fused_ops import fuse_norms, rms_norm
+
+SCRIPT = r"""
+import torch
+from vismmoe_kt.engine.fused_ops import _rms_norm_triton
+
+torch.manual_seed(0)
+# bfloat16 is not here: the interpreter converts it approximately (numpy has none); gpu_check.py checks it
+for dtype in (torch.float32, torch.float16):
+    for shape in ((3, 2048), (2, 5, 4, 128), (1, 100)):   # a hidden row, per-head rows, a width off the power of 2
+        x = (torch.randn(shape) * 3).to(dtype)
+        weight = (torch.rand(shape[-1]) + 0.5).to(dtype)
+        hf = x.float()
+        hf = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        got = _rms_norm_triton(weight, 1e-6, x)
+        assert got.dtype == hf.dtype and got.shape == hf.shape
+        torch.testing.assert_close(got, hf, rtol=1e-6, atol=1e-6)
+print("OK")
+"""
+
+
+def test_the_rms_norm_kernel_matches_transformers_formula_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter replaces the compiler")
+def test_the_rms_norm_kernel_compiles_for_hopper():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vismmoe_kt.engine import fused_ops
+
+    for width, dtype in ((2048, "*bf16"), (128, "*bf16"), (128, "*fp32")):
+        triton.compile(ASTSource(fn=fused_ops._rms_norm_kernel,
+                                 signature={"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "row_stride": "i32",
+                                            "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr"},
+                                 constexprs={"N": width, "BLOCK": triton.next_power_of_2(width)}),
+                       target=GPUTarget("cuda", 90, 32))
+
+
+def test_on_the_cpu_norms_keep_their_own_forward_and_the_torch_path_matches():
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    assert fuse_norms([norm], lambda n: (n.weight, n.eps)) == 0 and "forward" not in vars(norm)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(rms_norm(norm.weight, 1e-6, x), norm(x), rtol=1e-5, atol=1e-5)
