@@ -149,25 +149,8 @@ def check_stores(out: str | None) -> int:
         print(json.dumps(row), flush=True)
     if out:
         Path(out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "results": results}, indent=2))
-    ok &= fused["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
-
-
-def check_fused_norm() -> dict:
-    """The lean step's RMSNorm kernel in BF16 on the GPU against transformers' formula: at most one BF16
-    rounding step apart (the interpreter on the CPU cannot check BF16)."""
-    from vismmoe_kt.engine.fused_ops import rms_norm
-
-    torch.manual_seed(0)
-    worst = 0.0
-    for shape in ((8, 2048), (8, 32, 128), (3, 100)):
-        x = (torch.randn(shape, device="cuda") * 3).to(torch.bfloat16)
-        weight = (torch.rand(shape[-1], device="cuda") + 0.5).to(torch.bfloat16)
-        want = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
-        got = rms_norm(weight, 1e-6, x)
-        worst = max(worst, ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item())
-    return {"check": "fused RMSNorm, BF16", "max_relative_diff": worst, "ok": worst <= 2 ** -7}
 
 
 if __name__ == "__main__":
