@@ -220,12 +220,14 @@ def test_prompts_grouped_for_prefill_are_right_padded_and_their_images_concatena
 
     a = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
          "pixel_values": torch.ones(4, 2), "image_grid_thw": torch.tensor([[1, 2, 2]])}
-    b = {"input_ids": torch.tensor([[8]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    b = {"input_ids": torch.tensor([[8]])}  # no attention mask: attention everywhere
     c = {"input_ids": torch.tensor([[9, 9]]), "attention_mask": torch.ones(1, 2, dtype=torch.long),
          "pixel_values": torch.zeros(8, 2), "image_grid_thw": torch.tensor([[1, 2, 4]])}
     out = group_inputs([a, b, c], pad_id=3)
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, 3, 3], [9, 9, 3]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
     assert out["pixel_values"].shape == (12, 2) and out["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4]]
+    types = group_inputs([{**a, "mm_token_type_ids": torch.tensor([[0, 1, 0]])}, b], pad_id=3)["mm_token_type_ids"]
+    assert types.tolist() == [[0, 1, 0], [0, 0, 0]]  # the text-only prompt: every token text
     with pytest.raises(ValueError, match="'pixel_values_videos' cannot be batched"):
         group_inputs([a, {**b, "pixel_values_videos": torch.ones(2, 2)}], pad_id=3)

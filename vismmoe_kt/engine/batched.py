@@ -410,16 +410,18 @@ class BatchRunner:
 
 def group_inputs(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Several prompts' processor outputs as one batch: per-token rows right-padded to the longest
-    (`pad_id`, attention mask 0), the images' patches and grids concatenated in the prompts' order."""
+    (`pad_id`, attention mask 0), the images' patches and grids concatenated in the prompts' order. A
+    prompt without a per-token row the others have gets its default: attention everywhere, every token
+    text (the processor leaves `mm_token_type_ids` out of text-only prompts in some versions)."""
     width = max(int(i["input_ids"].shape[1]) for i in inputs)
     out: dict[str, torch.Tensor] = {}
     for key in sorted({k for i in inputs for k in i.keys()}):
         present = [i[key] for i in inputs if key in i]
         if key in PER_TOKEN_INPUTS:
-            if len(present) != len(inputs):
-                raise ValueError(f"prompts grouped for prefill: {key} is missing from some")
+            default = {"attention_mask": 1, "mm_token_type_ids": 0}
+            rows = [i[key] if key in i else torch.full_like(i["input_ids"], default[key]) for i in inputs]
             fill = pad_id if key == "input_ids" else 0
-            out[key] = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in present])
+            out[key] = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in rows])
         elif key in GROUPABLE_INPUTS:
             out[key] = torch.cat(present)
         else:
