@@ -137,7 +137,10 @@ from vismmoe_kt.runtime.table_experts import quantized_slab_outputs
 QH, QI, QK = 256, 512, 2
 for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_0", None), (torch.float32, "q4_k", None),
                              (torch.bfloat16, "q4_k", None), (torch.float32, "q5_k", None),
-                             (torch.float32, "q4_k", "q6_k")):  # the last: a Q4_K_M file's layer, down in Q6_K
+                             (torch.float32, "q4_k", "q6_k"),  # a Q4_K_M file's layer, down in Q6_K
+                             (torch.float32, "q4_k:bytes", None)):  # Q4_K's quant bytes read one by one, not as words
+    decode_kernel.Q4K_WORD_LOADS = not fmt.endswith(":bytes")
+    fmt = fmt.split(":")[0]
     store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
     if down_fmt is None:
         store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
@@ -267,8 +270,9 @@ def test_kernels_compile_for_hopper():
                                           "CHUNK": "constexpr"}, {"CHUNK": dk.STAGE_CHUNK})
     quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
                  "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr"}
-    for fmt in dk.TILE_KINDS:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
-        tile = {"H": 2048, "I": 768, "KIND": dk.TILE_KINDS[fmt], "SB_BYTES": dk.TILE_BYTES[fmt], "BLOCK_ROWS": 16}
+    for fmt in [*dk.TILE_KINDS, "q4_k words"]:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
+        kind = 44 if fmt == "q4_k words" else dk.TILE_KINDS[fmt]
+        tile = {"H": 2048, "I": 768, "KIND": kind, "SB_BYTES": dk.TILE_BYTES[fmt.split()[0]], "BLOCK_ROWS": 16}
         compile_for_hopper(dk._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
                            {**tile, "TOP_K": 8})
         compile_for_hopper(dk._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)

@@ -41,6 +41,9 @@ PREFETCH_CHUNK = 8192
 STAGE_CHUNK = 4096  # 4-byte words per program of a Q8_0 miss's staging copy (16 KiB in flight each)
 # quantized slabs: each format's kernel code (`_dot`) and its bytes per 256 weights of a row
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+# Q4_K's GEMVs read the quant bytes as 32-bit words (kind 44) where this is set; `decode_kernel_bench`
+# times both readings
+Q4K_WORD_LOADS = True
 TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 # (rows per program, warps) of the quantized GEMVs per format, from `decode_kernel_bench --tune` on an H200
 # (us per layer, 8 pairs: q8_0 42.6 at (4, 1) vs 83.9 at (16, 4); q4_k 66.6; q5_k 68.1). q4_0 shares q8_0's
@@ -271,6 +274,35 @@ if tl is not None:
         return tl.sum(terms, axis=1)
 
     @triton.jit
+    def _q4k_words_dot(at, xs, ok):
+        """`_kquant_dot` for Q4_K with the 128 quant bytes read as 32-bit words (a quarter of the loads:
+        the super-blocks are 144 bytes, so rows of them keep 4-byte alignment): byte b of word w of
+        group j holds weight 4w + b of sub-block 2j (low nibble) and 2j + 1 (high nibble)."""
+        j = tl.arange(0, 4)
+        w = tl.arange(0, 8)
+        b = tl.arange(0, 4)
+        lanes = (4 * w[:, None] + b[None, :])[None, :, :]                                # (1, 8, 4)
+        x_even = tl.load(xs + (2 * j)[:, None, None] * 32 + lanes).to(tl.float32)        # (4, 8, 4)
+        x_odd = tl.load(xs + (2 * j + 1)[:, None, None] * 32 + lanes).to(tl.float32)
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)      # (R, 1)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        scale_even, min_even = _scales_mins(at8, 2 * j, ok)                              # (R, 4)
+        scale_odd, min_odd = _scales_mins(at8, 2 * j + 1, ok)
+        words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]
+                        + (j[:, None] * 8 + w[None, :])[None, :, :], mask=ok[:, :, None], other=0)  # (R, 4, 8)
+        shifted = words[:, :, :, None] >> (8 * b)[None, None, None, :]                  # (R, 4, 8, 4)
+        low = (shifted & 0xF).to(tl.float32)
+        high = ((shifted >> 4) & 0xF).to(tl.float32)
+        dot_even = tl.sum(tl.sum(low * x_even[None, :, :, :], axis=3), axis=2)          # (R, 4)
+        dot_odd = tl.sum(tl.sum(high * x_odd[None, :, :, :], axis=3), axis=2)
+        sum_even = tl.sum(tl.sum(x_even, axis=2), axis=1)                                # (4,)
+        sum_odd = tl.sum(tl.sum(x_odd, axis=2), axis=1)
+        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even[None, :]
+                                                                            + min_odd * sum_odd[None, :])
+        return tl.sum(terms, axis=1)
+
+    @triton.jit
     def _q8_dot(at, xs, ok, Q4: tl.constexpr):
         """Eight Q8_0 blocks (34 bytes: an fp16 scale, 32 int8) or, with Q4, Q4_0 blocks (18: the scale, 16
         bytes of nibbles, weight l the low nibble of byte l < 16, else the high nibble of byte l - 16,
@@ -301,6 +333,8 @@ if tl is not None:
             result = tl.sum(_q6k_weights(at, at.to(tl.pointer_type(tl.uint8), bitcast=True), w, ok) * x[None, :], axis=1)
         elif KIND == 8 or KIND == 40:
             result = _q8_dot(at, xs, ok, KIND == 40)
+        elif KIND == 44:
+            result = _q4k_words_dot(at, xs, ok)
         else:
             result = _kquant_dot(at, xs, ok, KIND == 5)
         return result
@@ -550,11 +584,16 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
     _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
         x.contiguous(), slots, h, pool.data_ptr(), pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
-        KIND=TILE_KINDS[fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, num_warps=warps_up)
+        KIND=_kind(fmt), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, num_warps=warps_up)
     _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
-        h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=TILE_KINDS[down_fmt],
+        h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=_kind(down_fmt),
         SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, num_warps=warps_down)
     return y
+
+
+def _kind(fmt: str) -> int:
+    """The GEMVs' code path for a format: Q4_K by 32-bit words where Q4K_WORD_LOADS is set."""
+    return 44 if fmt == "q4_k" and Q4K_WORD_LOADS else TILE_KINDS[fmt]
 
 
 def copy_chunk(gate_up_elems: int, down_elems: int, largest: int = PREFETCH_CHUNK) -> int:

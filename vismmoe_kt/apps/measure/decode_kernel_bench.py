@@ -99,7 +99,9 @@ def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
     from vismmoe_kt.runtime.store import ExpertStore
 
     out = {}
-    for fmt in ("q8_0", "q4_0", "q4_k", "q5_k"):
+    for name in ("q8_0", "q4_0", "q4_k", "q4_k:bytes", "q5_k"):  # q4_k:bytes: its quant bytes read one by one
+        decode_kernel.Q4K_WORD_LOADS = not name.endswith(":bytes")
+        fmt = name.split(":")[0]
         store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
         store.fill_layer(0, torch.randn(LAYERS * K, 2 * I, H, device=device) / 50,
                          torch.randn(LAYERS * K, H, I, device=device) / 50)
@@ -123,8 +125,9 @@ def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
         gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         error = float((got - want).norm() / want.norm())
-        out[fmt] = {"relative_error_vs_dequantized": error,
-                    "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
+        out[name] = {"relative_error_vs_dequantized": error,
+                     "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
+    decode_kernel.Q4K_WORD_LOADS = True
     return out
 
 
