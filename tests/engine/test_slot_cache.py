@@ -131,3 +131,22 @@ def test_prompts_prefilled_together_land_in_their_slots_at_their_own_lengths():
         cache.rows_view([1, 1], [2, 2])
     with pytest.raises(CacheFullError, match="a slot holds 1 to 6"):
         cache.rows_view([1], [7])
+
+
+def test_a_step_over_slots_0_to_b_returns_views_and_others_gathered_copies():
+    cache = SlotKVCache(layers=1, slots=3, kv_heads=1, head_dim=2, capacity=4, dtype=torch.float32, device="cpu")
+    for slot in range(3):
+        cache.slot_view(slot).update(torch.full((1, 1, 2, 2), float(slot)), torch.full((1, 1, 2, 2), -float(slot)), 0)
+    cache.begin_decode([0, 1, 2])
+    assert cache.contiguous
+    keys, values = cache.update(torch.ones(3, 1, 1, 2) * 9, torch.ones(3, 1, 1, 2) * 9, 0)
+    assert keys.data_ptr() == cache.keys[0].data_ptr() and keys.shape == (3, 1, 4, 2)  # a view: no copy
+    assert keys[:, 0, :3, 0].tolist() == [[0, 0, 9], [1, 1, 9], [2, 2, 9]] and values[2, 0, 1, 0] == -2
+    cache.advance()
+    for slots, rows in (([1, 0], None), ([0, 1], 4), ([1, 2], None)):  # out of order, padded, not from slot 0
+        cache.begin_decode(slots, rows)
+        assert not cache.contiguous
+        keys, _ = cache.update(torch.zeros(rows or 2, 1, 1, 2), torch.zeros(rows or 2, 1, 1, 2), 0)
+        assert keys.data_ptr() != cache.keys[0].data_ptr()
+        assert keys[:len(slots), 0, 0, 0].tolist() == [float(s) for s in slots]
+        cache.abandon_step()

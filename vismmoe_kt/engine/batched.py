@@ -80,7 +80,7 @@ class BatchedDecodeStep(LeanDecodeStep):
                 hooks.append((runtime.before_step, runtime.after_step))
         self.context, self.rows, self.real_rows = context, 1, 1
         super().__init__(text, adapter, lm_head, cache, graphs, hooks=hooks, routing=context.routing,
-                         variants=[lambda: (self.rows, self.cache.span)])
+                         variants=[lambda: (self.rows, self.cache.span), lambda: self.cache.contiguous])
         rows, device = cache.max_rows, cache.device
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)       # the captures' inputs
         self.deltas = torch.zeros(rows, dtype=torch.long, device=device)
@@ -223,7 +223,8 @@ class BatchRunner:
         """The batched step's counters (LeanDecodeStep.stats), the (rows, span) shapes it captured, and
         the prefill chunk in use (None: whole prompts)."""
         step = self.step_fn
-        return {**step.stats(), "captured_shapes": sorted(key[0] for key in step._captured),  # keys: (variant,)
+        # capture keys: ((rows, span), rows are slots 0..B-1); shapes once each
+        return {**step.stats(), "captured_shapes": sorted({key[0] for key in step._captured}),
                 "prefill_chunk": self.prefill_chunk, "prefill_pieces": self.prefill_pieces,
                 "prefill_pieces_beside_decode": self.pieces_beside_decode, "prefill_groups": self.prefill_groups,
                 "grouped_prompts": self.grouped_prompts, "reused_prefixes": self.reuses,
@@ -285,12 +286,13 @@ class BatchRunner:
             if token is not None:  # the prompt's last chunk
                 sampled[plan.prefills[0].sequence.id] = token
         if plan.decode:
-            requests = [self.requests[s.id] for s in plan.decode]
-            last = torch.tensor([s.generated[-1] for s in plan.decode], device=self.device)
+            decode = sorted(plan.decode, key=lambda s: s.kv_blocks[0])  # rows in slot order: the cache's views
+            requests = [self.requests[s.id] for s in decode]
+            last = torch.tensor([s.generated[-1] for s in decode], device=self.device)
             deltas = torch.tensor([r.rope_delta for r in requests], device=self.device)
-            logits = self.step_fn([s.kv_blocks[0] for s in plan.decode], last, deltas)
+            logits = self.step_fn([s.kv_blocks[0] for s in decode], last, deltas)
             greedy = logits.argmax(dim=-1).tolist()  # one device read for every greedy row
-            for row, (sequence, request) in enumerate(zip(plan.decode, requests)):
+            for row, (sequence, request) in enumerate(zip(decode, requests)):
                 sampled[sequence.id] = _sample(logits[row:row + 1], request.sampling) \
                     if request.sampling.do_sample else greedy[row]
         for sequence_id, token in sampled.items():

@@ -19,6 +19,8 @@ Two ways in, with the interface transformers' attention calls (`update`, `get_se
 The decode returns gathered copies of the B rows per layer, cut at the step's span (the longest row
 plus the new token, rounded up to SPAN_STEP positions, not the whole capacity C): attention over rows
 of different lengths without a paged-attention kernel, at a cost that follows the rows' lengths.
+When the step's rows are slots 0..B-1 in order (every slot busy, as under load), it returns views of
+the buffers instead: no copy (on an H200 the copies took 0.6 ms of a 15 ms step at 8 rows).
 
 A captured step (a CUDA graph per batch size) runs a fixed number of rows: `begin_decode(slots, rows)`
 pads the step to `rows` with a pad slot of its own (one slot past the sequences' ones, emptied at each
@@ -54,6 +56,7 @@ class SlotKVCache:
         self.active: torch.Tensor | None = None  # the rows of the decode step under way
         self._active_host: list[int] = []
         self.span = capacity  # positions the step under way attends to
+        self.contiguous = False  # the step's rows are slots 0..B-1 in order: update returns views
 
     @property
     def num_layers(self) -> int:
@@ -113,6 +116,7 @@ class SlotKVCache:
         if full:
             raise CacheFullError(f"slot(s) {full} hold {self.capacity} positions already, the cache's capacity")
         self._active_host = list(slots)
+        self.contiguous = rows == len(slots) and list(slots) == list(range(rows))
         self._active_rows[:rows].copy_(torch.tensor(slots + [self.pad_slot] * (rows - len(slots)), dtype=torch.long))
         self.active = self._active_rows[:rows]
         if rows > len(slots):  # padding rows start empty at every step: their single position stays in range
@@ -135,6 +139,9 @@ class SlotKVCache:
         self.keys[layer_idx][rows, heads, at] = key_states[:, :, 0]
         self.values[layer_idx][rows, heads, at] = value_states[:, :, 0]
         span = self.span
+        if self.contiguous:  # rows 0..B-1 of the buffers are the step's rows: views, no gather
+            rows = self.active.shape[0]
+            return self.keys[layer_idx][:rows, :, :span], self.values[layer_idx][:rows, :, :span]
         return self.keys[layer_idx][self.active, :, :span], self.values[layer_idx][self.active, :, :span]
 
     def decode_masks(self, dtype: torch.dtype) -> torch.Tensor:

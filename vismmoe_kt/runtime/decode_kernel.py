@@ -46,7 +46,7 @@ TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 Q4K_WORD_LOADS = True
 TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 # (rows per program, warps) of the quantized GEMVs per format, from `decode_kernel_bench --tune` on an H200
-# (us per layer, 8 pairs: q8_0 42.6 at (4, 1) vs 83.9 at (16, 4); q4_k 66.6; q5_k 68.1). q4_0 shares q8_0's
+# (us per layer, 8 pairs: q8_0 42.6 at (4, 1) vs 83.9 at (16, 4); q4_k 66.6, 53.7 read by words; q5_k 68.1). q4_0 shares q8_0's
 # 32-weight blocks and q6_k q5_k's super-blocks: untuned, they take their neighbour's
 QUANTIZED_CONFIGS = {"q8_0": (4, 1), "q4_0": (4, 1), "q4_k": (8, 2), "q5_k": (8, 1), "q6_k": (8, 1)}
 
