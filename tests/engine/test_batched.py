@@ -231,3 +231,33 @@ def test_prompts_grouped_for_prefill_are_right_padded_and_their_images_concatena
     assert types.tolist() == [[0, 1, 0], [0, 0, 0]]  # the text-only prompt: every token text
     with pytest.raises(ValueError, match="'pixel_values_videos' cannot be batched"):
         group_inputs([a, {**b, "pixel_values_videos": torch.ones(2, 2)}], pad_id=3)
+
+
+def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_them(case, monkeypatch):
+    """Hashing an image copies its pixels to the host: a finishing request must not do it inside the
+    step every stream waits for. Its slot's history hashes them only when a new request's tokens
+    could continue it."""
+    from vismmoe_kt.engine import batched
+    from vismmoe_kt.engine.batched import BatchRunner, ImageKeys, _may_continue
+
+    hashed = []
+    real = batched.image_keys
+    monkeypatch.setattr(batched, "image_keys", lambda inputs: hashed.append(1) or real(inputs))
+    model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml",
+                            expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4), **CPU)
+    requests = requests_for(processor)[:2]
+    runner = BatchRunner(model, 2, max(r["input_ids"].shape[1] for r in requests) + 4, max_queue=2)
+    with torch.no_grad():
+        generate_batch(model, [dict(r) for r in requests], 4, runner=runner, min_new_tokens=4)
+    assert len(runner.held) == 2 and not hashed  # histories kept, nothing hashed
+    assert sorted(keys.count() for _, keys, _ in runner.held.values()) == [1, 1] and not hashed
+    # a different question: its tokens part before any image, so nothing is hashed either
+    other = build_inputs(processor, [user_turn("Something else entirely?", 0)], [])
+    with torch.no_grad():
+        generate_batch(model, [dict(other)], 2, runner=runner, min_new_tokens=2)
+    assert not hashed
+    assert ImageKeys(requests[0]).get() == real(requests[0])
+    image = 7
+    assert _may_continue([1, 2, image, 3], [1, 2, image, 3, 4], image)       # the history whole, then more
+    assert not _may_continue([1, 2, image, 3], [1, 2, 5], image)               # a held image would be cut
+    assert not _may_continue([1, 2], [9, 2, 3], image) and _may_continue([1, 2], [1, 2, 3], None)

@@ -211,7 +211,7 @@ class BatchRunner:
         self.requests: dict[int, BatchRequest] = {}
         # what each free slot still holds from the request that finished there (a chat's next turn re-sends
         # it and prefills only what follows): token ids with KV in the slot, its images, its M-RoPE delta
-        self.held: dict[int, tuple[list[int], list[ImageKey], int]] = {}
+        self.held: dict[int, tuple[list[int], ImageKeys, int]] = {}
         self.reuses = self.reused_tokens = 0
         engine.forget()  # the single-request cache is not this one: its next request prefills whole
 
@@ -254,10 +254,13 @@ class BatchRunner:
                 or "pixel_values_videos" in request.inputs:
             return None, 0
         adapter, config = self.engine.adapter, self.model.config
-        ids, images = request.inputs["input_ids"][0].tolist(), image_keys(request.inputs)
+        ids, images = request.inputs["input_ids"][0].tolist(), ImageKeys(request.inputs)
+        image_token = adapter.image_token_id(config)
         best = (None, 0)
         for slot, (held, held_images, _) in self.held.items():
-            common = reusable_prefix(held, held_images, ids, images, adapter.image_token_id(config),
+            if not _may_continue(held, ids, image_token):
+                continue  # decided by the tokens alone: no image is hashed
+            common = reusable_prefix(held, held_images.get(), ids, images.get(), image_token,
                                      1 / adapter.vision_merge_size(config) ** 2, new_images_ok=True)
             if common > best[1]:
                 best = (slot, common)
@@ -318,7 +321,7 @@ class BatchRunner:
         slot = request.slot
         ids = request.inputs["input_ids"][0].tolist() + sequence.generated[:-1]
         if all(lengths[slot] == len(ids) for lengths in self.cache.host_lengths):  # pruned slots are not kept
-            self.held[slot] = (ids, image_keys(request.inputs), request.rope_delta)
+            self.held[slot] = (ids, ImageKeys(request.inputs), request.rope_delta)
 
     def _prefill(self, chunk: PrefillChunk) -> int | None:
         """A chunk of a sequence's prompt through the model into its slot; at the prompt's end, the token
@@ -338,7 +341,7 @@ class BatchRunner:
                 self.cache.keep(slot, start)
                 adapter.set_rope_delta(self.model, torch.tensor([[held[2]]], device=self.device))
                 inputs = continuation(self.model, adapter, request.inputs, start, image_keys(request.inputs),
-                                      len(held[1]))
+                                      held[1].count())
                 offset = start
                 self.reuses, self.reused_tokens = self.reuses + 1, self.reused_tokens + start
             else:  # a new prompt, or a history another request overwrote since: from the first token
@@ -408,6 +411,41 @@ class BatchRunner:
             request.rope_delta = int(delta.reshape(-1)[row]) if delta is not None else 0
             sampled[chunk.sequence.id] = _sample(logits[row:row + 1], request.sampling)
         return sampled
+
+
+class ImageKeys:
+    """A request's image keys (lean_engine.image_keys), hashed on first use: hashing copies the pixels
+    to the host, several milliseconds an image, which a finishing request would otherwise add to the
+    step every running stream waits for."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        self._inputs: dict[str, torch.Tensor] | None = inputs
+        self._keys: list[ImageKey] | None = None
+
+    def count(self) -> int:
+        """How many images (from their grids: nothing hashed)."""
+        if self._keys is not None:
+            return len(self._keys)
+        grids = self._inputs.get("image_grid_thw")
+        return 0 if grids is None else int(grids.shape[0])
+
+    def get(self) -> list[ImageKey]:
+        if self._keys is None:
+            self._keys, self._inputs = image_keys(self._inputs), None
+        return self._keys
+
+
+def _may_continue(held: list[int], ids: list[int], image_token: int | None) -> bool:
+    """Whether a slot holding `held` could keep a prefix of `ids`, judged by the tokens alone (reusable_prefix
+    decides, hashing the images, only where this says yes): they share a first token, and no held image
+    lies past the shared tokens (one would be cut)."""
+    common = 0
+    for a, b in zip(held, ids):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(ids) - 1)
+    return common > 0 and (image_token is None or image_token not in held[common:])
 
 
 def group_inputs(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
