@@ -149,3 +149,41 @@ def test_ptq_scales_weights_at_load_and_activations_online(tiny_dir, big_image_i
     assert (op.scales.activation_amax >= first).all()  # a running maximum
     scales = op.scales.of(int(torch.argmax(first)))
     assert set(scales) == {"gate_up", "down", "input"}
+
+
+def test_switched_pairs_are_computed_once_and_the_others_as_in_bf16(tiny_dir, big_image_inputs, monkeypatch):
+    """Each (token, expert) pair goes through exactly one GEMM path, the BF16 one or the low-precision
+    backend (rows counted at both), never both; an unswitched expert's pair outputs are the all-BF16
+    ones bit for bit."""
+    import vismmoe_kt.operators.mixed_precision as operator
+
+    model, _ = load(tiny_dir, RULES, lb_gate_tokens=64, md_start=0.5, **CPU)
+    operators = [m for m in model.modules() if isinstance(m, MixedPrecisionExperts)]
+    bf16_pairs, lowprec_rows, checked = [0], [0], []
+    grouped = operator.bank_experts
+    monkeypatch.setattr(operator, "bank_experts",
+                        lambda hidden, index, *rest: bf16_pairs.__setitem__(0, bf16_pairs[0] + index.numel())
+                        or grouped(hidden, index, *rest))
+    for op in operators:
+        op.orig_module.register_forward_hook(  # layers that switched nothing: the model's own call
+            lambda module, args, output: bf16_pairs.__setitem__(0, bf16_pairs[0] + args[1].numel()))
+        mlp = op.lowprec_mlp
+        op.lowprec_mlp = lambda x, *rest, mlp=mlp: lowprec_rows.__setitem__(0, lowprec_rows[0] + x.shape[0]) or mlp(x, *rest)
+        split = op._split
+
+        def recording(hidden, index, weights, lowprec, split=split, op=op):
+            checked.append((hidden, index, weights, lowprec, op))
+            return split(hidden, index, weights, lowprec)
+        op._split = recording
+    with torch.no_grad():
+        model(**big_image_inputs)
+    stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+    assert stats["lowprec_pairs"] > 0 and checked  # some layers switched experts
+    assert lowprec_rows[0] == stats["lowprec_pairs"] and bf16_pairs[0] + lowprec_rows[0] == stats["pairs"]
+    for hidden, index, weights, lowprec, op in checked:
+        with torch.no_grad():
+            split = op._pair_outputs(hidden, index, weights, lowprec)
+            bf16 = op._pair_outputs(hidden, index, weights, torch.zeros_like(lowprec))
+        unswitched = ~torch.isin(index, index[lowprec])  # pairs of experts with no switched pair
+        assert unswitched.any() and torch.equal(split[unswitched], bf16[unswitched])
+        assert not torch.equal(split[lowprec], bf16[lowprec])  # the switched ones did change

@@ -134,16 +134,25 @@ def realb_worker(rank, world, port, out_dir):
     rank_of = contiguous_map(E, world)
     local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
     plans = []
+    import vismmoe_kt.parallel.expert_parallel as ep
+
+    counted = {"bf16": 0, "lowprec": 0}  # rows through each GEMM path on this rank
+    grouped, lowprec_mlp = ep.bank_experts, expert_mlp_fn("nvfp4-emulated")
+    ep.bank_experts = lambda x, *rest: counted.__setitem__("bf16", counted["bf16"] + x.shape[0]) or grouped(x, *rest)
+
+    def counting_mlp(x, *rest):
+        counted["lowprec"] += x.shape[0]
+        return lowprec_mlp(x, *rest)
 
     def plan(load, vision, total):
         result = plan_precision(load, vision, rank_of, world, total, gate_tokens=64, vision_threshold=0.4)
         plans.append(result.lowprec.clone())
         return result.lowprec
     out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu,
-                     visual=visual, plan=plan, lowprec_mlp=expert_mlp_fn("nvfp4-emulated"))
+                     visual=visual, plan=plan, lowprec_mlp=counting_mlp)
     ref = reference_moe(hidden, index, weights, gate_up, down)
     text_rows = ~visual
-    torch.save({"plan": plans[0], "rel": ((out - ref).norm() / ref.norm()).item(),
+    torch.save({"plan": plans[0], "rel": ((out - ref).norm() / ref.norm()).item(), **counted,
                 "text_exact": (out[text_rows] - ref[text_rows]).abs().max().item()},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -159,6 +168,9 @@ def test_realb_plan_is_the_same_on_every_rank(tmp_path):
     assert all(0 < x < 0.3 for x in rel[:2]), rel  # image rows of switched experts in W4A4 NVFP4: changed, bounded
     text = [r["text_exact"] for r in results]
     assert all(x <= 1e-5 for x in text), text                            # text rows stay BF16 (here fp32)
+    # every pair of every rank's 120 tokens x 2 experts computed exactly once, in one precision
+    assert sum(r["bf16"] + r["lowprec"] for r in results) == world * 120 * 2
+    assert sum(r["lowprec"] for r in results) > 0
 
 
 def dying_worker(rank, world, port, out_dir):

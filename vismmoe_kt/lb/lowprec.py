@@ -43,10 +43,11 @@ class ExpertScales:
 def lowprec_pairs(mlp: Callable[..., torch.Tensor], hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                   lowprec: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Any,
                   scales: ExpertScales) -> torch.Tensor:
-    """The `lowprec` (T, K) pairs of every switched expert, each quantized on demand by the backend's `mlp`."""
-    out = torch.zeros_like(hidden)
+    """The `lowprec` (T, K) pairs of every switched expert, each quantized on demand by the backend's `mlp`,
+    weighted, each in its own place (T, K, H); zeros for the other pairs."""
+    out = torch.zeros(*index.shape, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     for expert in torch.unique(index[lowprec]).tolist():
         token, slot = torch.where((index == expert) & lowprec)
         y = mlp(hidden[token], gate_up[expert], down[expert], act, scales.of(expert))
-        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        out[token, slot] = (y * weights[token, slot, None]).to(out.dtype)
     return out

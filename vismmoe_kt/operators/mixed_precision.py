@@ -5,7 +5,10 @@ Per call (one layer, one step):
       -> plan: LB gate, overloaded vision-dominant ranks, greedy switch of vision-heavy experts
          (vismmoe_kt/lb/policy.py), with M_d under AIMD control (vismmoe_kt/lb/aimd.py)
       -> compute: BF16 pairs with the model's own experts; low-precision pairs through the precision
-         backend with post-training scales (vismmoe_kt/lb/lowprec.py); sum.
+         backend with post-training scales (vismmoe_kt/lb/lowprec.py); each pair computed once, in
+         one precision (the BF16 ones by grouped GEMM over the model's expert weights); each token's
+         K pair outputs summed in order (deterministic). A call with nothing switched is the model's
+         own experts call.
 Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // E); with one device
 the ranks are virtual, their times estimated from their loads. The image-token mask comes from the
 load context (the text model's forward writes it: a VisDecoder rule, compression none is enough).
@@ -24,6 +27,7 @@ from torch import nn
 from ..lb.lowprec import ExpertScales, lowprec_pairs
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import MODES, MixedPrecisionSettings
+from ..runtime.expert_compute import bank_experts
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 __all__ = ["MixedPrecisionExperts", "MODES"]
@@ -113,14 +117,33 @@ class MixedPrecisionExperts(BaseInjectedModule):
         c.pairs += top_k_index.numel()
         c.lowprec_pairs += int(lowprec.sum())
         c.switched_experts += int(switched.sum())
-        out = experts(hidden_states, top_k_index, top_k_weights.masked_fill(lowprec, 0))
-        if lowprec.any():
-            if not self.scales.weights:  # injected into an already loaded model
-                self.scales.calibrate_weights(*self.adapter.expert_weights(experts))
-            out = out + lowprec_pairs(self.lowprec_mlp, hidden_states, top_k_index, top_k_weights, lowprec,
-                                      *self.adapter.expert_weights(experts), self.adapter.expert_activation(experts),
-                                      self.scales)
-        return out
+        if not lowprec.any():
+            return experts(hidden_states, top_k_index, top_k_weights)
+        if not self.scales.weights:  # injected into an already loaded model
+            self.scales.calibrate_weights(*self.adapter.expert_weights(experts))
+        return self._split(hidden_states, top_k_index, top_k_weights, lowprec)
+
+    def _split(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+               lowprec: torch.Tensor) -> torch.Tensor:
+        """(T, H): every token's K weighted pair outputs summed in order."""
+        return self._pair_outputs(hidden, index, weights, lowprec).sum(dim=1)
+
+    def _pair_outputs(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                      lowprec: torch.Tensor) -> torch.Tensor:
+        """(T, K, H) weighted pair outputs, each pair computed once: the switched ones by the precision
+        backend, the rest by grouped GEMM over the model's expert weights, one row per pair (an
+        expert's group holds exactly its BF16 pairs, so an unswitched expert's outputs are the all-BF16
+        ones bit for bit)."""
+        experts = self.orig_module
+        gate_up, down = self.adapter.expert_weights(experts)
+        act = self.adapter.expert_activation(experts)
+        pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales)
+        token, slot = torch.nonzero(~lowprec, as_tuple=True)
+        if token.numel():
+            rows = torch.arange(gate_up.shape[0], device=index.device)
+            pairs[token, slot] = bank_experts(hidden[token], index[token, slot, None], weights[token, slot, None],
+                                              rows, gate_up, down, act)
+        return pairs
 
     def stats(self) -> dict[str, Any]:
         # settings as text (summing them over layers would mean nothing); counters are summed

@@ -101,9 +101,14 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
         rows = local_index[recv_experts][:, None]
         lowprec = switched[recv_experts] & (recv_visual | whole_expert)
-        ones = (~lowprec).to(hidden.dtype)[:, None]
-        results = bank_experts(recv_rows, rows, ones, torch.arange(local_experts.numel(), device=device),
-                               local_gate_up, local_down, act)
+        # each received pair computed once: the BF16 ones by grouped GEMM (an expert's group holds exactly
+        # its BF16 pairs), the switched ones below in low precision
+        keep = torch.nonzero(~lowprec, as_tuple=True)[0]
+        results = torch.empty_like(recv_rows)
+        if keep.numel():
+            results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
+                                         torch.arange(local_experts.numel(), device=device), local_gate_up,
+                                         local_down, act)
         for e in torch.unique(recv_experts[lowprec]).tolist():
             pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
             i = int(local_index[e])
