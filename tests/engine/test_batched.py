@@ -216,7 +216,7 @@ def test_a_history_overwritten_before_its_turn_is_prefilled_again(case):
 
 
 def test_prompts_grouped_for_prefill_are_right_padded_and_their_images_concatenated():
-    from vismmoe_kt.engine.batched import group_inputs
+    from vismmoe_kt.engine.prefill_group import group_inputs
 
     a = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
          "pixel_values": torch.ones(4, 2), "image_grid_thw": torch.tensor([[1, 2, 2]])}
@@ -237,12 +237,14 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     """Hashing an image copies its pixels to the host: a finishing request must not do it inside the
     step every stream waits for. Its slot's history hashes them only when a new request's tokens
     could continue it."""
-    from vismmoe_kt.engine import batched
-    from vismmoe_kt.engine.batched import BatchRunner, ImageKeys, _may_continue
+    from vismmoe_kt.engine import batched, lean_engine
+    from vismmoe_kt.engine.batched import BatchRunner
+    from vismmoe_kt.engine.lean_engine import ImageKeys, may_continue
 
     hashed = []
-    real = batched.image_keys
-    monkeypatch.setattr(batched, "image_keys", lambda inputs: hashed.append(1) or real(inputs))
+    real = lean_engine.image_keys
+    for module in (batched, lean_engine):
+        monkeypatch.setattr(module, "image_keys", lambda inputs: hashed.append(1) or real(inputs))
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml",
                             expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4), **CPU)
     requests = requests_for(processor)[:2]
@@ -258,6 +260,6 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     assert not hashed
     assert ImageKeys(requests[0]).get() == real(requests[0])
     image = 7
-    assert _may_continue([1, 2, image, 3], [1, 2, image, 3, 4], image)       # the history whole, then more
-    assert not _may_continue([1, 2, image, 3], [1, 2, 5], image)               # a held image would be cut
-    assert not _may_continue([1, 2], [9, 2, 3], image) and _may_continue([1, 2], [1, 2, 3], None)
+    assert may_continue([1, 2, image, 3], [1, 2, image, 3, 4], image)       # the history whole, then more
+    assert not may_continue([1, 2, image, 3], [1, 2, 5], image)               # a held image would be cut
+    assert not may_continue([1, 2], [9, 2, 3], image) and may_continue([1, 2], [1, 2, 3], None)

@@ -15,9 +15,10 @@ and attention span where the rules' `graphs` allow (BatchedDecodeStep). A routin
 (`--routing synthetic`) gives each slot its own table. Prompts are prefilled whole, or `prefill_chunk`
 tokens per step (BatchRunner); fresh whole prompts waiting together (up to `prefill_budget` tokens)
 run as one right-padded forward, their images through one vision-tower call, so a burst of
-requests costs one prefill's fixed cost and the running streams wait once, not once per newcomer. A finished request's slot keeps its KV until another request needs
-it: a conversation's next turn, which re-sends the history, goes to that slot and prefills only what
-follows (as the single-request engine reuses its cache). Each sequence gets a slot of the longest
+requests costs one prefill's fixed cost and the running streams wait once, not once per newcomer.
+A finished request's slot keeps its KV until another request needs it: a conversation's next turn,
+which re-sends the history, goes to that slot and prefills only what follows (as the single-request
+engine reuses its cache). Each sequence gets a slot of the longest
 request's size, so nothing is preempted. The offload runtime serves a batch's pinned
 layers from their banks and its offloaded ones through the decode table, token after token inside
 the step (a miss one token lands is a hit for the next), both inside the graphs; with the hybrid's
@@ -36,15 +37,13 @@ from torch import nn
 from ..models import ModelAdapter
 from .generation import _eos_ids, continuation, next_token
 from .graphs import State
-from .lean_engine import ImageKey, decode_engine, image_keys, reusable_prefix
+from .lean_engine import ImageKeys, decode_engine, image_keys, may_continue, reusable_prefix
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
+from .prefill_group import GROUPABLE_INPUTS, group_inputs, padding_token
 from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status
 from .slot_cache import SlotKVCache
 
 PREFILL_BUDGET = 8192  # prompt tokens prefilled together in one step (vLLM's default max_num_batched_tokens)
-# what a prompt's inputs may hold to join a group: per-token rows and images (videos prefill alone)
-PER_TOKEN_INPUTS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids"})
-GROUPABLE_INPUTS = PER_TOKEN_INPUTS | {"pixel_values", "image_grid_thw"}
 
 
 @dataclass(frozen=True)
@@ -258,7 +257,7 @@ class BatchRunner:
         image_token = adapter.image_token_id(config)
         best = (None, 0)
         for slot, (held, held_images, _) in self.held.items():
-            if not _may_continue(held, ids, image_token):
+            if not may_continue(held, ids, image_token):
                 continue  # decided by the tokens alone: no image is hashed
             common = reusable_prefix(held, held_images.get(), ids, images.get(), image_token,
                                      1 / adapter.vision_merge_size(config) ** 2, new_images_ok=True)
@@ -388,7 +387,7 @@ class BatchRunner:
             self.held.pop(slot, None)  # a fresh prompt: whatever the slot held goes
             if self.routing is not None:
                 self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
-        inputs = group_inputs([r.inputs for r in requests], pad_id=_pad_id(model, adapter))
+        inputs = group_inputs([r.inputs for r in requests], pad_id=padding_token(model, adapter))
         view = self.cache.rows_view(slots, lengths)
         adapter.set_rope_delta(model, None)  # the prompts' own M-RoPE positions
         parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
@@ -411,75 +410,6 @@ class BatchRunner:
             request.rope_delta = int(delta.reshape(-1)[row]) if delta is not None else 0
             sampled[chunk.sequence.id] = _sample(logits[row:row + 1], request.sampling)
         return sampled
-
-
-class ImageKeys:
-    """A request's image keys (lean_engine.image_keys), hashed on first use: hashing copies the pixels
-    to the host, several milliseconds an image, which a finishing request would otherwise add to the
-    step every running stream waits for."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor]):
-        self._inputs: dict[str, torch.Tensor] | None = inputs
-        self._keys: list[ImageKey] | None = None
-
-    def count(self) -> int:
-        """How many images (from their grids: nothing hashed)."""
-        if self._keys is not None:
-            return len(self._keys)
-        grids = self._inputs.get("image_grid_thw")
-        return 0 if grids is None else int(grids.shape[0])
-
-    def get(self) -> list[ImageKey]:
-        if self._keys is None:
-            self._keys, self._inputs = image_keys(self._inputs), None
-        return self._keys
-
-
-def _may_continue(held: list[int], ids: list[int], image_token: int | None) -> bool:
-    """Whether a slot holding `held` could keep a prefix of `ids`, judged by the tokens alone (reusable_prefix
-    decides, hashing the images, only where this says yes): they share a first token, and no held image
-    lies past the shared tokens (one would be cut)."""
-    common = 0
-    for a, b in zip(held, ids):
-        if a != b:
-            break
-        common += 1
-    common = min(common, len(ids) - 1)
-    return common > 0 and (image_token is None or image_token not in held[common:])
-
-
-def group_inputs(inputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Several prompts' processor outputs as one batch: per-token rows right-padded to the longest
-    (`pad_id`, attention mask 0), the images' patches and grids concatenated in the prompts' order. A
-    prompt without a per-token row the others have gets its default: attention everywhere, every token
-    text (the processor leaves `mm_token_type_ids` out of text-only prompts in some versions)."""
-    width = max(int(i["input_ids"].shape[1]) for i in inputs)
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted({k for i in inputs for k in i.keys()}):
-        present = [i[key] for i in inputs if key in i]
-        if key in PER_TOKEN_INPUTS:
-            default = {"attention_mask": 1, "mm_token_type_ids": 0}
-            rows = [i[key] if key in i else torch.full_like(i["input_ids"], default[key]) for i in inputs]
-            fill = pad_id if key == "input_ids" else 0
-            out[key] = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in rows])
-        elif key in GROUPABLE_INPUTS:
-            out[key] = torch.cat(present)
-        else:
-            raise ValueError(f"prompts grouped for prefill: input {key!r} cannot be batched")
-    if "attention_mask" not in out:
-        out["attention_mask"] = torch.stack([
-            torch.arange(width, device=out["input_ids"].device) < i["input_ids"].shape[1] for i in inputs]).long()
-    return out
-
-
-def _pad_id(model: Any, adapter: ModelAdapter) -> int:
-    """A token id for padding: the config's pad token, else 0; never the image placeholder."""
-    config = model.config
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(adapter.text_config(config), "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
-    return pad if pad != adapter.image_token_id(config) else pad + 1
 
 
 def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_tokens: int | list[int],

@@ -79,6 +79,41 @@ def reusable_prefix(held: list[int], held_images: list[ImageKey], ids: list[int]
     return common
 
 
+class ImageKeys:
+    """A request's image keys (image_keys), hashed on first use: hashing copies the pixels
+    to the host, several milliseconds an image, which a finishing request would otherwise add to the
+    step every running stream waits for."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        self._inputs: dict[str, torch.Tensor] | None = inputs
+        self._keys: list[ImageKey] | None = None
+
+    def count(self) -> int:
+        """How many images (from their grids: nothing hashed)."""
+        if self._keys is not None:
+            return len(self._keys)
+        grids = self._inputs.get("image_grid_thw")
+        return 0 if grids is None else int(grids.shape[0])
+
+    def get(self) -> list[ImageKey]:
+        if self._keys is None:
+            self._keys, self._inputs = image_keys(self._inputs), None
+        return self._keys
+
+
+def may_continue(held: list[int], ids: list[int], image_token: int | None) -> bool:
+    """Whether a slot holding `held` could keep a prefix of `ids`, judged by the tokens alone (reusable_prefix
+    decides, hashing the images, only where this says yes): they share a first token, and no held image
+    lies past the shared tokens (one would be cut)."""
+    common = 0
+    for a, b in zip(held, ids):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(ids) - 1)
+    return common > 0 and (image_token is None or image_token not in held[common:])
+
+
 class LeanEngine:
     """A model's decode state across requests: one StaticKVCache and the step bound to it."""
 
