@@ -187,3 +187,24 @@ def test_switched_pairs_are_computed_once_and_the_others_as_in_bf16(tiny_dir, bi
         unswitched = ~torch.isin(index, index[lowprec])  # pairs of experts with no switched pair
         assert unswitched.any() and torch.equal(split[unswitched], bf16[unswitched])
         assert not torch.equal(split[lowprec], bf16[lowprec])  # the switched ones did change
+
+
+def test_prompts_prefilled_together_open_the_lb_gate_that_one_prompt_leaves_shut(tiny_dir):
+    """ReaLB balances a step's load only past its token gate. A single image prompt stays below it. The
+    same prompts arriving together are prefilled in one forward (batched generation's grouped
+    prefill), whose token count crosses it, so experts switch there and nowhere else."""
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    calls = {}
+    for budget in (0, 8192):  # one prompt per step, then all four in one forward
+        model, processor = load(tiny_dir, RULES, lb_gate_tokens=300, md_start=0.5, **CPU)
+        requests = [build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(320, 320, seed=s)])
+                    for s in range(4)]
+        assert all(100 < r["input_ids"].shape[1] < 300 for r in requests)  # each alone below the gate
+        with torch.no_grad():
+            generate_batch(model, requests, 3, max_batch=4, min_new_tokens=3, prefill_budget=budget)
+        stats = collect_stats(model)["operators"]["MixedPrecisionExperts"]
+        calls[budget] = stats
+    assert calls[0]["gated_calls"] == calls[0]["calls"] and calls[0]["lowprec_pairs"] == 0
+    assert calls[8192]["gated_calls"] < calls[8192]["calls"] and calls[8192]["lowprec_pairs"] > 0
