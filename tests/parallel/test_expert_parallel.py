@@ -173,6 +173,66 @@ def test_realb_plan_is_the_same_on_every_rank(tmp_path):
     assert sum(r["lowprec"] for r in results) > 0
 
 
+def sequence_worker(rank, world, port, out_dir):
+    """The same layer with the plan's metadata overlapped with the dispatch (ReaLB) and waited for
+    first (ReaLB-seq): the order of the collectives, and the outputs."""
+    from vismmoe_kt.lb.policy import plan_precision
+    from vismmoe_kt.lb.precision import expert_mlp_fn
+    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward
+
+    init(rank, world, port)
+    E, K, H, I = 8, 2, 32, 16  # NVFP4 blocks of 16
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    mine = torch.Generator().manual_seed(300 + rank)
+    hidden = torch.randn(80, H, generator=mine)
+    index = torch.stack([torch.randint(0, 2, (80,), generator=mine), 2 + torch.randint(0, 6, (80,), generator=mine)], 1)
+    weights = torch.softmax(torch.randn(80, K, generator=mine), dim=-1)
+    rank_of = contiguous_map(E, world)
+    local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
+    events = []
+
+    class Recorded:  # the metadata all-reduce's handle: when its wait returns
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            self.work.wait()
+            events.append("metadata in")
+    real_all_reduce, real_all_to_all = dist.all_reduce, dist.all_to_all_single
+    dist.all_reduce = lambda *a, **k: Recorded(real_all_reduce(*a, **k))
+    dist.all_to_all_single = lambda *a, **k: events.append("all-to-all") or real_all_to_all(*a, **k)
+
+    switched = []
+
+    def plan(load, vision, total):
+        switched.append(plan_precision(load, vision, rank_of, world, total, gate_tokens=32,
+                                       vision_threshold=0.0).lowprec)
+        return switched[-1]
+    outputs, orders = {}, {}
+    for overlap in (True, False):
+        events.clear()
+        outputs[overlap] = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of,
+                                      torch.nn.functional.silu, visual=torch.ones(80, dtype=torch.bool), plan=plan,
+                                      lowprec_mlp=expert_mlp_fn("nvfp4-emulated"), overlap_plan=overlap)
+        orders[overlap] = list(events)
+    torch.save({"same": torch.equal(outputs[True], outputs[False]), "orders": orders,
+                "switched": int(switched[0].sum()), "plans_equal": torch.equal(switched[0], switched[1])},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_realb_seq_waits_for_the_plan_before_the_dispatch_and_gives_the_same_numbers(tmp_path):
+    world = 2
+    mp.spawn(sequence_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["same"] and result["switched"] > 0 and result["plans_equal"]  # experts did switch
+        overlapped, sequential = result["orders"][True], result["orders"][False]
+        assert sequential[0] == "metadata in" and sequential.count("all-to-all") >= 3
+        assert overlapped[0] == "all-to-all" and overlapped.index("metadata in") >= 3  # after counts, rows, codes
+
+
 def dying_worker(rank, world, port, out_dir):
     import time
 

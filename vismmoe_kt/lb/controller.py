@@ -2,7 +2,8 @@
 (virtual ranks) and the expert-parallel one (real ranks, fed by the group's summed loads).
 
 Modes: bf16 (never switch), all (FP4-All: every expert), realb / realb-seq (the policy with M_d under
-AIMD control), fixed (the policy with a fixed M_d).
+AIMD control; on real ranks realb-seq exchanges the routing metadata before the token dispatch
+instead of beside it: parallel/expert_parallel.py), fixed (the policy with a fixed M_d).
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ class ExpertParallelExperts(BaseInjectedModule):
         out = ep_forward(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
                           self.local_experts, self.expert_rank, self.act, visual=visual,
                           plan=None if self.mode in ("bf16", "eplb") else self._plan, lowprec_mlp=self.lowprec_mlp,
-                          whole_expert=self.mode == "all" or self.scope == "expert", holders=holders)
+                          whole_expert=self.mode == "all" or self.scope == "expert", holders=holders,
+                          overlap_plan=self.mode != "realb-seq")
         if self.mode == "eplb":  # after the step, so a re-placement never splits one layer's exchange
             self._replace_experts(top_k_index)
         return out

@@ -10,8 +10,10 @@ The expert-to-rank map is contiguous (expert e on rank e * R // E) unless one is
 
 With a `plan` callback (ReaLB on real ranks) each rank also contributes its per-expert loads and
 image-token loads to one small all-reduce, issued before the dispatch and waited for after it, so
-the metadata exchange hides behind the token exchange; every rank then computes the same precision
-plan from the same global numbers (vismmoe_kt.lb.policy, shared with the single-process operator).
+the metadata exchange hides behind the token exchange (`overlap_plan=False`, ReaLB-seq: waited for
+before the dispatch, the paper's ablation without the pipeline); every rank then computes the same
+precision plan from the same global numbers (vismmoe_kt.lb.policy, shared with the single-process
+operator).
 Each dispatched pair carries its modality (packed into the expert id: id + E for image tokens), so
 the receiving rank can keep text rows of a switched expert in BF16.
 """
@@ -49,13 +51,14 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                expert_rank: torch.Tensor, act: Any, group: Any = None, visual: torch.Tensor | None = None,
                plan: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
                lowprec_mlp: Callable | None = None, whole_expert: bool = False,
-               holders: torch.Tensor | None = None) -> torch.Tensor:
+               holders: torch.Tensor | None = None, overlap_plan: bool = True) -> torch.Tensor:
     """The layer's routed-expert output for this rank's tokens, experts spread over the group.
 
     visual (T,) bool: image tokens; plan(global_load[E], global_vision[E], global_tokens) -> switched
     (E,) bool; lowprec_mlp(x, gate_up, down, act) computes a switched expert's pairs. holders (E, C)
     lists the ranks with a copy of each expert (-1 pads; EPLB replication): pair p of expert e goes to
-    copy p mod copies(e); without it, expert e lives on expert_rank[e] only."""
+    copy p mod copies(e); without it, expert e lives on expert_rank[e] only. overlap_plan: the plan's
+    all-reduce runs beside the dispatch (ReaLB); False waits for it first (ReaLB-seq)."""
     ranks = dist.get_world_size(group)
     device = hidden.device
     tokens, k = top_k_index.shape
@@ -69,6 +72,8 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                                 torch.bincount(expert[pair_visual], minlength=num_experts)]).to(torch.float64)
         metadata = torch.cat([metadata.flatten(), torch.tensor([float(tokens)], dtype=torch.float64, device=device)])
         pending = (metadata, dist.all_reduce(metadata, group=group, async_op=True))
+        if not overlap_plan:
+            pending[1].wait()  # sequential: the metadata is in before a token row moves
     if holders is None:
         dest = expert_rank.to(device)[expert]
     else:  # spread an expert's pairs over its copies, deterministically
