@@ -105,3 +105,30 @@ def serve_in_thread(serve_args: list[str]):
     app = build_server(build_parser().parse_args(["serve", *serve_args]))
     with running_app(app) as port:
         yield f"http://127.0.0.1:{port}"
+
+
+# --- Triton kernels without a GPU --------------------------------------------------------------------
+UNDER_INTERPRETER = bool(__import__("os").environ.get("TRITON_INTERPRET"))
+
+
+def run_in_triton_interpreter(script: str, timeout: int = 300) -> None:
+    """Run `script` in a fresh process under Triton's interpreter (chosen when kernels are defined, so
+    not in this one); it must print "OK" last."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+def compile_for_hopper(kernel, signature: dict, constants: dict, **options):
+    """Triton's front end and ptxas on `kernel` for sm_90 (what the interpreter does not check)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options=options or None)

@@ -2,14 +2,12 @@
 formula (fp32 statistics, the weight applied in the input dtype), in Triton's interpreter and compiled
 for Hopper; modules keep their own forward where the kernel does not serve them."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from vismmoe_kt.engine.fused_ops import fuse_norms, rms_norm
+
+from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
 
 SCRIPT = r"""
 import torch
@@ -31,26 +29,19 @@ print("OK")
 
 
 def test_the_rms_norm_kernel_matches_transformers_formula_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+    run_in_triton_interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter replaces the compiler")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 def test_the_rms_norm_kernel_compiles_for_hopper():
     triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from vismmoe_kt.engine import fused_ops
 
     for width, dtype in ((2048, "*bf16"), (128, "*bf16"), (128, "*fp32")):
-        triton.compile(ASTSource(fn=fused_ops._rms_norm_kernel,
-                                 signature={"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "row_stride": "i32",
-                                            "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr"},
-                                 constexprs={"N": width, "BLOCK": triton.next_power_of_2(width)}),
-                       target=GPUTarget("cuda", 90, 32))
+        compile_for_hopper(fused_ops._rms_norm_kernel,
+                           {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "row_stride": "i32", "eps": "fp32",
+                            "N": "constexpr", "BLOCK": "constexpr"},
+                           {"N": width, "BLOCK": triton.next_power_of_2(width)})
 
 
 def test_on_the_cpu_norms_keep_their_own_forward_and_the_torch_path_matches():

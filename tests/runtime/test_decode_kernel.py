@@ -6,11 +6,9 @@ do DecodeTable's lookup and publish in one launch each; they must leave the same
 the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -219,25 +217,16 @@ print("OK")
 
 
 def test_kernels_match_the_twin_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+    run_in_triton_interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter replaces the compiler")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 def test_kernels_compile_for_hopper():
     """Triton's compiler front end and ptxas accept every kernel for sm_90 (what the interpreter does
     not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from vismmoe_kt.runtime import decode_kernel as dk
-
-    def compile_for_hopper(kernel, signature, constants):
-        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32))
 
     weights = {"ids_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_addr": "i64", "host_addr": "i64",
                "slab_elems": "i32", "block_elems": "i32", "H": "constexpr", "I": "constexpr", "W_DTYPE": "constexpr",

@@ -2,15 +2,13 @@
 against grouped GEMM (bank_experts), the Triton kernels against the twin in Triton's interpreter, and
 the kernels compiled for Hopper at Qwen3-VL-30B-A3B's shapes."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.expert_major import BLOCK_M, expert_blocks, experts_by_block
+
+from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
 
 
 def test_each_experts_pairs_fill_blocks_of_their_own_in_pair_order():
@@ -74,34 +72,25 @@ print("OK")
 
 
 def test_kernels_match_the_twin_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+    run_in_triton_interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter replaces the compiler")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 def test_kernels_compile_for_hopper():
     triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from vismmoe_kt.runtime import expert_major as em
-
-    def compile_for_hopper(kernel, signature, constants, warps, stages):
-        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "w_ptr": "*bf16", "H": "constexpr", "I": "constexpr",
               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
     shapes = {"H": 2048, "I": 768, "BLOCK_M": em.BLOCK_M}
     n, k, warps, stages = em.GATE_UP_TILES
     compile_for_hopper(em._gate_up_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
-                       {**shapes, "TOP_K": 8, "BLOCK_N": n, "BLOCK_K": k}, warps, stages)
+                       {**shapes, "TOP_K": 8, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
     n, k, warps, stages = em.DOWN_TILES
     compile_for_hopper(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
-                       {**shapes, "BLOCK_N": n, "BLOCK_K": k}, warps, stages)
+                       {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
         compile_for_hopper(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
                                                "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
-                           {"P": pairs, "PP": triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M}, 4, 1)
+                           {"P": pairs, "PP": triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M},
+                           num_warps=4, num_stages=1)

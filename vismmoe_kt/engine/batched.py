@@ -194,12 +194,12 @@ class BatchRunner:
         if prefill_chunk is not None and prefill_chunk < 2:
             raise ValueError(f"prefill_chunk must be at least 2 tokens, got {prefill_chunk}")
         self.text_forward = engine.context.text_forward
-        chunked = prefill_chunk is not None and self.text_forward is not None and not engine.context.pruning.active
-        self.prefill_chunk = prefill_chunk if chunked else None
         if prefill_budget < 0:
             raise ValueError(f"prefill_budget must be at least 0 tokens, got {prefill_budget}")
-        # prompts prefill together only whole, unpruned, through our text model's forward
-        grouping = self.prefill_chunk is None and self.text_forward is not None and not engine.context.pruning.active
+        # chunks and groups both run our text model's forward on unpruned prompts; groups take whole ones
+        own_forward = self.text_forward is not None and not engine.context.pruning.active
+        self.prefill_chunk = prefill_chunk if own_forward else None
+        grouping = own_forward and self.prefill_chunk is None
         self.prefill_groups = self.grouped_prompts = 0
         # a slot is one block of `capacity` tokens: a request fits one (`add` checks), so nothing is preempted
         self.scheduler = Scheduler(BlockPool(max_batch, capacity), max_batch=max_batch, max_queue=max_queue,

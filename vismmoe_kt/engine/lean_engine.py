@@ -60,12 +60,7 @@ def reusable_prefix(held: list[int], held_images: list[ImageKey], ids: list[int]
     `held_images`) can keep (0: prefill everything)."""
     if not held or images[:len(held_images)] != held_images:
         return 0  # another image where one was: same tokens, different keys and values
-    common = 0
-    for a, b in zip(held, ids):
-        if a != b:
-            break
-        common += 1
-    common = min(common, len(ids) - 1)  # at least one token to prefill: it gives the next logits
+    common = _shared_tokens(held, ids)
     if image_token_id is None:
         return common
     if image_token_id in held[common:]:
@@ -105,13 +100,19 @@ def may_continue(held: list[int], ids: list[int], image_token: int | None) -> bo
     """Whether a slot holding `held` could keep a prefix of `ids`, judged by the tokens alone (reusable_prefix
     decides, hashing the images, only where this says yes): they share a first token, and no held image
     lies past the shared tokens (one would be cut)."""
+    common = _shared_tokens(held, ids)
+    return common > 0 and (image_token is None or image_token not in held[common:])
+
+
+def _shared_tokens(held: list[int], ids: list[int]) -> int:
+    """Leading tokens `held` and `ids` share, leaving at least one of `ids` to prefill (it gives the
+    next logits)."""
     common = 0
     for a, b in zip(held, ids):
         if a != b:
             break
         common += 1
-    common = min(common, len(ids) - 1)
-    return common > 0 and (image_token is None or image_token not in held[common:])
+    return min(common, len(ids) - 1)
 
 
 class LeanEngine:
