@@ -43,6 +43,9 @@
 #   bash scripts/device_session.sh kbatch           a batched step's resident experts, kernels alone: grouped GEMM, the
 #                                                   table kernels and the expert-major ones at 2-16 tokens, and the
 #                                                   expert-major tiles swept (decode_kernel_bench --batch --tune)
+#   bash scripts/device_session.sh kqbatch          the same step on Q4_K slabs: the GEMVs token by token and in one launch,
+#                                                   the quantized expert-major kernels, their tiles swept
+#                                                   (decode_kernel_bench --batch --quantized --tune)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -168,6 +171,10 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kbatch" --batch --tune \
               > "$OUT/kbatch.txt" 2>&1 || true
             tail -c 3000 "$OUT/kbatch.txt" ;;
+    kqbatch) shift  # the same step on Q4_K slabs: GEMVs token by token, in one launch, the quantized expert-major kernels
+             timeout 500 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
+               --tune > "$OUT/kqbatch.txt" 2>&1 || true
+             tail -c 3000 "$OUT/kqbatch.txt" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -181,6 +188,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

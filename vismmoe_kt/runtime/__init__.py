@@ -24,5 +24,6 @@ Modules: `budget` (Eq. 10, byte sizes), `store` (host blocks), `slab_cache` (res
 eviction policy, pure host data), `transfers` (copy streams, events, prefetch worker),
 `offload` (the runtime the VisExperts operators share), `expert_compute` (grouped GEMM over a bank
 of blocks), `expert_major` (a batched decode step's resident experts: each routed expert read once
-for all its tokens, on tensor cores).
+for all its tokens, on tensor cores), `quantized_major` (the same on quantized slabs: each routed
+expert decoded once for all its tokens).
 """

@@ -402,11 +402,14 @@ if tl is not None:
     def _plan_kernel(ids_ptr, table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, routed_ptr, read_ptr, slots_ptr,
                      land_ptr, quota_ptr, row, E1: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr,
                      STRIDE: tl.constexpr):
-        """DecodeTable.lookup for one token in one program: slots, claimed landing slabs, the step's records;
-        the last quota[m] of the m misses go to the CPU (slot -3: no claim, no host read)."""
+        """DecodeTable.lookup for one token per program (program t: pairs t K..): slots, claimed landing
+        slabs, the step's records; the last quota[m] of a token's m misses go to the CPU (slot -3: no
+        claim, no host read). Tokens of one step claim through the same atomics, so of two tokens
+        missing one expert, one lands it and the other reads it from the host."""
         k = tl.arange(0, KP)
         ok = k < K
-        ids = tl.load(ids_ptr + k, mask=ok, other=0).to(tl.int64)
+        first = tl.program_id(0) * K
+        ids = tl.load(ids_ptr + first + k, mask=ok, other=0).to(tl.int64)
         slots = tl.load(table_ptr + row * E1 + ids, mask=ok, other=0, volatile=True)  # a prefetch may publish
         miss = ok & (slots == -1)
         rank = tl.cumsum(miss.to(tl.int64), 0) - 1
@@ -416,10 +419,10 @@ if tl is not None:
         rows = tl.zeros([KP], tl.int64) + row
         land = _claim(table_ptr, landing_ptr, count_ptr, used_ptr, owner_ptr, rows, ids, miss & (on_cpu == 0), ids,
                       E1, R, KP)
-        tl.store(slots_ptr + k, slots, mask=ok)
-        tl.store(land_ptr + k, land, mask=ok)
-        tl.store(routed_ptr + row * STRIDE + k, ids, mask=ok)  # the records' rows: STRIDE apart
-        tl.store(read_ptr + row * STRIDE + k, slots, mask=ok)
+        tl.store(slots_ptr + first + k, slots, mask=ok)
+        tl.store(land_ptr + first + k, land, mask=ok)
+        tl.store(routed_ptr + row * STRIDE + first + k, ids, mask=ok)  # the records' rows: STRIDE apart
+        tl.store(read_ptr + row * STRIDE + first + k, slots, mask=ok)
 
     @triton.jit
     def _combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, land_ptr, table_ptr, row, H,
@@ -435,12 +438,12 @@ if tl is not None:
             w = tl.load(w_ptr + token * K + k).to(tl.float32)
             acc += w * tl.load(y_ptr + (token * K + k) * H + cols, mask=ok, other=0.0)
         tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-        if PUBLISH:
-            if (tl.program_id(0) == 0) & (token == 0):
+        if PUBLISH:  # each token's first program publishes that token's landings
+            if tl.program_id(0) == 0:
                 lane = tl.arange(0, KP)
                 valid = lane < K
-                ids = tl.load(ids_ptr + lane, mask=valid, other=0).to(tl.int64)
-                land = tl.load(land_ptr + lane, mask=valid, other=-1)
+                ids = tl.load(ids_ptr + token * K + lane, mask=valid, other=0).to(tl.int64)
+                land = tl.load(land_ptr + token * K + lane, mask=valid, other=-1)
                 tl.store(table_ptr + row * E1 + ids, land, mask=valid & (land >= 0))
 
     @triton.jit
@@ -493,15 +496,17 @@ if tl is not None:
 
 
 def plan(table, row: int, ids: torch.Tensor, offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, land) for one decode token's K experts of one offloaded layer, in one launch; its records
-    where DecodeTable.records(offset) says."""
-    k = ids.numel()
-    slots = torch.empty(k, dtype=torch.long, device=ids.device)
-    land = torch.empty(k, dtype=torch.long, device=ids.device)
+    """(slots, land) for the T x K experts `ids` of T decode tokens (K = table.top_k) of one offloaded
+    layer, in one launch; their records where DecodeTable.records(offset) says, token t's at t K on."""
+    pairs, k = ids.numel(), table.top_k
+    slots = torch.empty(pairs, dtype=torch.long, device=ids.device)
+    land = torch.empty(pairs, dtype=torch.long, device=ids.device)
+    if pairs % k or (pairs > k and offset is None):
+        raise ValueError(f"plan of {pairs} pairs: whole tokens of {k}, and several only into a batched step's records")
     routed, read = table.records(offset)  # views: row r at r * stride
-    _plan_kernel[(1,)](ids, table.slots, table.landing, table.count, table.used, table.owner, routed, read,
-                       slots, land, table.cpu_quota, row, E1=table.slots.shape[1], K=k, KP=triton.next_power_of_2(k),
-                       R=table.landing_slots, STRIDE=routed.stride(0))
+    _plan_kernel[(pairs // k,)](ids, table.slots, table.landing, table.count, table.used, table.owner, routed, read,
+                                slots, land, table.cpu_quota, row, E1=table.slots.shape[1], K=k,
+                                KP=triton.next_power_of_2(k), R=table.landing_slots, STRIDE=routed.stride(0))
     return slots, land
 
 

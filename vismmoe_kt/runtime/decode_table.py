@@ -117,9 +117,17 @@ class DecodeTable:
                offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, landing slab per pair) for one token's K expert ids of an offloaded layer; records
         the step (a batched step's token at `offset`: records()) and claims the landings. `use_kernel`:
-        the same in one Triton launch (decode_kernel.plan)."""
+        the same in one Triton launch (decode_kernel.plan). Several tokens' T x K ids (a batched step,
+        `offset` given): token t as the token at offset + t K, one after another (the kernel runs them
+        at once; either way, of tokens missing the same expert one claims it, the others read the host)."""
         if use_kernel:
             return decode_kernel.plan(self, row, ids, offset)
+        k = self.top_k
+        if ids.numel() > k:
+            if offset is None or ids.numel() % k:
+                raise ValueError(f"lookup of {ids.numel()} pairs: whole tokens of {k}, into a batched step's records")
+            parts = [self.lookup(row, ids[t:t + k], False, offset + t) for t in range(0, ids.numel(), k)]
+            return torch.cat([slots for slots, _ in parts]), torch.cat([land for _, land in parts])
         routed, read = self.records(offset)
         slots = self.slots[row].index_select(0, ids)
         miss = slots == NOT_RESIDENT

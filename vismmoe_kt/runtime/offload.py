@@ -43,8 +43,9 @@ from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .store import PART_CODECS, ExpertStore, block_views
-from . import decode_kernel, expert_major
-from .table_experts import combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_slab_outputs
+from . import decode_kernel, expert_major, quantized_major
+from .table_experts import (combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_batch_outputs,
+                            quantized_slab_outputs)
 from .transfers import TransferCounters, Transfers
 
 
@@ -156,6 +157,7 @@ class OffloadRuntime:
         self._side: Any = None  # the lookahead's stream (CUDA)
         self._cpu_stream: Any = None  # the hybrid's CPU calls in table decode (CUDA)
         self._bank_of_layer: tuple[torch.Tensor, torch.Tensor] | None = None  # quantized slabs: a prefill's layer
+        self._batch_staging: torch.Tensor | None = None  # quantized slabs: a batched step's misses without a landing slab
 
     # --- start-up ------------------------------------------------------------------------------
     def _wants_quantized_slabs(self, settings: OffloadSettings, lookahead: Any) -> bool:
@@ -265,6 +267,8 @@ class OffloadRuntime:
                   top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
         if self.batch_step and layer in self.pinned:  # device work only: a batched step's graph holds it
             return self._batch_bank_experts(layer, hidden, top_k_index, top_k_weights, act)
+        if self.table_armed and self.batch_step and self._quantized_major(top_k_index):
+            return self._run_batch_quantized(layer, hidden, top_k_index, top_k_weights, act)
         if self.table_armed and self.batch_step:  # a batched step through the table: token by token, so a
             k = top_k_index.shape[1]              # miss one token lands is a hit for the next
             return torch.cat([self._run_from_table(layer, hidden[t:t + 1], top_k_index[t:t + 1], top_k_weights[t:t + 1],
@@ -340,6 +344,32 @@ class OffloadRuntime:
             table.publish(row, ids, land)
             out = combine(y, top_k_weights, hidden.dtype)
         return out if on_cpu is None else out + on_cpu()
+
+    def _quantized_major(self, top_k_index: torch.Tensor) -> bool:
+        """Whether a batched step's offloaded layer runs all its tokens at once on quantized slabs, each
+        routed expert decoded once per block of its tokens (`batch_experts` expert-major, or auto beyond
+        `batch_table_pairs` pairs where the kernels run); else token by token, one GEMV per pair."""
+        if not self.quantized_slabs or self._batch_staging is None or top_k_index.shape[0] < 2:
+            return False
+        if self.batch_experts == "auto":
+            return (self._use_kernel and quantized_major.available(self.store.dtype)
+                    and top_k_index.numel() > self.batch_table_pairs)
+        return self.batch_experts == "expert-major"
+
+    def _run_batch_quantized(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+        """A batched step's offloaded layer on quantized slabs: one lookup for its T x K pairs (their
+        records at the batch columns from 0), then every pair at once (table_experts.quantized_batch_outputs);
+        the combine publishes what landed. Device work only."""
+        row, kernel = self._index[layer], self._use_kernel and quantized_major.available(self.store.dtype)
+        ids = top_k_index.reshape(-1)
+        slots, land = self.table.lookup(row, ids, self._use_kernel, offset=0)
+        y = quantized_batch_outputs(hidden, top_k_index, slots, land, self.pool[0], self._batch_staging,
+                                    self.store.layers[layer], self.store, layer, self.num_experts, act, kernel)
+        if self._use_kernel:  # combines and publishes each token's landings in one launch
+            return decode_kernel.combine(y, top_k_weights, hidden.dtype, self.table, row, ids, land)
+        self.table.publish(row, ids, land)
+        return combine(y, top_k_weights, hidden.dtype)
 
     def _cpu_begin(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
                    top_k_weights: torch.Tensor):
@@ -570,6 +600,10 @@ class OffloadRuntime:
         before any step is captured (captured steps write into them)."""
         if self.batch_table and self.table is not None:
             self.table.enable_batch(max_rows)
+            if self.quantized_slabs and (self._batch_staging is None or self._batch_staging.shape[0] < max_rows * self.top_k):
+                # a staging row per pair for misses that claim no landing slab (outside the expert budget)
+                self._batch_staging = torch.zeros(max_rows * self.top_k, self.slab_bytes, dtype=torch.uint8,
+                                                  device=self.device)
 
     def begin_batch_step(self, rows: int = 0) -> None:
         """A batched step of `rows` tokens starts (before the table's own step hook)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import decode_kernel
+from . import decode_kernel, quantized_major
 from .decode_table import CPU_PAIR
 from .store import block_views
 
@@ -114,6 +114,29 @@ def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch
     x_pairs = hidden.float()[pairs // top_k]
     gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
     return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
+def quantized_batch_outputs(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                            pool: torch.Tensor, staging: torch.Tensor, host_blocks: torch.Tensor, store: Any, layer: int,
+                            num_experts: int, act: Any, use_kernel: bool) -> torch.Tensor:
+    """(P, H) fp32 unweighted outputs of a batched step's T tokens (`top_k_index` (T, K)) on quantized
+    slabs, all at once: each miss's block is copied as it is into its landing slab, or, where it
+    claimed none, into the pair's row of `staging` (uint8 (>= P, slab bytes)); then each routed expert
+    is decoded once per block of its tokens and multiplied on tensor cores (quantized_major.py).
+    Branch-free like `quantized_slab_outputs`."""
+    ids = top_k_index.reshape(-1)
+    block_bytes = store.block_bytes_of(layer)
+    if use_kernel:
+        quantized_major.stage_misses(ids, slots, land, pool, staging, host_blocks.data_ptr(), block_bytes)
+        return quantized_major.experts_quantized_major(hidden, top_k_index, slots, land, pool, staging, store.fmt,
+                                                       store.down_format(layer), store.inter, num_experts)
+    need, lands = slots < 0, land >= 0
+    host = host_blocks[ids.to(host_blocks.device)].to(pool.device)
+    pool[:, :block_bytes].index_copy_(0, torch.where(need & lands, land, pool.shape[0] - 1), host)
+    rows = staging[:ids.numel(), :block_bytes]
+    rows.copy_(torch.where((need & ~lands)[:, None], host, rows))
+    return quantized_major.experts_by_pair_blocks(hidden, top_k_index, slots, land, pool, staging, block_bytes,
+                                                  num_experts, lambda blocks: store.dequantized(blocks, layer), act)
 
 
 def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,

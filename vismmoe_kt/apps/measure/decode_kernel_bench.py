@@ -23,12 +23,15 @@ program, warps).
 random experts of a layer, LAYERS layers each with its own bank of E experts): grouped GEMM, the
 table kernels (a read per pair) and the expert-major tensor-core kernels (runtime/expert_major.py, a
 read per expert), with the distinct experts read per layer, the rate that makes, and each result's
-error against grouped GEMM; with `--tune`, the expert-major kernels' tiles at T = 8.
+error against grouped GEMM; with `--tune`, the expert-major kernels' tiles at T = 8. `--batch
+--quantized`: the same step on Q4_K slabs: the GEMVs token by token, all pairs in one launch, and
+the quantized expert-major kernels (runtime/quantized_major.py), with `--tune` their tiles.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -177,6 +180,18 @@ def prefetch_rows(device, host, pools, compute, per_token: int) -> list[dict]:
     return out
 
 
+def batch_steps(device):
+    """(T, x (T, H), routing weights (T, K), per layer ids (T, K), distinct experts per layer) for T = 2, 4,
+    8, 16 tokens, each with K distinct random experts of a layer (seeded: every run the same)."""
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (2, 4, 8, 16):
+        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
+        w = torch.rand(tokens, K, device=device)
+        ids = [torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)]).to(device)
+               for _ in range(LAYERS)]
+        yield tokens, x, w, ids, sum(int(i.unique().numel()) for i in ids) / LAYERS
+
+
 def batch_rows(device, sweep: bool) -> dict:
     """--batch: a batched step's resident experts, three ways (see the module's docstring)."""
     banks = [(torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16) / 50,
@@ -184,14 +199,8 @@ def batch_rows(device, sweep: bool) -> dict:
     identity = torch.arange(E, device=device)
     act = torch.nn.SiLU()
     expert_bytes = 3 * I * H * 2
-    generator = torch.Generator().manual_seed(0)
     rows, tuning = [], []
-    for tokens in (2, 4, 8, 16):
-        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
-        w = torch.rand(tokens, K, device=device)
-        ids = [torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)]).to(device)
-               for _ in range(LAYERS)]
-        distinct = sum(int(i.unique().numel()) for i in ids) / LAYERS
+    for tokens, x, w, ids, distinct in batch_steps(device):
 
         def grouped():
             return [bank_experts(x, ids[l], w, identity, *banks[l], act) for l in range(LAYERS)]
@@ -223,20 +232,75 @@ def batch_rows(device, sweep: bool) -> dict:
                          "distinct_experts": distinct, "gb_s": distinct * expert_bytes * LAYERS / seconds / 1e9,
                          "relative_error_vs_grouped": error})
         if sweep and tokens == 8:
-            for n in (16, 32, 64):
-                for k in (64, 128, 256):
-                    for warps in (4, 8):
-                        for stages in (3, 4):
-                            tiles = (n, k, warps, stages)
-                            for part, run in (("gate_up", major(gate_up_tiles=tiles)), ("down", major(down_tiles=tiles))):
-                                try:
-                                    seconds = timed(run)
-                                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
-                                    tuning.append({"part": part, "tiles": tiles, "error": str(exc)[:200]})
-                                    continue
-                                tuning.append({"part": part, "tiles": tiles, "us_per_layer": seconds / LAYERS * 1e6})
-            tuning.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
+            tuning = sweep_tiles(major, itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)))
     return {"rows": rows, "tuning": tuning}
+
+
+def sweep_tiles(make_run, tile_options) -> list[dict]:
+    """Each projection's kernel timed at each of `tile_options` (the other at its default), fastest first:
+    `make_run(gate_up_tiles=..)` / `make_run(down_tiles=..)` give the run."""
+    tuning = []
+    for tiles in tile_options:
+        for part, run in (("gate_up", make_run(gate_up_tiles=tiles)), ("down", make_run(down_tiles=tiles))):
+            try:
+                seconds = timed(run)
+            except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
+                tuning.append({"part": part, "tiles": tiles, "error": str(exc)[:200]})
+                continue
+            tuning.append({"part": part, "tiles": tiles, "us_per_layer": seconds / LAYERS * 1e6})
+    return sorted(tuning, key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
+
+
+def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
+    """--batch --quantized: a batched step's experts on quantized slabs (every expert of LAYERS layers
+    resident in its slab), three ways: the GEMVs token by token (what a step ran before, one token's K
+    pairs a launch), the GEMVs over all the step's pairs in one launch, and the expert-major kernels
+    (runtime/quantized_major.py: each expert decoded once per block of its tokens); each result's
+    error against grouped GEMM over the same blocks dequantized to BF16. `sweep`: the expert-major
+    kernels' tiles at T = 8."""
+    from vismmoe_kt.runtime import quantized_major
+    from vismmoe_kt.runtime.store import ExpertStore
+
+    store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
+    pools = []
+    for l in range(LAYERS):  # quantized on the GPU, a layer at a time
+        store.fill_layer(l, torch.randn(E, 2 * I, H, device=device) / 50, torch.randn(E, H, I, device=device) / 50)
+        pools.append(store.layers.pop(l).to(device))  # slab e holds expert e
+    staging = torch.zeros(16 * K, pools[0].shape[1], dtype=torch.uint8, device=device)
+    reference_bank = store.dequantized(pools[0], 0)
+    identity = torch.arange(E, device=device)
+    act = torch.nn.SiLU()
+    rows, tuning = [], []
+    for tokens, x, w, ids, distinct in batch_steps(device):
+        no_land = torch.full((tokens * K,), -1, dtype=torch.long, device=device)
+
+        def per_token():
+            return [torch.cat([combine(decode_kernel.quantized_experts(x[t:t + 1], ids[l][t], pools[l], fmt, fmt, I, H, K),
+                                       w[t:t + 1], x.dtype, True) for t in range(tokens)]) for l in range(LAYERS)]
+
+        def one_launch():
+            return [combine(decode_kernel.quantized_experts(x, ids[l].reshape(-1), pools[l], fmt, fmt, I, H, K),
+                            w, x.dtype, True) for l in range(LAYERS)]
+
+        def major(gate_up_tiles=quantized_major.GATE_UP_TILES, down_tiles=quantized_major.DOWN_TILES):
+            def run():
+                return [combine(quantized_major.experts_quantized_major(
+                    x, ids[l], ids[l].reshape(-1), no_land, pools[l], staging, fmt, fmt, I, E, gate_up_tiles, down_tiles),
+                    w, x.dtype, True) for l in range(LAYERS)]
+            return run
+
+        want = bank_experts(x, ids[0], w, identity, *reference_bank, act).float()
+        for name, run in (("GEMVs token by token", per_token), ("GEMVs, every pair in one launch", one_launch),
+                          ("expert-major (each expert decoded once)", major())):
+            error = float((run()[0].float() - want).norm() / want.norm())
+            seconds = timed(run)
+            rows.append({"format": fmt, "tokens": tokens, "kernel": name, "us_per_layer": seconds / LAYERS * 1e6,
+                         "distinct_experts": distinct,
+                         "quantized_gb_s": distinct * store.block_bytes * LAYERS / seconds / 1e9,
+                         "relative_error_vs_dequantized_grouped": error})
+        if sweep and tokens == 8:
+            tuning = sweep_tiles(major, itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)))
+    return {"quantized_rows": rows, "quantized_tuning": tuning}
 
 
 def main() -> int:
@@ -244,13 +308,16 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
     parser.add_argument("--batch", action="store_true", help="a batched step's resident experts (see above)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="with --batch: the experts on Q4_K slabs instead of resident BF16 banks (see above)")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     if args.batch:
         out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-               **batch_rows(device, args.tune)}
+               **(batch_quantized_rows(device, args.tune) if args.quantized else batch_rows(device, args.tune))}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode_kernel_bench_batch.json").write_text(json.dumps(out, indent=2))
+        name = "decode_kernel_bench_batch_quantized.json" if args.quantized else "decode_kernel_bench_batch.json"
+        (Path(args.out) / name).write_text(json.dumps(out, indent=2))
         print(json.dumps(out, indent=2))
         return 0
     torch.manual_seed(0)

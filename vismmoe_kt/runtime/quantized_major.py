@@ -1,0 +1,256 @@
+"""A batched decode step's experts on quantized slabs, expert by expert, on tensor cores.
+
+Shapes: T tokens (the step's rows), K experts per token, P = T x K pairs, H hidden, I expert
+intermediate size, M = BLOCK_M pairs per block, N = BLOCK_N output rows per program.
+
+Quantized slabs (slab_format quantized) hold the store's blocks as they are. One token's experts
+are GEMVs that decode each pair's weights as they read them (decode_kernel's `_q` kernels). Run
+token by token, a step of T tokens decodes T x K experts' blocks, although 8 requests route to
+only about 50 distinct experts of a layer's 64 pairs. The decoding, not the bytes, bounds those
+GEMVs: an H200 decodes Q4_K at about 400 GB/s of quantized bytes that way.
+
+Here the step's pairs are looked up together, and each routed expert's weights are decoded once per
+block of its tokens and multiplied with the block on tensor cores (`tl.dot`), as expert_major.py
+does for resident banks, with the same block plan:
+
+    gate_up:  h[p] = silu(W_gate[e] @ x[t_p]) * (W_up[e] @ x[t_p])   grid (blocks, I / N), H / 256 steps
+    down:     y[p] = W_down[e] @ h[p]                                  grid (blocks, H / N), I / 256 steps
+
+Each step of a program decodes an (N, 256) tile: per row, one k-quant super-block or eight 32-weight
+blocks. The decoded weights are rounded to the activations' dtype for the tensor cores (BF16 on
+the GPU), as a dequantized bank would hold them. Q4_K and Q4_0 pack two weights per byte; the tile
+keeps them in the order they come out of the bytes (each byte's low and high nibble side by side),
+and the token rows are read in that same column order (`_tile_columns`), so nothing is shuffled
+in registers.
+
+A block reads its expert at its first pair: the slab holding it, or for a miss the landing slab its
+block was staged into, or without one that pair's staging row (`stage_misses` copies each miss's
+block first, in one launch). Every pair of one expert reads the same bytes wherever they lie. No atomics; each output row is written
+by one program per tile, and the caller combines each token's K rows in a fixed order.
+
+`experts_by_pair_blocks` is the torch twin (the CPU tests): the same plan, weights dequantized by
+the store's codecs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import expert_major
+from .decode_kernel import STAGE_CHUNK
+from .expert_major import BLOCK_M, block_plan, expert_blocks, experts_by_block
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the twin runs instead
+    triton = tl = None
+
+# (BLOCK_N output rows per program, warps, pipeline stages) per projection; `decode_kernel_bench
+# --batch --quantized` times the alternatives on the GPU
+GATE_UP_TILES = (32, 4, 2)
+DOWN_TILES = (32, 4, 2)
+# each format's tile code in the kernels and its bytes per 256 weights of a row (decode_kernel's)
+TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 44, "q5_k": 5, "q6_k": 6}
+TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+
+
+def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, pool: torch.Tensor, staging: torch.Tensor,
+                 host_address: int, block_bytes: int) -> None:
+    """Each missing pair's block (slot < 0), at `host_address` + expert * block_bytes in mapped host
+    memory, copied as it is into its landing slab of `pool`, or, where it claimed none (land < 0), into
+    its row of `staging`: one launch, contiguous 4-byte words (PCIe moves each block's bytes once)."""
+    if block_bytes % 4 or pool.shape[1] % 4 or staging.shape[1] % 4:
+        raise ValueError(f"blocks of {block_bytes} bytes into rows of {pool.shape[1]} / {staging.shape[1]}: "
+                         "not whole 4-byte words")
+    words = block_bytes // 4
+    _stage_kernel[(ids.numel(), triton.cdiv(words, STAGE_CHUNK))](
+        ids, slots, land, pool.view(torch.int32), staging.view(torch.int32), host_address, words, pool.shape[1] // 4,
+        staging.shape[1] // 4, CHUNK=STAGE_CHUNK)
+
+
+def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                            pool: torch.Tensor, staging: torch.Tensor, fmt: str, down_fmt: str, inter: int,
+                            num_experts: int, gate_up_tiles: tuple[int, int, int] = GATE_UP_TILES,
+                            down_tiles: tuple[int, int, int] = DOWN_TILES) -> torch.Tensor:
+    """(P, H) fp32 unweighted pair outputs of T tokens' K experts each (`top_k_index` (T, K)), every
+    pair's expert read from quantized slab `slots[p]` of `pool` (uint8 (S, slab bytes)), or, a miss
+    (slot < 0), from its landing slab `land[p]`, or, without one, from row p of `staging`; SiLU-gated.
+    H and I must be multiples of 256."""
+    tokens, top_k = top_k_index.shape
+    hidden_size = hidden.shape[1]
+    ids = top_k_index.reshape(-1)
+    pairs = ids.numel()
+    block_expert, block_pairs = block_plan(ids, num_experts)
+    x = hidden.contiguous()
+    h = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    rows = (pool.data_ptr(), pool.shape[1], staging.data_ptr(), staging.shape[1])
+    n, warps, stages = gate_up_tiles
+    _gate_up_q_blocks[(pairs, triton.cdiv(inter, n))](
+        x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter, KIND=TILE_KINDS[fmt],
+        SB_BYTES=TILE_BYTES[fmt], BLOCK_M=BLOCK_M, BLOCK_N=n, num_warps=warps, num_stages=stages)
+    n, warps, stages = down_tiles
+    part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
+    _down_q_blocks[(pairs, triton.cdiv(hidden_size, n))](
+        h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
+        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=BLOCK_M, BLOCK_N=n, num_warps=warps,
+        num_stages=stages)
+    return y
+
+
+def experts_by_pair_blocks(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
+                           pool: torch.Tensor, staging: torch.Tensor, block_bytes: int, num_experts: int,
+                           dequantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                           act: Any) -> torch.Tensor:
+    """The kernels' torch twin: (P, H) fp32. `dequantize` turns (n, block_bytes) uint8 blocks into
+    (n, 2I, H) and (n, H, I) weights; each block of the plan computes with its first pair's."""
+    ids = top_k_index.reshape(-1)
+    pairs = torch.arange(ids.numel(), device=ids.device)
+    read = torch.where(slots < 0, land, slots)  # < 0: the pair's staging row
+    blocks = torch.where((read < 0)[:, None], staging[pairs, :block_bytes], pool[read.clamp(min=0), :block_bytes])
+    gate_up, down = dequantize(blocks)                        # per pair: (P, 2I, H), (P, H, I)
+    block_expert, block_pairs = expert_blocks(ids, num_experts)
+    first_pair = torch.where(block_expert >= 0, block_pairs[:, 0], -1)  # the block's weights: its first pair's
+    x = hidden.to(gate_up.dtype) if gate_up.dtype.is_floating_point else hidden
+    return experts_by_block(x, top_k_index.shape[1], first_pair, block_pairs, gate_up, down, act)
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the kernels run for activations of `dtype`: tensor-core dtypes with Triton present."""
+    return expert_major.available(dtype)
+
+
+if tl is not None:
+    from .decode_kernel import _kquant_weights, _q6k_weights, _scales_mins
+    from .expert_major import _block
+
+    @triton.jit
+    def _tile_columns(KIND: tl.constexpr):
+        """(256,): the input column each weight of a `_tile` row multiplies, in the order it unpacks them."""
+        k = tl.arange(0, 256)
+        if KIND == 4 or KIND == 44:  # Q4_K: (group j of 64, lane l, nibble n) <- weight 64 j + 32 n + l
+            cols = 64 * (k // 64) + 32 * (k % 2) + (k % 64) // 2
+        elif KIND == 40:             # Q4_0: (block b of 32, byte l, nibble n) <- weight 32 b + 16 n + l
+            cols = 32 * (k // 32) + 16 * (k % 2) + (k % 32) // 2
+        else:                        # in order
+            cols = k
+        return cols
+
+    @triton.jit
+    def _tile(at, ok, KIND: tl.constexpr, R: tl.constexpr):
+        """(R, 256) fp32: 256 weights of each of R rows from the blocks at `at` (R, 1) in format KIND,
+        in `_tile_columns` order."""
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        if KIND == 4 or KIND == 44:  # Q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 quant bytes
+            j = tl.arange(0, 4)
+            d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+            dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+            scale_even, min_even = _scales_mins(at8, 2 * j, ok)                 # (R, 4): sub-blocks 0, 2, ..
+            scale_odd, min_odd = _scales_mins(at8, 2 * j + 1, ok)               # 1, 3, ..
+            if KIND == 44:  # the quant bytes as 32-bit words: byte b of word w is lane 4 w + b
+                w = tl.arange(0, 8)
+                b = tl.arange(0, 4)
+                words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]
+                                + (j[:, None] * 8 + w[None, :])[None, :, :], mask=ok[:, :, None], other=0)
+                quants = tl.reshape((words[:, :, :, None] >> (8 * b)[None, None, None, :]) & 0xFF, [R, 4, 32])
+            else:
+                lane = tl.arange(0, 32)
+                quants = tl.load(at8[:, :, None] + 16 + (j[:, None] * 32 + lane[None, :])[None, :, :],
+                                 mask=ok[:, :, None], other=0).to(tl.int32)     # (R, 4, 32)
+            low = (quants & 0xF).to(tl.float32)
+            high = ((quants >> 4) & 0xF).to(tl.float32)
+            even = (d * scale_even)[:, :, None] * low - (dmin * min_even)[:, :, None]
+            odd = (d * scale_odd)[:, :, None] * high - (dmin * min_odd)[:, :, None]
+            weights = tl.reshape(tl.join(even, odd), [R, 256])
+        elif KIND == 8 or KIND == 40:  # Q8_0 / Q4_0: eight 32-weight blocks, each an fp16 scale first
+            QB: tl.constexpr = 18 if KIND == 40 else 34
+            blocks = tl.arange(0, 8)
+            first = at + (blocks * QB)[None, :]                                  # (R, 8)
+            scale = tl.load(first.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+            if KIND == 40:  # byte l holds weight l (low nibble) and l + 16 (high), each minus 8
+                lane = tl.arange(0, 16)
+                packed = tl.load((first[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.uint8),
+                                                                                   bitcast=True),
+                                 mask=ok[:, :, None], other=0).to(tl.int32)     # (R, 8, 16)
+                low = ((packed & 0xF) - 8).to(tl.float32) * scale[:, :, None]
+                high = ((packed >> 4) - 8).to(tl.float32) * scale[:, :, None]
+                weights = tl.reshape(tl.join(low, high), [R, 256])
+            else:
+                lane = tl.arange(0, 32)
+                q = tl.load((first[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
+                            mask=ok[:, :, None], other=0)
+                weights = tl.reshape(q.to(tl.float32) * scale[:, :, None], [R, 256])
+        elif KIND == 6:
+            weights = _q6k_weights(at, at8, tl.arange(0, 256), ok)
+        else:  # Q5_K
+            weights = _kquant_weights(at, at8, tl.arange(0, 256), ok, True)
+        return weights
+
+    @triton.jit
+    def _stage_kernel(ids_ptr, slots_ptr, land_ptr, pool_ptr, staging_ptr, host_addr, block_words, pool_words,
+                      staging_words, CHUNK: tl.constexpr):
+        """stage_misses: program (pair, chunk of words)."""
+        pair = tl.program_id(0)
+        offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        slab = tl.load(land_ptr + pair)
+        inside = (offsets < block_words) & (tl.load(slots_ptr + pair) < 0)
+        src = (host_addr + tl.load(ids_ptr + pair).to(tl.int64) * block_words * 4).to(tl.pointer_type(tl.int32),
+                                                                                       bitcast=True)
+        dst = tl.where(slab >= 0, pool_ptr + slab * pool_words, staging_ptr + pair * staging_words)
+        tl.store(dst + offsets, tl.load(src + offsets, mask=inside), mask=inside)
+
+    @triton.jit
+    def _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes,
+                   BLOCK_M: tl.constexpr):
+        """The address of this program's block's expert, at its first pair: the slab holding it, the
+        landing slab it was staged into, or that pair's staging row."""
+        first = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M)
+        slab = tl.load(slots_ptr + first)
+        slab = tl.where(slab >= 0, slab, tl.load(land_ptr + first))
+        return tl.where(slab >= 0, pool_addr + slab * slab_bytes, staging_addr + first * staging_bytes)
+
+    @triton.jit
+    def _gate_up_q_blocks(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_addr, slab_bytes, staging_addr,
+                          staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
+                          SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes, BLOCK_M)
+            ROW_BYTES: tl.constexpr = H // 256 * SB_BYTES
+            token = tl.where(ok, pair // TOP_K, 0).to(tl.int64)
+            columns = _tile_columns(KIND)
+            w_ok = col_ok[:, None]
+            gate_at = base + cols[:, None].to(tl.int64) * ROW_BYTES     # (N, 1): gate rows, then up rows I on
+            up_at = gate_at + I * ROW_BYTES
+            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for sb in range(0, H // 256):
+                x = tl.load(x_ptr + token[:, None] * H + sb * 256 + columns[None, :], mask=ok[:, None], other=0.0)
+                w = _tile(gate_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
+                gate = tl.dot(x, tl.trans(w), gate)
+                w = _tile(up_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
+                up = tl.dot(x, tl.trans(w), up)
+            h = gate * tl.sigmoid(gate) * up
+            tl.store(h_ptr + pair[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_q_blocks(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_addr, slab_bytes, staging_addr,
+                       staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
+                       SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes, BLOCK_M)
+            ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
+            row = tl.where(ok, pair, 0).to(tl.int64)
+            columns = _tile_columns(KIND)
+            w_at = base + PART_BYTES + cols[:, None].to(tl.int64) * ROW_BYTES
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for sb in range(0, I // 256):
+                hx = tl.load(h_ptr + row[:, None] * I + sb * 256 + columns[None, :], mask=ok[:, None], other=0.0)
+                w = _tile(w_at + sb * SB_BYTES, col_ok[:, None], KIND, BLOCK_N).to(h_ptr.dtype.element_ty)
+                acc = tl.dot(hx, tl.trans(w), acc)
+            tl.store(y_ptr + row[:, None] * H + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
