@@ -46,6 +46,8 @@
 #   bash scripts/device_session.sh kqbatch          the same step on Q4_K slabs: the GEMVs token by token and in one launch,
 #                                                   the quantized expert-major kernels, their tiles swept
 #                                                   (decode_kernel_bench --batch --quantized --tune)
+#                                                   (end to end: BATCH_CONFIGS=lean:16GiB+q4k BATCH_ARGS="--batch-experts
+#                                                   expert-major" bash scripts/device_session.sh batchoff 448 8)
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against

@@ -347,13 +347,11 @@ class OffloadRuntime:
 
     def _quantized_major(self, top_k_index: torch.Tensor) -> bool:
         """Whether a batched step's offloaded layer runs all its tokens at once on quantized slabs, each
-        routed expert decoded once per block of its tokens (`batch_experts` expert-major, or auto beyond
-        `batch_table_pairs` pairs where the kernels run); else token by token, one GEMV per pair."""
+        routed expert decoded once per block of its tokens (`batch_experts` expert-major); else token by
+        token, one GEMV per pair. auto keeps the GEMVs, measured on the H200, until the quantized
+        expert-major kernels are (`decode_kernel_bench --batch --quantized`, device stage kqbatch)."""
         if not self.quantized_slabs or self._batch_staging is None or top_k_index.shape[0] < 2:
             return False
-        if self.batch_experts == "auto":
-            return (self._use_kernel and quantized_major.available(self.store.dtype)
-                    and top_k_index.numel() > self.batch_table_pairs)
         return self.batch_experts == "expert-major"
 
     def _run_batch_quantized(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,

@@ -398,7 +398,9 @@ def main() -> int:
     parser.add_argument("--batch-experts", choices=BATCH_EXPERTS, default="auto",
                         help="with --concurrency: a batched step's resident experts through the table kernel (a read "
                              "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
-                             "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU)")
+                             "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "
+                             "Offloaded layers on quantized slabs: expert-major decodes each expert once for all its "
+                             "tokens (runtime/quantized_major.py), anything else one GEMV per pair, token by token")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
