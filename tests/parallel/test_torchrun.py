@@ -108,6 +108,25 @@ def test_bench_under_torchrun_measures_the_expert_parallel_configurations(tmp_pa
     assert result.stdout.count("| ep |") == 1  # rank 0 reports, the follower does not
 
 
+def test_bench_under_torchrun_measures_data_parallel_concurrency(tmp_path):
+    """--concurrency under torchrun: every rank decodes N requests of its own (data parallel + expert
+    parallelism, in lockstep); rank 0 reports the group's figures and each rank's."""
+    out = tmp_path / "bench"
+    cmd = [*torchrun(free_port()), "bench", "--demo", "--configs", "ep-realb", "--image-sizes", "64",
+           "--decode-tokens", "3", "--warmup", "0", "--repeats", "1", "--concurrency", "2", "--cpu_infer", "1",
+           "--output", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads((out / "bench.json").read_text())["rows"]
+    [level] = row["concurrency"]
+    assert level["status"] == "ok" and level["ranks"] == 2 and level["requests"] == 4
+    assert level["aggregate_tok_s"] > 0 and level["itl_p50_s"] > 0
+    assert [r["requests"] for r in level["per_rank"]] == [2, 2]
+    # both ranks ran passes of their own (their prefills and decode steps), in step with each other
+    assert all(r["passes"] > 0 for r in level["per_rank"])
+    assert "2 on each of 2 ranks" in result.stdout
+
+
 def test_bench_under_torchrun_refuses_single_process_configurations(tiny_dir):
     cmd = [*torchrun(free_port()), "bench", "--demo", "--configs", "lru", "--image-sizes", "64"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

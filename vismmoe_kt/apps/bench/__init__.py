@@ -7,7 +7,8 @@
     figures.py             hit rates, bytes moved, copy time hidden, CPU share, the copy bound
     accelerate_offload.py  the accelerate `device_map` baseline
     runner.py              one configuration at one budget
-    concurrency.py         --concurrency N: N requests with images decoded together (batched generation)
+    concurrency.py         --concurrency N: N requests with images decoded together (batched generation);
+                           under torchrun, N on every rank (data parallel + expert parallelism)
     report.py              table, JSON, PNG
 """
 
@@ -140,8 +141,9 @@ def run(args) -> int:
     meta = run_meta(args, source, budgets, bandwidth, cuda)
     if group is not None:
         meta["ep_size"] = group.world
-        meta["notes"].append(f"expert parallel over {group.world} processes: rank 0's requests and timings, "
-                             f"the other ranks serving their experts to it")
+        meta["notes"].append(f"expert parallel over {group.world} processes: one request at a time is rank 0's, the "
+                             "other ranks serving their experts to it" + ("; --concurrency N is data parallel: N "
+                             "requests on every rank" if args.concurrency else ""))
     if leader:
         print(describe_meta(meta), file=sys.stderr)
     runs = [(c, b) for c in configs for b in (budgets if c.takes_budget else [None])]
@@ -208,7 +210,8 @@ def add_parser(commands) -> None:
     run.add_argument("--concurrency", type=int, nargs="+", metavar="N",
                      help="also decode N requests with images together, for each N (>= 2; batched generation, lean "
                           "decode configurations): aggregate and per-request tokens/s, time to first token and "
-                          "inter-token latency p50 / p95, PCIe bytes per generated token")
+                          "inter-token latency p50 / p95, PCIe bytes per generated token. Under torchrun (the ep "
+                          "configurations): N requests on every rank, data parallel, the group's figures")
     run.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=int, default=0,
                      help="with --concurrency: prompt tokens prefilled per step beside the running requests' decode, "
                           "as `serve --prefill_chunk` (default 0: whole prompts)")

@@ -28,10 +28,11 @@ from ...engine.inputs import build_inputs, user_turn
 from .inputs import PROMPT
 
 
-def concurrent_requests(processor: Any, n: int, size: int, device: torch.device | str) -> list[dict]:
-    """N requests of PROMPT, each with its own random `size` x `size` picture (seeded: every run alike)."""
+def concurrent_requests(processor: Any, n: int, size: int, device: torch.device | str, first: int = 0) -> list[dict]:
+    """N requests of PROMPT, each with its own random `size` x `size` picture (seeded: every run alike;
+    `first`: the pictures from that index on, e.g. another rank's share)."""
     images = [Image.fromarray(np.random.default_rng([size, i]).integers(0, 256, (size, size, 3), dtype=np.uint8))
-              for i in range(n)]
+              for i in range(first, first + n)]
     return [build_inputs(processor, [user_turn(PROMPT, 1)], [image], device) for image in images]
 
 
@@ -76,12 +77,14 @@ def _run(runner: BatchRunner, requests: list[dict], tokens: int,
 def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_bytes: Callable[[], int] | None = None,
                         prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET,
                         profile: Callable[[Callable[[], int]], dict] | None = None,
-                        alone: Callable[[int, dict, int], list[int]] | None = None) -> dict[str, Any]:
+                        alone: Callable[[int, dict, int], list[int]] | None = None,
+                        samples: bool = False) -> dict[str, Any]:
     """The figures above for len(requests) requests of `tokens` new tokens each, prompts prefilled
     `prefill_chunk` tokens a step (None: whole, those waiting together in one forward up to
     `prefill_budget` tokens). `profile(run)`: one more run of them under a profiler (`run()` returns
     its decode steps), its result under "kernels". `alone(i, request, tokens)`: request i's greedy
-    tokens run by itself (after the timed run, which made it the i-th request), for the agreement."""
+    tokens run by itself (after the timed run, which made it the i-th request), for the agreement.
+    `samples`: also every time to first token and inter-token gap ("samples"), to pool over ranks."""
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
@@ -113,6 +116,8 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
               "prefill_chunk": stats["prefill_chunk"], "prefill_budget": prefill_budget,
               # the timed run's own (the runner's counters include the warm-up's)
               **{key: stats[key] - before[key] for key in ("prefill_groups", "grouped_prompts", "reused_prefixes")}}
+    if samples:
+        result["samples"] = {"ttft_s": [s[0] - start for s in times if s], "itl_s": gaps}
     if alone is not None:
         result["tokens_agreeing_alone"] = [_agreeing(got, alone(i, r, tokens)) for i, (got, r)
                                            in enumerate(zip(generated, requests))]
@@ -123,3 +128,37 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
 
         result["kernels"] = profile(run)
     return result
+
+
+def measure_data_parallel(model: Any, processor: Any, n: int, size: int, tokens: int, group: Any,
+                          prefill_chunk: int | None = None) -> dict[str, Any]:
+    """Data parallel + expert parallelism: every rank of `group` decodes N requests of its own (its own
+    pictures) together, the ranks in lockstep (parallel/lockstep.py), as `measure_concurrency` does
+    for one process. Returns, on every rank, the group's figures: N x ranks requests, tokens over the
+    slowest rank's wall time, the ranks' full-batch rates summed, TTFT and inter-token percentiles over
+    every rank's samples, and each rank's own figures ("per_rank")."""
+    import torch.distributed as dist
+
+    from ...parallel.lockstep import Lockstep
+
+    requests = concurrent_requests(processor, n, size, group.device, first=group.rank * n)
+    with Lockstep(model, group) as lockstep:
+        mine = measure_concurrency(model, requests, tokens, prefill_chunk=prefill_chunk, samples=True)
+    mine.update(passes=lockstep.passes, idle_passes=lockstep.idle_passes)
+    ranks: list[dict] = [{} for _ in range(group.world)]
+    dist.all_gather_object(ranks, mine)
+    pooled = {key: [v for r in ranks for v in r["samples"][key]] for key in ("ttft_s", "itl_s")}
+    for r in ranks:
+        r.pop("samples")
+    full = [r["full_batch_decode_tok_s"] for r in ranks]
+    wall = max(r["wall_s"] for r in ranks)
+    return {"requests": n * group.world, "ranks": group.world, "requests_per_rank": n, "tokens_per_request": tokens,
+            "wall_s": wall, "aggregate_tok_s": n * group.world * tokens / wall,
+            "full_batch_decode_tok_s": sum(full) if all(f is not None for f in full) else None,
+            "ttft_p50_s": percentile(pooled["ttft_s"], 0.5), "ttft_p95_s": percentile(pooled["ttft_s"], 0.95),
+            "itl_p50_s": percentile(pooled["itl_s"], 0.5), "itl_p95_s": percentile(pooled["itl_s"], 0.95),
+            "per_request_tok_s": float(np.median([r["per_request_tok_s"] for r in ranks
+                                                  if r["per_request_tok_s"] is not None] or [np.nan])),
+            "decode_bytes_per_token": None,
+            **{key: sum(r[key] for r in ranks) for key in ("steps", "graphed_steps", "prefill_groups")},
+            "per_rank": ranks}

@@ -71,7 +71,9 @@ def concurrency_rows(row: dict[str, Any]) -> list[list[str]]:
     single = row["decode_tok_s"] and row["decode_tok_s"]["median"]
     out = []
     for level in row.get("concurrency") or []:
-        head = [row["config"], row["budget"] or "-", str(row["image_size"]), str(level["requests"])]
+        together = f"{level['requests_per_rank']} on each of {level['ranks']} ranks" if level.get("ranks") \
+            else str(level["requests"])
+        head = [row["config"], row["budget"] or "-", str(row["image_size"]), together]
         if level["status"] != "ok":
             out.append(head + [f"skipped: {level['reason']}"] + ["-"] * (len(CONCURRENCY_COLUMNS) - 5))
             continue

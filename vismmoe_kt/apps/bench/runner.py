@@ -168,8 +168,23 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
             row["belady_hit_rate_decode"] = belady_decode(measured, settings.decode_tokens, offloaded, runtime.num_slabs)
     elif "CpuExperts" in after["operators"]:
         row["cpu_expert_share"] = 1.0  # every routed expert runs on the CPU backend
-    if settings.concurrency:
+    if settings.concurrency and settings.group is None:  # under torchrun: every rank, after this (run_config)
         row["concurrency"] = [measure_level(model, processor, size, settings, n) for n in settings.concurrency]
+
+
+def data_parallel_levels(model, processor, settings: Settings) -> dict[int, list[dict[str, Any]]]:
+    """Under torchrun, on every rank: each image size's levels with every rank decoding N requests of its
+    own (data parallel + expert parallelism, concurrency.measure_data_parallel)."""
+    from ...engine.lean_engine import decode_engine
+    from .concurrency import measure_data_parallel
+
+    if decode_engine(model) is None:
+        reason = "batched generation runs on the lean decode path"
+        return {size: [{"requests": n, "status": "skipped", "reason": reason} for n in settings.concurrency]
+                for size in settings.image_sizes}
+    return {size: [{"status": "ok", **measure_data_parallel(model, processor, n, size, settings.decode_tokens,
+                                                            settings.group, settings.prefill_chunk)}
+                   for n in settings.concurrency] for size in settings.image_sizes}
 
 
 def measure_level(model, processor, size: int, settings: Settings, n: int) -> dict[str, Any]:
@@ -177,8 +192,6 @@ def measure_level(model, processor, size: int, settings: Settings, n: int) -> di
     from ...engine.lean_engine import decode_engine
     from .concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
 
-    if settings.group is not None:
-        return {"requests": n, "status": "skipped", "reason": "batched generation does not run under expert parallelism"}
     if decode_engine(model) is None:
         return {"requests": n, "status": "skipped", "reason": "batched generation runs on the lean decode path"}
     runtime = _runtime(model)
@@ -214,13 +227,16 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
 
         install_routing(model, settings.routing)
     rows, leader = [], None
-    if settings.group is not None:  # rank 0 measures; the other ranks serve their experts to it
+    if settings.group is not None:  # rank 0 measures one request; the other ranks serve their experts to it
         from ...parallel import launch
 
         if not settings.group.leader:
             try:
                 launch.follow(model, settings.group)
+                if settings.concurrency:  # then every rank decodes requests of its own
+                    data_parallel_levels(model, processor, settings)
             finally:
+                _stop_runtime(model)
                 del model, processor
                 _release_memory(settings.cuda)
             return [], None
@@ -241,6 +257,13 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
             row["host_rss_bytes"] = host_resident_bytes()
             row["decode_graphs"] = _graph_state(model)
             rows.append(row)
+        if leader is not None and settings.concurrency:
+            leader.stop()  # the followers leave rank 0's forwards; every rank now brings requests of its own
+            leader = None
+            levels = data_parallel_levels(model, processor, settings)
+            for row in rows:
+                if row["status"] == "ok":
+                    row["concurrency"] = levels[row["image_size"]]
         profile = _operator_stats(model) if settings.profile else None
     finally:
         if leader is not None:
