@@ -48,6 +48,9 @@
 #                                                   (decode_kernel_bench --batch --quantized --tune)
 #                                                   (end to end: BATCH_CONFIGS=lean:16GiB+q4k BATCH_ARGS="--batch-experts
 #                                                   expert-major" bash scripts/device_session.sh batchoff 448 8)
+#   bash scripts/device_session.sh epdp PX N...     (nvidia-h200-x2) expert parallelism over two GPUs: one request, then N
+#                                                   requests on every rank, data parallel (EP_CONFIGS: ep ep-realb
+#                                                   ep-realb-seq ep-lowprec-all); the profile has ReaLB's gate and switched pairs
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -177,6 +180,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout 500 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
                --tune > "$OUT/kqbatch.txt" 2>&1 || true
              tail -c 3000 "$OUT/kqbatch.txt" ;;
+    epdp) shift  # nvidia-h200-x2: expert parallelism over both GPUs (NCCL), BF16 / ReaLB / ReaLB-seq: one request
+          # (rank 0's, the other rank serving its experts), then N requests on every rank (data parallel, lockstep)
+          px=$1; shift
+          levels=()
+          while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
+          timeout 570 torchrun --nproc-per-node 2 -m vismmoe_kt bench --synthetic qwen3-vl-30b-a3b --layers 48 \
+            --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 16 --routing synthetic:0 --profile \
+            --configs ${EP_CONFIGS:-ep ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
+            2>&1 | tail -40 | tee "$OUT/epdp$px.txt" || true ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -190,6 +202,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
   esac
 done

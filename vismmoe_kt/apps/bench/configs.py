@@ -20,7 +20,9 @@ the +predict and -full steps.
 
 Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the other ranks follow):
     ep             every rank keeps 1/N of each layer's experts, BF16 (qwen3vl-ep.yaml)
-    ep-realb       the same with ReaLB on the group's real ranks
+    ep-realb       the same with ReaLB on the group's real ranks; ep-realb-seq without the metadata
+                   overlap, ep-fixed with a fixed M_d, ep-lowprec-all every pair in low precision
+                   (FP4-All), ep-eplb replication instead of precision (the paper's baselines)
 Under torchrun only these run; without it they are rows skipped with the reason.
 
 Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
@@ -110,6 +112,17 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "bf16"),)),
     BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "qwen3vl-ep.yaml",
                 takes_budget=False, operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "realb"),)),
+    BenchConfig("ep-realb-seq", "ReaLB with its plan's metadata exchanged before the dispatch (no overlap)",
+                "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                expert_kwargs=(("mode", "realb-seq"),)),
+    BenchConfig("ep-fixed", "ReaLB with a fixed M_d (0.7), no AIMD", "qwen3vl-ep.yaml", takes_budget=False,
+                operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "fixed"),)),
+    BenchConfig("ep-lowprec-all", "every pair in low precision (FP8 on Hopper, NVFP4 emulated elsewhere: the "
+                "paper's FP4-All)", "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                expert_kwargs=(("mode", "all"),)),
+    BenchConfig("ep-eplb", "EPLB: hot experts replicated, re-placed from a window of loads (window 200, every "
+                "300 steps, the paper's)", "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR,
+                needs_group=True, expert_kwargs=(("mode", "eplb"), ("eplb_window", 200), ("eplb_period", 300))),
 ]}
 CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
 GROUP_REASON = "needs a torchrun launch: torchrun --nproc-per-node N -m vismmoe_kt.apps.cli bench ... --configs ep"
