@@ -173,6 +173,53 @@ def test_realb_plan_is_the_same_on_every_rank(tmp_path):
     assert sum(r["lowprec"] for r in results) > 0
 
 
+def fp8_worker(rank, world, port, out_dir):
+    """ReaLB on real ranks with the fp8 backend: each rank's experts in E4M3 once (Fp8Experts), every
+    switched pair it receives in one grouped call, against the per-expert function."""
+    from vismmoe_kt.lb.fp8_experts import Fp8Experts
+    from vismmoe_kt.lb.policy import plan_precision
+    from vismmoe_kt.lb.precision import expert_mlp_fn
+    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward
+
+    init(rank, world, port)
+    E, K, H, I = 8, 2, 64, 32
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    mine = torch.Generator().manual_seed(400 + rank)
+    hidden = torch.randn(60, H, generator=mine)
+    index = torch.stack([torch.randint(0, 2, (60,), generator=mine), 2 + torch.randint(0, 6, (60,), generator=mine)], 1)
+    weights = torch.softmax(torch.randn(60, K, generator=mine), dim=-1)
+    rank_of = contiguous_map(E, world)
+    local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
+    fp8 = Fp8Experts(gate_up[local], down[local])
+    rows = [0]
+
+    def grouped(x, *rest):
+        rows[0] += x.shape[0]
+        return fp8(x, *rest)
+
+    def plan(load, vision, total):
+        return plan_precision(load, vision, rank_of, world, total, gate_tokens=32, vision_threshold=0.0).lowprec
+    common = (hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu)
+    visual = torch.ones(60, dtype=torch.bool)
+    out = ep_forward(*common, visual=visual, plan=plan, lowprec_mlp=None, lowprec_experts=grouped)
+    per_expert = ep_forward(*common, visual=visual, plan=plan, lowprec_mlp=expert_mlp_fn("fp8"))
+    bf16 = ep_forward(*common)
+    torch.save({"diff": (out - per_expert).abs().max().item(), "scale": per_expert.abs().max().item(),
+                "moved": (out - bf16).abs().max().item(), "rows": rows[0]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fp8_switched_pairs_go_through_one_grouped_call_per_rank(tmp_path):
+    world = 2
+    mp.spawn(fp8_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    assert sum(r["rows"] for r in results) > 0  # some pairs switched, and went through the grouped call
+    for r in results:
+        assert r["diff"] <= 1e-6 * r["scale"]  # the per-expert function's numbers
+    assert max(r["moved"] for r in results) > 0  # low precision did change the switched pairs
+
+
 def sequence_worker(rank, world, port, out_dir):
     """The same layer with the plan's metadata overlapped with the dispatch (ReaLB) and waited for
     first (ReaLB-seq): the order of the collectives, and the outputs."""

@@ -3,7 +3,9 @@
 - `nvfp4-emulated`: weights and activations through NVFP4 quantize-dequantize, then a matmul in the
   input dtype: exact NVFP4 numerics, the accuracy reference and the CPU path.
 - `fp8`: W8A8 E4M3 with per-output-row weight scales and per-token activation scales through
-  `torch._scaled_mm` (Hopper and newer GPUs; also runs on the CPU).
+  `torch._scaled_mm` (Hopper and newer GPUs; also runs on the CPU). The operators keep every expert's
+  weights in E4M3 from load on and run the switched pairs as grouped GEMMs (fp8_experts.py); the
+  function here quantizes on every call (the accuracy studies' reference).
 - `nvfp4` (flashinfer's FP4 GEMMs, Blackwell only) is not in this build; asking for it is an error.
 `auto` picks fp8 on a GPU with FP8 tensor cores (compute capability >= 8.9), else nvfp4-emulated,
 and says so in the operator's statistics. Weights are quantized on demand and not kept.
@@ -34,15 +36,15 @@ def _emulated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: C
     return F.linear(fake_nvfp4(act(gate) * up), fake_nvfp4(down, scales.get("down")))
 
 
-def _fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row E4M3 quantization: (values, scales (rows, 1) float32)."""
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row E4M3 quantization of (..., N, K): (values, float32 scales (..., N, 1))."""
     scale = (t.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xq, xs = _fp8_rows(x)
-    wq, ws = _fp8_rows(weight)
+    xq, xs = fp8_rows(x)
+    wq, ws = fp8_rows(weight)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=out_dtype)
 

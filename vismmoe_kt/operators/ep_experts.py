@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..lb.fp8_experts import Fp8Experts
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import ExpertParallelSettings
 from ..parallel.expert_parallel import contiguous_map, ep_forward
@@ -54,7 +55,9 @@ class ExpertParallelExperts(BaseInjectedModule):
         if s.mode == "eplb" and (num_experts + self.eplb_redundant) % ranks:
             raise ValueError(f"experts + eplb_redundant ({num_experts} + {self.eplb_redundant}) must split evenly "
                              f"over {ranks} ranks")
-        self.lowprec_mlp = expert_mlp_fn(resolve_backend(s.precision_backend, self.generate_device))
+        self.backend = resolve_backend(s.precision_backend, self.generate_device)
+        self.lowprec_mlp = expert_mlp_fn(self.backend)
+        self.fp8: Fp8Experts | None = None  # the fp8 backend's E4M3 copy of this rank's experts (made at load)
         self.act = self.adapter.expert_activation(orig_module)
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
         self.context.expert_parallel.append(self)  # followers drive these in layer order (parallel/launch.py)
@@ -72,6 +75,8 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.local_down = full[down][self.local_experts].to(device).contiguous()
         for name in (gate_up, down):
             del experts._parameters[name]
+        if self.backend == "fp8" and self.mode not in ("bf16", "eplb"):  # eplb moves weights: never switches
+            self.fp8 = Fp8Experts(self.local_gate_up, self.local_down)  # this rank's experts in E4M3, once
 
     def _plan(self, load: torch.Tensor, vision: torch.Tensor, tokens: int) -> torch.Tensor:
         self.last_plan, _ = self.controller.decide(load, vision, self.expert_rank, dist.get_world_size(), tokens)
@@ -111,10 +116,11 @@ class ExpertParallelExperts(BaseInjectedModule):
                           self.local_experts, self.expert_rank, self.act, visual=visual,
                           plan=None if self.mode in ("bf16", "eplb") else self._plan, lowprec_mlp=self.lowprec_mlp,
                           whole_expert=self.mode == "all" or self.scope == "expert", holders=holders,
-                          overlap_plan=self.mode != "realb-seq")
+                          overlap_plan=self.mode != "realb-seq", lowprec_experts=self.fp8)
         if self.mode == "eplb":  # after the step, so a re-placement never splits one layer's exchange
             self._replace_experts(top_k_index)
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"ep_size": str(dist.get_world_size()), "local_experts": int(self.local_experts.numel())}
+        return {"ep_size": str(dist.get_world_size()), "local_experts": int(self.local_experts.numel()),
+                **(self.fp8.stats() if self.fp8 is not None else {})}

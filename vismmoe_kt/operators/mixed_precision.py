@@ -5,7 +5,8 @@ Per call (one layer, one step):
       -> plan: LB gate, overloaded vision-dominant ranks, greedy switch of vision-heavy experts
          (vismmoe_kt/lb/policy.py), with M_d under AIMD control (vismmoe_kt/lb/aimd.py)
       -> compute: BF16 pairs with the model's own experts; low-precision pairs through the precision
-         backend with post-training scales (vismmoe_kt/lb/lowprec.py); each pair computed once, in
+         backend with post-training scales (vismmoe_kt/lb/lowprec.py; the fp8 backend from E4M3 weights
+         made at load, as grouped GEMMs: vismmoe_kt/lb/fp8_experts.py); each pair computed once, in
          one precision (the BF16 ones by grouped GEMM over the model's expert weights); each token's
          K pair outputs summed in order (deterministic). A call with nothing switched is the model's
          own experts call.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lb.fp8_experts import Fp8Experts
 from ..lb.lowprec import ExpertScales, lowprec_pairs
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import MODES, MixedPrecisionSettings
@@ -69,10 +71,17 @@ class MixedPrecisionExperts(BaseInjectedModule):
             self.eplb = EPLBPlacement(num_experts, self.ep_size, redundant, s.eplb_window, s.eplb_period)
         self.counters = RealbStats()
         self.scales = ExpertScales(num_experts)
+        self.fp8: Fp8Experts | None = None  # the fp8 backend's E4M3 copy of the experts (made at load)
 
     def load(self) -> None:
         super().load()
         self.scales.calibrate_weights(*self.adapter.expert_weights(self.orig_module))
+        self._make_fp8()
+
+    def _make_fp8(self) -> None:
+        """The fp8 backend: every expert's weights in E4M3 once (fp8_experts.py), where experts may switch."""
+        if self.backend == "fp8" and self.mode not in ("bf16", "eplb") and self.fp8 is None:
+            self.fp8 = Fp8Experts(*self.adapter.expert_weights(self.orig_module))
 
     def _visual_rows(self, rows: int, device: torch.device) -> torch.Tensor:
         mask = self.context.token_is_visual
@@ -121,6 +130,7 @@ class MixedPrecisionExperts(BaseInjectedModule):
             return experts(hidden_states, top_k_index, top_k_weights)
         if not self.scales.weights:  # injected into an already loaded model
             self.scales.calibrate_weights(*self.adapter.expert_weights(experts))
+            self._make_fp8()
         return self._split(hidden_states, top_k_index, top_k_weights, lowprec)
 
     def _split(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
@@ -137,7 +147,13 @@ class MixedPrecisionExperts(BaseInjectedModule):
         experts = self.orig_module
         gate_up, down = self.adapter.expert_weights(experts)
         act = self.adapter.expert_activation(experts)
-        pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales)
+        if self.fp8 is not None:  # the switched pairs from the E4M3 copy, one grouped GEMM per projection
+            pairs = torch.zeros(*index.shape, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            token, slot = torch.nonzero(lowprec, as_tuple=True)
+            y = self.fp8(hidden[token], index[token, slot], act)
+            pairs[token, slot] = (y * weights[token, slot, None]).to(pairs.dtype)
+        else:
+            pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales)
         token, slot = torch.nonzero(~lowprec, as_tuple=True)
         if token.numel():
             rows = torch.arange(gate_up.shape[0], device=index.device)
@@ -148,4 +164,5 @@ class MixedPrecisionExperts(BaseInjectedModule):
     def stats(self) -> dict[str, Any]:
         # settings as text (summing them over layers would mean nothing); counters are summed
         return {"mode": self.mode, "precision_backend": self.backend, "ep_size": str(self.ep_size),
-                "m_d_first_layer": f"{self.aimd.threshold:.2f}", **asdict(self.counters)}
+                "m_d_first_layer": f"{self.aimd.threshold:.2f}", **asdict(self.counters),
+                **(self.fp8.stats() if self.fp8 is not None else {})}

@@ -51,14 +51,17 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                expert_rank: torch.Tensor, act: Any, group: Any = None, visual: torch.Tensor | None = None,
                plan: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
                lowprec_mlp: Callable | None = None, whole_expert: bool = False,
-               holders: torch.Tensor | None = None, overlap_plan: bool = True) -> torch.Tensor:
+               holders: torch.Tensor | None = None, overlap_plan: bool = True,
+               lowprec_experts: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None) -> torch.Tensor:
     """The layer's routed-expert output for this rank's tokens, experts spread over the group.
 
     visual (T,) bool: image tokens; plan(global_load[E], global_vision[E], global_tokens) -> switched
     (E,) bool; lowprec_mlp(x, gate_up, down, act) computes a switched expert's pairs. holders (E, C)
     lists the ranks with a copy of each expert (-1 pads; EPLB replication): pair p of expert e goes to
     copy p mod copies(e); without it, expert e lives on expert_rank[e] only. overlap_plan: the plan's
-    all-reduce runs beside the dispatch (ReaLB); False waits for it first (ReaLB-seq)."""
+    all-reduce runs beside the dispatch (ReaLB); False waits for it first (ReaLB-seq).
+    lowprec_experts(x, local rows, act): every switched pair at once (the fp8 backend's grouped GEMMs
+    over its E4M3 copy, lb/fp8_experts.py) instead of lowprec_mlp expert by expert."""
     ranks = dist.get_world_size(group)
     device = hidden.device
     tokens, k = top_k_index.shape
@@ -114,7 +117,11 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
             results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
                                          torch.arange(local_experts.numel(), device=device), local_gate_up,
                                          local_down, act)
-        for e in torch.unique(recv_experts[lowprec]).tolist():
+        if lowprec_experts is not None:
+            pick = torch.nonzero(lowprec, as_tuple=True)[0]
+            if pick.numel():
+                results[pick] = lowprec_experts(recv_rows[pick], rows[pick, 0], act).to(results.dtype)
+        for e in ([] if lowprec_experts is not None else torch.unique(recv_experts[lowprec]).tolist()):
             pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
             i = int(local_index[e])
             results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
