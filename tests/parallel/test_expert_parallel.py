@@ -37,8 +37,8 @@ def init(rank, world, port):
     torch.set_num_threads(1)
 
 
-def function_worker(rank, world, port, out_dir):
-    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward
+def function_worker(rank, world, port, out_dir, static=False):
+    from vismmoe_kt.parallel.expert_parallel import contiguous_map, ep_forward, ep_forward_static
 
     init(rank, world, port)
     E, K, H, I = 16, 4, 64, 48
@@ -52,20 +52,27 @@ def function_worker(rank, world, port, out_dir):
     weights = torch.softmax(torch.randn(tokens, K, generator=mine), dim=-1)
     rank_of = contiguous_map(E, world)
     local = torch.nonzero(rank_of == rank, as_tuple=True)[0]
-    out = ep_forward(hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu)
+    args = (hidden, index, weights, gate_up[local], down[local], local, rank_of, torch.nn.functional.silu)
+    sent = []
+    if static:  # fixed-size exchanges: no split sizes read on the host, every all-to-all with equal splits
+        real = dist.all_to_all_single
+        dist.all_to_all_single = lambda out, inp, *rest, **kw: sent.append((rest, inp.shape)) or real(out, inp, *rest, **kw)
+    out = ep_forward_static(*args, capacity=9) if static else ep_forward(*args)
     ref = reference_moe(hidden, index, weights, gate_up, down)
-    torch.save({"diff": (out - ref).abs().max().item() if tokens else 0.0, "shape": tuple(out.shape)},
+    torch.save({"diff": (out - ref).abs().max().item() if tokens else 0.0, "shape": tuple(out.shape), "sent": sent},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ep_forward_equals_single_process(world, tmp_path):
-    mp.spawn(function_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+@pytest.mark.parametrize("world,static", [(2, False), (4, False), (4, True)])
+def test_ep_forward_equals_single_process(world, static, tmp_path):
+    mp.spawn(function_worker, args=(world, free_port(), str(tmp_path), static), nprocs=world, join=True)
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] <= 1e-5
         assert result["shape"][0] == [5, 0, 9, 3][rank]
+        if static:  # three exchanges (rows, expert ids, results), each of capacity x K rows per rank, equal splits
+            assert [(rest, shape[0]) for rest, shape in result["sent"]] == [((), world * 9 * 4)] * 3
 
 
 def model_worker(rank, world, port, model_dir, out_dir, overrides=None):

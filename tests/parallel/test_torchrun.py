@@ -59,6 +59,8 @@ def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs):
     graphed = int(re.search(r"decode_graphed_steps=(\d+)", result.stdout).group(1))
     assert steps == 7 and graphed == (7 if graphs == "replay" else 0)  # the lean path, announced to rank 1
     assert "ep_size=2, local_experts=32" in result.stdout  # summed over 4 layers: 8 of 16 experts each
+    # the lean steps' exchanges are the fixed-size ones (no host reads): 4 layers in each of 7 steps at least
+    assert int(re.search(r"ep_fixed_exchanges=(\d+)", result.stdout).group(1)) >= 28
     assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
 
 

@@ -20,6 +20,8 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
                       a chunk at a time
     pruning           what the last prefill kept (the engine's cache bookkeeping)
     expert_parallel   the expert-parallel operators in layer order (followers drive them)
+    ep_fixed          the pass under way is a lean decode step, whose expert-parallel exchanges are
+                      the fixed-size ones (set on every rank by parallel/launch.py or lockstep.py)
     step_hooks        (before, after) callables around every lean decode step
     graph_variants    callables read after the step hooks' `before`: a captured decode step is kept
                       per distinct tuple of their answers (what the step's launches depend on beyond
@@ -80,6 +82,7 @@ class LoadContext:
     text_forward: Any = None         # engine.text_forward.TextForward of that text model (chunked prefill)
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
+    ep_fixed: bool = False
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
     graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)
     decode_state: Any = None         # engine.lean_engine.LeanEngine

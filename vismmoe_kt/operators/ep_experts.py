@@ -3,7 +3,8 @@
 Replaces `...mlp.experts`; each rank keeps only its own experts (read from the checkpoint, the rest
 dropped), so host and device memory per rank fall with the group size. Attention and everything
 else stay replicated: each rank serves its own requests (data parallel), as in ReaLB's setting.
-Rule kwargs: ExpertParallelSettings (vismmoe_kt/lb/settings.py): expert_map, and ReaLB on real
+Rule kwargs: ExpertParallelSettings (vismmoe_kt/lb/settings.py): expert_map, decode_capacity (lean
+decode steps exchange fixed-size buffers, with no read on the host: ep_forward_static), and ReaLB on real
 ranks -- the same plan and AIMD code as MixedPrecisionExperts, fed by the group's summed per-expert
 loads, so every rank takes the same decision; mode eplb replicates hot experts instead.
 The process group must exist (torchrun + init_process_group); without one this is a clear error.
@@ -20,7 +21,7 @@ from torch import nn
 from ..lb.fp8_experts import Fp8Experts
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import ExpertParallelSettings
-from ..parallel.expert_parallel import contiguous_map, ep_forward
+from ..parallel.expert_parallel import contiguous_map, ep_forward, ep_forward_static
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 
@@ -60,6 +61,11 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.fp8: Fp8Experts | None = None  # the fp8 backend's E4M3 copy of this rank's experts (made at load)
         self.act = self.adapter.expert_activation(orig_module)
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
+        self.fixed_passes = 0
+        # lean decode steps exchange fixed-size buffers (no host reads) where no host decision is needed:
+        # BF16, or ReaLB whose LB gate cannot open at `decode_capacity` tokens on every rank
+        gate_shut = s.mode in ("realb", "realb-seq", "fixed") and s.decode_capacity * ranks < s.lb_gate_tokens
+        self.fixed_capacity = s.decode_capacity if s.mode == "bf16" or gate_shut else 0
         self.context.expert_parallel.append(self)  # followers drive these in layer order (parallel/launch.py)
         self.context.expert_parallel.sort(key=lambda op: op.layer)
 
@@ -104,6 +110,10 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.local_down = torch.stack([moved[e][split:].view(down_shape) for e in self.local_experts.tolist()])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.context.ep_fixed and self.fixed_capacity:  # a lean decode step, on every rank at once
+            self.fixed_passes += 1
+            return ep_forward_static(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
+                                     self.local_experts, self.expert_rank, self.act, self.fixed_capacity)
         holders = None
         if self.mode == "eplb":
             from ..parallel.replication import holders_tensor
@@ -123,4 +133,5 @@ class ExpertParallelExperts(BaseInjectedModule):
 
     def stats(self) -> dict[str, Any]:
         return {"ep_size": str(dist.get_world_size()), "local_experts": int(self.local_experts.numel()),
+                "ep_fixed_exchanges": self.fixed_passes,
                 **(self.fp8.stats() if self.fp8 is not None else {})}

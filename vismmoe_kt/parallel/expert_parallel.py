@@ -132,3 +132,48 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
 
 
 ep_forward = guarded(ep_forward)
+
+
+def ep_forward_static(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      local_gate_up: torch.Tensor, local_down: torch.Tensor, local_experts: torch.Tensor,
+                      expert_rank: torch.Tensor, act: Any, capacity: int, group: Any = None) -> torch.Tensor:
+    """`ep_forward` for decode, with no read on the host: every rank sends every other rank a fixed
+    `capacity` x K rows (its at most `capacity` tokens' pairs bound there first, the rest padding), so
+    the exchanges have fixed sizes known in advance, `all_to_all_single` with equal splits. BF16 only
+    (no precision plan: its decisions are made on the host). The receiver computes its slots' pairs
+    (padding ones through its first expert, weight 0, as grouped GEMM needs no branch), sends them
+    back the same way, and each token sums its K results in order (deterministic).
+
+    A pass of one rank meets the other ranks' passes of the same kind: every rank must call this for
+    the pass (with zero tokens when it has none) when one does (Leader / Lockstep see to it)."""
+    ranks = dist.get_world_size(group)
+    device, (tokens, k) = hidden.device, top_k_index.shape
+    if tokens > capacity:
+        raise ValueError(f"a fixed-size exchange of {capacity} tokens a rank got {tokens}")
+    num_experts, slots = int(expert_rank.numel()), capacity * k
+    expert = top_k_index.reshape(-1)
+    dest = expert_rank.to(device)[expert]                                    # (P,)
+    # each pair's place among the pairs bound for its rank, in pair order: no sort, no host read
+    same = dest[:, None] == dest[None, :]
+    place = (same & torch.ones_like(same).tril(-1)).sum(dim=1)
+    at = dest * slots + place                                               # row in the (R x slots) buffers
+    send = hidden.new_zeros(ranks * slots, hidden.shape[1])
+    send[at] = hidden[torch.arange(expert.numel(), device=device) // k]
+    codes = torch.full((ranks * slots,), -1, dtype=torch.long, device=device)
+    codes[at] = expert
+    recv, recv_codes = torch.empty_like(send), torch.empty_like(codes)
+    dist.all_to_all_single(recv, send, group=group)
+    dist.all_to_all_single(recv_codes, codes, group=group)
+    local_index = torch.zeros(num_experts, dtype=torch.long, device=device)  # padding reads local row 0
+    local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
+    valid = recv_codes >= 0
+    rows = local_index[recv_codes.clamp(min=0)][:, None]
+    results = bank_experts(recv, rows, valid[:, None].to(recv.dtype), torch.arange(local_experts.numel(), device=device),
+                           local_gate_up, local_down, act)
+    back = torch.empty_like(results)
+    dist.all_to_all_single(back, results, group=group)
+    mine = back[at].view(tokens, k, hidden.shape[1]) * top_k_weights.to(back.dtype)[..., None]
+    return mine.sum(dim=1).to(hidden.dtype)
+
+
+ep_forward_static = guarded(ep_forward_static)

@@ -3,7 +3,8 @@
 Expert parallelism splits each MoE layer's experts over the ranks, so every rank must enter every MoE
 layer's exchange. With one front end (the HTTP server, the chat prompt) only rank 0 has requests; the
 others follow it: before each forward of the language model rank 0 broadcasts STEP (a lean decode
-step, which bypasses that forward, announces itself the same way), and each follower calls its
+step, which bypasses that forward, announces itself as FIXED_STEP: its exchanges are the fixed-size
+ones, with no read on the host, `context.ep_fixed` on every rank), and each follower calls its
 expert-parallel operators, layer by layer in the model's order, with no tokens of its own, which
 serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
 so a follower can tell a quiet leader from a lost one (the group's timeout); STOP ends the followers.
@@ -26,7 +27,7 @@ from ..core.context import context_of_model
 from ..errors import FollowerDone, InputError
 from .expert_parallel import guarded
 
-STOP, STEP, HEARTBEAT = 0, 1, 2
+STOP, STEP, HEARTBEAT, FIXED_STEP = 0, 1, 2, 3
 current_leader: "Leader | None" = None
 
 
@@ -93,9 +94,11 @@ class Leader:
         language = model.vismmoe.adapter.text_model(model)
         self._hooks = [language.register_forward_pre_hook(self._before),
                        language.register_forward_hook(self._after, always_call=True)]
-        # the lean decode path runs its steps without the language model's forward: announce those too
-        self._step_hooks = context_of_model(model).step_hooks
-        self._step_hook = (lambda: self._before(None, None), lambda: self._after(None, None, None))
+        # the lean decode path runs its steps without the language model's forward: announce those too,
+        # as steps whose exchanges are the fixed-size ones (context.ep_fixed, on every rank)
+        self._context = context_of_model(model)
+        self._step_hooks = self._context.step_hooks
+        self._step_hook = (self._before_step, self._after_step)
         self._step_hooks.append(self._step_hook)
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="vismmoe-ep-heartbeat",
                                            daemon=True)
@@ -110,6 +113,15 @@ class Leader:
         self._send(STEP)
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
+        self.lock.release()
+
+    def _before_step(self) -> None:
+        self.lock.acquire()  # released by _after_step
+        self._send(FIXED_STEP)
+        self._context.ep_fixed = True
+
+    def _after_step(self) -> None:
+        self._context.ep_fixed = False
         self.lock.release()
 
     def _beat(self, every_s: float) -> None:
@@ -143,6 +155,7 @@ def follow(model: Any, group: Group) -> int:
     chosen = torch.zeros(0, shape.top_k, dtype=torch.long, device=device)
     weights = torch.zeros(0, shape.top_k, dtype=dtype, device=device)
     command = torch.zeros(1, dtype=torch.long, device=device)
+    context = context_of_model(model)
     steps = 0
     with torch.inference_mode():
         while True:
@@ -150,9 +163,13 @@ def follow(model: Any, group: Group) -> int:
             value = int(command)
             if value == STOP:
                 return steps
-            if value == STEP:
-                for op in ops:
-                    op(hidden, chosen, weights)
+            if value in (STEP, FIXED_STEP):
+                context.ep_fixed = value == FIXED_STEP  # the exchanges rank 0's pass makes
+                try:
+                    for op in ops:
+                        op(hidden, chosen, weights)
+                finally:
+                    context.ep_fixed = False
                 steps += 1
 
 

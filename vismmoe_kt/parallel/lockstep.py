@@ -5,17 +5,19 @@ layers (a prefill, a chunk of one, a decode step, batched or not) enters every l
 every rank, in layer order. With one front end, rank 0 leads and the others follow it (launch.py).
 Here every rank has work of its own, and the ranks keep in step by themselves:
 
-* before each pass, a rank that runs one says so: one all-reduce (a sum of 1s), issued by the first
-  expert-parallel layer's forward pre-hook. Every pass goes through that layer, however the engine
-  reached it: a whole prompt, a chunk, a lean or batched decode step, or a step the graph check runs twice.
-* a rank that has no work left calls `drain`. It joins the same all-reduce with 0, and when the sum
-  says another rank is running a pass, it runs its expert-parallel layers with no tokens of its own,
-  serving its experts to that pass. It leaves when an all-reduce finds every rank idle. All ranks
+* before each pass, a rank that runs one says so in one all-reduce of two counts: ranks running a
+  lean decode step, whose exchanges are the fixed-size ones (context.ep_fixed; announced by the
+  step's hooks, as the graphs do not run the layers' Python), and ranks running any other pass
+  (announced by the first expert-parallel layer's forward pre-hook: a whole prompt, a chunk, a
+  batched step). Every rank decides from the same counts which kind runs now; when both are asked
+  for, they take turns. The ranks whose kind waits serve the running passes with no tokens, then
+  ask again.
+* a rank that has no work left calls `drain`. It joins the same all-reduces with zeros and serves
+  each pass another rank runs, of its kind, until an all-reduce finds every rank idle. All ranks
   leave at that one collective.
 
-So on every rank the collectives come in the same order: an all-reduce, then the layers' exchanges,
-until the final all-reduce of zeros. A rank that stays busy never waits for the others longer than a
-pass's own exchanges make it.
+So on every rank the collectives come in the same order: an all-reduce, then the layers' exchanges of
+the kind it chose, until the final all-reduce of zeros.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.context import context_of_model
 from .expert_parallel import guarded
 from .launch import Group, expert_parallel_operators
 
 
+FIXED, FREE = "fixed", "free"  # a lean decode step (fixed-size exchanges), any other pass
+
+
 @guarded
-def _running(count: torch.Tensor) -> int:
-    """The number of ranks running a pass now (this one's `count` included: 1 or 0)."""
-    dist.all_reduce(count)
-    return int(count.item())
+def _passes(fixed: int, free: int, device: torch.device) -> tuple[int, int]:
+    """How many ranks run a lean decode step (fixed-size exchanges) and how many another pass, now."""
+    counts = torch.tensor([fixed, free], dtype=torch.long, device=device)
+    dist.all_reduce(counts)
+    return int(counts[0]), int(counts[1])
 
 
 class Lockstep:
@@ -44,6 +51,7 @@ class Lockstep:
 
     def __init__(self, model: Any, group: Group):
         self.ops = expert_parallel_operators(model)
+        self.context = context_of_model(model)
         self.device = torch.device(group.device)
         shape = model.vismmoe.adapter.moe_shape(model.config)
         dtype = model.get_input_embeddings().weight.dtype
@@ -51,26 +59,60 @@ class Lockstep:
                        torch.zeros(0, shape.top_k, dtype=torch.long, device=self.device),
                        torch.zeros(0, shape.top_k, dtype=dtype, device=self.device))
         self._idle = False
+        self._last: str | None = None  # the kind of the last round's pass (the same on every rank)
         self.passes = 0        # this rank's own passes
         self.idle_passes = 0   # passes of other ranks this rank served with no tokens
-        self._hook = self.ops[0].register_forward_pre_hook(self._announce)
+        self._hook = self.ops[0].register_forward_pre_hook(self._before_pass)
+        self._step_hook = (self._before_step, self._after_step)
+        self.context.step_hooks.append(self._step_hook)
 
-    def _announce(self, module: Any, args: Any) -> None:
-        if not self._idle:  # drain's own calls of the layers are not passes of this rank
-            _running(torch.ones(1, dtype=torch.long, device=self.device))
-            self.passes += 1
+    def _before_pass(self, module: Any, args: Any) -> None:
+        """A pass that exchanges like a prefill (one rank's pass may meet another's of any size)."""
+        if self._idle or self.context.ep_fixed:  # drain's own calls; a lean step's layers (announced already)
+            return
+        self._wait_for_turn(FREE)
+        self.passes += 1
+
+    def _before_step(self) -> None:
+        """A lean decode step: it runs with the ranks that run lean steps too (fixed-size exchanges)."""
+        self._wait_for_turn(FIXED)
+        self.context.ep_fixed = True
+        self.passes += 1
+
+    def _after_step(self) -> None:
+        self.context.ep_fixed = False
+
+    def _round(self, want: str | None) -> str | None:
+        """One all-reduce: the kind of pass every rank runs now (None: every rank is idle). Both kinds
+        asked for: they take turns, from the same counts and the same history on every rank."""
+        fixed, free = _passes(int(want == FIXED), int(want == FREE), self.device)
+        if fixed and free:
+            kind = FIXED if self._last == FREE else FREE
+        else:
+            kind = FIXED if fixed else FREE if free else None
+        self._last = kind
+        return kind
+
+    def _wait_for_turn(self, want: str) -> None:
+        """Serve other ranks' passes of the other kind until this rank's kind runs."""
+        while (kind := self._round(want)) != want:
+            self._serve(fixed=kind == FIXED)
+
+    def _serve(self, fixed: bool) -> None:
+        """This rank's expert-parallel layers with no tokens of its own, in another rank's pass."""
+        self._idle, self.context.ep_fixed = True, fixed
+        try:
+            with torch.inference_mode():
+                for op in self.ops:
+                    op(*self._empty)
+        finally:
+            self._idle, self.context.ep_fixed = False, False
+        self.idle_passes += 1
 
     def drain(self) -> None:
         """Serve the other ranks' passes until every rank is idle."""
-        self._idle = True
-        try:
-            with torch.inference_mode():
-                while _running(torch.zeros(1, dtype=torch.long, device=self.device)):
-                    for op in self.ops:
-                        op(*self._empty)
-                    self.idle_passes += 1
-        finally:
-            self._idle = False
+        while (kind := self._round(None)) is not None:
+            self._serve(fixed=kind == FIXED)
 
     def __enter__(self) -> "Lockstep":
         return self
@@ -81,3 +123,5 @@ class Lockstep:
                 self.drain()
         finally:
             self._hook.remove()
+            if self._step_hook in self.context.step_hooks:
+                self.context.step_hooks.remove(self._step_hook)
