@@ -61,6 +61,8 @@ def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs):
     assert "ep_size=2, local_experts=32" in result.stdout  # summed over 4 layers: 8 of 16 experts each
     # the lean steps' exchanges are the fixed-size ones (no host reads): 4 layers in each of 7 steps at least
     assert int(re.search(r"ep_fixed_exchanges=(\d+)", result.stdout).group(1)) >= 28
+    if graphs == "replay":  # the exchanges run between the captured pieces, eagerly
+        assert int(re.search(r"decode_eager_pieces_per_step=(\d+)", result.stdout).group(1)) > 0
     assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
 
 
