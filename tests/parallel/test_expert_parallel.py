@@ -91,7 +91,10 @@ def model_worker(rank, world, port, model_dir, out_dir, overrides=None):
         expected = reference(**inputs).logits
         diff = max((model(**inputs).logits - expected).abs().max().item() for _ in range(2))  # EPLB re-places between
     local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
-    torch.save({"diff": diff, "local": local}, os.path.join(out_dir, f"rank{rank}.pt"))
+    from vismmoe_kt.core.stats import collect_stats
+
+    stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
+    torch.save({"diff": diff, "local": local, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -112,6 +115,21 @@ def test_eplb_mode_re_places_experts_and_stays_exact(tiny_dir, tmp_path):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] <= 1e-5
         assert result["local"] > 4 * 16 // world  # after re-placement each rank also holds copies of hot experts
+
+
+def test_realb_on_real_ranks_reports_the_groups_plan(tiny_dir, tmp_path):
+    """mode realb with a gate small enough to open on these prompts: every rank reports the same counters
+    (the group's summed loads), the gate's verdicts and the imbalance before and after the plan."""
+    world = 2
+    mp.spawn(model_worker, args=(world, free_port(), str(tiny_dir), str(tmp_path), {"mode": "realb",
+                                                                                  "lb_gate_tokens": 16}),
+             nprocs=world, join=True)
+    stats = [torch.load(tmp_path / f"rank{rank}.pt")["stats"] for rank in range(world)]
+    keys = ("calls", "gated_calls", "pairs", "lowprec_pairs", "switched_experts", "imbalance_before", "imbalance_after")
+    assert all(s[key] == stats[0][key] for s in stats for key in keys)
+    first = stats[0]
+    assert first["calls"] == 2 * 4 and first["gated_calls"] < first["calls"]  # two forwards, 4 layers
+    assert first["pairs"] > 0 and first["imbalance_before"] >= first["calls"] - first["gated_calls"]  # max/mean >= 1
 
 
 def test_without_a_process_group_the_rule_says_how_to_launch(tiny_dir):

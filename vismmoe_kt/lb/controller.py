@@ -49,3 +49,23 @@ class RealbController:
         if self.mode in ("realb", "realb-seq") and not plan.gated:
             self.aimd.update(plan.imbalance(), plan.lowprec_share(load))
         return plan.lowprec, plan
+
+
+@dataclass
+class RealbStats:
+    """An operator's ReaLB counters, summed over its calls (and, by collect_stats, over layers)."""
+    calls: int = 0
+    gated_calls: int = 0
+    pairs: int = 0
+    lowprec_pairs: int = 0
+    switched_experts: int = 0
+    imbalance_before: float = 0.0  # summed over ungated calls; divide by calls - gated_calls
+    imbalance_after: float = 0.0
+
+    def observe_plan(self, plan: PrecisionPlan | None) -> None:
+        """The LB gate's verdict and, when the policy ran, the ranks' imbalance before and after it."""
+        if plan is not None and plan.gated:
+            self.gated_calls += 1
+        elif plan is not None:
+            self.imbalance_before += plan.imbalance(after=False)
+            self.imbalance_after += plan.imbalance()

@@ -12,12 +12,14 @@ The process group must exist (torchrun + init_process_group); without one this i
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..lb.controller import RealbStats
 from ..lb.fp8_experts import Fp8Experts
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import ExpertParallelSettings
@@ -62,6 +64,7 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.act = self.adapter.expert_activation(orig_module)
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
         self.fixed_passes = 0
+        self.counters = RealbStats()  # the group's: pairs, switched ones, the LB gate, imbalance
         # lean decode steps exchange fixed-size buffers (no host reads) where no host decision is needed:
         # BF16, or ReaLB whose LB gate cannot open at `decode_capacity` tokens on every rank
         gate_shut = s.mode in ("realb", "realb-seq", "fixed") and s.decode_capacity * ranks < s.lb_gate_tokens
@@ -85,7 +88,14 @@ class ExpertParallelExperts(BaseInjectedModule):
             self.fp8 = Fp8Experts(self.local_gate_up, self.local_down)  # this rank's experts in E4M3, once
 
     def _plan(self, load: torch.Tensor, vision: torch.Tensor, tokens: int) -> torch.Tensor:
-        self.last_plan, _ = self.controller.decide(load, vision, self.expert_rank, dist.get_world_size(), tokens)
+        """The group's plan from its summed loads (the same on every rank, so are these counters)."""
+        self.last_plan, plan = self.controller.decide(load, vision, self.expert_rank, dist.get_world_size(), tokens)
+        c = self.counters
+        c.calls, c.pairs = c.calls + 1, c.pairs + int(load.sum())
+        whole = self.mode == "all" or self.scope == "expert"  # else only the image rows of a switched expert
+        c.lowprec_pairs += int((load if whole else vision)[self.last_plan].sum())
+        c.switched_experts += int(self.last_plan.sum())
+        c.observe_plan(plan)
         return self.last_plan
 
     def _replace_experts(self, top_k_index: torch.Tensor) -> None:
@@ -133,5 +143,5 @@ class ExpertParallelExperts(BaseInjectedModule):
 
     def stats(self) -> dict[str, Any]:
         return {"ep_size": str(dist.get_world_size()), "local_experts": int(self.local_experts.numel()),
-                "ep_fixed_exchanges": self.fixed_passes,
+                "ep_fixed_exchanges": self.fixed_passes, **(asdict(self.counters) if self.counters.calls else {}),
                 **(self.fp8.stats() if self.fp8 is not None else {})}

@@ -19,12 +19,13 @@ Rule kwargs: MixedPrecisionSettings (vismmoe_kt/lb/settings.py).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..lb.controller import RealbStats
 from ..lb.fp8_experts import Fp8Experts
 from ..lb.lowprec import ExpertScales, lowprec_pairs
 from ..lb.precision import expert_mlp_fn, resolve_backend
@@ -33,17 +34,6 @@ from ..runtime.expert_compute import bank_experts
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 __all__ = ["MixedPrecisionExperts", "MODES"]
-
-
-@dataclass
-class RealbStats:
-    calls: int = 0
-    gated_calls: int = 0
-    pairs: int = 0
-    lowprec_pairs: int = 0
-    switched_experts: int = 0
-    imbalance_before: float = 0.0  # summed over ungated calls; divide by calls - gated_calls
-    imbalance_after: float = 0.0
 
 
 class MixedPrecisionExperts(BaseInjectedModule):
@@ -105,12 +95,7 @@ class MixedPrecisionExperts(BaseInjectedModule):
             return torch.zeros(num_experts, dtype=torch.bool)
         vision = torch.bincount(top_k_index[visual].reshape(-1).cpu(), minlength=num_experts).float()
         switched, plan = self.controller.decide(load, vision, self.expert_rank, self.ep_size, top_k_index.shape[0])
-        c = self.counters
-        if plan is not None and plan.gated:
-            c.gated_calls += 1
-        elif plan is not None:
-            c.imbalance_before += plan.imbalance(after=False)
-            c.imbalance_after += plan.imbalance()
+        self.counters.observe_plan(plan)
         return switched
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
