@@ -1,7 +1,8 @@
 """Data parallel + expert parallelism (parallel/lockstep.py): under torchrun (2 CPU processes, gloo), each
 rank serves requests of its own through the expert-parallel rule file. Rank 0 decodes three requests
 together (batched generation, one prompt with a picture); rank 1 decodes one request alone with the lean
-engine (its decode step exchanges fixed-size buffers, which rank 0 joins) and is done first. It then
+engine and is done first. Decode steps, lean or batched, exchange fixed-size buffers, which the other
+rank joins. It then
 serves its experts to rank 0's passes until both are idle. Every request gets the tokens it gets in one
 process without expert parallelism (fp32)."""
 
@@ -88,8 +89,10 @@ def test_every_rank_serves_its_own_requests_in_lockstep(tiny_dir, tmp_path):
                                                          result["tokens"]):
                 alone = generate(model, request, n, min_new_tokens=n)[0, request["input_ids"].shape[1]:].tolist()
                 assert got == alone, (rank, prompt)
-    # rank 1 ran a prefill and one lean decode step (fixed-size exchanges), rank 0 prompts and batched
-    # steps; each served the other's passes with no tokens: both took part in every round
-    assert ranks[1]["passes"] == 2 and ranks[1]["idle_passes"] > 0 and ranks[0]["idle_passes"] >= 1
+    # rank 1 ran a prefill and one lean decode step, rank 0 a prompt pass and batched steps; rank 1 then
+    # served rank 0's passes with no tokens: both took part in every round
+    assert ranks[1]["passes"] == 2 and ranks[1]["idle_passes"] > 0
     assert ranks[0]["passes"] + ranks[0]["idle_passes"] == ranks[1]["passes"] + ranks[1]["idle_passes"]
-    assert ranks[0]["fixed_exchanges"] == ranks[1]["fixed_exchanges"] == 4  # the lean step, in each of 4 layers
+    # decode steps, lean and batched, exchange fixed-size buffers on both ranks: rank 1's one step and
+    # rank 0's batched steps, in each of the 4 layers
+    assert ranks[0]["fixed_exchanges"] == ranks[1]["fixed_exchanges"] > 4

@@ -20,8 +20,11 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
                       a chunk at a time
     pruning           what the last prefill kept (the engine's cache bookkeeping)
     expert_parallel   the expert-parallel operators in layer order (followers drive them)
-    ep_fixed          the pass under way is a lean decode step, whose expert-parallel exchanges are
-                      the fixed-size ones (set on every rank by parallel/launch.py or lockstep.py)
+    ep_fixed_rows     the pass under way is a decode step of at most this many rows on any rank,
+                      whose expert-parallel exchanges are the fixed-size ones; 0: another pass (set on
+                      every rank by parallel/launch.py or lockstep.py)
+    ep_step_hooks     (before(rows), after) callables around every decode step, lean or batched:
+                      expert parallelism announcing it to the group (`ep_step_hook` calls them)
     step_hooks        (before, after) callables around every lean decode step
     graph_variants    callables read after the step hooks' `before`: a captured decode step is kept
                       per distinct tuple of their answers (what the step's launches depend on beyond
@@ -82,12 +85,28 @@ class LoadContext:
     text_forward: Any = None         # engine.text_forward.TextForward of that text model (chunked prefill)
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
-    ep_fixed: bool = False
+    ep_fixed_rows: int = 0
+    ep_step_hooks: list[tuple[Callable[[int], None], Callable[[], None]]] = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
     graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)
     decode_state: Any = None         # engine.lean_engine.LeanEngine
     routing: Any = None              # engine.routing_source.RoutingSource: replaces the routers' choice
     checks: list[Callable[[], None]] = field(default_factory=list)
+
+    def ep_step_hook(self, rows: Callable[[], int]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """A (before, after) step hook running `ep_step_hooks` around a decode step of rows() rows (the
+        hooks registered when the step runs: a group may form after the engine)."""
+        entered: list[Callable[[], None]] = []
+
+        def before() -> None:
+            for start, end in list(self.ep_step_hooks):
+                start(rows())
+                entered.append(end)
+
+        def after() -> None:
+            while entered:
+                entered.pop()()
+        return before, after
 
     def check(self) -> None:
         """Run the checks operators registered (after injection); each raises RuleError or ValueError."""

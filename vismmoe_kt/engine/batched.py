@@ -78,6 +78,7 @@ class BatchedDecodeStep(LeanDecodeStep):
             if runtime.batch_table:
                 hooks.append((runtime.before_step, runtime.after_step))
         self.context, self.rows, self.real_rows = context, 1, 1
+        hooks.append(context.ep_step_hook(lambda: self.rows))  # the step (padding rows too), to an EP group
         super().__init__(text, adapter, lm_head, cache, graphs, hooks=hooks, routing=context.routing,
                          variants=[lambda: (self.rows, self.cache.span), lambda: self.cache.contiguous])
         rows, device = cache.max_rows, cache.device

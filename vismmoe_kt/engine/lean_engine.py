@@ -131,6 +131,7 @@ class LeanEngine:
         self.pruned_from: int | None = None
         self.reuses = self.reused_tokens = 0
         self.graph_pool = None  # one CUDA graph memory pool for every step (cache size) this engine makes
+        context.step_hooks.append(context.ep_step_hook(lambda: 1))  # a step of one row, to an EP group
         use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
         # the attention's query/key RMSNorms in one kernel each on the GPU (7 launches fewer per norm: ~670 per step)
         fuse_norms([norm for layer in adapter.layers_of(text) for norm in adapter.attention_norms(adapter.attention(layer))],

@@ -65,11 +65,3 @@ class MixedPrecisionSettings(RealbSettings):
 class ExpertParallelSettings(RealbSettings):
     mode: str = "bf16"
     expert_map: list[int] | None = None     # each expert's rank; None: contiguous blocks
-    decode_capacity: int = 16               # lean decode steps: tokens a rank may bring to the fixed-size
-                                            # exchanges (no host reads); 0: decode exchanges like prefill
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.decode_capacity = int(self.decode_capacity)
-        if self.decode_capacity < 0:
-            raise ValueError(f"decode_capacity must be 0 or more, got {self.decode_capacity}")

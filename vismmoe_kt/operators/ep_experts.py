@@ -3,10 +3,11 @@
 Replaces `...mlp.experts`; each rank keeps only its own experts (read from the checkpoint, the rest
 dropped), so host and device memory per rank fall with the group size. Attention and everything
 else stay replicated: each rank serves its own requests (data parallel), as in ReaLB's setting.
-Rule kwargs: ExpertParallelSettings (vismmoe_kt/lb/settings.py): expert_map, decode_capacity (lean
-decode steps exchange fixed-size buffers, with no read on the host: ep_forward_static), and ReaLB on real
+Rule kwargs: ExpertParallelSettings (vismmoe_kt/lb/settings.py): expert_map, and ReaLB on real
 ranks -- the same plan and AIMD code as MixedPrecisionExperts, fed by the group's summed per-expert
-loads, so every rank takes the same decision; mode eplb replicates hot experts instead.
+loads, so every rank takes the same decision; mode eplb replicates hot experts instead. Decode steps
+(announced with their rows on every rank: context.ep_fixed_rows) exchange fixed-size buffers with no
+read on the host (ep_forward_static) wherever no precision decision is needed.
 The process group must exist (torchrun + init_process_group); without one this is a clear error.
 """
 
@@ -65,10 +66,9 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
         self.fixed_passes = 0
         self.counters = RealbStats()  # the group's: pairs, switched ones, the LB gate, imbalance
-        # lean decode steps exchange fixed-size buffers (no host reads) where no host decision is needed:
-        # BF16, or ReaLB whose LB gate cannot open at `decode_capacity` tokens on every rank
-        gate_shut = s.mode in ("realb", "realb-seq", "fixed") and s.decode_capacity * ranks < s.lb_gate_tokens
-        self.fixed_capacity = s.decode_capacity if s.mode == "bf16" or gate_shut else 0
+        # decode steps exchange fixed-size buffers (no host reads) where no host decision is needed: BF16,
+        # or ReaLB whose LB gate cannot open at the step's rows on every rank (`_fixed_exchange`)
+        self.ranks, self.gate_tokens = ranks, s.lb_gate_tokens
         self.context.expert_parallel.append(self)  # followers drive these in layer order (parallel/launch.py)
         self.context.expert_parallel.sort(key=lambda op: op.layer)
 
@@ -119,11 +119,20 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.local_gate_up = torch.stack([moved[e][:split].view(gate_up_shape) for e in self.local_experts.tolist()])
         self.local_down = torch.stack([moved[e][split:].view(down_shape) for e in self.local_experts.tolist()])
 
+    def _fixed_exchange(self, rows: int) -> bool:
+        """Whether a decode step of at most `rows` rows a rank exchanges fixed-size buffers: no precision
+        plan could switch an expert in it (BF16, or ReaLB's gate shut at rows x ranks tokens), so no
+        decision waits on the host. The same answer on every rank (same settings, same rows)."""
+        if self.mode == "bf16":
+            return True
+        return self.mode in ("realb", "realb-seq", "fixed") and rows * self.ranks < self.gate_tokens
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.context.ep_fixed and self.fixed_capacity:  # a lean decode step, on every rank at once
+        rows = self.context.ep_fixed_rows
+        if rows and self._fixed_exchange(rows):  # a decode step, on every rank at once
             self.fixed_passes += 1
             return ep_forward_static(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
-                                     self.local_experts, self.expert_rank, self.act, self.fixed_capacity)
+                                     self.local_experts, self.expert_rank, self.act, rows)
         holders = None
         if self.mode == "eplb":
             from ..parallel.replication import holders_tensor

@@ -3,8 +3,9 @@
 Expert parallelism splits each MoE layer's experts over the ranks, so every rank must enter every MoE
 layer's exchange. With one front end (the HTTP server, the chat prompt) only rank 0 has requests; the
 others follow it: before each forward of the language model rank 0 broadcasts STEP (a lean decode
-step, which bypasses that forward, announces itself as FIXED_STEP: its exchanges are the fixed-size
-ones, with no read on the host, `context.ep_fixed` on every rank), and each follower calls its
+step, lean or batched, which bypasses that forward, announces itself as FIXED_STEP with its rows:
+its exchanges are the fixed-size ones, with no read on the host, `context.ep_fixed_rows` on every
+rank), and each follower calls its
 expert-parallel operators, layer by layer in the model's order, with no tokens of its own, which
 serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
 so a follower can tell a quiet leader from a lost one (the group's timeout); STOP ends the followers.
@@ -94,10 +95,10 @@ class Leader:
         language = model.vismmoe.adapter.text_model(model)
         self._hooks = [language.register_forward_pre_hook(self._before),
                        language.register_forward_hook(self._after, always_call=True)]
-        # the lean decode path runs its steps without the language model's forward: announce those too,
-        # as steps whose exchanges are the fixed-size ones (context.ep_fixed, on every rank)
+        # decode steps (lean or batched) run without the language model's forward: announce those too,
+        # with their rows, as steps whose exchanges are the fixed-size ones (context.ep_fixed_rows)
         self._context = context_of_model(model)
-        self._step_hooks = self._context.step_hooks
+        self._step_hooks = self._context.ep_step_hooks
         self._step_hook = (self._before_step, self._after_step)
         self._step_hooks.append(self._step_hook)
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,), name="vismmoe-ep-heartbeat",
@@ -105,8 +106,8 @@ class Leader:
         self._heartbeat.start()
         current_leader = self
 
-    def _send(self, value: int) -> None:
-        _broadcast(torch.tensor([value], device=self.device))
+    def _send(self, value: int, rows: int = 0) -> None:
+        _broadcast(torch.tensor([value, rows], device=self.device))
 
     def _before(self, module: Any, args: Any) -> None:
         self.lock.acquire()  # released by _after, also when the forward raises
@@ -115,13 +116,13 @@ class Leader:
     def _after(self, module: Any, args: Any, output: Any) -> None:
         self.lock.release()
 
-    def _before_step(self) -> None:
+    def _before_step(self, rows: int) -> None:
         self.lock.acquire()  # released by _after_step
-        self._send(FIXED_STEP)
-        self._context.ep_fixed = True
+        self._send(FIXED_STEP, rows)
+        self._context.ep_fixed_rows = rows
 
     def _after_step(self) -> None:
-        self._context.ep_fixed = False
+        self._context.ep_fixed_rows = 0
         self.lock.release()
 
     def _beat(self, every_s: float) -> None:
@@ -154,22 +155,22 @@ def follow(model: Any, group: Group) -> int:
     hidden = torch.zeros(0, shape.hidden, dtype=dtype, device=device)
     chosen = torch.zeros(0, shape.top_k, dtype=torch.long, device=device)
     weights = torch.zeros(0, shape.top_k, dtype=dtype, device=device)
-    command = torch.zeros(1, dtype=torch.long, device=device)
+    command = torch.zeros(2, dtype=torch.long, device=device)  # (what, the decode step's rows)
     context = context_of_model(model)
     steps = 0
     with torch.inference_mode():
         while True:
             _broadcast(command)
-            value = int(command)
+            value, rows = command.tolist()
             if value == STOP:
                 return steps
             if value in (STEP, FIXED_STEP):
-                context.ep_fixed = value == FIXED_STEP  # the exchanges rank 0's pass makes
+                context.ep_fixed_rows = rows if value == FIXED_STEP else 0  # the exchanges rank 0's pass makes
                 try:
                     for op in ops:
                         op(hidden, chosen, weights)
                 finally:
-                    context.ep_fixed = False
+                    context.ep_fixed_rows = 0
                 steps += 1
 
 

@@ -5,11 +5,11 @@ layers (a prefill, a chunk of one, a decode step, batched or not) enters every l
 every rank, in layer order. With one front end, rank 0 leads and the others follow it (launch.py).
 Here every rank has work of its own, and the ranks keep in step by themselves:
 
-* before each pass, a rank that runs one says so in one all-reduce of two counts: ranks running a
-  lean decode step, whose exchanges are the fixed-size ones (context.ep_fixed; announced by the
-  step's hooks, as the graphs do not run the layers' Python), and ranks running any other pass
-  (announced by the first expert-parallel layer's forward pre-hook: a whole prompt, a chunk, a
-  batched step). Every rank decides from the same counts which kind runs now; when both are asked
+* before each pass, a rank that runs one says so in one all-reduce (a maximum): whether it runs a
+  decode step, lean or batched, whose exchanges are the fixed-size ones, and its rows
+  (context.ep_fixed_rows; announced by the step's hooks, as the graphs do not run the layers'
+  Python), or any other pass (announced by the first expert-parallel layer's forward pre-hook: a
+  whole prompt, a chunk). Every rank decides from the same answers which kind runs now; when both are asked
   for, they take turns. The ranks whose kind waits serve the running passes with no tokens, then
   ask again.
 * a rank that has no work left calls `drain`. It joins the same all-reduces with zeros and serves
@@ -36,11 +36,12 @@ FIXED, FREE = "fixed", "free"  # a lean decode step (fixed-size exchanges), any 
 
 
 @guarded
-def _passes(fixed: int, free: int, device: torch.device) -> tuple[int, int]:
-    """How many ranks run a lean decode step (fixed-size exchanges) and how many another pass, now."""
-    counts = torch.tensor([fixed, free], dtype=torch.long, device=device)
-    dist.all_reduce(counts)
-    return int(counts[0]), int(counts[1])
+def _passes(fixed: int, free: int, rows: int, device: torch.device) -> tuple[bool, bool, int]:
+    """Whether any rank runs a decode step (fixed-size exchanges), whether any runs another pass, and
+    the most rows any decode step brings, now (one all-reduce, the maximum of each)."""
+    asked = torch.tensor([fixed, free, rows], dtype=torch.long, device=device)
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    return bool(asked[0]), bool(asked[1]), int(asked[2])
 
 
 class Lockstep:
@@ -64,55 +65,62 @@ class Lockstep:
         self.idle_passes = 0   # passes of other ranks this rank served with no tokens
         self._hook = self.ops[0].register_forward_pre_hook(self._before_pass)
         self._step_hook = (self._before_step, self._after_step)
-        self.context.step_hooks.append(self._step_hook)
+        self.context.ep_step_hooks.append(self._step_hook)
 
     def _before_pass(self, module: Any, args: Any) -> None:
         """A pass that exchanges like a prefill (one rank's pass may meet another's of any size)."""
-        if self._idle or self.context.ep_fixed:  # drain's own calls; a lean step's layers (announced already)
+        if self._idle or self.context.ep_fixed_rows:  # drain's own calls; a decode step's layers (announced)
             return
-        self._wait_for_turn(FREE)
+        self._wait_for_turn(FREE, 0)
         self.passes += 1
 
-    def _before_step(self) -> None:
-        """A lean decode step: it runs with the ranks that run lean steps too (fixed-size exchanges)."""
-        self._wait_for_turn(FIXED)
-        self.context.ep_fixed = True
+    def _before_step(self, rows: int) -> None:
+        """A decode step of `rows` rows: it runs with the ranks that run decode steps too, the exchanges
+        sized for the most rows any of them brings."""
+        self.context.ep_fixed_rows = self._wait_for_turn(FIXED, rows)
         self.passes += 1
 
     def _after_step(self) -> None:
-        self.context.ep_fixed = False
+        self.context.ep_fixed_rows = 0
 
-    def _round(self, want: str | None) -> str | None:
-        """One all-reduce: the kind of pass every rank runs now (None: every rank is idle). Both kinds
-        asked for: they take turns, from the same counts and the same history on every rank."""
-        fixed, free = _passes(int(want == FIXED), int(want == FREE), self.device)
+    def _round(self, want: str | None, rows: int) -> tuple[str | None, int]:
+        """One all-reduce: the kind of pass every rank runs now (None: every rank is idle) and, for
+        decode steps, their rows. Both kinds asked for: they take turns, from the same answers and
+        the same history on every rank."""
+        fixed, free, most = _passes(int(want == FIXED), int(want == FREE), rows, self.device)
         if fixed and free:
             kind = FIXED if self._last == FREE else FREE
         else:
             kind = FIXED if fixed else FREE if free else None
         self._last = kind
-        return kind
+        return kind, most
 
-    def _wait_for_turn(self, want: str) -> None:
-        """Serve other ranks' passes of the other kind until this rank's kind runs."""
-        while (kind := self._round(want)) != want:
-            self._serve(fixed=kind == FIXED)
+    def _wait_for_turn(self, want: str, rows: int) -> int:
+        """Serve other ranks' passes of the other kind until this rank's kind runs; its rows."""
+        while True:
+            kind, most = self._round(want, rows)
+            if kind == want:
+                return most
+            self._serve(most if kind == FIXED else 0)
 
-    def _serve(self, fixed: bool) -> None:
+    def _serve(self, fixed_rows: int) -> None:
         """This rank's expert-parallel layers with no tokens of its own, in another rank's pass."""
-        self._idle, self.context.ep_fixed = True, fixed
+        self._idle, self.context.ep_fixed_rows = True, fixed_rows
         try:
             with torch.inference_mode():
                 for op in self.ops:
                     op(*self._empty)
         finally:
-            self._idle, self.context.ep_fixed = False, False
+            self._idle, self.context.ep_fixed_rows = False, 0
         self.idle_passes += 1
 
     def drain(self) -> None:
         """Serve the other ranks' passes until every rank is idle."""
-        while (kind := self._round(None)) is not None:
-            self._serve(fixed=kind == FIXED)
+        while True:
+            kind, most = self._round(None, 0)
+            if kind is None:
+                return
+            self._serve(most if kind == FIXED else 0)
 
     def __enter__(self) -> "Lockstep":
         return self
@@ -123,5 +131,5 @@ class Lockstep:
                 self.drain()
         finally:
             self._hook.remove()
-            if self._step_hook in self.context.step_hooks:
-                self.context.step_hooks.remove(self._step_hook)
+            if self._step_hook in self.context.ep_step_hooks:
+                self.context.ep_step_hooks.remove(self._step_hook)
