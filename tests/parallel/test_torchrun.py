@@ -38,6 +38,21 @@ def torchrun(port):
     return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt"]
 
 
+def wait_until_up(server, ports, seconds=300):  # model loads on a 2-core machine
+    """Until every port answers /health (the launch must not have exited meanwhile)."""
+    deadline = time.time() + seconds
+    for port in ports:
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, f"the server on port {port} did not come up"
+            time.sleep(0.5)
+
+
 def reply_of(stdout: str) -> str:
     return stdout[: stdout.index("prompt eval count:")].strip()
 
@@ -72,16 +87,7 @@ def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single):
            "--port", str(port), "--cpu_infer", "1"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 300  # two model loads on a 2-core machine
-        while True:
-            assert server.poll() is None, server.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_until_up(server, [port])
         time.sleep(6)  # long enough for a heartbeat: the follower must treat it as a no-op
         body = {"model": tiny_dir.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
@@ -156,3 +162,36 @@ def test_several_processes_need_the_expert_parallel_rules(tiny_dir):
     result = chat(tiny_dir, *torchrun(free_port()))
     assert result.returncode != 0
     assert "the rule file has no expert-parallel operators" in result.stderr + result.stdout
+
+
+def test_serve_data_parallel_every_rank_answers_and_all_shut_down(tiny_dir, single):
+    """serve --data_parallel: each rank serves on a port of its own (continuous batching), both answer
+    at once as one process does; one rank shutting down stops the other (the group stops at a round)."""
+    port = free_port()
+    cmd = [*torchrun(free_port()), "serve", "--model_path", str(tiny_dir), "--optimize_config_path", EP_RULES,
+           "--port", str(port), "--cpu_infer", "1", "--data_parallel", "--max_batch", "2"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until_up(server, [port, port + 1])
+        body = {"model": tiny_dir.name, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                "temperature": 0}
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # two requests on each rank, all at once
+            answers = list(pool.map(lambda p: httpx.post(f"http://127.0.0.1:{p}/v1/chat/completions", json=body,
+                                                         timeout=300), (port, port + 1, port, port + 1)))
+        for answer in answers:
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"].strip() == single
+    finally:
+        rank1 = next((p for p in psutil.Process(server.pid).children(recursive=True) if _rank(p) == "1"), None)
+        if rank1 is not None:
+            rank1.send_signal(signal.SIGINT)  # one rank stops: the group stops, rank 0's server too
+        try:
+            out, _ = server.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            pytest.fail("the launch did not exit after rank 1 stopped")
+    assert server.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "rank 0 serving on" in out and "rank 1 serving on" in out

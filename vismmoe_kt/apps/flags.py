@@ -188,6 +188,6 @@ def load_from_args(args: argparse.Namespace):
     if fallback and (group is None or group.leader):
         print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
               file=sys.stderr)
-    if group is not None:
+    if group is not None and not getattr(args, "data_parallel", False):  # data parallel: every rank leads
         launch.start(loaded[0], group)  # a follower stays there until rank 0 is done (FollowerDone)
     return loaded

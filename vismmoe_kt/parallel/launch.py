@@ -30,6 +30,7 @@ from .expert_parallel import guarded
 
 STOP, STEP, HEARTBEAT, FIXED_STEP = 0, 1, 2, 3
 current_leader: "Leader | None" = None
+joined: "Group | None" = None  # this process's group, once join_from_env made it
 
 
 @dataclass
@@ -65,7 +66,9 @@ def join_from_env(ep_size: int | None, timeout_s: float) -> Group | None:
     else:
         device, backend = "cpu", "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return Group(dist.get_rank(), world, device)
+    global joined
+    joined = Group(dist.get_rank(), world, device)
+    return joined
 
 
 def expert_parallel_operators(model: Any) -> list:

@@ -35,13 +35,17 @@ from .launch import Group, expert_parallel_operators
 FIXED, FREE = "fixed", "free"  # a lean decode step (fixed-size exchanges), any other pass
 
 
+class GroupStopped(RuntimeError):
+    """A rank of the group asked to stop (a server shutting down): every rank stops at the same round."""
+
+
 @guarded
-def _passes(fixed: int, free: int, rows: int, device: torch.device) -> tuple[bool, bool, int]:
-    """Whether any rank runs a decode step (fixed-size exchanges), whether any runs another pass, and
-    the most rows any decode step brings, now (one all-reduce, the maximum of each)."""
-    asked = torch.tensor([fixed, free, rows], dtype=torch.long, device=device)
+def _passes(fixed: int, free: int, rows: int, stop: int, device: torch.device) -> tuple[bool, bool, int, bool]:
+    """Whether any rank runs a decode step (fixed-size exchanges), whether any runs another pass, the
+    most rows any decode step brings, and whether any rank stops, now (one all-reduce, the maximum)."""
+    asked = torch.tensor([fixed, free, rows, stop], dtype=torch.long, device=device)
     dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    return bool(asked[0]), bool(asked[1]), int(asked[2])
+    return bool(asked[0]), bool(asked[1]), int(asked[2]), bool(asked[3])
 
 
 class Lockstep:
@@ -61,6 +65,8 @@ class Lockstep:
                        torch.zeros(0, shape.top_k, dtype=dtype, device=self.device))
         self._idle = False
         self._last: str | None = None  # the kind of the last round's pass (the same on every rank)
+        self._stop_asked = False
+        self.stopped = False  # a rank asked to stop: no more rounds
         self.passes = 0        # this rank's own passes
         self.idle_passes = 0   # passes of other ranks this rank served with no tokens
         self._hook = self.ops[0].register_forward_pre_hook(self._before_pass)
@@ -86,8 +92,14 @@ class Lockstep:
     def _round(self, want: str | None, rows: int) -> tuple[str | None, int]:
         """One all-reduce: the kind of pass every rank runs now (None: every rank is idle) and, for
         decode steps, their rows. Both kinds asked for: they take turns, from the same answers and
-        the same history on every rank."""
-        fixed, free, most = _passes(int(want == FIXED), int(want == FREE), rows, self.device)
+        the same history on every rank. Raises GroupStopped once any rank asked to stop."""
+        if self.stopped:
+            raise GroupStopped("the expert-parallel group has stopped")
+        fixed, free, most, stop = _passes(int(want == FIXED), int(want == FREE), rows, int(self._stop_asked),
+                                          self.device)
+        if stop:
+            self.stopped = True
+            raise GroupStopped("a rank of the expert-parallel group stopped")
         if fixed and free:
             kind = FIXED if self._last == FREE else FREE
         else:
@@ -114,8 +126,22 @@ class Lockstep:
             self._idle, self.context.ep_fixed_rows = False, 0
         self.idle_passes += 1
 
+    def tick(self) -> bool:
+        """One round while this rank has nothing to run (a server waiting for requests): serve the pass
+        another rank runs, if any. Whether one ran."""
+        kind, most = self._round(None, 0)
+        if kind is not None:
+            self._serve(most if kind == FIXED else 0)
+        return kind is not None
+
+    def ask_to_stop(self) -> None:
+        """Stop the group at the next round (any thread; the rounds themselves run on the work's thread)."""
+        self._stop_asked = True
+
     def drain(self) -> None:
         """Serve the other ranks' passes until every rank is idle."""
+        if self.stopped:
+            return
         while True:
             kind, most = self._round(None, 0)
             if kind is None:

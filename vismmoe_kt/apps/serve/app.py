@@ -73,6 +73,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                allowed_hosts: list[str] | None = None) -> FastAPI:
     """`allowed_hosts`: Host header names to answer (None: any; the CLI passes loopback names for a loopback bind)."""
     app = FastAPI(title="vismmoe-kt", docs_url=None, redoc_url=None)
+    app.state.engine = engine  # the command's shutdown asks it to leave a data-parallel group
     limits = limits or engine.limits
     engine.limits = limits
     page = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")

@@ -11,11 +11,18 @@ that ends is finished on the event loop, as in the serial engine.
 Slots hold `slot_tokens` tokens (prompt and answer): a request that would not fit gets 400 before it
 waits. `max_batch` requests run at once, `max_queue` more may wait. A step that fails fails the
 requests it ran (500 in their streams), and the server keeps serving.
+
+Data parallel under torchrun (`serve --data_parallel`): every rank runs this engine behind a server of
+its own (port + rank), its passes in step with the other ranks' (parallel/lockstep.py). While it has no
+requests, it joins a round with the group every IDLE_ROUND_S and serves the passes another rank runs.
+A rank that shuts down stops the group at the next round: every rank ends its requests and stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -27,19 +34,29 @@ from ...engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner, Samplin
 from .engine import Engine, Job, Prepared, Ticket, Usage
 from .inputs import ApiError, ChatRequest
 
+IDLE_ROUND_S = 0.005  # data parallel, no requests: a round with the group this often (others' passes wait for it)
+
 
 class BatchedEngine(Engine):
     def __init__(self, *args: Any, max_batch: int, slot_tokens: int, prefill_chunk: int | None = None,
-                 prefill_budget: int = PREFILL_BUDGET, **kwargs: Any):
+                 prefill_budget: int = PREFILL_BUDGET, group: Any = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_batch = max_batch
         self.slot_tokens = min(slot_tokens, self.context)
         # made here, on the thread that loads: an unsuitable model (no lean decode path) fails at start-up
         self.runner = BatchRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
                                   prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
+        # data parallel over an expert-parallel group (serve --data_parallel): this rank's passes in step
+        # with the others', and while it waits for requests it serves theirs (parallel/lockstep.py)
+        self.lockstep = None
+        if group is not None:
+            from ...parallel.lockstep import Lockstep
+
+            self.lockstep = Lockstep(self.model, group)
         self._inbox: list[tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = []
         self._active: dict[int, tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = {}
         self._wake = threading.Condition()
+        self._leaving = False
         self._thread = threading.Thread(target=self._loop, name="vismmoe-batch", daemon=True)
         self._thread.start()
 
@@ -88,11 +105,29 @@ class BatchedEngine(Engine):
 
     # -- the batching thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        from ...parallel.lockstep import GroupStopped
+
+        try:
+            self._serve_steps()
+        except GroupStopped as exc:  # a rank stopped, so does this one: its requests end, its server stops
+            self._fail_all(exc, step=False)
+            if not self._leaving:
+                os.kill(os.getpid(), signal.SIGINT)  # uvicorn's own shutdown
+
+    def _serve_steps(self) -> None:
         while True:
             with self._wake:
                 while not self._inbox and self.runner.idle:
-                    self._wake.wait()
+                    if self.lockstep is None:
+                        self._wake.wait()
+                        continue
+                    self._wake.wait(timeout=IDLE_ROUND_S)  # then one round with the group: serve its passes
+                    if not self._inbox:
+                        break
                 arrived, self._inbox = self._inbox, []
+            if self.lockstep is not None and not arrived and self.runner.idle:
+                self.lockstep.tick()
+                continue
             for entry in arrived:
                 try:
                     self.runner.add(entry[1])
@@ -106,6 +141,8 @@ class BatchedEngine(Engine):
             try:
                 with torch.inference_mode():
                     size, ended = self.runner.step()
+            except GroupStopped:
+                raise
             except Exception as exc:  # the step's requests fail; the server goes on
                 self._fail_all(exc)
                 continue
@@ -114,13 +151,31 @@ class BatchedEngine(Engine):
             for request in ended:
                 self._end(self._active.pop(request.sequence.id), None)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def leave_group(self, timeout_s: float = 60.0) -> None:
+        """At shutdown, data parallel: stop the group at its next round and wait for this rank's batching
+        thread to see it (every rank then leaves together, before the group is torn down)."""
+        if self.lockstep is None:
+            return
+        self._leaving = True
+        self.lockstep.ask_to_stop()
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def _fail_all(self, error: BaseException, step: bool = True) -> None:
         """After a step failed half-way: every request in the runner ends with the error, and the runner's
-        next plan drops them all (their slots come back)."""
+        next plan drops them all (their slots come back). `step`: run that plan (not once the group
+        stopped: it would need a round)."""
         for entry in self._active.values():
             self.runner.cancel(entry[1])
             self._end(entry, error)
         self._active.clear()
+        if not step:  # the group stopped: nothing more runs here, so the waiting requests end too
+            with self._wake:
+                waiting, self._inbox = self._inbox, []
+            for entry in waiting:
+                self._end(entry, error)
+            return
         try:
             with torch.inference_mode():
                 self.runner.step()  # only cancelled requests: the plan drops them and runs nothing

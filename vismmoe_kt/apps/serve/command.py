@@ -37,6 +37,10 @@ def add_parser(commands) -> None:
                        help="with --max_batch > 1 and whole prompts: new prompts waiting together are prefilled in "
                             "one forward, their images through one vision-tower call, up to this many tokens "
                             "(default: %(default)s; 0: one prompt per step)")
+    serve.add_argument("--data_parallel", action="store_true",
+                       help="under torchrun with the expert-parallel rules: every rank serves requests of its own "
+                            "on --port + its rank (continuous batching on each), the ranks' passes in step; without "
+                            "it rank 0 serves and the other ranks lend it their experts")
     serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
     serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
@@ -59,16 +63,23 @@ def build_server(args: argparse.Namespace):
     if args.max_new_tokens < 1:  # as chat and eval say it
         raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     model, processor = load_from_args(args)
+    from ...parallel import launch
+
+    group = launch.joined if args.data_parallel else None
+    if args.data_parallel and group is None:
+        raise InputError("--data_parallel needs a torchrun launch with the expert-parallel rules: "
+                         "torchrun --nproc-per-node N -m vismmoe_kt serve --data_parallel ...")
     name = "vismmoe-demo" if args.demo else Path(args.model_path).name
     limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path,
                     args.max_image_pixels, int(args.max_body_mb * 2**20) if args.max_body_mb else None)
-    if args.max_batch > 1:
+    if args.max_batch > 1 or group is not None:  # data parallel: the batching engine, whose thread keeps in step
         from .batching import BatchedEngine
 
         try:
             engine = BatchedEngine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p,
                                    args.max_queue, limits, max_batch=args.max_batch, slot_tokens=args.slot_tokens,
-                                   prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget)
+                                   prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget,
+                                   group=group)
         except ValueError as exc:  # e.g. no lean decode path for these rules
             raise InputError(f"--max_batch {args.max_batch}: {exc}") from None
     else:
@@ -82,6 +93,15 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     app = build_server(args)
-    print(f"serving on http://{args.host}:{args.port}  (web chat at /, OpenAI API at /v1)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    from ...parallel import launch
+
+    port = args.port + (launch.joined.rank if args.data_parallel else 0)  # data parallel: a port per rank
+    rank = f"rank {launch.joined.rank} " if args.data_parallel else ""
+    print(f"{rank}serving on http://{args.host}:{port}  (web chat at /, OpenAI API at /v1)", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=port, log_level="warning")
+    finally:
+        leave = getattr(app.state.engine, "leave_group", None)
+        if leave is not None:  # every rank leaves at one round of the group, before it is torn down
+            leave()
     return 0
