@@ -49,8 +49,8 @@
 #                                                   (end to end: BATCH_CONFIGS=lean:16GiB+q4k BATCH_ARGS="--batch-experts
 #                                                   expert-major" bash scripts/device_session.sh batchoff 448 8)
 #   bash scripts/device_session.sh epdp PX N...     (nvidia-h200-x2) expert parallelism over two GPUs: one request, then N
-#                                                   requests on every rank, data parallel (EP_CONFIGS: ep ep-realb
-#                                                   ep-realb-seq ep-lowprec-all); the profile has ReaLB's gate and switched pairs
+#                                                   requests on every rank, data parallel (EP_CONFIGS: ep ep-graphs
+#                                                   ep-realb ep-realb-seq ep-lowprec-all); the profile has ReaLB's gate and switched pairs
 #   bash scripts/device_session.sh smoke            a tiny model's offloaded decode with an (untrained) lookahead predictor,
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
@@ -187,7 +187,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
           timeout 570 torchrun --nproc-per-node 2 -m vismmoe_kt bench --synthetic qwen3-vl-30b-a3b --layers 48 \
             --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 16 --routing synthetic:0 --profile \
-            --configs ${EP_CONFIGS:-ep ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
+            --configs ${EP_CONFIGS:-ep ep-graphs ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
             2>&1 | tail -40 | tee "$OUT/epdp$px.txt" || true ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do

@@ -64,10 +64,14 @@ def single(tiny_dir):
     return reply_of(result.stdout)
 
 
-@pytest.mark.parametrize("graphs", ["off", "replay"])  # lean decode steps, eager or through the graph plumbing
-def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs):
+@pytest.mark.parametrize("graphs,capture", [("off", False), ("replay", False), ("replay", True)])
+def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs, capture):
+    """Lean decode steps, eager or through the graph plumbing; with capture_exchange, the fixed-size
+    exchanges inside the captured pieces (rank 0 replays them, rank 1 runs them eagerly; a capture's
+    warm-up run skips them, so each step runs them once on both ranks)."""
     result = chat(tiny_dir, *torchrun(free_port()), extra=("--optimize_config_path", EP_RULES, "--ep-size", "2",
-                                                           "--set", f"graphs={graphs}", "--stats"))
+                                                           "--set", f"graphs={graphs}", "--stats",
+                                                           "--set", f"capture_exchange={str(capture).lower()}"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert reply_of(result.stdout) == single
     steps = int(re.search(r"decode_steps=(\d+)", result.stdout).group(1))
@@ -76,8 +80,9 @@ def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs):
     assert "ep_size=2, local_experts=32" in result.stdout  # summed over 4 layers: 8 of 16 experts each
     # the lean steps' exchanges are the fixed-size ones (no host reads): 4 layers in each of 7 steps at least
     assert int(re.search(r"ep_fixed_exchanges=(\d+)", result.stdout).group(1)) >= 28
-    if graphs == "replay":  # the exchanges run between the captured pieces, eagerly
-        assert int(re.search(r"decode_eager_pieces_per_step=(\d+)", result.stdout).group(1)) > 0
+    if graphs == "replay":  # the exchanges run between the captured pieces, eagerly, or inside them
+        eager = int(re.search(r"decode_eager_pieces_per_step=(\d+)", result.stdout).group(1))
+        assert (eager == 0) if capture else (eager > 0), eager
     assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
 
 
@@ -114,7 +119,8 @@ def test_bench_under_torchrun_measures_the_expert_parallel_configurations(tmp_pa
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["ep_size"] == 2
     assert [(r["config"], r["status"]) for r in data["rows"]] == [
-        (name, "ok") for name in ("ep", "ep-realb", "ep-realb-seq", "ep-fixed", "ep-lowprec-all", "ep-eplb")]
+        (name, "ok") for name in ("ep", "ep-realb", "ep-graphs", "ep-realb-seq", "ep-fixed", "ep-lowprec-all",
+                                  "ep-eplb")]
     assert all(r["decode_tok_s"]["median"] > 0 for r in data["rows"])
     assert result.stdout.count("| ep |") == 1  # rank 0 reports, the follower does not
 

@@ -23,6 +23,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     ep_fixed_rows     the pass under way is a decode step of at most this many rows on any rank,
                       whose expert-parallel exchanges are the fixed-size ones; 0: another pass (set on
                       every rank by parallel/launch.py or lockstep.py)
+    ep_step_rows      the rows of the last such step (kept after it: captured steps are kept per size)
     ep_step_hooks     (before(rows), after) callables around every decode step, lean or batched:
                       expert parallelism announcing it to the group (`ep_step_hook` calls them)
     step_hooks        (before, after) callables around every lean decode step
@@ -86,6 +87,7 @@ class LoadContext:
     pruning: PruningState = field(default_factory=PruningState)
     expert_parallel: list = field(default_factory=list)
     ep_fixed_rows: int = 0
+    ep_step_rows: int = 0
     ep_step_hooks: list[tuple[Callable[[int], None], Callable[[], None]]] = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
     graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)

@@ -10,18 +10,38 @@ makes for larger caches, share one memory pool (the engine's), so a conversation
 cache captures again into memory the old graphs gave back.
 `ReplayCapture` is the CPU twin: it keeps the same fixed input and output tensors and re-runs the
 segment eagerly into them, so the plumbing between segments (which buffer feeds which) is exercised
-by the CPU tests exactly as the CUDA path uses it.
+by the CPU tests exactly as the CUDA path uses it. Both run a segment once before its capture is
+replayed, a warm-up whose results are dropped (`warming_up`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
 from ..core.context import GRAPH_MODES
 
 State = tuple[torch.Tensor, ...]
+_warmup = threading.local()
+
+
+def warming_up() -> bool:
+    """Whether the segment running now is a capture's first run, whose results are dropped (the replay
+    right after computes them again). An expert-parallel exchange inside a captured segment skips
+    it, so each announced step runs its collectives once on every rank: the replay's."""
+    return getattr(_warmup, "active", False)
+
+
+@contextmanager
+def _warming_up() -> Iterator[None]:
+    _warmup.active = True
+    try:
+        yield
+    finally:
+        _warmup.active = False
 
 
 class ReplayCapture:
@@ -31,7 +51,8 @@ class ReplayCapture:
         pass
 
     def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
-        outputs = tuple(t.clone() for t in run())  # fixed output tensors, like a graph's pool
+        with _warming_up():  # the caller replays at once: these values are overwritten
+            outputs = tuple(t.clone() for t in run())  # fixed output tensors, like a graph's pool
 
         def replay() -> None:
             for fixed, fresh in zip(outputs, run()):
@@ -55,7 +76,7 @@ class CudaGraphCapture:
         # warm-up on a side stream first, as torch requires (lazy inits, cuBLAS workspaces)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _warming_up():
             run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()

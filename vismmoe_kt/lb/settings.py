@@ -65,3 +65,9 @@ class MixedPrecisionSettings(RealbSettings):
 class ExpertParallelSettings(RealbSettings):
     mode: str = "bf16"
     expert_map: list[int] | None = None     # each expert's rank; None: contiguous blocks
+    capture_exchange: bool = False          # decode steps' fixed-size exchanges inside their CUDA graphs
+                                            # (NCCL collectives captured); off: eager between the captures
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.capture_exchange = bool(self.capture_exchange)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.graphs import warming_up
 from ..lb.controller import RealbStats
 from ..lb.fp8_experts import Fp8Experts
 from ..lb.precision import expert_mlp_fn, resolve_backend
@@ -70,6 +71,13 @@ class ExpertParallelExperts(BaseInjectedModule):
         # or ReaLB whose LB gate cannot open at the step's rows on every rank (`_fixed_exchange`)
         self.ranks, self.gate_tokens = ranks, s.lb_gate_tokens
         self.context.expert_parallel.append(self)  # followers drive these in layer order (parallel/launch.py)
+        if s.capture_exchange and not any(getattr(v, "ep_rows", False) for v in self.context.graph_variants):
+            # a captured exchange has the size of its capture: one capture per step size of the group
+            # (data parallel: the most rows any rank brings, which the step hooks set before this is read)
+            def rows(context=self.context) -> int:
+                return context.ep_step_rows
+            rows.ep_rows = True
+            self.context.graph_variants.append(rows)
         self.context.expert_parallel.sort(key=lambda op: op.layer)
 
     def load(self) -> None:
@@ -127,9 +135,21 @@ class ExpertParallelExperts(BaseInjectedModule):
             return True
         return self.mode in ("realb", "realb-seq", "fixed") and rows * self.ranks < self.gate_tokens
 
+    def decode_capturable(self) -> bool:
+        """A decode step may capture this layer's exchange with `capture_exchange`: the fixed-size
+        exchanges read nothing on the host (on a GPU with BF16 weights: grouped GEMM captures in BF16
+        only). The capture's warm-up run skips the collectives (engine.graphs.warming_up), so every
+        rank runs each step's collectives once, graphed or not."""
+        if not self.settings.capture_exchange or not self._fixed_exchange(1):
+            return False
+        return self.local_gate_up is None or self.local_gate_up.device.type != "cuda" \
+            or self.local_gate_up.dtype == torch.bfloat16
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         rows = self.context.ep_fixed_rows
         if rows and self._fixed_exchange(rows):  # a decode step, on every rank at once
+            if warming_up():  # a capture's first run, dropped: the replay runs the collectives
+                return torch.zeros_like(hidden_states)
             self.fixed_passes += 1
             return ep_forward_static(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
                                      self.local_experts, self.expert_rank, self.act, rows)

@@ -122,7 +122,7 @@ class Leader:
     def _before_step(self, rows: int) -> None:
         self.lock.acquire()  # released by _after_step
         self._send(FIXED_STEP, rows)
-        self._context.ep_fixed_rows = rows
+        self._context.ep_fixed_rows = self._context.ep_step_rows = rows
 
     def _after_step(self) -> None:
         self._context.ep_fixed_rows = 0

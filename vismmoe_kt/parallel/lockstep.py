@@ -83,7 +83,7 @@ class Lockstep:
     def _before_step(self, rows: int) -> None:
         """A decode step of `rows` rows: it runs with the ranks that run decode steps too, the exchanges
         sized for the most rows any of them brings."""
-        self.context.ep_fixed_rows = self._wait_for_turn(FIXED, rows)
+        self.context.ep_fixed_rows = self.context.ep_step_rows = self._wait_for_turn(FIXED, rows)
         self.passes += 1
 
     def _after_step(self) -> None:

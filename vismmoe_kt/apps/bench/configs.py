@@ -20,6 +20,7 @@ the +predict and -full steps.
 
 Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the other ranks follow):
     ep             every rank keeps 1/N of each layer's experts, BF16 (qwen3vl-ep.yaml)
+    ep-graphs      ep with the decode steps' exchanges captured in their CUDA graphs (capture_exchange)
     ep-realb       the same with ReaLB on the group's real ranks; ep-realb-seq without the metadata
                    overlap, ep-fixed with a fixed M_d, ep-lowprec-all every pair in low precision
                    (FP4-All), ep-eplb replication instead of precision (the paper's baselines)
@@ -112,6 +113,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "bf16"),)),
     BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "qwen3vl-ep.yaml",
                 takes_budget=False, operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "realb"),)),
+    BenchConfig("ep-graphs", "expert parallelism, BF16, decode steps' exchanges inside their CUDA graphs",
+                "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                expert_kwargs=(("mode", "bf16"), ("capture_exchange", True))),
     BenchConfig("ep-realb-seq", "ReaLB with its plan's metadata exchanged before the dispatch (no overlap)",
                 "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
                 expert_kwargs=(("mode", "realb-seq"),)),
