@@ -86,10 +86,13 @@ def test_chat_under_torchrun_answers_like_one_process(tiny_dir, single, graphs, 
     assert result.stdout.count("prompt eval count:") == 1  # only rank 0 answers
 
 
-def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single):
+@pytest.mark.parametrize("batching", [(), ("--max_batch", "2", "--prefill_chunk", "8")])
+def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single, batching):
+    """Rank 0 serves, rank 1 follows; with continuous batching the prompt is prefilled 8 tokens a pass,
+    each pass announced to the follower where it enters the expert-parallel layers."""
     port = free_port()
     cmd = [*torchrun(free_port()), "serve", "--model_path", str(tiny_dir), "--optimize_config_path", EP_RULES,
-           "--port", str(port), "--cpu_infer", "1"]
+           "--port", str(port), "--cpu_infer", "1", *batching]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_until_up(server, [port])

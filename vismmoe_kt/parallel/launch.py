@@ -2,15 +2,15 @@
 
 Expert parallelism splits each MoE layer's experts over the ranks, so every rank must enter every MoE
 layer's exchange. With one front end (the HTTP server, the chat prompt) only rank 0 has requests; the
-others follow it: before each forward of the language model rank 0 broadcasts STEP (a lean decode
-step, lean or batched, which bypasses that forward, announces itself as FIXED_STEP with its rows:
-its exchanges are the fixed-size ones, with no read on the host, `context.ep_fixed_rows` on every
-rank), and each follower calls its
-expert-parallel operators, layer by layer in the model's order, with no tokens of its own, which
-serves its experts to rank 0's tokens. While idle, rank 0 broadcasts HEARTBEAT every few seconds,
-so a follower can tell a quiet leader from a lost one (the group's timeout); STOP ends the followers.
-A lock keeps a heartbeat from landing inside a forward's exchanges (collectives must be issued in the
-same order on every rank).
+others follow it. Before each pass through the MoE layers (announced where it enters the first
+expert-parallel layer: a forward, a chunk of a prompt, prompts prefilled together) rank 0 broadcasts
+STEP. A decode step, lean or batched, announces itself from its step hooks as FIXED_STEP with its
+rows: its exchanges are the fixed-size ones, with no read on the host (`context.ep_fixed_rows` on
+every rank). Each follower then calls its expert-parallel operators, layer by layer in the model's
+order, with no tokens of its own, which serves its experts to rank 0's tokens. While idle, rank 0
+broadcasts HEARTBEAT every few seconds, so a follower can tell a quiet leader from a lost one (the
+group's timeout); STOP ends the followers. A lock keeps a heartbeat from landing inside a pass's
+exchanges (collectives must be issued in the same order on every rank).
 """
 
 from __future__ import annotations
@@ -87,17 +87,20 @@ def _broadcast(command: torch.Tensor) -> None:
 
 
 class Leader:
-    """Rank 0: announces each forward of the language model, keeps the followers company when idle."""
+    """Rank 0: announces each pass through the MoE layers, keeps the followers company when idle."""
 
     def __init__(self, model: Any, group: Group, heartbeat_s: float = 5.0):
         global current_leader
-        expert_parallel_operators(model)
+        ops = expert_parallel_operators(model)
         self.device = torch.device(group.device)
         self.lock = threading.RLock()
         self.stopped = threading.Event()
-        language = model.vismmoe.adapter.text_model(model)
-        self._hooks = [language.register_forward_pre_hook(self._before),
-                       language.register_forward_hook(self._after, always_call=True)]
+        # a pass is announced where it enters the first expert-parallel layer and ends after the last: every
+        # pass that runs the layers, however the engine got there (a forward, a chunk of a prompt, prompts
+        # prefilled together), and none that does not (a forward that only gathers a prompt's inputs)
+        self._in_pass = False
+        self._hooks = [ops[0].register_forward_pre_hook(self._before),
+                       ops[-1].register_forward_hook(self._after, always_call=True)]
         # decode steps (lean or batched) run without the language model's forward: announce those too,
         # with their rows, as steps whose exchanges are the fixed-size ones (context.ep_fixed_rows)
         self._context = context_of_model(model)
@@ -113,11 +116,16 @@ class Leader:
         _broadcast(torch.tensor([value, rows], device=self.device))
 
     def _before(self, module: Any, args: Any) -> None:
-        self.lock.acquire()  # released by _after, also when the forward raises
+        if self._context.ep_fixed_rows:  # a decode step's layers: the step hook announced it
+            return
+        self.lock.acquire()  # released by _after, also when the last layer raises
+        self._in_pass = True
         self._send(STEP)
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
-        self.lock.release()
+        if self._in_pass:
+            self._in_pass = False
+            self.lock.release()
 
     def _before_step(self, rows: int) -> None:
         self.lock.acquire()  # released by _after_step
