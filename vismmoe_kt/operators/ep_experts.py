@@ -25,6 +25,7 @@ from ..lb.controller import RealbStats
 from ..lb.fp8_experts import Fp8Experts
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import ExpertParallelSettings
+from ..parallel.compute_timer import ComputeTimer
 from ..parallel.expert_parallel import contiguous_map, ep_forward, ep_forward_static
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
@@ -66,6 +67,7 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.act = self.adapter.expert_activation(orig_module)
         self.last_plan: torch.Tensor | None = None  # switched experts of the last call (same on every rank)
         self.fixed_passes = 0
+        self.timer = ComputeTimer(self.generate_device)  # this rank's own compute per call (off unless enabled)
         self.counters = RealbStats()  # the group's: pairs, switched ones, the LB gate, imbalance
         # decode steps exchange fixed-size buffers (no host reads) where no host decision is needed: BF16,
         # or ReaLB whose LB gate cannot open at the step's rows on every rank (`_fixed_exchange`)
@@ -152,7 +154,7 @@ class ExpertParallelExperts(BaseInjectedModule):
                 return torch.zeros_like(hidden_states)
             self.fixed_passes += 1
             return ep_forward_static(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
-                                     self.local_experts, self.expert_rank, self.act, rows)
+                                     self.local_experts, self.expert_rank, self.act, rows, timer=self.timer)
         holders = None
         if self.mode == "eplb":
             from ..parallel.replication import holders_tensor
@@ -165,7 +167,7 @@ class ExpertParallelExperts(BaseInjectedModule):
                           self.local_experts, self.expert_rank, self.act, visual=visual,
                           plan=None if self.mode in ("bf16", "eplb") else self._plan, lowprec_mlp=self.lowprec_mlp,
                           whole_expert=self.mode == "all" or self.scope == "expert", holders=holders,
-                          overlap_plan=self.mode != "realb-seq", lowprec_experts=self.fp8)
+                          overlap_plan=self.mode != "realb-seq", lowprec_experts=self.fp8, timer=self.timer)
         if self.mode == "eplb":  # after the step, so a re-placement never splits one layer's exchange
             self._replace_experts(top_k_index)
         return out

@@ -20,6 +20,7 @@ the receiving rank can keep text rows of a switched expert in BF16.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -52,7 +53,8 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                plan: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
                lowprec_mlp: Callable | None = None, whole_expert: bool = False,
                holders: torch.Tensor | None = None, overlap_plan: bool = True,
-               lowprec_experts: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None) -> torch.Tensor:
+               lowprec_experts: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None,
+               timer: Callable[[], Any] | None = None) -> torch.Tensor:
     """The layer's routed-expert output for this rank's tokens, experts spread over the group.
 
     visual (T,) bool: image tokens; plan(global_load[E], global_vision[E], global_tokens) -> switched
@@ -61,7 +63,8 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     copy p mod copies(e); without it, expert e lives on expert_rank[e] only. overlap_plan: the plan's
     all-reduce runs beside the dispatch (ReaLB); False waits for it first (ReaLB-seq).
     lowprec_experts(x, local rows, act): every switched pair at once (the fp8 backend's grouped GEMMs
-    over its E4M3 copy, lb/fp8_experts.py) instead of lowprec_mlp expert by expert."""
+    over its E4M3 copy, lb/fp8_experts.py) instead of lowprec_mlp expert by expert. timer(): a context
+    manager around this rank's own expert compute (parallel/compute_timer.py)."""
     ranks = dist.get_world_size(group)
     device = hidden.device
     tokens, k = top_k_index.shape
@@ -103,28 +106,29 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         work.wait()
         load, vision = metadata[:-1].view(2, num_experts)
         switched = plan(load.float().cpu(), vision.float().cpu(), int(metadata[-1])).to(device)
-    results = recv_rows
-    if recv_rows.shape[0]:
-        local_index = torch.full((num_experts,), -1, dtype=torch.long, device=device)
-        local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
-        rows = local_index[recv_experts][:, None]
-        lowprec = switched[recv_experts] & (recv_visual | whole_expert)
-        # each received pair computed once: the BF16 ones by grouped GEMM (an expert's group holds exactly
-        # its BF16 pairs), the switched ones below in low precision
-        keep = torch.nonzero(~lowprec, as_tuple=True)[0]
-        results = torch.empty_like(recv_rows)
-        if keep.numel():
-            results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
-                                         torch.arange(local_experts.numel(), device=device), local_gate_up,
-                                         local_down, act)
-        if lowprec_experts is not None:
-            pick = torch.nonzero(lowprec, as_tuple=True)[0]
-            if pick.numel():
-                results[pick] = lowprec_experts(recv_rows[pick], rows[pick, 0], act).to(results.dtype)
-        for e in ([] if lowprec_experts is not None else torch.unique(recv_experts[lowprec]).tolist()):
-            pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
-            i = int(local_index[e])
-            results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
+    with (timer or nullcontext)():  # this rank's own compute, for the straggler figures
+        results = recv_rows
+        if recv_rows.shape[0]:
+            local_index = torch.full((num_experts,), -1, dtype=torch.long, device=device)
+            local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
+            rows = local_index[recv_experts][:, None]
+            lowprec = switched[recv_experts] & (recv_visual | whole_expert)
+            # each received pair computed once: the BF16 ones by grouped GEMM (an expert's group holds exactly
+            # its BF16 pairs), the switched ones below in low precision
+            keep = torch.nonzero(~lowprec, as_tuple=True)[0]
+            results = torch.empty_like(recv_rows)
+            if keep.numel():
+                results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
+                                             torch.arange(local_experts.numel(), device=device), local_gate_up,
+                                             local_down, act)
+            if lowprec_experts is not None:
+                pick = torch.nonzero(lowprec, as_tuple=True)[0]
+                if pick.numel():
+                    results[pick] = lowprec_experts(recv_rows[pick], rows[pick, 0], act).to(results.dtype)
+            for e in ([] if lowprec_experts is not None else torch.unique(recv_experts[lowprec]).tolist()):
+                pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
+                i = int(local_index[e])
+                results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
     back = hidden.new_empty(send_rows.shape)
     dist.all_to_all_single(back, results.contiguous(), send_split, recv_split, group=group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
@@ -136,7 +140,8 @@ ep_forward = guarded(ep_forward)
 
 def ep_forward_static(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       local_gate_up: torch.Tensor, local_down: torch.Tensor, local_experts: torch.Tensor,
-                      expert_rank: torch.Tensor, act: Any, capacity: int, group: Any = None) -> torch.Tensor:
+                      expert_rank: torch.Tensor, act: Any, capacity: int, group: Any = None,
+                      timer: Callable[[], Any] | None = None) -> torch.Tensor:
     """`ep_forward` for decode, with no read on the host: every rank sends every other rank a fixed
     `capacity` x K rows (its at most `capacity` tokens' pairs bound there first, the rest padding), so
     the exchanges have fixed sizes known in advance, `all_to_all_single` with equal splits. BF16 only
@@ -168,8 +173,9 @@ def ep_forward_static(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
     valid = recv_codes >= 0
     rows = local_index[recv_codes.clamp(min=0)][:, None]
-    results = bank_experts(recv, rows, valid[:, None].to(recv.dtype), torch.arange(local_experts.numel(), device=device),
-                           local_gate_up, local_down, act)
+    with (timer or nullcontext)():
+        results = bank_experts(recv, rows, valid[:, None].to(recv.dtype),
+                               torch.arange(local_experts.numel(), device=device), local_gate_up, local_down, act)
     back = torch.empty_like(results)
     dist.all_to_all_single(back, results, group=group)
     mine = back[at].view(tokens, k, hidden.shape[1]) * top_k_weights.to(back.dtype)[..., None]

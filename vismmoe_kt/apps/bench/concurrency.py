@@ -78,13 +78,14 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
                         prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET,
                         profile: Callable[[Callable[[], int]], dict] | None = None,
                         alone: Callable[[int, dict, int], list[int]] | None = None,
-                        samples: bool = False) -> dict[str, Any]:
+                        samples: bool = False, before_timed: Callable[[], None] | None = None) -> dict[str, Any]:
     """The figures above for len(requests) requests of `tokens` new tokens each, prompts prefilled
     `prefill_chunk` tokens a step (None: whole, those waiting together in one forward up to
     `prefill_budget` tokens). `profile(run)`: one more run of them under a profiler (`run()` returns
     its decode steps), its result under "kernels". `alone(i, request, tokens)`: request i's greedy
     tokens run by itself (after the timed run, which made it the i-th request), for the agreement.
-    `samples`: also every time to first token and inter-token gap ("samples"), to pool over ranks."""
+    `samples`: also every time to first token and inter-token gap ("samples"), to pool over ranks.
+    `before_timed()`: called between the warm-up and the timed run."""
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
@@ -92,6 +93,8 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
                          prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
     _run(runner, requests, tokens)  # warm-up: captures, caches
     runner.forget_histories()  # the same prompts again: prefilled whole, as new requests are
+    if before_timed is not None:
+        before_timed()
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     copied = pcie_bytes() if pcie_bytes is not None else None
     before = runner.stats()
@@ -136,17 +139,32 @@ def measure_data_parallel(model: Any, processor: Any, n: int, size: int, tokens:
     pictures) together, the ranks in lockstep (parallel/lockstep.py), as `measure_concurrency` does
     for one process. Returns, on every rank, the group's figures: N x ranks requests, tokens over the
     slowest rank's wall time, the ranks' full-batch rates summed, TTFT and inter-token percentiles over
-    every rank's samples, and each rank's own figures ("per_rank")."""
+    every rank's samples, each rank's own figures ("per_rank"), and the timed run's expert compute per
+    rank with its straggler time (parallel/compute_timer.py: per layer call, the slowest rank's compute
+    minus the mean)."""
     import torch.distributed as dist
 
+    from ...parallel.compute_timer import straggler_seconds
+    from ...parallel.launch import expert_parallel_operators
     from ...parallel.lockstep import Lockstep
 
     requests = concurrent_requests(processor, n, size, group.device, first=group.rank * n)
+    timers = [op.timer for op in expert_parallel_operators(model)]
+
+    def start_timing() -> None:  # each layer's own compute, call by call, in the timed run only
+        for timer in timers:
+            timer.enabled = True
+            timer.take()
     with Lockstep(model, group) as lockstep:
-        mine = measure_concurrency(model, requests, tokens, prefill_chunk=prefill_chunk, samples=True)
+        mine = measure_concurrency(model, requests, tokens, prefill_chunk=prefill_chunk, samples=True,
+                                   before_timed=start_timing)
     mine.update(passes=lockstep.passes, idle_passes=lockstep.idle_passes)
+    mine["compute_s"] = [timer.take() for timer in timers]  # after the drain: the other ranks' passes too
+    for timer in timers:
+        timer.enabled = False
     ranks: list[dict] = [{} for _ in range(group.world)]
     dist.all_gather_object(ranks, mine)
+    balance = straggler_seconds([r.pop("compute_s") for r in ranks])
     pooled = {key: [v for r in ranks for v in r["samples"][key]] for key in ("ttft_s", "itl_s")}
     for r in ranks:
         r.pop("samples")
@@ -161,4 +179,4 @@ def measure_data_parallel(model: Any, processor: Any, n: int, size: int, tokens:
                                                   if r["per_request_tok_s"] is not None] or [np.nan])),
             "decode_bytes_per_token": None,
             **{key: sum(r[key] for r in ranks) for key in ("steps", "graphed_steps", "prefill_groups")},
-            "per_rank": ranks}
+            **balance, "per_rank": ranks}

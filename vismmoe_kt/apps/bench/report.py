@@ -63,7 +63,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 CONCURRENCY_COLUMNS = ("config", "budget", "image px", "requests together", "aggregate tok/s (x one request)",
                        "while all decode tok/s", "per request tok/s", "TTFT p50 / p95 s", "inter-token p50 / p95 ms",
-                       "bytes/decode token (x one request)", "steps graphed")
+                       "bytes/decode token (x one request)", "steps graphed", "EP straggler ms (share of compute)")
 
 
 def concurrency_rows(row: dict[str, Any]) -> list[list[str]]:
@@ -86,7 +86,8 @@ def concurrency_rows(row: dict[str, Any]) -> list[list[str]]:
             f"{_num(level['ttft_p50_s'], '.3f')} / {_num(level['ttft_p95_s'], '.3f')}",
             f"{ms(level['itl_p50_s'])} / {ms(level['itl_p95_s'])}",
             _bytes(bytes_per) + ratio(bytes_per, row.get("bytes_per_decode_token")),
-            f"{level['graphed_steps']}/{level['steps']}"])
+            f"{level['graphed_steps']}/{level['steps']}",
+            f"{level['straggler_s'] * 1e3:.1f} ({level['straggler_share']:.0%})" if "straggler_s" in level else "-"])
     return out
 
 
