@@ -9,9 +9,9 @@ Here every rank has work of its own, and the ranks keep in step by themselves:
   decode step, lean or batched, whose exchanges are the fixed-size ones, and its rows
   (context.ep_fixed_rows; announced by the step's hooks, as the graphs do not run the layers'
   Python), or any other pass (announced by the first expert-parallel layer's forward pre-hook: a
-  whole prompt, a chunk). Every rank decides from the same answers which kind runs now; when both are asked
-  for, they take turns. The ranks whose kind waits serve the running passes with no tokens, then
-  ask again.
+  whole prompt, a chunk). Every rank decides from the same answers which kind runs now; when both
+  are asked for, they take turns. The ranks whose kind waits serve the running passes with no
+  tokens, then ask again.
 * a rank that has no work left calls `drain`. It joins the same all-reduces with zeros and serves
   each pass another rank runs, of its kind, until an all-reduce finds every rank idle. All ranks
   leave at that one collective.
@@ -32,7 +32,7 @@ from .expert_parallel import guarded
 from .launch import Group, expert_parallel_operators
 
 
-FIXED, FREE = "fixed", "free"  # a lean decode step (fixed-size exchanges), any other pass
+FIXED, FREE = "fixed", "free"  # a decode step, lean or batched (fixed-size exchanges); any other pass
 
 
 class GroupStopped(RuntimeError):
