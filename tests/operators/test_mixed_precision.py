@@ -67,9 +67,9 @@ def test_text_rows_stay_bf16_by_default(tiny_dir, big_image_inputs, monkeypatch)
     seen = {}
     original = operator.lowprec_pairs
 
-    def recording(mlp, hidden, index, weights, lowprec, *rest):
+    def recording(mlp, hidden, index, weights, lowprec, *rest, **kwargs):
         seen.setdefault("rows", lowprec.any(dim=1))  # the rows of the first layer's low-precision pairs
-        return original(mlp, hidden, index, weights, lowprec, *rest)
+        return original(mlp, hidden, index, weights, lowprec, *rest, **kwargs)
     monkeypatch.setattr(operator, "lowprec_pairs", recording)
     with torch.no_grad():
         model(**big_image_inputs)

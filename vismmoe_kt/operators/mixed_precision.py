@@ -132,13 +132,8 @@ class MixedPrecisionExperts(BaseInjectedModule):
         experts = self.orig_module
         gate_up, down = self.adapter.expert_weights(experts)
         act = self.adapter.expert_activation(experts)
-        if self.fp8 is not None:  # the switched pairs from the E4M3 copy, one grouped GEMM per projection
-            pairs = torch.zeros(*index.shape, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-            token, slot = torch.nonzero(lowprec, as_tuple=True)
-            y = self.fp8(hidden[token], index[token, slot], act)
-            pairs[token, slot] = (y * weights[token, slot, None]).to(pairs.dtype)
-        else:
-            pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales)
+        pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales,
+                              grouped=self.fp8)  # fp8: the E4M3 copy, one grouped GEMM per projection
         token, slot = torch.nonzero(~lowprec, as_tuple=True)
         if token.numel():
             rows = torch.arange(gate_up.shape[0], device=index.device)

@@ -121,14 +121,15 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                 results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
                                              torch.arange(local_experts.numel(), device=device), local_gate_up,
                                              local_down, act)
-            if lowprec_experts is not None:
+            if lowprec_experts is not None:  # every switched pair in one call
                 pick = torch.nonzero(lowprec, as_tuple=True)[0]
                 if pick.numel():
                     results[pick] = lowprec_experts(recv_rows[pick], rows[pick, 0], act).to(results.dtype)
-            for e in ([] if lowprec_experts is not None else torch.unique(recv_experts[lowprec]).tolist()):
-                pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
-                i = int(local_index[e])
-                results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
+            else:  # expert by expert
+                for e in torch.unique(recv_experts[lowprec]).tolist():
+                    pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
+                    i = int(local_index[e])
+                    results[pick] = lowprec_mlp(recv_rows[pick], local_gate_up[i], local_down[i], act).to(results.dtype)
     back = hidden.new_empty(send_rows.shape)
     dist.all_to_all_single(back, results.contiguous(), send_split, recv_split, group=group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)

@@ -45,7 +45,8 @@ def _passes(fixed: int, free: int, rows: int, stop: int, device: torch.device) -
     most rows any decode step brings, and whether any rank stops, now (one all-reduce, the maximum)."""
     asked = torch.tensor([fixed, free, rows, stop], dtype=torch.long, device=device)
     dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    return bool(asked[0]), bool(asked[1]), int(asked[2]), bool(asked[3])
+    fixed, free, rows, stop = asked.tolist()  # one read of the answers
+    return bool(fixed), bool(free), rows, bool(stop)
 
 
 class Lockstep:
