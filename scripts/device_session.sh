@@ -48,6 +48,9 @@
 #                                                   (decode_kernel_bench --batch --quantized --tune)
 #                                                   (end to end: BATCH_CONFIGS=lean:16GiB+q4k BATCH_ARGS="--batch-experts
 #                                                   expert-major" bash scripts/device_session.sh batchoff 448 8)
+#   bash scripts/device_session.sh realblayer       ReaLB's MoE layer on one GPU, each expert-parallel rank's compute in turn:
+#                                                   bf16, fp8-all, realb, fixed M_d for RxN (ranks x 448 px requests,
+#                                                   REALB_RUNS, default 2x16 4x16 8x16 8x32 8x64), synthetic routing
 #   bash scripts/device_session.sh epdp PX N...     (nvidia-h200-x2) expert parallelism over two GPUs: one request, then N
 #                                                   requests on every rank, data parallel (EP_CONFIGS: ep ep-graphs
 #                                                   ep-realb ep-realb-seq ep-lowprec-all); the profile has ReaLB's gate and switched pairs
@@ -176,6 +179,11 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kbatch" --batch --tune \
               > "$OUT/kbatch.txt" 2>&1 || true
             tail -c 3000 "$OUT/kbatch.txt" ;;
+    realblayer) shift  # ReaLB's MoE layer, each EP rank's expert compute on one GPU: R ranks x N requests
+              for spec in ${REALB_RUNS:-2x16 4x16 8x16 8x32 8x64}; do
+                timeout 170 python3 -m vismmoe_kt.apps.measure.realb_layer_bench --out "$OUT/realblayer-$spec" \
+                  --ranks "${spec%x*}" --requests "${spec#*x}" 2>&1 | tee "$OUT/realblayer-$spec.txt" | tail -7 || true
+              done ;;
     kqbatch) shift  # the same step on Q4_K slabs: GEMVs token by token, in one launch, the quantized expert-major kernels
              timeout 500 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
                --tune > "$OUT/kqbatch.txt" 2>&1 || true

@@ -39,6 +39,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--stores", action="store_true", help="the quantized host stores, GPU kernels vs CPU twins")
+    parser.add_argument("--fp8", action="store_true", help="only ReaLB's FP8 experts and quantization kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for the GPU machine", file=sys.stderr)
@@ -51,6 +52,8 @@ def main() -> int:
     print(json.dumps(fused))
     fp8 = check_fp8_grouped()
     print(json.dumps(fp8))
+    if args.fp8:
+        return 0 if fp8["ok"] else 1
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-6x64", "tiny-6x64", seed=0)
     rules = sorted(r for r in Path("optimize_rules").glob("*.yaml") if r.name != "qwen3vl-ep.yaml")  # needs torchrun
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
@@ -120,9 +123,11 @@ def check_fused_norm() -> dict:
 def check_fp8_grouped() -> dict:
     """ReaLB's fp8 backend (lb/fp8_experts.py) at Qwen3-VL-30B-A3B's expert shapes in BF16: the switched
     pairs through torch's FP8 grouped GEMM against the per-expert function (precision.py), which
-    quantizes the same weights the same way; on Hopper the grouped GEMM must have run."""
+    quantizes the same weights the same way, and both against the experts in float32; on Hopper the
+    grouped GEMM must have run."""
     from vismmoe_kt.lb.fp8_experts import Fp8Experts
-    from vismmoe_kt.lb.precision import expert_mlp_fn
+    from vismmoe_kt.lb.fp8_quant import quantize_rows, silu_mul_quantize
+    from vismmoe_kt.lb.precision import expert_mlp_fn, fp8_rows
 
     torch.manual_seed(0)
     experts, hidden, inter, pairs = 16, 2048, 768, 300
@@ -134,14 +139,36 @@ def check_fp8_grouped() -> dict:
     act = torch.nn.functional.silu
     fp8 = Fp8Experts(gate_up, down)
     got = fp8(x, ids, act).float()
-    per_expert, want = expert_mlp_fn("fp8"), torch.zeros_like(got)
+    per_expert, want, exact = expert_mlp_fn("fp8"), torch.zeros_like(got), torch.zeros_like(got)
     for e in ids.unique().tolist():
         rows = ids == e
         want[rows] = per_expert(x[rows], gate_up[e], down[e], act).float()
+        gate, up = (x[rows].float() @ gate_up[e].float().t()).chunk(2, dim=-1)
+        exact[rows] = (act(gate) * up) @ down[e].float().t()
     error = ((got - want).norm() / want.norm()).item()
+    # the grouped GEMM accumulates fast (fp8_experts.py): it may differ from the per-expert function by
+    # more than rounding, but must be about as close to the unquantized experts
+    error_exact = ((got - exact).norm() / exact.norm()).item()
+    error_exact_per_expert = ((want - exact).norm() / exact.norm()).item()
     hopper = torch.cuda.get_device_capability()[0] == 9
-    return {"check": "ReaLB fp8 grouped GEMM, BF16", "relative_error_vs_per_expert": error, **fp8.stats(),
-            "ok": error <= 1e-2 and (fp8.grouped or not hopper)}
+    # the one-pass quantization kernels (fp8_quant.py) against the torch formula they replace: the same
+    # scales, and values apart in at most a few last-bit cases (one E4M3 step)
+    quant = {}
+    gate_up_rows = torch.randn(pairs, 2 * inter, device="cuda").to(torch.bfloat16)
+    gate, up = gate_up_rows.chunk(2, dim=-1)
+    for name, (q, s), (wq, ws) in (("quantize_rows", quantize_rows(x), fp8_rows(x)),
+                                   ("silu_mul_quantize", silu_mul_quantize(gate_up_rows, act), fp8_rows(act(gate) * up))):
+        step = (q.float() - wq.float()).abs() / wq.float().abs().clamp(min=2 ** -6)
+        quant[name] = {"scales_max_relative": float(((s - ws.squeeze(-1)).abs() / ws.squeeze(-1)).max()),
+                       "values_differing": float((q.float() != wq.float()).float().mean()),
+                       "largest_difference_in_steps": float(step.max() * 8)}
+    quant_ok = all(v["scales_max_relative"] <= 1e-5 and v["values_differing"] <= 1e-3
+                   and v["largest_difference_in_steps"] <= 1.01 for v in quant.values())
+    return {"check": "ReaLB fp8 grouped GEMM, BF16", "relative_error_vs_per_expert": error,
+            "relative_error_vs_fp32": error_exact, "per_expert_relative_error_vs_fp32": error_exact_per_expert,
+            **fp8.stats(), "quantization_kernels": quant,
+            "ok": error <= 3e-2 and error_exact <= 1.1 * error_exact_per_expert + 1e-3 and (fp8.grouped or not hopper)
+            and quant_ok}
 
 
 def check_stores(out: str | None) -> int:

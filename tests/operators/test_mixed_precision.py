@@ -219,6 +219,7 @@ def test_fp8_backend_quantizes_the_weights_once_and_groups_the_switched_pairs(ti
     only its activations (no weight-shaped tensor reaches the quantizer) and computes every switched pair
     once, the numbers of the per-expert function that quantizes the weights on each call."""
     import vismmoe_kt.lb.fp8_experts as fp8_experts
+    import vismmoe_kt.lb.fp8_quant as fp8_quant
     from vismmoe_kt.lb.precision import expert_mlp_fn
 
     model, _ = load(tiny_dir, RULES, precision_backend="fp8", lb_gate_tokens=64, md_start=0.5, **CPU)
@@ -229,10 +230,11 @@ def test_fp8_backend_quantizes_the_weights_once_and_groups_the_switched_pairs(ti
     assert torch.allclose(op.fp8.gate_up_scale, gate_up.abs().amax(-1) / 448)
     quantized, rows, checked = [], [0], []
     real_rows = fp8_experts.fp8_rows
-    monkeypatch.setattr(fp8_experts, "fp8_rows", lambda t: quantized.append(tuple(t.shape)) or real_rows(t))
+    for module in (fp8_experts, fp8_quant):  # the weights' quantizer and the activations' (its torch formula here)
+        monkeypatch.setattr(module, "fp8_rows", lambda t: quantized.append(tuple(t.shape)) or real_rows(t))
     for each in operators:
-        call = each.fp8.__call__
-        each.fp8 = type("Counting", (), {"__call__": lambda self, x, *rest, call=call: rows.__setitem__(
+        call = each.fp8.grouped_rows
+        each.fp8 = type("Counting", (), {"grouped_rows": lambda self, x, *rest, call=call: rows.__setitem__(
             0, rows[0] + x.shape[0]) or call(x, *rest), "stats": lambda self: {}})()
         split = each._split
         each._split = lambda h, i, w, lp, split=split, each=each: checked.append((h, i, w, lp, each)) or split(h, i, w, lp)

@@ -200,7 +200,8 @@ def test_realb_plan_is_the_same_on_every_rank(tmp_path):
 
 def fp8_worker(rank, world, port, out_dir):
     """ReaLB on real ranks with the fp8 backend: each rank's experts in E4M3 once (Fp8Experts), every
-    switched pair it receives in one grouped call, against the per-expert function."""
+    switched pair it receives in one grouped call (after the BF16 ones, in one sort), against the
+    per-expert function."""
     from vismmoe_kt.lb.fp8_experts import Fp8Experts
     from vismmoe_kt.lb.policy import plan_precision
     from vismmoe_kt.lb.precision import expert_mlp_fn
@@ -221,7 +222,7 @@ def fp8_worker(rank, world, port, out_dir):
 
     def grouped(x, *rest):
         rows[0] += x.shape[0]
-        return fp8(x, *rest)
+        return fp8.grouped_rows(x, *rest)
 
     def plan(load, vision, total):
         return plan_precision(load, vision, rank_of, world, total, gate_tokens=32, vision_threshold=0.0).lowprec

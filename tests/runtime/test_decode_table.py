@@ -235,3 +235,46 @@ def test_the_kernels_serve_silu_gating_only():
     assert kernel_usable(cuda, torch.bfloat16, ACT2FN["silu"]) == decode_kernel.available(torch.bfloat16)
     assert not kernel_usable(cuda, torch.bfloat16, ACT2FN["gelu"])
     assert not kernel_usable(torch.device("cpu"), torch.bfloat16, ACT2FN["silu"])
+
+
+def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
+    """A slab for every offloaded expert (Q4_K slabs): once every expert has landed, decode never evicts
+    and never reads the host, for one request or a batch. The decode table's landing reservations
+    took slabs from a full pool, and each one evicted a resident expert, which the next step missed."""
+    from vismmoe_kt import load
+    from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate
+    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.routing_source import install_routing
+    from vismmoe_kt.operators.vis_experts import VisExperts
+
+    spec = SPECS["tiny-3x32"]
+    model_dir = save_tiny_model(tmp_path / "m", spec, seed=0)
+    _, processor = build_tiny_model(spec, seed=0)
+    layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
+    block = 3 * spec.hidden * spec.moe_intermediate // 256 * 144  # a Q4_K expert
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=layer + 66 * block,
+                    store_dtype="q4_k", slab_format="quantized", graphs="off", pinned_layers=1,
+                    generate_device="cpu", prefill_device="cpu", progress=False)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    assert runtime.num_slabs == 2 * spec.experts  # every offloaded expert has a slab, two to spare
+    install_routing(model, "synthetic:0")  # realistic routing: decode reaches experts prefill did not
+    prompts = [processor(text=[f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n"], return_tensors="pt")
+               for t in ("hello there", "what is this about", "two words", "cats and dogs")]
+    with torch.no_grad():
+        for _ in range(3):  # warm: every expert routed to at least once lands
+            generate_batch(model, [dict(p) for p in prompts], 12, max_batch=4, min_new_tokens=12)
+        with runtime.lock:  # whatever is still cold, as a long image prefill would route to it
+            runtime.boundary.leave()
+            runtime.transfers.fetch([(l, e) for l in runtime.moe_layers if l not in runtime.pinned
+                                     for e in range(runtime.num_experts) if (l, e) not in runtime.cache.where])
+        before = runtime.summary()
+        hits = sum(c.hits for c in runtime.counters["decode"].values())
+        decode_engine(model).forget()
+        generate(model, dict(prompts[0]), 12, min_new_tokens=12)
+        generate_batch(model, [dict(p) for p in prompts], 12, max_batch=4, min_new_tokens=12)
+        after = runtime.summary()
+    assert sum(c.hits for c in runtime.counters["decode"].values()) > hits  # decode ran through the table
+    assert after["decode_evictions"] == before["decode_evictions"]
+    assert after["bytes_host_reads_decode"] == before["bytes_host_reads_decode"]

@@ -275,17 +275,19 @@ def test_slab_format_auto_is_quantized_wherever_quantized_slabs_work(case, case2
         assert runtime.quantized_slabs is quantized
 
 
-@pytest.mark.parametrize("fmt,slabs,graphs,mode", [("q4_k", "quantized", "off", "auto"),
+@pytest.mark.parametrize("fmt,slabs,graphs,mode", [("q4_k", "quantized", "off", "table"),
+                                                   ("q4_k", "quantized", "replay", "table"),
+                                                   ("q4_k", "quantized", "off", "auto"),
                                                    ("q4_k", "quantized", "replay", "auto"),
                                                    ("q4_k", "quantized", "off", "expert-major"),
-                                                   ("q4_k", "quantized", "replay", "expert-major"),
                                                    ("q8_0", "dequantized", "replay", "auto")])
 def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, slabs, graphs, mode, monkeypatch):
     """Batched generation over a quantized store: each token of a batched step looks its experts up in
     the decode table after the one before it (a miss the first lands is a hit for the next), with
-    quantized or dequantized slabs, eagerly and captured; or, with quantized slabs and `batch_experts`
-    expert-major, the step's tokens at once (misses staged into landing slabs or staging rows, each
-    expert decoded once per block of its tokens). Every request gets its tokens alone."""
+    quantized or dequantized slabs, eagerly and captured (`batch_experts` table); or, with quantized
+    slabs and `batch_experts` expert-major or auto, the step's tokens at once (misses staged into
+    landing slabs or staging rows, each expert decoded once per block of its tokens). Every request
+    gets its tokens alone."""
     from vismmoe_kt.engine.batched import generate_batch
     from vismmoe_kt.runtime import offload
 
@@ -304,7 +306,8 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
     _, processor = build_tiny_model(spec, seed=0)
     layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
     # expert-major: the pinned layer and 33 Q4_K slabs for the other two layers' 64 experts, so steps miss
-    budget = layer + 33 * 3 * spec.hidden * spec.moe_intermediate // 256 * 144 if mode == "expert-major" else 2 * layer
+    major = slabs == "quantized" and mode in ("auto", "expert-major")  # auto: expert-major on quantized slabs
+    budget = layer + 33 * 3 * spec.hidden * spec.moe_intermediate // 256 * 144 if major else 2 * layer
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, store_dtype=fmt,
                     slab_format=slabs, graphs=graphs, pinned_layers=1, **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
@@ -323,7 +326,7 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
     assert max(sizes) == 3
     if graphs == "replay":  # the offloaded layers inside the captures too
         assert stats["graphed_steps"] == stats["steps"] and stats["eager_pieces_per_step"] == 0
-    if mode == "expert-major":  # every batched step's offloaded layer at once; misses both landed and staged
+    if major:  # every batched step's offloaded layer at once; misses both landed and staged
         assert seen["calls"] > 0 and seen["landed"] > 0 and (graphs == "replay" or seen["staged"] > 0)
     else:
-        assert seen["calls"] == 0  # auto keeps the per-pair GEMVs
+        assert seen["calls"] == 0  # token by token: the per-pair GEMVs (or dequantized slabs)

@@ -9,9 +9,11 @@ BF16 GEMM would have cost, so switching an expert could only add time. Here inst
 - at load, each expert's gate_up (2I, H) and down (H, I) rows in E4M3, one float32 scale per output
   row (its amax / 448): half the BF16 bytes, read instead of them when the expert is switched;
 - per call, the pairs sorted by expert, each row's activations quantized with a scale of its own (per
-  token, as precision.py does), then each projection as one grouped GEMM over every switched expert:
-  `torch._scaled_grouped_mm` (FP8 tensor cores, rowwise scales) on a GPU that has it (Hopper), else
-  `torch._scaled_mm` expert by expert (the CPU, and the GPU's fallback, whose reason `stats` gives).
+  token, as precision.py does; on the GPU one Triton pass per projection, fp8_quant.py, the down
+  projection's with the SiLU and product fused in), then each projection as one grouped GEMM over
+  every switched expert: `torch._scaled_grouped_mm` (FP8 tensor cores, rowwise scales, fast
+  accumulation) on a GPU that has it (Hopper), else `torch._scaled_mm` expert by expert (the CPU, and
+  the GPU's fallback, whose reason `stats` gives).
 Both ways quantize the same values with the same scales, so on the CPU the result is precision.py's
 fp8 backend's, bit for bit. The rows come back in the caller's order.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .fp8_quant import quantize_rows, silu_mul_quantize
 from .precision import fp8_rows
 
 
@@ -49,31 +52,41 @@ class Fp8Experts:
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, act: Any) -> torch.Tensor:
         """(P, H) outputs of the pairs (x[p], expert experts[p]) in x's dtype (float32 from float32)."""
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        order = torch.argsort(experts, stable=True)
-        ends = torch.cumsum(torch.bincount(experts, minlength=self.gate_up.shape[0]), 0)
-        gate, up = self._project(x[order], self.gate_up, self.gate_up_scale, ends, out_dtype).chunk(2, dim=-1)
-        y = self._project(act(gate) * up, self.down, self.down_scale, ends, out_dtype)
+        sorted_experts, order = torch.sort(experts, stable=True)
+        # each expert's group end, from the sorted ids on the device (bincount would wait for the host)
+        ends = torch.searchsorted(sorted_experts, torch.arange(self.gate_up.shape[0], device=experts.device),
+                                  right=True)
+        y = self.grouped_rows(x[order], ends, act)
         out = torch.empty_like(y)
         out[order] = y
         return out
 
-    def _project(self, x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-        """Rows of x grouped by expert (group e ends at ends[e]) times their expert's weights (E, N, K)."""
-        xq, xs = fp8_rows(x)
+    def grouped_rows(self, x: torch.Tensor, ends: torch.Tensor, act: Any) -> torch.Tensor:
+        """(P, H) outputs of rows x (P, H) already grouped by expert, group e ending at ends[e]."""
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        xq, xs = quantize_rows(x.contiguous())
+        gate_up = self._project(xq, xs, self.gate_up, self.gate_up_scale, ends, out_dtype)
+        hq, hs = silu_mul_quantize(gate_up, act)  # act(gate) * up in E4M3, one pass
+        return self._project(hq, hs, self.down, self.down_scale, ends, out_dtype)
+
+    def _project(self, xq: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor,
+                 ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """E4M3 rows xq (scales xs (P,)) grouped by expert (group e ends at ends[e]) times their expert's
+        weights (E, N, K)."""
         if self.grouped:
             try:
-                return torch._scaled_grouped_mm(xq, weights.transpose(-2, -1), xs.squeeze(-1), scales,
-                                                offs=ends.to(torch.int32), out_dtype=out_dtype)
+                # fast accumulation: without it the FP8 grouped GEMM took 364 us where BF16's took 191
+                # (14,709 rows, 16 experts, H200, 2026-12-01), with it 156, the same error
+                return torch._scaled_grouped_mm(xq, weights.transpose(-2, -1), xs, scales,
+                                                offs=ends.to(torch.int32), out_dtype=out_dtype, use_fast_accum=True)
             except (RuntimeError, NotImplementedError) as exc:  # shapes or a build it refuses: per expert
                 self.grouped = False
                 self.reason_per_expert = f"torch._scaled_grouped_mm: {str(exc).splitlines()[0][:160]}"
-        out = torch.empty(x.shape[0], weights.shape[1], dtype=out_dtype, device=x.device)
+        out = torch.empty(xq.shape[0], weights.shape[1], dtype=out_dtype, device=xq.device)
         start = 0
         for e, end in enumerate(ends.tolist()):
             if end > start:
-                out[start:end] = torch._scaled_mm(xq[start:end], weights[e].t(), scale_a=xs[start:end],
+                out[start:end] = torch._scaled_mm(xq[start:end], weights[e].t(), scale_a=xs[start:end, None],
                                                   scale_b=scales[e][None, :], out_dtype=out_dtype)
             start = end
         return out

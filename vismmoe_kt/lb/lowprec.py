@@ -42,16 +42,11 @@ class ExpertScales:
 
 def lowprec_pairs(mlp: Callable[..., torch.Tensor], hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                   lowprec: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Any,
-                  scales: ExpertScales, grouped: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                  scales: ExpertScales) -> torch.Tensor:
     """The `lowprec` (T, K) pairs of every switched expert, each quantized on demand by the backend's `mlp`,
-    weighted, each in its own place (T, K, H); zeros for the other pairs. `grouped(x, experts, act)`: all
-    of them in one call instead (the fp8 backend's E4M3 copy, fp8_experts.py)."""
+    weighted, each in its own place (T, K, H); zeros for the other pairs. (The fp8 backend runs them all
+    at once instead: fp8_experts.py, through runtime/expert_compute.precision_split_rows.)"""
     out = torch.zeros(*index.shape, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    if grouped is not None:
-        token, slot = torch.nonzero(lowprec, as_tuple=True)
-        y = grouped(hidden[token], index[token, slot], act)
-        out[token, slot] = (y * weights[token, slot, None]).to(out.dtype)
-        return out
     for expert in torch.unique(index[lowprec]).tolist():
         token, slot = torch.where((index == expert) & lowprec)
         y = mlp(hidden[token], gate_up[expert], down[expert], act, scales.of(expert))

@@ -167,7 +167,8 @@ class ExpertParallelExperts(BaseInjectedModule):
                           self.local_experts, self.expert_rank, self.act, visual=visual,
                           plan=None if self.mode in ("bf16", "eplb") else self._plan, lowprec_mlp=self.lowprec_mlp,
                           whole_expert=self.mode == "all" or self.scope == "expert", holders=holders,
-                          overlap_plan=self.mode != "realb-seq", lowprec_experts=self.fp8, timer=self.timer)
+                          overlap_plan=self.mode != "realb-seq", lowprec_experts=None if self.fp8 is None else self.fp8.grouped_rows,
+                          timer=self.timer)
         if self.mode == "eplb":  # after the step, so a re-placement never splits one layer's exchange
             self._replace_experts(top_k_index)
         return out

@@ -30,7 +30,7 @@ from ..lb.fp8_experts import Fp8Experts
 from ..lb.lowprec import ExpertScales, lowprec_pairs
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import MODES, MixedPrecisionSettings
-from ..runtime.expert_compute import bank_experts
+from ..runtime.expert_compute import bank_experts, precision_split_rows
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
 __all__ = ["MixedPrecisionExperts", "MODES"]
@@ -132,8 +132,13 @@ class MixedPrecisionExperts(BaseInjectedModule):
         experts = self.orig_module
         gate_up, down = self.adapter.expert_weights(experts)
         act = self.adapter.expert_activation(experts)
-        pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales,
-                              grouped=self.fp8)  # fp8: the E4M3 copy, one grouped GEMM per projection
+        if self.fp8 is not None:  # one sort: the BF16 pairs grouped by expert, then the switched ones (E4M3)
+            tokens, k = index.shape
+            token = torch.arange(tokens, device=index.device).repeat_interleave(k)
+            y = precision_split_rows(hidden, token, index.reshape(-1), lowprec.reshape(-1), gate_up, down, act,
+                                     self.fp8.grouped_rows)
+            return (y * weights.reshape(-1, 1).to(y.dtype)).to(hidden.dtype).view(tokens, k, -1)
+        pairs = lowprec_pairs(self.lowprec_mlp, hidden, index, weights, lowprec, gate_up, down, act, self.scales)
         token, slot = torch.nonzero(~lowprec, as_tuple=True)
         if token.numel():
             rows = torch.arange(gate_up.shape[0], device=index.device)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerLostError
-from ..runtime.expert_compute import bank_experts
+from ..runtime.expert_compute import bank_experts, precision_split_rows
 
 
 def guarded(fn: Callable) -> Callable:
@@ -62,8 +62,10 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     lists the ranks with a copy of each expert (-1 pads; EPLB replication): pair p of expert e goes to
     copy p mod copies(e); without it, expert e lives on expert_rank[e] only. overlap_plan: the plan's
     all-reduce runs beside the dispatch (ReaLB); False waits for it first (ReaLB-seq).
-    lowprec_experts(x, local rows, act): every switched pair at once (the fp8 backend's grouped GEMMs
-    over its E4M3 copy, lb/fp8_experts.py) instead of lowprec_mlp expert by expert. timer(): a context
+    lowprec_experts(x, ends, act): every switched pair at once, x grouped by local expert (group e ending
+    at ends[e]) (the fp8 backend's grouped GEMMs over its E4M3 copy, Fp8Experts.grouped_rows), the BF16
+    and switched pairs split by one sort (runtime/expert_compute.precision_split_rows); else lowprec_mlp
+    expert by expert. timer(): a context
     manager around this rank's own expert compute (parallel/compute_timer.py)."""
     ranks = dist.get_world_size(group)
     device = hidden.device
@@ -113,19 +115,16 @@ def ep_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
             local_index[local_experts.to(device)] = torch.arange(local_experts.numel(), device=device)
             rows = local_index[recv_experts][:, None]
             lowprec = switched[recv_experts] & (recv_visual | whole_expert)
-            # each received pair computed once: the BF16 ones by grouped GEMM (an expert's group holds exactly
-            # its BF16 pairs), the switched ones below in low precision
-            keep = torch.nonzero(~lowprec, as_tuple=True)[0]
-            results = torch.empty_like(recv_rows)
-            if keep.numel():
-                results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
-                                             torch.arange(local_experts.numel(), device=device), local_gate_up,
-                                             local_down, act)
-            if lowprec_experts is not None:  # every switched pair in one call
-                pick = torch.nonzero(lowprec, as_tuple=True)[0]
-                if pick.numel():
-                    results[pick] = lowprec_experts(recv_rows[pick], rows[pick, 0], act).to(results.dtype)
-            else:  # expert by expert
+            if lowprec_experts is not None:  # each received pair once: BF16 groups, then the switched ones
+                results = precision_split_rows(recv_rows, None, rows[:, 0], lowprec, local_gate_up, local_down, act,
+                                               lowprec_experts)
+            else:  # BF16 by grouped GEMM (an expert's group holds exactly its BF16 pairs), switched expert by expert
+                keep = torch.nonzero(~lowprec, as_tuple=True)[0]
+                results = torch.empty_like(recv_rows)
+                if keep.numel():
+                    results[keep] = bank_experts(recv_rows[keep], rows[keep], recv_rows.new_ones(keep.numel(), 1),
+                                                 torch.arange(local_experts.numel(), device=device), local_gate_up,
+                                                 local_down, act)
                 for e in torch.unique(recv_experts[lowprec]).tolist():
                     pick = torch.nonzero(lowprec & (recv_experts == e), as_tuple=True)[0]
                     i = int(local_index[e])

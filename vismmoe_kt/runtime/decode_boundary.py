@@ -189,6 +189,11 @@ class DecodeBoundary:
             if len(have) < want:
                 wanted.append((row, want - len(have)))
         keys = [(rt.moe_layers[row], -1 - next(self._names)) for row, n in wanted for _ in range(n)]
+        if cache.num_slabs >= len(cache.layer_order) * rt.num_experts:
+            # a slab for every offloaded expert: landings take free slabs only. A reservation that evicted
+            # would make its victim a miss, whose landing's reservation evicts the next: misses for ever
+            # (Q4_K at 16 GiB on the H200: 0.7 MB a token for one request, 5.3 MB in a batch of 8)
+            keys = keys[:cache.free_slabs]
         if keys:
             before = list(cache.owner)
             slabs = cache.assign_many(keys, urgent=True, count=False)

@@ -90,3 +90,42 @@ def bank_experts(
     # CUDA atomics add a token's K contributions in a different order on every run
     unsorted = torch.empty_like(y).index_copy_(0, order, y)
     return unsorted.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden.dtype)
+
+
+def precision_split_rows(
+    rows_x: torch.Tensor,          # (S, H) source rows
+    token: torch.Tensor | None,    # (P,) source row of each pair; None: pair p is rows_x[p]
+    experts: torch.Tensor,         # (P,) each pair's expert, a row of gate_up / down
+    lowprec: torch.Tensor,         # (P,) bool: the pair runs in low precision
+    gate_up: torch.Tensor,         # (E, 2I, H)
+    down: torch.Tensor,            # (E, H, I)
+    act: Any,
+    lowprec_grouped: Any,          # (x (Q, H) grouped by expert, ends (E,) int64 cumulative, act) -> (Q, H)
+) -> torch.Tensor:
+    """(P, H) outputs of P pairs, each computed once: the BF16 ones by grouped GEMM over their experts,
+    the `lowprec` ones by `lowprec_grouped` (the fp8 backend's E4M3 copy, lb/fp8_experts.py).
+
+    One stable sort by (precision, expert) puts every BF16 pair first, grouped by expert, then every
+    low-precision pair, grouped the same way: each part is a view of one gathered copy of the rows,
+    and the results go back to pair order in one pass. The split point is the one number read by the
+    host. Where the operators first gathered each part through a boolean mask and scattered it back
+    (a host sync per mask, two (P, H) copies per part), a rank's layer with a few switched experts took
+    longer than the same pairs all in BF16 (realb_layer_bench, H200, 2026-12-01). An expert's BF16 group
+    holds exactly its BF16 pairs, so an unswitched expert's outputs are the all-BF16 ones bit for bit.
+    """
+    num_experts = gate_up.shape[0]
+    key = experts + num_experts * lowprec.long()
+    sorted_key, order = torch.sort(key, stable=True)
+    ends = torch.searchsorted(sorted_key, torch.arange(2 * num_experts, device=key.device), right=True)
+    low = int(lowprec.sum())  # the host's one read
+    split = key.numel() - low
+    x = rows_x[order if token is None else token[order]].to(gate_up.dtype)
+    parts = []
+    if split:
+        offs = ends[:num_experts].to(torch.int32)
+        gate, up = _grouped(x[:split], gate_up, offs).chunk(2, dim=-1)
+        parts.append(_grouped(act(gate) * up, down, offs))
+    if low:
+        parts.append(lowprec_grouped(x[split:], ends[num_experts:] - split, act).to(x.dtype))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return torch.empty_like(y).index_copy_(0, order, y)

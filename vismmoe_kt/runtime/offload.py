@@ -59,6 +59,10 @@ class Placement:
     slabs: list[int]    # the slab of each on_gpu expert
 
 
+# a batched step on quantized slabs goes expert-major from this many tokens: on the H200 (Q4_K,
+# `decode_kernel_bench --batch --quantized`, 2026-12-01, tiles swept) the expert-major kernels took
+# 91 us a layer at 2 tokens against 112 for token-by-token GEMVs, 233 vs 442 at 8, 393 vs 883 at 16
+QUANTIZED_MAJOR_MIN_TOKENS = 2
 BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
 
 
@@ -348,10 +352,11 @@ class OffloadRuntime:
     def _quantized_major(self, top_k_index: torch.Tensor) -> bool:
         """Whether a batched step's offloaded layer runs all its tokens at once on quantized slabs, each
         routed expert decoded once per block of its tokens (`batch_experts` expert-major); else token by
-        token, one GEMV per pair. auto keeps the GEMVs, measured on the H200, until the quantized
-        expert-major kernels are (`decode_kernel_bench --batch --quantized`, device stage kqbatch)."""
+        token, one GEMV per pair. auto: expert-major from QUANTIZED_MAJOR_MIN_TOKENS tokens."""
         if not self.quantized_slabs or self._batch_staging is None or top_k_index.shape[0] < 2:
             return False
+        if self.batch_experts == "auto":
+            return top_k_index.shape[0] >= QUANTIZED_MAJOR_MIN_TOKENS
         return self.batch_experts == "expert-major"
 
     def _run_batch_quantized(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,

@@ -203,6 +203,11 @@ class SlabCache:
         self._recency.pop(slab, None)
         self._free.append(slab)
 
+    @property
+    def free_slabs(self) -> int:
+        """Slabs holding nothing: no expert, no landing reservation."""
+        return len(self._free)
+
     def set_priorities(self, priorities: dict[Key, float]) -> None:
         self.priority = dict(priorities)
 

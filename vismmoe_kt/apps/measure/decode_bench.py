@@ -242,10 +242,11 @@ def batched_run(model, processor, args, n: int, spec: str) -> dict:
             out = generate(model, dict(request), tokens, min_new_tokens=tokens)
         return out[0, request["input_ids"].shape[1]:].tolist()
 
-    return measure_concurrency(model, requests, args.decode_tokens,
-                               (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
-                               args.prefill_chunk or None, args.prefill_budget,
-                               (lambda run: profile_run(run, trace)) if args.kernels else None, alone)
+    with torch.inference_mode():  # as the single-request runs: the runtime's lazily made banks are inference tensors
+        return measure_concurrency(model, requests, args.decode_tokens,
+                                   (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
+                                   args.prefill_chunk or None, args.prefill_budget,
+                                   (lambda run: profile_run(run, trace)) if args.kernels else None, alone)
 
 
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -399,8 +400,8 @@ def main() -> int:
                         help="with --concurrency: a batched step's resident experts through the table kernel (a read "
                              "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
                              "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "
-                             "Offloaded layers on quantized slabs: expert-major decodes each expert once for all its "
-                             "tokens (runtime/quantized_major.py), anything else one GEMV per pair, token by token")
+                             "Offloaded layers on quantized slabs: expert-major (and auto) decodes each expert once "
+                             "for all its tokens (runtime/quantized_major.py), table one GEMV per pair, token by token")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m vismmoe_kt.demo.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",

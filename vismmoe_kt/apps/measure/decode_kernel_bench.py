@@ -44,6 +44,8 @@ from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.host_memory import HostBuffer
 from vismmoe_kt.runtime.table_experts import combine, pair_outputs, table_experts
 
+from .timing import median_seconds
+
 E, H, I, K = 128, 2048, 768, 8
 LAYERS = 8
 
@@ -367,15 +369,7 @@ def main() -> int:
                 pools[0][l * K + k].view(-1).copy_(host[e, :2 * I * H], non_blocking=True)
                 pools[1][l * K + k].view(-1).copy_(host[e, 2 * I * H:], non_blocking=True)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        copies()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
-    seconds = statistics.median(times)
+    seconds = median_seconds(copies, 10)
     rows.append({"kernel": "copy engine", "us_per_layer": seconds / LAYERS * 1e6, "gb_s": per_token / seconds / 1e9})
     rows.extend(prefetch_rows(device, host, pools, table(resident, [no_land] * LAYERS, host), per_token))
     # the table's result from the host equals the one from slabs holding the same bytes (bit for bit)
