@@ -116,7 +116,9 @@ def test_realb_layer_bench_runs_on_the_cpu(tmp_path):
                             "--text", "8", "--layers", "2", "--passes", "2", "--repeats", "1",
                             "--gate-tokens", "64", "--fixed-threshold", "0.0"])
     rows = {r["config"]: r for r in json.loads((tmp_path / "realb_layer_bench.json").read_text())["rows"]}
-    assert set(rows) == {"bf16", "fp8-all", "realb", "fixed", "bf16 (again)"}
+    assert set(rows) == {"bf16", "fp8-all", "realb", "fixed", "eplb", "bf16 (again)"}
+    eplb = rows["eplb"]  # copies of the hot experts placed from the layer's loads: BF16, no worse balanced
+    assert eplb["relative_error_vs_bf16"] == 0 and eplb["imbalance_after"] <= eplb["imbalance_before"]
     assert rows["bf16"]["lowprec_share"] == 0 and rows["bf16"]["relative_error_vs_bf16"] == 0
     assert rows["fp8-all"]["lowprec_share"] == 1 and rows["fp8-all"]["relative_error_vs_bf16"] > 0
     fixed = rows["fixed"]  # M_d 0: every overloaded rank sheds vision pairs, so the plan must lower imbalance

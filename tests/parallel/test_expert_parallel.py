@@ -91,10 +91,11 @@ def model_worker(rank, world, port, model_dir, out_dir, overrides=None):
         expected = reference(**inputs).logits
         diff = max((model(**inputs).logits - expected).abs().max().item() for _ in range(2))  # EPLB re-places between
     local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
+    pending = sum(getattr(m, "pending_move", None) is not None for m in model.modules())
     from vismmoe_kt.core.stats import collect_stats
 
     stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
-    torch.save({"diff": diff, "local": local, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"diff": diff, "local": local, "pending": pending, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -107,14 +108,19 @@ def test_ep_rule_file_on_the_tiny_model(tiny_dir, tmp_path):
         assert result["local"] == 4 * 16 // world  # each rank holds half of every layer's experts
 
 
-def test_eplb_mode_re_places_experts_and_stays_exact(tiny_dir, tmp_path):
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_eplb_mode_re_places_experts_and_stays_exact(tiny_dir, tmp_path, overlapped):
+    """EPLB re-places after every step (period 1); Async EPLB moves the weights on a group of their own
+    while the next step runs on the old placement, and adopts them after it: both exact throughout."""
     world = 2
-    mp.spawn(model_worker, args=(world, free_port(), str(tiny_dir), str(tmp_path), {"mode": "eplb", "eplb_period": 1}),
-             nprocs=world, join=True)
+    mp.spawn(model_worker, args=(world, free_port(), str(tiny_dir), str(tmp_path),
+                                 {"mode": "eplb", "eplb_period": 1, "eplb_async": overlapped}), nprocs=world, join=True)
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] <= 1e-5
         assert result["local"] > 4 * 16 // world  # after re-placement each rank also holds copies of hot experts
+        assert result["stats"]["eplb_moves"] == 4 * 2  # 4 layers, a move after each of the 2 steps
+        assert result["pending"] == (4 if overlapped else 0)  # overlapped: the second step's moves still under way
 
 
 def test_realb_on_real_ranks_reports_the_groups_plan(tiny_dir, tmp_path):

@@ -67,7 +67,9 @@ class ExpertParallelSettings(RealbSettings):
     expert_map: list[int] | None = None     # each expert's rank; None: contiguous blocks
     capture_exchange: bool = False          # decode steps' fixed-size exchanges inside their CUDA graphs
                                             # (NCCL collectives captured); off: eager between the captures
+    eplb_async: bool = False                # mode eplb: a re-placement's weights move while the next step
+                                            # runs on the old placement (Async EPLB); off: the step waits
 
     def __post_init__(self):
         super().__post_init__()
-        self.capture_exchange = bool(self.capture_exchange)
+        self.capture_exchange, self.eplb_async = bool(self.capture_exchange), bool(self.eplb_async)

@@ -58,6 +58,8 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.eplb_redundant = ranks if s.eplb_redundant is None else s.eplb_redundant
         self.eplb_period, self.eplb_window, self.steps = s.eplb_period, s.eplb_window, 0
         self.load_history: list[torch.Tensor] = []
+        self.eplb_moves = 0
+        self.pending_move = None  # Async EPLB: (the move under way, its holders table)
         if s.mode == "eplb" and (num_experts + self.eplb_redundant) % ranks:
             raise ValueError(f"experts + eplb_redundant ({num_experts} + {self.eplb_redundant}) must split evenly "
                              f"over {ranks} ranks")
@@ -109,22 +111,35 @@ class ExpertParallelExperts(BaseInjectedModule):
         return self.last_plan
 
     def _replace_experts(self, top_k_index: torch.Tensor) -> None:
-        """EPLB: record this step's global loads; every `eplb_period` steps move to a new placement."""
-        from ..parallel.replication import move_weights, placement_table
+        """EPLB: record this step's global loads; every `eplb_period` steps move to a new placement. With
+        `eplb_async` the move runs on a group of its own through the next step, which the old placement
+        serves (its weights stay until then), and every rank adopts the new one after that step."""
+        from ..parallel.replication import move_group, move_weights, placement_table, start_move
 
         load = torch.bincount(top_k_index.reshape(-1), minlength=self.expert_rank.numel()).double()
         dist.all_reduce(load)
         self.load_history = (self.load_history + [load.cpu()])[-self.eplb_window:]
         self.steps += 1
+        if self.pending_move is not None:  # started a step ago, on every rank: adopted by all at this step
+            move, holders = self.pending_move
+            self.pending_move = None
+            self._adopt(move.finish(), holders)
         if self.steps % self.eplb_period:
             return
         new = placement_table(torch.stack(self.load_history).mean(dim=0), self.eplb_redundant, dist.get_world_size())
         held = {int(e): torch.cat([self.local_gate_up[i].flatten(), self.local_down[i].flatten()])
                 for i, e in enumerate(self.local_experts.tolist())}
-        moved = move_weights(held, self.holders, new)
-        self.holders = new
+        self.eplb_moves += 1
+        if self.settings.eplb_async:
+            self.pending_move = (start_move(held, self.holders, new, group=move_group(), async_op=True), new)
+        else:
+            self._adopt(move_weights(held, self.holders, new), new)
+
+    def _adopt(self, moved: dict[int, torch.Tensor], holders: list[list[int]]) -> None:
+        """This rank's experts and the group's holders table under a new placement."""
         split = self.local_gate_up[0].numel()
         gate_up_shape, down_shape = self.local_gate_up.shape[1:], self.local_down.shape[1:]
+        self.holders = holders
         self.local_experts = torch.tensor(sorted(moved), dtype=torch.long)
         self.local_gate_up = torch.stack([moved[e][:split].view(gate_up_shape) for e in self.local_experts.tolist()])
         self.local_down = torch.stack([moved[e][split:].view(down_shape) for e in self.local_experts.tolist()])
@@ -175,5 +190,5 @@ class ExpertParallelExperts(BaseInjectedModule):
 
     def stats(self) -> dict[str, Any]:
         return {"ep_size": str(dist.get_world_size()), "local_experts": int(self.local_experts.numel()),
-                "ep_fixed_exchanges": self.fixed_passes, **(asdict(self.counters) if self.counters.calls else {}),
+                "ep_fixed_exchanges": self.fixed_passes, **({"eplb_moves": self.eplb_moves} if self.mode == "eplb" else {}), **(asdict(self.counters) if self.counters.calls else {}),
                 **(self.fp8.stats() if self.fp8 is not None else {})}

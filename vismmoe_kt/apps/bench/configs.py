@@ -23,7 +23,8 @@ Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the ot
     ep-graphs      ep with the decode steps' exchanges captured in their CUDA graphs (capture_exchange)
     ep-realb       the same with ReaLB on the group's real ranks; ep-realb-seq without the metadata
                    overlap, ep-fixed with a fixed M_d, ep-lowprec-all every pair in low precision
-                   (FP4-All), ep-eplb replication instead of precision (the paper's baselines)
+                   (FP4-All), ep-eplb replication instead of precision, ep-eplb-async with the weights moved beside
+                   the next step (the paper's baselines)
 Under torchrun only these run; without it they are rows skipped with the reason.
 
 Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
@@ -127,6 +128,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("ep-eplb", "EPLB: hot experts replicated, re-placed from a window of loads (window 200, every "
                 "300 steps, the paper's)", "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR,
                 needs_group=True, expert_kwargs=(("mode", "eplb"), ("eplb_window", 200), ("eplb_period", 300))),
+    BenchConfig("ep-eplb-async", "Async EPLB: the same re-placements, their weights moved on a group of their own "
+                "while the next step runs on the old placement", "qwen3vl-ep.yaml", takes_budget=False,
+                operator=EP_OPERATOR, needs_group=True,
+                expert_kwargs=(("mode", "eplb"), ("eplb_window", 200), ("eplb_period", 300), ("eplb_async", True))),
 ]}
 CUDA_REASON = "needs CUDA: accelerate offloads between a GPU and host memory"
 GROUP_REASON = "needs a torchrun launch: torchrun --nproc-per-node N -m vismmoe_kt.apps.cli bench ... --configs ep"

@@ -15,7 +15,9 @@ output's error against BF16. What this leaves out: the all-to-all exchange (the 
 configuration but fixed-size padding) and the dispatch's own work.
 
 Configurations: bf16, fp8-all (every pair in FP8), realb (the plan, M_d under AIMD, starting at 0.9),
-fixed (M_d fixed at --fixed-threshold), and bf16 again last: the two BF16 rows differ by the noise. The controller sees `--layers` layers `--passes` times in a row
+fixed (M_d fixed at --fixed-threshold), eplb (BF16, hot experts copied: one extra copy per rank,
+placed from the layer's own loads, which makes it an upper bound for EPLB, whose operator places from
+past steps), and bf16 again last: the two BF16 rows differ by the noise. The controller sees `--layers` layers `--passes` times in a row
 (AIMD moves M_d between calls); the timings are of the last pass.
 """
 
@@ -30,13 +32,14 @@ import torch
 
 from vismmoe_kt.lb.controller import RealbController
 from vismmoe_kt.lb.fp8_experts import Fp8Experts
+from vismmoe_kt.parallel.replication import holders_tensor, placement_table
 from vismmoe_kt.routing import synthetic_routing
 from vismmoe_kt.runtime.expert_compute import precision_split_rows
 
 from .results import print_table, save_json
 from .timing import median_seconds
 
-CONFIGS = ("bf16", "fp8-all", "realb", "fixed")
+CONFIGS = ("bf16", "fp8-all", "realb", "fixed", "eplb")
 
 
 def routed_prefill(requests: int, visual: int, text: int, layers: int, experts: int, top_k: int,
@@ -59,17 +62,37 @@ def timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
 
 
 class RankExperts:
-    """One rank's block of a layer's experts, in BF16 and (made once) in E4M3."""
+    """The experts one rank holds (a contiguous block, or EPLB's copies), in BF16 and, where they may
+    switch, in E4M3 (made once)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, first: int):
-        self.gate_up, self.down, self.first = gate_up, down, first
-        self.fp8 = Fp8Experts(gate_up, down)
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, fp8: bool = True):
+        contiguous = bool((experts.diff() == 1).all()) if experts.numel() > 1 else True
+        first = int(experts[0])
+        pick = slice(first, first + experts.numel()) if contiguous else experts.to(gate_up.device)
+        self.gate_up, self.down = gate_up[pick], down[pick]  # views for a block, copies for EPLB's sets
+        self.local = torch.full((gate_up.shape[0],), -1, dtype=torch.long, device=gate_up.device)
+        self.local[experts.to(gate_up.device)] = torch.arange(experts.numel(), device=gate_up.device)
+        self.fp8 = Fp8Experts(self.gate_up, self.down) if fp8 else None
 
     def run(self, hidden: torch.Tensor, experts: torch.Tensor, lowprec: torch.Tensor, act: Any) -> torch.Tensor:
         """(P, H) outputs of the pairs (hidden[p], experts[p]) (layer-wide expert ids): the `lowprec` ones
         from the E4M3 copy, the rest by BF16 grouped GEMM, as the EP operator computes a rank's pairs."""
-        return precision_split_rows(hidden, None, experts - self.first, lowprec, self.gate_up, self.down, act,
-                                    self.fp8.grouped_rows)
+        return precision_split_rows(hidden, None, self.local[experts], lowprec, self.gate_up, self.down, act,
+                                    None if self.fp8 is None else self.fp8.grouped_rows)
+
+
+def eplb_layer(gate_up: torch.Tensor, down: torch.Tensor, load: torch.Tensor, index: torch.Tensor,
+               ranks: int) -> tuple[list[RankExperts], torch.Tensor]:
+    """EPLB's ranks for one layer, placed from this step's own loads (an oracle: the operator places
+    from a window of past steps), one extra copy per rank, and each pair's rank (T, K): an expert's
+    pairs spread over its copies in turn, as ep_forward spreads them."""
+    holders = placement_table(load.double(), ranks, ranks)
+    table = holders_tensor(holders).to(index.device)
+    copies = (table >= 0).sum(dim=1)
+    flat = index.reshape(-1)
+    owner = table[flat, torch.arange(flat.numel(), device=index.device) % copies[flat]].view_as(index)
+    held = [sorted({e for e, h in enumerate(holders) if r in h}) for r in range(ranks)]
+    return [RankExperts(gate_up, down, torch.tensor(h), fp8=False) for h in held], owner
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,8 +103,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     gate_up = (torch.randn(E, 2 * I, H, device=device) * H ** -0.5).to(dtype)
     down = (torch.randn(E, H, I, device=device) * I ** -0.5).to(dtype)
     per_rank = E // args.ranks
-    ranks = [RankExperts(gate_up[r * per_rank:(r + 1) * per_rank], down[r * per_rank:(r + 1) * per_rank], r * per_rank)
-             for r in range(args.ranks)]
+    ranks = [RankExperts(gate_up, down, torch.arange(r * per_rank, (r + 1) * per_rank)) for r in range(args.ranks)]
     expert_rank = torch.arange(E) // per_rank
     act = torch.nn.functional.silu
     ids, weights, visual = routed_prefill(args.requests, args.visual, args.text, args.layers, E, K)
@@ -91,8 +113,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows, layers_out = [], []
     _warm_up(device)
     for config in CONFIGS + ("bf16 (again)",):  # BF16 timed twice: the spread between the two is noise
-        controller = RealbController(mode={"fp8-all": "all", "bf16": "bf16", "bf16 (again)": "bf16"}.get(config, config),
-                                     fixed_threshold=args.fixed_threshold, gate_tokens=args.gate_tokens)
+        mode = {"fp8-all": "all", "bf16": "bf16", "bf16 (again)": "bf16", "eplb": "bf16"}.get(config, config)
+        controller = RealbController(mode=mode, fixed_threshold=args.fixed_threshold, gate_tokens=args.gate_tokens)
         per_layer = []
         for p in range(args.passes):
             for layer in range(args.layers):
@@ -105,8 +127,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 lowprec = switched.to(device)[index]
                 if config != "fp8-all":  # ReaLB's scope: a switched expert's text rows stay BF16
                     lowprec &= visual_d[:, None]
-                per_layer.append(_layer(ranks, hidden, index, weights[:, layer].to(device), lowprec, expert_rank,
-                                        act, device, args.repeats, plan))
+                layer_ranks, owner = ranks, expert_rank.to(device)[index]
+                if config == "eplb":
+                    layer_ranks, owner = eplb_layer(gate_up, down, load, index, args.ranks)
+                per_layer.append(_layer(layer_ranks, hidden, index, lowprec, owner, expert_rank.to(device)[index],
+                                        device, args.repeats, plan, act))
         row = {"config": config, "tokens": tokens,
                "straggler_ms": statistics.mean(x["straggler_s"] for x in per_layer) * 1e3,
                "rank_mean_ms": statistics.mean(x["mean_s"] for x in per_layer) * 1e3,
@@ -171,20 +196,21 @@ def _warm_up(device: torch.device, seconds: float = 1.0) -> None:
         torch.cuda.synchronize()
 
 
-def _layer(ranks: list[RankExperts], hidden, index, weights, lowprec, expert_rank, act, device, repeats,
-           plan) -> dict[str, Any]:
-    """One layer's pairs split by rank, each rank's compute timed alone."""
+def _layer(ranks: list[RankExperts], hidden, index, lowprec, owner, home, device, repeats, plan,
+           act) -> dict[str, Any]:
+    """One layer's pairs split by rank (`owner` (T, K); `home`: the contiguous placement's), each rank's
+    compute timed alone."""
     times, pairs = [], []
-    owner = expert_rank.to(device)[index]
     for r, rank in enumerate(ranks):
         token, slot = torch.nonzero(owner == r, as_tuple=True)
         x, experts, low = hidden[token], index[token, slot], lowprec[token, slot]
         times.append(timed(lambda: rank.run(x, experts, low, act), device, repeats))
         pairs.append(int(token.numel()))
-    before = torch.tensor(pairs, dtype=torch.float64)
+    before = torch.bincount(home.reshape(-1).cpu(), minlength=len(ranks)).double()
+    after = torch.tensor(pairs, dtype=torch.float64)
+    imbalance = float(plan.imbalance()) if plan is not None and not plan.gated else float(after.max() / after.mean())
     return {"straggler_s": max(times), "mean_s": statistics.mean(times), "rank_s": times,
-            "imbalance_before": float(before.max() / before.mean()),
-            "imbalance_after": float(plan.imbalance()) if plan is not None and not plan.gated else float(before.max() / before.mean()),
+            "imbalance_before": float(before.max() / before.mean()), "imbalance_after": imbalance,
             "lowprec_share": float(lowprec.float().mean()), "lowprec_mask": lowprec.cpu()}
 
 
