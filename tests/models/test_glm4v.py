@@ -1,0 +1,96 @@
+"""GLM-4.5V (transformers glm4v_moe), the second family: its adapter finds the parts (shared experts
+too), the loader assembles the fused experts from the per-expert tensors `save_pretrained` writes and
+reads the router's correction bias, and with our features off the injected model gives the
+transformers fp32 reference's logits (max abs diff <= 1e-5) and greedy tokens: transformers' decode
+loop, the lean decode step (shared experts in its attention piece), and expert offloading at a budget
+that misses."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vismmoe_kt import load
+from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.models import adapter_for
+
+from conftest import layer_bytes, tiny_case
+
+NAME = "tiny-glm-4x16"
+CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    model_dir, ref, inputs = tiny_case(tmp_path_factory, NAME, 1, "What is in the picture?", (160, 128), 2)
+    with torch.no_grad():
+        expected = (ref(**inputs).logits, ref.generate(**inputs, max_new_tokens=TOKENS, do_sample=False))
+    return model_dir, ref, inputs, expected
+
+
+def test_structure_of_the_tiny_model(case):
+    _, ref, inputs, _ = case
+    adapter = adapter_for(ref.config.model_type)
+    spec = SPECS[NAME]
+    layers = adapter.decoder_layers(ref)
+    assert adapter.moe_layers_from_config(ref.config) == [1, 2, 3]  # layer 0 is dense
+    assert [i for i, layer in enumerate(layers) if adapter.experts(layer) is not None] == [1, 2, 3]
+    assert adapter.shared_experts(layers[0]) is None and adapter.router(layers[0]) is None
+    layer = layers[1]
+    assert adapter.router(layer) is layer.mlp.gate and adapter.shared_experts(layer) is layer.mlp.shared_experts
+    assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
+    shape = adapter.moe_shape(ref.config)
+    assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter) == (spec.experts, spec.top_k, spec.hidden,
+                                                                             spec.moe_intermediate)
+    mask = adapter.image_token_mask(ref.config, inputs["input_ids"])
+    assert int(mask.sum()) == int(inputs["image_grid_thw"][0].prod()) // 4 > 0  # merge 2x2
+
+
+def test_checkpoint_stores_experts_one_by_one_and_the_loader_fuses_them(case):
+    model_dir, ref, _, _ = case
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    prefix = "model.language_model.layers.1.mlp."
+    assert f"{prefix}experts.0.gate_proj.weight" in names and f"{prefix}experts.gate_up_proj" not in names
+    assert f"{prefix}gate.e_score_correction_bias" in names
+    model, _ = load(model_dir, None, **CPU)
+    got, want = model.model.language_model.layers[1].mlp, ref.model.language_model.layers[1].mlp
+    assert torch.equal(got.experts.gate_up_proj, want.experts.gate_up_proj)
+    assert torch.equal(got.experts.down_proj, want.experts.down_proj)
+    bias = got.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0 and torch.equal(bias, want.gate.e_score_correction_bias)
+
+
+def check(model, inputs, expected, lean: bool):
+    ref_logits, ref_tokens = expected
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        tokens = generate(model, inputs, TOKENS) if lean else model.generate(**inputs, max_new_tokens=TOKENS,
+                                                                              do_sample=False)
+    assert (logits - ref_logits).abs().max().item() <= 1e-5
+    assert torch.equal(tokens, ref_tokens)
+    assert tokens.shape[1] - inputs["input_ids"].shape[1] == TOKENS  # no early end: every step compared
+
+
+@pytest.mark.parametrize("decode,graphs", [("hf", "off"), ("lean", "off"), ("lean", "replay")])
+def test_lean_rules_match_the_reference(case, decode, graphs):
+    model_dir, _, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/glm4v.yaml", decode=decode, graphs=graphs, **CPU)
+    check(model, inputs, expected, lean=decode == "lean")
+    if decode == "lean":
+        assert model.model.language_model.stats()["decode_steps"] == TOKENS - 1  # the lean step decoded
+
+
+@pytest.mark.parametrize("decode", ["hf", "lean"])
+def test_offloaded_experts_at_a_budget_that_misses_match_the_reference(case, decode):
+    model_dir, _, inputs, expected = case
+    spec = SPECS[NAME]
+    budget = layer_bytes(spec) * 2  # the minimum: one pinned MoE layer and one layer of slabs for two
+    model, _ = load(model_dir, "optimize_rules/glm4v-offload.yaml", expert_budget=budget, decode=decode,
+                    graphs="off", **CPU)
+    check(model, inputs, expected, lean=decode == "lean")
+    stats = collect_stats(model)["operators"]["VisExperts"]
+    assert stats["count"] == 3 and stats["pinned_layers"] == 1
+    assert stats["bytes_copied"] > 0 and stats["evictions"] > 0 and stats["decode_misses"] > 0
