@@ -7,6 +7,7 @@ that misses."""
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from vismmoe_kt import load
@@ -94,3 +95,58 @@ def test_offloaded_experts_at_a_budget_that_misses_match_the_reference(case, dec
     stats = collect_stats(model)["operators"]["VisExperts"]
     assert stats["count"] == 3 and stats["pinned_layers"] == 1
     assert stats["bytes_copied"] > 0 and stats["evictions"] > 0 and stats["decode_misses"] > 0
+
+
+def test_the_text_model_sees_the_image_tokens(case):
+    """Glm4vMoeModel passes its text model no visual mask: the adapter's hooks hand it on, so features
+    that treat visual tokens apart (ReaLB's modality, pruning, the predictor's summary) see them."""
+    model_dir, ref, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/glm4v.yaml", **CPU)
+    with torch.no_grad():
+        model(**inputs)
+    visual = model.vismmoe.context.token_is_visual
+    assert torch.equal(visual, (inputs["input_ids"] == ref.config.image_token_id).reshape(-1))
+
+
+def test_pruned_prefill_decodes_alike_on_both_paths(case):
+    """Visual tokens pruned after layer 1 (random choice: no vision saliency needed): the lean path gives
+    the tokens of transformers' loop over the same pruned model."""
+    model_dir, _, inputs, _ = case
+    rules = yaml.safe_load(open("optimize_rules/glm4v.yaml"))
+    rules[0]["replace"]["kwargs"].update(compression="random", keep_ratio=0.5, prune_layer=1)
+    hf, _ = load(model_dir, rules, decode="hf", **CPU)
+    lean, _ = load(model_dir, rules, graphs="off", **CPU)
+    with torch.no_grad():
+        expected = generate(hf, inputs, TOKENS)
+        tokens = generate(lean, inputs, TOKENS)
+    for model in (hf, lean):
+        counters = model.model.language_model.text_forward.counters
+        assert counters.pruned_prefills == 1 and counters.visual_tokens_after < counters.visual_tokens_before
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("rules,layers", [("glm4v", None), ("glm4v-offload", 2)])
+def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers):
+    """Batched decode (engine/batched.py: the lean step's pieces over several rows, shared experts
+    included) gives each request the tokens it gets alone; prompts of different lengths, with and
+    without images, prefilled together."""
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    from conftest import make_image
+
+    model_dir = case[0]
+    extra = {"expert_budget": layer_bytes(SPECS[NAME]) * layers} if layers else {}
+    model, processor = load(model_dir, f"optimize_rules/{rules}.yaml", graphs="off", **extra, **CPU)
+    requests = [build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(160, 128, seed=1)]),
+                build_inputs(processor, [user_turn("Hello there", 0)], []),
+                build_inputs(processor, [user_turn("Two shapes?", 1)], [make_image(96, 64, seed=3)])]
+    budgets = [8, 5, 6]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        sizes = []
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,
+                                  min_new_tokens=max(budgets), on_step=sizes.append)
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    assert max(sizes) == 3

@@ -197,6 +197,7 @@ def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device
             context.decode = DecodeOptions(**{**asdict(context.decode), **engine})
         except ValueError as exc:
             raise LoadError(str(exc)) from None
+    adapter.install_hooks(model)
     context.check()
     _check_devices(plan, rules)
     _load_weights(model, reader, device, progress)

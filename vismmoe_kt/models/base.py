@@ -223,6 +223,10 @@ class ModelAdapter:
     def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
         pass
 
+    def install_hooks(self, model: nn.Module) -> None:
+        """Wire what the family's model does not hand our operators itself, once the rules are applied
+        (the loader calls this). Qwen3-VL's model passes its text model `visual_pos_masks`: nothing to do."""
+
     def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:
         """Add a layer's DeepStack vision features to the visual rows of `hidden` (Qwen3-VL)."""

@@ -11,7 +11,7 @@ to the routed experts'. Attention has q/k/v biases, no q/k norms, and rotary on 
 `save_pretrained` (and the published checkpoints) store the experts one by one
 (`experts.N.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)): `checkpoint_sources` says how
 the fused tensors are assembled from them. Image tokens are `input_ids == image_token_id`; unlike
-Qwen3-VL, the model's forward hands its text model no `visual_pos_masks`, so `install` hooks it in
+Qwen3-VL, the model's forward hands its text model no `visual_pos_masks`, so `install_hooks` hooks it in
 where our text model's forward needs it.
 """
 
@@ -172,6 +172,29 @@ class Glm4vMoeAdapter(ModelAdapter):
 
     def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
         model.model.rope_deltas = delta
+
+    def install_hooks(self, model: nn.Module) -> None:
+        """Glm4vMoeModel hands its text model no `visual_pos_masks`: where our text model's forward runs
+        (an injected operator), a hook on the model remembers `input_ids == image_token_id` of each call
+        and one on the text model passes it on, so pruning, ReaLB's modality and the predictor's visual
+        summary see the image tokens as they do for Qwen3-VL (text-only calls: no mask, as there)."""
+        text = self.text_model(model)
+        if not getattr(text, "is_injected_operator", False):
+            return  # transformers' own text model takes no mask
+        token, seen = self.image_token_id(model.config), {}
+
+        def remember(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            seen["mask"] = ids == token if ids is not None and token is not None else None
+
+        def hand_over(module, args, kwargs):
+            mask = seen.pop("mask", None)
+            if kwargs.get("visual_pos_masks") is None and mask is not None and bool(mask.any()):
+                kwargs["visual_pos_masks"] = mask
+            return args, kwargs
+
+        model.model.register_forward_pre_hook(remember, with_kwargs=True)
+        text.register_forward_pre_hook(hand_over, with_kwargs=True)
 
     # --- attention read for visual-token saliency ---------------------------------------------
     def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
