@@ -108,12 +108,20 @@ def test_the_text_model_sees_the_image_tokens(case):
     assert torch.equal(visual, (inputs["input_ids"] == ref.config.image_token_id).reshape(-1))
 
 
-def test_pruned_prefill_decodes_alike_on_both_paths(case):
-    """Visual tokens pruned after layer 1 (random choice: no vision saliency needed): the lean path gives
-    the tokens of transformers' loop over the same pruned model."""
+SALIENCY = {"match": {"name": "^model\\.visual$"},
+            "replace": {"class": "vismmoe_kt.operators.vis_decoder.VisionSaliency", "kwargs": {}}}
+
+
+@pytest.mark.parametrize("compression,source", [("random", "vision"), ("affinity", "vision"), ("affinity", "llm")])
+def test_pruned_prefill_decodes_alike_on_both_paths(case, compression, source):
+    """Visual tokens pruned after layer 1 (random; affinity by the vision tower's attention or FastV-style
+    by the last token's attention in layer 0, GLM's partial-rotary attention without q/k norms): the lean
+    path gives the tokens of transformers' loop over the same pruned model."""
     model_dir, _, inputs, _ = case
     rules = yaml.safe_load(open("optimize_rules/glm4v.yaml"))
-    rules[0]["replace"]["kwargs"].update(compression="random", keep_ratio=0.5, prune_layer=1)
+    rules[0]["replace"]["kwargs"].update(compression=compression, keep_ratio=0.5, prune_layer=1, saliency_source=source)
+    if compression == "affinity" and source == "vision":
+        rules.insert(0, SALIENCY)
     hf, _ = load(model_dir, rules, decode="hf", **CPU)
     lean, _ = load(model_dir, rules, graphs="off", **CPU)
     with torch.no_grad():
@@ -150,3 +158,29 @@ def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers):
     for got, want in zip(together, alone):
         assert torch.equal(got, want)
     assert max(sizes) == 3
+
+
+def test_last_token_attention_equals_the_eager_attention_weights(case):
+    """FastV-style saliency recomputed by the adapter (partial rotary, no q/k norms) equals the attention
+    probabilities transformers' eager attention forms in the same layer."""
+    _, ref, inputs, _ = case
+    adapter = adapter_for(ref.config.model_type)
+    attn = adapter.attention(adapter.decoder_layers(ref)[1])
+    seen = {}
+
+    def hook(module, args, kwargs, output):
+        seen.update(hidden=kwargs["hidden_states"], pe=kwargs["position_embeddings"], weights=output[1])
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    previous = ref.config._attn_implementation
+    ref.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            ref(**inputs)
+    finally:
+        handle.remove()
+        ref.set_attn_implementation(previous)
+    positions = torch.nonzero(adapter.image_token_mask(ref.config, inputs["input_ids"])[0], as_tuple=True)[0]
+    with torch.no_grad():
+        got = adapter.last_token_attention(attn, seen["hidden"], seen["pe"], positions)
+    want = seen["weights"].mean(dim=1)[0, -1, positions]
+    assert torch.allclose(got, want, atol=1e-6)

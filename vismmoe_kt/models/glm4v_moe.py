@@ -28,7 +28,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
 from .base import ModelAdapter, MoEShape
-from .qwen3_vl_moe import _read_chat_template
+from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
 _TEXT = "model.language_model."
 _FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
@@ -197,6 +197,13 @@ class Glm4vMoeAdapter(ModelAdapter):
         text.register_forward_pre_hook(hand_over, with_kwargs=True)
 
     # --- attention read for visual-token saliency ---------------------------------------------
+    def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(patches,) mean attention received by each patch in `attn` (GLM's vision attention: Qwen-VL's shape)."""
+        from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb_vision
+
+        return vision_attention_received(attn, hidden, cu_seqlens, position_embeddings, apply_rotary_pos_emb_vision)
+
     def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                              positions: torch.Tensor) -> torch.Tensor:
         """Head-averaged attention of the last token to `positions`, in a GLM text attention layer (no
