@@ -29,6 +29,8 @@ SINGLE_FILE = "model.safetensors"
 
 # (name, tensor as stored, shape the model wants) -> tensor in the model's layout
 LayoutFix = Callable[[str, torch.Tensor, torch.Size], torch.Tensor]
+# a model tensor's name -> the checkpoint tensors it is assembled from (ModelAdapter.checkpoint_sources)
+Sources = Callable[[str], "tuple[tuple[str, ...], ...] | None"]
 
 
 def _shard_map(model_dir: Path) -> dict[str, Path]:
@@ -63,10 +65,12 @@ class CheckpointReader:
         dtype: torch.dtype | None = None,
         layout_fix: LayoutFix | None = None,
         default_device: str = "cpu",
+        sources: Sources | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.dtype = dtype  # None keeps each tensor's stored dtype
         self.layout_fix = layout_fix
+        self.sources = sources
         self.default_device = default_device
         self.device_map: dict[str, dict[str, Any]] = {}
         self.on_tensor: Callable[[str, int], None] | None = None  # progress hook: (name, bytes)
@@ -78,7 +82,14 @@ class CheckpointReader:
         return list(self._shards)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._shards
+        return name in self._shards or self._parts(name) is not None
+
+    def _parts(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        """The stored tensors a tensor the checkpoint lacks is assembled from (all present), else None."""
+        if self.sources is None or name in self._shards:
+            return None
+        rows = self.sources(name)
+        return rows if rows and all(part in self._shards for row in rows for part in row) else None
 
     def planned_device(self, module_key: str, fallback: torch.device | str) -> torch.device:
         """The generate_device the plan gives `module_key`, else `fallback` (its parent's device)."""
@@ -103,6 +114,17 @@ class CheckpointReader:
 
     def load_tensor(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """Read one tensor onto `device` (KTransformers' SafeTensorLoader.load_tensor signature)."""
+        return self._read(name, device, self.dtype)
+
+    def load_buffer(self, name: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """A persistent buffer in the dtype the model keeps it in (e.g. a router's fp32 correction bias),
+        whatever dtype the weights are converted to."""
+        return self._read(name, device, dtype)
+
+    def _read(self, name: str, device: torch.device | str, dtype: torch.dtype | None) -> torch.Tensor:
+        parts = self._parts(name)
+        if parts is not None:  # e.g. fused experts from per-expert tensors: rows stacked, each row concatenated
+            return torch.stack([torch.cat([self._read(part, device, dtype) for part in row]) for row in parts])
         if name not in self._shards:
             raise LoadError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
         try:
@@ -120,8 +142,8 @@ class CheckpointReader:
                             f"ones (GPTQ, AWQ)")
         if tensor.dtype in FP8_DTYPES:  # an FP8 checkpoint: dequantized with its block scales
             tensor = self._dequantize_fp8(name, tensor)
-        if self.dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         tensor = tensor.to(device)
         if self.on_tensor is not None:
             self.on_tensor(name, tensor.numel() * tensor.element_size())

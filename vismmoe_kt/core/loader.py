@@ -163,7 +163,8 @@ def load(
                                       mmproj_source=lambda name: adapter.mmproj_source(name, config))
     else:
         reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout,
-                                  default_device=device)
+                                  default_device=device,
+                                  sources=lambda name: adapter.checkpoint_sources(name, config))
     model = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():
@@ -196,6 +197,7 @@ def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device
             context.decode = DecodeOptions(**{**asdict(context.decode), **engine})
         except ValueError as exc:
             raise LoadError(str(exc)) from None
+    adapter.install_hooks(model)
     context.check()
     _check_devices(plan, rules)
     _load_weights(model, reader, device, progress)

@@ -1,7 +1,8 @@
 """Materialising a meta-device module tree from a checkpoint, module by module.
 
 Every parameter and persistent buffer that is still on the meta device is read from the reader by
-its checkpoint name (the dotted module path without the `orig_module` segments operators add) and
+its checkpoint name (the dotted module path without the `orig_module` segments operators add), and
+so is a persistent buffer built real (in its own dtype) where the reader holds it (`load_buffer`), each
 placed on the device of its module: the plan's `generate_device` for that module if it has one, else
 its parent's. An operator decides for its own subtree through its `load()` (by default: its
 `weights_device`). Tied parameters (one Parameter object under two names) are read once.
@@ -9,7 +10,7 @@ its parent's. An operator decides for its own subtree through its `load()` (by d
 The reader needs only `load_tensor(name, device)`, the method KTransformers' safetensors loader has,
 so operators loaded by upstream's `load_weights` work too (and `load_gguf_tensor`, its GGUFLoader's,
 where an operator passes its adapter's GGUF names to `read_tensor`); our CheckpointReader adds the
-plan's devices (`planned_device`) and the family's checkpoint layout (`layout_fix`).
+plan's devices (`planned_device`) and the family's checkpoint layout (`layout_fix`, `sources`).
 """
 
 from __future__ import annotations
@@ -105,8 +106,27 @@ def _load_own_tensors(module: nn.Module, reader, key: str, device: torch.device,
             if name in module._non_persistent_buffers_set:
                 raise LoadError(f"buffer {_join(key, name)!r} is not stored in checkpoints and was built on the meta device")
             module._buffers[name] = read_tensor(reader, _join(key, name), device, buf.shape)
+        elif name not in module._non_persistent_buffers_set and _stored(reader, _join(key, name)):
+            # a persistent buffer is model state (e.g. GLM's router correction bias): the checkpoint's value,
+            # in the buffer's own dtype (transformers keeps such buffers in fp32)
+            module._buffers[name] = _read_buffer(reader, _join(key, name), device, buf)
         else:
             module._buffers[name] = buf.to(device)
+
+
+def _stored(reader, name: str) -> bool:
+    """Whether the reader can read `name` (readers without a membership test: no)."""
+    try:
+        return hasattr(reader, "load_buffer") and name in reader
+    except TypeError:
+        return False
+
+
+def _read_buffer(reader, name: str, device: torch.device, buf: torch.Tensor) -> torch.Tensor:
+    tensor = reader.load_buffer(name, device, buf.dtype)
+    if tensor.shape != buf.shape:
+        raise LoadError(f"{reader.describe(name)} has shape {tuple(tensor.shape)}, the model config wants {tuple(buf.shape)}")
+    return tensor
 
 
 def meta_tensor_names(model: nn.Module) -> list[str]:

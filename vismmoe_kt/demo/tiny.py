@@ -1,4 +1,5 @@
-"""Tiny Qwen3-VL-MoE models, built offline: random ones for tests, and the trained `--demo` model.
+"""Tiny Qwen3-VL-MoE models, built offline: random ones for tests, and the trained `--demo` model
+(and tiny GLM-4.5V ones for tests, tiny_glm.py, through the same `SPECS` and builders).
 
 Everything a model directory needs is made in code: the config, random weights (deterministic from
 a seed), a byte-level BPE tokenizer with Qwen's special tokens, Qwen2-VL's PIL image processor (no
@@ -45,6 +46,7 @@ class TinySpec:
     vision_heads: int = 2
     max_image_pixels: int = 448 * 448
     tie_embeddings: bool = False
+    family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py
 
 
 SPECS: dict[str, TinySpec] = {
@@ -64,6 +66,9 @@ SPECS: dict[str, TinySpec] = {
     # compared on the CPU under synthetic routing, at budgets scaled from the real model's
     "proxy-48x128": TinySpec(layers=48, experts=128, top_k=8, hidden=32, moe_intermediate=16, heads=2, kv_heads=1,
                              vision_depth=1, vision_hidden=32),
+    # GLM-4.5V at toy widths (layer 0 dense, then MoE layers with a shared expert; sigmoid routing with a
+    # correction bias; partial rotary): the second family's adapter is tested on it
+    "tiny-glm-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48, family="glm4v_moe"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
@@ -120,10 +125,15 @@ def build_config(spec: TinySpec, tokenizer):
 
 
 def build_tiny_model(spec: TinySpec | str, seed: int = 0):
-    """Return `(model, processor)`: a random fp32 Qwen3-VL-MoE in eval mode and its processor."""
+    """Return `(model, processor)`: a random fp32 model of the spec's family (Qwen3-VL-MoE unless it says
+    otherwise) in eval mode and its processor."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     spec = SPECS[spec] if isinstance(spec, str) else spec
+    if spec.family == "glm4v_moe":
+        from .tiny_glm import build_tiny_glm
+
+        return build_tiny_glm(spec, seed)
     processor = build_processor(spec)
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)

@@ -6,6 +6,7 @@ The step is a list of pieces, each a function from a tuple of tensors to the nex
     embed            token -> hidden, rotary cos/sin for the next position, the layers' masks
     attention l      input norm, attention over layer l's static cache, residual, post-attention norm,
                      and for an MoE layer the router (norms and router fused: decode/fused_ops.py)
+                     and the shared experts, where the family has them
     experts l        the routed experts (the injected operator), residual
     head             final norm, lm_head -> logits (1, V); the cache lengths move on by one
 A piece is `capturable` when it launches device work only: then consecutive capturable pieces form a
@@ -92,7 +93,8 @@ def norm_fn(adapter: ModelAdapter, norm: nn.Module) -> Callable[[torch.Tensor], 
 
 def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = False) -> Callable[[torch.Tensor], tuple]:
     """(weights, expert ids): the fused top-k router where the adapter allows it, else the module's;
-    with `probabilities`, also its softmax over every expert (T, E)."""
+    with `probabilities`, also its probabilities over every expert (T, E): the adapter's (a softmax, or
+    a sigmoid scorer's)."""
     params = adapter.fused_router(gate)
     if params is not None:
         weight, top_k = params
@@ -100,7 +102,7 @@ def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = Fals
     if probabilities:
         def run(x: torch.Tensor) -> tuple:
             logits, weights, ids = gate(x)
-            return weights, ids, torch.softmax(logits.float(), dim=-1)
+            return weights, ids, adapter.router_probabilities(logits)
         return run
     return lambda x: gate(x)[1:]
 
@@ -180,6 +182,7 @@ class LeanDecodeStep:
         attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
         moe_index = self._moe_index(index) if moe else None
         router = self._router(moe_index, layer) if moe else None
+        shared = adapter.shared_experts(layer) if moe else None  # dense experts every token runs (GLM)
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
@@ -193,6 +196,8 @@ class LeanDecodeStep:
             weights, chosen, *probabilities = router(flat)
             if probabilities:
                 self.router_sink(moe_index, probabilities[0])
+            if shared is not None:  # the experts piece adds the routed experts' output on top
+                hidden = hidden + shared(normed)
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
 

@@ -14,6 +14,7 @@ from .base import ModelAdapter, MoEShape
 # model_type -> "module:Class" (imported on first use)
 REGISTRY: dict[str, str] = {
     "qwen3_vl_moe": "vismmoe_kt.models.qwen3_vl_moe:Qwen3VLMoeAdapter",
+    "glm4v_moe": "vismmoe_kt.models.glm4v_moe:Glm4vMoeAdapter",
 }
 
 

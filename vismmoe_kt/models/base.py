@@ -63,6 +63,13 @@ class ModelAdapter:
         """Turn a stored tensor whose shape differs from the parameter into the model's layout."""
         return tensor
 
+    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
+        """How the model's tensor `name` is assembled where a checkpoint does not hold it under that name:
+        one row per expert (stacked along a new dim 0), each row the checkpoint tensors concatenated
+        along dim 0 (e.g. fused gate_up from per-expert `experts.N.gate_proj` / `up_proj`); None where
+        the checkpoint must hold `name` itself."""
+        return None
+
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
         """The GGUF tensors (llama.cpp's names) that make up the model's tensor `name`, in the order
         they are concatenated along dim 1; None where a GGUF file does not hold it (e.g. the vision
@@ -147,6 +154,11 @@ class ModelAdapter:
     def experts(self, layer: nn.Module) -> nn.Module | None:
         raise NotImplementedError
 
+    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
+        """The MoE layer's shared experts (a dense MLP every token runs, added to the routed experts'
+        output); None where the family has none or the layer is not an MoE layer."""
+        return None
+
     def expert_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up (E, 2I, H), down (E, H, I)) of a fused experts module."""
         return tuple(getattr(experts, name) for name in self.expert_tensors)  # type: ignore[return-value]
@@ -162,6 +174,10 @@ class ModelAdapter:
     def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
         """The router's output with these (T, K) weights and expert ids in place of its own choice."""
         raise NotImplementedError
+
+    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """(T, E) per-expert probabilities from the router's logits (a softmax; sigmoid scorers override)."""
+        return torch.softmax(router_logits.float(), dim=-1)
 
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         """(weight (E, H), top_k) when the router is softmax -> top-k -> renormalise over a linear
@@ -206,6 +222,10 @@ class ModelAdapter:
 
     def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
         pass
+
+    def install_hooks(self, model: nn.Module) -> None:
+        """Wire what the family's model does not hand our operators itself, once the rules are applied
+        (the loader calls this). Qwen3-VL's model passes its text model `visual_pos_masks`: nothing to do."""
 
     def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:

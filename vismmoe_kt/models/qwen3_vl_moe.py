@@ -48,6 +48,26 @@ def _mmproj_name_map(depth: int):
     return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, depth)
 
 
+def vision_attention_received(attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor], rotary) -> torch.Tensor:
+    """(patches,) head-averaged attention each patch receives within its image, in a vision attention with
+    a fused `qkv` (Qwen-VL's, and GLM-4.xV's after it), recomputed from its inputs; `rotary` is the
+    family's apply_rotary_pos_emb_vision."""
+    length = hidden.shape[0]
+    q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = rotary(q, k, *position_embeddings)
+    out = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # (heads, L, d)
+        received = torch.zeros(end - start, device=hidden.device)
+        for head in range(qs.shape[0]):  # one head at a time keeps memory at L x L
+            probs = torch.softmax(qs[head] @ ks[head].T * attn.scaling, dim=-1)
+            received += probs.mean(dim=0)
+        out.append(received / qs.shape[0])
+    return torch.cat(out)
+
+
 class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
     """Qwen3-VL's processor for images and text, without the video processor.
 
@@ -255,19 +275,7 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         """(patches,) mean attention received by each patch in `attn` (a Qwen-VL vision attention)."""
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
 
-        length = hidden.shape[0]
-        q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
-        out = []
-        bounds = cu_seqlens.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # (heads, L, d)
-            received = torch.zeros(end - start, device=hidden.device)
-            for head in range(qs.shape[0]):  # one head at a time keeps memory at L x L
-                probs = torch.softmax(qs[head] @ ks[head].T * attn.scaling, dim=-1)
-                received += probs.mean(dim=0)
-            out.append(received / qs.shape[0])
-        return torch.cat(out)
+        return vision_attention_received(attn, hidden, cu_seqlens, position_embeddings, apply_rotary_pos_emb_vision)
 
     def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                              positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""GLM-4.5V (transformers `glm4v_moe`, 5.x layout).
+
+Text layers live at `model.language_model.layers.N`; the first `first_k_dense_replace` layers have a
+dense MLP, the others an MoE `mlp` with the router `gate` (sigmoid scores, an fp32
+`e_score_correction_bias` added for the choice only, grouped top-k, renormalised, times
+`routed_scaling_factor`), the fused experts `experts` with `gate_up_proj` (E, 2I, H) and `down_proj`
+(E, H, I) in memory, and `shared_experts`, a dense MLP every token runs, whose output the block adds
+to the routed experts'. Attention has q/k/v biases, no q/k norms, and rotary on the first
+`partial_rotary_factor` of each head only.
+
+`save_pretrained` (and the published checkpoints) store the experts one by one
+(`experts.N.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)): `checkpoint_sources` says how
+the fused tensors are assembled from them. Image tokens are `input_ids == image_token_id`; unlike
+Qwen3-VL, the model's forward hands its text model no `visual_pos_masks`, so `install_hooks` hooks it in
+where our text model's forward needs it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+from transformers.processing_utils import ProcessorMixin
+
+from ..errors import LoadError
+from .base import ModelAdapter, MoEShape
+from .qwen3_vl_moe import _read_chat_template, vision_attention_received
+
+_TEXT = "model.language_model."
+_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
+
+
+class Glm4vImageTextProcessor(Glm4vProcessor):
+    """GLM-4.5V's processor for images and text, without the video processor (which needs
+    torchvision, whose wheels on our machines do not import beside the CPU torch). Images and text
+    behave exactly as in Glm4vProcessor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image|>", "<|video|>"
+        ids = tokenizer.convert_tokens_to_ids
+        self.image_token_id, self.video_token_id = ids(self.image_token), ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        self.video_start_id, self.video_end_id = ids("<|begin_of_video|>"), ids("<|end_of_video|>")
+
+
+class Glm4vMoeAdapter(ModelAdapter):
+    model_types = ("glm4v_moe",)
+
+    def model_class(self) -> type[nn.Module]:
+        from transformers import Glm4vMoeForConditionalGeneration
+
+        return Glm4vMoeForConditionalGeneration
+
+    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
+        match = _FUSED.match(name)
+        if match is None:
+            return None
+        key, count = match["key"], int(self.text_config(config).n_routed_experts)
+        if match["tensor"] == "gate_up_proj":
+            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
+        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+
+    def experts_key(self, layer: int) -> str:
+        return f"{_TEXT}layers.{layer}.mlp.experts"
+
+    def load_processor(self, model_dir: Path) -> Glm4vImageTextProcessor:
+        from transformers import AutoTokenizer
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            image_processor = Glm4vImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+        return Glm4vImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
+
+    # --- config ------------------------------------------------------------------------------
+    def text_config(self, config: Any) -> Any:
+        return config.text_config if hasattr(config, "text_config") else config
+
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        text = self.text_config(config)  # the rule Glm4vMoeTextDecoderLayer applies
+        return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
+
+    def moe_shape(self, config: Any) -> MoEShape:
+        text = self.text_config(config)
+        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
+                        tuple(self.moe_layers_from_config(config)))
+
+    # --- the model's parts -------------------------------------------------------------------
+    def text_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def layers_of(self, text: nn.Module) -> nn.ModuleList:
+        return text.layers
+
+    def token_embedding(self, text: nn.Module) -> nn.Module:
+        return text.embed_tokens
+
+    def final_norm(self, text: nn.Module) -> nn.Module:
+        return text.norm
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text.rotary_emb(hidden, position_ids)
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn
+
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.input_layernorm
+
+    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.post_attention_layernorm
+
+    def feed_forward(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp
+
+    def router(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
+
+    def experts(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "experts", None)
+
+    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "shared_experts", None) if self.experts(layer) is not None else None
+
+    def expert_activation(self, experts: nn.Module):
+        return experts.act_fn
+
+    # --- routing -----------------------------------------------------------------------------
+    def routed_experts(self, router_output: Any) -> torch.Tensor:
+        return router_output[2]  # Glm4vMoeTextTopkRouter: (logits, top-k weights, top-k indices)
+
+    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        logits, scores, _ = router_output
+        return logits, weights.to(scores.dtype), ids
+
+    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
+        return router_logits.float().sigmoid()  # the scores the router ranks experts by (before its bias)
+
+    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+            return norm.weight, float(norm.variance_epsilon)
+        return None
+
+    # --- vision and positions ----------------------------------------------------------------
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.visual
+
+    def vision_merge_size(self, config: Any) -> int:
+        return int(config.vision_config.spatial_merge_size)
+
+    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
+        return vision_tower.blocks[-1].attn
+
+    def image_token_id(self, config: Any) -> int | None:
+        return getattr(config, "image_token_id", None)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          image_grid_thw=inputs.get("image_grid_thw"))
+
+    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
+        return model.model.rope_deltas
+
+    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
+        model.model.rope_deltas = delta
+
+    def install_hooks(self, model: nn.Module) -> None:
+        """Glm4vMoeModel hands its text model no `visual_pos_masks`: where our text model's forward runs
+        (an injected operator), a hook on the model remembers `input_ids == image_token_id` of each call
+        and one on the text model passes it on, so pruning, ReaLB's modality and the predictor's visual
+        summary see the image tokens as they do for Qwen3-VL (text-only calls: no mask, as there)."""
+        text = self.text_model(model)
+        if not getattr(text, "is_injected_operator", False):
+            return  # transformers' own text model takes no mask
+        token, seen = self.image_token_id(model.config), {}
+
+        def remember(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            seen["mask"] = ids == token if ids is not None and token is not None else None
+
+        def hand_over(module, args, kwargs):
+            mask = seen.pop("mask", None)
+            if kwargs.get("visual_pos_masks") is None and mask is not None and bool(mask.any()):
+                kwargs["visual_pos_masks"] = mask
+            return args, kwargs
+
+        model.model.register_forward_pre_hook(remember, with_kwargs=True)
+        text.register_forward_pre_hook(hand_over, with_kwargs=True)
+
+    # --- attention read for visual-token saliency ---------------------------------------------
+    def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(patches,) mean attention received by each patch in `attn` (GLM's vision attention: Qwen-VL's shape)."""
+        from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb_vision
+
+        return vision_attention_received(attn, hidden, cu_seqlens, position_embeddings, apply_rotary_pos_emb_vision)
+
+    def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             positions: torch.Tensor) -> torch.Tensor:
+        """Head-averaged attention of the last token to `positions`, in a GLM text attention layer (no
+        q/k norms; rotary on the leading part of each head, which `apply_rotary_pos_emb` handles)."""
+        from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb
+
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(hidden).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention
+        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
+        return probs.mean(dim=1)[0, 0, positions]
