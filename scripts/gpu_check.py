@@ -55,10 +55,10 @@ def main() -> int:
     if args.fp8:
         return 0 if fp8["ok"] else 1
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-6x64", "tiny-6x64", seed=0)
-    rules = sorted(r for r in Path("optimize_rules").glob("*.yaml") if r.name != "qwen3vl-ep.yaml")  # needs torchrun
+    rules = sorted(r for r in Path("optimize_rules").glob("qwen3vl*.yaml") if r.name != "qwen3vl-ep.yaml")  # ep: torchrun
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
 
-    def run(rule_file, **overrides):
+    def run(rule_file, model_dir=model_dir, **overrides):
         model, processor = load(model_dir, rule_file, progress=False, **overrides)
         inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], "cuda:0")
         with torch.inference_mode():
@@ -68,7 +68,7 @@ def main() -> int:
             seconds = time.perf_counter() - start
         return logits, tokens, seconds, collect_stats(model)
 
-    ref_logits, ref_tokens, _, _ = run("optimize_rules/qwen3vl-gpu.yaml")
+    qwen_logits, qwen_tokens, _, _ = run("optimize_rules/qwen3vl-gpu.yaml")
     # the offload runtimes again at their smallest budgets, so that every step copies and evicts
     spec = SPECS["tiny-6x64"]
     layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4  # one layer of fp32 experts
@@ -77,9 +77,18 @@ def main() -> int:
                                             # every expert resident: the whole decode step is one CUDA graph
                                             ("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": "1GiB",
                                                                                      "graphs": "cuda"})]
+    # GLM-4.5V's tiny model: its rule files against the same all-on-GPU placement of the stock modules
+    glm = SPECS["tiny-glm-4x16"]
+    glm_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-glm-4x16", glm, seed=0)
+    glm_layer = glm.experts * 3 * glm.moe_intermediate * glm.hidden * 4
+    glm_ref = run("optimize_rules/qwen3vl-gpu.yaml", model_dir=glm_dir)
+    cases += [("optimize_rules/glm4v.yaml", {"model_dir": glm_dir}),
+              ("optimize_rules/glm4v-offload.yaml", {"model_dir": glm_dir, "expert_budget": 2 * glm_layer})]
     results, ok = [], True
     for rule_file, overrides in cases:
         logits, tokens, seconds, stats = run(rule_file, **overrides)
+        ref_logits, ref_tokens = (glm_ref[:2] if "model_dir" in overrides else (qwen_logits, qwen_tokens))
+        overrides = {k: v for k, v in overrides.items() if k != "model_dir"}
         rule_file = Path(rule_file)
         diff = (logits - ref_logits).abs().max().item()
         same = torch.equal(tokens, ref_tokens)
@@ -90,7 +99,8 @@ def main() -> int:
         bf16_experts = str(stats["operators"].get("CpuExperts", {}).get("cpu_backend", "")).startswith("kt-kernel")
         tolerance = 1e-2 * ref_logits.abs().max().item() if bf16_experts else 1e-5
         ok &= diff <= tolerance and same and graphs_ok
-        row = {"rules": rule_file.name, "overrides": overrides, "max_abs_logit_diff": diff, "tolerance": tolerance,
+        row = {"rules": rule_file.name, "model": "tiny-glm-4x16" if rule_file.name.startswith("glm4v") else "tiny-6x64",
+               "overrides": overrides, "max_abs_logit_diff": diff, "tolerance": tolerance,
                "greedy_tokens_equal": same,
                "generate_8_tokens_s": round(seconds, 3), "weights_by_device": stats.get("weights_by_device"),
                "operators": stats["operators"]}
