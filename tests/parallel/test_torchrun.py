@@ -123,7 +123,7 @@ def test_bench_under_torchrun_measures_the_expert_parallel_configurations(tmp_pa
     assert data["meta"]["ep_size"] == 2
     assert [(r["config"], r["status"]) for r in data["rows"]] == [
         (name, "ok") for name in ("ep", "ep-realb", "ep-graphs", "ep-realb-seq", "ep-fixed", "ep-lowprec-all",
-                                  "ep-eplb")]
+                                  "ep-eplb", "ep-eplb-async")]
     assert all(r["decode_tok_s"]["median"] > 0 for r in data["rows"])
     assert result.stdout.count("| ep |") == 1  # rank 0 reports, the follower does not
 
