@@ -7,14 +7,18 @@ first layer has no experts to replace. Exact where the operator computes what th
 transformers fp32 reference, max abs logit diff <= 1e-5, same greedy tokens); switched ReaLB pairs
 only on image rows; kt-kernel (BF16 kernels) within the BF16 tolerance scripts/gpu_check.py allows."""
 
+import os
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from vismmoe_kt import load
 from vismmoe_kt.core.stats import collect_stats
+from vismmoe_kt.demo.tiny import SPECS, build_tiny_model
 from vismmoe_kt.engine.generation import generate
 
-from conftest import tiny_case
+from conftest import free_port, make_image, tiny_case
 
 NAME, SEED = "tiny-glm-4x16", 1
 MOE_LAYERS = 3  # of 4: layer 0 is dense
@@ -93,3 +97,71 @@ def test_realb_switches_pairs_of_image_rows_only_and_stays_close(case, backend, 
         visual = inputs["input_ids"][0] == ref.config.image_token_id
         prefill = [rows for rows in seen if rows.numel() == visual.numel()]
         assert prefill and all(rows.any() and not (rows & ~visual).any() for rows in prefill)
+
+
+# --- expert parallelism: ExpertParallelExperts on gloo ranks ---------------------------------------
+def model_worker(rank, world, port, model_dir, out_dir, overrides=None, expert_kwargs=None):
+    """One rank: glm4v-ep.yaml (its experts rule given `expert_kwargs` too, for kwargs the file does not
+    name), its own image request, the logits against the single-process reference, twice."""
+    import datetime
+
+    import torch.distributed as dist
+    import yaml
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    rules = yaml.safe_load(open("optimize_rules/glm4v-ep.yaml"))
+    experts = next(rule for rule in rules if rule["match"]["name"].endswith("experts$"))
+    experts["replace"]["kwargs"].update(expert_kwargs or {})
+    model, processor = load(model_dir, rules, **(overrides or {}), **CPU)
+    reference, _ = build_tiny_model(NAME, seed=SEED)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Request {rank}"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[make_image(64 + 32 * rank, 64, seed=rank)], return_tensors="pt")
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+        logits = [model(**inputs).logits for _ in range(2)]  # EPLB re-places between
+    diff = max((l - expected).abs().max().item() for l in logits)
+    error = max(((l - expected).norm() / expected.norm()).item() for l in logits)
+    local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
+    stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
+    torch.save({"diff": diff, "error": error, "local": local, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("overrides", [None, {"mode": "eplb", "eplb_period": 1}])
+def test_expert_parallel_rule_file_on_two_gloo_ranks(case, tmp_path, overrides):
+    """Two ranks, each its own request, each holding half of every MoE layer's experts: logits equal the
+    single-process reference; EPLB re-placing after every step (copies of hot experts moved between
+    the ranks) stays exact."""
+    world = 2
+    mp.spawn(model_worker, args=(world, free_port(), str(case[0]), str(tmp_path), overrides), nprocs=world, join=True)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["diff"] <= 1e-5
+        assert result["stats"]["count"] == MOE_LAYERS
+        if overrides is None:
+            assert result["local"] == MOE_LAYERS * SPECS[NAME].experts // world
+        else:
+            assert result["stats"]["eplb_moves"] == MOE_LAYERS * 2  # a move after each of the 2 steps
+            assert result["local"] > MOE_LAYERS * SPECS[NAME].experts // world  # copies of hot experts too
+
+
+@pytest.mark.distributed
+def test_realb_on_real_ranks_switches_image_pairs_the_same_on_every_rank(case, tmp_path):
+    """mode realb on the group's real ranks, with a gate that opens on these prompts and M_d from 0:
+    every rank takes the group's plan (the same counters everywhere); low-precision pairs are counted
+    from the image rows' loads (fp4_scope vision_tokens), so some means the image-token mask the
+    adapter hands our text model reached the exchange; the logits move, but stay close."""
+    world = 2
+    mp.spawn(model_worker, args=(world, free_port(), str(case[0]), str(tmp_path),
+                                 {"mode": "realb", "lb_gate_tokens": 16}, {"md_start": 0.0}),
+             nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    keys = ("calls", "gated_calls", "pairs", "lowprec_pairs", "switched_experts")
+    first = results[0]["stats"]
+    assert all(r["stats"][key] == first[key] for r in results for key in keys)
+    assert first["calls"] == 2 * MOE_LAYERS and first["switched_experts"] > 0 and 0 < first["lowprec_pairs"] < first["pairs"]
+    assert all(0 < r["error"] < 0.2 for r in results)  # low precision on part of the image rows: close
