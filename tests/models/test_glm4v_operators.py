@@ -7,6 +7,7 @@ first layer has no experts to replace. Exact where the operator computes what th
 transformers fp32 reference, max abs logit diff <= 1e-5, same greedy tokens); switched ReaLB pairs
 only on image rows; kt-kernel (BF16 kernels) within the BF16 tolerance scripts/gpu_check.py allows."""
 
+import dataclasses
 import os
 
 import pytest
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 from vismmoe_kt import load
 from vismmoe_kt.core.stats import collect_stats
-from vismmoe_kt.demo.tiny import SPECS, build_tiny_model
+from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
 from vismmoe_kt.engine.generation import generate
 
 from conftest import free_port, make_image, tiny_case
@@ -24,6 +25,7 @@ NAME, SEED = "tiny-glm-4x16", 1
 MOE_LAYERS = 3  # of 4: layer 0 is dense
 CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
 TOKENS = 8
+KT_KERNEL = __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed()
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +167,72 @@ def test_realb_on_real_ranks_switches_image_pairs_the_same_on_every_rank(case, t
     assert all(r["stats"][key] == first[key] for r in results for key in keys)
     assert first["calls"] == 2 * MOE_LAYERS and first["switched_experts"] > 0 and 0 < first["lowprec_pairs"] < first["pairs"]
     assert all(0 < r["error"] < 0.2 for r in results)  # low precision on part of the image rows: close
+
+
+# --- the CPU experts: CpuExperts --------------------------------------------------------------------
+KT_CPU = "optimize_rules/glm4v-kt-cpu.yaml"
+
+
+@pytest.mark.parametrize("decode,graphs", [("hf", "off"), ("lean", "off"), ("lean", "replay")])
+def test_every_routed_expert_on_the_torch_cpu_backend_matches_the_reference(case, decode, graphs):
+    """The torch backend computes in the model's fp32: exact; on the lean path the CPU layers are
+    capturable, so the CPU twin of the graphs replays every decode step."""
+    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.operators.cpu_experts import CpuExperts
+
+    model_dir, _, inputs, expected = case
+    model, _ = load(model_dir, KT_CPU, cpu_backend="torch", decode=decode, graphs=graphs, **CPU)
+    assert len([m for m in model.modules() if isinstance(m, CpuExperts)]) == MOE_LAYERS
+    check_exact(model, inputs, expected, lean=decode == "lean")
+    stats = collect_stats(model)["operators"]["CpuExperts"]
+    assert stats["cpu_backend"].startswith("torch") and stats["calls"] >= MOE_LAYERS * (2 + TOKENS - 1)
+    if graphs == "replay":
+        steps = decode_engine(model).stats()
+        assert steps["graphed_steps"] == steps["steps"] == TOKENS - 1 and steps["eager_pieces_per_step"] == 0
+
+
+@pytest.mark.skipif(not KT_KERNEL, reason="kt_kernel is not installed")
+def test_every_routed_expert_on_kt_kernel(tmp_path, case):
+    """kt-kernel computes in BF16 (AMX / AVX kernels) and needs sizes in multiples of 32: the tiny GLM
+    model with 64-wide experts. A text prompt's logits lie within scripts/gpu_check.py's BF16 tolerance
+    (1e-2 of the largest reference logit); on the image prompt, where a BF16-rounded hidden state may
+    flip a near-tie of the sigmoid router, each layer's expert outputs are checked against fp32
+    instead, and the lean step's graphed decode gives the tokens of an eager one."""
+    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.operators.cpu_experts import CpuExperts
+    from vismmoe_kt.runtime.cpu.torch_backend import pair_experts
+
+    spec = dataclasses.replace(SPECS[NAME], moe_intermediate=64)
+    model_dir = save_tiny_model(tmp_path / "m", spec, seed=0)
+    ref, processor = build_tiny_model(spec, seed=0)
+    text = processor(text=[processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+                                                         add_generation_prompt=True, tokenize=False)], return_tensors="pt")
+    image = case[2]
+    tokens = {}
+    for graphs in ("replay", "off"):
+        model, _ = load(model_dir, KT_CPU, cpu_backend="kt-kernel", graphs=graphs, cpu_infer=1, **CPU)
+        stats = collect_stats(model)["operators"]["CpuExperts"]
+        assert stats["cpu_backend"].startswith("kt-kernel") and stats["bytes_cpu_backend"] > 0
+        with torch.no_grad():
+            tokens[graphs] = generate(model, dict(image), TOKENS, min_new_tokens=TOKENS)
+        if graphs == "replay":
+            steps = decode_engine(model).stats()
+            assert steps["graphed_steps"] == steps["steps"] == TOKENS - 1 and steps["eager_pieces_per_step"] == 0
+    assert torch.equal(tokens["replay"], tokens["off"])
+    with torch.no_grad():
+        logits, want = model(**text).logits, ref(**text).logits
+    assert (logits - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    errors = []
+    ref_layers = ref.model.language_model.layers
+
+    def compare(op, args, out):
+        hidden, index, weights = args
+        experts = ref_layers[op.layer].mlp.experts
+        fp32 = pair_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj)
+        errors.append(((out - fp32).norm() / fp32.norm()).item())
+    for op in model.modules():
+        if isinstance(op, CpuExperts):
+            op.register_forward_hook(compare)
+    with torch.no_grad():
+        model(**image)
+    assert len(errors) == MOE_LAYERS and max(errors) < 2e-2  # BF16 weights and activations: ~5e-3 here
