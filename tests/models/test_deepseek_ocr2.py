@@ -141,3 +141,30 @@ def test_last_token_attention_equals_the_eager_attention_weights(case):
         got = adapter.last_token_attention(attn, seen["hidden"], seen["pe"], positions)
     want = seen["weights"].mean(dim=1)[0, -1, positions]
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_a_held_prefix_is_kept_for_the_same_image_only(case):
+    """The lean engine keeps a cached prefix across requests: for DeepSeek-OCR-2's inputs (no per-image
+    grids) only when the images are the very same, so the same prompt with another image of the same
+    size decodes as a fresh model does, and a next turn over the same image continues the cache."""
+    from conftest import make_image
+
+    model_dir, ref, inputs, expected = case
+    model, processor = load(model_dir, "optimize_rules/deepseek-ocr2.yaml", graphs="off", **CPU)
+    engine_stats = model.model.language_model.stats
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    other = processor(text=[prompt], images=[make_image(320, 256, seed=7)], return_tensors="pt")
+    assert torch.equal(other["input_ids"], inputs["input_ids"]) and not torch.equal(other["pixel_values"],
+                                                                                       inputs["pixel_values"])
+    with torch.no_grad():
+        assert torch.equal(generate(model, inputs, TOKENS), expected[1])
+        want = ref.generate(**other, max_new_tokens=TOKENS, do_sample=False)
+        assert torch.equal(generate(model, other, TOKENS), want)  # not the first image's keys and values
+        turn = dict(other, input_ids=torch.cat([want, other["input_ids"][:, -3:]], dim=1))
+        turn["attention_mask"] = torch.ones_like(turn["input_ids"])
+        want_turn = ref.generate(**turn, max_new_tokens=TOKENS, do_sample=False)
+        assert engine_stats()["decode_reused_prefixes"] == 0  # the other image: prefilled whole
+        assert torch.equal(generate(model, turn, TOKENS), want_turn)
+    stats = engine_stats()
+    assert stats["decode_reused_prefixes"] == 1 and stats["decode_reused_tokens"] >= want.shape[1] - 1
