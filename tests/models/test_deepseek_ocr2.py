@@ -168,3 +168,50 @@ def test_a_held_prefix_is_kept_for_the_same_image_only(case):
         assert torch.equal(generate(model, turn, TOKENS), want_turn)
     stats = engine_stats()
     assert stats["decode_reused_prefixes"] == 1 and stats["decode_reused_tokens"] >= want.shape[1] - 1
+
+
+@pytest.mark.parametrize("compression", ["random", "affinity"])
+def test_pruned_prefill_decodes_alike_on_both_paths(case, compression):
+    """Visual tokens pruned after layer 1 (random, or FastV-style by the last token's attention in layer 0:
+    the adapter's 1-D rotary attention read): the lean path gives the tokens of transformers' loop over
+    the same pruned model (1-D positions sliced with the kept tokens)."""
+    import yaml
+
+    model_dir, _, inputs, _ = case
+    rules = yaml.safe_load(open("optimize_rules/deepseek-ocr2.yaml"))
+    rules[0]["replace"]["kwargs"].update(compression=compression, keep_ratio=0.5, prune_layer=1, saliency_source="llm")
+    hf, _ = load(model_dir, rules, decode="hf", **CPU)
+    lean, _ = load(model_dir, rules, graphs="off", **CPU)
+    with torch.no_grad():
+        expected = generate(hf, inputs, TOKENS)
+        tokens = generate(lean, inputs, TOKENS)
+    for model in (hf, lean):
+        counters = model.model.language_model.text_forward.counters
+        assert counters.pruned_prefills == 1 and counters.visual_tokens_after < counters.visual_tokens_before
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("rules,layers", [("deepseek-ocr2", None), ("deepseek-ocr2-offload", 2)])
+def test_batched_greedy_tokens_equal_each_request_alone(case, rules, layers):
+    """Batched decode (engine/batched.py over several rows, one row of 1-D positions each) gives each
+    request the tokens it gets alone; prompts of different lengths, with and without images."""
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    from conftest import make_image
+
+    model_dir = case[0]
+    extra = {"expert_budget": layer_bytes(SPECS[NAME]) * layers} if layers else {}
+    model, processor = load(model_dir, f"optimize_rules/{rules}.yaml", graphs="off", **extra, **CPU)
+    requests = [build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(320, 256, seed=1)]),
+                build_inputs(processor, [user_turn("Hello there", 0)], []),
+                build_inputs(processor, [user_turn("Two shapes?", 1)], [make_image(96, 64, seed=3)])]
+    budgets = [8, 5, 6]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        sizes = []
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,
+                                  min_new_tokens=max(budgets), on_step=sizes.append)
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    assert max(sizes) == 3
