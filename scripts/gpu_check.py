@@ -1,7 +1,8 @@
 """GPU check of the foundation on a CUDA machine, in one go (used with the device tool).
 
-For every rule file under optimize_rules/, load a saved tiny Qwen3-VL-MoE with its default (CUDA)
-devices and compare logits and greedy tokens with the all-on-GPU reference (fp32, TF32 off).
+For every rule file under optimize_rules/, load a saved tiny model of its family (Qwen3-VL-MoE,
+GLM-4.5V, DeepSeek-OCR-2) with its default (CUDA) devices and compare logits and greedy tokens with
+the all-on-GPU reference (fp32, TF32 off).
 Prints one line per rule file with the max logit difference, token equality, where the weights
 went and what the operators did; exits non-zero if any rule file disagrees. Generation goes through
 `vismmoe_kt.engine.generate`, so rule files with a VisDecoder exercise the lean decode path and its
@@ -85,10 +86,19 @@ def main() -> int:
     cases += [(str(r), {"model_dir": glm_dir}) for r in sorted(Path("optimize_rules").glob("glm4v*.yaml"))
               if r.name != "glm4v-ep.yaml"]
     cases += [("optimize_rules/glm4v-offload.yaml", {"model_dir": glm_dir, "expert_budget": 2 * glm_layer})]
+    # DeepSeek-OCR-2's tiny model (1-D RoPE, softmax top-k router without renormalisation): likewise
+    ds = SPECS["tiny-dsocr2-4x16"]
+    ds_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-dsocr2-4x16", ds, seed=0)
+    ds_layer = ds.experts * 3 * ds.moe_intermediate * ds.hidden * 4
+    refs = {glm_dir: glm_ref[:2], ds_dir: run("optimize_rules/qwen3vl-gpu.yaml", model_dir=ds_dir)[:2]}
+    names = {glm_dir: "tiny-glm-4x16", ds_dir: "tiny-dsocr2-4x16"}
+    cases += [(str(r), {"model_dir": ds_dir}) for r in sorted(Path("optimize_rules").glob("deepseek-ocr2*.yaml"))]
+    cases += [("optimize_rules/deepseek-ocr2-offload.yaml", {"model_dir": ds_dir, "expert_budget": 2 * ds_layer})]
     results, ok = [], True
     for rule_file, overrides in cases:
         logits, tokens, seconds, stats = run(rule_file, **overrides)
-        ref_logits, ref_tokens = (glm_ref[:2] if "model_dir" in overrides else (qwen_logits, qwen_tokens))
+        family_dir = overrides.get("model_dir")
+        ref_logits, ref_tokens = refs[family_dir] if family_dir is not None else (qwen_logits, qwen_tokens)
         overrides = {k: v for k, v in overrides.items() if k != "model_dir"}
         rule_file = Path(rule_file)
         diff = (logits - ref_logits).abs().max().item()
@@ -100,7 +110,7 @@ def main() -> int:
         bf16_experts = str(stats["operators"].get("CpuExperts", {}).get("cpu_backend", "")).startswith("kt-kernel")
         tolerance = 1e-2 * ref_logits.abs().max().item() if bf16_experts else 1e-5
         ok &= diff <= tolerance and same and graphs_ok
-        row = {"rules": rule_file.name, "model": "tiny-glm-4x16" if rule_file.name.startswith("glm4v") else "tiny-6x64",
+        row = {"rules": rule_file.name, "model": names.get(family_dir, "tiny-6x64"),
                "overrides": overrides, "max_abs_logit_diff": diff, "tolerance": tolerance,
                "greedy_tokens_equal": same,
                "generate_8_tokens_s": round(seconds, 3), "weights_by_device": stats.get("weights_by_device"),

@@ -31,6 +31,8 @@ SINGLE_FILE = "model.safetensors"
 LayoutFix = Callable[[str, torch.Tensor, torch.Size], torch.Tensor]
 # a model tensor's name -> the checkpoint tensors it is assembled from (ModelAdapter.checkpoint_sources)
 Sources = Callable[[str], "tuple[tuple[str, ...], ...] | None"]
+# a model tensor's name -> the name a checkpoint stores it under, where it differs (ModelAdapter.checkpoint_name)
+Renames = Callable[[str], "str | None"]
 
 
 def _shard_map(model_dir: Path) -> dict[str, Path]:
@@ -66,11 +68,13 @@ class CheckpointReader:
         layout_fix: LayoutFix | None = None,
         default_device: str = "cpu",
         sources: Sources | None = None,
+        renames: Renames | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.dtype = dtype  # None keeps each tensor's stored dtype
         self.layout_fix = layout_fix
         self.sources = sources
+        self.renames = renames
         self.default_device = default_device
         self.device_map: dict[str, dict[str, Any]] = {}
         self.on_tensor: Callable[[str, int], None] | None = None  # progress hook: (name, bytes)
@@ -82,14 +86,21 @@ class CheckpointReader:
         return list(self._shards)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._shards or self._parts(name) is not None
+        return self._stored(name) is not None or self._parts(name) is not None
+
+    def _stored(self, name: str) -> str | None:
+        """The name the checkpoint holds tensor `name` under: itself, or the adapter's rename; None if neither."""
+        if name in self._shards:
+            return name
+        renamed = self.renames(name) if self.renames is not None else None
+        return renamed if renamed is not None and renamed in self._shards else None
 
     def _parts(self, name: str) -> tuple[tuple[str, ...], ...] | None:
         """The stored tensors a tensor the checkpoint lacks is assembled from (all present), else None."""
-        if self.sources is None or name in self._shards:
+        if self.sources is None or self._stored(name) is not None:
             return None
         rows = self.sources(name)
-        return rows if rows and all(part in self._shards for row in rows for part in row) else None
+        return rows if rows and all(self._stored(part) is not None for row in rows for part in row) else None
 
     def planned_device(self, module_key: str, fallback: torch.device | str) -> torch.device:
         """The generate_device the plan gives `module_key`, else `fallback` (its parent's device)."""
@@ -125,8 +136,9 @@ class CheckpointReader:
         parts = self._parts(name)
         if parts is not None:  # e.g. fused experts from per-expert tensors: rows stacked, each row concatenated
             return torch.stack([torch.cat([self._read(part, device, dtype) for part in row]) for row in parts])
-        if name not in self._shards:
+        if self._stored(name) is None:
             raise LoadError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
+        name = self._stored(name)
         try:
             tensor = self._file_for(name).get_tensor(name)
         except LoadError:

@@ -164,7 +164,8 @@ def load(
     else:
         reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout,
                                   default_device=device,
-                                  sources=lambda name: adapter.checkpoint_sources(name, config))
+                                  sources=lambda name: adapter.checkpoint_sources(name, config),
+                                  renames=lambda name: adapter.checkpoint_name(name, config))
     model = assemble(config, adapter, reader, optimize_config_path, device, progress, overrides)
     generation_config = model_dir / "generation_config.json"
     if generation_config.exists():

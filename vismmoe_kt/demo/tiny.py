@@ -46,7 +46,7 @@ class TinySpec:
     vision_heads: int = 2
     max_image_pixels: int = 448 * 448
     tie_embeddings: bool = False
-    family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py
+    family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py, deepseek_ocr2 in tiny_dsocr2.py
 
 
 SPECS: dict[str, TinySpec] = {
@@ -69,6 +69,10 @@ SPECS: dict[str, TinySpec] = {
     # GLM-4.5V at toy widths (layer 0 dense, then MoE layers with a shared expert; sigmoid routing with a
     # correction bias; partial rotary): the second family's adapter is tested on it
     "tiny-glm-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48, family="glm4v_moe"),
+    # DeepSeek-OCR-2 at toy widths (layer 0 dense, then MoE layers with shared experts; softmax top-k
+    # without renormalisation, scaled; 1-D RoPE; SAM + encoder vision at a quarter of its pixel sizes)
+    "tiny-dsocr2-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48,
+                                 family="deepseek_ocr2"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
@@ -134,6 +138,10 @@ def build_tiny_model(spec: TinySpec | str, seed: int = 0):
         from .tiny_glm import build_tiny_glm
 
         return build_tiny_glm(spec, seed)
+    if spec.family == "deepseek_ocr2":
+        from .tiny_dsocr2 import build_tiny_dsocr2
+
+        return build_tiny_dsocr2(spec, seed)
     processor = build_processor(spec)
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)

@@ -120,7 +120,7 @@ class BatchedDecodeStep(LeanDecodeStep):
         rows = self.rows
         hidden = self.embed(self.tokens[:rows])                                  # (R, 1, H)
         position = self.cache.lengths[0, self.cache.active] + self.deltas[:rows]  # the prefix layer holds every position
-        cos, sin = self.adapter.rotary(self.text, hidden, position.view(1, -1, 1).expand(3, -1, 1))
+        cos, sin = self.adapter.rotary(self.text, hidden, position.view(1, -1, 1).expand(self.adapter.position_rows(), -1, 1))
         return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)           # masks (L, R, 1, 1, span)
 
     def __call__(self, slots: list[int], tokens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:

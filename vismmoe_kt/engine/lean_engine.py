@@ -43,7 +43,7 @@ def image_keys(inputs: dict[str, torch.Tensor]) -> list[ImageKey]:
     """One key per image of a processed request, in prompt order."""
     grids = inputs.get("image_grid_thw")
     if grids is None:
-        return []
+        return _whole_request_key(inputs)
     pixels = inputs["pixel_values"].detach().cpu().contiguous()
     keys, start = [], 0
     for grid in grids.tolist():
@@ -52,6 +52,19 @@ def image_keys(inputs: dict[str, torch.Tensor]) -> list[ImageKey]:
         keys.append(ImageKey(tuple(grid), digest))
         start += rows
     return keys
+
+
+def _whole_request_key(inputs: dict[str, torch.Tensor]) -> list[ImageKey]:
+    """Images without per-image grids (DeepSeek-OCR-2: global views and local tiles, fixed token counts):
+    one key for all of the request's pixels, with no patches. A cache then keeps a prefix only for the
+    very same images and no new ones (another image, or one more, prefills the whole prompt)."""
+    tensors = [inputs[name] for name in ("pixel_values", "pixel_values_local") if inputs.get(name) is not None]
+    if not tensors:
+        return []
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return [ImageKey((0, 0, 0), digest.digest())]
 
 
 def reusable_prefix(held: list[int], held_images: list[ImageKey], ids: list[int], images: list[ImageKey],

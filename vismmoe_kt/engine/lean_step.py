@@ -171,7 +171,7 @@ class LeanDecodeStep:
 
     def _embed(self, state: State) -> State:
         hidden = self.embed(self.token)
-        position = (self.cache.lengths[0] + self.rope_delta).view(1, 1, 1).expand(3, 1, 1)
+        position = (self.cache.lengths[0] + self.rope_delta).view(1, 1, 1).expand(self.adapter.position_rows(), 1, 1)
         cos, sin = self.adapter.rotary(self.text, hidden, position)
         return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)
 

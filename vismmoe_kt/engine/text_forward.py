@@ -141,12 +141,13 @@ class TextForward:
             inputs_embeds = adapter.token_embedding(text)(input_ids)
         batch, length = inputs_embeds.shape[:2]
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        rows = adapter.position_rows()  # rotary rows (M-RoPE: 3); a leading row of text positions may precede them
         if position_ids is None:
-            position_ids = (torch.arange(length, device=inputs_embeds.device) + past).view(1, 1, -1).expand(4, batch, -1)
+            position_ids = (torch.arange(length, device=inputs_embeds.device) + past).view(1, 1, -1).expand(rows + 1, batch, -1)
         elif position_ids.ndim == 2:
-            position_ids = position_ids[None].expand(4, *position_ids.shape)
+            position_ids = position_ids[None].expand(rows + 1, *position_ids.shape)
         text_positions = None
-        if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        if position_ids.ndim == 3 and position_ids.shape[0] == rows + 1:
             text_positions, position_ids = position_ids[0], position_ids[1:]
 
         prefill = past == 0 and length > 1
@@ -161,7 +162,7 @@ class TextForward:
                 raise ValueError("VisDecoder prunes visual tokens for batch size 1 without padding only; "
                                  "send requests one at a time or set keep_ratio: 1.0")
             return text.forward(input_ids=None, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                position_ids=torch.cat([text_positions[None], position_ids]) if text_positions is not None else position_ids,
+                                position_ids=self._positions_for_text_model(text_positions, position_ids),
                                 past_key_values=past_key_values, use_cache=use_cache, visual_pos_masks=visual_pos_masks,
                                 deepstack_visual_embeds=deepstack_visual_embeds, **kwargs)
 
@@ -216,6 +217,13 @@ class TextForward:
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _positions_for_text_model(self, text_positions, position_ids):
+        """Positions in the form the wrapped transformers text model takes: (B, T) for 1-D RoPE, else the
+        rotary rows with the text row in front where there is one."""
+        if self.adapter.position_rows() == 1:
+            return position_ids[0]
+        return torch.cat([text_positions[None], position_ids]) if text_positions is not None else position_ids
 
     # --- chunked prefill (continuous batching) -------------------------------------------------------
     def prefill_parts(self, run: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from .base import ModelAdapter, MoEShape
 REGISTRY: dict[str, str] = {
     "qwen3_vl_moe": "vismmoe_kt.models.qwen3_vl_moe:Qwen3VLMoeAdapter",
     "glm4v_moe": "vismmoe_kt.models.glm4v_moe:Glm4vMoeAdapter",
+    "deepseek_ocr2": "vismmoe_kt.models.deepseek_ocr2:DeepseekOcr2Adapter",
 }
 
 

@@ -70,6 +70,12 @@ class ModelAdapter:
         the checkpoint must hold `name` itself."""
         return None
 
+    def checkpoint_name(self, name: str, config: Any) -> str | None:
+        """The name a checkpoint stores the model's tensor `name` under where it is not `name` (a family
+        whose published checkpoints keep their original layout, which transformers renames on load);
+        None where the checkpoint uses the model's names."""
+        return None
+
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
         """The GGUF tensors (llama.cpp's names) that make up the model's tensor `name`, in the order
         they are concatenated along dim 1; None where a GGUF file does not hold it (e.g. the vision
@@ -211,6 +217,12 @@ class ModelAdapter:
     def image_token_mask(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor:
         token = self.image_token_id(config)
         return input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+
+    def position_rows(self) -> int:
+        """Rows of the text model's rotary position ids: 3 for M-RoPE (temporal, height, width: Qwen3-VL,
+        GLM-4.5V), 1 for plain 1-D RoPE. The engine builds decode positions with this many rows and hands
+        `rotary` (rows, B, T) ids."""
+        return 3
 
     def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(position ids (3, B, T), rope deltas) of a whole processed prompt (M-RoPE families)."""

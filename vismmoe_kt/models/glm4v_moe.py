@@ -34,6 +34,29 @@ _TEXT = "model.language_model."
 _FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 
 
+def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module) -> None:
+    """For a model whose forward hands its text model no `visual_pos_masks` (GLM-4.5V, DeepSeek-OCR-2):
+    where our text model's forward runs (an injected operator), a hook on the model remembers
+    `input_ids == image_token_id` of each call and one on the text model passes it on."""
+    text = adapter.text_model(model)
+    if not getattr(text, "is_injected_operator", False):
+        return  # transformers' own text model takes no mask
+    token, seen = adapter.image_token_id(model.config), {}
+
+    def remember(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen["mask"] = ids == token if ids is not None and token is not None else None
+
+    def hand_over(module, args, kwargs):
+        mask = seen.pop("mask", None)
+        if kwargs.get("visual_pos_masks") is None and mask is not None and bool(mask.any()):
+            kwargs["visual_pos_masks"] = mask
+        return args, kwargs
+
+    model.model.register_forward_pre_hook(remember, with_kwargs=True)
+    text.register_forward_pre_hook(hand_over, with_kwargs=True)
+
+
 class Glm4vImageTextProcessor(Glm4vProcessor):
     """GLM-4.5V's processor for images and text, without the video processor (which needs
     torchvision, whose wheels on our machines do not import beside the CPU torch). Images and text
@@ -178,23 +201,7 @@ class Glm4vMoeAdapter(ModelAdapter):
         (an injected operator), a hook on the model remembers `input_ids == image_token_id` of each call
         and one on the text model passes it on, so pruning, ReaLB's modality and the predictor's visual
         summary see the image tokens as they do for Qwen3-VL (text-only calls: no mask, as there)."""
-        text = self.text_model(model)
-        if not getattr(text, "is_injected_operator", False):
-            return  # transformers' own text model takes no mask
-        token, seen = self.image_token_id(model.config), {}
-
-        def remember(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            seen["mask"] = ids == token if ids is not None and token is not None else None
-
-        def hand_over(module, args, kwargs):
-            mask = seen.pop("mask", None)
-            if kwargs.get("visual_pos_masks") is None and mask is not None and bool(mask.any()):
-                kwargs["visual_pos_masks"] = mask
-            return args, kwargs
-
-        model.model.register_forward_pre_hook(remember, with_kwargs=True)
-        text.register_forward_pre_hook(hand_over, with_kwargs=True)
+        hand_text_model_image_mask(self, model)
 
     # --- attention read for visual-token saliency ---------------------------------------------
     def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,0 +1,233 @@
+"""DeepSeek-OCR-2 (transformers `deepseek_ocr2`, 5.x layout).
+
+Vision: a SAM encoder and a Qwen2-style encoder with learned queries (`model.vision_tower`), projected by
+`model.multi_modal_projector`; a fixed number of visual tokens per view (global view, local tiles) and a
+learned separator. Text (`model.language_model`): a DeepSeek-MoE decoder with standard multi-head
+attention (no q/k norms, no biases, full 1-D RoPE: position ids (B, T), not M-RoPE); the layers whose
+`mlp_layer_types` entry is "dense" have a dense MLP, the "sparse" ones an MoE `mlp` with the router
+`gate` (softmax over every expert, greedy or group-limited top-k, *not* renormalised, times
+`routed_scaling_factor`: not the fused softmax-top-k-renormalise router), the fused experts `experts`
+(`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)) and `shared_experts`, a dense MLP the block adds.
+
+The model hands its text model embeddings only (input_ids=None, no `visual_pos_masks`): `install_hooks`
+passes it `input_ids == image_token_id` as GLM's adapter does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (DeepseekOcr2Processor,
+                                                                        DeepseekOcr2ProcessorKwargs)
+
+from ..errors import LoadError
+from .base import ModelAdapter, MoEShape
+from .glm4v_moe import hand_text_model_image_mask
+from .qwen3_vl_moe import _read_chat_template
+
+_TEXT = "model.language_model."
+_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
+# the model's names -> the published checkpoint's (what `save_pretrained` writes too): the reverse of
+# transformers' conversion mapping for deepseek_ocr2 (conversion_mapping.py), first match wins
+_STORED = tuple((re.compile(pattern), stored) for pattern, stored in (
+    (r"^model\.language_model\.", "model."),
+    (r"^model\.multi_modal_projector\.", "model.projector.layers."),
+    (r"^model\.view_separator$", "model.view_seperator"),
+    (r"^model\.vision_tower\.sam_encoder\.layers\.(\d+)\.layer_norm([12])\.", r"model.sam_model.blocks.\1.norm\2."),
+    (r"^model\.vision_tower\.sam_encoder\.layers\.", "model.sam_model.blocks."),
+    (r"^model\.vision_tower\.sam_encoder\.patch_embed\.projection\.", "model.sam_model.patch_embed.proj."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.conv1\.", "model.sam_model.neck.0."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.layer_norm1\.", "model.sam_model.neck.1."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.conv2\.", "model.sam_model.neck.2."),
+    (r"^model\.vision_tower\.sam_encoder\.neck\.layer_norm2\.", "model.sam_model.neck.3."),
+    (r"^model\.vision_tower\.sam_encoder\.proj\.conv1\.", "model.sam_model.net_2."),
+    (r"^model\.vision_tower\.sam_encoder\.proj\.conv2\.", "model.sam_model.net_3."),
+    (r"^model\.vision_tower\.sam_encoder\.", "model.sam_model."),
+    (r"^model\.vision_tower\.vision_encoder\.", "model.qwen2_model.model.model."),
+    (r"^model\.vision_tower\.query_(768|1024)_resolution\.", r"model.qwen2_model.query_\1."),
+))
+
+
+class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
+    """DeepSeek-OCR-2's processor, which also takes text without images (transformers' raises on a
+    prompt without one: our apps and batched requests send text-only turns). With images, exactly
+    DeepseekOcr2Processor."""
+
+    def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
+        if images is not None and (not isinstance(images, (list, tuple)) or len(images)):
+            return super().__call__(images=images, text=text, **kwargs)
+        if text is None:
+            raise ValueError("the processor needs text")
+        output_kwargs = self._merge_kwargs(DeepseekOcr2ProcessorKwargs, tokenizer_init_kwargs=self.tokenizer.init_kwargs,
+                                           **kwargs)
+        text = [text] if isinstance(text, str) else list(text)
+        if any(self.image_token in t for t in text):
+            raise ValueError(f"the text holds {self.image_token} but no image was given")
+        return_tensors = output_kwargs["text_kwargs"].pop("return_tensors", None)
+        return BatchFeature(data=dict(self.tokenizer(text, **output_kwargs["text_kwargs"])), tensor_type=return_tensors)
+
+
+class DeepseekOcr2Adapter(ModelAdapter):
+    model_types = ("deepseek_ocr2",)
+
+    def model_class(self) -> type[nn.Module]:
+        from transformers import DeepseekOcr2ForConditionalGeneration
+
+        return DeepseekOcr2ForConditionalGeneration
+
+    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
+        match = _FUSED.match(name)
+        if match is None:
+            return None
+        key, count = match["key"], int(self.text_config(config).n_routed_experts)
+        if match["tensor"] == "gate_up_proj":
+            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
+        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+
+    def checkpoint_name(self, name: str, config: Any) -> str | None:
+        """DeepSeek-OCR-2's checkpoints keep the original layout (`model.layers.N`, `model.sam_model`,
+        `model.qwen2_model`, `model.projector`, ...), which transformers renames on load."""
+        for pattern, stored in _STORED:
+            renamed, count = pattern.subn(stored, name, count=1)
+            if count:
+                return renamed
+        return None
+
+    def experts_key(self, layer: int) -> str:
+        return f"{_TEXT}layers.{layer}.mlp.experts"
+
+    def load_processor(self, model_dir: Path) -> DeepseekOcr2ImageTextProcessor:
+        from transformers import AutoTokenizer
+        from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            image_processor = DeepseekOcr2ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+        saved = model_dir / "processor_config.json"
+        options = json.loads(saved.read_text()) if saved.is_file() else {}
+        return DeepseekOcr2ImageTextProcessor(image_processor, tokenizer,
+                                              chat_template=_read_chat_template(model_dir, tokenizer),
+                                              patch_size=options.get("patch_size", 16),
+                                              downsample_ratio=options.get("downsample_ratio", 4))
+
+    # --- config ------------------------------------------------------------------------------
+    def text_config(self, config: Any) -> Any:
+        return config.text_config if hasattr(config, "text_config") else config
+
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        text = self.text_config(config)  # the rule DeepseekOcr2TextDecoderLayer applies
+        return [i for i, kind in enumerate(text.mlp_layer_types[:text.num_hidden_layers]) if kind == "sparse"]
+
+    def moe_shape(self, config: Any) -> MoEShape:
+        text = self.text_config(config)
+        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
+                        tuple(self.moe_layers_from_config(config)))
+
+    # --- the model's parts -------------------------------------------------------------------
+    def text_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def layers_of(self, text: nn.Module) -> nn.ModuleList:
+        return text.layers
+
+    def token_embedding(self, text: nn.Module) -> nn.Module:
+        return text.embed_tokens
+
+    def final_norm(self, text: nn.Module) -> nn.Module:
+        return text.norm
+
+    def position_rows(self) -> int:
+        return 1  # plain 1-D RoPE
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn
+
+    def input_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.input_layernorm
+
+    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.post_attention_layernorm
+
+    def feed_forward(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp
+
+    def router(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
+
+    def experts(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "experts", None)
+
+    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer.mlp, "shared_experts", None) if self.experts(layer) is not None else None
+
+    def expert_activation(self, experts: nn.Module):
+        return experts.act_fn
+
+    # --- routing -----------------------------------------------------------------------------
+    # The router is softmax -> top-k without renormalisation, times routed_scaling_factor: `fused_router`
+    # stays None (the decode step calls the module); its probabilities are the base class's softmax.
+    def routed_experts(self, router_output: Any) -> torch.Tensor:
+        return router_output[2]  # DeepseekOcr2TextTopkRouter: (logits, top-k weights, top-k indices)
+
+    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        logits, scores, _ = router_output
+        return logits, weights.to(scores.dtype), ids
+
+    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+            return norm.weight, float(norm.variance_epsilon)
+        return None
+
+    # --- vision and positions ----------------------------------------------------------------
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.vision_tower
+
+    def vision_merge_size(self, config: Any) -> int:
+        return 1  # visual tokens are the encoder's learned queries, one each: no patch merging
+
+    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
+        return vision_tower.vision_encoder.layers[-1].self_attn
+
+    def image_token_id(self, config: Any) -> int | None:
+        return getattr(config, "image_token_id", None)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """1-D RoPE: positions are the token indices, with no offset."""
+        ids = inputs["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
+        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+
+    def install_hooks(self, model: nn.Module) -> None:
+        """DeepseekOcr2Model hands its text model no `visual_pos_masks`: hand it the image-token mask."""
+        hand_text_model_image_mask(self, model)
+
+    # --- attention read for visual-token saliency ---------------------------------------------
+    def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             positions: torch.Tensor) -> torch.Tensor:
+        """Head-averaged attention of the last token to `positions`, in a DeepSeek-OCR-2 text attention
+        layer (no q/k norms, rotary over the whole head)."""
+        from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import apply_rotary_pos_emb
+
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(hidden).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention where kv heads < heads
+        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
+        return probs.mean(dim=1)[0, 0, positions]
