@@ -77,8 +77,8 @@ def expert_parallel_operators(model: Any) -> list:
     ops = list(context.expert_parallel) if context is not None else []
     if not ops:
         raise InputError("this launch has several processes, but the rule file has no expert-parallel operators: "
-                         "use the family's expert-parallel rule file, optimize_rules/qwen3vl-ep.yaml or glm4v-ep.yaml "
-                         "(or run a single process)")
+                         "use the family's expert-parallel rule file, optimize_rules/qwen3vl-ep.yaml, glm4v-ep.yaml or "
+                         "deepseek-ocr2-ep.yaml (or run a single process)")
     return ops
 
 
