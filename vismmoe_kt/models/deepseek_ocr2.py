@@ -27,7 +27,8 @@ from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (Deepseek
                                                                         DeepseekOcr2ProcessorKwargs)
 
 from ..errors import LoadError
-from .base import ModelAdapter, MoEShape
+from .base import MoEShape
+from .transformers_layout import TransformersLayout
 from .glm4v_moe import hand_text_model_image_mask
 from .qwen3_vl_moe import _read_chat_template
 
@@ -73,7 +74,7 @@ class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
         return BatchFeature(data=dict(self.tokenizer(text, **output_kwargs["text_kwargs"])), tensor_type=return_tensors)
 
 
-class DeepseekOcr2Adapter(ModelAdapter):
+class DeepseekOcr2Adapter(TransformersLayout):
     model_types = ("deepseek_ocr2",)
 
     def model_class(self) -> type[nn.Module]:
@@ -119,9 +120,6 @@ class DeepseekOcr2Adapter(ModelAdapter):
                                               downsample_ratio=options.get("downsample_ratio", 4))
 
     # --- config ------------------------------------------------------------------------------
-    def text_config(self, config: Any) -> Any:
-        return config.text_config if hasattr(config, "text_config") else config
-
     def moe_layers_from_config(self, config: Any) -> list[int]:
         text = self.text_config(config)  # the rule DeepseekOcr2TextDecoderLayer applies
         return [i for i, kind in enumerate(text.mlp_layer_types[:text.num_hidden_layers]) if kind == "sparse"]
@@ -132,65 +130,14 @@ class DeepseekOcr2Adapter(ModelAdapter):
                         tuple(self.moe_layers_from_config(config)))
 
     # --- the model's parts -------------------------------------------------------------------
-    def text_model(self, model: nn.Module) -> nn.Module:
-        return model.model.language_model
-
-    def output_head(self, model: nn.Module) -> nn.Module:
-        return model.lm_head
-
-    def layers_of(self, text: nn.Module) -> nn.ModuleList:
-        return text.layers
-
-    def token_embedding(self, text: nn.Module) -> nn.Module:
-        return text.embed_tokens
-
-    def final_norm(self, text: nn.Module) -> nn.Module:
-        return text.norm
-
     def position_rows(self) -> int:
         return 1  # plain 1-D RoPE
 
     def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
 
-    def attention(self, layer: nn.Module) -> nn.Module:
-        return layer.self_attn
-
-    def input_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.input_layernorm
-
-    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.post_attention_layernorm
-
-    def feed_forward(self, layer: nn.Module) -> nn.Module:
-        return layer.mlp
-
-    def router(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
-
-    def experts(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "experts", None)
-
-    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "shared_experts", None) if self.experts(layer) is not None else None
-
-    def expert_activation(self, experts: nn.Module):
-        return experts.act_fn
-
-    # --- routing -----------------------------------------------------------------------------
     # The router is softmax -> top-k without renormalisation, times routed_scaling_factor: `fused_router`
     # stays None (the decode step calls the module); its probabilities are the base class's softmax.
-    def routed_experts(self, router_output: Any) -> torch.Tensor:
-        return router_output[2]  # DeepseekOcr2TextTopkRouter: (logits, top-k weights, top-k indices)
-
-    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
-        logits, scores, _ = router_output
-        return logits, weights.to(scores.dtype), ids
-
-    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
-            return norm.weight, float(norm.variance_epsilon)
-        return None
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -201,9 +148,6 @@ class DeepseekOcr2Adapter(ModelAdapter):
 
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         return vision_tower.vision_encoder.layers[-1].self_attn
-
-    def image_token_id(self, config: Any) -> int | None:
-        return getattr(config, "image_token_id", None)
 
     def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """1-D RoPE: positions are the token indices, with no offset."""

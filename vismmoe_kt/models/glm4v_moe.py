@@ -28,6 +28,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
 from .base import ModelAdapter, MoEShape
+from .transformers_layout import TransformersLayout
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
 _TEXT = "model.language_model."
@@ -70,7 +71,7 @@ class Glm4vImageTextProcessor(Glm4vProcessor):
         self.video_start_id, self.video_end_id = ids("<|begin_of_video|>"), ids("<|end_of_video|>")
 
 
-class Glm4vMoeAdapter(ModelAdapter):
+class Glm4vMoeAdapter(TransformersLayout):
     model_types = ("glm4v_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -102,9 +103,6 @@ class Glm4vMoeAdapter(ModelAdapter):
         return Glm4vImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
 
     # --- config ------------------------------------------------------------------------------
-    def text_config(self, config: Any) -> Any:
-        return config.text_config if hasattr(config, "text_config") else config
-
     def moe_layers_from_config(self, config: Any) -> list[int]:
         text = self.text_config(config)  # the rule Glm4vMoeTextDecoderLayer applies
         return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
@@ -114,64 +112,9 @@ class Glm4vMoeAdapter(ModelAdapter):
         return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
                         tuple(self.moe_layers_from_config(config)))
 
-    # --- the model's parts -------------------------------------------------------------------
-    def text_model(self, model: nn.Module) -> nn.Module:
-        return model.model.language_model
-
-    def output_head(self, model: nn.Module) -> nn.Module:
-        return model.lm_head
-
-    def layers_of(self, text: nn.Module) -> nn.ModuleList:
-        return text.layers
-
-    def token_embedding(self, text: nn.Module) -> nn.Module:
-        return text.embed_tokens
-
-    def final_norm(self, text: nn.Module) -> nn.Module:
-        return text.norm
-
-    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return text.rotary_emb(hidden, position_ids)
-
-    def attention(self, layer: nn.Module) -> nn.Module:
-        return layer.self_attn
-
-    def input_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.input_layernorm
-
-    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.post_attention_layernorm
-
-    def feed_forward(self, layer: nn.Module) -> nn.Module:
-        return layer.mlp
-
-    def router(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
-
-    def experts(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "experts", None)
-
-    def shared_experts(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "shared_experts", None) if self.experts(layer) is not None else None
-
-    def expert_activation(self, experts: nn.Module):
-        return experts.act_fn
-
     # --- routing -----------------------------------------------------------------------------
-    def routed_experts(self, router_output: Any) -> torch.Tensor:
-        return router_output[2]  # Glm4vMoeTextTopkRouter: (logits, top-k weights, top-k indices)
-
-    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
-        logits, scores, _ = router_output
-        return logits, weights.to(scores.dtype), ids
-
     def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
         return router_logits.float().sigmoid()  # the scores the router ranks experts by (before its bias)
-
-    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
-            return norm.weight, float(norm.variance_epsilon)
-        return None
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -182,9 +125,6 @@ class Glm4vMoeAdapter(ModelAdapter):
 
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         return vision_tower.blocks[-1].attn
-
-    def image_token_id(self, config: Any) -> int | None:
-        return getattr(config, "image_token_id", None)
 
     def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],

@@ -21,7 +21,8 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
-from .base import MmprojSource, ModelAdapter, MoEShape
+from .base import MmprojSource, MoEShape
+from .transformers_layout import TransformersLayout
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _TEXT = "model.language_model."
@@ -95,7 +96,7 @@ def _read_chat_template(model_dir: Path, tokenizer: Any) -> str | None:
     return getattr(tokenizer, "chat_template", None)
 
 
-class Qwen3VLMoeAdapter(ModelAdapter):
+class Qwen3VLMoeAdapter(TransformersLayout):
     model_types = ("qwen3_vl_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -168,9 +169,6 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=template)
 
     # --- config ------------------------------------------------------------------------------
-    def text_config(self, config: Any) -> Any:
-        return config.text_config if hasattr(config, "text_config") else config
-
     def moe_layers_from_config(self, config: Any) -> list[int]:
         text = self.text_config(config)  # the rule Qwen3VLMoeTextDecoderLayer applies
         return [i for i in range(text.num_hidden_layers)
@@ -181,54 +179,7 @@ class Qwen3VLMoeAdapter(ModelAdapter):
         return MoEShape(text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
                         tuple(self.moe_layers_from_config(config)))
 
-    # --- the model's parts -------------------------------------------------------------------
-    def text_model(self, model: nn.Module) -> nn.Module:
-        return model.model.language_model
-
-    def output_head(self, model: nn.Module) -> nn.Module:
-        return model.lm_head
-
-    def layers_of(self, text: nn.Module) -> nn.ModuleList:
-        return text.layers
-
-    def token_embedding(self, text: nn.Module) -> nn.Module:
-        return text.embed_tokens
-
-    def final_norm(self, text: nn.Module) -> nn.Module:
-        return text.norm
-
-    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return text.rotary_emb(hidden, position_ids)
-
-    def attention(self, layer: nn.Module) -> nn.Module:
-        return layer.self_attn
-
-    def input_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.input_layernorm
-
-    def post_attention_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.post_attention_layernorm
-
-    def feed_forward(self, layer: nn.Module) -> nn.Module:
-        return layer.mlp
-
-    def router(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "gate", None) if self.experts(layer) is not None else None
-
-    def experts(self, layer: nn.Module) -> nn.Module | None:
-        return getattr(layer.mlp, "experts", None)
-
-    def expert_activation(self, experts: nn.Module):
-        return experts.act_fn
-
     # --- routing -----------------------------------------------------------------------------
-    def routed_experts(self, router_output: Any) -> torch.Tensor:
-        return router_output[2]  # Qwen3VLMoeTextTopKRouter: (logits, scores, top-k indices)
-
-    def with_routing(self, router_output: Any, weights: torch.Tensor, ids: torch.Tensor) -> Any:
-        logits, scores, _ = router_output
-        return logits, weights.to(scores.dtype), ids
-
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         if type(router).__name__.endswith("TopKRouter") and isinstance(getattr(router, "weight", None), torch.Tensor):
             return router.weight, int(router.top_k)
@@ -236,11 +187,6 @@ class Qwen3VLMoeAdapter(ModelAdapter):
 
     def attention_norms(self, attn: nn.Module) -> tuple[nn.Module, ...]:
         return tuple(norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None)
-
-    def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
-            return norm.weight, float(norm.variance_epsilon)
-        return None
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -251,9 +197,6 @@ class Qwen3VLMoeAdapter(ModelAdapter):
 
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         return vision_tower.blocks[-1].attn
-
-    def image_token_id(self, config: Any) -> int | None:
-        return getattr(config, "image_token_id", None)
 
     def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
