@@ -1,5 +1,8 @@
-"""HTTP endpoints: OpenAI `/v1/chat/completions` and `/v1/models`, Ollama `/api/chat`, `/api/generate`,
-`/api/tags`, plus `/health`, `/metrics` (Prometheus text) and the web chat page at `/`.
+"""HTTP endpoints: OpenAI `/v1/chat/completions` and `/v1/models`, Ollama's `/api/*` (ollama.py), plus
+`/health`, `/metrics` (Prometheus text) and the web chat page at `/`.
+
+Every error, unknown routes included, is in the shape of the API its path belongs to (errors.py):
+OpenAI's error object on `/v1/*` (and elsewhere), Ollama's error string on `/api/*`.
 
 Nothing heavy runs on the event loop: large bodies are parsed on a worker thread, images and
 tokenisation are the engine's `prepare` stage (worker thread). A client that goes away stops its
@@ -18,11 +21,15 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from . import ollama
+from .access import AccessLog
 from .engine import Engine, Job, Usage
+from .errors import ApiError, http_error
 from .guard import Guard
-from .inputs import ApiError, Limits, parse_chat, parse_json, parse_ollama
+from .inputs import Limits, parse_chat, parse_json
 
 T = TypeVar("T")
 THREAD_PARSE_BYTES = 256 * 2**10  # bodies above this are parsed off the event loop
@@ -80,18 +87,26 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
     count = engine.metrics.count
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit,
                        on_refusal=count)
+    app.add_middleware(AccessLog)  # added last, so outermost: it sees the guard's refusals too
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         count(request.url.path, exc.status)
         headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return JSONResponse(exc.body(request.url.path), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException):  # Starlette's 404/405: not its {"detail": ...}
+        # an unknown path is counted under one label: scanners would otherwise make a series per path
+        count(request.url.path if exc.status_code != 404 else "(no route)", exc.status_code)
+        error = http_error(exc.status_code, request.method, request.url.path)
+        return JSONResponse(error.body(request.url.path), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):  # still the error contract, never a text/plain 500
         count(request.url.path, 500)
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error").body(),
-                            status_code=500)
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
+        return JSONResponse(error.body(request.url.path), status_code=500)
 
     async def body_of(request: Request) -> Any:
         try:
@@ -142,20 +157,31 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
         return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
+    served = {"id": engine.name, "object": "model", "created": 0, "owned_by": "vismmoe-kt"}
+
+    def check_model(name: Any) -> None:
+        if name is not None and name != engine.name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server has '{engine.name}'",
+                           param="model", type_="not_found_error", code="model_not_found")
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0, "owned_by": "vismmoe-kt"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return served
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_of(request)
-        if isinstance(body, dict) and body.get("model") not in (None, engine.name):
-            raise ApiError(404, f"the model '{body['model']}' does not exist; this server has '{engine.name}'",
-                           param="model", type_="not_found_error", code="model_not_found")
+        if isinstance(body, dict):
+            check_model(body.get("model"))
         chat = parse_chat(body, limits)
-        options = body.get("stream_options") if isinstance(body, dict) else None
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True  # checked by parse_chat
         usage, created, rid = Usage(), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        request.state.usage = usage  # for the access log
 
         def respond(text: str) -> dict:
             return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
@@ -186,48 +212,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
             yield "data: [DONE]\n\n"
         return await run(request, chat, usage, respond, events, "text/event-stream")
 
-    async def ollama(request: Request, generate: bool):
-        chat = parse_ollama(await body_of(request), limits, generate)
-        usage = Usage()
-
-        def line(piece: str, done: bool) -> dict:
-            out: dict[str, Any] = {"model": engine.name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "done": done}
-            if generate:
-                out["response"] = piece
-            else:
-                out["message"] = {"role": "assistant", "content": piece}
-            if done:
-                out.update(prompt_eval_count=usage.prompt_tokens, eval_count=usage.completion_tokens,
-                           prompt_eval_duration=int(usage.prefill_seconds * 1e9),
-                           eval_duration=int((usage.total_seconds - usage.prefill_seconds) * 1e9),
-                           total_duration=int(usage.total_seconds * 1e9), done_reason=usage.finish_reason)
-            return out
-
-        async def lines(first: str | None, job: Job, pieces):
-            if first is not None:
-                yield json.dumps(line(first, False)) + "\n"
-            async for piece in pieces:
-                yield json.dumps(line(piece, False)) + "\n"
-            await job.finished.wait()
-            count(request.url.path, 200)
-            if job.error is not None:
-                yield json.dumps({"error": f"generation failed: {job.error}"}) + "\n"
-            else:
-                yield json.dumps(line("", True)) + "\n"
-        return await run(request, chat, usage, lambda text: line(text, True), lines, "application/x-ndjson")
-
-    @app.post("/api/chat")
-    async def ollama_chat(request: Request):
-        return await ollama(request, generate=False)
-
-    @app.post("/api/generate")
-    async def ollama_generate(request: Request):
-        return await ollama(request, generate=True)
-
-    @app.get("/api/tags")
-    async def tags():
-        return {"models": [{"name": engine.name, "model": engine.name, "modified_at": "1970-01-01T00:00:00Z", "size": 0}]}
+    ollama.add_routes(app, engine, body_of, run, count)
 
     @app.get("/metrics")
     async def metrics():

@@ -28,11 +28,11 @@ import time
 from typing import Any
 
 import torch
-from transformers import AsyncTextIteratorStreamer
 
 from ...engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner, Sampling
-from .engine import Engine, Job, Prepared, Ticket, Usage
-from .inputs import ApiError, ChatRequest
+from .engine import Engine, Job, Prepared, Ticket, TimedStreamer, Usage
+from .errors import ApiError
+from .inputs import ChatRequest
 
 IDLE_ROUND_S = 0.005  # data parallel, no requests: a round with the group this often (others' passes wait for it)
 
@@ -79,29 +79,17 @@ class BatchedEngine(Engine):
                            code="context_length_exceeded")
         ticket._run()
         usage.prompt_tokens = prepared.prompt_tokens
-        streamer = AsyncTextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TimedStreamer(self.processor.tokenizer, self.metrics.inter_token)
         streamer.put(prepared.inputs["input_ids"].cpu())  # the prompt, which the streamer skips
         job = Job(streamer, request.stop, limit)
         sampling = self._sampling(request)
         chosen = Sampling(sampling["do_sample"], sampling.get("temperature", 1.0), sampling.get("top_p", 1.0))
-        batch_request = BatchRequest(prepared.inputs, limit, chosen, on_token=self._token_sink(streamer))
+        batch_request = BatchRequest(prepared.inputs, limit, chosen,
+                                     on_token=lambda token: streamer.put(torch.tensor([token])))
         with self._wake:
             self._inbox.append((job, batch_request, ticket, usage, time.perf_counter(), asyncio.get_running_loop()))
             self._wake.notify()
         return job
-
-    def _token_sink(self, streamer: AsyncTextIteratorStreamer):
-        """What a request's sampled ids go to (on the batching thread): its streamer, and the gap since
-        its last token to the inter-token latency histogram."""
-        last: list[float] = []
-
-        def put(token: int) -> None:
-            now = time.perf_counter()
-            if last:
-                self.metrics.inter_token.observe(now - last[0])
-            last[:] = [now]
-            streamer.put(torch.tensor([token]))
-        return put
 
     # -- the batching thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -201,6 +189,5 @@ class BatchedEngine(Engine):
         if job.ids is not None:
             usage.completion_tokens = int(job.ids.shape[1])
             usage.finish_reason = "length" if usage.completion_tokens >= job.limit and not job.matcher.stopped else "stop"
-        self.metrics.finished(usage, job.first_piece - start if job.first_piece else None,
-                              cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
+        self.metrics.finished(usage, job.first_piece, end, cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
         job.finished.set()

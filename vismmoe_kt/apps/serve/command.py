@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def add_parser(commands) -> None:
                        help="larger images are refused before they are decoded (default: 16.8 M, the processor's own maximum)")
     serve.add_argument("--max_body_mb", type=POSITIVE,
                        help="larger request bodies get 413 (default: room for the images allowed plus 8 MiB of text)")
+    serve.add_argument("--no_access_log", action="store_true",
+                       help="do not print the access log (one line per request on stderr: client, method, path, "
+                            "status, tokens, duration; never the prompt)")
     serve.add_argument("--allowed_hosts", nargs="+", metavar="HOST",
                        help="Host header names to answer, '*' for any (default: loopback names when --host is "
                             "loopback, which stops DNS-rebinding pages; any otherwise)")
@@ -89,10 +93,24 @@ def build_server(args: argparse.Namespace):
     return create_app(engine, limits, args.api_key, hosts)
 
 
+def log_access(enabled: bool) -> None:
+    """The access log (apps/serve/access.py) on stderr; uvicorn's own access log stays off (log_level warning)."""
+    access = logging.getLogger("vismmoe_kt.serve.access")
+    access.propagate = False
+    if not enabled:
+        access.disabled = True
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     app = build_server(args)
+    log_access(not args.no_access_log)
     from ...parallel import launch
 
     port = args.port + (launch.joined.rank if args.data_parallel else 0)  # data parallel: a port per rank

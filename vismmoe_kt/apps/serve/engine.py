@@ -35,7 +35,8 @@ from transformers import AsyncTextIteratorStreamer, StoppingCriteria, StoppingCr
 
 from ...engine.generation import generate
 from ...engine.inputs import build_inputs, model_device
-from .inputs import ApiError, ChatRequest, ImageRef, Limits, decode_image
+from .errors import ApiError
+from .inputs import ChatRequest, ImageRef, Limits, decode_image
 from .metrics import ServerMetrics
 from .stops import StopMatcher
 
@@ -50,6 +51,25 @@ class _Cancelled(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+class TimedStreamer(AsyncTextIteratorStreamer):
+    """The request's text streamer, timing the gap between its consecutive tokens for the inter-token
+    latency histogram. `put` runs on the generating thread: once with the prompt (which the streamer
+    skips), then once per token, in the transformers loop, the lean loop and the batching thread alike."""
+
+    def __init__(self, tokenizer: Any, gaps: Any):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.gaps, self.puts, self.last = gaps, 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts > 1:  # a token, not the prompt
+            now = time.perf_counter()
+            if self.last is not None:
+                self.gaps.observe(now - self.last)
+            self.last = now
+        super().put(value)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -57,6 +77,7 @@ class Usage:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     finish_reason: str = "stop"
+    arrived: float = 0.0  # perf_counter when the request was admitted: its TTFT and latency count the queue too
 
 
 @dataclass
@@ -218,7 +239,7 @@ class Engine:
         ticket._run()
         usage.prompt_tokens = prepared.prompt_tokens
         limit = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens, self.context - prepared.prompt_tokens)
-        streamer = AsyncTextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TimedStreamer(self.processor.tokenizer, self.metrics.inter_token)
         job = Job(streamer, request.stop, limit)
         loop, start = asyncio.get_running_loop(), time.perf_counter()
 
@@ -250,8 +271,7 @@ class Engine:
         if job.ids is not None:
             usage.completion_tokens = int(job.ids.shape[1]) - usage.prompt_tokens
             usage.finish_reason = "length" if usage.completion_tokens >= job.limit and not job.matcher.stopped else "stop"
-        self.metrics.finished(usage, job.first_piece - start if job.first_piece else None,
-                              cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
+        self.metrics.finished(usage, job.first_piece, end, cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
         job.finished.set()
 
     def _sampling(self, request: ChatRequest) -> dict:
@@ -265,6 +285,7 @@ class Engine:
     async def submit(self, request: ChatRequest, usage: Usage) -> Job:
         """Admit, prepare and start one request; a failure or cancellation before the start frees its place."""
         ticket = self.admit()
+        usage.arrived = time.perf_counter()
         try:
             prepared = await self.prepare(request)
             return await self.start(request, prepared, ticket, usage)

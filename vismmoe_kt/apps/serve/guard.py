@@ -10,7 +10,7 @@ An ASGI middleware, so every route is covered, including FastAPI's own (/openapi
   page may send `text/plain` or form bodies without asking the browser's CORS preflight; JSON it may not.
 - Size: a body over `max_body_bytes` is refused with 413, from Content-Length when there is one, while
   it is read otherwise, before it is held in memory whole.
-Refusals use the API's error body, like every other error.
+Refusals use the error body of the API the path belongs to, like every other error (errors.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from .inputs import ApiError
+from .errors import ApiError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 OPEN_PATHS = ("/health", "/")  # the web page is static (it asks for the key itself); health checks carry no key
@@ -64,7 +64,7 @@ class Guard:
             self.check(scope, Headers(scope=scope))
         except ApiError as refusal:
             self.on_refusal(scope["path"], refusal.status)
-            return await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
+            return await JSONResponse(refusal.body(scope["path"]), status_code=refusal.status)(scope, receive, send)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             receive = self.limited(receive)
         await self.app(scope, receive, send)

@@ -16,22 +16,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SAMPLING_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream", "n", "seed",
-                 "model", "messages", "stream_options", "user", "presence_penalty", "frequency_penalty"}
+from .errors import ApiError
+
+# The chat-completions fields this server implements. `user` only labels a request for the provider
+# (it changes no answer), so it is accepted as OpenAI accepts it.
+OPENAI_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
+                 "stream_options", "n", "user")
+# Fields it does not implement, accepted only at the value that means "off": some clients send the
+# defaults explicitly (frequency_penalty 0, logprobs false, tools []), which ask for nothing. Any
+# other value, and any field in neither list, is a 400 naming the field: silently ignoring `tools` or
+# `response_format` would hand back an answer the client did not ask for.
+OPENAI_NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,), "top_logprobs": (0,),
+                  "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+                  "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+                  "store": (False,), "modalities": (["text"],)}
+# OpenAI's newer name for the system role (o1 and later): the chat template knows only "system"
+ROLE_ALIASES = {"developer": "system"}
 
 # Qwen3-VL's processor shrinks anything above 16.8 M pixels anyway; far larger images only cost memory.
 DEFAULT_MAX_IMAGE_PIXELS = 16_777_216
 TEXT_OVERHEAD_BYTES = 8 * 2**20  # room for the text and JSON around the images in a request body
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -139,15 +143,41 @@ def local_image(url: str, limits: Limits, where: str) -> str:
     return str(path)
 
 
-def _number(body: dict, key: str, low: float, high: float, integer: bool = False):
-    value = body.get(key)
+def _number(body: dict, key: str, low: float, high: float, integer: bool = False, where: str | None = None):
+    """`body[key]` checked; errors name `where` (the field as the client wrote it: `options.num_predict`)."""
+    value, where = body.get(key), where or key
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ApiError(400, f"'{key}' must be a {'whole ' if integer else ''}number, got {value!r}", param=key)
+        raise ApiError(400, f"'{where}' must be a {'whole ' if integer else ''}number, got {value!r}", param=where)
     if not low <= value <= high:
-        raise ApiError(400, f"'{key}' must be between {low} and {high}, got {value}", param=key)
+        raise ApiError(400, f"'{where}' must be between {low} and {high}, got {value}", param=where)
     return value
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: 0 and 0.0 are the same number, but false is not 0 (Python's True == 1 is not JSON's)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
+def check_openai_fields(body: dict) -> None:
+    """400 for a field this server does not implement (see OPENAI_NEUTRAL), naming it in `param`."""
+    for key, value in body.items():
+        if key in OPENAI_FIELDS or value is None:  # null is "not given" in OpenAI's API
+            continue
+        if key in OPENAI_NEUTRAL:
+            if any(_same(value, neutral) for neutral in OPENAI_NEUTRAL[key]):
+                continue
+            raise ApiError(400, f"'{key}' is not supported by this server (only {json.dumps(OPENAI_NEUTRAL[key][0])}, "
+                                f"which asks for nothing, is accepted)", param=key, code="unsupported_parameter")
+        raise ApiError(400, f"unknown or unsupported parameter '{key}'; this server implements "
+                            f"{', '.join(OPENAI_FIELDS)}", param=key, code="unsupported_parameter")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be {\"include_usage\": true or false}", param="stream_options")
 
 
 def _image_url(part: dict, where: str, limits: Limits, count: int) -> ImageRef:
@@ -166,15 +196,24 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     """OpenAI chat-completions body -> ChatRequest (messages in the processor's chat-template form)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_openai_fields(body)
+    return _chat_request(body, limits)
+
+
+def _chat_request(body: dict, limits: Limits) -> ChatRequest:
+    """A chat-completions-shaped body (the client's, or one built from Ollama's) -> ChatRequest."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise ApiError(400, "'n' other than 1 is not supported", param="n")
     out, images = [], []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}]")
+        role = message.get("role") if isinstance(message, dict) else None
+        role = ROLE_ALIASES.get(role, role)
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant",
+                           param=f"messages[{i}].role")
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list) or not parts:
@@ -191,7 +230,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
                 converted.append({"type": "image"})
             else:
                 raise ApiError(400, f"{where}: unsupported content part (text and image_url are)", param=where)
-        out.append({"role": message["role"], "content": converted})
+        out.append({"role": role, "content": converted})
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -205,14 +244,29 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
                        stop, stream)
 
 
+# Ollama request fields that ask for something this server does not do, with the value meaning "off".
+# Other top-level fields (keep_alive: the model stays loaded anyway) and other `options` (num_ctx,
+# top_k, ...) are ignored, as Ollama itself ignores options it does not know.
+OLLAMA_NEUTRAL = {"format": ("",), "tools": ([],), "suffix": ("",), "template": ("",), "context": ([],),
+                  "raw": (False,), "think": (False,)}
+
+
 def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
-    """Ollama /api/chat or /api/generate -> ChatRequest (images are base64 strings)."""
+    """Ollama /api/chat or /api/generate -> ChatRequest (images are base64 strings). Errors name the
+    fields as Ollama's clients send them (`options.num_predict`, not `max_tokens`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for key, neutral in OLLAMA_NEUTRAL.items():
+        if body.get(key) is not None and not any(_same(body[key], n) for n in neutral):
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
     if generate:
         if not isinstance(body.get("prompt"), str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
         messages = [{"role": "user", "content": body["prompt"], "images": body.get("images")}]
+        if body.get("system") is not None:
+            if not isinstance(body["system"], str):
+                raise ApiError(400, "'system' must be a string", param="system")
+            messages.insert(0, {"role": "system", "content": body["system"]})
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -232,8 +286,17 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
         raise ApiError(400, "'options' must be an object such as {\"temperature\": 0.7, \"num_predict\": 64}",
                        param="options")
     stream = body.get("stream", True)  # Ollama streams unless told not to
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
     num_predict = options.get("num_predict")
-    if num_predict in (-1, -2):  # Ollama's "no limit" / "fill the context": the server's limit applies
+    if num_predict in (-1, -2) and not isinstance(num_predict, bool):  # "no limit" / "fill the context": the server's limit
         num_predict = None
-    return parse_chat({"messages": converted, "stream": stream, "temperature": options.get("temperature"),
-                       "top_p": options.get("top_p"), "max_tokens": num_predict, "stop": options.get("stop")}, limits)
+    stop = options.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'options.stop' must be a list of non-empty strings", param="options.stop")
+    # checked here under Ollama's names, so the chat-completions checks below find nothing to refuse
+    values = {"max_tokens": _number({"n": num_predict}, "n", 1, 1 << 20, integer=True, where="options.num_predict"),
+              "temperature": _number(options, "temperature", 0, 2, where="options.temperature"),
+              "top_p": _number(options, "top_p", 0, 1, where="options.top_p")}
+    return _chat_request({"messages": converted, "stream": stream, "stop": stop, **values}, limits)

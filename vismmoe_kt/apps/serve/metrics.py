@@ -38,10 +38,10 @@ class ServerMetrics:
                                 registry=registry)
         self.prompt_tokens = Counter("vismmoe_prompt_tokens", "prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("vismmoe_generation_tokens", "tokens generated", registry=registry)
-        self.ttft = Histogram("vismmoe_time_to_first_token_seconds", "request start to first text",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.latency = Histogram("vismmoe_e2e_request_latency_seconds", "generation start to end",
-                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("vismmoe_time_to_first_token_seconds", "request admitted to its first text (queueing "
+                              "included)", buckets=LATENCY_BUCKETS, registry=registry)
+        self.latency = Histogram("vismmoe_e2e_request_latency_seconds", "request duration: admitted to its last token "
+                                 "(queueing included)", buckets=LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("vismmoe_time_per_output_token_seconds", "a request's mean time per token after its first",
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                               registry=registry)
@@ -53,7 +53,7 @@ class ServerMetrics:
         self.batch_size = Histogram("vismmoe_decode_batch_size", "sequences per decode step (--max_batch > 1)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry)
         self.inter_token = Histogram("vismmoe_inter_token_latency_seconds",
-                                     "gap between a request's consecutive tokens (--max_batch > 1)",
+                                     "gap between a request's consecutive tokens",
                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                                      registry=registry)
         registry.register(_RuntimeCollector(model))
@@ -65,14 +65,15 @@ class ServerMetrics:
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def finished(self, usage: Any, ttft: float | None, cancelled: bool) -> None:
+    def finished(self, usage: Any, first_text: float | None, end: float, cancelled: bool) -> None:
+        """A request ended at `end` (perf_counter), its first text at `first_text` (None: it sent none)."""
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generation_tokens.inc(max(usage.completion_tokens, 0))
-        self.latency.observe(usage.total_seconds)
-        if ttft is not None:
-            self.ttft.observe(ttft)
+        self.latency.observe(end - usage.arrived)
+        if first_text is not None:
+            self.ttft.observe(first_text - usage.arrived)
             if usage.completion_tokens > 1:
-                self.tpot.observe(max(usage.total_seconds - ttft, 0.0) / (usage.completion_tokens - 1))
+                self.tpot.observe(max(end - first_text, 0.0) / (usage.completion_tokens - 1))
         if cancelled:
             self.cancelled.inc()
 
