@@ -12,7 +12,7 @@ import logging
 import httpx
 import pytest
 
-from test_server_faults import WORDS, chat_body, demo, idle, make_server, post, running, served, until  # noqa: F401
+from test_server_faults import chat_body, demo, idle, make_server, post, running, served, until  # noqa: F401
 
 OPENAI_ERROR = {"message", "type", "param", "code"}
 
