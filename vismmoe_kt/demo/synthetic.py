@@ -4,8 +4,8 @@
 `vismmoe_kt.load` does, but a SyntheticReader makes each tensor on demand instead of reading a
 checkpoint: nothing is downloaded and nothing is written to disk. `layers=N` keeps only the first N
 decoder layers for hosts with less memory; `narrow=True` keeps the family's layout (experts, top-k,
-dense and MoE layers, shared experts, vocabulary, the image pipeline and its visual-token count) at
-CPU-sized widths, for sanity runs and tests. The tokenizer is the family's tiny byte-level one (its ids
+dense and MoE layers, shared experts, the image pipeline and its visual-token count) at CPU-sized widths
+and a small vocabulary, for sanity runs and tests. The tokenizer is the family's tiny byte-level one (its ids
 are what the config names), so prompts cost more tokens than with the real vocabulary.
 
 The models (SYNTHETIC_MODELS), each with where its numbers come from:
@@ -74,11 +74,12 @@ DEEPSEEK_OCR2 = {
                             num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "processor": dict(global_pixels=1024, tile_pixels=768, patch_size=16, downsample_ratio=4),
-    # the same layout at CPU-sized widths (`narrow=True`): every count above (experts, top-k, shared experts, the
-    # dense first layer, vocabulary, SAM's 16 px patches and the 256 / 144 visual tokens per view) kept
+    # the same layout at CPU-sized widths (`narrow=True`): every count above (layers, experts, top-k, shared
+    # experts, the dense first layer, SAM's 16 px patches and the 256 / 144 visual tokens per view) kept, but a
+    # vocabulary of 4096 (the tokenizer's ids are below 300; the full one's head would cost most of a CPU prefill)
     "narrow": dict(
-        text=dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
-                  moe_intermediate_size=64),
+        text=dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                  num_key_value_heads=2, moe_intermediate_size=64),
         sam_config=dict(hidden_size=64, output_channels=64, num_hidden_layers=2, num_attention_heads=2,
                         global_attn_indexes=[1], downsample_channels=[64, 96]),
         encoder_config=dict(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=2,
