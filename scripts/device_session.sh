@@ -58,6 +58,11 @@
 #                                                   graphed: the side-stream prefetch captured and checked
 #   bash scripts/device_session.sh fits             decode with a trace whose experts fit 32 GiB (lru, vismmoe) against
 #                                                   all-resident; then stock vs all-resident at 448 px
+#   bash scripts/device_session.sh family [PX]      #24's rows for a non-Qwen family at full published shapes (MODEL,
+#                                                   default deepseek-ocr2; MODEL_LAYERS cuts layers, e.g. 24 for
+#                                                   glm-4.5v): vismmoe-kt bench all-on-gpu, all-pinned, lru and
+#                                                   vismmoe-full at a budget of FAMILY_BUDGET (30%: that share of the
+#                                                   model's routed experts), PX px (448), synthetic routing
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present; the gguf package from .scratch/pylib
@@ -197,6 +202,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 16 --routing synthetic:0 --profile \
             --configs ${EP_CONFIGS:-ep ep-graphs ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
             2>&1 | tail -40 | tee "$OUT/epdp$px.txt" || true ;;
+    family) shift  # #24: bench rows for a non-Qwen family (its own rule files: apps/bench/configs.py RULE_FILES)
+            px=448
+            if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+            model=${MODEL:-deepseek-ocr2}
+            timeout "${FAMILY_TIMEOUT:-570}" python3 -m vismmoe_kt bench --synthetic "$model" ${MODEL_LAYERS:+--layers "$MODEL_LAYERS"} \
+              --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 32 --routing synthetic:0 --cpu_infer 12 \
+              --configs ${FAMILY_CONFIGS:-all-on-gpu all-pinned lru vismmoe-full} --budgets "${FAMILY_BUDGET:-30%}" \
+              --output "$OUT/family-$model-$px" 2>"$OUT/family-$model-$px.err" | tee "$OUT/family-$model-$px.txt" || true
+            tail -5 "$OUT/family-$model-$px.err" ;;
     bench) shift
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do
              bash scripts/bench_h200.sh "$1" "$OUT" 2>"$OUT/bench_part$1.err" | tee "$OUT/bench_part$1.txt"
@@ -210,6 +224,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vismmoe_kt.runtime.budget import (BudgetError, choose_pinned_layers, parse_bytes, pinned_depth_choice,
-                                       valid_prefix_range)
+from vismmoe_kt.runtime.budget import (BudgetError, choose_pinned_layers, parse_budget, parse_bytes,
+                                       pinned_depth_choice, resolve_budget, valid_prefix_range)
 from vismmoe_kt.runtime.prefix_depth import DepthModel, HitRateCurve, predict, shipped_curve
 
 GIB = 2**30
@@ -182,3 +182,35 @@ def test_a_quantized_stores_cheaper_misses_are_priced_at_their_bytes():
         chosen = {r.depth: r for r in q4.rows}[q4.depth]
         assert chosen.seconds < {r.depth: r for r in bf16.rows}[bf16.depth].seconds
         assert q4.valid == bf16.valid and q4.valid[0] <= q4.depth <= q4.valid[1]
+
+
+@pytest.mark.parametrize("text,value", [("30%", "30%"), (" 12.5 % ", "12.5%"), ("24GiB", 24 * GIB), (77, 77)])
+def test_a_budget_is_bytes_or_a_share_of_the_experts(text, value):
+    assert parse_budget(text) == value
+
+
+@pytest.mark.parametrize("bad", ["%", "0%", "-5%", "lots%", "nan%"])
+def test_a_share_must_be_a_positive_percentage(bad):
+    with pytest.raises(BudgetError, match="not a share of the experts"):
+        parse_budget(bad)
+
+
+def test_a_share_resolves_against_the_experts_bytes_rounding_up():
+    assert resolve_budget("30%", 1000) == 300 and resolve_budget("30%", 1001) == 301
+    assert resolve_budget(4096, 10) == 4096  # bytes stay bytes
+
+
+def test_the_runtime_resolves_a_share_of_its_experts():
+    """ "30%" of 10 MoE layers is 3 layers' experts: one pinned layer (Eq. 10's smallest depth, no hit-rate
+    curve for this shape) and two layers' worth of slabs; the summary reports the bytes, the settings the
+    rules gave stay as they were."""
+    from vismmoe_kt.runtime.offload import OffloadRuntime
+    from vismmoe_kt.runtime.offload_settings import OffloadSettings
+
+    experts, hidden, inter = 8, 8, 4
+    layer = experts * 3 * hidden * inter * 4
+    settings = OffloadSettings(expert_budget="30%")
+    runtime = OffloadRuntime(settings, list(range(10)), experts, hidden, inter, torch.float32, "cpu", top_k=2)
+    assert runtime.settings.expert_budget == 3 * layer and runtime.requested_settings.expert_budget == "30%"
+    assert len(runtime.pinned) == 1 and runtime.num_slabs == 2 * experts
+    assert runtime.summary()["expert_budget"] == "9.0 KiB"  # 3 x 3 KiB

@@ -1,14 +1,26 @@
 """Full-size models with random weights, built on the machine that runs them (benchmarks).
 
-`load_synthetic("qwen3-vl-30b-a3b", rules)` assembles Qwen3-VL-30B-A3B's real shapes (48 layers x
-128 experts, hidden 2048, expert intermediate 768, top-8, the 27-block vision tower) exactly as
+`load_synthetic("qwen3-vl-30b-a3b", rules)` assembles a published model's real shapes exactly as
 `vismmoe_kt.load` does, but a SyntheticReader makes each tensor on demand instead of reading a
 checkpoint: nothing is downloaded and nothing is written to disk. `layers=N` keeps only the first N
-decoder layers for hosts with less memory. The tokenizer is the tiny byte-level one (its ids are
-what the config names), so prompts cost more tokens than with Qwen's real vocabulary.
+decoder layers for hosts with less memory; `narrow=True` keeps the family's layout (experts, top-k,
+dense and MoE layers, shared experts, the image pipeline and its visual-token count) at CPU-sized widths
+and a small vocabulary, for sanity runs and tests. The tokenizer is the family's tiny byte-level one (its ids
+are what the config names), so prompts cost more tokens than with the real vocabulary.
+
+The models (SYNTHETIC_MODELS), each with where its numbers come from:
+  qwen3-vl-30b-a3b  Qwen3-VL-30B-A3B-Instruct: 48 layers x 128 experts, top-8, hidden 2048, expert
+                    intermediate 768; 62 GB of BF16 experts (one H200 holds it all)
+  deepseek-ocr2     DeepSeek-OCR-2 (about 3.4B parameters): DeepSeek-MoE decoder, 12 layers (layer 0
+                    dense), 64 routed + 2 shared experts, top-6, hidden 1280, expert intermediate 896;
+                    11 x 64 experts of 6.9 MB = 4.8 GB of BF16 experts (one H200 holds it all)
+  glm-4.5v          GLM-4.5V (106B): 46 layers (layer 0 dense), 128 routed + 1 shared expert, top-8,
+                    hidden 4096, expert intermediate 1408; 45 x 128 experts of 34.6 MB = 199 GB of
+                    BF16 experts: one H200 (141 GB) holds it only as a `layers=N` cut (N <= about 28
+                    for all-on-gpu; offloaded configurations also need the host to hold the store)
 
 Random weights route tokens almost uniformly over the experts: any figure that depends on routing
-(hit rates, prefetch value) is not what a trained model would show.
+(hit rates, prefetch value) is not what a trained model would show (benchmarks use `--routing synthetic`).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from .tiny import TinySpec, build_processor
 
 # Qwen3-VL-30B-A3B-Instruct's published shapes (vision + text); token ids come from our tokenizer.
 QWEN3_VL_30B_A3B = {
+    "family": "qwen3_vl_moe",
     "text": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=262144, rms_norm_eps=1e-6,
@@ -35,23 +48,140 @@ QWEN3_VL_30B_A3B = {
                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                    deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
 }
-SYNTHETIC_MODELS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B}
+# DeepSeek-OCR-2's published shapes. Text: deepseek-ai/DeepSeek-OCR-2's config.json `language_config`
+# (as mirrored on the Hub, and the same numbers in the transformers-converted config that
+# hf-internal-testing/tiny-processor-deepseek_ocr2 carries: text_config, image_token_id 128815, `mlp_layer_types`
+# dense + 11 sparse); routed_scaling_factor 1.0 and rope_theta 10000 are DeepseekV2Config's defaults, which the
+# checkpoint leaves unset. (transformers 5.17's DeepseekOcr2TextConfig defaults are DeepSeek-V2's 4096-wide
+# ones, not this model's.) Vision: SAM ViT-B is transformers' DeepseekOcr2SamVisionConfig defaults (768 wide, 12
+# blocks, global attention at 2/5/8/11, neck 256 -> 512 -> 896 channels, 1024 px, patch 16); the encoder is
+# DeepSeek's `build_qwen2_decoder_as_encoder` defaults (Qwen2-0.5B's shape: 24 layers, 896 wide, 14 heads,
+# 2 kv heads, intermediate 4864, rope_theta 1e6). The processor is DeepSeek-OCR-2's: a 1024 px global view
+# (256 visual tokens), 768 px tiles (144 each) for images wider than a tile.
+DEEPSEEK_OCR2 = {
+    "family": "deepseek_ocr2",
+    "text": dict(vocab_size=129280, hidden_size=1280, intermediate_size=6848, num_hidden_layers=12,
+                 num_attention_heads=10, num_key_value_heads=10, moe_intermediate_size=896, n_routed_experts=64,
+                 n_shared_experts=2, num_experts_per_tok=6, routed_scaling_factor=1.0, topk_method="greedy",
+                 n_group=1, topk_group=1, mlp_layer_types=["dense"] + ["sparse"] * 11, max_position_embeddings=8192,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "vision": dict(
+        sam_config=dict(hidden_size=768, output_channels=256, num_hidden_layers=12, num_attention_heads=12,
+                        image_size=1024, patch_size=16, window_size=14, global_attn_indexes=[2, 5, 8, 11],
+                        downsample_channels=[512, 896]),
+        encoder_config=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                            num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "processor": dict(global_pixels=1024, tile_pixels=768, patch_size=16, downsample_ratio=4),
+    # the same layout at CPU-sized widths (`narrow=True`): every count above (layers, experts, top-k, shared
+    # experts, the dense first layer, SAM's 16 px patches and the 256 / 144 visual tokens per view) kept, but a
+    # vocabulary of 4096 (the tokenizer's ids are below 300; the full one's head would cost most of a CPU prefill)
+    "narrow": dict(
+        text=dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                  num_key_value_heads=2, moe_intermediate_size=64),
+        sam_config=dict(hidden_size=64, output_channels=64, num_hidden_layers=2, num_attention_heads=2,
+                        global_attn_indexes=[1], downsample_channels=[64, 96]),
+        encoder_config=dict(hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2)),
+}
+# GLM-4.5V: transformers 5.17's Glm4vMoeConfig defaults, which its docstring names zai-org/GLM-4.5V's (text:
+# GLM-4.5-Air's MoE, 46 layers, first_k_dense_replace 1, 128 experts top-8 + 1 shared, sigmoid routing with a
+# correction bias, top-k renormalised; vision: 24 blocks, 1536 wide, patch 14, merge 2), with head_dim 128 and
+# M-RoPE sections [8, 12, 12] over the rotary half of each head (GLM-4.5V's config.json).
+GLM_45V = {
+    "family": "glm4v_moe",
+    "text": dict(vocab_size=151424, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+                 num_attention_heads=96, num_key_value_heads=8, head_dim=128, moe_intermediate_size=1408,
+                 n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+                 first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+                 max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
+                                  "partial_rotary_factor": 0.5}),
+    "vision": dict(depth=24, hidden_size=1536, intermediate_size=13696, num_heads=12, out_hidden_size=4096,
+                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, image_size=336),
+}
+SYNTHETIC_MODELS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B, "deepseek-ocr2": DEEPSEEK_OCR2, "glm-4.5v": GLM_45V}
+DEFAULT_MODEL = "qwen3-vl-30b-a3b"
 
 
-def synthetic_config(name: str, tokenizer: Any, layers: int | None = None):
-    from transformers import Qwen3VLMoeConfig
-
+def _shapes(name: str) -> dict[str, Any]:
     if name not in SYNTHETIC_MODELS:
         raise ValueError(f"unknown synthetic model {name!r}; choose one of {', '.join(SYNTHETIC_MODELS)}")
-    shapes = SYNTHETIC_MODELS[name]
-    text = dict(shapes["text"])
+    return SYNTHETIC_MODELS[name]
+
+
+def total_layers(name: str) -> int:
+    """The published decoder-layer count of a synthetic model."""
+    return _shapes(name)["text"]["num_hidden_layers"]
+
+
+def synthetic_processor(name: str, max_image_pixels: int = 1024 * 1024):
+    """The processor a synthetic model's prompts go through: the family's image processor at the published
+    pixel sizes, with the family's tiny byte-level tokenizer (its special tokens name the config's ids)."""
+    family = _shapes(name)["family"]
+    spec = TinySpec(1, 1, 1, 1, 1, max_image_pixels=max_image_pixels, family=family)
+    if family == "deepseek_ocr2":
+        from .tiny_dsocr2 import make_processor
+
+        return make_processor(**_shapes(name)["processor"])
+    if family == "glm4v_moe":
+        from .tiny_glm import build_processor as glm_processor
+
+        return glm_processor(spec)
+    return build_processor(spec)
+
+
+def synthetic_config(name: str, tokenizer: Any, layers: int | None = None, narrow: bool = False):
+    """The model's config at its published shapes (the first `layers` decoder layers; `narrow`: CPU-sized widths)."""
+    shapes = _shapes(name)
+    if narrow and "narrow" not in shapes:
+        raise ValueError(f"synthetic model {name!r} has no narrow variant (those that do: "
+                         f"{', '.join(n for n, s in SYNTHETIC_MODELS.items() if 'narrow' in s)})")
+    if layers is not None and not 1 <= layers <= shapes["text"]["num_hidden_layers"]:
+        raise ValueError(f"layers must be in [1, {shapes['text']['num_hidden_layers']}] for {name}, got {layers}")
+    text, vision = dict(shapes["text"]), {k: (dict(v) if isinstance(v, dict) else v) for k, v in shapes["vision"].items()}
+    if narrow:
+        text.update(shapes["narrow"]["text"])
+        for part in ("sam_config", "encoder_config"):
+            vision[part].update(shapes["narrow"][part])
     if layers is not None:
         text["num_hidden_layers"] = layers
+        if "mlp_layer_types" in text:
+            text["mlp_layer_types"] = text["mlp_layer_types"][:layers]
     token = tokenizer.convert_tokens_to_ids
+    family = shapes["family"]
+    if family == "deepseek_ocr2":
+        from transformers import DeepseekOcr2Config
+
+        from .tiny_dsocr2 import BOS, EOS
+
+        text.update(bos_token_id=token(BOS), eos_token_id=token(EOS), pad_token_id=token(EOS))
+        return DeepseekOcr2Config(text_config=text, vision_config=vision, image_token_id=token("<image>"),
+                                  tie_word_embeddings=False)
+    if family == "glm4v_moe":
+        from transformers import Glm4vMoeConfig
+
+        text.update(eos_token_id=token("<|endoftext|>"), pad_token_id=token("<|endoftext|>"))
+        return Glm4vMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                              image_token_id=token("<|image|>"), video_token_id=token("<|video|>"),
+                              image_start_token_id=token("<|begin_of_image|>"),
+                              image_end_token_id=token("<|end_of_image|>"),
+                              video_start_token_id=token("<|begin_of_video|>"),
+                              video_end_token_id=token("<|end_of_video|>"))
+    from transformers import Qwen3VLMoeConfig
+
     text.update(eos_token_id=token("<|im_end|>"), pad_token_id=token("<|endoftext|>"))
-    return Qwen3VLMoeConfig(text_config=text, vision_config=dict(shapes["vision"]), tie_word_embeddings=False,
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                             image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
                             vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"))
+
+
+def routed_expert_bytes(config: Any, dtype: str | torch.dtype = "bfloat16") -> int:
+    """Bytes of every routed expert of `config`'s MoE layers in `dtype` (what an expert budget as a share
+    of the experts is a share of)."""
+    shape = adapter_for(config.model_type).moe_shape(config)
+    return len(shape.moe_layers) * shape.num_experts * 3 * shape.hidden * shape.inter * parse_dtype(dtype).itemsize
 
 
 class SyntheticReader:
@@ -91,12 +221,12 @@ class SyntheticReader:
         pass
 
 
-def load_synthetic(name: str = "qwen3-vl-30b-a3b", rules: Any = None, *, layers: int | None = None,
+def load_synthetic(name: str = DEFAULT_MODEL, rules: Any = None, *, layers: int | None = None,
                    dtype: str | torch.dtype = "bfloat16", seed: int = 0, progress: bool = True,
-                   max_image_pixels: int = 1024 * 1024, **overrides: Any):
+                   max_image_pixels: int = 1024 * 1024, narrow: bool = False, **overrides: Any):
     """Like `vismmoe_kt.load`, for a full-size random-weight model; returns `(model, processor)`."""
-    processor = build_processor(TinySpec(1, 1, 1, 1, 1, max_image_pixels=max_image_pixels))
-    config = synthetic_config(name, processor.tokenizer, layers)
+    processor = synthetic_processor(name, max_image_pixels)
+    config = synthetic_config(name, processor.tokenizer, layers, narrow)
     return assemble_synthetic(config, processor, rules, dtype=dtype, seed=seed, name=name, progress=progress,
                               **overrides)
 

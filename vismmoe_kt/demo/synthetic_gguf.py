@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
-    parser.add_argument("--model", default="qwen3-vl-30b-a3b", choices=sorted(SYNTHETIC_MODELS))
+    # the GGUF layout (llama.cpp's tensor names) is Qwen3-VL-MoE's only: its adapter is the one that maps them
+    parser.add_argument("--model", default="qwen3-vl-30b-a3b",
+                        choices=[n for n, m in SYNTHETIC_MODELS.items() if m["family"] == "qwen3_vl_moe"])
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
     parser.add_argument("--qtype", default="Q4_K", choices=WRITABLE, help="the experts' GGUF type (default Q4_K)")
     parser.add_argument("--rest", default="Q8_0", choices=WRITABLE, help="the other text matrices' type (default Q8_0)")

@@ -41,14 +41,20 @@ def build_tokenizer():
 
 
 def build_processor(spec):
+    return make_processor(GLOBAL_PIXELS, TILE_PIXELS, SAM_PATCH, DOWNSAMPLE)
+
+
+def make_processor(global_pixels: int, tile_pixels: int, patch_size: int, downsample_ratio: int):
+    """DeepSeek-OCR-2's processor at these pixel sizes (the synthetic full-size model uses the published
+    1024 / 768 / 16 / 4), with the tiny byte-level tokenizer."""
     from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
 
     from ..models.deepseek_ocr2 import DeepseekOcr2ImageTextProcessor
 
-    image_processor = DeepseekOcr2ImageProcessorPil(size={"height": GLOBAL_PIXELS, "width": GLOBAL_PIXELS},
-                                                    tile_size=TILE_PIXELS)
+    image_processor = DeepseekOcr2ImageProcessorPil(size={"height": global_pixels, "width": global_pixels},
+                                                    tile_size=tile_pixels)
     return DeepseekOcr2ImageTextProcessor(image_processor, build_tokenizer(), chat_template=CHAT_TEMPLATE,
-                                          patch_size=SAM_PATCH, downsample_ratio=DOWNSAMPLE)
+                                          patch_size=patch_size, downsample_ratio=downsample_ratio)
 
 
 def build_config(spec, tokenizer):

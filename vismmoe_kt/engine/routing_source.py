@@ -183,8 +183,11 @@ class RoutingSource:
             hidden = torch.cat([prompt.hidden, rest.hidden])
             modality = torch.cat([visual.to(torch.float64), torch.zeros(total - len(visual), dtype=torch.float64)])
             logits = torch.stack([router.logits(layer, hidden[:, layer], modality) for layer in range(self.layers)], 1)
-            return (torch.cat([prompt.ids, rest.ids]), torch.cat([prompt.weights, rest.weights]), hidden,
-                    torch.softmax(logits, dim=-1).float())
+            ids, probabilities = torch.cat([prompt.ids, rest.ids]), torch.softmax(logits, dim=-1).float()
+            # the router's weights are its top-k renormalised (Qwen3's); a family whose router weighs its
+            # choice otherwise (DeepSeek's unnormalised top-k, GLM's scaling) gets its own from the adapter
+            weights = self.adapter.routing_weights(self.config, probabilities, ids)
+            return ids, torch.cat([prompt.weights, rest.weights]) if weights is None else weights, hidden, probabilities
         ids, weights = self._trace_rows(total)
         # a trace holds only the choices: each chosen expert gets its routing weight, the others none
         probabilities = torch.zeros(total, self.layers, self.experts).scatter_(2, ids, weights.float())

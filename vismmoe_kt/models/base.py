@@ -185,6 +185,12 @@ class ModelAdapter:
         """(T, E) per-expert probabilities from the router's logits (a softmax; sigmoid scorers override)."""
         return torch.softmax(router_logits.float(), dim=-1)
 
+    def routing_weights(self, config: Any, probabilities: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """(..., K) weights the family's router gives the chosen experts `ids` (..., K), from every expert's
+        probability (..., E), for routing made outside the model (the synthetic router); None where they are
+        the chosen probabilities renormalised to sum to 1 (Qwen3's top-k, which that router gives already)."""
+        return None
+
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         """(weight (E, H), top_k) when the router is softmax -> top-k -> renormalise over a linear
         layer, which the decode step computes in fewer kernels; None for any other router."""

@@ -138,6 +138,8 @@ class DeepseekOcr2Adapter(TransformersLayout):
 
     # The router is softmax -> top-k without renormalisation, times routed_scaling_factor: `fused_router`
     # stays None (the decode step calls the module); its probabilities are the base class's softmax.
+    def routing_weights(self, config: Any, probabilities: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return probabilities.gather(-1, ids) * float(self.text_config(config).routed_scaling_factor)
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
@@ -156,8 +158,19 @@ class DeepseekOcr2Adapter(TransformersLayout):
         return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
 
     def install_hooks(self, model: nn.Module) -> None:
-        """DeepseekOcr2Model hands its text model no `visual_pos_masks`: hand it the image-token mask."""
+        """DeepseekOcr2Model hands its text model no `visual_pos_masks`: hand it the image-token mask. Its
+        vision tower also convolves the pixels as given (Qwen's and GLM's towers cast them to their own
+        dtype first): pixels arrive in float32 from the processor, so a BF16 model casts them here."""
         hand_text_model_image_mask(self, model)
+        tower = self.vision_tower(model)
+
+        def cast_pixels(module, args, kwargs):
+            weight = next(module.parameters(), None)
+            if args and weight is not None and args[0].is_floating_point() and args[0].dtype != weight.dtype:
+                return (args[0].to(weight.dtype), *args[1:]), kwargs
+            return args, kwargs
+
+        tower.register_forward_pre_hook(cast_pixels, with_kwargs=True)
 
     # --- attention read for visual-token saliency ---------------------------------------------
     def last_token_attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],

@@ -116,6 +116,14 @@ class Glm4vMoeAdapter(TransformersLayout):
     def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
         return router_logits.float().sigmoid()  # the scores the router ranks experts by (before its bias)
 
+    def routing_weights(self, config: Any, probabilities: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen scores, renormalised where `norm_topk_prob`, times `routed_scaling_factor`."""
+        text = self.text_config(config)
+        weights = probabilities.gather(-1, ids)
+        if text.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights * float(text.routed_scaling_factor)
+
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual

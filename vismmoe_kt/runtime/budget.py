@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 
 from ..errors import VismmoeError
@@ -38,6 +39,29 @@ def parse_bytes(value: int | float | str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise BudgetError(f"not a byte size: {value!r} (use e.g. 24GiB, 40GB, 512MiB or a number of bytes)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_budget(value: int | float | str) -> int | str:
+    """An expert budget: a byte size (`parse_bytes`), or a share of the model's routed experts, "N%"
+    (normalised to e.g. "30%"), which `resolve_budget` turns into bytes once the runtime knows the experts'
+    size: the same rule then means the same fraction on any model (a benchmark's "30% of the experts")."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        number = value.strip()[:-1].strip()
+        try:
+            share = float(number)
+        except ValueError:
+            share = -1.0
+        if not 0 < share < math.inf:
+            raise BudgetError(f"not a share of the experts: {value!r} (use e.g. 30%: a positive percentage)")
+        return f"{share:g}%"
+    return parse_bytes(value)
+
+
+def resolve_budget(budget: int | str, expert_bytes: int) -> int:
+    """Bytes of a `parse_budget` value, for a model whose routed experts take `expert_bytes` (its dtype)."""
+    if isinstance(budget, str):
+        return math.ceil(float(budget[:-1]) / 100 * expert_bytes)
+    return budget
 
 
 def human_bytes(n: float) -> str:

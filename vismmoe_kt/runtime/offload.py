@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .budget import BudgetError, human_bytes, resolve_pinned_layers
+from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
 from .expert_compute import bank_experts, row_chunks
 from .host_memory import empty_host_cache
 from .miss_policy import MissPolicy
@@ -79,6 +79,10 @@ class OffloadRuntime:
         fmt = "model" if settings.store_dtype == "auto" else settings.store_dtype
         self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(), fmt=fmt)
         self.layer_bytes = num_experts * self.store.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
+        if isinstance(settings.expert_budget, str):  # a share of the routed experts ("30%"): now their bytes are known
+            settings = replace(settings, expert_budget=resolve_budget(settings.expert_budget,
+                                                                      len(self.moe_layers) * self.layer_bytes))
+            self.settings = settings
         # quantized slabs keep the store's blocks as they are (the decode GEMVs decode them as they read)
         self.quantized_slabs = self._wants_quantized_slabs(settings, lookahead)
         # a quantized slab holds the largest block among the layers (down parts in their files' formats, where given)

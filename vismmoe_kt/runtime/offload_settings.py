@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .budget import BudgetError, parse_bytes
+from .budget import BudgetError, parse_budget, parse_bytes
 from .cost_model import CostModel
 from .store import FORMATS
 
@@ -21,7 +21,8 @@ SLAB_FORMATS = ("auto", "dequantized", "quantized")
 
 @dataclass(frozen=True)
 class OffloadSettings:
-    expert_budget: Any                 # GPU memory for routed experts (pinned prefix + slabs): bytes or "24GiB"
+    expert_budget: Any                 # GPU memory for routed experts (pinned prefix + slabs): bytes, "24GiB", or a
+                                       # share of the model's routed experts' bytes, "30%" (the runtime resolves it)
     policy: str = "vismmoe"            # vismmoe (pinned prefix + prefetch + safe eviction) | lru (the baseline)
     pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
     min_pinned_layers: int = 1         # L_semantic of Eq. 10
@@ -58,8 +59,8 @@ class OffloadSettings:
             object.__setattr__(self, name, value)
 
         if self.expert_budget is None:
-            raise BudgetError("expert_budget is required (bytes or a size like '24GiB')")
-        put("expert_budget", parse_bytes(self.expert_budget))
+            raise BudgetError("expert_budget is required (bytes, a size like '24GiB' or a share like '30%')")
+        put("expert_budget", parse_budget(self.expert_budget))
         if self.policy not in POLICIES:
             raise BudgetError(f"policy {self.policy!r} is not one of: {', '.join(POLICIES)}")
         put("pinned_layers", None if self.pinned_layers in (None, "auto") else int(self.pinned_layers))

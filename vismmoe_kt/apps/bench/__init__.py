@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
-from ...runtime.budget import BudgetError, parse_bytes
+from ...runtime.budget import BudgetError, human_bytes, parse_budget, resolve_budget
 
 DEFAULT_BUDGETS = ("16GiB", "32GiB")       # expert budgets standing for a 24 GB and a 40 GB card (rule files)
 DEFAULT_DEMO_BUDGETS = ("5MiB", "7MiB")  # the demo model (2.25 MiB of experts a layer): 1 pinned layer + 1 or 2 of slabs
@@ -32,7 +32,7 @@ def parse_budgets(values: list[str] | None, demo: bool) -> list[str]:
     budgets = list(values or (DEFAULT_DEMO_BUDGETS if demo else DEFAULT_BUDGETS))
     for value in budgets:
         try:
-            parse_bytes(value)
+            parse_budget(value)
         except BudgetError as exc:
             raise InputError(f"--budgets {value!r}: {exc}") from None
     return budgets
@@ -82,12 +82,23 @@ def run_meta(args, source, budgets: list[str], bandwidth: dict, cuda: bool) -> d
     """What a reader needs beside the rows: model, machine, inputs, the measured bandwidth, caveats."""
     import torch
 
+    from .configs import ladder_compresses, rule_file
     from .inputs import PROMPT
 
     notes = ["budgets are the offload runtime's expert budgets (GPU memory for routed experts); accelerate's "
              "GPU cap is the budget plus the non-expert weights",
              "hit rates count offloaded layers only (a pinned layer always hits): across configurations with "
              "different pinned prefixes compare bytes moved, not hit rates"]
+    total = source.expert_bytes() if any(isinstance(parse_budget(b), str) for b in budgets) else None
+    for budget in budgets:  # a share of the experts: say what it is in bytes on this model
+        share = parse_budget(budget)
+        if isinstance(share, str) and total:
+            notes.append(f"budget {budget} = {human_bytes(resolve_budget(share, total))} of the model's "
+                         f"{human_bytes(total)} of routed experts")
+    family = source.family
+    if not ladder_compresses(family):
+        notes.append(f"{family}'s ladder rule file ({rule_file(family, 'ladder')}) prunes no visual tokens: "
+                     "+compress adds nothing to -base, and -full is the deep prefetch alone")
     routing = routing_of(args)
     if routing != "model":
         notes.append(f"routing: {routing} replaces every router's choice (experts still compute on the model's "
@@ -182,9 +193,14 @@ def add_parser(commands) -> None:
     group = bench.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory")
     group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, random weights; CPU-sized)")
-    group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS),
-                       help="a full-size model with random weights built in host memory (nothing downloaded)")
+    group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS), metavar="NAME",
+                       help="a full-size model with random weights built in host memory (nothing downloaded): "
+                            + ", ".join(sorted(SYNTHETIC_MODELS)) + " (vismmoe_kt/demo/synthetic.py); the family "
+                            "picks the configurations' rule files")
     group.add_argument("--layers", type=int, help="--synthetic only: keep the first N decoder layers")
+    group.add_argument("--narrow", action="store_true",
+                       help="--synthetic only: the family's layout (experts, top-k, dense and MoE layers, vision "
+                            "pipeline) at CPU-sized widths (deepseek-ocr2), for sanity runs")
     group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="convert weights (default: the checkpoint's; bfloat16 for --synthetic)")
     group.add_argument("--cpu_infer", type=int, help=CPU_INFER_HELP)
@@ -195,8 +211,9 @@ def add_parser(commands) -> None:
     run = bench.add_argument_group("what to measure")
     run.add_argument("--configs", nargs="+", metavar="NAME", help="configurations to run (default: all)")
     run.add_argument("--budgets", nargs="+", metavar="SIZE",
-                     help="expert budgets, the runtime's GPU memory for routed experts (default: 16GiB 32GiB, "
-                          "standing for 24 GB and 40 GB cards; --demo: 5MiB 7MiB)")
+                     help="expert budgets, the runtime's GPU memory for routed experts: sizes, or shares of the "
+                          "model's routed experts such as 30%% (default: 16GiB 32GiB, standing for 24 GB and 40 GB "
+                          "cards; --demo: 5MiB 7MiB)")
     run.add_argument("--image-sizes", "--image_sizes", dest="image_sizes", type=int, nargs="+", default=[448, 896],
                      metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
     run.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=16,

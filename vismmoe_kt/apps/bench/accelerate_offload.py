@@ -20,6 +20,11 @@ def non_expert_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if EXPERT_PARAMETER not in name)
 
 
+def expert_bytes(model: nn.Module) -> int:
+    """The routed experts' bytes (what a budget given as a share, "30%", is a share of)."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if EXPERT_PARAMETER in name)
+
+
 def plan_device_map(model: nn.Module, gpu_bytes: int, device_index: int = 0) -> dict[str, int | str]:
     """accelerate's placement of whole blocks with the GPU capped at `gpu_bytes` (pure: reads the model)."""
     from accelerate import infer_auto_device_map

@@ -27,7 +27,13 @@ Expert parallelism (under `torchrun --nproc-per-node N`; rank 0 measures, the ot
                    the next step (the paper's baselines)
 Under torchrun only these run; without it they are rows skipped with the reason.
 
-Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget. The
+Each configuration names a rule file by its role (gpu, offload, lru, ladder, kt-cpu, ep); RULE_FILES gives
+each model family's file for it. Qwen3-VL's ladder is qwen3vl.yaml (offload runtime, CPU misses and
+visual-token compression); GLM-4.5V's and DeepSeek-OCR-2's is their offload file, which prunes no visual
+tokens: there +compress adds nothing and -full is the deep prefetch alone (the run's notes say so).
+
+Every configuration except all-on-gpu, all-pinned, kt-cpu and the ep ones takes the expert budget (bytes,
+or a share of the model's routed experts such as 30%, which the offload runtime resolves). The
 configurations on our runtime keep the rule files' VisDecoder (without pruning below +compress), so
 they all decode through the lean path, as does kt-cpu (its rule file has the VisDecoder too); all-on-gpu
 and accelerate use transformers' loop.
@@ -51,11 +57,40 @@ COMPRESSION_OPERATORS = ("vismmoe_kt.operators.vis_decoder.VisionSaliency", "vis
 PIN_EVERYTHING = "1TiB"  # more than any model's experts: Eq. 10 then pins every layer
 
 
+DEFAULT_FAMILY = "qwen3_vl_moe"
+# each model family's rule file (under optimize_rules/) for each role a configuration names
+RULE_FILES: dict[str, dict[str, str]] = {
+    "qwen3_vl_moe": {"gpu": "qwen3vl-gpu.yaml", "offload": "qwen3vl-offload.yaml", "lru": "qwen3vl-lru.yaml",
+                     "ladder": "qwen3vl.yaml", "kt-cpu": "qwen3vl-kt-cpu.yaml", "ep": "qwen3vl-ep.yaml"},
+    "deepseek_ocr2": {"gpu": "deepseek-ocr2-gpu.yaml", "offload": "deepseek-ocr2-offload.yaml",
+                      "lru": "deepseek-ocr2-lru.yaml", "ladder": "deepseek-ocr2-offload.yaml",
+                      "kt-cpu": "deepseek-ocr2-kt-cpu.yaml", "ep": "deepseek-ocr2-ep.yaml"},
+    "glm4v_moe": {"gpu": "glm4v-gpu.yaml", "offload": "glm4v-offload.yaml", "lru": "glm4v-lru.yaml",
+                  "ladder": "glm4v-offload.yaml", "kt-cpu": "glm4v-kt-cpu.yaml", "ep": "glm4v-ep.yaml"},
+}
+
+
+def rule_file(family: str, role: str) -> str:
+    """The family's rule file for a role (a clear error for a family the benchmarks have no files for)."""
+    if family not in RULE_FILES:
+        raise InputError(f"the benchmarks have no rule files for model family {family!r} "
+                         f"(they do for {', '.join(sorted(RULE_FILES))})")
+    if role not in RULE_FILES[family]:
+        raise InputError(f"model family {family!r} has no {role} rule file ({', '.join(RULE_FILES[family])})")
+    return RULE_FILES[family][role]
+
+
+def ladder_compresses(family: str) -> bool:
+    """Whether the family's ladder file prunes visual tokens (has the VisionSaliency rule)."""
+    rules = yaml.safe_load((RULES_DIR / rule_file(family, "ladder")).read_text(encoding="utf-8"))
+    return any(r["replace"].get("class") == COMPRESSION_OPERATORS[0] for r in rules)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
     description: str
-    rule_file: str                  # under optimize_rules/
+    role: str                       # which of the family's rule files it loads (RULE_FILES)
     takes_budget: bool = True
     needs_cuda: bool = False        # meaningless without a GPU (skipped there, with this reason)
     compression: bool = False       # keep the VisionSaliency/VisDecoder rules of the rule file
@@ -65,9 +100,10 @@ class BenchConfig:
     operator: str = EXPERTS_OPERATOR  # the experts rule that expert_kwargs (and the budget) edit
     needs_group: bool = False       # expert parallel: runs under torchrun only
 
-    def rules(self, budget: str | None, predictor: str | None = None) -> list[dict[str, Any]]:
-        """The rule list to load: the rule file with this configuration's edits applied."""
-        rules = yaml.safe_load((RULES_DIR / self.rule_file).read_text(encoding="utf-8"))
+    def rules(self, budget: str | None, predictor: str | None = None,
+              family: str = DEFAULT_FAMILY) -> list[dict[str, Any]]:
+        """The rule list to load: the family's rule file with this configuration's edits applied."""
+        rules = yaml.safe_load((RULES_DIR / rule_file(family, self.role)).read_text(encoding="utf-8"))
         if not self.compression:  # the decoder stays (it owns the decode path), without pruning
             rules = [r for r in rules if r["replace"].get("class") != COMPRESSION_OPERATORS[0]]
             for rule in rules:
@@ -93,43 +129,43 @@ def _ladder(mode: str, miss_policy: str, what: str) -> list[BenchConfig]:
          (("prefetch_window", 1), ("max_in_flight", 1)), True),
         ("-full", "+ deep lookahead (window 2 / predictor top-B), 16 copies in flight", True, (), True),
     ]
-    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "qwen3vl.yaml",
+    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "ladder",
                         compression=compression, expert_kwargs=(("miss_policy", miss_policy),) + kwargs,
                         uses_predictor=predictor)
             for step, description, compression, kwargs, predictor in steps]
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
-    BenchConfig("all-on-gpu", "stock Hugging Face, every module on the GPU", "qwen3vl-gpu.yaml", takes_budget=False),
-    BenchConfig("all-pinned", "our runtime, every layer pinned (no transfers)", "qwen3vl-offload.yaml",
+    BenchConfig("all-on-gpu", "stock Hugging Face, every module on the GPU", "gpu", takes_budget=False),
+    BenchConfig("all-pinned", "our runtime, every layer pinned (no transfers)", "offload",
                 takes_budget=False, expert_kwargs=(("expert_budget", PIN_EVERYTHING), ("prefetch_window", 0))),
-    BenchConfig("accelerate", "accelerate device_map offload, GPU capped by max_memory (AC)", "qwen3vl-gpu.yaml",
+    BenchConfig("accelerate", "accelerate device_map offload, GPU capped by max_memory (AC)", "gpu",
                 needs_cuda=True, accelerate=True),
-    BenchConfig("kt-cpu", "KTransformers-style: every routed expert on the CPU backend (KT)", "qwen3vl-kt-cpu.yaml",
+    BenchConfig("kt-cpu", "KTransformers-style: every routed expert on the CPU backend (KT)", "kt-cpu",
                 takes_budget=False),
-    BenchConfig("lru", "on-demand expert loading, LRU cache", "qwen3vl-lru.yaml"),
+    BenchConfig("lru", "on-demand expert loading, LRU cache", "lru"),
     *_ladder("vismmoe", "wait", "offload-only"),
     *_ladder("hybrid", "auto", "hybrid"),
-    BenchConfig("ep", "expert parallelism over the torchrun group, BF16", "qwen3vl-ep.yaml", takes_budget=False,
+    BenchConfig("ep", "expert parallelism over the torchrun group, BF16", "ep", takes_budget=False,
                 operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "bf16"),)),
-    BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "qwen3vl-ep.yaml",
+    BenchConfig("ep-realb", "expert parallelism, ReaLB on the group's real ranks", "ep",
                 takes_budget=False, operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "realb"),)),
     BenchConfig("ep-graphs", "expert parallelism, BF16, decode steps' exchanges inside their CUDA graphs",
-                "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                "ep", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
                 expert_kwargs=(("mode", "bf16"), ("capture_exchange", True))),
     BenchConfig("ep-realb-seq", "ReaLB with its plan's metadata exchanged before the dispatch (no overlap)",
-                "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                "ep", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
                 expert_kwargs=(("mode", "realb-seq"),)),
-    BenchConfig("ep-fixed", "ReaLB with a fixed M_d (0.7), no AIMD", "qwen3vl-ep.yaml", takes_budget=False,
+    BenchConfig("ep-fixed", "ReaLB with a fixed M_d (0.7), no AIMD", "ep", takes_budget=False,
                 operator=EP_OPERATOR, needs_group=True, expert_kwargs=(("mode", "fixed"),)),
     BenchConfig("ep-lowprec-all", "every pair in low precision (FP8 on Hopper, NVFP4 emulated elsewhere: the "
-                "paper's FP4-All)", "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
+                "paper's FP4-All)", "ep", takes_budget=False, operator=EP_OPERATOR, needs_group=True,
                 expert_kwargs=(("mode", "all"),)),
     BenchConfig("ep-eplb", "EPLB: hot experts replicated, re-placed from a window of loads (window 200, every "
-                "300 steps, the paper's)", "qwen3vl-ep.yaml", takes_budget=False, operator=EP_OPERATOR,
+                "300 steps, the paper's)", "ep", takes_budget=False, operator=EP_OPERATOR,
                 needs_group=True, expert_kwargs=(("mode", "eplb"), ("eplb_window", 200), ("eplb_period", 300))),
     BenchConfig("ep-eplb-async", "Async EPLB: the same re-placements, their weights moved on a group of their own "
-                "while the next step runs on the old placement", "qwen3vl-ep.yaml", takes_budget=False,
+                "while the next step runs on the old placement", "ep", takes_budget=False,
                 operator=EP_OPERATOR, needs_group=True,
                 expert_kwargs=(("mode", "eplb"), ("eplb_window", 200), ("eplb_period", 300), ("eplb_async", True))),
 ]}

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from ...errors import VismmoeError
-from ...runtime.budget import parse_bytes
+from ...runtime.budget import parse_budget, resolve_budget
 from ...runtime.host_memory import empty_host_cache, host_resident_bytes
 from ...core.stats import collect_stats
-from .accelerate_offload import dispatch_with_accelerate, non_expert_bytes
+from .accelerate_offload import dispatch_with_accelerate, expert_bytes, non_expert_bytes
 from .configs import CUDA_REASON, GROUP_REASON, BenchConfig
 from .figures import FIGURE_KEYS, belady_decode, difference, offload_figures, runtime_counters
 from .inputs import count_tokens, make_request
@@ -105,11 +105,13 @@ def _load(config: BenchConfig, budget: str | None, source: ModelSource, settings
     if settings.cpu_infer is not None:
         devices["cpu_infer"] = settings.cpu_infer
     if config.accelerate:  # whole model on the host first; accelerate decides what goes to the GPU
-        model, processor = source.load(config.rules(None), {"generate_device": "cpu", "prefill_device": "cpu"})
-        placed = dispatch_with_accelerate(model, parse_bytes(budget) + non_expert_bytes(model))
+        model, processor = source.load(config.rules(None, family=source.family),
+                                       {"generate_device": "cpu", "prefill_device": "cpu"})
+        experts = resolve_budget(parse_budget(budget), expert_bytes(model))  # a share ("30%") of the experts' bytes
+        placed = dispatch_with_accelerate(model, experts + non_expert_bytes(model))
         note = f"{placed['blocks_on_gpu']} of {placed['blocks']} blocks on the GPU"
         return model, processor, note
-    model, processor = source.load(config.rules(budget, settings.predictor), devices,
+    model, processor = source.load(config.rules(budget, settings.predictor, source.family), devices,
                                    progress=source.synthetic is not None)
     return model, processor, None if settings.cuda else "no CUDA: every module on the CPU"
 

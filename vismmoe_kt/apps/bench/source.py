@@ -3,6 +3,7 @@ full-size model built in host memory (`--layers N` of its layers)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,18 +18,32 @@ class ModelSource:
     layers: int | None = None        # synthetic only: keep the first N decoder layers
     demo: bool = False
     dtype: str | None = None
+    narrow: bool = False             # synthetic only: the family's layout at CPU-sized widths
 
     def describe(self) -> str:
         if self.synthetic:
-            from ...demo.synthetic import SYNTHETIC_MODELS
+            from ...demo.synthetic import total_layers
 
-            total = SYNTHETIC_MODELS[self.synthetic]["text"]["num_hidden_layers"]
-            return f"{self.synthetic} shapes, {self.layers or total} of {total} layers, random weights"
+            total = total_layers(self.synthetic)
+            narrow = " at narrow (CPU-sized) widths" if self.narrow else ""
+            return f"{self.synthetic} shapes{narrow}, {self.layers or total} of {total} layers, random weights"
         if self.demo:
             from ...demo.tiny import DEMO_SPEC
 
             return f"demo model {DEMO_SPEC}, random weights"
         return str(self.model_path)
+
+    @property
+    def family(self) -> str:
+        """The model family (`config.model_type`), which picks the configurations' rule files."""
+        if self.synthetic:
+            from ...demo.synthetic import SYNTHETIC_MODELS
+
+            return SYNTHETIC_MODELS[self.synthetic]["family"]
+        try:
+            return str(json.loads((Path(self.model_path) / "config.json").read_text())["model_type"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise InputError(f"--model_path {self.model_path}: cannot read model_type from config.json ({exc})") from None
 
     @property
     def random_weights(self) -> bool:
@@ -40,10 +55,21 @@ class ModelSource:
             from ...demo.synthetic import load_synthetic
 
             return load_synthetic(self.synthetic, rules, layers=self.layers, dtype=self.dtype or "bfloat16",
-                                  progress=progress, **overrides)
+                                  narrow=self.narrow, progress=progress, **overrides)
+
         from ...core.loader import load
 
         return load(self.model_path, rules, dtype=self.dtype, progress=progress, **overrides)
+
+    def expert_bytes(self) -> int | None:
+        """The routed experts' bytes of a synthetic model (what a budget such as 30% is a share of); None
+        for a model directory (the runtime resolves a share there at load)."""
+        if not self.synthetic:
+            return None
+        from ...demo.synthetic import routed_expert_bytes, synthetic_config, synthetic_processor
+
+        config = synthetic_config(self.synthetic, synthetic_processor(self.synthetic).tokenizer, self.layers, self.narrow)
+        return routed_expert_bytes(config, self.dtype or "bfloat16")
 
 
 def model_source(args) -> ModelSource:
@@ -53,12 +79,19 @@ def model_source(args) -> ModelSource:
     if len(chosen) != 1:
         raise InputError("give exactly one of --model_path DIR, --demo or --synthetic NAME"
                          + (f" (got {' and '.join(chosen)})" if chosen else ""))
-    if args.layers is not None and not args.synthetic:
-        raise InputError("--layers applies to --synthetic models only")
-    if args.layers is not None and args.layers < 1:
-        raise InputError(f"--layers must be at least 1, got {args.layers}")
+    for flag, given in (("--layers", args.layers is not None), ("--narrow", args.narrow)):
+        if given and not args.synthetic:
+            raise InputError(f"{flag} applies to --synthetic models only")
     if args.synthetic:  # argparse's choices already checked the name
-        return ModelSource(synthetic=args.synthetic, layers=args.layers, dtype=args.dtype)
+        from ...demo.synthetic import SYNTHETIC_MODELS, total_layers
+
+        total = total_layers(args.synthetic)
+        if args.layers is not None and not 1 <= args.layers <= total:
+            raise InputError(f"--layers must be in 1..{total} for {args.synthetic}, got {args.layers}")
+        if args.narrow and "narrow" not in SYNTHETIC_MODELS[args.synthetic]:
+            raise InputError(f"--narrow: {args.synthetic} has no narrow variant (those that do: "
+                             f"{', '.join(n for n, m in SYNTHETIC_MODELS.items() if 'narrow' in m)})")
+        return ModelSource(synthetic=args.synthetic, layers=args.layers, dtype=args.dtype, narrow=args.narrow)
     if args.demo:
         from ...demo.tiny import demo_model_dir
 

@@ -1,10 +1,17 @@
 """Decode speed: transformers' generation vs our lean decode path, same run, same inputs.
 
-    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR [--layers 48] [--profile]
-        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB lru:16GiB]
+    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR [--model NAME] [--layers N] [--profile]
+        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB lru:16GiB lru:30%]
+    PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR --model deepseek-ocr2 \
+        --configs hf lean-graphs lru:30% lean:30%      # DeepSeek-OCR-2's published shapes (demo/synthetic.py)
     PYTHONPATH=. python3 -m vismmoe_kt.apps.measure.decode_bench --out DIR --device cpu --tiny tiny-6x64   # a CPU sanity run
 
-Configurations (all greedy, batch 1, an image prompt):
+`--model` picks the synthetic model (qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v: vismmoe_kt/demo/synthetic.py;
+`--narrow`: deepseek-ocr2's layout at CPU-sized widths) and so the family's rule files (the gpu, offload, lru
+and kt-cpu files of apps/bench/configs.py's RULE_FILES; hybrid:BUDGET is Qwen3-VL's qwen3vl.yaml only). A
+BUDGET is a size (16GiB) or a share of the model's routed experts (30%: the offload runtime resolves it).
+
+Configurations (all greedy, batch 1, an image prompt; the rule files named are Qwen3-VL's):
   hf            stock transformers, everything on the device (optimize_rules/qwen3vl-gpu.yaml)
   lean-eager    our decode path, every expert resident (a budget above the model), no graphs
   lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
@@ -89,15 +96,16 @@ from vismmoe_kt.engine.batched import PREFILL_BUDGET
 from vismmoe_kt.engine.lean_engine import decode_engine
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.routing_source import install_routing
-from vismmoe_kt.demo.synthetic import load_synthetic
-from vismmoe_kt.demo.tiny import save_tiny_model
+from vismmoe_kt.apps.bench.configs import DEFAULT_FAMILY, rule_file
+from vismmoe_kt.demo.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
+from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
+from vismmoe_kt.errors import InputError
 from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
 from vismmoe_kt.runtime.offload import BATCH_EXPERTS
 
-GPU_RULES, OFFLOAD_RULES = "optimize_rules/qwen3vl-gpu.yaml", "optimize_rules/qwen3vl-offload.yaml"
-LRU_RULES = "optimize_rules/qwen3vl-lru.yaml"
-KT_CPU_RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"
-HYBRID_RULES = "optimize_rules/qwen3vl.yaml"
+# the rule files by role (each family's: RULE_FILES); hybrid:BUDGET's overrides name qwen3vl.yaml's kwargs
+GPU_RULES, OFFLOAD_RULES, LRU_RULES, KT_CPU_RULES = "gpu", "offload", "lru", "kt-cpu"
+HYBRID_RULES = "hybrid"
 
 FROM_GGUF = "from_gguf"  # a configuration's own key: load from --gguf instead of making the weights
 
@@ -162,7 +170,27 @@ def _base_config(spec: str) -> tuple[str, dict]:
                      "hybrid:BUDGET, kt-cpu[:WORKERS])")
 
 
+def family_of(args) -> str:
+    """The model family (`config.model_type`) whose rule files the configurations load."""
+    if args.tiny:
+        return SPECS[args.tiny].family
+    return SYNTHETIC_MODELS[args.model]["family"] if not args.gguf else DEFAULT_FAMILY
+
+
+def rules_path(role: str, family: str) -> str:
+    if role == HYBRID_RULES:  # its overrides (keep_ratio, miss_policy, cpu_backend) are qwen3vl.yaml's kwargs
+        if family != DEFAULT_FAMILY:
+            raise SystemExit(f"--configs hybrid:BUDGET loads Qwen3-VL's hybrid rule file (qwen3vl.yaml); the "
+                             f"{family} family has none (its offload configurations: lean:BUDGET, lru:BUDGET)")
+        return f"optimize_rules/{rule_file(family, 'ladder')}"
+    try:
+        return f"optimize_rules/{rule_file(family, role)}"
+    except InputError as exc:
+        raise SystemExit(f"--configs: {exc}") from None
+
+
 def load_model(args, rules: str, overrides: dict):
+    rules = rules_path(rules, family_of(args))
     devices = {"generate_device": args.device, "prefill_device": args.device}
     overrides = dict(overrides)
     if overrides.pop(FROM_GGUF, False):
@@ -175,7 +203,8 @@ def load_model(args, rules: str, overrides: dict):
     elif args.tiny_dir:
         model, processor = load(args.tiny_dir, rules, progress=False, **devices, **overrides)
     else:
-        model, processor = load_synthetic(rules=rules, layers=args.layers, progress=False, **devices, **overrides)
+        model, processor = load_synthetic(args.model, rules, layers=args.layers, dtype=args.dtype, narrow=args.narrow,
+                                          progress=False, **devices, **overrides)
     if args.routing != "model":  # every configuration replays the same requests' routing
         install_routing(model, args.routing)
     return model, processor
@@ -327,10 +356,12 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out), "--configs", spec,
-               "--layers", str(args.layers), "--device", args.device, "--image-size", str(args.image_size),
+               "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--image-size", str(args.image_size),
                "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
                "--routing", args.routing, "--child"]
     command += ["--tiny", args.tiny] if args.tiny else []
+    command += ["--layers", str(args.layers)] if args.layers is not None else []
+    command += ["--narrow"] if args.narrow else []
     command += ["--predictor", args.predictor] if args.predictor else []
     command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
@@ -373,7 +404,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"])
-    parser.add_argument("--layers", type=int, default=48, help="synthetic model: decoder layers (48 = the real count)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                        help=f"the synthetic model ({', '.join(SYNTHETIC_MODELS)}; default %(default)s): its published "
+                             "shapes with random weights, and its family's rule files")
+    parser.add_argument("--layers", type=int, help="synthetic model: keep the first N decoder layers (default: all)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="synthetic model: the family's layout at CPU-sized widths (deepseek-ocr2), for sanity runs")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="synthetic model: the weights' dtype (default %(default)s; float32 is faster on a CPU)")
     parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--image-size", type=int, default=448)
@@ -409,6 +447,14 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # hf's greedy tokens, for a child's agreement
     args = parser.parse_args()
+    if args.model not in SYNTHETIC_MODELS:
+        parser.error(f"--model {args.model!r}: unknown synthetic model; choose one of {', '.join(SYNTHETIC_MODELS)}")
+    if args.layers is not None and not 1 <= args.layers <= total_layers(args.model):
+        parser.error(f"--layers must be in 1..{total_layers(args.model)} for {args.model}, got {args.layers}")
+    if args.narrow and "narrow" not in SYNTHETIC_MODELS[args.model]:
+        parser.error(f"--narrow: {args.model} has no narrow variant")
+    if args.tiny and args.tiny not in SPECS:
+        parser.error(f"--tiny {args.tiny!r}: unknown tiny model; choose one of {', '.join(SPECS)}")
     for spec in args.configs:
         if parse_config(spec, args.predictor)[1].get(FROM_GGUF) and not args.gguf:
             parser.error(f"--configs {spec} loads the checkpoint in --gguf DIR: give --gguf")
@@ -447,7 +493,11 @@ def main() -> int:
             r["bound_s_per_token"] = bound
             r["ratio_to_bound"] = (1 / r["decode_tok_s_median"]) / bound if bound else None
     meta = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "model": args.tiny or f"qwen3-vl-30b-a3b shapes, {args.layers} layers",
+            "torch": torch.__version__,
+            "model": args.tiny or (f"{args.model} shapes{' at narrow widths' if args.narrow else ''}, "
+                                   f"{args.layers or total_layers(args.model)} of {total_layers(args.model)} layers, "
+                                   f"{args.dtype}"),
+            "family": family_of(args),
             "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
             "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
             "routing": args.routing + (" (the random weights' own, near-uniform routing)" if args.routing == "model" else "")}
