@@ -14,7 +14,7 @@ from typing import Callable, TextIO
 
 from ..errors import InputError
 from .chat_input import HELP, Attach, Command, read_entry
-from .flags import TEMPERATURE, TOP_P, add_model_flags, load_from_args
+from .flags import TEMPERATURE, TEMPERATURE_HELP, TOP_P, TOP_P_HELP, add_model_flags, load_from_args
 from .images import load_image
 
 ATTACH_HINT = "Attach one with /image PATH (or --image PATH)."
@@ -26,10 +26,10 @@ def add_parser(commands) -> None:
     chat.add_argument("--image", action="append", default=[], help="image file for the first turn (repeatable)")
     chat.add_argument("--prompt", help="ask this and exit (non-interactive)")
     chat.add_argument("--prompt_file", help="read the (first) prompt from this file")
-    chat.add_argument("--max_new_tokens", type=int, default=1000)
+    chat.add_argument("--max_new_tokens", type=int, default=1000, help="the longest answer, in tokens")
     chat.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
-    chat.add_argument("--temperature", type=TEMPERATURE)
-    chat.add_argument("--top_p", type=TOP_P)
+    chat.add_argument("--temperature", type=TEMPERATURE, help=TEMPERATURE_HELP)
+    chat.add_argument("--top_p", type=TOP_P, help=TOP_P_HELP)
     chat.add_argument("--stats", action="store_true", help="print runtime statistics after each answer")
 
 
