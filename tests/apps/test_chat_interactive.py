@@ -160,6 +160,26 @@ def test_ctrl_c_while_a_next_turn_is_prefilled_leaves_no_half_written_cache(pict
     assert answers(interrupted.out) == answers(reference) and prompt_counts(interrupted.out) == prompt_counts(reference)
 
 
+def test_ctrl_c_after_the_answer_keeps_that_turn(picture, monkeypatch, capsys):
+    """Ctrl-C while the timings print: the answer was whole and recorded, so it stays in the conversation."""
+    lines, calls = engine_chat.TurnTimings.ollama_lines, []
+
+    def interrupted_lines(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return lines(self)
+    monkeypatch.setattr(engine_chat.TurnTimings, "ollama_lines", interrupted_lines)
+    monkeypatch.setattr("builtins.input", scripted([str(picture), QUESTION, QUESTION]))
+    assert main(chat()) == 0
+    captured = capsys.readouterr()
+    assert "(interrupted after the answer; it stays in the conversation)" in captured.err
+    monkeypatch.setattr(engine_chat.TurnTimings, "ollama_lines", lines)
+    monkeypatch.setattr("builtins.input", scripted([str(picture), QUESTION, QUESTION]))
+    assert main(chat()) == 0
+    assert prompt_counts(captured.out) == prompt_counts(capsys.readouterr().out)[1:]  # the second turn carries the first
+
+
 def test_ctrl_c_at_the_prompt_leaves_with_status_0(picture, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", scripted([str(picture), QUESTION, "not read"], interrupt_at=2))
     assert main(chat()) == 0

@@ -91,7 +91,10 @@ def chat_loop(session, answer: Callable[[str, list], None], ask: Callable[[str],
         except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
             print(file=out)
             return 0
-        if entry is None or entry == Command("bye"):
+        if entry is None:  # Ctrl-D: end the prompt's line
+            print(file=out)
+            return 0
+        if entry == Command("bye"):
             return 0
         if entry == Command("help"):
             print(HELP, file=out)
@@ -104,15 +107,20 @@ def chat_loop(session, answer: Callable[[str, list], None], ask: Callable[[str],
             width, height = entry.image.size
             print(f"attached {entry.path} ({width}x{height}): it goes with your next question", file=sys.stderr)
         elif entry.strip():
+            turns = len(session.messages)
             try:
                 answer(entry, pending)
             except InputError as exc:  # e.g. over the context: the session dropped this turn, the chat goes on
                 print(f"error: {exc}", file=sys.stderr)
                 continue  # the turn's images wait for the next one
             except KeyboardInterrupt:
+                out.flush()
+                if len(session.messages) > turns:  # the answer was whole (Ctrl-C came as its timings printed)
+                    print("\n(interrupted after the answer; it stays in the conversation)", file=sys.stderr)
+                    pending = []
+                    continue
                 waiting = f"; its {len(pending)} image(s) wait for the next question" if pending else ""
                 print(f"\n(answer stopped: the conversation is as it was before this question{waiting})",
                       file=sys.stderr)
-                out.flush()
                 continue
             pending = []
