@@ -4,29 +4,29 @@ Replayed with `--routing trace:PATH`, every decode expert is resident once the p
 cache, so an offloaded run measures the decode path's own cost against the all-resident one (the
 "every routed expert already resident" benchmark).
 
-    python3 scripts/fitting_trace.py OUT.safetensors [--layers 48] [--experts 128] [--top-k 8]
-        [--working-set 32] [--tokens 4096] [--seed 0]
+    python3 scripts/fitting_trace.py OUT.safetensors [--layers 48] [--experts 128] [--top_k 8]
+        [--working_set 32] [--tokens 4096] [--seed 0]
 """
 
-import argparse
 
 import torch
 
 from vismmoe_kt.routing.formats import save_trace
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--working-set", type=int, default=32, help="experts each layer routes among")
+    parser.add_argument("--top_k", type=int, default=8)
+    parser.add_argument("--working_set", type=int, default=32, help="experts each layer routes among")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.top_k <= args.working_set <= args.experts:
-        parser.error("need top-k <= working-set <= experts")
+        parser.error("need --top_k <= --working_set <= --experts")
     generator = torch.Generator().manual_seed(args.seed)
     sets = torch.stack([torch.randperm(args.experts, generator=generator)[:args.working_set] for _ in range(args.layers)])
     # per token and layer: top-k distinct members of the layer's set

@@ -18,7 +18,6 @@ then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of th
     PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores]
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -35,10 +34,11 @@ from vismmoe_kt.core.stats import collect_stats
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
 from vismmoe_kt.runtime.store import ExpertStore
+from vismmoe_kt.apps.arguments import FlagParser
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = FlagParser()
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--stores", action="store_true", help="the quantized host stores, GPU kernels vs CPU twins")
     parser.add_argument("--fp8", action="store_true", help="only ReaLB's FP8 experts and quantization kernels")

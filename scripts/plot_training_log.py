@@ -6,13 +6,13 @@ Each log's "step N/M  loss X ..." lines (a 20-step mean) are drawn after the pre
 `:LAST_STEP` cuts a stage at the checkpoint the next stage started from.
 """
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 
 from vismmoe_kt.apps.plots import line_png
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+\s+loss ([0-9.]+)")
 
@@ -24,7 +24,7 @@ def read_stage(spec: str) -> list[tuple[int, float]]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--title", default="demo model training loss (answer tokens + router aux loss), 20-step means")
     parser.add_argument("logs", nargs="+")
@@ -36,7 +36,7 @@ def main():
             raise SystemExit(f"{spec}: no 'step N/M loss X' lines")
         series[f"stage {number}"] = ([offset + s for s, _ in points], [loss for _, loss in points])
         offset += int(spec.partition(":")[2] or points[-1][0])
-    line_png(series, args.out, args.title, x_label="steps", log_y=True)
+    line_png(series, args.out, args.title, x_label="steps", y_label="loss", log_y=True)
     print(args.out)
 
 

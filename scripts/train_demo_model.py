@@ -23,7 +23,6 @@ Writes OUT/model.safetensors and OUT/training.json (command, time, loss curve, h
 with --plot, a PNG of the loss curve.
 """
 
-import argparse
 import json
 import math
 import sys
@@ -38,6 +37,7 @@ from vismmoe_kt.demo.vqa import (DESCRIBE_PROMPT, QUESTION_TYPES, SPLIT_SEEDS, d
                                  make_example, make_scene, questions_for_scene)
 from vismmoe_kt.apps.plots import line_png
 from vismmoe_kt.demo.tiny import DEMO_SPEC, build_tiny_model
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 
 def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exist: int = 1):
@@ -133,7 +133,7 @@ def heldout_accuracy(model, batches: Batches, per_type: int, seed: int) -> dict[
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for model.safetensors and training.json")
     parser.add_argument("--steps", type=int, default=2200)
     parser.add_argument("--batch", type=int, default=16)
@@ -211,7 +211,7 @@ def main():
         smooth = np.convolve([c["loss"] for c in curve], np.ones(10) / 10, mode="valid")
         line_png({"loss (10-step mean)": (steps[9:], smooth)}, args.plot,
                  f"demo model training: {DEMO_SPEC}, batch {args.batch}, {seconds / 60:.0f} min on {args.threads} CPU thread(s)",
-                 x_label="step", log_y=True)
+                 x_label="step", y_label="loss", log_y=True)
     print(f"trained in {seconds:.0f}s; final loss {record['final_loss']:.4f}; wrote {out}")
 
 

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from vismmoe_kt.apps.chat import read_user_turn
+from vismmoe_kt.apps.chat_input import read_entry
 from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.tiny import DEMO_SPEC, SPECS
 
@@ -112,16 +112,16 @@ def scripted(lines):
 
 
 def test_triple_quotes_open_and_close_multi_line_input():
-    assert read_user_turn(scripted(['"""first line', "second line", 'third"""'])) == "first line\nsecond line\nthird"
-    assert read_user_turn(scripted(['"""one line"""'])) == "one line"
+    assert read_entry(scripted(['"""first line', "second line", 'third"""'])) == "first line\nsecond line\nthird"
+    assert read_entry(scripted(['"""one line"""'])) == "one line"
 
 
 def test_a_path_to_an_existing_file_reads_the_prompt(tmp_path):
     path = tmp_path / "question.txt"
     path.write_text("from a file")
-    assert read_user_turn(scripted([str(path)])) == "from a file"
-    assert read_user_turn(scripted(["just text"])) == "just text"
-    assert read_user_turn(scripted([])) is None
+    assert read_entry(scripted([str(path)])) == "from a file"
+    assert read_entry(scripted(["just text"])) == "just text"
+    assert read_entry(scripted([])) is None
 
 
 @pytest.mark.parametrize("case,message", [

@@ -12,7 +12,7 @@ import torch
 
 from vismmoe_kt import load
 from vismmoe_kt.engine.chat import ChatSession
-from vismmoe_kt.apps.chat import read_user_turn
+from vismmoe_kt.apps.chat_input import read_entry
 from vismmoe_kt.apps.cli import main
 from vismmoe_kt.errors import InputError
 from vismmoe_kt.demo.tiny import DEMO_SPEC, FORMAT_VERSION, demo_model_dir, demo_weights_digest
@@ -66,13 +66,16 @@ def test_prompt_file_that_is_not_utf8(tmp_path, capsys):
     fails_with(capsys, chat("--prompt_file", path), re.escape(f"--prompt_file {path}: not UTF-8 text"))
 
 
-# 2. interactive: the path of a binary file
+# 2. interactive: the path of a binary file (an image's name, not an image; or no image's name at all)
 def test_typed_path_of_a_binary_file_asks_again(tmp_path, capsys):
-    path = tmp_path / "photo.png"
-    path.write_bytes(BINARY)
-    ask = iter([str(path), "the next line"])
-    assert read_user_turn(lambda prompt="": next(ask)) == "the next line"
-    assert re.search(rf"error: {re.escape(str(path))} is not a UTF-8 text file", capsys.readouterr().err)
+    photo, blob = tmp_path / "photo.png", tmp_path / "blob.bin"
+    photo.write_bytes(BINARY)
+    blob.write_bytes(BINARY)
+    ask = iter([str(photo), str(blob), "the next line"])
+    assert read_entry(lambda prompt="": next(ask)) == "the next line"
+    err = capsys.readouterr().err
+    assert re.search(rf"error: image {re.escape(str(photo))}: not a readable image", err)
+    assert re.search(rf"error: {re.escape(str(blob))} is neither an image nor a UTF-8 text file", err)
 
 
 def test_binary_path_in_interactive_chat_keeps_the_conversation(tmp_path, monkeypatch, capsys):
@@ -81,7 +84,7 @@ def test_binary_path_in_interactive_chat_keeps_the_conversation(tmp_path, monkey
     fake_input(monkeypatch, ["first question", str(path), "second question"])
     assert main(chat()) == 0
     captured = capsys.readouterr()
-    assert "is not a UTF-8 text file" in captured.err and "Traceback" not in captured.err
+    assert "not a readable image" in captured.err and "Traceback" not in captured.err
     counts = prompt_counts(captured.out)
     assert len(counts) == 2 and counts[1] > counts[0]  # the second turn carries the first
 

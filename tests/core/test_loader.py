@@ -199,3 +199,16 @@ def test_the_cpu_worker_count_reaches_the_model_context(tiny_dir):
     model, _ = load(tiny_dir, RULES, cpu_infer=3, generate_device="cpu", prefill_device="cpu", progress=False)
     assert model.vismmoe.context.cpu_threads == 3 and model.vismmoe.context.model_device == "cpu"
     assert torch.get_num_threads() == before  # a CPU model keeps torch's threads (it computes with them)
+
+
+def test_the_public_stats_function_works_every_time(tiny_dir):
+    """#26: `vismmoe_kt.stats` once failed on its second call, the `stats` submodule having replaced the
+    function on the package. The statistics live in `vismmoe_kt.core.stats`, so importing that module
+    leaves the package's function in place."""
+    import vismmoe_kt
+    import vismmoe_kt.core.stats  # noqa: F401  (what the chat, the server and eval import)
+
+    model, _ = load(tiny_dir, RULES, progress=False, **CPU)
+    first, second = vismmoe_kt.stats(model), vismmoe_kt.stats(model)
+    assert callable(vismmoe_kt.stats) and first["rules"] == second["rules"] == RULES
+    assert second["operators"]["CpuExperts"]["count"] == SPECS["tiny-4x16"].layers

@@ -133,10 +133,12 @@ def add_parser(commands) -> None:
     calibrate.add_argument("--out", help="directory for traces/, predictor.pt and calibration.json (required)")
     calibrate.add_argument("--window", type=int, default=5, help="lookahead window W (layers)")
     calibrate.add_argument("--gamma", type=float, default=0.8, help="priority decay per layer of distance")
-    calibrate.add_argument("--predictor_output", choices=["window", "vector"], default="window")
-    calibrate.add_argument("--epochs", type=int, default=80)
-    calibrate.add_argument("--seed", type=int, default=0)
-    sources = calibrate.add_subparsers(dest="source", metavar="{synthetic}")
+    calibrate.add_argument("--predictor_output", choices=["window", "vector"], default="window",
+                           help="window: a (W layers x experts) map of scores | vector: one score per expert (the paper's)")
+    calibrate.add_argument("--epochs", type=int, default=80, help="training epochs of the predictor")
+    calibrate.add_argument("--seed", type=int, default=0, help="seed of the synthetic images and prompts (with --synthetic N)")
+    sources = calibrate.add_subparsers(dest="source", metavar="{synthetic}",
+                                       help="synthetic: calibrate for the synthetic router instead (no model)")
     add_synthetic_parser(sources)
 
 

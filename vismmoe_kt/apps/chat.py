@@ -1,21 +1,23 @@
 """`vismmoe-kt chat`: talk with a model about images, interactively or one prompt and exit.
 
-Input habits of ktransformers' local_chat: `Chat: ` prompt, `\"\"\"` opens and closes multi-line input,
-a line that is the path of a text file sends that file. After each answer, Ollama's timing lines.
+Interactive input (chat_input.py): ktransformers' local_chat and `ollama run` habits (`Chat: ` prompt,
+`\"\"\"` multi-line input, /image PATH or an image's path typed alone, /clear, /help, /bye); Ctrl-C stops
+the answer being written. After each answer, Ollama's timing lines.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
 from ..errors import InputError
-from .flags import TEMPERATURE, TOP_P, add_model_flags, load_from_args
+from .chat_input import HELP, Attach, Command, read_entry
+from .flags import TEMPERATURE, TEMPERATURE_HELP, TOP_P, TOP_P_HELP, add_model_flags, load_from_args
+from .images import load_image
 
-MULTILINE = '"""'
+ATTACH_HINT = "Attach one with /image PATH (or --image PATH)."
 
 
 def add_parser(commands) -> None:
@@ -24,44 +26,14 @@ def add_parser(commands) -> None:
     chat.add_argument("--image", action="append", default=[], help="image file for the first turn (repeatable)")
     chat.add_argument("--prompt", help="ask this and exit (non-interactive)")
     chat.add_argument("--prompt_file", help="read the (first) prompt from this file")
-    chat.add_argument("--max_new_tokens", type=int, default=1000)
+    chat.add_argument("--max_new_tokens", type=int, default=1000, help="the longest answer, in tokens")
     chat.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
-    chat.add_argument("--temperature", type=TEMPERATURE)
-    chat.add_argument("--top_p", type=TOP_P)
+    chat.add_argument("--temperature", type=TEMPERATURE, help=TEMPERATURE_HELP)
+    chat.add_argument("--top_p", type=TOP_P, help=TOP_P_HELP)
     chat.add_argument("--stats", action="store_true", help="print runtime statistics after each answer")
 
 
-def read_user_turn(ask: Callable[[str], str]) -> str | None:
-    """One turn of ktransformers' input habits: `\"\"\"` opens/closes multi-line input, a path reads a file."""
-    while True:
-        try:
-            line = ask("Chat: ")
-        except EOFError:
-            return None
-        path = line.strip()
-        if not (path and not path.startswith(MULTILINE) and os.path.isfile(path)):
-            break
-        try:
-            return Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError:  # e.g. an image's path: say so and ask again, the conversation goes on
-            print(f"error: {path} is not a UTF-8 text file (a path typed here is read as the prompt)", file=sys.stderr)
-        except OSError as exc:
-            print(f"error: {path}: {exc.strerror or exc}", file=sys.stderr)
-    if line.strip().startswith(MULTILINE):
-        lines = [line.strip()[len(MULTILINE):]]
-        while not lines[-1].rstrip().endswith(MULTILINE):
-            try:
-                lines.append(ask(""))
-            except EOFError:
-                break
-        lines[-1] = lines[-1].rstrip().removesuffix(MULTILINE)
-        return "\n".join(lines).strip()
-    return line
-
-
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from .images import load_image
-
     out = out or sys.stdout
 
     if args.max_new_tokens < 1:
@@ -84,23 +56,71 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     session = ChatSession(model, processor, args.max_new_tokens, args.greedy, args.temperature, args.top_p)
 
     def answer(text: str, turn_images: list) -> None:
-        _, timings = session.ask(text, turn_images, out=out)
+        without_image = not session.images and not turn_images
+        if without_image and args.demo:  # it would still answer, with a guess about a picture it never saw
+            print(f"note: no image in this conversation: the demo model only answers questions about a picture, "
+                  f"so this answer is a guess. {ATTACH_HINT}", file=sys.stderr)
+        reply, timings = session.ask(text, turn_images, out=out)
+        if not reply.strip():  # a VL model asked without a picture may end its answer at once
+            print("note: the answer is empty (the model ended it at once)" +
+                  (f"; no image is in this conversation. {ATTACH_HINT}" if without_image and not args.demo else "."),
+                  file=sys.stderr)
         print(timings.ollama_lines(), file=out)
         if args.stats:
             print(format_stats(collect_stats(model)), file=out)
         out.flush()
 
-    if args.prompt is not None or args.prompt_file:
+    if first_prompt is not None:
         answer(first_prompt, images)
         return 0
-    pending = images
-    while (text := read_user_turn(input)) is not None:
-        if not text.strip():
-            continue
+    print("Type a question; /help lists the commands (/image PATH, /clear, /bye).", file=sys.stderr)
+    return chat_loop(session, answer, input, images, out)
+
+
+def chat_loop(session, answer: Callable[[str, list], None], ask: Callable[[str], str], pending: list,
+              out: TextIO) -> int:
+    """The interactive conversation until /bye, Ctrl-D or Ctrl-C at the prompt (all exit 0).
+
+    `answer(text, images)` streams one answer; Ctrl-C in it (KeyboardInterrupt) stops that answer only:
+    the session records a turn once it is answered, so the conversation stays as it was before the
+    question, and the question's images wait for the next one."""
+    pending = list(pending)
+    while True:
         try:
-            answer(text, pending)
-        except InputError as exc:  # e.g. over the context: the session dropped this turn, the chat goes on
-            print(f"error: {exc}", file=sys.stderr)
-            continue  # the first turn's images wait for the next one
-        pending = []
-    return 0
+            entry = read_entry(ask)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
+            print(file=out)
+            return 0
+        if entry is None:  # Ctrl-D: end the prompt's line
+            print(file=out)
+            return 0
+        if entry == Command("bye"):
+            return 0
+        if entry == Command("help"):
+            print(HELP, file=out)
+        elif entry == Command("clear"):
+            session.clear()
+            pending = []
+            print("the conversation is cleared (its turns and images)", file=sys.stderr)
+        elif isinstance(entry, Attach):
+            pending.append(entry.image)
+            width, height = entry.image.size
+            print(f"attached {entry.path} ({width}x{height}): it goes with your next question", file=sys.stderr)
+        elif entry.strip():
+            turns = len(session.messages)
+            try:
+                answer(entry, pending)
+            except InputError as exc:  # e.g. over the context: the session dropped this turn, the chat goes on
+                print(f"error: {exc}", file=sys.stderr)
+                continue  # the turn's images wait for the next one
+            except KeyboardInterrupt:
+                out.flush()
+                if len(session.messages) > turns:  # the answer was whole (Ctrl-C came as its timings printed)
+                    print("\n(interrupted after the answer; it stays in the conversation)", file=sys.stderr)
+                    pending = []
+                    continue
+                waiting = f"; its {len(pending)} image(s) wait for the next question" if pending else ""
+                print(f"\n(answer stopped: the conversation is as it was before this question{waiting})",
+                      file=sys.stderr)
+                continue
+            pending = []

@@ -7,12 +7,12 @@ and exit with status 2; usage errors exit 2 through argparse.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
 from ..errors import FollowerDone, PeerLostError, VismmoeError
+from .arguments import ALIAS_NOTE, FlagParser
 
 COMMANDS = {"chat": "chat", "calibrate": "calibrate", "serve": "serve.command", "bench": "bench", "eval": "evaluate",
             "trace": "trace"}  # command -> module under vismmoe_kt.apps
@@ -22,9 +22,11 @@ def command_module(name: str):
     return importlib.import_module(f"{__package__}.{COMMANDS[name]}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vismmoe-kt", description="Vision-language MoE inference with VisMMOE/ReaLB operators.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> FlagParser:
+    parser = FlagParser(prog="vismmoe-kt", description="Vision-language MoE inference with VisMMOE/ReaLB operators.",
+                        epilog=ALIAS_NOTE)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     help="`vismmoe-kt COMMAND --help` describes each")
     for name in COMMANDS:
         command_module(name).add_parser(commands)
     return parser

@@ -191,7 +191,7 @@ def add_parser(commands) -> None:
     evaluate.add_argument("--limit", type=int, help="ask at most N questions (synthetic-vqa default: 200)")
     evaluate.add_argument("--types", help="synthetic-vqa question types, comma-separated (default: all, cycled)")
     evaluate.add_argument("--data", help="folder task: a directory with questions.jsonl and the images it names")
-    evaluate.add_argument("--max_new_tokens", type=int, default=8)
+    evaluate.add_argument("--max_new_tokens", type=int, default=8, help="the longest answer, in tokens")
     evaluate.add_argument("--output", help="write the results (accuracy per type, every answer) to this JSON file")
 
 

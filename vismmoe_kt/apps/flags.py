@@ -74,6 +74,8 @@ def at_least(low: int) -> Callable[[str], int]:
 PORT = checked(int, lambda v: 0 <= v <= 65535, "a port number, 0..65535")  # uvicorn raises OverflowError otherwise
 TEMPERATURE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")  # nan, inf break sampling
 TOP_P = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")  # false for nan too
+TEMPERATURE_HELP = "sampling temperature (default: the model's generation_config; with --top_p, sampling on)"
+TOP_P_HELP = "nucleus sampling: keep the likeliest tokens up to this probability mass (default: generation_config)"
 POSITIVE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
 
 
@@ -105,7 +107,7 @@ def add_engine_flags(group) -> None:
 
 
 def add_parallel_flags(group) -> None:
-    group.add_argument("--ep_size", "--ep-size", type=int,
+    group.add_argument("--ep_size", type=int,
                        help="expert-parallel group size: the torchrun process count (rank 0 serves, the others follow)")
     group.add_argument("--ep_timeout", type=float, default=300.0,
                        help="seconds a rank waits for the others before it stops with an error (torchrun launches)")

@@ -15,11 +15,14 @@ def load_image(path: str | Path, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: i
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"image {path}: no such file")
-    if not path.is_file():
-        raise InputError(f"image {path}: not a regular file")
-    size = path.stat().st_size
+    try:
+        if not path.exists():
+            raise InputError(f"image {path}: no such file")
+        if not path.is_file():
+            raise InputError(f"image {path}: not a regular file")
+        size = path.stat().st_size
+    except OSError as exc:  # e.g. a name longer than the system allows (a typed line taken for a path)
+        raise InputError(f"image {path}: {exc.strerror or exc}") from None
     if size > max_bytes:
         raise InputError(f"image {path}: {size / 2**20:.1f} MiB is over the {max_bytes / 2**20:.0f} MiB limit")
     try:

@@ -56,7 +56,8 @@ def plot(traces: str, out: str, predictor: str | None = None) -> dict:
     heatmap_png([(phase, activation_share(v)) for phase, v in by_phase.items()], out_dir / "expert_heatmap.png")
     similarity = {phase: layer_similarity(v) for phase, v in by_phase.items()}
     pairs = [f"{l}-{l + 1}" for l in range(len(next(iter(similarity.values()))))]
-    bars_png(similarity, pairs, out_dir / "layer_similarity.png", "Jaccard similarity of consecutive layers' experts")
+    bars_png(similarity, pairs, out_dir / "layer_similarity.png", "Jaccard similarity of consecutive layers' experts",
+             x_label="MoE layer pair", y_label="Jaccard similarity (mean over steps)")
     summary = {"steps": len(steps), "layer_similarity": similarity, "files": ["expert_heatmap.png", "layer_similarity.png"]}
     if predictor:
         from ..predictor.calibration import evaluate
@@ -66,7 +67,8 @@ def plot(traces: str, out: str, predictor: str | None = None) -> dict:
         ours, guess = evaluate(model, steps, model.config), evaluate(None, steps, model.config)
         layers = list(ours["per_layer@20"])
         bars_png({"predictor": [ours["per_layer@20"][l] for l in layers], "random": [guess["per_layer@20"][l] for l in layers]},
-                 [str(l) for l in layers], out_dir / "hot_recall.png", "Hot Recall@20 per layer")
+                 [str(l) for l in layers], out_dir / "hot_recall.png", "Hot Recall@20 per layer",
+                 x_label="MoE layer", y_label="Hot Recall@20")
         summary["hot_recall_per_layer@20"] = {"predictor": ours["per_layer@20"], "random": guess["per_layer@20"]}
         summary["files"].append("hot_recall.png")
     (out_dir / "trace_views.json").write_text(json.dumps(summary, indent=2))
@@ -142,15 +144,16 @@ def add_parser(commands) -> None:
     from .calibrate import add_request_flags
 
     trace = commands.add_parser("trace", help="record routing traces, their statistics, figures")
-    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True, metavar="{plot,record,stats}",
+                                          help="`vismmoe-kt trace NAME --help` describes each")
     plot = trace_commands.add_parser("plot", help="expert heatmap, layer similarity, per-layer Hot Recall (PNG)")
     plot.add_argument("--traces", required=True, help="the traces/ directory written by calibrate")
-    plot.add_argument("--out", required=True)
+    plot.add_argument("--out", required=True, help="directory for the PNG figures")
     plot.add_argument("--predictor", help="predictor.pt, to add per-layer Hot Recall")
     rec = trace_commands.add_parser("record", help="record the model's own routing of some requests (a routing trace "
                                                    "that --routing trace:PATH replays)")
     add_request_flags(rec, decode_tokens=16)
-    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--seed", type=int, default=0, help="seed of the synthetic requests (with --synthetic N)")
     rec.add_argument("--out", required=True, help="the trace file (.safetensors or .npz)")
     st = trace_commands.add_parser("stats", help="a routing trace's statistics beside the published Qwen3-30B-A3B ones")
     st.add_argument("file", help="a trace: ours (.safetensors/.npz), vLLM's routed experts, or Mixtral-style JSONL")

@@ -45,12 +45,31 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append(f"  cuda peak allocated: {human_bytes(stats['cuda_max_allocated'])}")
     if not stats["operators"]:
         lines.append("  operators: none (stock Hugging Face modules)")
+    lines += [f"  {line}" for line in summary(stats["operators"])]
     for name, entry in sorted(stats["operators"].items()):
         fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k != "count"]
         lines.append(f"  {name} x{entry['count']}:")
         for start in range(0, len(fields), 6):
             lines.append("    " + ", ".join(fields[start:start + 6]))
     return "\n".join(lines)
+
+
+def summary(operators: dict[str, dict[str, Any]]) -> list[str]:
+    """What the offload runtime and the visual-token pruning did, in words (the counters follow)."""
+    lines = []
+    for entry in operators.values():
+        if {"pinned_layers", "slabs", "fetches", "evictions"} <= entry.keys():
+            layers, pinned = entry["count"], entry["pinned_layers"]
+            hits, misses = entry.get("decode_hits", 0), entry.get("decode_misses", 0)
+            decode = f", decode hits {hits}/{hits + misses}" if hits + misses else ""
+            lines.append(f"offload: experts of {pinned} of {layers} MoE layers pinned, the other {layers - pinned} in "
+                         f"the host store behind {entry['slabs']} slabs: {entry['fetches']} fetched, "
+                         f"{entry['evictions']} evicted{decode}")
+        if "visual_tokens_before" in entry:
+            before, after = entry["visual_tokens_before"], entry["visual_tokens_after"]
+            lines.append(f"visual tokens: {before} -> {after} ({entry.get('compression')} compression, "
+                         f"{entry.get('pruned_prefills', 0)} of {entry.get('prefills', 0)} prefills pruned)")
+    return lines
 
 
 def _show(key: str, value: Any) -> str:

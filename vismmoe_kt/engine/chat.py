@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from .generation import generate
+from .lean_engine import decode_engine
 from .inputs import build_inputs, model_device, user_turn
 from ..errors import InputError
 
@@ -26,14 +27,16 @@ class TurnTimings:
         """The lines ktransformers' local_chat (after Ollama) prints after each answer."""
         prompt_rate = self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
         steps = max(self.generated_tokens - 1, 0)  # the first token comes out of the prefill
-        eval_rate = steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        # one token (or none) means no decode step: a rate of 0.00 would read as a stall
+        eval_rate = (f"{steps / self.decode_seconds:.2f} tokens/s" if steps and self.decode_seconds > 0
+                     else "n/a (no decode step)")
         return (
             f"prompt eval count:    {self.prompt_tokens} token(s)\n"
             f"prompt eval duration: {self.prompt_seconds:.3f}s\n"
             f"prompt eval rate:     {prompt_rate:.2f} tokens/s\n"
             f"eval count:           {self.generated_tokens} token(s)\n"
             f"eval duration:        {self.decode_seconds:.3f}s\n"
-            f"eval rate:            {eval_rate:.2f} tokens/s"
+            f"eval rate:            {eval_rate}"
         )
 
 
@@ -74,11 +77,23 @@ class ChatSession:
         return {"do_sample": True, "temperature": temperature if temperature is not None else (defaults.temperature or 1.0),
                 "top_p": top_p if top_p is not None else (defaults.top_p or 1.0)}
 
+    def clear(self) -> None:
+        """Forget the conversation: its turns and images (the next question starts a new one)."""
+        self.messages, self.images = [], []
+        self.forget_cache()
+
+    def forget_cache(self) -> None:
+        """The next turn prefills whole instead of continuing what the decode engine's cache holds."""
+        engine = decode_engine(self.model)
+        if engine is not None:
+            engine.forget()
+
     def ask(self, text: str, images: list[Any] = (), out: TextIO | None = None) -> tuple[str, TurnTimings]:
         """Add a user turn (with its images), stream the assistant's reply to `out` (default stdout).
 
         A prompt (the whole conversation with this turn) over the model's context is an InputError,
-        raised before anything is generated; the session is then unchanged."""
+        raised before anything is generated; the session is then unchanged. So is it after an error or a
+        KeyboardInterrupt while answering: a turn is recorded once it is answered."""
         out = out or sys.stdout
         messages = self.messages + [user_turn(text, len(images))]
         inputs = build_inputs(self.processor, messages, self.images + list(images))
@@ -88,9 +103,13 @@ class ChatSession:
         inputs = inputs.to(model_device(self.model))
         streamer = TimingStreamer(self.processor.tokenizer, out)
         start = time.perf_counter()
-        with torch.inference_mode():
-            output = generate(self.model, inputs, min(self.max_new_tokens, self.context - length), streamer=streamer,
-                              **self.sampling)
+        try:
+            with torch.inference_mode():
+                output = generate(self.model, inputs, min(self.max_new_tokens, self.context - length),
+                                  streamer=streamer, **self.sampling)
+        except BaseException:  # KeyboardInterrupt (the chat's Ctrl-C) included: the cache may be half written
+            self.forget_cache()
+            raise
         end = time.perf_counter()
         new_tokens = output[0, inputs["input_ids"].shape[1]:]
         reply = self.processor.tokenizer.decode(new_tokens, skip_special_tokens=True)

@@ -192,7 +192,7 @@ def add_parser(commands) -> None:
                     "Configurations: " + ", ".join(CONFIGS) + ". vismmoe_kt/apps/bench/configs.py says what each is.")
     group = bench.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory")
-    group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, random weights; CPU-sized)")
+    group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, trained on synthetic shapes; CPU-sized)")
     group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS), metavar="NAME",
                        help="a full-size model with random weights built in host memory (nothing downloaded): "
                             + ", ".join(sorted(SYNTHETIC_MODELS)) + " (vismmoe_kt/demo/synthetic.py); the family "
@@ -214,9 +214,9 @@ def add_parser(commands) -> None:
                      help="expert budgets, the runtime's GPU memory for routed experts: sizes, or shares of the "
                           "model's routed experts such as 30%% (default: 16GiB 32GiB, standing for 24 GB and 40 GB "
                           "cards; --demo: 5MiB 7MiB)")
-    run.add_argument("--image-sizes", "--image_sizes", dest="image_sizes", type=int, nargs="+", default=[448, 896],
+    run.add_argument("--image_sizes", type=int, nargs="+", default=[448, 896],
                      metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
-    run.add_argument("--decode-tokens", "--decode_tokens", dest="decode_tokens", type=int, default=16,
+    run.add_argument("--decode_tokens", type=int, default=16,
                      help="decoded tokens timed per run (default: 16)")
     run.add_argument("--warmup", type=int, default=1, help="untimed runs per image size before measuring (default: 1)")
     run.add_argument("--repeats", type=int, default=3, help="timed runs per image size; median and spread (default: 3)")
@@ -229,7 +229,7 @@ def add_parser(commands) -> None:
                           "decode configurations): aggregate and per-request tokens/s, time to first token and "
                           "inter-token latency p50 / p95, PCIe bytes per generated token. Under torchrun (the ep "
                           "configurations): N requests on every rank, data parallel, the group's figures")
-    run.add_argument("--prefill-chunk", "--prefill_chunk", dest="prefill_chunk", type=int, default=0,
+    run.add_argument("--prefill_chunk", type=int, default=0,
                      help="with --concurrency: prompt tokens prefilled per step beside the running requests' decode, "
                           "as `serve --prefill_chunk` (default 0: whole prompts)")
     run.add_argument("--profile", action="store_true",

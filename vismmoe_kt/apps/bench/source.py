@@ -30,7 +30,7 @@ class ModelSource:
         if self.demo:
             from ...demo.tiny import DEMO_SPEC
 
-            return f"demo model {DEMO_SPEC}, random weights"
+            return f"demo model {DEMO_SPEC}, trained on the synthetic shapes task (tiny)"
         return str(self.model_path)
 
     @property
@@ -47,7 +47,7 @@ class ModelSource:
 
     @property
     def random_weights(self) -> bool:
-        return self.demo or self.synthetic is not None
+        return self.synthetic is not None  # the demo model is trained (vismmoe_kt/demo/weights)
 
     def load(self, rules: Any, overrides: dict[str, Any], progress: bool = False):
         """(model, processor) with `rules` (a rule list) and loader overrides (devices)."""

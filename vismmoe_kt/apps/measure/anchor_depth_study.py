@@ -10,7 +10,6 @@ Each depth from 0 to the deepest that Eq. 10 allows is loaded with optimize_rule
 `--reps` runs of prefill + decode. Random weights: routing, and so the curve, is not a trained model's.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,10 +25,11 @@ from vismmoe_kt.engine.inputs import build_inputs, user_turn
 from vismmoe_kt import load
 from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.runtime.budget import BudgetError, choose_pinned_layers
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="tiny-6x64")
     parser.add_argument("--synthetic-layers", type=int)

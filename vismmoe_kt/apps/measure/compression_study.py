@@ -11,7 +11,6 @@ compression settings are switched between runs; the cache is emptied before each
 Random weights: routing is not a trained model's, and neither are these working sets.
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from vismmoe_kt import load, stats
 from vismmoe_kt.engine.inputs import ask_inputs
 from vismmoe_kt.operators.vis_decoder import VisDecoder
 from vismmoe_kt.apps.plots import heatmap_png
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 CASES = [("none", 1.0)] + [(m, b) for b in (0.7, 0.5) for m in ("random", "saliency", "affinity")]
 
@@ -52,7 +52,7 @@ def load_model(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="tiny-6x64")
     parser.add_argument("--synthetic-layers", type=int)

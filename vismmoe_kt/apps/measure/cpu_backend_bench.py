@@ -7,7 +7,6 @@ the host memory bandwidth (a large copy), to read the 1-token figure against.
     PYTHONPATH=.:KT_DIR python3 -m vismmoe_kt.apps.measure.cpu_backend_bench --threads 16
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,6 +18,7 @@ import torch
 
 from vismmoe_kt.runtime.cpu.isa import detect_isa, kt_kernel_installed
 from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
+from vismmoe_kt.apps.arguments import FlagParser
 
 E, K, H, I = 128, 8, 2048, 768
 
@@ -34,7 +34,7 @@ def median_ms(fn, repeats=20):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = FlagParser()
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--out")
     args = parser.parse_args()

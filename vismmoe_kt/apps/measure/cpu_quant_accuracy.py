@@ -19,7 +19,6 @@ and INT4 (multiples of 128) kernels take.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vismmoe_kt.demo.synthetic import load_synthetic
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 RULES = "optimize_rules/qwen3vl-kt-cpu.yaml"
 DTYPES = ("bf16", "int8", "int4")
@@ -61,7 +61,7 @@ def run(dtype: str, layers: int, ids: torch.Tensor, threads: int | None, store: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)

@@ -102,6 +102,7 @@ from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.errors import InputError
 from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
 from vismmoe_kt.runtime.offload import BATCH_EXPERTS
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 # the rule files by role (each family's: RULE_FILES); hybrid:BUDGET's overrides name qwen3vl.yaml's kwargs
 GPU_RULES, OFFLOAD_RULES, LRU_RULES, KT_CPU_RULES = "gpu", "offload", "lru", "kt-cpu"
@@ -356,8 +357,8 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(out), "--configs", spec,
-               "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--image-size", str(args.image_size),
-               "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
+               "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--image_size", str(args.image_size),
+               "--decode_tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
                "--routing", args.routing, "--child"]
     command += ["--tiny", args.tiny] if args.tiny else []
     command += ["--layers", str(args.layers)] if args.layers is not None else []
@@ -365,8 +366,8 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--predictor", args.predictor] if args.predictor else []
     command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
-    command += ["--batch-experts", args.batch_experts]
-    command += ["--prefill-chunk", str(args.prefill_chunk), "--prefill-budget", str(args.prefill_budget)]
+    command += ["--batch_experts", args.batch_experts]
+    command += ["--prefill_chunk", str(args.prefill_chunk), "--prefill_budget", str(args.prefill_budget)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
         torch.save(reference, out / "reference.pt")
@@ -401,9 +402,10 @@ def kernel_report(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"])
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for the results (decode.json, the table, profiles)")
+    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"],
+                        help="configurations to time (the module's docstring lists them)")
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"the synthetic model ({', '.join(SYNTHETIC_MODELS)}; default %(default)s): its published "
                              "shapes with random weights, and its family's rule files")
@@ -413,11 +415,11 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="synthetic model: the weights' dtype (default %(default)s; float32 is faster on a CPU)")
     parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--image-size", type=int, default=448)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cuda:0", help="where the model runs")
+    parser.add_argument("--image_size", type=int, default=448, help="square image size of each request, in pixels")
+    parser.add_argument("--decode_tokens", type=int, default=32, help="decoded tokens timed per request")
+    parser.add_argument("--reps", type=int, default=3, help="timed requests per configuration (median reported)")
+    parser.add_argument("--profile", action="store_true", help="also time each lean decode piece per layer")
     parser.add_argument("--kernels", action="store_true",
                         help="one more request per configuration under torch.profiler: decode kernels by name and "
                              "stream, busy and idle device time per step (kernels.md and a trace-*.json.gz each)")
@@ -429,12 +431,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="also decode N requests together, for each N given (batched generation): aggregate "
                              "tokens/s, the rate while all N run, PCIe bytes per generated token")
-    parser.add_argument("--prefill-chunk", type=int, default=0,
+    parser.add_argument("--prefill_chunk", type=int, default=0,
                         help="with --concurrency: prompt tokens prefilled per step beside the others' decode (0: whole)")
-    parser.add_argument("--prefill-budget", type=int, default=PREFILL_BUDGET,
+    parser.add_argument("--prefill_budget", type=int, default=PREFILL_BUDGET,
                         help="with --concurrency and whole prompts: prompt tokens prefilled together in one forward "
                              "(default: %(default)s; 0: one prompt per step)")
-    parser.add_argument("--batch-experts", choices=BATCH_EXPERTS, default="auto",
+    parser.add_argument("--batch_experts", choices=BATCH_EXPERTS, default="auto",
                         help="with --concurrency: a batched step's resident experts through the table kernel (a read "
                              "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
                              "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "

@@ -30,7 +30,6 @@ the quantized expert-major kernels (runtime/quantized_major.py), with `--tune` t
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -45,6 +44,7 @@ from vismmoe_kt.runtime.host_memory import HostBuffer
 from vismmoe_kt.runtime.table_experts import combine, pair_outputs, table_experts
 
 from .timing import median_seconds
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 E, H, I, K = 128, 2048, 768, 8
 LAYERS = 8
@@ -306,7 +306,7 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
     parser.add_argument("--batch", action="store_true", help="a batched step's resident experts (see above)")

@@ -17,7 +17,6 @@ a lookahead predictor trained on this model's routing. Writes one JSON per run, 
 summary.md (the tables for BENCHMARKS.md).
 """
 
-import argparse
 import json
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 
 from vismmoe_kt.apps.cli import main as cli
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 COMPRESSION = [("none", 1.0)] + [(m, k) for k in (0.7, 0.5) for m in ("random", "saliency", "affinity")]
 PRECISION = {"bf16": ["mode=bf16"], "fp4-all": ["mode=all"], "realb": ["mode=realb", "lb_gate_tokens=64"],
@@ -87,7 +87,7 @@ def calibrate(args, out: Path) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=200)

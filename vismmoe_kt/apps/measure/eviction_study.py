@@ -25,7 +25,6 @@ miss takes a slab (landing). Decode hit rates per ranking of the victim (the sma
 
 from __future__ import annotations
 
-import argparse
 import heapq
 from typing import Callable
 
@@ -35,6 +34,7 @@ import torch
 
 from vismmoe_kt.apps.measure.results import print_table, save_json
 from vismmoe_kt.routing.synthetic import SyntheticRouter
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 LAYERS, EXPERTS, TOP_K = 48, 128, 8
 PROMPT, VISUAL = 236, 200
@@ -147,7 +147,7 @@ def belady_decode_hit_rate(sequence: list[tuple], slabs: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--slabs", type=int, default=1692)
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)

@@ -21,7 +21,6 @@ statistics are printed beside the targets (hot-set Jaccard across kinds of promp
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
@@ -36,6 +35,7 @@ from vismmoe_kt.routing.stats import (concentration, hot_set_jaccard, layer_over
                                       trace_stats)
 from vismmoe_kt.routing.synthetic import (SyntheticRouter, ar_step, directions, hot_profile, noise,
                                           router_matrices)
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 LAYERS, EXPERTS, TOP_K = targets.LAYERS, targets.EXPERTS, targets.TOP_K
 FITTED = ("rho", "coupling", "hot", "hot_size", "skew")
@@ -291,7 +291,7 @@ def fit(args, seeds: list[int], corpus_seeds: list[int], vision_seeds: list[int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION, help="calibration JSON to write (or --check)")
     parser.add_argument("--check", action="store_true", help="measure the existing --out file; fit nothing")
     parser.add_argument("--requests", type=int, default=16, help="fit prompts (default 16)")

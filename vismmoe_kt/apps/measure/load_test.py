@@ -18,7 +18,6 @@ several in one chunk.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import concurrent.futures
 import io
@@ -31,6 +30,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 
 @dataclass
@@ -190,8 +190,8 @@ def write_report(out: Path, meta: dict, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                     formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for load_test.json, .md and .png")
     parser.add_argument("--url", help="a running server's OpenAI base URL (default: start one, see --serve_args)")
     parser.add_argument("--serve_args", default="--demo --generate_device cpu --prefill_device cpu",

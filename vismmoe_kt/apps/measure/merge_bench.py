@@ -8,16 +8,16 @@ own. Writes OUT_DIR/bench.json ({"parts": [meta, ...], "rows": [...]}) and OUT_D
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from vismmoe_kt.apps.bench.report import describe_meta, markdown_table, write_outputs
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("parts", nargs="+", help="bench.json files")
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ from vismmoe_kt.routing import load_trace, simulate_cache
 from vismmoe_kt.apps.measure.eviction_study import PROMPT, VISUAL, synthetic_requests
 from vismmoe_kt.runtime.budget import BudgetError, parse_bytes, pinned_depth_choice
 from vismmoe_kt.runtime.prefix_depth import DepthModel, HitRateCurve, shipped_curve, with_measurements
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 LAYERS, EXPERTS, TOP_K, EXPERT_BYTES = 48, 128, 8, 3 * 2048 * 768 * 2
 REQUESTS, DECODE_TOKENS = 3, 128
@@ -144,7 +145,7 @@ def report(choice, budget: int, layer_bytes: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     p.add_argument("--budget", nargs="+", required=True, help="expert budgets, e.g. 16GiB 32GiB")
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--experts", type=int, default=EXPERTS)

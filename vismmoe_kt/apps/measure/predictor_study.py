@@ -26,7 +26,6 @@ knows nothing at the first token) and its forward time at batch 1 on the CPU.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -37,6 +36,7 @@ from vismmoe_kt.errors import InputError
 from vismmoe_kt.predictor.calibration import calibrate_requests, forward_seconds, phase_rows, samples_from_requests
 from vismmoe_kt.predictor.model import LookaheadPredictor, Samples, hot_recall
 from vismmoe_kt.routing.synthetic import SyntheticRouter
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 LAYERS, EXPERTS, TOP_K = 48, 128, 8
 TEST_SEEDS = 500_000
@@ -92,7 +92,7 @@ def by_position(model, data: Samples, tokens: int, buckets=((0, 1), (1, 8), (8, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--predictor", help="evaluate this predictor file (calibrate synthetic's) instead of training one")
     parser.add_argument("--train-requests", type=int, default=SYNTHETIC_DEFAULTS["requests"])
     parser.add_argument("--valid-requests", type=int, default=SYNTHETIC_DEFAULTS["valid_requests"])

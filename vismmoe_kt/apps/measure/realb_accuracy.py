@@ -9,7 +9,6 @@ small batches. The tiny model has random weights: the numbers show how much NVFP
 network, not how a trained model's answers change.
 """
 
-import argparse
 import json
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from vismmoe_kt import load, stats
 from vismmoe_kt.apps.calibrate import synthetic_image
 from vismmoe_kt.demo.tiny import save_tiny_model
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 RULES = "optimize_rules/qwen3vl-realb.yaml"
 CONFIGS = {"bf16": {"mode": "bf16"}, "fp4-all": {"mode": "all"},
@@ -29,7 +29,7 @@ CONFIGS = {"bf16": {"mode": "bf16"}, "fp4-all": {"mode": "all"},
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="tiny-6x64")
     parser.add_argument("--requests", type=int, default=8)

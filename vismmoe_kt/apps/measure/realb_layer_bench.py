@@ -38,6 +38,7 @@ from vismmoe_kt.runtime.expert_compute import precision_split_rows
 
 from .results import print_table, save_json
 from .timing import median_seconds
+from vismmoe_kt.apps.arguments import FlagParser
 
 CONFIGS = ("bf16", "fp8-all", "realb", "fixed", "eplb")
 
@@ -230,7 +231,7 @@ def _outputs(ranks, hidden, ids, weights, visual, expert_rank, act, device, laye
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--requests", type=int, default=16)

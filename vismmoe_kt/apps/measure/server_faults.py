@@ -17,7 +17,6 @@ RSS of the server process before and after. Writes DIR/server_faults.json and pr
 
 from __future__ import annotations
 
-import argparse
 import base64
 import concurrent.futures
 import io
@@ -39,6 +38,7 @@ import httpx
 import numpy as np
 import psutil
 from PIL import Image
+from vismmoe_kt.apps.arguments import FlagParser
 
 
 def free_port() -> int:
@@ -291,7 +291,7 @@ def run_sigterm(server: Server) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--disconnects", type=int, default=40)

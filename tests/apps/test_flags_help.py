@@ -1,0 +1,94 @@
+"""Every command's flags: help text for each, one spelling (underscores) in the help, the hyphen spelling
+accepted too, defaults shown (#26)."""
+
+import argparse
+import importlib
+import pkgutil
+
+import pytest
+
+import vismmoe_kt.apps.measure as measure
+from vismmoe_kt.apps import arguments
+from vismmoe_kt.apps.cli import build_parser
+
+
+def parsers(parser, path=("vismmoe-kt",)):
+    """(command path, parser) for the parser and every subcommand's under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, path + (name,))
+
+
+COMMANDS = list(parsers(build_parser()))
+IDS = [" ".join(path) for path, _ in COMMANDS]
+# vismmoe_kt/apps/serve/ belongs to another piece of #26's work, which gives these flags their help
+SERVE_WITHOUT_HELP = {"--host", "--port", "--max_new_tokens", "--temperature", "--top_p", "--max_image_mb"}
+
+
+def flag_actions(parser):
+    parser.format_help()  # spells the flags, as parsing does
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("path,parser", COMMANDS, ids=IDS)
+def test_every_flag_and_subcommand_has_help(path, parser):
+    missing = sorted(a.option_strings[-1] for a in flag_actions(parser) if not (a.help or "").strip())
+    missing += [a.dest for a in parser._actions if not a.option_strings and not (a.help or "").strip()]
+    if path[-1] == "serve":
+        assert set(missing) <= SERVE_WITHOUT_HELP
+        if missing:
+            pytest.xfail(f"serve's flags without help (the server's part of #26): {missing}")
+    assert missing == [], f"{' '.join(path)}: no help for {missing}"
+
+
+@pytest.mark.parametrize("path,parser", COMMANDS, ids=IDS)
+def test_both_spellings_of_every_flag_reach_the_same_setting(path, parser):
+    for action in flag_actions(parser):
+        for option in [o for o in action.option_strings if o.startswith("--")]:
+            assert "-" not in option[2:], f"{' '.join(path)}: the help spells {option} with a hyphen"
+            for spelling in (option, arguments.hyphened(option)):
+                assert parser._option_string_actions[spelling] is action, spelling
+
+
+def test_hyphen_and_underscore_spellings_parse_alike():
+    parser = build_parser()
+    hyphens = parser.parse_args(["bench", "--demo", "--decode-tokens", "4", "--image-sizes", "224"])
+    underscores = parser.parse_args(["bench", "--demo", "--decode_tokens", "4", "--image_sizes", "224"])
+    assert vars(hyphens) == vars(underscores) and hyphens.decode_tokens == 4 and hyphens.image_sizes == [224]
+    chat = parser.parse_args(["chat", "--demo", "--max-new-tokens", "5", "--prompt-file", "q.txt", "--ep-size", "2"])
+    assert (chat.max_new_tokens, chat.prompt_file, chat.ep_size) == (5, "q.txt", 2)
+
+
+def test_help_shows_defaults_and_the_alias_rule(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["chat", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max_new_tokens MAX_NEW_TOKENS" in text and "(default: 1000)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text  # no empty defaults
+    assert arguments.ALIAS_NOTE in " ".join(parser.format_help().split())
+
+
+def test_an_abbreviation_of_a_flag_is_not_ambiguous_with_its_own_alias():
+    assert build_parser().parse_args(["chat", "--demo", "--max_new", "7"]).max_new_tokens == 7
+
+
+def test_two_flags_that_differ_only_by_separator_are_refused():
+    parser = arguments.FlagParser(prog="x")
+    parser.add_argument("--a_b", help="one")
+    parser.add_argument("--a-b2", dest="other", help="two")
+    parser.add_argument("--a-b", dest="third", help="three")
+    with pytest.raises(ValueError, match="--a_b names two flags|--a-b names two flags"):
+        parser.parse_args([])
+
+
+@pytest.mark.parametrize("name", [m.name for m in pkgutil.iter_modules(measure.__path__)])
+def test_measurement_modules_use_the_same_parser(name):
+    """`python -m vismmoe_kt.apps.measure.X` modules: the same spelling rule (their help text is their own)."""
+    source = importlib.util.find_spec(f"vismmoe_kt.apps.measure.{name}").origin
+    text = open(source, encoding="utf-8").read()
+    assert "argparse.ArgumentParser(" not in text
+    if "add_argument(" in text:
+        assert "FlagParser(" in text
