@@ -15,12 +15,14 @@ from ..flags import POSITIVE, PORT, TEMPERATURE, TOP_P, add_model_flags, at_leas
 def add_parser(commands) -> None:
     serve = commands.add_parser("serve", help="OpenAI- and Ollama-compatible HTTP server with a web chat page")
     add_model_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=PORT, default=10002)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=PORT, default=10002, help="TCP port to listen on")
     serve.add_argument("--api_key", help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--max_new_tokens", type=int, default=1000)
-    serve.add_argument("--temperature", type=TEMPERATURE)
-    serve.add_argument("--top_p", type=TOP_P)
+    serve.add_argument("--max_new_tokens", type=int, default=1000,
+                       help="longest answer a request may ask for (max_tokens, options.num_predict) and the default")
+    serve.add_argument("--temperature", type=TEMPERATURE, help="default sampling temperature when a request gives none "
+                                                                "(0 or unset: greedy)")
+    serve.add_argument("--top_p", type=TOP_P, help="default nucleus sampling mass when a request gives none (unset: 1.0)")
     serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
     serve.add_argument("--max_batch", type=at_least(1), default=1,
                        help="requests decoded together (continuous batching; needs the lean decode path, i.e. rules "
@@ -43,7 +45,7 @@ def add_parser(commands) -> None:
                             "on --port + its rank (continuous batching on each), the ranks' passes in step; without "
                             "it rank 0 serves and the other ranks lend it their experts")
     serve.add_argument("--limit_mm_per_prompt", type=at_least(0), default=4, help="images per request")
-    serve.add_argument("--max_image_mb", type=POSITIVE, default=20)
+    serve.add_argument("--max_image_mb", type=POSITIVE, default=20, help="largest image a request may carry, in MB")
     serve.add_argument("--allowed_local_media_path", help="serve image_url file paths under this directory")
     serve.add_argument("--max_image_pixels", type=at_least(1), default=16_777_216,
                        help="larger images are refused before they are decoded (default: 16.8 M, the processor's own maximum)")
