@@ -33,8 +33,6 @@ def test_held_out_colour_questions_far_above_chance(demo):
     assert result["per_type"]["colour"]["accuracy"] >= 0.6, result["per_type"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue #11's target is not reached: the shipped model answers 'no' to almost "
-                                      "every held-out existence question (about 43% right on the test split)")
 def test_held_out_yes_no_existence_questions_far_above_chance(demo):
     model, processor = demo
     result = evaluate(model, processor, synthetic_items("test", 100, ["exist"]), progress=False)
