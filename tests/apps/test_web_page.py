@@ -58,7 +58,7 @@ def test_a_two_turn_conversation_about_an_image(server, tmp_path):  # noqa: F811
         page.fill("#max-tokens", "8")
         page.set_input_files("#image", str(picture))
         page.wait_for_function("document.getElementById('preview').src.startsWith('data:image')")
-        page.fill("#prompt", "What colour is the circle?")
+        page.fill("#prompt", "What colour is the triangle?")
         page.press("#prompt", "Enter")  # Enter sends
         answered(page, 1)
         assert page.input_value("#prompt") == ""                       # the box is cleared
@@ -75,8 +75,8 @@ def test_a_two_turn_conversation_about_an_image(server, tmp_path):  # noqa: F811
         stats = page.locator(".stats").all_inner_texts()
         shot = tmp_path / "web-chat.png"
         page.screenshot(path=str(shot))
-    assert users == ["What colour is the circle?", "What colour is the square?"]
-    assert answers[0].strip() == "red" and answers[1].strip() and "error" not in " ".join(answers)
+    assert users == ["What colour is the triangle?", "What colour is the square?"]
+    assert answers[0].strip() == "green" and answers[1].strip() and "error" not in " ".join(answers)
     assert all("first text after" in s and "tokens" in s for s in stats)
     first, second = (body for body, _ in sent)
     assert first["max_tokens"] == second["max_tokens"] == 8 and first["temperature"] == 0 and first["stream"]
