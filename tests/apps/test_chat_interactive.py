@@ -12,10 +12,9 @@ from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.pictures import DEMO_QUESTIONS, make_vqa_image
 from vismmoe_kt.engine import chat as engine_chat
 
-QUESTION = "What colour is the circle?"
+QUESTION = "What colour is the square?"
 # the demo's rule file as `make demo` runs it: offloaded layers and visual-token pruning, on the lean decode path
-DEMO_RULES = ["--optimize_config_path", "optimize_rules/qwen3vl.yaml", "--set", "expert_budget=7MiB",
-              "--set", "pinned_layers=2", "--set", "prune_layer=3"]
+DEMO_RULES = ["--optimize_config_path", "optimize_rules/qwen3vl.yaml", "--set", "expert_budget=7MiB"]
 
 
 def chat(*args):
