@@ -82,6 +82,16 @@ def build_config(spec, tokenizer):
     )
 
 
+def randomize_correction_bias(model, seed: int) -> None:
+    """Every sigmoid router's `e_score_correction_bias` drawn at BIAS_STD (transformers makes them zero, which
+    would pass a loader that never reads them)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * BIAS_STD)
+
+
 def build_tiny_glm(spec, seed: int = 0):
     """`(model, processor)`: a random fp32 GLM-4.5V in eval mode and its processor."""
     from transformers import Glm4vMoeForConditionalGeneration
@@ -90,11 +100,7 @@ def build_tiny_glm(spec, seed: int = 0):
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)
     model = Glm4vMoeForConditionalGeneration(config).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * BIAS_STD)
+    randomize_correction_bias(model, seed + 1)
     text = config.text_config
     model.generation_config.eos_token_id = list(text.eos_token_id)
     model.generation_config.pad_token_id = text.pad_token_id

@@ -28,12 +28,11 @@ from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (Deepseek
 
 from ..errors import LoadError
 from .base import MoEShape
-from .transformers_layout import TransformersLayout
+from .transformers_layout import OneDimensionalRope, TransformersLayout, fused_experts_sources
 from .glm4v_moe import hand_text_model_image_mask
 from .qwen3_vl_moe import _read_chat_template
 
 _TEXT = "model.language_model."
-_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 # the model's names -> the published checkpoint's (what `save_pretrained` writes too): the reverse of
 # transformers' conversion mapping for deepseek_ocr2 (conversion_mapping.py), first match wins
 _STORED = tuple((re.compile(pattern), stored) for pattern, stored in (
@@ -74,7 +73,7 @@ class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
         return BatchFeature(data=dict(self.tokenizer(text, **output_kwargs["text_kwargs"])), tensor_type=return_tensors)
 
 
-class DeepseekOcr2Adapter(TransformersLayout):
+class DeepseekOcr2Adapter(OneDimensionalRope, TransformersLayout):
     model_types = ("deepseek_ocr2",)
 
     def model_class(self) -> type[nn.Module]:
@@ -83,13 +82,7 @@ class DeepseekOcr2Adapter(TransformersLayout):
         return DeepseekOcr2ForConditionalGeneration
 
     def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
-        match = _FUSED.match(name)
-        if match is None:
-            return None
-        key, count = match["key"], int(self.text_config(config).n_routed_experts)
-        if match["tensor"] == "gate_up_proj":
-            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
-        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+        return fused_experts_sources(name, int(self.text_config(config).n_routed_experts))
 
     def checkpoint_name(self, name: str, config: Any) -> str | None:
         """DeepSeek-OCR-2's checkpoints keep the original layout (`model.layers.N`, `model.sam_model`,
@@ -129,13 +122,6 @@ class DeepseekOcr2Adapter(TransformersLayout):
         return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
                         tuple(self.moe_layers_from_config(config)))
 
-    # --- the model's parts -------------------------------------------------------------------
-    def position_rows(self) -> int:
-        return 1  # plain 1-D RoPE
-
-    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
-
     # The router is softmax -> top-k without renormalisation, times routed_scaling_factor: `fused_router`
     # stays None (the decode step calls the module); its probabilities are the base class's softmax.
 
@@ -148,12 +134,6 @@ class DeepseekOcr2Adapter(TransformersLayout):
 
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         return vision_tower.vision_encoder.layers[-1].self_attn
-
-    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """1-D RoPE: positions are the token indices, with no offset."""
-        ids = inputs["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
-        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
 
     def install_hooks(self, model: nn.Module) -> None:
         """DeepseekOcr2Model hands its text model no `visual_pos_masks`: hand it the image-token mask."""

@@ -17,7 +17,6 @@ where our text model's forward needs it.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,10 @@ from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
 from .base import ModelAdapter, MoEShape
-from .transformers_layout import TransformersLayout
+from .transformers_layout import SigmoidRouting, TransformersLayout, fused_experts_sources
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
 _TEXT = "model.language_model."
-_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 
 
 def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module) -> None:
@@ -71,7 +69,7 @@ class Glm4vImageTextProcessor(Glm4vProcessor):
         self.video_start_id, self.video_end_id = ids("<|begin_of_video|>"), ids("<|end_of_video|>")
 
 
-class Glm4vMoeAdapter(TransformersLayout):
+class Glm4vMoeAdapter(SigmoidRouting, TransformersLayout):
     model_types = ("glm4v_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -80,13 +78,7 @@ class Glm4vMoeAdapter(TransformersLayout):
         return Glm4vMoeForConditionalGeneration
 
     def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
-        match = _FUSED.match(name)
-        if match is None:
-            return None
-        key, count = match["key"], int(self.text_config(config).n_routed_experts)
-        if match["tensor"] == "gate_up_proj":
-            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
-        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+        return fused_experts_sources(name, int(self.text_config(config).n_routed_experts))
 
     def experts_key(self, layer: int) -> str:
         return f"{_TEXT}layers.{layer}.mlp.experts"
@@ -111,10 +103,6 @@ class Glm4vMoeAdapter(TransformersLayout):
         text = self.text_config(config)
         return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
                         tuple(self.moe_layers_from_config(config)))
-
-    # --- routing -----------------------------------------------------------------------------
-    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
-        return router_logits.float().sigmoid()  # the scores the router ranks experts by (before its bias)
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:

@@ -104,7 +104,7 @@ class Qwen3VLMoeAdapter(TransformersLayout):
 
         return Qwen3VLMoeForConditionalGeneration
 
-    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size) -> torch.Tensor:
+    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size, config: Any = None) -> torch.Tensor:
         if name.endswith(_EXPERT_TENSORS) and tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected:
             return tensor.transpose(1, 2).contiguous()
         return tensor

@@ -9,12 +9,30 @@ ids); RMSNorms with `variance_epsilon`. A family adapter derives from this and o
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from .base import ModelAdapter
+
+_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
+
+
+def fused_experts_sources(name: str, count: int) -> tuple[tuple[str, ...], ...] | None:
+    """`checkpoint_sources` for checkpoints that store the routed experts one by one
+    (`experts.N.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I): what `save_pretrained` writes for
+    GLM-4.5V, DeepSeek-OCR-2 and Kimi K2.5, and their published checkpoints): fused gate_up from each
+    expert's gate and up, fused down from each expert's down."""
+    match = _FUSED.match(name)
+    if match is None:
+        return None
+    key = match["key"]
+    if match["tensor"] == "gate_up_proj":
+        return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
+    return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+
 
 
 class TransformersLayout(ModelAdapter):
@@ -79,3 +97,29 @@ class TransformersLayout(ModelAdapter):
 
     def image_token_id(self, config: Any) -> int | None:
         return getattr(config, "image_token_id", None)
+
+
+class OneDimensionalRope:
+    """Adapter methods for a text model with plain 1-D RoPE (DeepSeek-OCR-2, Kimi K2.5): one row of
+    position ids, which are the token indices with no offset (images do not shorten positions)."""
+
+    def position_rows(self) -> int:
+        return 1
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = inputs["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
+        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+
+
+class SigmoidRouting:
+    """Adapter methods for DeepSeek-V3-style sigmoid routers (GLM-4.5V, Kimi K2.5): an fp32
+    `e_score_correction_bias` added for the choice only, grouped top-k, renormalised, scaled. The decode
+    step calls the module (`fused_router` stays None); the probabilities an offload cache ranks experts by
+    are the sigmoid scores, before the bias."""
+
+    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
+        return router_logits.float().sigmoid()
