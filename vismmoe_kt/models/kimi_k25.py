@@ -22,7 +22,6 @@ needs torchvision: `KimiK25ImageProcessorPil` is the same pipeline over PIL and 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -184,12 +183,9 @@ class KimiK25Adapter(OneDimensionalRope, SigmoidRouting, TransformersLayout):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            image_processor = KimiK25ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise LoadError(f"{model_dir}: cannot load the tokenizer ({exc})") from None
-        saved = model_dir / "preprocessor_config.json"
-        options = json.loads(saved.read_text()) if saved.is_file() else {}
-        known = ("size", "max_patches", "patch_size", "merge_size", "image_mean", "image_std")
-        image_processor = KimiK25ImageProcessorPil(**{k: v for k, v in options.items() if k in known})
+            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
         return KimiK25ImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
 
     # --- config ------------------------------------------------------------------------------
