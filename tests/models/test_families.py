@@ -28,6 +28,27 @@ def case(request, tmp_path_factory):
     return (family, *family_case(tmp_path_factory, family, 1, "What is in the picture?", family.image, 2))
 
 
+def test_structure_of_the_tiny_model(case):
+    """The adapter finds the parts: layer 0 dense (no router, no shared experts), the others MoE layers with
+    the router `mlp.gate` (none of these families' is the fused softmax-top-k-renormalise one: the module
+    routes), fused experts of the spec's shape and shared experts."""
+    family, _, ref, _, _ = case
+    adapter = adapter_for(ref.config.model_type)
+    spec, layers = SPECS[family.spec], adapter.decoder_layers(ref)
+    moe = list(range(len(layers) - family.moe_layers, len(layers)))
+    assert adapter.moe_layers_from_config(ref.config) == moe
+    assert [i for i, layer in enumerate(layers) if adapter.experts(layer) is not None] == moe
+    assert adapter.shared_experts(layers[0]) is None and adapter.router(layers[0]) is None
+    layer = layers[moe[0]]
+    assert adapter.router(layer) is layer.mlp.gate and adapter.shared_experts(layer) is layer.mlp.shared_experts
+    assert adapter.fused_router(layer.mlp.gate) is None
+    assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
+    assert adapter.experts_key(moe[0]) == f"model.language_model.layers.{moe[0]}.mlp.experts"
+    shape = adapter.moe_shape(ref.config)
+    assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter, shape.moe_layers) == (
+        spec.experts, spec.top_k, spec.hidden, spec.moe_intermediate, tuple(moe))
+
+
 def check(model, inputs, expected, lean: bool):
     ref_logits, ref_tokens = expected
     with torch.no_grad():

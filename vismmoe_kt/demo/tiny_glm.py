@@ -82,14 +82,21 @@ def build_config(spec, tokenizer):
     )
 
 
-def randomize_correction_bias(model, seed: int) -> None:
-    """Every sigmoid router's `e_score_correction_bias` drawn at BIAS_STD (transformers makes them zero, which
-    would pass a loader that never reads them)."""
-    generator = torch.Generator().manual_seed(seed)
+def random_model(model_class, config, seed: int):
+    """A random fp32 model in eval mode from `config`, deterministic from `seed`; every sigmoid router's
+    `e_score_correction_bias` drawn at BIAS_STD (transformers makes them zero, which would pass a loader
+    that never reads them); generation stops at the text config's end tokens."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * BIAS_STD)
+    text = config.text_config
+    model.generation_config.eos_token_id = text.eos_token_id
+    model.generation_config.pad_token_id = text.pad_token_id
+    return model
 
 
 def build_tiny_glm(spec, seed: int = 0):
@@ -97,11 +104,4 @@ def build_tiny_glm(spec, seed: int = 0):
     from transformers import Glm4vMoeForConditionalGeneration
 
     processor = build_processor(spec)
-    config = build_config(spec, processor.tokenizer)
-    torch.manual_seed(seed)
-    model = Glm4vMoeForConditionalGeneration(config).eval()
-    randomize_correction_bias(model, seed + 1)
-    text = config.text_config
-    model.generation_config.eos_token_id = list(text.eos_token_id)
-    model.generation_config.pad_token_id = text.pad_token_id
-    return model, processor
+    return random_model(Glm4vMoeForConditionalGeneration, build_config(spec, processor.tokenizer), seed), processor

@@ -14,9 +14,7 @@ visual tokens.
 
 from __future__ import annotations
 
-import torch
-
-from .tiny_glm import randomize_correction_bias
+from .tiny_glm import random_model
 
 SPECIAL_TOKENS = ("[EOS]", "[BOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                   "<|im_middle|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
@@ -86,11 +84,4 @@ def build_tiny_kimi(spec, seed: int = 0):
     from transformers import Kimi_K25ForConditionalGeneration
 
     processor = build_processor(spec)
-    config = build_config(spec, processor.tokenizer)
-    torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config).eval()
-    randomize_correction_bias(model, seed + 1)
-    text = config.text_config
-    model.generation_config.eos_token_id = text.eos_token_id
-    model.generation_config.pad_token_id = text.pad_token_id
-    return model, processor
+    return random_model(Kimi_K25ForConditionalGeneration, build_config(spec, processor.tokenizer), seed), processor

@@ -36,13 +36,11 @@ from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_S
 from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
 from transformers.processing_utils import ImagesKwargs, ProcessorMixin
 
-from ..errors import LoadError
-from .base import MoEShape
 from .glm4v_moe import hand_text_model_image_mask
 from .qwen3_vl_moe import _read_chat_template
-from .transformers_layout import OneDimensionalRope, SigmoidRouting, TransformersLayout, fused_experts_sources
+from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, SigmoidRouting, TransformersLayout,
+                                 pretrained_tokenizer_and_image_processor)
 
-_TEXT = "model.language_model."
 # the model's names -> the original checkpoint's (what `save_pretrained` writes too): the reverse of
 # transformers' conversion mapping for kimi_k25 (conversion_mapping.py), first match wins. transformers
 # renames every `blocks` to `layers` on load, so text layers may be stored under either: both are tried
@@ -141,16 +139,13 @@ class KimiK25ImageTextProcessor(Kimi_K25Processor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
-class KimiK25Adapter(OneDimensionalRope, SigmoidRouting, TransformersLayout):
+class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("kimi_k25",)
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Kimi_K25ForConditionalGeneration
 
         return Kimi_K25ForConditionalGeneration
-
-    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
-        return fused_experts_sources(name, int(self.text_config(config).n_routed_experts))
 
     def checkpoint_name(self, name: str, config: Any) -> tuple[str, ...] | None:
         """Kimi K2.5's checkpoints keep the original layout (`language_model.model.layers.N`,
@@ -175,29 +170,11 @@ class KimiK25Adapter(OneDimensionalRope, SigmoidRouting, TransformersLayout):
         rows = part.shape[0]
         return part.reshape(heads, rows // heads // 2, 2, *part.shape[1:]).transpose(1, 2).reshape(part.shape).contiguous()
 
-    def experts_key(self, layer: int) -> str:
-        return f"{_TEXT}layers.{layer}.mlp.experts"
-
     def load_processor(self, model_dir: Path) -> KimiK25ImageTextProcessor:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            image_processor = KimiK25ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+        tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, KimiK25ImageProcessorPil)
         return KimiK25ImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
 
     # --- config ------------------------------------------------------------------------------
-    def moe_layers_from_config(self, config: Any) -> list[int]:
-        text = self.text_config(config)  # the rule DeepseekV3DecoderLayer applies
-        return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
-
-    def moe_shape(self, config: Any) -> MoEShape:
-        text = self.text_config(config)
-        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
-                        tuple(self.moe_layers_from_config(config)))
-
     def kv_cache_shape(self, config: Any) -> tuple[int, int, int]:
         """MLA caches one latent per position: kv_lora_rank normed dims (as the key) and the shared rotary
         key's qk_rope_head_dim (as the value), one head."""

@@ -5,17 +5,21 @@ with `layers`, `embed_tokens`, `norm` and `rotary_emb`; decoder layers with `sel
 `input_layernorm`, `post_attention_layernorm` and an `mlp` that, in MoE layers, holds `gate`, `experts`
 and (where the family has them) `shared_experts`; routers that return (logits, top-k weights, top-k
 ids); RMSNorms with `variance_epsilon`. A family adapter derives from this and overrides what differs.
+The mixins below hold what several families share beyond the layout: DeepSeek-MoE's config names
+(`DeepseekMoeConfig`), plain 1-D RoPE (`OneDimensionalRope`), sigmoid routers (`SigmoidRouting`).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import ModelAdapter
+from ..errors import LoadError
+from .base import ModelAdapter, MoEShape
 
 _FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 
@@ -35,6 +39,18 @@ def fused_experts_sources(name: str, count: int) -> tuple[tuple[str, ...], ...] 
 
 
 
+def pretrained_tokenizer_and_image_processor(model_dir: Path, image_processor_class: type) -> tuple[Any, Any]:
+    """A model directory's tokenizer and image processor (of the family's PIL class), offline; a LoadError
+    that names the directory where either is missing or unreadable."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return tokenizer, image_processor_class.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+
+
 class TransformersLayout(ModelAdapter):
     def text_config(self, config: Any) -> Any:
         return config.text_config if hasattr(config, "text_config") else config
@@ -45,6 +61,9 @@ class TransformersLayout(ModelAdapter):
 
     def output_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head
+
+    def experts_key(self, layer: int) -> str:
+        return f"model.language_model.layers.{layer}.mlp.experts"
 
     def layers_of(self, text: nn.Module) -> nn.ModuleList:
         return text.layers
@@ -123,3 +142,21 @@ class SigmoidRouting:
 
     def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
         return router_logits.float().sigmoid()
+
+
+class DeepseekMoeConfig:
+    """Adapter methods for text configs in DeepSeek-MoE's names (GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5):
+    `n_routed_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` a token, the first
+    `first_k_dense_replace` layers dense; checkpoints store the experts one by one."""
+
+    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
+        return fused_experts_sources(name, int(self.text_config(config).n_routed_experts))
+
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        text = self.text_config(config)  # the rule the decoder layers apply
+        return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
+
+    def moe_shape(self, config: Any) -> MoEShape:
+        text = self.text_config(config)
+        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
+                        tuple(self.moe_layers_from_config(config)))
