@@ -15,7 +15,7 @@ GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to 
 dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
 then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts).
 
-    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores]
+    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores] [--only PREFIX]
 """
 
 import argparse
@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--stores", action="store_true", help="the quantized host stores, GPU kernels vs CPU twins")
     parser.add_argument("--fp8", action="store_true", help="only ReaLB's FP8 experts and quantization kernels")
+    parser.add_argument("--only", metavar="PREFIX", help="only the rule files whose names start with PREFIX (e.g. kimi-k25)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for the GPU machine", file=sys.stderr)
@@ -86,6 +87,8 @@ def main() -> int:
     refs, names = {}, {}
     for spec_name, prefix in (("tiny-glm-4x16", "glm4v"), ("tiny-dsocr2-4x16", "deepseek-ocr2"),
                               ("tiny-kimi-4x16", "kimi-k25")):
+        if args.only and not (prefix.startswith(args.only) or args.only.startswith(prefix)):
+            continue
         family = SPECS[spec_name]
         family_dir = save_tiny_model(Path(tempfile.mkdtemp()) / spec_name, family, seed=0)
         refs[family_dir], names[family_dir] = run("optimize_rules/qwen3vl-gpu.yaml", model_dir=family_dir)[:2], spec_name
@@ -93,6 +96,8 @@ def main() -> int:
                   if not r.name.endswith("-ep.yaml")]
         family_layer = family.experts * 3 * family.moe_intermediate * family.hidden * 4
         cases += [(f"optimize_rules/{prefix}-offload.yaml", {"model_dir": family_dir, "expert_budget": 2 * family_layer})]
+    if args.only:
+        cases = [case for case in cases if Path(case[0]).name.startswith(args.only)]
     results, ok = [], True
     for rule_file, overrides in cases:
         logits, tokens, seconds, stats = run(rule_file, **overrides)
