@@ -1,13 +1,13 @@
 """GPU check of the foundation on a CUDA machine, in one go (used with the device tool).
 
 For every rule file under optimize_rules/, load a saved tiny model of its family (Qwen3-VL-MoE,
-GLM-4.5V, DeepSeek-OCR-2) with its default (CUDA) devices and compare logits and greedy tokens with
+GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5) with its default (CUDA) devices and compare logits and greedy tokens with
 the all-on-GPU reference (fp32, TF32 off).
 Prints one line per rule file with the max logit difference, token equality, where the weights
 went and what the operators did; exits non-zero if any rule file disagrees. Generation goes through
 `vismmoe_kt.engine.generate`, so rule files with a VisDecoder exercise the lean decode path and its
 CUDA graphs (a capture error or a graphed step that differs from the eager one counts as a failure).
-The expert-parallel rule files (qwen3vl-ep.yaml, glm4v-ep.yaml, deepseek-ocr2-ep.yaml) are left out:
+The expert-parallel rule files (qwen3vl-ep.yaml, glm4v-ep.yaml, deepseek-ocr2-ep.yaml, kimi-k25-ep.yaml) are left out:
 they need a torchrun launch.
 
 `--stores`: instead, the host store in each quantized format (Q8_0, Q4_0, Q4_K, Q5_K) read by the
@@ -15,7 +15,7 @@ GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to 
 dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
 then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts).
 
-    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores]
+    PYTHONPATH=. python3 scripts/gpu_check.py [--out DIR] [--stores] [--only PREFIX]
 """
 
 import json
@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--stores", action="store_true", help="the quantized host stores, GPU kernels vs CPU twins")
     parser.add_argument("--fp8", action="store_true", help="only ReaLB's FP8 experts and quantization kernels")
+    parser.add_argument("--only", metavar="PREFIX", help="only the rule files whose names start with PREFIX (e.g. kimi-k25)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for the GPU machine", file=sys.stderr)
@@ -79,23 +80,24 @@ def main() -> int:
                                             # every expert resident: the whole decode step is one CUDA graph
                                             ("optimize_rules/qwen3vl-offload.yaml", {"expert_budget": "1GiB",
                                                                                      "graphs": "cuda"})]
-    # GLM-4.5V's tiny model: its rule files against the same all-on-GPU placement of the stock modules
-    glm = SPECS["tiny-glm-4x16"]
-    glm_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-glm-4x16", glm, seed=0)
-    glm_layer = glm.experts * 3 * glm.moe_intermediate * glm.hidden * 4
-    glm_ref = run("optimize_rules/qwen3vl-gpu.yaml", model_dir=glm_dir)
-    cases += [(str(r), {"model_dir": glm_dir}) for r in sorted(Path("optimize_rules").glob("glm4v*.yaml"))
-              if r.name != "glm4v-ep.yaml"]
-    cases += [("optimize_rules/glm4v-offload.yaml", {"model_dir": glm_dir, "expert_budget": 2 * glm_layer})]
-    # DeepSeek-OCR-2's tiny model (1-D RoPE, softmax top-k router without renormalisation): likewise
-    ds = SPECS["tiny-dsocr2-4x16"]
-    ds_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-dsocr2-4x16", ds, seed=0)
-    ds_layer = ds.experts * 3 * ds.moe_intermediate * ds.hidden * 4
-    refs = {glm_dir: glm_ref[:2], ds_dir: run("optimize_rules/qwen3vl-gpu.yaml", model_dir=ds_dir)[:2]}
-    names = {glm_dir: "tiny-glm-4x16", ds_dir: "tiny-dsocr2-4x16"}
-    cases += [(str(r), {"model_dir": ds_dir}) for r in sorted(Path("optimize_rules").glob("deepseek-ocr2*.yaml"))
-              if r.name != "deepseek-ocr2-ep.yaml"]
-    cases += [("optimize_rules/deepseek-ocr2-offload.yaml", {"model_dir": ds_dir, "expert_budget": 2 * ds_layer})]
+    # the other families' tiny models: each one's rule files (but -ep) against the same all-on-GPU placement
+    # of the stock modules, and offloaded at the smallest budget. GLM-4.5V (M-RoPE, sigmoid grouped router,
+    # partial rotary), DeepSeek-OCR-2 (1-D RoPE, softmax top-k router without renormalisation), Kimi K2.5
+    # (MLA attention over a cache of compressed latents, sigmoid grouped router, 1-D RoPE)
+    refs, names = {}, {}
+    for spec_name, prefix in (("tiny-glm-4x16", "glm4v"), ("tiny-dsocr2-4x16", "deepseek-ocr2"),
+                              ("tiny-kimi-4x16", "kimi-k25")):
+        if args.only and not (prefix.startswith(args.only) or args.only.startswith(prefix)):
+            continue
+        family = SPECS[spec_name]
+        family_dir = save_tiny_model(Path(tempfile.mkdtemp()) / spec_name, family, seed=0)
+        refs[family_dir], names[family_dir] = run("optimize_rules/qwen3vl-gpu.yaml", model_dir=family_dir)[:2], spec_name
+        cases += [(str(r), {"model_dir": family_dir}) for r in sorted(Path("optimize_rules").glob(f"{prefix}*.yaml"))
+                  if not r.name.endswith("-ep.yaml")]
+        family_layer = family.experts * 3 * family.moe_intermediate * family.hidden * 4
+        cases += [(f"optimize_rules/{prefix}-offload.yaml", {"model_dir": family_dir, "expert_budget": 2 * family_layer})]
+    if args.only:
+        cases = [case for case in cases if Path(case[0]).name.startswith(args.only)]
     results, ok = [], True
     for rule_file, overrides in cases:
         logits, tokens, seconds, stats = run(rule_file, **overrides)

@@ -60,16 +60,16 @@ def test_rule_file_with_cpu_overrides_runs_and_reports_operators(image_file, cap
 
 def test_every_rule_file_works_on_cpu(capsys, tmp_path):
     """Each family's rule files on a model of that family: the demo model (Qwen3-VL-MoE), a tiny GLM-4.5V,
-    a tiny DeepSeek-OCR-2."""
+    a tiny DeepSeek-OCR-2, a tiny Kimi K2.5."""
     from vismmoe_kt.demo.tiny import save_tiny_model
 
-    glm = save_tiny_model(tmp_path / "tiny-glm", "tiny-glm-4x16", seed=0)
-    dsocr2 = save_tiny_model(tmp_path / "tiny-dsocr2", "tiny-dsocr2-4x16", seed=0)
+    families = {prefix: save_tiny_model(tmp_path / spec, spec, seed=0) for prefix, spec in
+                (("glm4v", "tiny-glm-4x16"), ("deepseek-ocr2", "tiny-dsocr2-4x16"), ("kimi-k25", "tiny-kimi-4x16"))}
     for rules in sorted(os.listdir("optimize_rules")):
         if rules.endswith("-ep.yaml"):  # needs a process group: tests/parallel and tests/models run them under gloo
             continue
-        model = (["--model_path", str(glm)] if rules.startswith("glm4v") else
-                 ["--model_path", str(dsocr2)] if rules.startswith("deepseek-ocr2") else ["--demo"])
+        family = next((path for prefix, path in families.items() if rules.startswith(prefix)), None)
+        model = ["--model_path", str(family)] if family is not None else ["--demo"]
         rc = main(["chat", *model, "--greedy", "--prompt", "hi", "--max_new_tokens", "2", "--optimize_config_path",
                    f"optimize_rules/{rules}", "--generate_device", "cpu", "--prefill_device", "cpu"])
         out = capsys.readouterr().out

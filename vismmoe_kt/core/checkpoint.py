@@ -31,8 +31,9 @@ SINGLE_FILE = "model.safetensors"
 LayoutFix = Callable[[str, torch.Tensor, torch.Size], torch.Tensor]
 # a model tensor's name -> the checkpoint tensors it is assembled from (ModelAdapter.checkpoint_sources)
 Sources = Callable[[str], "tuple[tuple[str, ...], ...] | None"]
-# a model tensor's name -> the name a checkpoint stores it under, where it differs (ModelAdapter.checkpoint_name)
-Renames = Callable[[str], "str | None"]
+# a model tensor's name -> the name (or the candidate names, first found wins) a checkpoint stores it under,
+# where it differs (ModelAdapter.checkpoint_name)
+Renames = Callable[[str], "str | tuple[str, ...] | None"]
 
 
 def _shard_map(model_dir: Path) -> dict[str, Path]:
@@ -93,7 +94,8 @@ class CheckpointReader:
         if name in self._shards:
             return name
         renamed = self.renames(name) if self.renames is not None else None
-        return renamed if renamed is not None and renamed in self._shards else None
+        candidates = (renamed,) if isinstance(renamed, str) else renamed or ()
+        return next((candidate for candidate in candidates if candidate in self._shards), None)
 
     def _parts(self, name: str) -> tuple[tuple[str, ...], ...] | None:
         """The stored tensors a tensor the checkpoint lacks is assembled from (all present), else None."""

@@ -153,16 +153,17 @@ def load(
     start = time.perf_counter()
     model_dir = Path(model_path)
     config, adapter = read_model_config(model_dir)
+    layout_fix = lambda name, tensor, shape: adapter.to_model_layout(name, tensor, shape, config)  # noqa: E731
     device = default_device or overrides.get("generate_device") or pick_default_device()
     if mmproj_path is not None and gguf_path is None:
         raise LoadError("--mmproj_path holds the vision tower of a GGUF model: give --gguf_path too")
     if gguf_path is not None:
         reader = GgufCheckpointReader(model_dir, gguf_path, adapter.gguf_names, dtype=parse_dtype(dtype),
-                                      layout_fix=adapter.to_model_layout, default_device=device,
+                                      layout_fix=layout_fix, default_device=device,
                                       mmproj_path=mmproj_path,
                                       mmproj_source=lambda name: adapter.mmproj_source(name, config))
     else:
-        reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=adapter.to_model_layout,
+        reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=layout_fix,
                                   default_device=device,
                                   sources=lambda name: adapter.checkpoint_sources(name, config),
                                   renames=lambda name: adapter.checkpoint_name(name, config))

@@ -46,7 +46,8 @@ class TinySpec:
     vision_heads: int = 2
     max_image_pixels: int = 448 * 448
     tie_embeddings: bool = False
-    family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py, deepseek_ocr2 in tiny_dsocr2.py
+    family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py, deepseek_ocr2 in tiny_dsocr2.py,
+    # kimi_k25 in tiny_kimi.py
 
 
 SPECS: dict[str, TinySpec] = {
@@ -73,6 +74,9 @@ SPECS: dict[str, TinySpec] = {
     # without renormalisation, scaled; 1-D RoPE; SAM + encoder vision at a quarter of its pixel sizes)
     "tiny-dsocr2-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48,
                                  family="deepseek_ocr2"),
+    # Kimi K2.5 at toy widths (DeepSeek-V3's text model: MLA attention, layer 0 dense, then MoE layers with a
+    # shared expert; sigmoid routing with a correction bias over 4 expert groups; 1-D RoPE; MoonViT vision)
+    "tiny-kimi-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48, family="kimi_k25"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
@@ -142,6 +146,10 @@ def build_tiny_model(spec: TinySpec | str, seed: int = 0):
         from .tiny_dsocr2 import build_tiny_dsocr2
 
         return build_tiny_dsocr2(spec, seed)
+    if spec.family == "kimi_k25":
+        from .tiny_kimi import build_tiny_kimi
+
+        return build_tiny_kimi(spec, seed)
     processor = build_processor(spec)
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ the SAM output is 16x16 per global view and 12x12 per tile, and the vision encod
 
 from __future__ import annotations
 
-import torch
+from .tiny_glm import random_model
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = (EOS, BOS, "<image>", "<|User|>", "<|Assistant|>")
@@ -89,10 +89,4 @@ def build_tiny_dsocr2(spec, seed: int = 0):
     from transformers import DeepseekOcr2ForConditionalGeneration
 
     processor = build_processor(spec)
-    config = build_config(spec, processor.tokenizer)
-    torch.manual_seed(seed)
-    model = DeepseekOcr2ForConditionalGeneration(config).eval()
-    text = config.text_config
-    model.generation_config.eos_token_id = text.eos_token_id
-    model.generation_config.pad_token_id = text.pad_token_id
-    return model, processor
+    return random_model(DeepseekOcr2ForConditionalGeneration, build_config(spec, processor.tokenizer), seed), processor

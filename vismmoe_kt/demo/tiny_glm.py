@@ -82,20 +82,26 @@ def build_config(spec, tokenizer):
     )
 
 
-def build_tiny_glm(spec, seed: int = 0):
-    """`(model, processor)`: a random fp32 GLM-4.5V in eval mode and its processor."""
-    from transformers import Glm4vMoeForConditionalGeneration
-
-    processor = build_processor(spec)
-    config = build_config(spec, processor.tokenizer)
+def random_model(model_class, config, seed: int):
+    """A random fp32 model in eval mode from `config`, deterministic from `seed`; every sigmoid router's
+    `e_score_correction_bias` drawn at BIAS_STD (transformers makes them zero, which would pass a loader
+    that never reads them); generation stops at the text config's end tokens."""
     torch.manual_seed(seed)
-    model = Glm4vMoeForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * BIAS_STD)
     text = config.text_config
-    model.generation_config.eos_token_id = list(text.eos_token_id)
+    model.generation_config.eos_token_id = text.eos_token_id
     model.generation_config.pad_token_id = text.pad_token_id
-    return model, processor
+    return model
+
+
+def build_tiny_glm(spec, seed: int = 0):
+    """`(model, processor)`: a random fp32 GLM-4.5V in eval mode and its processor."""
+    from transformers import Glm4vMoeForConditionalGeneration
+
+    processor = build_processor(spec)
+    return random_model(Glm4vMoeForConditionalGeneration, build_config(spec, processor.tokenizer), seed), processor

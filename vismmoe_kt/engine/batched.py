@@ -180,9 +180,9 @@ class BatchRunner:
         self.model, self.engine, self.capacity = model, engine, capacity
         adapter, text = engine.adapter, engine.text
         config, weight = text.config, adapter.token_embedding(text).weight
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = SlotKVCache(len(adapter.layers_of(text)), max_batch, config.num_key_value_heads, head_dim,
-                                 capacity, weight.dtype, weight.device)
+        heads, key_dim, value_dim = adapter.kv_cache_shape(config)
+        self.cache = SlotKVCache(len(adapter.layers_of(text)), max_batch, heads, key_dim, capacity, weight.dtype,
+                                 weight.device, value_dim)
         self.routing = engine.context.routing if engine.context.routing is not None \
             and engine.context.routing.replaces else None
         if self.routing is not None:  # a table per slot, read by the batched step's routers

@@ -51,12 +51,13 @@ def continuation(model: Any, adapter: ModelAdapter, inputs: dict[str, torch.Tens
     if len(images) == held_images:
         return part  # text only: positions continue from the cached length plus the held rope offset
     rows = sum(k.patches() for k in images[:held_images])
-    types = inputs["mm_token_type_ids"]
     # M-RoPE positions of a new image depend on everything before it: take them from the whole prompt
     positions, deltas = adapter.rope_index(model, inputs)
     adapter.set_rope_delta(model, deltas)
     part.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=inputs["image_grid_thw"][held_images:],
-                mm_token_type_ids=types[:, start:], position_ids=positions[:, :, start:])
+                position_ids=positions[:, :, start:])
+    if "mm_token_type_ids" in inputs:  # M-RoPE families' processors give them (Kimi K2.5's does not)
+        part["mm_token_type_ids"] = inputs["mm_token_type_ids"][:, start:]
     return part
 
 

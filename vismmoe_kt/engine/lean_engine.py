@@ -187,16 +187,15 @@ class LeanEngine:
     def prepare(self, positions: int) -> StaticKVCache:
         """An empty cache with room for `positions` (the old buffers and graphs when they suffice)."""
         text, adapter = self.text, self.adapter
-        config = text.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weight = adapter.token_embedding(text).weight
-        shape = (len(adapter.layers_of(text)), config.num_key_value_heads, head_dim)
-        if self.cache is None or not self.cache.fits(*shape, positions, weight.dtype, weight.device):
+        heads, key_dim, value_dim = adapter.kv_cache_shape(text.config)
+        shape = (len(adapter.layers_of(text)), heads, key_dim)
+        if self.cache is None or not self.cache.fits(*shape, positions, weight.dtype, weight.device, value_dim):
             capacity = -(-positions // CAPACITY_STEP) * CAPACITY_STEP
             if self.step is not None:
                 self.retired_steps.append(self.step.stats())
             self.cache = self.step = None  # free the old buffers before making larger ones
-            self.cache = StaticKVCache(*shape, capacity, weight.dtype, weight.device)
+            self.cache = StaticKVCache(*shape, capacity, weight.dtype, weight.device, value_dim)
             routing = self.context.routing
             if routing is not None:  # the table's buffers are read by the captured steps: sized with the cache
                 routing.reserve(capacity, weight.device, weight.dtype)

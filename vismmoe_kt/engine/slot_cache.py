@@ -1,6 +1,7 @@
 """SlotKVCache: keys and values of several sequences at once, one slot each (continuous batching).
 
-Shapes: L decoder layers, S slots, B sequences in a step, Hkv key/value heads, C capacity, D head dim.
+Shapes: L decoder layers, S slots, B sequences in a step, Hkv key/value heads, C capacity, D head dim (Dv
+the values', D unless the model says otherwise, as in StaticKVCache).
 
 Each layer owns (S, Hkv, C, D) buffers made once, and a length per (layer, slot): a slot holds one
 sequence (scheduler.py decides which), and after VisDecoder prunes visual tokens a sequence's later
@@ -40,12 +41,13 @@ class SlotKVCache:
     is_compileable = False  # transformers' mask helpers must not treat this as its StaticCache
 
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, value_dim: int | None = None):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a slot cache needs at least one slot and one position, got {slots} x {capacity}")
         shape = (slots + 1, kv_heads, capacity, head_dim)  # the last slot: padding rows of a captured step
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        value_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         self.capacity, self.device = capacity, torch.device(device)
         self.host_lengths = [[0] * slots for _ in range(layers)]
         self.lengths = torch.zeros(layers, slots + 1, dtype=torch.long, device=device)  # device mirror, for decode

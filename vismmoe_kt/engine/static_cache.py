@@ -1,6 +1,8 @@
 """StaticKVCache: every layer's keys and values in buffers allocated once, with per-layer lengths.
 
-Shapes: L decoder layers, B = 1, Hkv key/value heads, C capacity (positions), D head dim.
+Shapes: L decoder layers, B = 1, Hkv key/value heads, C capacity (positions), D head dim (Dv the values',
+D unless the model says otherwise: latent attention caches a key and a "value" of different widths,
+models/kimi_k25.py).
 
 transformers' DynamicCache concatenates at every step, so each decode step allocates buffers that grow
 with the sequence, and CUDA graphs cannot replay it. Here each layer owns (1, Hkv, C, D) buffers made
@@ -29,12 +31,13 @@ class StaticKVCache:
     is_compileable = False  # transformers' mask helpers must not treat this as its StaticCache
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, value_dim: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         shape = (1, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        value_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         self.capacity, self.dtype, self.device = capacity, dtype, torch.device(device)
         self.host_lengths = [0] * layers
         self.lengths = torch.zeros(layers, dtype=torch.long, device=device)  # device mirror, for decode
@@ -45,10 +48,12 @@ class StaticKVCache:
     def num_layers(self) -> int:
         return len(self.keys)
 
-    def fits(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device) -> bool:
-        k = self.keys[0]
-        return (self.num_layers, k.shape[1], k.shape[3], k.dtype, k.device) == (
-            layers, kv_heads, head_dim, dtype, torch.device(device)) and self.capacity >= capacity
+    def fits(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device,
+             value_dim: int | None = None) -> bool:
+        k, v = self.keys[0], self.values[0]
+        return (self.num_layers, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device) == (
+            layers, kv_heads, head_dim, head_dim if value_dim is None else value_dim, dtype,
+            torch.device(device)) and self.capacity >= capacity
 
     def reset(self) -> None:
         """Empty every layer (the buffers stay: a new request reuses them)."""

@@ -59,8 +59,9 @@ class ModelAdapter:
         """Instantiate the model from its config (the loader calls this under meta-device init)."""
         return self.model_class()._from_config(config)
 
-    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size) -> torch.Tensor:
-        """Turn a stored tensor whose shape differs from the parameter into the model's layout."""
+    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size, config: Any = None) -> torch.Tensor:
+        """Turn a stored tensor whose shape differs from the parameter into the model's layout (`config`: the
+        model's, where the layout depends on it)."""
         return tensor
 
     def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
@@ -70,10 +71,11 @@ class ModelAdapter:
         the checkpoint must hold `name` itself."""
         return None
 
-    def checkpoint_name(self, name: str, config: Any) -> str | None:
+    def checkpoint_name(self, name: str, config: Any) -> str | tuple[str, ...] | None:
         """The name a checkpoint stores the model's tensor `name` under where it is not `name` (a family
-        whose published checkpoints keep their original layout, which transformers renames on load);
-        None where the checkpoint uses the model's names."""
+        whose published checkpoints keep their original layout, which transformers renames on load), or
+        several candidates, the first the checkpoint holds wins; None where the checkpoint uses the
+        model's names."""
         return None
 
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
@@ -106,6 +108,15 @@ class ModelAdapter:
 
     def moe_shape(self, config: Any) -> MoEShape:
         raise NotImplementedError
+
+    def kv_cache_shape(self, config: Any) -> tuple[int, int, int]:
+        """(heads, key width, value width) of what one decoder layer's attention writes to its KV cache per
+        position (`past_key_values.update(keys, values, layer)`): the engine's static and slot caches are
+        made in this shape. Standard attention: its key/value heads and head dim; latent attention (MLA)
+        caches something else (models/kimi_k25.py)."""
+        text = self.text_config(config)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return int(text.num_key_value_heads), int(head_dim), int(head_dim)
 
     def context_length(self, config: Any) -> int:
         return self.text_config(config).max_position_embeddings

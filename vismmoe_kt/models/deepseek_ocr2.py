@@ -26,14 +26,11 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (DeepseekOcr2Processor,
                                                                         DeepseekOcr2ProcessorKwargs)
 
-from ..errors import LoadError
-from .base import MoEShape
-from .transformers_layout import TransformersLayout
+from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, TransformersLayout,
+                                 pretrained_tokenizer_and_image_processor)
 from .glm4v_moe import hand_text_model_image_mask
 from .qwen3_vl_moe import _read_chat_template
 
-_TEXT = "model.language_model."
-_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 # the model's names -> the published checkpoint's (what `save_pretrained` writes too): the reverse of
 # transformers' conversion mapping for deepseek_ocr2 (conversion_mapping.py), first match wins
 _STORED = tuple((re.compile(pattern), stored) for pattern, stored in (
@@ -74,22 +71,13 @@ class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
         return BatchFeature(data=dict(self.tokenizer(text, **output_kwargs["text_kwargs"])), tensor_type=return_tensors)
 
 
-class DeepseekOcr2Adapter(TransformersLayout):
+class DeepseekOcr2Adapter(OneDimensionalRope, DeepseekMoeConfig, TransformersLayout):
     model_types = ("deepseek_ocr2",)
 
     def model_class(self) -> type[nn.Module]:
         from transformers import DeepseekOcr2ForConditionalGeneration
 
         return DeepseekOcr2ForConditionalGeneration
-
-    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
-        match = _FUSED.match(name)
-        if match is None:
-            return None
-        key, count = match["key"], int(self.text_config(config).n_routed_experts)
-        if match["tensor"] == "gate_up_proj":
-            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
-        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
 
     def checkpoint_name(self, name: str, config: Any) -> str | None:
         """DeepSeek-OCR-2's checkpoints keep the original layout (`model.layers.N`, `model.sam_model`,
@@ -100,18 +88,10 @@ class DeepseekOcr2Adapter(TransformersLayout):
                 return renamed
         return None
 
-    def experts_key(self, layer: int) -> str:
-        return f"{_TEXT}layers.{layer}.mlp.experts"
-
     def load_processor(self, model_dir: Path) -> DeepseekOcr2ImageTextProcessor:
-        from transformers import AutoTokenizer
         from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            image_processor = DeepseekOcr2ImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+        tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, DeepseekOcr2ImageProcessorPil)
         saved = model_dir / "processor_config.json"
         options = json.loads(saved.read_text()) if saved.is_file() else {}
         return DeepseekOcr2ImageTextProcessor(image_processor, tokenizer,
@@ -123,18 +103,6 @@ class DeepseekOcr2Adapter(TransformersLayout):
     def moe_layers_from_config(self, config: Any) -> list[int]:
         text = self.text_config(config)  # the rule DeepseekOcr2TextDecoderLayer applies
         return [i for i, kind in enumerate(text.mlp_layer_types[:text.num_hidden_layers]) if kind == "sparse"]
-
-    def moe_shape(self, config: Any) -> MoEShape:
-        text = self.text_config(config)
-        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
-                        tuple(self.moe_layers_from_config(config)))
-
-    # --- the model's parts -------------------------------------------------------------------
-    def position_rows(self) -> int:
-        return 1  # plain 1-D RoPE
-
-    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
 
     # The router is softmax -> top-k without renormalisation, times routed_scaling_factor: `fused_router`
     # stays None (the decode step calls the module); its probabilities are the base class's softmax.
@@ -150,12 +118,6 @@ class DeepseekOcr2Adapter(TransformersLayout):
 
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         return vision_tower.vision_encoder.layers[-1].self_attn
-
-    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """1-D RoPE: positions are the token indices, with no offset."""
-        ids = inputs["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
-        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
 
     def install_hooks(self, model: nn.Module) -> None:
         """DeepseekOcr2Model hands its text model no `visual_pos_masks`: hand it the image-token mask. Its

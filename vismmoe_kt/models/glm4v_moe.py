@@ -17,7 +17,6 @@ where our text model's forward needs it.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,11 @@ from torch import nn
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from ..errors import LoadError
-from .base import ModelAdapter, MoEShape
-from .transformers_layout import TransformersLayout
+from .base import ModelAdapter
+from .transformers_layout import (DeepseekMoeConfig, SigmoidRouting, TransformersLayout,
+                                 pretrained_tokenizer_and_image_processor)
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
-_TEXT = "model.language_model."
-_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
 
 
 def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module) -> None:
@@ -71,7 +68,7 @@ class Glm4vImageTextProcessor(Glm4vProcessor):
         self.video_start_id, self.video_end_id = ids("<|begin_of_video|>"), ids("<|end_of_video|>")
 
 
-class Glm4vMoeAdapter(TransformersLayout):
+class Glm4vMoeAdapter(DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("glm4v_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -79,50 +76,11 @@ class Glm4vMoeAdapter(TransformersLayout):
 
         return Glm4vMoeForConditionalGeneration
 
-    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
-        match = _FUSED.match(name)
-        if match is None:
-            return None
-        key, count = match["key"], int(self.text_config(config).n_routed_experts)
-        if match["tensor"] == "gate_up_proj":
-            return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
-        return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
-
-    def experts_key(self, layer: int) -> str:
-        return f"{_TEXT}layers.{layer}.mlp.experts"
-
     def load_processor(self, model_dir: Path) -> Glm4vImageTextProcessor:
-        from transformers import AutoTokenizer
         from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            image_processor = Glm4vImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
+        tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, Glm4vImageProcessorPil)
         return Glm4vImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
-
-    # --- config ------------------------------------------------------------------------------
-    def moe_layers_from_config(self, config: Any) -> list[int]:
-        text = self.text_config(config)  # the rule Glm4vMoeTextDecoderLayer applies
-        return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
-
-    def moe_shape(self, config: Any) -> MoEShape:
-        text = self.text_config(config)
-        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
-                        tuple(self.moe_layers_from_config(config)))
-
-    # --- routing -----------------------------------------------------------------------------
-    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
-        return router_logits.float().sigmoid()  # the scores the router ranks experts by (before its bias)
-
-    def routing_weights(self, config: Any, probabilities: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The chosen scores, renormalised where `norm_topk_prob`, times `routed_scaling_factor`."""
-        text = self.text_config(config)
-        weights = probabilities.gather(-1, ids)
-        if text.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        return weights * float(text.routed_scaling_factor)
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:

@@ -20,9 +20,8 @@ from torch import nn
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from ..errors import LoadError
 from .base import MmprojSource, MoEShape
-from .transformers_layout import TransformersLayout
+from .transformers_layout import TransformersLayout, pretrained_tokenizer_and_image_processor
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _TEXT = "model.language_model."
@@ -104,13 +103,10 @@ class Qwen3VLMoeAdapter(TransformersLayout):
 
         return Qwen3VLMoeForConditionalGeneration
 
-    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size) -> torch.Tensor:
+    def to_model_layout(self, name: str, tensor: torch.Tensor, expected: torch.Size, config: Any = None) -> torch.Tensor:
         if name.endswith(_EXPERT_TENSORS) and tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected:
             return tensor.transpose(1, 2).contiguous()
         return tensor
-
-    def experts_key(self, layer: int) -> str:
-        return f"{_TEXT}layers.{layer}.mlp.experts"
 
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
         if name == "lm_head.weight":
@@ -157,16 +153,10 @@ class Qwen3VLMoeAdapter(TransformersLayout):
         return MmprojSource((mapped,)) if mapped else None
 
     def load_processor(self, model_dir: Path) -> Qwen3VLImageTextProcessor:
-        from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-            image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
-        template = _read_chat_template(model_dir, tokenizer)
-        return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=template)
+        tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, Qwen2VLImageProcessorPil)
+        return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
 
     # --- config ------------------------------------------------------------------------------
     def moe_layers_from_config(self, config: Any) -> list[int]:

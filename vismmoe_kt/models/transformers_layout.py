@@ -5,16 +5,50 @@ with `layers`, `embed_tokens`, `norm` and `rotary_emb`; decoder layers with `sel
 `input_layernorm`, `post_attention_layernorm` and an `mlp` that, in MoE layers, holds `gate`, `experts`
 and (where the family has them) `shared_experts`; routers that return (logits, top-k weights, top-k
 ids); RMSNorms with `variance_epsilon`. A family adapter derives from this and overrides what differs.
+The mixins below hold what several families share beyond the layout: DeepSeek-MoE's config names
+(`DeepseekMoeConfig`), plain 1-D RoPE (`OneDimensionalRope`), sigmoid routers (`SigmoidRouting`).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import ModelAdapter
+from ..errors import LoadError
+from .base import ModelAdapter, MoEShape
+
+_FUSED = re.compile(r"^(?P<key>.*\.mlp\.experts)\.(?P<tensor>gate_up_proj|down_proj)$")
+
+
+def fused_experts_sources(name: str, count: int) -> tuple[tuple[str, ...], ...] | None:
+    """`checkpoint_sources` for checkpoints that store the routed experts one by one
+    (`experts.N.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I): what `save_pretrained` writes for
+    GLM-4.5V, DeepSeek-OCR-2 and Kimi K2.5, and their published checkpoints): fused gate_up from each
+    expert's gate and up, fused down from each expert's down."""
+    match = _FUSED.match(name)
+    if match is None:
+        return None
+    key = match["key"]
+    if match["tensor"] == "gate_up_proj":
+        return tuple((f"{key}.{e}.gate_proj.weight", f"{key}.{e}.up_proj.weight") for e in range(count))
+    return tuple((f"{key}.{e}.down_proj.weight",) for e in range(count))
+
+
+
+def pretrained_tokenizer_and_image_processor(model_dir: Path, image_processor_class: type) -> tuple[Any, Any]:
+    """A model directory's tokenizer and image processor (of the family's PIL class), offline; a LoadError
+    that names the directory where either is missing or unreadable."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return tokenizer, image_processor_class.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{model_dir}: cannot load the tokenizer or image processor ({exc})") from None
 
 
 class TransformersLayout(ModelAdapter):
@@ -27,6 +61,9 @@ class TransformersLayout(ModelAdapter):
 
     def output_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head
+
+    def experts_key(self, layer: int) -> str:
+        return f"model.language_model.layers.{layer}.mlp.experts"
 
     def layers_of(self, text: nn.Module) -> nn.ModuleList:
         return text.layers
@@ -79,3 +116,55 @@ class TransformersLayout(ModelAdapter):
 
     def image_token_id(self, config: Any) -> int | None:
         return getattr(config, "image_token_id", None)
+
+
+class OneDimensionalRope:
+    """Adapter methods for a text model with plain 1-D RoPE (DeepSeek-OCR-2, Kimi K2.5): one row of
+    position ids, which are the token indices with no offset (images do not shorten positions)."""
+
+    def position_rows(self) -> int:
+        return 1
+
+    def rotary(self, text: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return text.rotary_emb(hidden, position_ids[0] if position_ids.ndim == 3 else position_ids)
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = inputs["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
+        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+
+
+class SigmoidRouting:
+    """Adapter methods for DeepSeek-V3-style sigmoid routers (GLM-4.5V, Kimi K2.5): an fp32
+    `e_score_correction_bias` added for the choice only, grouped top-k, renormalised, scaled. The decode
+    step calls the module (`fused_router` stays None); the probabilities an offload cache ranks experts by
+    are the sigmoid scores, before the bias."""
+
+    def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
+        return router_logits.float().sigmoid()
+
+    def routing_weights(self, config: Any, probabilities: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen scores, renormalised where `norm_topk_prob`, times `routed_scaling_factor`."""
+        text = self.text_config(config)
+        weights = probabilities.gather(-1, ids)
+        if text.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights * float(text.routed_scaling_factor)
+
+
+class DeepseekMoeConfig:
+    """Adapter methods for text configs in DeepSeek-MoE's names (GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5):
+    `n_routed_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` a token, the first
+    `first_k_dense_replace` layers dense; checkpoints store the experts one by one."""
+
+    def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
+        return fused_experts_sources(name, int(self.text_config(config).n_routed_experts))
+
+    def moe_layers_from_config(self, config: Any) -> list[int]:
+        text = self.text_config(config)  # the rule the decoder layers apply
+        return [i for i in range(text.num_hidden_layers) if i >= text.first_k_dense_replace and text.n_routed_experts > 0]
+
+    def moe_shape(self, config: Any) -> MoEShape:
+        text = self.text_config(config)
+        return MoEShape(text.n_routed_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size,
+                        tuple(self.moe_layers_from_config(config)))
