@@ -92,10 +92,14 @@ def model_worker(rank, world, port, model_dir, out_dir, overrides=None):
         diff = max((model(**inputs).logits - expected).abs().max().item() for _ in range(2))  # EPLB re-places between
     local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
     pending = sum(getattr(m, "pending_move", None) is not None for m in model.modules())
+    # the tables a captured decode step reads sit beside the weights and follow every re-placement
+    placed = all(torch.equal(m.local_experts_placed.cpu(), m.local_experts) and torch.equal(m.expert_rank_placed.cpu(), m.expert_rank)
+                 and m.local_experts_placed.device == m.local_gate_up.device
+                 for m in model.modules() if hasattr(m, "local_experts_placed"))
     from vismmoe_kt.core.stats import collect_stats
 
     stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
-    torch.save({"diff": diff, "local": local, "pending": pending, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"diff": diff, "local": local, "pending": pending, "stats": stats, "placed": placed}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -106,6 +110,7 @@ def test_ep_rule_file_on_the_tiny_model(tiny_dir, tmp_path):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] <= 1e-5
         assert result["local"] == 4 * 16 // world  # each rank holds half of every layer's experts
+        assert result["placed"]
 
 
 @pytest.mark.parametrize("overlapped", [False, True])
@@ -119,6 +124,7 @@ def test_eplb_mode_re_places_experts_and_stays_exact(tiny_dir, tmp_path, overlap
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["diff"] <= 1e-5
         assert result["local"] > 4 * 16 // world  # after re-placement each rank also holds copies of hot experts
+        assert result["placed"]  # the fixed exchange's tables moved with the experts
         assert result["stats"]["eplb_moves"] == 4 * 2  # 4 layers, a move after each of the 2 steps
         assert result["pending"] == (4 if overlapped else 0)  # overlapped: the second step's moves still under way
 

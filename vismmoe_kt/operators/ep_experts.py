@@ -94,6 +94,7 @@ class ExpertParallelExperts(BaseInjectedModule):
                 for name in (gate_up, down)}
         self.local_gate_up = full[gate_up][self.local_experts].to(device).contiguous()
         self.local_down = full[down][self.local_experts].to(device).contiguous()
+        self._place_tables()
         for name in (gate_up, down):
             del experts._parameters[name]
         if self.backend == "fp8" and self.mode not in ("bf16", "eplb"):  # eplb moves weights: never switches
@@ -143,6 +144,15 @@ class ExpertParallelExperts(BaseInjectedModule):
         self.local_experts = torch.tensor(sorted(moved), dtype=torch.long)
         self.local_gate_up = torch.stack([moved[e][:split].view(gate_up_shape) for e in self.local_experts.tolist()])
         self.local_down = torch.stack([moved[e][split:].view(down_shape) for e in self.local_experts.tolist()])
+        self._place_tables()
+
+    def _place_tables(self) -> None:
+        """The placement tables beside the weights, for the fixed-size exchange: a captured decode step may
+        not copy a host tensor to the GPU (CUDA graphs refuse unpinned host copies), so they are placed
+        here, whenever the placement changes, never inside a step."""
+        device = self.local_gate_up.device
+        self.local_experts_placed = self.local_experts.to(device)
+        self.expert_rank_placed = self.expert_rank.to(device)
 
     def _fixed_exchange(self, rows: int) -> bool:
         """Whether a decode step of at most `rows` rows a rank exchanges fixed-size buffers: no precision
@@ -169,7 +179,7 @@ class ExpertParallelExperts(BaseInjectedModule):
                 return torch.zeros_like(hidden_states)
             self.fixed_passes += 1
             return ep_forward_static(hidden_states, top_k_index, top_k_weights, self.local_gate_up, self.local_down,
-                                     self.local_experts, self.expert_rank, self.act, rows, timer=self.timer)
+                                     self.local_experts_placed, self.expert_rank_placed, self.act, rows, timer=self.timer)
         holders = None
         if self.mode == "eplb":
             from ..parallel.replication import holders_tensor

@@ -27,7 +27,8 @@ class ComputeTimer:
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
-        if not self.enabled:
+        # a CUDA graph's capture cannot record timing events (and its replays would not fill them)
+        if not self.enabled or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             yield
             return
         if self.device.type == "cuda":
