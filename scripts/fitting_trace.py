@@ -17,13 +17,13 @@ from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 def main() -> None:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("out")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top_k", type=int, default=8)
+    parser.add_argument("out", help="trace file to write (.safetensors)")
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers")
+    parser.add_argument("--experts", type=int, default=128, help="routed experts per layer")
+    parser.add_argument("--top_k", type=int, default=8, help="experts each token is routed to")
     parser.add_argument("--working_set", type=int, default=32, help="experts each layer routes among")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens in the trace")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the working sets and the routing")
     args = parser.parse_args()
     if not args.top_k <= args.working_set <= args.experts:
         parser.error("need --top_k <= --working_set <= --experts")

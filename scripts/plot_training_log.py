@@ -25,9 +25,11 @@ def read_stage(spec: str) -> list[tuple[int, float]]:
 
 def main():
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--title", default="demo model training loss (answer tokens + router aux loss), 20-step means")
-    parser.add_argument("logs", nargs="+")
+    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--title", default="demo model training loss (answer tokens + router aux loss), 20-step means",
+                        help="the plot's title")
+    parser.add_argument("logs", nargs="+", metavar="LOG[:LAST_STEP]",
+                        help="training logs, one per stage in order; :LAST_STEP cuts a stage there")
     args = parser.parse_args()
     series, offset = {}, 0
     for number, spec in enumerate(args.logs, 1):

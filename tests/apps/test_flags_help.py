@@ -3,7 +3,9 @@ accepted too, defaults shown (#26)."""
 
 import argparse
 import importlib
+import importlib.util
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +88,64 @@ def test_measurement_modules_use_the_same_parser(name):
     assert "argparse.ArgumentParser(" not in text
     if "add_argument(" in text:
         assert "FlagParser(" in text
+
+
+MEASURE = [f"vismmoe_kt.apps.measure.{m.name}" for m in pkgutil.iter_modules(measure.__path__)]
+SCRIPTS = sorted(Path(__file__).resolve().parents[2].joinpath("scripts").glob("*.py"))
+STANDALONE = [name for name in MEASURE if "add_argument(" in open(importlib.util.find_spec(name).origin).read()]
+STANDALONE += [str(p) for p in SCRIPTS if "add_argument(" in p.read_text(encoding="utf-8")]
+STANDALONE += ["vismmoe_kt.demo.synthetic_gguf"]  # `python -m` too
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        super().__init__()
+        self.parser = parser
+
+
+def standalone_parser(name, monkeypatch):
+    """The parser a measurement module's or script's main() builds, caught at its parse_args (nothing runs)."""
+    if name.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"_script_{Path(name).stem}", name)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(name)
+
+    def caught(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(arguments.FlagParser, "parse_args", caught)
+    monkeypatch.setattr(arguments.FlagParser, "parse_known_args", caught)
+    with pytest.raises(_Parsed) as parsed:
+        module.main()
+    return parsed.value.parser
+
+
+def test_the_standalone_commands_are_found():
+    assert len(STANDALONE) >= 20 and "vismmoe_kt.apps.measure.decode_bench" in STANDALONE
+    assert any(name.endswith("train_demo_model.py") for name in STANDALONE)
+
+
+@pytest.mark.parametrize("name", STANDALONE, ids=[Path(n).name if n.endswith(".py") else n.rsplit(".", 1)[1]
+                                                   for n in STANDALONE])
+def test_every_flag_of_the_measurement_modules_and_scripts_has_help(name, monkeypatch):
+    """`python -m vismmoe_kt.apps.measure.X` and `python scripts/X.py`: help for every flag and argument,
+    underscores in the help, both spellings parsed (#26)."""
+    parser = standalone_parser(name, monkeypatch)
+    assert isinstance(parser, arguments.FlagParser)
+    missing = sorted(a.option_strings[-1] for a in flag_actions(parser) if not (a.help or "").strip())
+    missing += [a.dest for a in parser._actions if not a.option_strings and not (a.help or "").strip()]
+    assert missing == [], f"{name}: no help for {missing}"
+    for action in flag_actions(parser):
+        for option in [o for o in action.option_strings if o.startswith("--")]:
+            assert "-" not in option[2:], f"{name}: the help spells {option} with a hyphen"
+            assert parser._option_string_actions[arguments.hyphened(option)] is action, option
+
+
+def test_a_default_of_zero_is_shown():
+    parser = arguments.FlagParser(prog="x")
+    parser.add_argument("--seed", type=int, default=0, help="seed")
+    parser.add_argument("--flag", action="store_true", help="a switch")
+    text = " ".join(parser.format_help().split())
+    assert "seed (default: 0)" in text and "(default: False)" not in text

@@ -17,7 +17,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text.lower():
+        empty = action.default is None or action.default is False or action.default == [] \
+            or action.default is argparse.SUPPRESS  # by identity: a default of 0 (== False) is shown
+        if empty or "default" in text.lower():
             return text
         return super()._get_help_string(action)
 

@@ -17,7 +17,6 @@ layers in Q4_K (about 17 GB) take a minute on a GPU host; on a CPU, quantizing t
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -108,16 +107,18 @@ def write_synthetic_gguf(out_dir: str | Path, model: str = "qwen3-vl-30b-a3b", l
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
+    from vismmoe_kt.apps.arguments import FlagParser
+
+    parser = FlagParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", help="checkpoint directory to write (GGUF file, vision tower, config)")
     # the GGUF layout (llama.cpp's tensor names) is Qwen3-VL-MoE's only: its adapter is the one that maps them
     parser.add_argument("--model", default="qwen3-vl-30b-a3b",
-                        choices=[n for n, m in SYNTHETIC_MODELS.items() if m["family"] == "qwen3_vl_moe"])
+                        choices=[n for n, m in SYNTHETIC_MODELS.items() if m["family"] == "qwen3_vl_moe"],
+                        help="the synthetic model whose shapes are written (random weights)")
     parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
-    parser.add_argument("--qtype", default="Q4_K", choices=WRITABLE, help="the experts' GGUF type (default Q4_K)")
-    parser.add_argument("--rest", default="Q8_0", choices=WRITABLE, help="the other text matrices' type (default Q8_0)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--qtype", default="Q4_K", choices=WRITABLE, help="the experts' GGUF type")
+    parser.add_argument("--rest", default="Q8_0", choices=WRITABLE, help="the other text matrices' type")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     info = write_synthetic_gguf(args.out_dir, args.model, args.layers, args.qtype, args.rest, args.seed)
     print(f"wrote {info['gguf_file']} ({info['gguf_bytes'] / 2**30:.2f} GiB, experts {args.qtype}, rest {args.rest}) "

@@ -30,13 +30,16 @@ from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 def main():
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="tiny-6x64")
-    parser.add_argument("--synthetic-layers", type=int)
-    parser.add_argument("--budget-layers", type=float, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True, help="directory for anchor_depth.json")
+    parser.add_argument("--model", default="tiny-6x64", help="tiny random model to build (a vismmoe_kt.demo.tiny spec)")
+    parser.add_argument("--synthetic-layers", type=int,
+                        help="instead of --model: N layers of Qwen3-VL-30B-A3B shapes, random weights")
+    parser.add_argument("--budget-layers", type=float, default=3,
+                        help="expert budget, in layers' worth of expert weights")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per timed run")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per depth after one warm-up (median reported)")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                        help="where prefill and decode run (default: cuda:0 when there is a GPU, else cpu)")
     args = parser.parse_args()
     common = dict(generate_device=args.device, prefill_device=args.device, miss_policy="wait", keep_ratio=0.5, progress=False)
     if args.synthetic_layers:

@@ -53,11 +53,13 @@ def load_model(args):
 
 def main():
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="tiny-6x64")
-    parser.add_argument("--synthetic-layers", type=int)
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--out", required=True, help="directory for compression_study.json and expert_heatmap.png")
+    parser.add_argument("--model", default="tiny-6x64", help="tiny random model to build (a vismmoe_kt.demo.tiny spec)")
+    parser.add_argument("--synthetic-layers", type=int,
+                        help="instead of --model: N layers of Qwen3-VL-30B-A3B shapes, random weights")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                        help="where prefill runs (default: cuda:0 when there is a GPU, else cpu)")
+    parser.add_argument("--image-size", type=int, default=448, help="square test image size, in pixels")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,8 @@ def median_ms(fn, repeats=20):
 
 def main():
     parser = FlagParser()
-    parser.add_argument("--threads", type=int, default=16)
-    parser.add_argument("--out")
+    parser.add_argument("--threads", type=int, default=16, help="torch and kt-kernel CPU threads")
+    parser.add_argument("--out", help="also write the results as JSON to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     big = torch.empty(2 * 2**30, dtype=torch.uint8)

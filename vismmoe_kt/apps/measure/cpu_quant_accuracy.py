@@ -62,9 +62,10 @@ def run(dtype: str, layers: int, ids: torch.Tensor, threads: int | None, store: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out", required=True,
+                        help="directory for cpu_quant_accuracy.json (store_quant_accuracy.json with --store)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers kept of the synthetic model's 48")
+    parser.add_argument("--tokens", type=int, default=64, help="random prompt tokens compared")
     parser.add_argument("--threads", type=int, help="kt-kernel workers (default: physical cores - 2)")
     parser.add_argument("--store", action="store_true", help="the offload host store's formats instead of kt-kernel's")
     args = parser.parse_args(argv)

@@ -307,7 +307,7 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
 
 def main() -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="directory for decode_kernel_bench*.json")
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
     parser.add_argument("--batch", action="store_true", help="a batched step's resident experts (see above)")
     parser.add_argument("--quantized", action="store_true",

@@ -88,10 +88,10 @@ def calibrate(args, out: Path) -> dict:
 
 def main():
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--limit", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True, help="directory for one JSON per run, summary.json and summary.md")
+    parser.add_argument("--split", default="test", help="VQA split evaluated (`vismmoe-kt eval --split`)")
+    parser.add_argument("--limit", type=int, default=200, help="questions per run")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (`--cpu_infer` of each run)")
     parser.add_argument("--calibrate", type=int, default=0, metavar="N", help="also calibrate a predictor on N requests")
     parser.add_argument("--only", choices=["compression", "precision"], help="run one study")
     args = parser.parse_args()

@@ -148,9 +148,10 @@ def belady_decode_hit_rate(sequence: list[tuple], slabs: int) -> float:
 
 def main() -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--slabs", type=int, default=1692)
-    parser.add_argument("--requests", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--slabs", type=int, default=1692,
+                        help="slabs shared by the 47 offloaded layers (1692: a 16 GiB budget)")
+    parser.add_argument("--requests", type=int, default=3, help="synthetic requests (request i routes with seed i)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="decoded tokens per request")
     parser.add_argument("--out", help="also write eviction_study.json here")
     args = parser.parse_args()
     sequence = access_sequence(args.requests, args.decode_tokens, router_events=True)

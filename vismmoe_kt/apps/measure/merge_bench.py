@@ -18,7 +18,7 @@ from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("out")
+    parser.add_argument("out", help="directory for the merged bench.json and bench.png")
     parser.add_argument("parts", nargs="+", help="bench.json files")
     args = parser.parse_args(argv)
     metas, rows = [], []

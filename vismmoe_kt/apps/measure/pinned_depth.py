@@ -147,24 +147,28 @@ def report(choice, budget: int, layer_bytes: int) -> None:
 def parser() -> argparse.ArgumentParser:
     p = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     p.add_argument("--budget", nargs="+", required=True, help="expert budgets, e.g. 16GiB 32GiB")
-    p.add_argument("--layers", type=int, default=LAYERS)
-    p.add_argument("--experts", type=int, default=EXPERTS)
-    p.add_argument("--top-k", type=int, default=TOP_K)
-    p.add_argument("--expert-bytes", type=int, default=EXPERT_BYTES)
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers with experts")
+    p.add_argument("--experts", type=int, default=EXPERTS, help="routed experts per layer")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="experts each token is routed to")
+    p.add_argument("--expert-bytes", type=int, default=EXPERT_BYTES, help="bytes of one expert's weights")
     p.add_argument("--min-pinned", type=int, default=1, help="L_semantic of Eq. 10 (the rule's min_pinned_layers)")
     p.add_argument("--c-safe", help="C_safe of Eq. 10 (default: one layer of experts, as the runtime)")
     p.add_argument("--measured", nargs="*", default=[], help="measurement JSON files (see above)")
-    p.add_argument("--zero-copy-gbps", type=float)
-    p.add_argument("--copy-gbps", type=float)
+    p.add_argument("--zero-copy-gbps", type=float,
+                   help="GB/s of reading experts from host memory zero-copy (default: --measured, else the H200's)")
+    p.add_argument("--copy-gbps", type=float,
+                   help="GB/s of the copy engine, host to GPU (default: --measured, else the H200's)")
     p.add_argument("--layer-ms", type=float, help="compute per layer and decode token")
     p.add_argument("--offload-overhead-us", type=float, help="extra per offloaded layer and decode token")
     p.add_argument("--lookahead", type=int, default=0, help="0: misses read when their layer runs (today's decode); "
                                                              "W: prefetched W layers ahead")
     p.add_argument("--recall", type=float, default=1.0, help="with --lookahead: the fraction of misses known ahead")
-    p.add_argument("--tolerance", type=float, default=0.02)
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="depths predicted within this fraction of the fastest count as equal (the deepest wins)")
     p.add_argument("--trace", help="a routing trace to take hit rates from instead of synthetic routing")
-    p.add_argument("--requests", type=int, default=REQUESTS)
-    p.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    p.add_argument("--requests", type=int, default=REQUESTS, help="synthetic requests (seeds) for the hit-rate curve")
+    p.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
+                   help="decode tokens counted per synthetic request")
     p.add_argument("--out", help="also write pinned_depth.json here")
     p.add_argument("--write-curve", help="write the hit-rate curve used to this JSON file")
     return p

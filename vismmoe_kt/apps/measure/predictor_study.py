@@ -94,11 +94,12 @@ def by_position(model, data: Samples, tokens: int, buckets=((0, 1), (1, 8), (8, 
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--predictor", help="evaluate this predictor file (calibrate synthetic's) instead of training one")
-    parser.add_argument("--train-requests", type=int, default=SYNTHETIC_DEFAULTS["requests"])
-    parser.add_argument("--valid-requests", type=int, default=SYNTHETIC_DEFAULTS["valid_requests"])
-    parser.add_argument("--test-requests", type=int, default=24)
+    parser.add_argument("--train-requests", type=int, default=SYNTHETIC_DEFAULTS["requests"], help="training requests")
+    parser.add_argument("--valid-requests", type=int, default=SYNTHETIC_DEFAULTS["valid_requests"],
+                        help="validation requests (early stopping)")
+    parser.add_argument("--test-requests", type=int, default=24, help="held-out requests the Hot Recall is measured on")
     parser.add_argument("--tokens", type=int, default=SYNTHETIC_DEFAULTS["tokens"], help="decode tokens per request")
-    parser.add_argument("--epochs", type=int, default=SYNTHETIC_DEFAULTS["epochs"])
+    parser.add_argument("--epochs", type=int, default=SYNTHETIC_DEFAULTS["epochs"], help="at most this many training epochs")
     parser.add_argument("--device", default="cpu", help="where to train")
     parser.add_argument("--ablations", default="", help=f"comma-separated, of: {', '.join(ABLATIONS)}")
     parser.add_argument("--out", help="also write predictor_study.json here")

@@ -30,10 +30,10 @@ CONFIGS = {"bf16": {"mode": "bf16"}, "fp4-all": {"mode": "all"},
 
 def main():
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="tiny-6x64")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--out", required=True, help="directory for realb_accuracy.json")
+    parser.add_argument("--model", default="tiny-6x64", help="tiny random model to build (a vismmoe_kt.demo.tiny spec)")
+    parser.add_argument("--requests", type=int, default=8, help="synthetic image requests compared")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens decoded per request for the agreement share")
     args = parser.parse_args()
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / args.model, args.model)
     cpu = dict(generate_device="cpu", prefill_device="cpu", progress=False)

@@ -292,10 +292,10 @@ def run_sigterm(server: Server) -> dict:
 
 def main() -> int:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--concurrency", type=int, default=50)
-    parser.add_argument("--disconnects", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="directory for server_faults.json")
+    parser.add_argument("--concurrency", type=int, default=50, help="concurrent streaming requests of the load phase")
+    parser.add_argument("--disconnects", type=int, default=40, help="raw-socket clients of the disconnect phase")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the disconnect moments")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
