@@ -94,7 +94,6 @@ MEASURE = [f"vismmoe_kt.apps.measure.{m.name}" for m in pkgutil.iter_modules(mea
 SCRIPTS = sorted(Path(__file__).resolve().parents[2].joinpath("scripts").glob("*.py"))
 STANDALONE = [name for name in MEASURE if "add_argument(" in open(importlib.util.find_spec(name).origin).read()]
 STANDALONE += [str(p) for p in SCRIPTS if "add_argument(" in p.read_text(encoding="utf-8")]
-STANDALONE += ["vismmoe_kt.demo.synthetic_gguf"]  # `python -m` too
 
 
 class _Parsed(Exception):

@@ -107,9 +107,9 @@ def write_synthetic_gguf(out_dir: str | Path, model: str = "qwen3-vl-30b-a3b", l
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vismmoe_kt.apps.arguments import FlagParser
+    import argparse  # plain argparse: demo/ sits below apps/, whose FlagParser it may not import
 
-    parser = FlagParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="checkpoint directory to write (GGUF file, vision tower, config)")
     # the GGUF layout (llama.cpp's tensor names) is Qwen3-VL-MoE's only: its adapter is the one that maps them
     parser.add_argument("--model", default="qwen3-vl-30b-a3b",
