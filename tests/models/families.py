@@ -20,6 +20,9 @@ class Family:
     heavy_image: tuple[int, int]  # the operator cases': mostly visual tokens, so a small LB gate opens
     vision_saliency: str | None = None  # the vision tower's module name, where the adapter reads its attention
     moe_layers: int = 3        # of 4: layer 0 is dense in every tiny model here
+    realb_in_decode: bool = True  # the ReaLB rule's operator runs in decode (ERNIE's is on the vision experts)
+    ep_sees_image_rows: bool = True  # image tokens reach the experts the -ep rule spreads (ERNIE's: text experts only)
+    kt_kernel_inter: int = 64  # the experts' width in the kt-kernel case (multiples of 32 for every expert set)
 
 
 FAMILIES = {
@@ -27,6 +30,10 @@ FAMILIES = {
     # wider than a tile (192 px): a global view and local tiles
     "deepseek-ocr2": Family("tiny-dsocr2-4x16", "deepseek-ocr2", (320, 256), (320, 256)),
     "kimi-k25": Family("tiny-kimi-4x16", "kimi-k25", (160, 128), (224, 224)),
+    # modality-separated experts: image tokens route to each layer's vision experts (VisionExperts, their own
+    # runtime; ReaLB's rule puts its operator there only)
+    "ernie45vl": Family("tiny-ernie-4x16", "ernie45vl", (160, 128), (448, 448), vision_saliency="^model\\.vision_tower$",
+                        realb_in_decode=False, ep_sees_image_rows=False, kt_kernel_inter=96),
 }
 
 

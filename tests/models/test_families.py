@@ -30,8 +30,9 @@ def case(request, tmp_path_factory):
 
 def test_structure_of_the_tiny_model(case):
     """The adapter finds the parts: layer 0 dense (no router, no shared experts), the others MoE layers with
-    the router `mlp.gate` (none of these families' is the fused softmax-top-k-renormalise one: the module
-    routes), fused experts of the spec's shape and shared experts."""
+    the router beside their (primary) experts, `mlp.gate` (ERNIE's text experts': `mlp.text_moe.gate`; none
+    of these families' is the fused softmax-top-k-renormalise one: the module routes), fused experts of the
+    spec's shape and shared experts."""
     family, _, ref, _, _ = case
     adapter = adapter_for(ref.config.model_type)
     spec, layers = SPECS[family.spec], adapter.decoder_layers(ref)
@@ -39,11 +40,14 @@ def test_structure_of_the_tiny_model(case):
     assert adapter.moe_layers_from_config(ref.config) == moe
     assert [i for i, layer in enumerate(layers) if adapter.experts(layer) is not None] == moe
     assert adapter.shared_experts(layers[0]) is None and adapter.router(layers[0]) is None
-    layer = layers[moe[0]]
-    assert adapter.router(layer) is layer.mlp.gate and adapter.shared_experts(layer) is layer.mlp.shared_experts
-    assert adapter.fused_router(layer.mlp.gate) is None
+    layer, modules = layers[moe[0]], dict(ref.named_modules())
+    key = adapter.experts_key(moe[0])  # the experts' module, whose sibling `gate` routes to them
+    assert key.startswith(f"model.language_model.layers.{moe[0]}.mlp.") and key.endswith(".experts")
+    assert modules[key] is adapter.experts(layer) and adapter.expert_set(key) is None
+    assert adapter.router(layer) is modules[key.removesuffix("experts") + "gate"]
+    assert adapter.shared_experts(layer) is layer.mlp.shared_experts
+    assert adapter.fused_router(adapter.router(layer)) is None
     assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
-    assert adapter.experts_key(moe[0]) == f"model.language_model.layers.{moe[0]}.mlp.experts"
     shape = adapter.moe_shape(ref.config)
     assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter, shape.moe_layers) == (
         spec.experts, spec.top_k, spec.hidden, spec.moe_intermediate, tuple(moe))

@@ -7,6 +7,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     decode            DecodeOptions: our decode path or transformers' loop, CUDA graphs (engine options,
                       set by `load(..., decode=, graphs=)` or the CLI; not a rule kwarg)
     offload_runtime   the OffloadRuntime every VisExperts of the model uses (the first one makes it)
+    expert_set_runtimes  a second expert set's runtime by name (VisionExperts: ERNIE-4.5-VL's vision experts)
     cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
     cpu_threads       its worker count (`load(..., cpu_infer=N)` or `--cpu_infer`; None: physical
                       cores - 2, runtime/cpu/threads.py)
@@ -77,6 +78,7 @@ class PruningState:
 class LoadContext:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     offload_runtime: Any = None      # runtime.offload.OffloadRuntime
+    expert_set_runtimes: dict[str, Any] = field(default_factory=dict)  # a second expert set's (VisionExperts)
     cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
     cpu_threads: int | None = None
     model_device: str | None = None  # where the loader puts modules by default (None under upstream's loop)

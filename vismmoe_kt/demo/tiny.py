@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .byte_tokenizer import byte_level_tokenizer
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
 
@@ -47,7 +49,7 @@ class TinySpec:
     max_image_pixels: int = 448 * 448
     tie_embeddings: bool = False
     family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py, deepseek_ocr2 in tiny_dsocr2.py,
-    # kimi_k25 in tiny_kimi.py
+    # kimi_k25 in tiny_kimi.py, ernie4_5_vl_moe in tiny_ernie.py
 
 
 SPECS: dict[str, TinySpec] = {
@@ -77,21 +79,17 @@ SPECS: dict[str, TinySpec] = {
     # Kimi K2.5 at toy widths (DeepSeek-V3's text model: MLA attention, layer 0 dense, then MoE layers with a
     # shared expert; sigmoid routing with a correction bias over 4 expert groups; 1-D RoPE; MoonViT vision)
     "tiny-kimi-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48, family="kimi_k25"),
+    # ERNIE-4.5-VL at toy widths (layer 0 dense, then MoE layers with text experts, narrower vision experts that
+    # image tokens route to, and a shared expert; softmax routing with a correction bias; M-RoPE)
+    "tiny-ernie-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48,
+                                family="ernie4_5_vl_moe"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
 
 
 def build_tokenizer():
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_chars = bytes_to_unicode()  # byte -> printable char, the byte-level BPE alphabet
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                          unk_token="<|endoftext|>", additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    return byte_level_tokenizer(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>")
 
 
 def build_processor(spec: TinySpec):
@@ -150,6 +148,10 @@ def build_tiny_model(spec: TinySpec | str, seed: int = 0):
         from .tiny_kimi import build_tiny_kimi
 
         return build_tiny_kimi(spec, seed)
+    if spec.family == "ernie4_5_vl_moe":
+        from .tiny_ernie import build_tiny_ernie
+
+        return build_tiny_ernie(spec, seed)
     processor = build_processor(spec)
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)

@@ -12,6 +12,7 @@ the SAM output is 16x16 per global view and 12x12 per tile, and the vision encod
 
 from __future__ import annotations
 
+from .byte_tokenizer import byte_level_tokenizer
 from .tiny_glm import random_model
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -29,15 +30,7 @@ GLOBAL_PIXELS, TILE_PIXELS, SAM_PATCH, DOWNSAMPLE = 256, 192, 4, 4
 
 
 def build_tokenizer():
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_chars = bytes_to_unicode()  # byte -> printable char, the byte-level BPE alphabet
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS, pad_token=EOS, unk_token=EOS, bos_token=BOS,
-                          additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    return byte_level_tokenizer(SPECIAL_TOKENS, eos=EOS, pad=EOS, bos=BOS)
 
 
 def build_processor(spec):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .byte_tokenizer import byte_level_tokenizer
+
 SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                   "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                   "<|video|>")
@@ -28,15 +30,7 @@ BIAS_STD = 0.1  # the router's e_score_correction_bias, against sigmoid scores i
 
 
 def build_tokenizer():
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_chars = bytes_to_unicode()  # byte -> printable char, the byte-level BPE alphabet
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                          unk_token="<|endoftext|>", additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    return byte_level_tokenizer(SPECIAL_TOKENS, eos="<|endoftext|>", pad="<|endoftext|>")
 
 
 def build_processor(spec):

@@ -14,6 +14,7 @@ visual tokens.
 
 from __future__ import annotations
 
+from .byte_tokenizer import byte_level_tokenizer
 from .tiny_glm import random_model
 
 SPECIAL_TOKENS = ("[EOS]", "[BOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
@@ -32,15 +33,7 @@ PATCH, MERGE, MAX_SIDE = 14, 2, 16  # MAX_SIDE: patches per side at most (the re
 
 
 def build_tokenizer():
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_chars = bytes_to_unicode()  # byte -> printable char, the byte-level BPE alphabet
-    vocab = {byte_chars[b]: b for b in range(256)}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="[EOS]", unk_token="[EOS]",
-                          bos_token="[BOS]", additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    return byte_level_tokenizer(SPECIAL_TOKENS, eos="<|im_end|>", pad="[EOS]", bos="[BOS]")
 
 
 def build_processor(spec):

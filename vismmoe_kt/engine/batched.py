@@ -39,7 +39,7 @@ from .generation import _eos_ids, continuation, next_token
 from .graphs import State
 from .lean_engine import ImageKeys, decode_engine, image_keys, may_continue, reusable_prefix
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
-from .prefill_group import GROUPABLE_INPUTS, group_inputs, padding_token
+from .prefill_group import family_per_token_inputs, group_inputs, groupable, padding_token
 from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status
 from .slot_cache import SlotKVCache
 
@@ -240,7 +240,7 @@ class BatchRunner:
         stops = self.eos if request.min_new_tokens == 0 else frozenset()
         sequence = Sequence(prompt.shape[1], request.max_new_tokens, stops)
         sequence.preferred_block, sequence.cached = self._reusable_slot(request)
-        sequence.solo_prefill = not set(request.inputs.keys()) <= GROUPABLE_INPUTS
+        sequence.solo_prefill = not groupable(request.inputs, self.engine.adapter)
         request.history = self.held.get(sequence.preferred_block)  # what it expects to find there
         request.sequence = self.scheduler.add(sequence)
         self.requests[request.sequence.id] = request
@@ -388,7 +388,8 @@ class BatchRunner:
             self.held.pop(slot, None)  # a fresh prompt: whatever the slot held goes
             if self.routing is not None:
                 self.routing.begin(request.inputs["input_ids"], request.max_new_tokens, slot=slot)
-        inputs = group_inputs([r.inputs for r in requests], pad_id=padding_token(model, adapter))
+        inputs = group_inputs([r.inputs for r in requests], pad_id=padding_token(model, adapter),
+                              per_token=family_per_token_inputs(adapter))
         view = self.cache.rows_view(slots, lengths)
         adapter.set_rope_delta(model, None)  # the prompts' own M-RoPE positions
         parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
@@ -399,7 +400,8 @@ class BatchRunner:
             hidden = self.text_forward(inputs_embeds=parts["inputs_embeds"], position_ids=parts["position_ids"],
                                        past_key_values=view, use_cache=True,
                                        visual_pos_masks=parts["visual_pos_masks"],
-                                       deepstack_visual_embeds=parts["deepstack_visual_embeds"]).last_hidden_state
+                                       deepstack_visual_embeds=parts["deepstack_visual_embeds"],
+                                       **self.text_forward.modality_of(parts)).last_hidden_state
         finally:
             if self.routing is not None:
                 self.routing.end_slot_prefill()

@@ -56,8 +56,9 @@ def continuation(model: Any, adapter: ModelAdapter, inputs: dict[str, torch.Tens
     adapter.set_rope_delta(model, deltas)
     part.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=inputs["image_grid_thw"][held_images:],
                 position_ids=positions[:, :, start:])
-    if "mm_token_type_ids" in inputs:  # M-RoPE families' processors give them (Kimi K2.5's does not)
-        part["mm_token_type_ids"] = inputs["mm_token_type_ids"][:, start:]
+    for name in ("mm_token_type_ids", adapter.modality_argument()):  # M-RoPE families' processors give the first
+        if name in inputs:  # (Kimi K2.5's does not); a modality-separated family's experts need the second
+            part[name] = inputs[name][:, start:]
     return part
 
 

@@ -70,11 +70,15 @@ class TextForward:
         self.counters = CompressionStats()
         self._capture: dict[str, Any] | None = None  # prefill_parts: what the model's forward hands us
         self._routes: dict[int, torch.Tensor] = {}
+        # a modality-separated family's modality argument (models/base.py) and this forward's visual rows
+        # in it: image tokens route through their own router, which sees those rows only
+        self._modality = adapter.modality_argument()
+        self._modality_rows: torch.Tensor | None = None
         self._recording = False
         self._llm_saliency: torch.Tensor | None = None
         context.pruning.active = settings.active
         for index, layer in enumerate(self.layers):
-            router = adapter.router(layer)
+            router = adapter.visual_router(layer) or adapter.router(layer)  # where visual tokens are routed
             if router is not None:
                 router.register_forward_hook(self._route_hook(index))
 
@@ -82,7 +86,13 @@ class TextForward:
     def _route_hook(self, index: int):
         def hook(module, args, output):
             if self._recording:
-                self._routes[index] = self.adapter.routed_experts(output)  # (tokens, K) routed expert ids
+                chosen = self.adapter.routed_experts(output)  # (rows, K) routed expert ids
+                rows = self._modality_rows
+                if rows is not None:  # a visual router's rows: the modality's non-text tokens, in order
+                    full = torch.zeros(rows.numel(), chosen.shape[1], dtype=chosen.dtype, device=chosen.device)
+                    full[rows.to(chosen.device)] = chosen
+                    chosen = full
+                self._routes[index] = chosen  # (tokens, K)
         return hook
 
     def _prune_at(self) -> int:
@@ -131,9 +141,10 @@ class TextForward:
         text, adapter, context = self.text, self.adapter, self.context
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        modality = kwargs.get(self._modality) if self._modality else None
         if self._capture is not None:  # prefill_parts: keep the inputs, run nothing
             self._capture.update(inputs_embeds=inputs_embeds, position_ids=position_ids, visual_pos_masks=visual_pos_masks,
-                                 deepstack_visual_embeds=deepstack_visual_embeds)
+                                 deepstack_visual_embeds=deepstack_visual_embeds, modality=modality)
             return MoeModelOutputWithPast(last_hidden_state=inputs_embeds[:, -1:], past_key_values=past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=text.config)
@@ -176,6 +187,8 @@ class TextForward:
         prune_at = self._prune_at() if prune else None
         self._routes.clear()
         self._recording = prune
+        self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and \
+            any(self.adapter.visual_router(layer) is not None for layer in self.layers) else None
         keep = full = None
         masks: dict[tuple[int, int], torch.Tensor | None] = {}
         implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL
@@ -195,6 +208,8 @@ class TextForward:
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
                 context.token_is_visual = visual_pos_masks.reshape(-1)
+                if modality is not None:  # the kept tokens' modalities, for the layers' expert sets
+                    modality = kwargs[self._modality] = modality[:, keep]
                 # the kept tokens' vision-tower embeddings, as the predictor's training traces record
                 # them (not the hidden states at this layer)
                 self._visual_summary(inputs_embeds[:, keep], visual_pos_masks)
@@ -210,6 +225,7 @@ class TextForward:
             if deepstack_visual_embeds is not None and index < len(deepstack_visual_embeds):
                 hidden = adapter.add_deepstack(text, hidden, visual_pos_masks, deepstack_visual_embeds[index])
         self._recording = False
+        self._modality_rows = None
         norm = adapter.final_norm(text)
         hidden = norm(hidden)
         if keep is not None:  # give pruned positions their prefix state so the output keeps its length
@@ -255,7 +271,13 @@ class TextForward:
         return self(inputs_embeds=parts["inputs_embeds"][:, start:end],
                     position_ids=positions[..., start:end] if positions is not None else None,
                     past_key_values=past_key_values, use_cache=True, visual_pos_masks=visual,
-                    deepstack_visual_embeds=deepstack).last_hidden_state
+                    deepstack_visual_embeds=deepstack, **self.modality_of(parts, start, end)).last_hidden_state
+
+    def modality_of(self, parts: dict[str, Any], start: int = 0, end: int | None = None) -> dict[str, Any]:
+        """The keyword argument with positions [start, end) of the experts' modality that `prefill_parts`
+        captured (a modality-separated family's), or nothing."""
+        modality = parts.get("modality")
+        return {self._modality: modality[:, start:end]} if modality is not None else {}
 
     def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor) -> None:
         """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""

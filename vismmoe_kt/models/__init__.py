@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     "glm4v_moe": "vismmoe_kt.models.glm4v_moe:Glm4vMoeAdapter",
     "deepseek_ocr2": "vismmoe_kt.models.deepseek_ocr2:DeepseekOcr2Adapter",
     "kimi_k25": "vismmoe_kt.models.kimi_k25:KimiK25Adapter",
+    "ernie4_5_vl_moe": "vismmoe_kt.models.ernie4_5_vl_moe:Ernie45VLMoeAdapter",
 }
 
 

@@ -32,6 +32,10 @@ class MmprojSource:
     stack_dim: int | None = None
 
 
+# `expert_set` of a modality-separated MoE layer's experts that only image tokens route to
+VISION_SET = "vision"
+
+
 @dataclass(frozen=True)
 class MoEShape:
     """What the offload runtime and the CPU backends need to know of a model's experts."""
@@ -174,6 +178,27 @@ class ModelAdapter:
     def shared_experts(self, layer: nn.Module) -> nn.Module | None:
         """The MoE layer's shared experts (a dense MLP every token runs, added to the routed experts'
         output); None where the family has none or the layer is not an MoE layer."""
+        return None
+
+    def expert_set(self, module_name: str) -> str | None:
+        """The expert set an experts module belongs to: None for the layer's primary set (the one `router`,
+        `experts` and `moe_shape` describe, which decode uses), a name for a second set of a
+        modality-separated MoE layer (ERNIE-4.5-VL's "vision" experts, which only image tokens reach)."""
+        return None
+
+    def expert_set_shape(self, config: Any, expert_set: str) -> MoEShape:
+        """`moe_shape` of a second expert set (`expert_set`)."""
+        raise ValueError(f"{type(self).__name__} has one expert set per MoE layer, not {expert_set!r}")
+
+    def visual_router(self, layer: nn.Module) -> nn.Module | None:
+        """Where image tokens are routed in a modality-separated MoE layer (their own router, which sees the
+        rows of the modality argument's non-text tokens, in order); None where `router` routes every token."""
+        return None
+
+    def modality_argument(self) -> str | None:
+        """The keyword argument by which the model hands its text model and decoder layers each token's
+        modality for the experts (ERNIE-4.5-VL's `moe_mm_token_type_ids`, (B, T), 0 for text), which our
+        text model slices with the tokens it keeps; None where the family has none."""
         return None
 
     def expert_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

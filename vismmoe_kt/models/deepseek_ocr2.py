@@ -26,7 +26,7 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (DeepseekOcr2Processor,
                                                                         DeepseekOcr2ProcessorKwargs)
 
-from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, TransformersLayout,
+from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 from .glm4v_moe import hand_text_model_image_mask
 from .qwen3_vl_moe import _read_chat_template
@@ -141,12 +141,4 @@ class DeepseekOcr2Adapter(OneDimensionalRope, DeepseekMoeConfig, TransformersLay
         layer (no q/k norms, rotary over the whole head)."""
         from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import apply_rotary_pos_emb
 
-        shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(hidden).view(shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention where kv heads < heads
-        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
-        return probs.mean(dim=1)[0, 0, positions]
+        return gqa_last_token_attention(attn, hidden, position_embeddings, positions, apply_rotary_pos_emb)

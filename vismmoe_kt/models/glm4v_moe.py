@@ -18,7 +18,6 @@ where our text model's forward needs it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from .base import ModelAdapter
-from .transformers_layout import (DeepseekMoeConfig, SigmoidRouting, TransformersLayout,
+from .transformers_layout import (DeepseekMoeConfig, MropeVision, SigmoidRouting, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
@@ -68,7 +67,7 @@ class Glm4vImageTextProcessor(Glm4vProcessor):
         self.video_start_id, self.video_end_id = ids("<|begin_of_video|>"), ids("<|end_of_video|>")
 
 
-class Glm4vMoeAdapter(DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
+class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("glm4v_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -85,22 +84,6 @@ class Glm4vMoeAdapter(DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
-
-    def vision_merge_size(self, config: Any) -> int:
-        return int(config.vision_config.spatial_merge_size)
-
-    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
-        return vision_tower.blocks[-1].attn
-
-    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                          image_grid_thw=inputs.get("image_grid_thw"))
-
-    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
-        return model.model.rope_deltas
-
-    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
-        model.model.rope_deltas = delta
 
     def install_hooks(self, model: nn.Module) -> None:
         """Glm4vMoeModel hands its text model no `visual_pos_masks`: where our text model's forward runs
@@ -123,12 +106,4 @@ class Glm4vMoeAdapter(DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
         q/k norms; rotary on the leading part of each head, which `apply_rotary_pos_emb` handles)."""
         from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb
 
-        shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(hidden).view(shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention
-        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
-        return probs.mean(dim=1)[0, 0, positions]
+        return gqa_last_token_attention(attn, hidden, position_embeddings, positions, apply_rotary_pos_emb)

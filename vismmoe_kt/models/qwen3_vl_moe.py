@@ -21,7 +21,8 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from .base import MmprojSource, MoEShape
-from .transformers_layout import TransformersLayout, pretrained_tokenizer_and_image_processor
+from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
+                                 pretrained_tokenizer_and_image_processor)
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _TEXT = "model.language_model."
@@ -95,7 +96,7 @@ def _read_chat_template(model_dir: Path, tokenizer: Any) -> str | None:
     return getattr(tokenizer, "chat_template", None)
 
 
-class Qwen3VLMoeAdapter(TransformersLayout):
+class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
     model_types = ("qwen3_vl_moe",)
 
     def model_class(self) -> type[nn.Module]:
@@ -182,22 +183,6 @@ class Qwen3VLMoeAdapter(TransformersLayout):
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
 
-    def vision_merge_size(self, config: Any) -> int:
-        return int(config.vision_config.spatial_merge_size)
-
-    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
-        return vision_tower.blocks[-1].attn
-
-    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                          image_grid_thw=inputs.get("image_grid_thw"))
-
-    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
-        return model.model.rope_deltas
-
-    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
-        model.model.rope_deltas = delta
-
     def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:
         return text._deepstack_process(hidden, visual_mask, embeds)
@@ -216,12 +201,4 @@ class Qwen3VLMoeAdapter(TransformersLayout):
         (`hidden` is that layer's input after its input norm; batch 1)."""
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb
 
-        shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        q = attn.q_norm(attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention
-        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
-        return probs.mean(dim=1)[0, 0, positions]
+        return gqa_last_token_attention(attn, hidden, position_embeddings, positions, apply_rotary_pos_emb, qk_norm=True)

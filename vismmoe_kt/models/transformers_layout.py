@@ -6,7 +6,8 @@ with `layers`, `embed_tokens`, `norm` and `rotary_emb`; decoder layers with `sel
 and (where the family has them) `shared_experts`; routers that return (logits, top-k weights, top-k
 ids); RMSNorms with `variance_epsilon`. A family adapter derives from this and overrides what differs.
 The mixins below hold what several families share beyond the layout: DeepSeek-MoE's config names
-(`DeepseekMoeConfig`), plain 1-D RoPE (`OneDimensionalRope`), sigmoid routers (`SigmoidRouting`).
+(`DeepseekMoeConfig`), plain 1-D RoPE (`OneDimensionalRope`), Qwen-VL's M-RoPE and ViT (`MropeVision`),
+sigmoid routers (`SigmoidRouting`); `gqa_last_token_attention` reads a grouped-query attention layer.
 """
 
 from __future__ import annotations
@@ -132,6 +133,49 @@ class OneDimensionalRope:
         ids = inputs["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(1, ids.shape[0], -1)
         return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+
+
+class MropeVision:
+    """Adapter methods for the Qwen-VL vision line (Qwen3-VL-MoE, GLM-4.5V, ERNIE-4.5-VL): a ViT whose
+    `blocks` end in the attention read for saliency, patches merged `spatial_merge_size`^2 to a token, and
+    M-RoPE positions from the model's own `get_rope_index`, whose per-sequence offset (`rope_deltas`) the
+    model keeps for decode."""
+
+    def vision_merge_size(self, config: Any) -> int:
+        return int(config.vision_config.spatial_merge_size)
+
+    def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
+        return vision_tower.blocks[-1].attn
+
+    def rope_index(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          image_grid_thw=inputs.get("image_grid_thw"))
+
+    def rope_delta(self, model: nn.Module) -> torch.Tensor | None:
+        return model.model.rope_deltas
+
+    def set_rope_delta(self, model: nn.Module, delta: torch.Tensor | None) -> None:
+        model.model.rope_deltas = delta
+
+
+def gqa_last_token_attention(attn: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             positions: torch.Tensor, apply_rotary_pos_emb: Any, qk_norm: bool = False) -> torch.Tensor:
+    """Head-averaged attention of the last token to `positions` in a grouped-query text attention layer
+    with `q_proj`/`k_proj` (`hidden` is that layer's input after its input norm; batch 1), the family's
+    own `apply_rotary_pos_emb` (partial or pre-rotated rotary is its business) and, where `qk_norm`, the
+    per-head `q_norm`/`k_norm` before the rotary."""
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(hidden[:, -1:]).view(1, 1, -1, attn.head_dim)
+    k = attn.k_proj(hidden).view(shape)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+    _, k = apply_rotary_pos_emb(k, k, cos, sin)
+    k = k.repeat_interleave(attn.num_key_value_groups, dim=1)  # grouped-query attention where kv heads < heads
+    probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * attn.scaling, dim=-1)  # (1, heads, 1, S)
+    return probs.mean(dim=1)[0, 0, positions]
 
 
 class SigmoidRouting:

@@ -12,7 +12,8 @@ Per call (one layer, one step):
          own experts call.
 Experts are spread over `ep_size` ranks contiguously (expert e on rank e * R // E); with one device
 the ranks are virtual, their times estimated from their loads. The image-token mask comes from the
-load context (the text model's forward writes it: a VisDecoder rule, compression none is enough).
+load context (the text model's forward writes it: a VisDecoder rule, compression none is enough); a
+modality-separated layer's vision experts (ERNIE-4.5-VL) see image rows only.
 
 Rule kwargs: MixedPrecisionSettings (vismmoe_kt/lb/settings.py).
 """
@@ -30,6 +31,7 @@ from ..lb.fp8_experts import Fp8Experts
 from ..lb.lowprec import ExpertScales, lowprec_pairs
 from ..lb.precision import expert_mlp_fn, resolve_backend
 from ..lb.settings import MODES, MixedPrecisionSettings
+from ..models.base import VISION_SET
 from ..runtime.expert_compute import bank_experts, precision_split_rows
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from
 
@@ -43,7 +45,9 @@ class MixedPrecisionExperts(BaseInjectedModule):
                  generate_device: str = "cuda", **kwargs: Any):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device)
         s = self.settings = settings_from(MixedPrecisionSettings, kwargs, "MixedPrecisionExperts")
-        num_experts = self.adapter.moe_shape(config).num_experts
+        expert_set = self.adapter.expert_set(key)
+        shape = self.adapter.moe_shape(config) if expert_set is None else self.adapter.expert_set_shape(config, expert_set)
+        num_experts = shape.num_experts
         if not 1 <= s.ep_size <= num_experts:
             raise ValueError(f"ep_size must be between 1 and the {num_experts} experts, got {s.ep_size}")
         self.backend = resolve_backend(s.precision_backend, self.generate_device)
@@ -62,6 +66,9 @@ class MixedPrecisionExperts(BaseInjectedModule):
         self.counters = RealbStats()
         self.scales = ExpertScales(num_experts)
         self.fp8: Fp8Experts | None = None  # the fp8 backend's E4M3 copy of the experts (made at load)
+        # a modality-separated layer's vision experts (ERNIE-4.5-VL): only image tokens reach them, so every
+        # row they are handed is visual (the text model's mask covers the whole sequence, not their rows)
+        self.image_rows_only = expert_set == VISION_SET
 
     def load(self) -> None:
         super().load()
@@ -74,6 +81,8 @@ class MixedPrecisionExperts(BaseInjectedModule):
             self.fp8 = Fp8Experts(*self.adapter.expert_weights(self.orig_module))
 
     def _visual_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        if self.image_rows_only:
+            return torch.ones(rows, dtype=torch.bool, device=device)
         mask = self.context.token_is_visual
         if mask is None or mask.numel() != rows:
             return torch.zeros(rows, dtype=torch.bool, device=device)  # no image tokens in sight

@@ -37,13 +37,14 @@ def resolve_store_dtype(operator: "VisExperts", settings: OffloadSettings) -> Of
     return replace(settings, store_dtype=fmt if usable else "model")
 
 
-def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> OffloadRuntime:
-    """The one runtime of this load, made by the first operator; later ones must agree with it."""
+def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set: str | None = None) -> OffloadRuntime:
+    """The one runtime of this load's expert set (the primary one: `context.offload_runtime`), made by the
+    first operator; later ones must agree with it."""
     context, adapter, config = operator.context, operator.adapter, operator.config
-    runtime = context.offload_runtime
+    runtime = context.offload_runtime if expert_set is None else context.expert_set_runtimes.get(expert_set)
     device = operator.generate_device
     if runtime is None:
-        shape = adapter.moe_shape(config)
+        shape = adapter.moe_shape(config) if expert_set is None else adapter.expert_set_shape(config, expert_set)
         text = adapter.text_config(config)
         dtype = getattr(operator.gguf_loader, "dtype", None) or getattr(text, "dtype", None) \
             or getattr(config, "dtype", None) or torch.float32
@@ -60,13 +61,16 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings) -> Offload
                                  getattr(operator.gguf_loader, "model_dir", None),
                                  getattr(operator.gguf_loader, "weight_files", list)(), down_formats)
         runtime.requested_settings = settings  # what the rules said (store_dtype auto before resolving)
+        if expert_set is not None:  # a second set runs in prefills only: no decode table, no step hooks
+            context.expert_set_runtimes[expert_set] = runtime
+            return runtime
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
             # the cache's upkeep between lean decode steps (the steps themselves read the table only)
             context.step_hooks.append((runtime.before_step, runtime.after_step))
             context.graph_variants.append(runtime.graph_variant)
     elif runtime.requested_settings != settings or runtime.device != torch.device(device):
-        raise ValueError("every VisExperts rule of a model must use the same runtime kwargs and device")
+        raise ValueError(f"every {type(operator).__name__} rule of a model must use the same runtime kwargs and device")
     return runtime
 
 
@@ -96,12 +100,23 @@ def predictor_policies(settings: OffloadSettings, shape: Any, context: Any, devi
 
 class VisExperts(BaseInjectedModule):
     forwarded_attributes = HF_READ_ATTRIBUTES + ("act_fn",)
+    second_set = False  # serves a layer's primary expert set (VisionExperts: the second one)
 
     def __init__(self, key: str, gguf_loader: Any, config: Any, orig_module: nn.Module,
                  prefill_device: str = "cuda", generate_device: str = "cuda", **kwargs: Any):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device)
         self.layer = self.adapter.layer_of(key)
-        self.runtime = shared_runtime(self, settings_from(OffloadSettings, kwargs, "VisExperts"))
+        expert_set = self.adapter.expert_set(key)
+        name = type(self).__name__
+        if (expert_set is not None) != self.second_set:
+            other = "VisionExperts" if expert_set is not None else "VisExperts"
+            raise ValueError(f"{key} holds {'the ' + expert_set if expert_set else 'the primary'} experts of its "
+                             f"layer: match it with {other}, not {name}")
+        settings = settings_from(OffloadSettings, kwargs, name)
+        if expert_set is not None and settings.predictor:
+            raise ValueError(f"{name} ({key}): the lookahead predictor serves the decode experts; set predictor: "
+                             "null for a second expert set")
+        self.runtime = shared_runtime(self, settings, expert_set)
         if self.layer not in self.runtime.moe_layers:
             raise ValueError(f"{key} is not an MoE layer of this model")
         self.act = self.adapter.expert_activation(orig_module)
@@ -145,3 +160,17 @@ class VisExperts(BaseInjectedModule):
     def extra_repr(self) -> str:
         where = "pinned" if self.layer in self.runtime.pinned else "offloaded"
         return f"{super().extra_repr()}, layer={self.layer} ({where})"
+
+
+class VisionExperts(VisExperts):
+    """The second expert set of a modality-separated MoE layer (ERNIE-4.5-VL's vision experts), offloaded
+    apart from the decode experts.
+
+    Only image tokens (and their start/end markers) route to these experts, so they run in prefills with
+    images and never in decode. Their own runtime (`context.expert_set_runtimes`), budget and policy keep
+    them from taking the GPU memory the decode experts' slabs need: a small budget streams each prefill's
+    vision experts from the host store through a few slabs, and nothing of theirs stays in the decode
+    step (no decode table, no step hooks, no lookahead predictor). Rule kwargs: OffloadSettings, as
+    VisExperts; every VisionExperts rule of a model must agree."""
+
+    second_set = True
