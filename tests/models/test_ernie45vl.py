@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from vismmoe_kt import load
 from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
+from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.models import adapter_for
 from vismmoe_kt.models.base import VISION_SET
@@ -129,3 +130,66 @@ def test_saved_tiny_model_is_reproducible(tmp_path):
     with safe_open(str(a / "model.safetensors"), framework="pt") as fa, safe_open(str(b / "model.safetensors"), framework="pt") as fb:
         name = "model.layers.2.mlp.experts.20.up_proj.weight"
         assert torch.equal(fa.get_tensor(name), fb.get_tensor(name))
+
+
+@pytest.mark.parametrize("decode", ["lean", "hf"])
+def test_synthetic_routing_reaches_the_text_experts_at_the_text_positions(case, monkeypatch, decode):
+    """The text router sees only the text tokens of an image prompt: `--routing synthetic` gives each of
+    them its own position's row of the table (not the first rows in order), and decode steps the rows
+    after the prompt. The vision experts keep the model's own routing."""
+    from vismmoe_kt.engine.routing_source import install_routing
+    from vismmoe_kt.runtime.offload import OffloadRuntime
+
+    model_dir, ref, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/ernie45vl-offload.yaml", decode=decode, graphs="off", **CPU)
+    text_runtime = model.vismmoe.context.offload_runtime
+    seen, original = [], OffloadRuntime.run_layer
+
+    def spy(self, layer, hidden, top_k_index, top_k_weights, act):
+        if self is text_runtime:
+            seen.append((layer, top_k_index.detach().clone()))
+        return original(self, layer, hidden, top_k_index, top_k_weights, act)
+    monkeypatch.setattr(OffloadRuntime, "run_layer", spy)
+    source = install_routing(model, "synthetic:5")
+    with torch.no_grad():
+        generate(model, inputs, TOKENS)
+    table = source.history[0]["ids"]
+    modality = inputs[adapter_for(ref.config.model_type).modality_argument()][0]
+    text_positions = torch.nonzero(modality == 0, as_tuple=True)[0]
+    prompt = modality.numel()
+    assert 0 < text_positions.numel() < prompt
+    prefill = [(layer, rows) for layer, rows in seen if rows.shape[0] > 1]
+    steps = [(layer, rows) for layer, rows in seen if rows.shape[0] == 1]
+    assert len(prefill) == 3 and len(steps) == 3 * (TOKENS - 1)
+    for index, (layer, rows) in enumerate(prefill):
+        assert torch.equal(rows, table[text_positions, index])
+    for step, (layer, rows) in enumerate(steps):
+        assert torch.equal(rows[0], table[prompt + step // 3, step % 3])
+
+
+def test_synthetic_routing_under_batching_gives_each_request_its_tokens_alone(case):
+    """Prompts prefilled together (right-padded, one forward): the text router's rows are the text tokens
+    of every prompt, each mapped to its own slot's table."""
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+    from vismmoe_kt.engine.routing_source import install_routing
+
+    from conftest import make_image
+
+    model_dir = case[0]
+    model, processor = load(model_dir, "optimize_rules/ernie45vl-offload.yaml", graphs="off", **CPU)
+    routing = install_routing(model, "synthetic:3")
+    # in this order no request alone reuses a cached prefix of the one before (another image, or a held
+    # image the next prompt lacks), which the table of an earlier request would have routed
+    requests = [build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(160, 128, seed=1)]),
+                build_inputs(processor, [user_turn("Two shapes?", 1)], [make_image(96, 64, seed=3)]),
+                build_inputs(processor, [user_turn("Hello there", 0)], [])]
+    budgets = [6, 5, 4]
+    with torch.no_grad():
+        alone = [generate(model, dict(r), n, min_new_tokens=n) for r, n in zip(requests, budgets)]
+        routing.requests, stats = 0, {}  # the same seeds again, in the same order
+        together = generate_batch(model, [dict(r) for r in requests], budgets, max_batch=3,
+                                  min_new_tokens=max(budgets), stats=stats)
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    assert (stats["prefill_groups"], stats["grouped_prompts"]) == (1, 3)

@@ -88,6 +88,7 @@ class RoutingSource:
         self.slot_weights: torch.Tensor | None = None
         self._slot: int | None = None  # the slot whose prefill runs now (None: the single-request table)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # begin_rows: (slot, position) per token
+        self._primary_rows: dict[int, torch.Tensor | None] = {}  # MoE layer index -> its tokens that reach the router
 
     @property
     def replaces(self) -> bool:
@@ -219,14 +220,26 @@ class RoutingSource:
     # --- the prefill (and transformers' decode loop): hooks on the routers ------------------------
     def install(self, model: Any) -> None:
         layers = self.adapter.decoder_layers(model)
+        modality = self.adapter.modality_argument()
         for index, layer in enumerate(self.moe_layers):
             self.adapter.router(layers[layer]).register_forward_hook(self._hook(index))
+            if modality is not None:  # a modality-separated family: the router sees the text tokens only
+                layers[layer].register_forward_pre_hook(self._modality_hook(index, modality), with_kwargs=True)
+
+    def _modality_hook(self, index: int, name: str):
+        """Keeps which of a decoder layer's tokens reach its primary (text) router: those of modality 0
+        in the layer's `name` argument (None: every token, as in decode, where the model passes none)."""
+        def hook(module, args, kwargs):
+            modality = kwargs.get(name)
+            self._primary_rows[index] = modality.reshape(-1) == 0 if modality is not None else None
+        return hook
 
     def _hook(self, index: int):
         def hook(module, args, output):
             chosen = self.adapter.routed_experts(output)
             rows = chosen.shape[0]
-            positions = self._positions(index, rows, chosen.device)
+            primary = self._primary_rows.pop(index, None)
+            positions = self._positions(index, rows, chosen.device, primary)
             self._routed_at[index] = positions
             if self.record:
                 self._recorded.setdefault(index, []).append(chosen.detach().cpu())
@@ -234,6 +247,8 @@ class RoutingSource:
                 return None
             if self._rows is not None:  # prompts prefilled together: each token its own slot's row
                 slots, at = self._rows
+                if primary is not None and primary.numel() == slots.numel():
+                    slots, at = slots[primary.to(slots.device)], at[primary.to(at.device)]
                 if slots.numel() != rows:
                     raise RuntimeError(f"a grouped prefill of {slots.numel()} tokens routed {rows} at layer {index}")
                 return self.adapter.with_routing(output, self.slot_weights[slots, at, index],
@@ -244,16 +259,25 @@ class RoutingSource:
             return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
         return hook
 
-    def _positions(self, index: int, rows: int, device: torch.device) -> torch.Tensor:
+    def _positions(self, index: int, rows: int, device: torch.device, primary: torch.Tensor | None = None) -> torch.Tensor:
+        """The sequence positions of the `rows` tokens MoE layer `index`'s router saw, and the layer's next
+        start moved past this call's tokens. `primary`: which of the layer's tokens reached the router
+        (a modality-separated family's text router sees only the text tokens; None: all of them)."""
         start = self._next[index]
         expected = self._prompt - start if start < self._prompt else 1
+        tokens = primary.numel() if primary is not None else rows  # the tokens the layer ran
         keep = self.context.pruning.keep
-        if rows < expected and keep is not None and keep.numel() == rows:  # a pruned prefill's later layers
+        if tokens < expected and keep is not None and keep.numel() == tokens:  # a pruned prefill's later layers
             positions = keep.to(device) + start
         else:
-            positions = torch.arange(start, start + rows, device=device)
-            expected = rows
+            positions = torch.arange(start, start + tokens, device=device)
+            expected = tokens
         self._next[index] = start + expected
+        if primary is not None:
+            positions = positions[primary.to(device)]
+            if positions.numel() != rows:
+                raise RuntimeError(f"MoE layer {index}'s router saw {rows} tokens, but {positions.numel()} of the "
+                                   f"layer's {tokens} are of its modality")
         return positions
 
     # --- the decode engine: the step's row, on the device ----------------------------------------
