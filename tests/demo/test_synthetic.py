@@ -54,8 +54,25 @@ def test_a_448_px_picture_is_one_global_view(processor):
     assert count_tokens(request, config.image_token_id)[1] == 16 * 16 + 1
 
 
+def test_ernie_4_5_vl_has_its_published_shapes():
+    """ERNIE-4.5-VL-28B-A3B: text experts (decode's) and narrower vision experts in every MoE layer; a 448 px
+    picture is 32 x 32 patches merged 2 x 2, and its tokens with their start/end markers are the vision set's."""
+    processor = synthetic_processor("ernie-4.5-vl-28b-a3b")
+    config = synthetic_config("ernie-4.5-vl-28b-a3b", processor.tokenizer)
+    adapter = adapter_for(config.model_type)
+    text, vision = adapter.moe_shape(config), adapter.expert_set_shape(config, "vision")
+    assert (text.num_experts, text.top_k, text.hidden, text.inter) == (64, 6, 2560, 1536)
+    assert vision.inter == 512 and text.moe_layers == vision.moe_layers == tuple(range(1, 28))
+    meta = _build_on_meta(adapter, config)
+    assert 29.3e9 < sum(p.numel() for p in meta.parameters()) < 29.8e9  # 29.4B published, + the untied head
+    assert routed_expert_bytes(config) == 27 * 64 * 3 * 2560 * 1536 * 2  # 40.8 GB of text experts in BF16
+    request = make_request(processor, 448, "cpu")
+    assert count_tokens(request, config.image_token_id)[1] == 16 * 16
+    assert int(request["moe_mm_token_type_ids"].sum()) == 16 * 16 + 2  # and the image's start and end markers
+
+
 @pytest.mark.parametrize("name, kwargs, message", [
-    ("nope", {}, "unknown synthetic model 'nope'; choose one of qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v"),
+    ("nope", {}, "unknown synthetic model 'nope'; choose one of qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v, ernie-4.5-vl-28b-a3b"),
     ("deepseek-ocr2", {"layers": 13}, r"layers must be in \[1, 12\] for deepseek-ocr2"),
     ("qwen3-vl-30b-a3b", {"narrow": True}, "has no narrow variant"),
 ])

@@ -18,6 +18,10 @@ The models (SYNTHETIC_MODELS), each with where its numbers come from:
                     hidden 4096, expert intermediate 1408; 45 x 128 experts of 34.6 MB = 199 GB of
                     BF16 experts: one H200 (141 GB) holds it only as a `layers=N` cut (N <= about 28
                     for all-on-gpu; offloaded configurations also need the host to hold the store)
+  ernie-4.5-vl-28b-a3b  ERNIE-4.5-VL-28B-A3B: 28 layers (layer 0 dense), each MoE layer 64 text experts
+                    (intermediate 1536) + 64 vision experts (512) + 2 shared, top-6, hidden 2560; 27 x 64
+                    text experts of 23.6 MB = 40.8 GB and vision experts of 7.9 MB = 13.6 GB of BF16
+                    (one H200 holds it all; decode reads only the text experts)
 
 Random weights route tokens almost uniformly over the experts: any figure that depends on routing
 (hit rates, prefetch value) is not what a trained model would show (benchmarks use `--routing synthetic`).
@@ -101,7 +105,23 @@ GLM_45V = {
     "vision": dict(depth=24, hidden_size=1536, intermediate_size=13696, num_heads=12, out_hidden_size=4096,
                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, image_size=336),
 }
-SYNTHETIC_MODELS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B, "deepseek-ocr2": DEEPSEEK_OCR2, "glm-4.5v": GLM_45V}
+# ERNIE-4.5-VL-28B-A3B: transformers 5.17's Ernie4_5_VLMoeConfig defaults, which its docstring names
+# baidu/ERNIE-4.5-VL-28B-A3B-PT's (text: 28 layers, the first dense, 64 text + 64 vision experts of 1536 / 512,
+# top-6, 2 shared experts, 20 heads over 4 kv heads of 128, M-RoPE sections [22, 22, 20] (the checkpoint's
+# freq_allocation 20), rope_theta 500000 as its config.json; vision: 32 blocks, 1280 wide, patch 14, merge 2).
+# The published checkpoint ties its embeddings; the untied head here costs the same bytes.
+ERNIE_45_VL_28B = {
+    "family": "ernie4_5_vl_moe",
+    "text": dict(vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28,
+                 num_attention_heads=20, num_key_value_heads=4, head_dim=128, moe_intermediate_size=[1536, 512],
+                 moe_num_experts=64, moe_k=6, moe_num_shared_experts=2, mlp_layer_types=["dense"] + ["sparse"] * 27,
+                 max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, use_bias=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [22, 22, 20]}),
+    "vision": dict(depth=32, hidden_size=1280, intermediate_size=4 * 1280, num_heads=16, patch_size=14,
+                   spatial_merge_size=2, hidden_act="quick_gelu"),
+}
+SYNTHETIC_MODELS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B, "deepseek-ocr2": DEEPSEEK_OCR2, "glm-4.5v": GLM_45V,
+                    "ernie-4.5-vl-28b-a3b": ERNIE_45_VL_28B}
 DEFAULT_MODEL = "qwen3-vl-30b-a3b"
 
 
@@ -129,6 +149,10 @@ def synthetic_processor(name: str, max_image_pixels: int = 1024 * 1024):
         from .tiny_glm import build_processor as glm_processor
 
         return glm_processor(spec)
+    if family == "ernie4_5_vl_moe":
+        from .tiny_ernie import build_processor as ernie_processor
+
+        return ernie_processor(spec)
     return build_processor(spec)
 
 
@@ -169,6 +193,15 @@ def synthetic_config(name: str, tokenizer: Any, layers: int | None = None, narro
                               image_end_token_id=token("<|end_of_image|>"),
                               video_start_token_id=token("<|begin_of_video|>"),
                               video_end_token_id=token("<|end_of_video|>"))
+    if family == "ernie4_5_vl_moe":
+        from transformers import Ernie4_5_VLMoeConfig
+
+        text.update(eos_token_id=token("</s>"), pad_token_id=token("</s>"))
+        return Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                    image_token_id=token("<|IMAGE_PLACEHOLDER|>"),
+                                    video_token_id=token("<|VIDEO_PLACEHOLDER|>"),
+                                    image_start_token_id=token("<|IMAGE_START|>"), image_end_token_id=token("<|IMAGE_END|>"),
+                                    video_start_token_id=token("<|VIDEO_START|>"), video_end_token_id=token("<|VIDEO_END|>"))
     from transformers import Qwen3VLMoeConfig
 
     text.update(eos_token_id=token("<|im_end|>"), pad_token_id=token("<|endoftext|>"))

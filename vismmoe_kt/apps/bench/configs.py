@@ -67,6 +67,8 @@ RULE_FILES: dict[str, dict[str, str]] = {
                       "kt-cpu": "deepseek-ocr2-kt-cpu.yaml", "ep": "deepseek-ocr2-ep.yaml"},
     "glm4v_moe": {"gpu": "glm4v-gpu.yaml", "offload": "glm4v-offload.yaml", "lru": "glm4v-lru.yaml",
                   "ladder": "glm4v-offload.yaml", "kt-cpu": "glm4v-kt-cpu.yaml", "ep": "glm4v-ep.yaml"},
+    "ernie4_5_vl_moe": {"gpu": "ernie45vl-gpu.yaml", "offload": "ernie45vl-offload.yaml", "lru": "ernie45vl-lru.yaml",
+                        "ladder": "ernie45vl-offload.yaml", "kt-cpu": "ernie45vl-kt-cpu.yaml", "ep": "ernie45vl-ep.yaml"},
 }
 
 
