@@ -83,9 +83,9 @@ SPECS: dict[str, TinySpec] = {
     # image tokens route to, and a shared expert; softmax routing with a correction bias; M-RoPE)
     "tiny-ernie-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48,
                                 family="ernie4_5_vl_moe"),
-    # Llama 4 at toy widths (dense and MoE layers interleaved, 0 and 2 dense; one expert per token, the sigmoid of
+    # Llama 4 at toy widths (dense and MoE layers interleaved: 1, 3 and 5 MoE; one expert per token, the sigmoid of
     # its logit scaling the expert's input; a shared expert; complex rotary, layer 3 without it; tiled vision)
-    "tiny-llama4-4x16": TinySpec(layers=4, experts=16, top_k=1, hidden=64, moe_intermediate=48, family="llama4"),
+    "tiny-llama4-6x16": TinySpec(layers=6, experts=16, top_k=1, hidden=64, moe_intermediate=48, family="llama4"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt

@@ -4,9 +4,10 @@
 The same recipe as the GLM builder: config, random weights from a seed (std 0.2, so routing depends on
 the input), a byte-level BPE tokenizer with Llama 4's special tokens, a chat template in Llama 4's shape,
 and Llama 4's processor over our PIL port of its image processor (transformers' needs torchvision). The
-text model: MoE layers every second layer (`interleave_moe_layer_step` 2: layers 1 and 3; 0 and 2 dense),
+text model: six layers, MoE every second one (`interleave_moe_layer_step` 2: layers 1, 3 and 5; the others
+dense: three MoE layers, as the other families' tiny models, so an offload budget can pin one and miss),
 16 experts, one per token (sigmoid of the chosen logit, which scales the expert's input), a shared expert;
-rotary in layers 0-2 (L2 q/k norm), none in layer 3, whose queries get Llama 4's temperature tuning
+rotary (and the L2 q/k norm) in every layer but 3, whose queries get Llama 4's temperature tuning
 (`floor_scale` 8, so it changes within a short prompt). The vision tower: 112 px tiles of 14 px patches
 (8 x 8, pixel-shuffled to 16 visual tokens a tile), at most 4 tiles plus the global one.
 """

@@ -381,6 +381,13 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
         return None  # Llama4TextRMSNorm rounds before its weight, unlike the fused norm: the module runs
 
     # --- routing -----------------------------------------------------------------------------
+    def routed_experts(self, router_output: Any) -> torch.Tensor:
+        """The (T, K) ids: ours return (logits, weights, ids); transformers' own Llama4Router (scores (T, E), zero
+        but at the chosen expert, logits), one expert per token."""
+        if len(router_output) == 2:
+            return router_output[0].argmax(dim=-1, keepdim=True)
+        return router_output[2]
+
     def router_probabilities(self, router_logits: torch.Tensor) -> torch.Tensor:
         return router_logits.float().sigmoid()
 
