@@ -1,7 +1,7 @@
 """Tiny Llama 4 models (transformers `llama4`), built offline for tests: tiny.py's TinySpec with
 `family="llama4"` lands here (`build_tiny_model` and `save_tiny_model` dispatch on it).
 
-The same recipe as the GLM builder: config, random weights from a seed (std 0.2, so routing depends on
+The same recipe as the GLM builder: config, random weights from a seed (std 0.15, so routing depends on
 the input), a byte-level BPE tokenizer with Llama 4's special tokens, a chat template in Llama 4's shape,
 and Llama 4's processor over our PIL port of its image processor (transformers' needs torchvision). The
 text model: six layers, MoE every second one (`interleave_moe_layer_step` 2: layers 1, 3 and 5; the others
@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
     "{% if c['type'] == 'image' %}<|image|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|eot|>"
     "{% endfor %}{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
 )
-INIT_STD = 0.2
+INIT_STD = 0.15  # at 0.2 kt-kernel's BF16 experts drift past the shared suite's tolerance over three MoE layers
 TILE, PATCH, MAX_TILES = 112, 14, 4
 CHUNK = 1024  # attention_chunk_size: the context our forward serves
 

@@ -302,13 +302,18 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
         return Llama4ForConditionalGeneration
 
     def build(self, config: Any) -> nn.Module:
-        """transformers' model with our MoE blocks (`Llama4MoeBlock`) and attention (`Llama4PackedRopeAttention`);
-        a config routing more than one expert per token is refused (the operators' input scaling is exact
-        for one)."""
+        """transformers' model with our MoE blocks (`Llama4MoeBlock`) and attention (`Llama4PackedRopeAttention`).
+        Refused: a config routing more than one expert per token (the operators' input scaling is exact for
+        one), and experts whose stored layout cannot be told from ours by shape (hidden_size = I or 2I)."""
         text = self.text_config(config)
         if int(text.num_experts_per_tok) != 1:
             raise LoadError(f"Llama 4 with num_experts_per_tok={text.num_experts_per_tok}: vismmoe-kt serves Llama 4's "
                             f"input-scaled experts for one expert per token only (every published Llama 4 routes one)")
+        hidden, inter = int(text.hidden_size), int(text.intermediate_size)
+        if hidden in (inter, 2 * inter):
+            raise LoadError(f"Llama 4 with hidden_size {hidden} and intermediate_size {inter}: the stored experts' "
+                            f"layout (E, H, 2I) / (E, I, H) cannot be told from ours (E, 2I, H) / (E, H, I) by shape "
+                            f"when H is I or 2I, and vismmoe-kt converts by shape")
         model = super().build(config)
         for layer in self.layers_of(self.text_model(model)):
             layer.self_attn.__class__ = Llama4PackedRopeAttention  # no state of its own: a forward that takes both
