@@ -20,7 +20,7 @@ from vismmoe_kt.demo.tiny import SPECS
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.models import adapter_for
 
-from conftest import layer_bytes, make_image
+from conftest import layer_bytes, make_image, run_eager
 from families import CPU, FAMILIES, TOKENS, family_case
 
 
@@ -115,15 +115,7 @@ def test_last_token_attention_equals_the_eager_attention_weights(case):
 
     def hook(module, args, kwargs, output):
         seen.update(hidden=kwargs["hidden_states"], pe=kwargs["position_embeddings"], weights=output[1])
-    handle = attn.register_forward_hook(hook, with_kwargs=True)
-    previous = ref.config._attn_implementation
-    ref.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            ref(**inputs)
-    finally:
-        handle.remove()
-        ref.set_attn_implementation(previous)
+    run_eager(ref, inputs, attn, hook)
     positions = torch.nonzero(adapter.image_token_mask(ref.config, inputs["input_ids"])[0], as_tuple=True)[0]
     with torch.no_grad():
         got = adapter.last_token_attention(attn, seen["hidden"], seen["pe"], positions)

@@ -23,7 +23,7 @@ from vismmoe_kt.models.llama4 import (Llama4FusedExperts, Llama4ImageProcessorPi
                                       Llama4PackedRopeAttention, best_canvas, fit_without_distortion, scale_expert_input,
                                       supported_canvases)
 
-from conftest import make_image, tiny_case
+from conftest import make_image, run_eager, tiny_case
 
 NAME = "tiny-llama4-6x16"
 CPU = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
@@ -207,16 +207,7 @@ def test_vision_saliency_equals_the_eager_attention_weights(case):
     adapter = adapter_for(ref.config.model_type)
     tower = adapter.vision_tower(ref)
     attn, seen = adapter.vision_last_attention(tower), {}
-    handle = attn.register_forward_hook(lambda m, args, kwargs, out: seen.update(hidden=args[0], weights=out[1]),
-                                        with_kwargs=True)
-    previous = ref.config._attn_implementation
-    ref.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            ref(**inputs)
-    finally:
-        handle.remove()
-        ref.set_attn_implementation(previous)
+    run_eager(ref, inputs, attn, lambda m, args, kwargs, out: seen.update(hidden=args[0], weights=out[1]))
     with torch.no_grad():
         got = adapter.attention_received(attn, seen["hidden"], None, None)
     received = seen["weights"].mean(dim=(1, 2))[:, :-1]  # (tiles, patches)
