@@ -49,7 +49,7 @@ def test_structure_of_the_tiny_model(case):
     assert modules[family.text_model] is adapter.text_model(ref)
     assert modules[key] is adapter.experts(layer) and adapter.expert_set(key) is None
     assert adapter.router(layer) is modules[key.removesuffix("experts") + family.router]
-    assert adapter.shared_experts(layer) is modules[key.removesuffix("experts") + family.shared]
+    assert adapter.shared_experts(layer) is modules[f"{family.text_model}.layers.{moe[0]}.{family.shared}"]
     assert adapter.fused_router(adapter.router(layer)) is None
     gate_up, down = adapter.expert_weights(adapter.experts(layer))  # in our operators' layout
     assert gate_up.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)

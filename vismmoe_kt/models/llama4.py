@@ -45,7 +45,7 @@ from torch import nn
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import PILImageResampling, SizeDict
-from transformers.models.llama4.modeling_llama4 import Llama4TextAttention, Llama4TextMLP
+from transformers.models.llama4.modeling_llama4 import Llama4TextAttention, Llama4TextExperts, Llama4TextMLP
 from transformers.models.llama4.processing_llama4 import Llama4Processor
 from transformers.processing_utils import ImagesKwargs
 
@@ -287,9 +287,9 @@ class Llama4ImageProcessorPil(PilBackend):
 
 
 class Llama4ImageTextProcessor(Llama4Processor):
-    """Llama 4's processor over our PIL image processor, which also takes text without images. With images,
-    exactly Llama4Processor: `<|image|>` in the text becomes `<|image_start|>`, each tile's `<|patch|>` tokens
-    (tile separators between them), the global tile's after `<|image|>`, `<|image_end|>`."""
+    """Llama4Processor over our PIL image processor (the name the family's processor goes by here): `<|image|>`
+    in the text becomes `<|image_start|>`, each tile's `<|patch|>` tokens (tile separators between them), the
+    global tile's after `<|image|>`, `<|image_end|>`; text without images as it is."""
 
 
 # --- the adapter -----------------------------------------------------------------------------------------------
@@ -378,12 +378,12 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
     def expert_weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up (E, 2I, H), down (E, H, I)): transformers' own Llama4TextExperts' tensors transposed."""
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        if isinstance(experts, Llama4FusedExperts) or not type(experts).__name__ == "Llama4TextExperts":
-            return gate_up, down
-        return gate_up.transpose(1, 2), down.transpose(1, 2)
+        if isinstance(experts, Llama4TextExperts):
+            return gate_up.transpose(1, 2), down.transpose(1, 2)
+        return gate_up, down
 
     def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-        return None  # Llama4TextRMSNorm rounds before its weight, unlike the fused norm: the module runs
+        return None  # Llama4TextRMSNorm (`eps`, not `variance_epsilon`) runs as the module: transformers' arithmetic
 
     # --- routing -----------------------------------------------------------------------------
     def routed_experts(self, router_output: Any) -> torch.Tensor:
