@@ -1,14 +1,14 @@
 """GPU check of the foundation on a CUDA machine, in one go (used with the device tool).
 
 For every rule file under optimize_rules/, load a saved tiny model of its family (Qwen3-VL-MoE,
-GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5, ERNIE-4.5-VL) with its default (CUDA) devices and compare logits and greedy tokens with
+GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5, ERNIE-4.5-VL, Llama 4) with its default (CUDA) devices and compare logits and greedy tokens with
 the all-on-GPU reference (fp32, TF32 off).
 Prints one line per rule file with the max logit difference, token equality, where the weights
 went and what the operators did; exits non-zero if any rule file disagrees. Generation goes through
 `vismmoe_kt.engine.generate`, so rule files with a VisDecoder exercise the lean decode path and its
 CUDA graphs (a capture error or a graphed step that differs from the eager one counts as a failure).
 The expert-parallel rule files (qwen3vl-ep.yaml, glm4v-ep.yaml, deepseek-ocr2-ep.yaml, kimi-k25-ep.yaml,
-ernie45vl-ep.yaml) are left out:
+ernie45vl-ep.yaml, llama4-ep.yaml) are left out:
 they need a torchrun launch.
 
 `--stores`: instead, the host store in each quantized format (Q8_0, Q4_0, Q4_K, Q5_K) read by the
@@ -85,10 +85,12 @@ def main() -> int:
     # of the stock modules, and offloaded at the smallest budget. GLM-4.5V (M-RoPE, sigmoid grouped router,
     # partial rotary), DeepSeek-OCR-2 (1-D RoPE, softmax top-k router without renormalisation), Kimi K2.5
     # (MLA attention over a cache of compressed latents, sigmoid grouped router, 1-D RoPE), ERNIE-4.5-VL
-    # (separate text and vision experts chosen per token by modality, M-RoPE)
+    # (separate text and vision experts chosen per token by modality, M-RoPE), Llama 4 (dense and MoE layers
+    # interleaved, one input-scaled expert per token, complex rotary packed as (cos, sin))
     refs, names = {}, {}
     for spec_name, prefix in (("tiny-glm-4x16", "glm4v"), ("tiny-dsocr2-4x16", "deepseek-ocr2"),
-                              ("tiny-kimi-4x16", "kimi-k25"), ("tiny-ernie-4x16", "ernie45vl")):
+                              ("tiny-kimi-4x16", "kimi-k25"), ("tiny-ernie-4x16", "ernie45vl"),
+                              ("tiny-llama4-6x16", "llama4")):
         if args.only and not (prefix.startswith(args.only) or args.only.startswith(prefix)):
             continue
         family = SPECS[spec_name]

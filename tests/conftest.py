@@ -67,6 +67,20 @@ def tiny_case(tmp_path_factory, name, seed, question, image_size, image_seed):
     return model_dir, ref, inputs
 
 
+def run_eager(model, inputs, module, hook) -> None:
+    """`model(**inputs)` with transformers' eager attention (which forms the attention weights), `hook` (a forward
+    hook with kwargs) on `module` meanwhile; the model's attention implementation restored after."""
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+        model.set_attn_implementation(previous)
+
+
 def free_port() -> int:
     import socket
 

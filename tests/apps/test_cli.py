@@ -60,12 +60,12 @@ def test_rule_file_with_cpu_overrides_runs_and_reports_operators(image_file, cap
 
 def test_every_rule_file_works_on_cpu(capsys, tmp_path):
     """Each family's rule files on a model of that family: the demo model (Qwen3-VL-MoE), a tiny GLM-4.5V,
-    a tiny DeepSeek-OCR-2, a tiny Kimi K2.5, a tiny ERNIE-4.5-VL."""
+    a tiny DeepSeek-OCR-2, a tiny Kimi K2.5, a tiny ERNIE-4.5-VL, a tiny Llama 4."""
     from vismmoe_kt.demo.tiny import save_tiny_model
 
     families = {prefix: save_tiny_model(tmp_path / spec, spec, seed=0) for prefix, spec in
                 (("glm4v", "tiny-glm-4x16"), ("deepseek-ocr2", "tiny-dsocr2-4x16"), ("kimi-k25", "tiny-kimi-4x16"),
-                 ("ernie45vl", "tiny-ernie-4x16"))}
+                 ("ernie45vl", "tiny-ernie-4x16"), ("llama4", "tiny-llama4-6x16"))}
     for rules in sorted(os.listdir("optimize_rules")):
         if rules.endswith("-ep.yaml"):  # needs a process group: tests/parallel and tests/models run them under gloo
             continue

@@ -113,7 +113,7 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path, tiny_dir):
     config = json.loads((model_dir / "config.json").read_text())
     config["model_type"] = "llama"
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(LoadError, match=r"unsupported architecture model_type='llama'; supported: deepseek_ocr2, ernie4_5_vl_moe, glm4v_moe, kimi_k25, qwen3_vl_moe"):
+    with pytest.raises(LoadError, match=r"unsupported architecture model_type='llama'; supported: deepseek_ocr2, ernie4_5_vl_moe, glm4v_moe, kimi_k25, llama4, qwen3_vl_moe"):
         load(model_dir, None)
 
 

@@ -40,6 +40,6 @@ def test_hub_layout_fix_only_touches_expert_tensors(reference):
 
 
 def test_unknown_family_lists_supported():
-    assert supported_model_types() == ["deepseek_ocr2", "ernie4_5_vl_moe", "glm4v_moe", "kimi_k25", "qwen3_vl_moe"]
-    with pytest.raises(LoadError, match=r"unsupported architecture model_type='deepseek_vl_v2'; supported: deepseek_ocr2, ernie4_5_vl_moe, glm4v_moe, kimi_k25, qwen3_vl_moe"):
+    assert supported_model_types() == ["deepseek_ocr2", "ernie4_5_vl_moe", "glm4v_moe", "kimi_k25", "llama4", "qwen3_vl_moe"]
+    with pytest.raises(LoadError, match=r"unsupported architecture model_type='deepseek_vl_v2'; supported: deepseek_ocr2, ernie4_5_vl_moe, glm4v_moe, kimi_k25, llama4, qwen3_vl_moe"):
         adapter_for("deepseek_vl_v2")

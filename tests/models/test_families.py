@@ -1,10 +1,12 @@
-"""Every family beyond Qwen3-VL-MoE (families.py: GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5) through its own
+"""Every family beyond Qwen3-VL-MoE (families.py: GLM-4.5V, DeepSeek-OCR-2, Kimi K2.5, ERNIE-4.5-VL, Llama 4)
+through its own
 rule files, with our features off: the injected model gives the transformers fp32 reference's logits
 (max abs diff <= 1e-5) and greedy tokens on transformers' decode loop, on the lean decode step (graphs off
 and through the CPU twin of the captured graphs) and with its experts offloaded at the smallest budget,
 which misses. What the families differ in is their adapters': M-RoPE or 1-D positions, softmax or
 sigmoid grouped routers (run as the module), shared experts in the lean step's attention piece, GLM's
-partial rotary, Kimi's MLA attention over a cache of compressed latents. Also: the adapter's hooks hand
+partial rotary, Kimi's MLA attention over a cache of compressed latents, Llama 4's input-scaled experts and
+packed complex rotary. Also: the adapter's hooks hand
 the text model the image-token mask; FastV-style saliency recomputed by the adapter equals transformers'
 eager attention weights; pruned prefills and batched decode give the tokens of the unbatched loop."""
 
@@ -18,7 +20,7 @@ from vismmoe_kt.demo.tiny import SPECS
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.models import adapter_for
 
-from conftest import layer_bytes, make_image
+from conftest import layer_bytes, make_image, run_eager
 from families import CPU, FAMILIES, TOKENS, family_case
 
 
@@ -30,24 +32,28 @@ def case(request, tmp_path_factory):
 
 def test_structure_of_the_tiny_model(case):
     """The adapter finds the parts: layer 0 dense (no router, no shared experts), the others MoE layers with
-    the router beside their (primary) experts, `mlp.gate` (ERNIE's text experts': `mlp.text_moe.gate`; none
+    the router beside their (primary) experts, `mlp.gate` (ERNIE's text experts': `mlp.text_moe.gate`; Llama 4's
+    `feed_forward.router`, its dense and MoE layers interleaved; none
     of these families' is the fused softmax-top-k-renormalise one: the module routes), fused experts of the
     spec's shape and shared experts."""
     family, _, ref, _, _ = case
     adapter = adapter_for(ref.config.model_type)
     spec, layers = SPECS[family.spec], adapter.decoder_layers(ref)
-    moe = list(range(len(layers) - family.moe_layers, len(layers)))
-    assert adapter.moe_layers_from_config(ref.config) == moe
+    moe = [i for i in range(len(layers)) if i not in family.dense_layers]
+    assert len(moe) == family.moe_layers and adapter.moe_layers_from_config(ref.config) == moe
     assert [i for i, layer in enumerate(layers) if adapter.experts(layer) is not None] == moe
     assert adapter.shared_experts(layers[0]) is None and adapter.router(layers[0]) is None
     layer, modules = layers[moe[0]], dict(ref.named_modules())
-    key = adapter.experts_key(moe[0])  # the experts' module, whose sibling `gate` routes to them
-    assert key.startswith(f"model.language_model.layers.{moe[0]}.mlp.") and key.endswith(".experts")
+    key = adapter.experts_key(moe[0])  # the experts' module, whose sibling router routes to them
+    assert key.startswith(f"{family.text_model}.layers.{moe[0]}.") and key.endswith(".experts")
+    assert modules[family.text_model] is adapter.text_model(ref)
     assert modules[key] is adapter.experts(layer) and adapter.expert_set(key) is None
-    assert adapter.router(layer) is modules[key.removesuffix("experts") + "gate"]
-    assert adapter.shared_experts(layer) is layer.mlp.shared_experts
+    assert adapter.router(layer) is modules[key.removesuffix("experts") + family.router]
+    assert adapter.shared_experts(layer) is modules[f"{family.text_model}.layers.{moe[0]}.{family.shared}"]
     assert adapter.fused_router(adapter.router(layer)) is None
-    assert adapter.experts(layer).gate_up_proj.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
+    gate_up, down = adapter.expert_weights(adapter.experts(layer))  # in our operators' layout
+    assert gate_up.shape == (spec.experts, 2 * spec.moe_intermediate, spec.hidden)
+    assert down.shape == (spec.experts, spec.hidden, spec.moe_intermediate)
     shape = adapter.moe_shape(ref.config)
     assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter, shape.moe_layers) == (
         spec.experts, spec.top_k, spec.hidden, spec.moe_intermediate, tuple(moe))
@@ -70,7 +76,7 @@ def test_lean_rules_match_the_reference(case, decode, graphs):
     model, _ = load(model_dir, f"optimize_rules/{family.rules}.yaml", decode=decode, graphs=graphs, **CPU)
     check(model, inputs, expected, lean=decode == "lean")
     if decode == "lean":
-        stats = model.model.language_model.stats()
+        stats = model.vismmoe.adapter.text_model(model).stats()
         assert stats["decode_steps"] == TOKENS - 1  # the lean step decoded
         assert stats["decode_graphed_steps"] == (TOKENS - 1 if graphs == "replay" else 0)
 
@@ -109,15 +115,7 @@ def test_last_token_attention_equals_the_eager_attention_weights(case):
 
     def hook(module, args, kwargs, output):
         seen.update(hidden=kwargs["hidden_states"], pe=kwargs["position_embeddings"], weights=output[1])
-    handle = attn.register_forward_hook(hook, with_kwargs=True)
-    previous = ref.config._attn_implementation
-    ref.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            ref(**inputs)
-    finally:
-        handle.remove()
-        ref.set_attn_implementation(previous)
+    run_eager(ref, inputs, attn, hook)
     positions = torch.nonzero(adapter.image_token_mask(ref.config, inputs["input_ids"])[0], as_tuple=True)[0]
     with torch.no_grad():
         got = adapter.last_token_attention(attn, seen["hidden"], seen["pe"], positions)
@@ -147,7 +145,7 @@ def test_pruned_prefill_decodes_alike_on_both_paths(case, compression, source):
         expected = generate(hf, inputs, TOKENS)
         tokens = generate(lean, inputs, TOKENS)
     for model in (hf, lean):
-        counters = model.model.language_model.text_forward.counters
+        counters = model.vismmoe.adapter.text_model(model).text_forward.counters
         assert counters.pruned_prefills == 1 and counters.visual_tokens_after < counters.visual_tokens_before
     assert torch.equal(tokens, expected)
 

@@ -49,7 +49,7 @@ class TinySpec:
     max_image_pixels: int = 448 * 448
     tie_embeddings: bool = False
     family: str = "qwen3_vl_moe"  # the transformers model type: glm4v_moe builds in tiny_glm.py, deepseek_ocr2 in tiny_dsocr2.py,
-    # kimi_k25 in tiny_kimi.py, ernie4_5_vl_moe in tiny_ernie.py
+    # kimi_k25 in tiny_kimi.py, ernie4_5_vl_moe in tiny_ernie.py, llama4 in tiny_llama4.py
 
 
 SPECS: dict[str, TinySpec] = {
@@ -83,6 +83,9 @@ SPECS: dict[str, TinySpec] = {
     # image tokens route to, and a shared expert; softmax routing with a correction bias; M-RoPE)
     "tiny-ernie-4x16": TinySpec(layers=4, experts=16, top_k=4, hidden=64, moe_intermediate=48,
                                 family="ernie4_5_vl_moe"),
+    # Llama 4 at toy widths (dense and MoE layers interleaved: 1, 3 and 5 MoE; one expert per token, the sigmoid of
+    # its logit scaling the expert's input; a shared expert; complex rotary, layer 3 without it; tiled vision)
+    "tiny-llama4-6x16": TinySpec(layers=6, experts=16, top_k=1, hidden=64, moe_intermediate=48, family="llama4"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
 FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
@@ -152,6 +155,10 @@ def build_tiny_model(spec: TinySpec | str, seed: int = 0):
         from .tiny_ernie import build_tiny_ernie
 
         return build_tiny_ernie(spec, seed)
+    if spec.family == "llama4":
+        from .tiny_llama4 import build_tiny_llama4
+
+        return build_tiny_llama4(spec, seed)
     processor = build_processor(spec)
     config = build_config(spec, processor.tokenizer)
     torch.manual_seed(seed)

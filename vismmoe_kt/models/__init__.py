@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "deepseek_ocr2": "vismmoe_kt.models.deepseek_ocr2:DeepseekOcr2Adapter",
     "kimi_k25": "vismmoe_kt.models.kimi_k25:KimiK25Adapter",
     "ernie4_5_vl_moe": "vismmoe_kt.models.ernie4_5_vl_moe:Ernie45VLMoeAdapter",
+    "llama4": "vismmoe_kt.models.llama4:Llama4Adapter",
 }
 
 

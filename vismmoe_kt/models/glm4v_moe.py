@@ -31,10 +31,11 @@ from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 
 
 
-def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module) -> None:
+def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module, outer: nn.Module | None = None) -> None:
     """For a model whose forward hands its text model no `visual_pos_masks` (GLM-4.5V, DeepSeek-OCR-2):
-    where our text model's forward runs (an injected operator), a hook on the model remembers
-    `input_ids == image_token_id` of each call and one on the text model passes it on."""
+    where our text model's forward runs (an injected operator), a hook on the module that takes the
+    input ids (`outer`; default `model.model`) remembers `input_ids == image_token_id` of each call and
+    one on the text model passes it on."""
     text = adapter.text_model(model)
     if not getattr(text, "is_injected_operator", False):
         return  # transformers' own text model takes no mask
@@ -50,7 +51,7 @@ def hand_text_model_image_mask(adapter: ModelAdapter, model: nn.Module) -> None:
             kwargs["visual_pos_masks"] = mask
         return args, kwargs
 
-    model.model.register_forward_pre_hook(remember, with_kwargs=True)
+    (outer if outer is not None else model.model).register_forward_pre_hook(remember, with_kwargs=True)
     text.register_forward_pre_hook(hand_over, with_kwargs=True)
 
 
