@@ -167,6 +167,27 @@ def test_prompt_longer_than_the_attention_chunk_is_refused(case):
         assert model(**inputs).logits.shape[1] == 8
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_decoding_past_the_attention_chunk_is_refused_before_any_work(case, batched):
+    """A prompt that fits but a token budget that would decode past the chunk: our decode step computes
+    plain causal attention, which chunked attention leaves behind there, so the request is refused whole."""
+    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate
+
+    model_dir, _, _ = case
+    model, processor = load(model_dir, "optimize_rules/llama4.yaml", graphs="off", **CPU)
+    inputs = dict(processor(text=["x" * 1000], return_tensors="pt"))
+    prompt = inputs["input_ids"].shape[1]
+    message = rf"a prompt of {prompt} tokens plus max_new_tokens={CHUNK} is over this model's context of {CHUNK}"
+    with pytest.raises(InputError, match=message), torch.no_grad():
+        if batched:
+            generate_batch(model, [inputs], CHUNK)
+        else:
+            generate(model, inputs, CHUNK)
+    with torch.no_grad():  # within the chunk, and nothing left behind by the refusal
+        assert generate(model, inputs, CHUNK - prompt).shape[1] == CHUNK
+
+
 @pytest.mark.parametrize("change,message", [({"top_k": 2}, r"num_experts_per_tok=2: .*one expert per token"),
                                             ({"moe_intermediate": 64}, r"hidden_size 64 and intermediate_size 64")])
 def test_configs_the_adapter_cannot_serve_are_refused_at_load(tmp_path, change, message):

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..models import ModelAdapter
-from .generation import _eos_ids, continuation, next_token
+from .generation import _eos_ids, check_context, continuation, next_token
 from .graphs import State
 from .lean_engine import ImageKeys, decode_engine, image_keys, may_continue, reusable_prefix
 from .lean_step import LeanDecodeStep, experts_capturable, router_fn
@@ -430,6 +430,8 @@ def generate_batch(model: Any, requests: list[dict[str, torch.Tensor]], max_new_
     samplings = sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(requests)
     if not len(budgets) == len(samplings) == len(requests):
         raise ValueError(f"{len(requests)} requests, {len(budgets)} token budgets, {len(samplings)} samplings")
+    for request, budget in zip(requests, budgets):
+        check_context(model, model.vismmoe.adapter, int(request["input_ids"].shape[1]), budget)
     if runner is None:
         capacity = max(r["input_ids"].shape[1] + n for r, n in zip(requests, budgets))
         runner = BatchRunner(model, min(max_batch, len(requests)), capacity, max_queue=len(requests),

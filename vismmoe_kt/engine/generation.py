@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..models import ModelAdapter
 from ..core.context import context_of_model
 from .lean_engine import ImageKey, decode_engine, image_keys
@@ -62,6 +63,15 @@ def continuation(model: Any, adapter: ModelAdapter, inputs: dict[str, torch.Tens
     return part
 
 
+def check_context(model: Any, adapter: ModelAdapter, prompt_tokens: int, max_new_tokens: int) -> None:
+    """A clear error before any work where a request could outgrow the model's context as we serve it
+    (`context_length`: Llama 4's attention chunk, else the model's positions), not a wrong token past it."""
+    limit = adapter.context_length(model.config)
+    if prompt_tokens + max_new_tokens > limit:
+        raise InputError(f"a prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} is over this "
+                         f"model's context of {limit} tokens: shorten the prompt or ask for fewer tokens")
+
+
 def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, streamer: Any = None,
              do_sample: bool = False, temperature: float | None = None, top_p: float | None = None,
              stopping_criteria: Any = None, min_new_tokens: int = 0) -> torch.Tensor:
@@ -78,6 +88,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
         return model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               streamer=streamer, stopping_criteria=stopping_criteria, **sampling)
     prompt = inputs["input_ids"]
+    check_context(model, engine.adapter, int(prompt.shape[1]), max_new_tokens)
     if prompt.shape[0] != 1:
         raise ValueError(f"the lean decode path takes one request at a time, got a batch of {prompt.shape[0]}")
     if max_new_tokens < 1:
