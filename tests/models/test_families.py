@@ -6,7 +6,8 @@ and through the CPU twin of the captured graphs) and with its experts offloaded 
 which misses. What the families differ in is their adapters': M-RoPE or 1-D positions, softmax or
 sigmoid grouped routers (run as the module), shared experts in the lean step's attention piece, GLM's
 partial rotary, Kimi's MLA attention over a cache of compressed latents, Llama 4's input-scaled experts and
-packed complex rotary. Also: the adapter's hooks hand
+packed complex rotary. Hybrid mode (misses on the CPU) and the lookahead predictor's prefetches change no
+token either. Also: the adapter's hooks hand
 the text model the image-token mask; FastV-style saliency recomputed by the adapter equals transformers'
 eager attention weights; pruned prefills and batched decode give the tokens of the unbatched loop."""
 
@@ -91,6 +92,48 @@ def test_offloaded_experts_at_a_budget_that_misses_match_the_reference(case, dec
     stats = collect_stats(model)["operators"]["VisExperts"]
     assert stats["count"] == family.moe_layers and stats["pinned_layers"] == 1
     assert stats["bytes_copied"] > 0 and stats["evictions"] > 0 and stats["decode_misses"] > 0
+
+
+def offload_rules(family, **kwargs):
+    """The family's offload rule file with `kwargs` set on its (primary) VisExperts rules."""
+    rules = yaml.safe_load(open(f"optimize_rules/{family.rules}-offload.yaml"))
+    for rule in rules:
+        if rule["replace"].get("class") == "vismmoe_kt.operators.vis_experts.VisExperts":
+            rule["replace"].setdefault("kwargs", {}).update(kwargs)
+    return rules
+
+
+@pytest.mark.parametrize("decode", ["hf", "lean"])
+def test_hybrid_misses_computed_on_the_cpu_match_the_reference(case, decode):
+    """Hybrid mode (`miss_policy: cpu`) at the smallest budget: each miss runs on the CPU backend, reading the
+    host store in place, in the family's expert layout, routing weights and (Llama 4) input scaling."""
+    family, model_dir, _, inputs, expected = case
+    rules = offload_rules(family, expert_budget=layer_bytes(SPECS[family.spec]) * 2, miss_policy="cpu")
+    model, _ = load(model_dir, rules, decode=decode, graphs="off", **CPU)
+    check(model, inputs, expected, lean=decode == "lean")
+    stats = collect_stats(model)["operators"]["VisExperts"]
+    assert stats["decode_cpu_experts"] > 0 and stats["prefill_cpu_experts"] > 0
+    assert stats["decode_misses"] == stats["prefill_misses"] == 0  # nothing waited on a fetch
+
+
+def test_the_lookahead_predictor_prefetches_and_changes_no_token(case, tmp_path):
+    """A lookahead predictor of the family's shape (its MoE layers, experts and hidden size; untrained, so
+    every pair it ranks is prefetched at probability 0) drives decode prefetches at the smallest budget; what
+    is copied when changes, the tokens do not."""
+    from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
+
+    family, model_dir, ref, inputs, expected = case
+    shape = adapter_for(ref.config.model_type).moe_shape(ref.config)
+    config = PredictorConfig(num_layers=len(shape.moe_layers), num_experts=shape.num_experts, hidden_size=shape.hidden,
+                             visual_size=shape.hidden, window=2, width=32, history_dim=16)
+    torch.manual_seed(0)
+    LookaheadPredictor(config).save(tmp_path / "predictor.pt")
+    rules = offload_rules(family, expert_budget=layer_bytes(SPECS[family.spec]) * 2, predictor=str(tmp_path / "predictor.pt"),
+                          prefetch_topk=6, prefetch_min_probability=0.0)
+    model, _ = load(model_dir, rules, graphs="off", **CPU)
+    check(model, inputs, expected, lean=True)
+    stats = collect_stats(model)["operators"]["VisExperts"]
+    assert stats["decode_prefetches"] > 0 and stats["evictions"] > 0
 
 
 def test_the_text_model_sees_the_image_tokens(case):
