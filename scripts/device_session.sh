@@ -63,6 +63,8 @@
 #                                                   glm-4.5v): vismmoe-kt bench all-on-gpu, all-pinned, lru and
 #                                                   vismmoe-full at a budget of FAMILY_BUDGET (30%: that share of the
 #                                                   model's routed experts), PX px (448), synthetic routing
+#                                                   (FAMILY_CONFIGS picks configurations; ernie-4.5-vl-28b-a3b: the
+#                                                   budget is its text experts', the vision experts keep 2 GiB)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present; the gguf package from .scratch/pylib
