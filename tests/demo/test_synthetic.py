@@ -71,8 +71,28 @@ def test_ernie_4_5_vl_has_its_published_shapes():
     assert int(request["moe_mm_token_type_ids"].sum()) == 16 * 16 + 2  # and the image's start and end markers
 
 
+def test_llama_4_scout_has_its_published_shapes():
+    """Llama 4 Scout: every layer MoE with 16 experts of 8192, one a token; 109B parameters; the context we
+    serve is its attention chunk; a 448 px picture is a 2 x 2 grid of 336 px tiles and the global one, 144
+    visual tokens each; a cut keeps every 4th layer without rotary."""
+    processor = synthetic_processor("llama-4-scout")
+    config = synthetic_config("llama-4-scout", processor.tokenizer)
+    adapter = adapter_for(config.model_type)
+    shape = adapter.moe_shape(config)
+    assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter, len(shape.moe_layers)) == (16, 1, 5120, 8192, 48)
+    assert adapter.context_length(config) == 8192
+    meta = _build_on_meta(adapter, config)
+    assert 108e9 < sum(p.numel() for p in meta.parameters()) < 110e9
+    request = make_request(processor, 448, "cpu")
+    assert tuple(request["pixel_values"].shape) == (5, 3, 336, 336)
+    assert count_tokens(request, config.image_token_id)[1] == 5 * 144
+    cut = synthetic_config("llama-4-scout", processor.tokenizer, layers=16)
+    assert routed_expert_bytes(cut) == 16 * 16 * 3 * 5120 * 8192 * 2  # 64.4 GB: the H200 run's cut
+    assert cut.text_config.no_rope_layers[:8] == [1, 1, 1, 0, 1, 1, 1, 0]
+
+
 @pytest.mark.parametrize("name, kwargs, message", [
-    ("nope", {}, "unknown synthetic model 'nope'; choose one of qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v, ernie-4.5-vl-28b-a3b"),
+    ("nope", {}, "unknown synthetic model 'nope'; choose one of qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v, ernie-4.5-vl-28b-a3b, llama-4-scout"),
     ("deepseek-ocr2", {"layers": 13}, r"layers must be in \[1, 12\] for deepseek-ocr2"),
     ("qwen3-vl-30b-a3b", {"narrow": True}, "has no narrow variant"),
 ])

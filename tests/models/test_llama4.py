@@ -234,3 +234,15 @@ def test_vision_saliency_equals_the_eager_attention_weights(case):
     received = seen["weights"].mean(dim=(1, 2))[:, :-1]  # (tiles, patches)
     want = pixel_shuffle(received[..., None], ref.config.vision_config.pixel_shuffle_ratio).reshape(-1)
     assert got.shape == (5 * (TILE // 14) ** 2,) and torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("rules", ["llama4-gpu", "llama4"])
+def test_a_bfloat16_model_takes_the_processors_float32_pixels(case, rules):
+    """Published Llama 4 checkpoints are BF16 and its processor gives float32 pixels, which transformers' model
+    hands its vision tower uncast: the adapter's hook casts them (stock modules and ours alike)."""
+    model_dir, _, inputs = case
+    model, _ = load(model_dir, f"optimize_rules/{rules}.yaml", dtype="bfloat16", graphs="off", **CPU)
+    assert inputs["pixel_values"].dtype == torch.float32
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

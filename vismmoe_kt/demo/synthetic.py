@@ -22,6 +22,10 @@ The models (SYNTHETIC_MODELS), each with where its numbers come from:
                     (intermediate 1536) + 64 vision experts (512) + 2 shared, top-6, hidden 2560; 27 x 64
                     text experts of 23.6 MB = 40.8 GB and vision experts of 7.9 MB = 13.6 GB of BF16
                     (one H200 holds it all; decode reads only the text experts)
+  llama-4-scout     Llama 4 Scout (17B active, 109B total): 48 layers, every one MoE with 16 routed experts
+                    (one per token, the router's sigmoid scaling its input) + 1 shared, hidden 5120, expert
+                    intermediate 8192; 48 x 16 experts of 252 MB = 193 GB of BF16 experts: one H200 (and
+                    its host) holds it only as a `layers=N` cut (N = 16: 64 GB of experts)
 
 Random weights route tokens almost uniformly over the experts: any figure that depends on routing
 (hit rates, prefetch value) is not what a trained model would show (benchmarks use `--routing synthetic`).
@@ -120,8 +124,29 @@ ERNIE_45_VL_28B = {
     "vision": dict(depth=32, hidden_size=1280, intermediate_size=4 * 1280, num_heads=16, patch_size=14,
                    spatial_merge_size=2, hidden_act="quick_gelu"),
 }
+# Llama 4 Scout (meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json, which transformers 5.17's Llama4Config
+# defaults follow): text 48 layers, 40 heads over 8 kv heads of 128, every layer MoE (interleave step 1), 16
+# experts top-1 + a shared expert of 8192, a dense MLP width of 16384 (unused: no dense layer), no rotary in every
+# 4th layer (temperature tuning there, floor 8192), chunked attention of 8192 (our context cap), llama3 rope
+# scaling; vision 34 blocks, 1408 wide, 336 px tiles of 14 px patches pixel-shuffled 2 x 2 (144 tokens a tile),
+# at most 16 tiles and the global one.
+LLAMA_4_SCOUT = {
+    "family": "llama4",
+    "text": dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                 num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                 num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layer_interval=4,
+                 attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+                 use_qk_norm=True, max_position_embeddings=10485760, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+    "vision": dict(hidden_size=1408, intermediate_size=5632, num_hidden_layers=34, num_attention_heads=16,
+                   image_size=336, patch_size=14, pixel_shuffle_ratio=0.5, projector_input_dim=4096,
+                   projector_output_dim=4096, vision_output_dim=4096, norm_eps=1e-5,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "processor": dict(tile=336, max_tiles=16),
+}
 SYNTHETIC_MODELS = {"qwen3-vl-30b-a3b": QWEN3_VL_30B_A3B, "deepseek-ocr2": DEEPSEEK_OCR2, "glm-4.5v": GLM_45V,
-                    "ernie-4.5-vl-28b-a3b": ERNIE_45_VL_28B}
+                    "ernie-4.5-vl-28b-a3b": ERNIE_45_VL_28B, "llama-4-scout": LLAMA_4_SCOUT}
 DEFAULT_MODEL = "qwen3-vl-30b-a3b"
 
 
@@ -153,6 +178,10 @@ def synthetic_processor(name: str, max_image_pixels: int = 1024 * 1024):
         from .tiny_ernie import build_processor as ernie_processor
 
         return ernie_processor(spec)
+    if family == "llama4":
+        from .tiny_llama4 import build_processor as llama4_processor
+
+        return llama4_processor(spec, **_shapes(name)["processor"])
     return build_processor(spec)
 
 
@@ -202,6 +231,14 @@ def synthetic_config(name: str, tokenizer: Any, layers: int | None = None, narro
                                     video_token_id=token("<|VIDEO_PLACEHOLDER|>"),
                                     image_start_token_id=token("<|IMAGE_START|>"), image_end_token_id=token("<|IMAGE_END|>"),
                                     video_start_token_id=token("<|VIDEO_START|>"), video_end_token_id=token("<|VIDEO_END|>"))
+    if family == "llama4":
+        from transformers import Llama4Config
+
+        text.update(bos_token_id=token("<|begin_of_text|>"), eos_token_id=token("<|eot|>"),
+                    pad_token_id=token("<|finetune_right_pad|>"))
+        return Llama4Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            image_token_index=token("<|patch|>"), boi_token_index=token("<|image_start|>"),
+                            eoi_token_index=token("<|image_end|>"))
     from transformers import Qwen3VLMoeConfig
 
     text.update(eos_token_id=token("<|im_end|>"), pad_token_id=token("<|endoftext|>"))

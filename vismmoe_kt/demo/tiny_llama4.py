@@ -36,10 +36,12 @@ def build_tokenizer():
     return byte_level_tokenizer(SPECIAL_TOKENS, eos="<|eot|>", pad="<|finetune_right_pad|>", bos="<|begin_of_text|>")
 
 
-def build_processor(spec):
+def build_processor(spec, tile: int = TILE, max_tiles: int = MAX_TILES):
+    """Llama 4's processor over our PIL image processor: tiles of `tile` px, at most `max_tiles` of them
+    (the published model's: 336 px and 16)."""
     from ..models.llama4 import Llama4ImageProcessorPil, Llama4ImageTextProcessor
 
-    image_processor = Llama4ImageProcessorPil(size={"height": TILE, "width": TILE}, max_patches=MAX_TILES)
+    image_processor = Llama4ImageProcessorPil(size={"height": tile, "width": tile}, max_patches=max_tiles)
     return Llama4ImageTextProcessor(image_processor, build_tokenizer(), patch_size=PATCH, pixel_shuffle_ratio=0.5,
                                     chat_template=CHAT_TEMPLATE)
 

@@ -36,6 +36,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,8 +83,10 @@ class Llama4FusedExperts(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.num_experts, inter, hidden = config.num_local_experts, config.intermediate_size, config.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(self.num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(self.num_experts, hidden, inter))
+        # left unfilled: the loader builds this under init_empty_weights and fills it from the checkpoint (zeros
+        # would first allocate and write every expert's bytes, 8 GB a layer for Llama 4 Scout)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         from transformers.activations import ACT2FN
 
         self.act_fn = ACT2FN[config.hidden_act]
@@ -96,6 +99,30 @@ class Llama4FusedExperts(nn.Module):
             gate, up = nn.functional.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
             out.index_add_(0, token, nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert]).to(out.dtype))
         return out
+
+
+class _StockExpertsNotBuilt(nn.Module):
+    """Stands in for transformers' Llama4TextExperts while `build` makes the stock model, whose MoE blocks it
+    replaces at once: transformers makes those experts' gate_up with torch.zeros, which init_empty_weights moves
+    to the meta device only after allocating and filling it (2.7 GB a layer for Llama 4 Scout)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        # what transformers' weight init touches, on the meta device (empty, nothing to fill)
+        self.gate_up_proj = nn.Parameter(torch.empty(0, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(0, device="meta"))
+
+
+@contextmanager
+def _stock_experts_not_built():
+    from transformers.models.llama4 import modeling_llama4
+
+    original = modeling_llama4.Llama4TextExperts
+    modeling_llama4.Llama4TextExperts = _StockExpertsNotBuilt
+    try:
+        yield
+    finally:
+        modeling_llama4.Llama4TextExperts = original
 
 
 class Llama4MoeBlock(nn.Module):
@@ -123,6 +150,20 @@ def scale_expert_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     values = list(args) + [kwargs.pop(name) for name in names[len(args):] if name in kwargs]
     hidden, ids, weights = values[:3]
     return (hidden * weights.to(hidden.dtype).view(-1, 1), ids, torch.ones_like(weights)), kwargs
+
+
+def cast_pixels(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook for Llama 4's vision tower: the pixels in the tower's dtype. The model hands its tower
+    the processor's float32 pixels as they come, which a BF16 checkpoint's patch embedding cannot take (the
+    other families' models cast them themselves)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)  # (the tower, or an
+    if dtype is None:                                                                     # operator wrapping it)
+        return args, kwargs
+    if args and torch.is_floating_point(args[0]) and args[0].dtype != dtype:
+        args = (args[0].to(dtype), *args[1:])
+    if torch.is_tensor(kwargs.get("pixel_values")) and kwargs["pixel_values"].dtype != dtype:
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(dtype)
+    return args, kwargs
 
 
 # --- attention with the packed rotary -----------------------------------------------------------------------
@@ -314,7 +355,8 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
             raise LoadError(f"Llama 4 with hidden_size {hidden} and intermediate_size {inter}: the stored experts' "
                             f"layout (E, H, 2I) / (E, I, H) cannot be told from ours (E, 2I, H) / (E, H, I) by shape "
                             f"when H is I or 2I, and vismmoe-kt converts by shape")
-        model = super().build(config)
+        with _stock_experts_not_built():
+            model = super().build(config)
         for layer in self.layers_of(self.text_model(model)):
             layer.self_attn.__class__ = Llama4PackedRopeAttention  # no state of its own: a forward that takes both
             if layer.is_moe_layer:
@@ -415,9 +457,13 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
         return vision_tower.model.layers[-1].self_attn
 
     def install_hooks(self, model: nn.Module) -> None:
-        """Where a rule replaced the routed experts, the input-scaling pre-hook on the operator; where our text
-        model's forward runs, the image-token mask handed to it (the model hands it embeddings only) and
+        """The vision tower's pixels cast to its dtype; where a rule replaced the routed experts, the input-scaling
+        pre-hook on the operator; where our text model's forward runs, the image-token mask handed to it (the model hands it embeddings only) and
         prompts longer than `context_length` refused."""
+        tower = self.vision_tower(model)
+        if not getattr(tower, "_vismmoe_casts_pixels", False):
+            tower.register_forward_pre_hook(cast_pixels, with_kwargs=True)
+            tower._vismmoe_casts_pixels = True
         for layer in self.decoder_layers(model):
             experts = self.experts(layer)
             if experts is not None and not isinstance(experts, Llama4FusedExperts) and not getattr(experts, _SCALED, False):

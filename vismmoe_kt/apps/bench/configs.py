@@ -69,6 +69,8 @@ RULE_FILES: dict[str, dict[str, str]] = {
                   "ladder": "glm4v-offload.yaml", "kt-cpu": "glm4v-kt-cpu.yaml", "ep": "glm4v-ep.yaml"},
     "ernie4_5_vl_moe": {"gpu": "ernie45vl-gpu.yaml", "offload": "ernie45vl-offload.yaml", "lru": "ernie45vl-lru.yaml",
                         "ladder": "ernie45vl-offload.yaml", "kt-cpu": "ernie45vl-kt-cpu.yaml", "ep": "ernie45vl-ep.yaml"},
+    "llama4": {"gpu": "llama4-gpu.yaml", "offload": "llama4-offload.yaml", "lru": "llama4-lru.yaml",
+               "ladder": "llama4-offload.yaml", "kt-cpu": "llama4-kt-cpu.yaml", "ep": "llama4-ep.yaml"},
 }
 
 
