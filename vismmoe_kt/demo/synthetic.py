@@ -128,7 +128,7 @@ ERNIE_45_VL_28B = {
 # defaults follow): text 48 layers, 40 heads over 8 kv heads of 128, every layer MoE (interleave step 1), 16
 # experts top-1 + a shared expert of 8192, a dense MLP width of 16384 (unused: no dense layer), no rotary in every
 # 4th layer (temperature tuning there, floor 8192), chunked attention of 8192 (our context cap), llama3 rope
-# scaling; vision 34 blocks, 1408 wide, 336 px tiles of 14 px patches pixel-shuffled 2 x 2 (144 tokens a tile),
+# scaling (its high and low frequency factors both 1.0, as published, which transformers warns about); vision 34 blocks, 1408 wide, 336 px tiles of 14 px patches pixel-shuffled 2 x 2 (144 tokens a tile),
 # at most 16 tiles and the global one.
 LLAMA_4_SCOUT = {
     "family": "llama4",
