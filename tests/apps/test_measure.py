@@ -1,6 +1,7 @@
 """The measurement scripts run end to end on tiny models (their numbers go to BENCHMARKS.md)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -119,3 +120,15 @@ def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     assert row["decode_bytes_per_token"] > 0 and row["batched"][0]["decode_bytes_per_token"] > 0
     assert row["batched"][0]["tokens_agreeing_alone"] == [1.0] * 3
     assert "MB over PCIe per token" in result.stdout
+
+
+def test_decode_bench_splits_a_cpu_expert_prefill(tmp_path):
+    """Every routed expert on kt-kernel: the row says how much of a prefill went to the vision tower and to the
+    CPU experts' calls (their prefill calls only), and the GB/s of expert weights that implies."""
+    result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(tmp_path),
+                             "--device", "cpu", "--tiny", "tiny-6x64", "--image-size", "96", "--decode-tokens", "4",
+                             "--reps", "1", "--configs", "kt-cpu"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]
+    assert row["prefill_vision_s"] > 0 and row["prefill_cpu_expert_s"] > 0 and row["prefill_cpu_expert_gb_s"] > 0
+    assert re.search(r"kt-cpu: a prefill's [\d.]+ s: vision tower [\d.]+ s, CPU experts [\d.]+ s", result.stdout)

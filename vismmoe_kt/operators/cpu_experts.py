@@ -35,6 +35,7 @@ class CpuCallStats:
     calls: int = 0
     tokens: int = 0
     cpu_seconds: float = 0.0  # submit to result, host clock (includes the copies to and from the host)
+    prefill_cpu_seconds: float = 0.0  # the same, of calls with more than one token (a prefill's)
 
 
 class CpuExperts(BaseInjectedModule):
@@ -97,7 +98,10 @@ class CpuExperts(BaseInjectedModule):
         out = task.wait().to(hidden_states.device)
         self.counters.calls += 1
         self.counters.tokens += hidden_states.shape[0]
-        self.counters.cpu_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.counters.cpu_seconds += seconds
+        if hidden_states.shape[0] > 1:
+            self.counters.prefill_cpu_seconds += seconds
         return out
 
     def stats(self) -> dict[str, Any]:

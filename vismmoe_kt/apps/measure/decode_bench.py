@@ -45,7 +45,8 @@ tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded 
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
 lean-graphs' time per token); for kt-cpu rows the expert bytes the CPU reads per token and the host
-bandwidth that implies (a floor: the step's GPU work is in the time too).
+bandwidth that implies (a floor: the step's GPU work is in the time too), and a prefill's split: the vision
+tower's time, the CPU experts' calls and the GB/s of expert weights those read if they read them all.
 
 Configurations with kt-kernel experts (kt-cpu, hybrid) each run in a process of their own when there
 are several: kt-kernel never frees an expert layer's weights, so a second one would start with the
@@ -279,6 +280,38 @@ def batched_run(model, processor, args, n: int, spec: str) -> dict:
                                    (lambda run: profile_run(run, trace)) if args.kernels else None, alone)
 
 
+class PrefillSplit:
+    """Host time of a model's prefills spent in its vision tower (timed on the host, the device synchronized
+    around it) and in CPU expert calls of more than one token (CpuExperts' `prefill_cpu_seconds`: a prefill's
+    calls wait on the host), from creation until `per_prefill`."""
+
+    def __init__(self, model):
+        self.vision_s, self._start = 0.0, None
+        self._experts = [m for m in model.modules() if type(m).__name__ == "CpuExperts"]
+        self._cpu_before = sum(m.counters.prefill_cpu_seconds for m in self._experts)
+        tower = model.vismmoe.adapter.vision_tower(model)
+        tower.register_forward_pre_hook(lambda *_: self._begin())
+        tower.register_forward_hook(lambda *_: self._end())
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _begin(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        self._sync()
+        self.vision_s += time.perf_counter() - self._start
+
+    def per_prefill(self, prefills: int) -> dict:
+        out = {"prefill_vision_s": self.vision_s / prefills}
+        if self._experts:
+            out["prefill_cpu_expert_s"] = (sum(m.counters.prefill_cpu_seconds for m in self._experts) - self._cpu_before) / prefills
+        return out
+
+
 def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     rules, overrides = parse_config(spec, args.predictor)
     if args.device.startswith("cuda"):
@@ -289,17 +322,19 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     timed_generate(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
+    split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
     prefill, decode, tokens = [], [], None
     for _ in range(args.reps):
         p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
         prefill.append(p)
         decode.append(d)
+    row_split = split.per_prefill(args.reps)
     row = {"config": spec, "load_s": model.vismmoe.load_seconds, "prompt_tokens": int(inputs["input_ids"].shape[1]),
            "decode_tok_s_reps": decode,
            "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
            "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
-           "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference)}
+           "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference), **row_split}
     if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
         row["turn_prompt_s"] = conversation(model, processor, args)
     backend = model.vismmoe.context.cpu_backend or (runtime.cpu if runtime is not None else None)
@@ -309,6 +344,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
             per_token = len(backend.layers) * backend.top_k * backend.host_bytes / len(backend.layers) / backend.num_experts
             row["cpu_expert_bytes_per_token"] = per_token
             row["cpu_expert_gb_s"] = per_token * row["decode_tok_s_median"] / 1e9  # a floor: the step has GPU work too
+            if row.get("prefill_cpu_expert_s"):  # a prefill of hundreds of tokens reaches about every expert
+                row["prefill_cpu_expert_gb_s"] = backend.host_bytes / row["prefill_cpu_expert_s"] / 1e9
     if runtime is not None:
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
@@ -527,6 +564,12 @@ def main() -> int:
         print(f"| {r['config']} | {load_s} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+    for r in rows:
+        if r.get("prefill_cpu_expert_s"):
+            print(f"{r['config']}: a prefill's {r['prefill_s_median']:.3f} s: vision tower {r['prefill_vision_s']:.3f} s, "
+                  f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "
+                  f"expert weights if it reads them all), the rest (the GPU's layers, copies) "
+                  f"{r['prefill_s_median'] - r['prefill_vision_s'] - r['prefill_cpu_expert_s']:.3f} s")
     for r in rows:
         if r.get("cpu_quota_trial"):
             print(f"{r['config']}: {r['cpu_quota_trial']}")
