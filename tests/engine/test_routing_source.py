@@ -119,3 +119,32 @@ def test_trace_record_then_stats(tmp_path, capsys):
     assert main(["trace", "stats", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "consecutive-token overlap" in printed and "| 0.430 |" in printed  # the published figure beside it
+
+
+def test_a_prepared_table_is_the_one_begin_would_make(tiny_dir, image_inputs, monkeypatch):
+    """`prepare` makes the next request's synthetic table ahead (the benchmarks' clock then times the model
+    alone): the request routes exactly as without it, one table is made, and a table prepared for another
+    request is not taken."""
+    from vismmoe_kt.apps.bench.timing import timed_generate
+    from vismmoe_kt.engine.routing_source import RoutingSource
+
+    plain, _ = offload(tiny_dir)
+    ahead, _ = offload(tiny_dir)
+    sources = [install_routing(plain, "synthetic:4"), install_routing(ahead, "synthetic:4")]
+    made, original = [], RoutingSource._table
+    monkeypatch.setattr(RoutingSource, "_table", lambda self, *a: made.append(self) or original(self, *a))
+    with torch.no_grad():
+        want = generate(plain, image_inputs, TOKENS)
+        made.clear()
+        sources[1].prepare(image_inputs["input_ids"], TOKENS)
+        assert made == [sources[1]]
+        got = generate(ahead, image_inputs, TOKENS)
+        assert made == [sources[1]] and sources[1]._prepared is None  # begin took it, made none of its own
+        sources[1].prepare(image_inputs["input_ids"][:, :-1], TOKENS)  # another request's length
+        generate(plain, image_inputs, TOKENS)
+        generate(ahead, image_inputs, TOKENS)
+        timed_generate(plain, image_inputs, TOKENS - 1)
+        timed_generate(ahead, image_inputs, TOKENS - 1)  # prepares before its clock, as the benchmarks run
+    assert torch.equal(got, want)
+    assert all(torch.equal(a["ids"], b["ids"]) for a, b in zip(*(s.history for s in sources)))
+    assert len(sources[1].history) == 3

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ...core.context import context_of_model
 from ...engine.chat import TimingStreamer
 from ...engine.generation import generate
 from ...engine.lean_engine import decode_engine
@@ -38,6 +39,10 @@ def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, flo
     engine = decode_engine(model)
     if engine is not None:
         engine.forget()
+    context = context_of_model(model)
+    routing = context.routing if context is not None else None
+    if routing is not None:  # the synthetic router's table for this request, made before the clock starts
+        routing.prepare(request["input_ids"], new_tokens)
     _sync()
     start = time.perf_counter()
     with torch.inference_mode():
