@@ -266,7 +266,8 @@ class RoutingSource:
             if self._rows is not None:  # prompts prefilled together: each token its own slot's row
                 slots, at = self._rows
                 if primary is not None and primary.numel() == slots.numel():
-                    slots, at = slots[primary.to(slots.device)], at[primary.to(at.device)]
+                    mask = primary.to(slots.device)
+                    slots, at = slots[mask], at[mask]
                 if slots.numel() != rows:
                     raise RuntimeError(f"a grouped prefill of {slots.numel()} tokens routed {rows} at layer {index}")
                 return self.adapter.with_routing(output, self.slot_weights[slots, at, index],

@@ -74,6 +74,7 @@ class TextForward:
         # in it: image tokens route through their own router, which sees those rows only
         self._modality = adapter.modality_argument()
         self._modality_rows: torch.Tensor | None = None
+        self._visual_routers = any(adapter.visual_router(layer) is not None for layer in self.layers)
         self._recording = False
         self._llm_saliency: torch.Tensor | None = None
         context.pruning.active = settings.active
@@ -187,8 +188,8 @@ class TextForward:
         prune_at = self._prune_at() if prune else None
         self._routes.clear()
         self._recording = prune
-        self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and \
-            any(self.adapter.visual_router(layer) is not None for layer in self.layers) else None
+        self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and self._visual_routers \
+            else None
         keep = full = None
         masks: dict[tuple[int, int], torch.Tensor | None] = {}
         implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL

@@ -186,8 +186,10 @@ class ModelAdapter:
         modality-separated MoE layer (ERNIE-4.5-VL's "vision" experts, which only image tokens reach)."""
         return None
 
-    def expert_set_shape(self, config: Any, expert_set: str) -> MoEShape:
-        """`moe_shape` of a second expert set (`expert_set`)."""
+    def expert_set_shape(self, config: Any, expert_set: str | None) -> MoEShape:
+        """`moe_shape` of an expert set (`expert_set`'s answer: None, the primary set, is `moe_shape`)."""
+        if expert_set is None:
+            return self.moe_shape(config)
         raise ValueError(f"{type(self).__name__} has one expert set per MoE layer, not {expert_set!r}")
 
     def visual_router(self, layer: nn.Module) -> nn.Module | None:

@@ -143,7 +143,9 @@ class Ernie45VLMoeAdapter(MropeVision, TransformersLayout):
     def expert_set(self, module_name: str) -> str | None:
         return VISION if ".vision_moe." in f"{module_name}." else None
 
-    def expert_set_shape(self, config: Any, expert_set: str) -> MoEShape:
+    def expert_set_shape(self, config: Any, expert_set: str | None) -> MoEShape:
+        if expert_set is None:
+            return self.moe_shape(config)
         if expert_set != VISION:
             raise ValueError(f"ERNIE-4.5-VL has no expert set {expert_set!r} (only {VISION!r} besides the text experts)")
         return self._set_shape(config, 1)

@@ -46,8 +46,7 @@ class MixedPrecisionExperts(BaseInjectedModule):
         super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device)
         s = self.settings = settings_from(MixedPrecisionSettings, kwargs, "MixedPrecisionExperts")
         expert_set = self.adapter.expert_set(key)
-        shape = self.adapter.moe_shape(config) if expert_set is None else self.adapter.expert_set_shape(config, expert_set)
-        num_experts = shape.num_experts
+        num_experts = self.adapter.expert_set_shape(config, expert_set).num_experts
         if not 1 <= s.ep_size <= num_experts:
             raise ValueError(f"ep_size must be between 1 and the {num_experts} experts, got {s.ep_size}")
         self.backend = resolve_backend(s.precision_backend, self.generate_device)

@@ -44,7 +44,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set
     runtime = context.offload_runtime if expert_set is None else context.expert_set_runtimes.get(expert_set)
     device = operator.generate_device
     if runtime is None:
-        shape = adapter.moe_shape(config) if expert_set is None else adapter.expert_set_shape(config, expert_set)
+        shape = adapter.expert_set_shape(config, expert_set)
         text = adapter.text_config(config)
         dtype = getattr(operator.gguf_loader, "dtype", None) or getattr(text, "dtype", None) \
             or getattr(config, "dtype", None) or torch.float32

@@ -101,6 +101,7 @@ from vismmoe_kt.apps.bench.configs import DEFAULT_FAMILY, rule_file
 from vismmoe_kt.demo.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.errors import InputError
+from vismmoe_kt.operators.cpu_experts import CpuExperts
 from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
 from vismmoe_kt.runtime.offload import BATCH_EXPERTS
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
@@ -287,11 +288,11 @@ class PrefillSplit:
 
     def __init__(self, model):
         self.vision_s, self._start = 0.0, None
-        self._experts = [m for m in model.modules() if type(m).__name__ == "CpuExperts"]
+        self._experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
         self._cpu_before = sum(m.counters.prefill_cpu_seconds for m in self._experts)
         tower = model.vismmoe.adapter.vision_tower(model)
-        tower.register_forward_pre_hook(lambda *_: self._begin())
-        tower.register_forward_hook(lambda *_: self._end())
+        self._hooks = [tower.register_forward_pre_hook(lambda *_: self._begin()),
+                       tower.register_forward_hook(lambda *_: self._end())]
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -306,6 +307,9 @@ class PrefillSplit:
         self.vision_s += time.perf_counter() - self._start
 
     def per_prefill(self, prefills: int) -> dict:
+        """The split per prefill; the timing hooks come off (later runs in this process go unsynchronized)."""
+        for hook in self._hooks:
+            hook.remove()
         out = {"prefill_vision_s": self.vision_s / prefills}
         if self._experts:
             out["prefill_cpu_expert_s"] = (sum(m.counters.prefill_cpu_seconds for m in self._experts) - self._cpu_before) / prefills
