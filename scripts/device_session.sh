@@ -15,6 +15,9 @@
 #                                                   decode step by kernel and stream, idle and overlapped time
 #   bash scripts/device_session.sh ktcpu [PX]       every routed expert on kt-kernel (needs .scratch/kt), decode graphed
 #                                                   on the lean path: the default worker plan and 16 workers
+#                                                   (KTCPU_CONFIGS overrides, e.g. "kt-cpu+int4 kt-cpu+int4+gpuprefill")
+#   bash scripts/device_session.sh gpuprefill       scripts/gpu_check.py --gpu-prefill: the kt-cpu rule's layerwise GPU
+#                                                   prefill (model dtype, Q8_0, Q4_K copies; shares 1, 0.5, auto) vs its CPU twin
 #   bash scripts/device_session.sh ktquant [LAYERS] kt-kernel experts in BF16, INT8 and INT4 (quantized at load), LAYERS
 #                                                   (16) of the 48 layers
 #   bash scripts/device_session.sh hybrid PX BUDGET lru, offload-only and the hybrid mode (misses split with kt-kernel
@@ -126,7 +129,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
            python3 -c "import kt_kernel; print('kt-kernel', kt_kernel.__cpu_variant__)"
            timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/ktcpu$px" --layers 48 \
-             --reps 3 --image-size "$px" --decode-tokens 16 --configs kt-cpu kt-cpu:16 \
+             --reps 3 --image-size "$px" --decode-tokens 16 --configs ${KTCPU_CONFIGS:-kt-cpu kt-cpu:16} \
              | tee "$OUT/ktcpu$px.txt" ;;
     ktquant) shift  # kt-kernel BF16 / INT8 / INT4 experts, LAYERS of the 48 layers (load time: quantization)
              layers=${1:-16}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
@@ -148,6 +151,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           | tee "$OUT/q8-$px-$budget.txt" ;;
     stores) shift
             timeout 300 python3 scripts/gpu_check.py --stores --out "$OUT/gpu_stores.json" | tee "$OUT/gpu_stores.txt" ;;
+    gpuprefill) shift
+                timeout 300 python3 scripts/gpu_check.py --gpu-prefill --out "$OUT/gpu_prefill.json" | tee "$OUT/gpu_prefill.txt" ;;
     ggufwrite) shift
                timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48 | tee "$OUT/gguf_write.txt"
                cp "$GGUF_DIR/synthetic_gguf.json" "$OUT/" ;;

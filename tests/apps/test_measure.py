@@ -132,3 +132,17 @@ def test_decode_bench_splits_a_cpu_expert_prefill(tmp_path):
     row = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]
     assert row["prefill_vision_s"] > 0 and row["prefill_cpu_expert_s"] > 0 and row["prefill_cpu_expert_gb_s"] > 0
     assert re.search(r"kt-cpu: a prefill's [\d.]+ s: vision tower [\d.]+ s, CPU experts [\d.]+ s", result.stdout)
+
+
+def test_decode_bench_reports_the_layerwise_gpu_prefill(tmp_path):
+    """kt-cpu+gpuprefill: the prompt's experts go through the host copy (here the CPU twin), a quarter of each
+    layer's there and the rest on the CPU backend, and the row says so."""
+    result = subprocess.run([sys.executable, "-m", "vismmoe_kt.apps.measure.decode_bench", "--out", str(tmp_path),
+                             "--device", "cpu", "--tiny", "tiny-6x64", "--image-size", "96", "--decode-tokens", "4",
+                             "--reps", "1", "--configs", "kt-cpu+gpuprefill=2+share=0.25"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]
+    assert row["gpu_prefill_prefills"] == 2  # the warm-up's and the measured one's
+    assert row["gpu_prefill_gpu_share"] == 0.25 and row["gpu_prefill"].startswith("layerwise GPU prefill from 2 tokens: q8_0")
+    assert "of the prefill layers' experts on the GPU" in result.stdout

@@ -9,6 +9,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     offload_runtime   the OffloadRuntime every VisExperts of the model uses (the first one makes it)
     expert_set_runtimes  a second expert set's runtime by name (VisionExperts: ERNIE-4.5-VL's vision experts)
     cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
+    gpu_prefill       the CpuExperts layers' LayerwisePrefill (long prompts' experts on the GPU), or None
     cpu_threads       its worker count (`load(..., cpu_infer=N)` or `--cpu_infer`; None: physical
                       cores - 2, runtime/cpu/threads.py)
     model_device      the device modules go to by default (our loader sets it; None under upstream's)
@@ -80,6 +81,7 @@ class LoadContext:
     offload_runtime: Any = None      # runtime.offload.OffloadRuntime
     expert_set_runtimes: dict[str, Any] = field(default_factory=dict)  # a second expert set's (VisionExperts)
     cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
+    gpu_prefill: Any = None          # runtime.layerwise_prefill.LayerwisePrefill
     cpu_threads: int | None = None
     model_device: str | None = None  # where the loader puts modules by default (None under upstream's loop)
     token_is_visual: torch.Tensor | None = None

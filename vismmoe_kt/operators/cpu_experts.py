@@ -12,6 +12,10 @@ these layers in its CUDA graph too; elsewhere (prefill, the torch backend) the c
 host. With kt-kernel serving a CUDA model, torch keeps only the reserved cores' threads: its
 host work is light, and its threads would otherwise compete with the pinned workers.
 
+A prompt of at least `gpu_prefill_tokens` tokens takes KTransformers' other prefill: each layer's experts
+cross PCIe from a host copy (Q4_K by default), a layer ahead, and run on the GPU, all of them or a share
+while the CPU computes the rest (runtime/layerwise_prefill.py). Decode stays on the CPU.
+
 Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu/__init__.py). Workers: `--cpu_infer`
 (runtime/cpu/threads.py).
 """
@@ -27,6 +31,8 @@ from torch import nn
 
 from ..runtime.cpu import CpuExpertSettings, make_backend
 from ..runtime.cpu.threads import leave_cores_to_workers
+from ..runtime.layerwise_prefill import LayerwisePrefill
+from ..runtime.store import raw_down_format
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts
 
 
@@ -61,18 +67,52 @@ class CpuExperts(BaseInjectedModule):
         self.backend = self.context.cpu_backend
         self.settings = settings
         self.counters = CpuCallStats()
+        self.act = self.adapter.expert_activation(orig_module)
+        self.gpu_prefill = self._shared_gpu_prefill(config) if settings.gpu_prefill_tokens else None
+
+    def _shared_gpu_prefill(self, config: Any) -> LayerwisePrefill:
+        """The model's one LayerwisePrefill (the first CpuExperts with `gpu_prefill_tokens` makes it; every
+        other must ask for the same)."""
+        s = self.settings
+        wanted = (s.gpu_prefill_tokens, s.gpu_prefill_format, s.gpu_prefill_share)
+        made = self.context.gpu_prefill
+        if made is None:
+            shape = self.adapter.moe_shape(config)
+            device = self.context.model_device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = getattr(self.orig_module, self.adapter.expert_tensors[0]).dtype  # the model's
+            made = LayerwisePrefill(shape.num_experts, shape.hidden, shape.inter, dtype, device,
+                                    s.gpu_prefill_format, s.gpu_prefill_tokens, s.gpu_prefill_share)
+            made.wanted = wanted
+            self.context.gpu_prefill = made
+        elif made.wanted != wanted:
+            raise ValueError(f"{self.key}: gpu_prefill_tokens, gpu_prefill_format, gpu_prefill_share {wanted} differ "
+                             f"from another CpuExperts rule's {made.wanted}; the model's layers share one")
+        return made
 
     def load(self) -> None:
         from ..core.weights import read_tensor
 
         experts, names = self.orig_module, self.adapter.expert_tensors
+
+        def read() -> list[torch.Tensor]:
+            return [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"),
+                                getattr(experts, name).shape, self.adapter.gguf_names) for name in names]
+
         stored = self._stored_experts(names)
+        tensors = None
         if stored is not None:  # a GGUF's quantized experts, computed as stored
             self.backend.add_layer_stored(self.layer, *stored)
         else:
-            tensors = [read_tensor(self.gguf_loader, f"{self.key}.{name}", torch.device("cpu"),
-                                   getattr(experts, name).shape, self.adapter.gguf_names) for name in names]
+            tensors = read()
             self.backend.add_layer(self.layer, *tensors)
+        if self.gpu_prefill is not None:  # its host copy: a GGUF's bytes as stored where the format is theirs
+            raw = stored_gguf_experts(self.gguf_loader, self.key, names)
+            store = self.gpu_prefill.store
+            down = raw_down_format(store.fmt, store.inter, *(kind for _, kind in raw)) if raw else None
+            if down is not None:
+                self.gpu_prefill.fill_layer_raw(self.layer, *(data for data, _ in raw), down_format=down)
+            else:
+                self.gpu_prefill.fill_layer(self.layer, *(tensors if tensors is not None else read()))
         for name in names:  # the backend holds the weights now
             del experts._parameters[name]
 
@@ -89,6 +129,9 @@ class CpuExperts(BaseInjectedModule):
         return getattr(self.backend, "streams", False) or not torch.cuda.is_available()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.gpu_prefill is not None and self.gpu_prefill.takes(hidden_states.shape[0], hidden_states.device):
+            cpu = self.backend if self.gpu_prefill.share < 1 or self.gpu_prefill.auto_share else None
+            return self.gpu_prefill.run(self.layer, hidden_states, top_k_index, top_k_weights, self.act, cpu)
         if hidden_states.device.type == "cuda" and hidden_states.shape[0] == 1 and getattr(self.backend, "streams", False):
             self.counters.calls += 1  # host time is not measurable here: the call runs inside the stream
             self.counters.tokens += 1
@@ -107,4 +150,6 @@ class CpuExperts(BaseInjectedModule):
     def stats(self) -> dict[str, Any]:
         first = self.layer == min(self.backend.layers)
         backend = {"cpu_backend": self.backend.describe(), "bytes_cpu_backend": self.backend.host_bytes} if first else {}
+        if first and self.gpu_prefill is not None:
+            backend.update(self.gpu_prefill.stats())
         return {**backend, **asdict(self.counters)}

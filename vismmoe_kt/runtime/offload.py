@@ -41,8 +41,7 @@ from .decode_boundary import DecodeBoundary
 from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
-from .ggml_types import PART_FORMATS, STORE_FORMATS
-from .store import PART_CODECS, ExpertStore, block_views
+from .store import ExpertStore, block_views, raw_down_format
 from . import decode_kernel, expert_major, quantized_major
 from .table_experts import (combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_batch_outputs,
                             quantized_slab_outputs)
@@ -221,14 +220,7 @@ class OffloadRuntime:
         Q4_K_M file's Q6_K; no CPU backend wanting the model's dtype); None: dequantize and requantize."""
         if layer in self.pinned or not self.store.quantized or self.cpu is not None:
             return None
-        if gate_type != STORE_FORMATS[self.store.fmt] or up_type != gate_type:
-            return None
-        down = next((name for name, kind in PART_FORMATS.items() if kind == down_type), None)
-        try:
-            PART_CODECS[down].row_bytes(self.inter)  # rows of whole blocks
-        except (KeyError, ValueError):
-            return None
-        return down
+        return raw_down_format(self.store.fmt, self.inter, gate_type, up_type, down_type)
 
     def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        down_format: str | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import q4, q4k, q5k, q6k, q8
+from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .host_memory import HostBuffer
 
 
@@ -44,6 +45,20 @@ def quant_views(blocks: torch.Tensor, inter: int, hidden: int, codec=q8,
 
 
 FORMATS = ("model", "q8_0", "q4_0", "q4_k", "q5_k")
+
+
+def raw_down_format(fmt: str, inter: int, gate_type: int, up_type: int, down_type: int) -> str | None:
+    """The down part's format if a store in `fmt` can take a GGUF layer's experts as the file stores them
+    (gate and up in `fmt`, down in it or in another block format whose rows fit, e.g. a Q4_K_M file's
+    Q6_K); None: they must be dequantized and requantized."""
+    if gate_type != STORE_FORMATS.get(fmt) or up_type != gate_type:
+        return None
+    down = next((name for name, kind in PART_FORMATS.items() if kind == down_type), None)
+    try:
+        PART_CODECS[down].row_bytes(inter)  # rows of whole blocks
+    except (KeyError, ValueError):
+        return None
+    return down
 
 
 class ExpertStore:

@@ -36,6 +36,10 @@ Configurations (all greedy, batch 1, an image prompt; the rule files named are Q
                 every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
                 N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
                 each layer's CPU call inside the step's CUDA graph
+  kt-cpu...+gpuprefill[=N][+share=F|auto]
+                KTransformers' dual prefill: prompts of N tokens or more (default 64) run each layer's experts
+                on the GPU from a Q4_K host copy sent a layer ahead (gpu_prefill_tokens), all of them or a
+                share F while kt-kernel computes the rest (gpu_prefill_share); decode as kt-cpu
   ...+gguf      any of the above loaded from the checkpoint in `--gguf DIR` (an HF directory with GGUF
                 files, read as `--gguf_path`; `python -m vismmoe_kt.demo.synthetic_gguf DIR` writes the
                 synthetic model's weights so, Q4_K experts by default) instead of made in memory; with
@@ -111,6 +115,7 @@ GPU_RULES, OFFLOAD_RULES, LRU_RULES, KT_CPU_RULES = "gpu", "offload", "lru", "kt
 HYBRID_RULES = "hybrid"
 
 FROM_GGUF = "from_gguf"  # a configuration's own key: load from --gguf instead of making the weights
+GPU_PREFILL_TOKENS = 64  # kt-cpu+gpuprefill's threshold when the option names none
 
 
 def runtime_of(model):
@@ -133,6 +138,10 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             if not spec.startswith(("kt-cpu", "hybrid:")):
                 raise SystemExit(f"--configs: +{name} applies to kt-cpu and hybrid:BUDGET only, not {spec!r}")
             extra["cpu_dtype"] = name
+        elif name == "gpuprefill" and spec.startswith("kt-cpu") and (not value or value.isdigit()):
+            extra["gpu_prefill_tokens"] = int(value or GPU_PREFILL_TOKENS)
+        elif name == "share" and value and spec.startswith("kt-cpu"):
+            extra["gpu_prefill_share"] = value if value == "auto" else float(value)
         elif name == "cpu" and not value and spec.startswith("hybrid:"):
             extra["miss_policy"] = "cpu"
         elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
@@ -143,8 +152,12 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             extra[FROM_GGUF] = True
         else:
             raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
-                             "int4; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; any: gguf)")
-    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF} and not spec.startswith("lean:"):
+                             "int4, gpuprefill[=N], share=F|auto; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; "
+                             "any: gguf)")
+    if "gpu_prefill_share" in extra and "gpu_prefill_tokens" not in extra:
+        raise SystemExit(f"--configs: +share applies with +gpuprefill, not alone ({spec!r})")
+    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF, "gpu_prefill_tokens",
+                     "gpu_prefill_share"} and not spec.startswith("lean:"):
         raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
@@ -350,6 +363,15 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
             row["cpu_expert_gb_s"] = per_token * row["decode_tok_s_median"] / 1e9  # a floor: the step has GPU work too
             if row.get("prefill_cpu_expert_s"):  # a prefill of hundreds of tokens reaches about every expert
                 row["prefill_cpu_expert_gb_s"] = backend.host_bytes / row["prefill_cpu_expert_s"] / 1e9
+    gpu_prefill = model.vismmoe.context.gpu_prefill
+    if gpu_prefill is not None and gpu_prefill.counters.prefills:  # KTransformers' dual prefill (kt-cpu+gpuprefill)
+        gpu_prefill.stats()  # reads back the copies' and stalls' timings
+        c = gpu_prefill.counters
+        row.update(gpu_prefill_copy_s=c.copy_seconds / c.prefills, gpu_prefill_stall_s=c.stall_seconds / c.prefills,
+                   gpu_prefill_host_between_s=c.host_seconds_between / c.prefills,
+                   gpu_prefill=gpu_prefill.describe(), gpu_prefill_prefills=c.prefills,
+                   gpu_prefill_gb_per_prefill=c.bytes_copied / c.prefills / 1e9,
+                   gpu_prefill_gpu_share=c.gpu_experts / (c.gpu_experts + c.cpu_experts))
     if runtime is not None:
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
@@ -574,6 +596,11 @@ def main() -> int:
                   f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "
                   f"expert weights if it reads them all), the rest (the GPU's layers, copies) "
                   f"{r['prefill_s_median'] - r['prefill_vision_s'] - r['prefill_cpu_expert_s']:.3f} s")
+        if r.get("gpu_prefill"):
+            print(f"{r['config']}: {r['gpu_prefill']}; {r['gpu_prefill_gb_per_prefill']:.2f} GB over PCIe per prefill, "
+                  f"{100 * r['gpu_prefill_gpu_share']:.0f}% of the prefill layers' experts on the GPU; per prefill the "
+                  f"copies took {r['gpu_prefill_copy_s']:.3f} s, the compute stream waited on them {r['gpu_prefill_stall_s']:.3f} s, "
+                  f"the host spent {r['gpu_prefill_host_between_s']:.3f} s between the layers' calls")
     for r in rows:
         if r.get("cpu_quota_trial"):
             print(f"{r['config']}: {r['cpu_quota_trial']}")

@@ -32,6 +32,11 @@ class CpuExpertSettings:
     # auto: a GGUF's quantized experts as stored (kt-kernel's llamafile kernels), else bf16 | bf16 | int8 | int4:
     # kt-kernel quantizes at load, cached beside the model
     cpu_dtype: str = "auto"
+    # KTransformers' dual prefill: a call of at least this many tokens runs its layer's experts on the GPU
+    # from a host copy in `gpu_prefill_format`, copied a layer ahead (runtime/layerwise_prefill.py); 0: off
+    gpu_prefill_tokens: int = 0
+    gpu_prefill_format: str = "auto"  # auto: q4_k where the widths allow, else q8_0 | model | q8_0 | q4_0 | q4_k | q5_k
+    gpu_prefill_share: Any = 1.0  # the GPU's share of a layer's experts there (the CPU computes the rest) | auto
 
     def __post_init__(self):
         if self.cpu_backend not in BACKENDS:
@@ -41,6 +46,16 @@ class CpuExpertSettings:
         if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":
             raise ValueError(f"cpu_dtype {self.cpu_dtype} needs cpu_backend kt-kernel (or auto): the torch backend "
                              "computes the checkpoint's dtype")
+        from ..layerwise_prefill import FORMATS
+
+        if isinstance(self.gpu_prefill_tokens, bool) or not isinstance(self.gpu_prefill_tokens, int) \
+                or self.gpu_prefill_tokens < 0:
+            raise ValueError(f"gpu_prefill_tokens must be 0 (off) or a token count, got {self.gpu_prefill_tokens!r}")
+        if self.gpu_prefill_format not in FORMATS:
+            raise ValueError(f"gpu_prefill_format {self.gpu_prefill_format!r} is not one of: {', '.join(FORMATS)}")
+        share = self.gpu_prefill_share
+        if share != "auto" and (isinstance(share, (bool, str)) or not 0 < float(share) <= 1):
+            raise ValueError(f"gpu_prefill_share must be in (0, 1] or auto, got {share!r}")
 
 
 def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: str = "bf16",
