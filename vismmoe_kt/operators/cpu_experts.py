@@ -106,7 +106,7 @@ class CpuExperts(BaseInjectedModule):
             tensors = read()
             self.backend.add_layer(self.layer, *tensors)
         if self.gpu_prefill is not None:  # its host copy: a GGUF's bytes as stored where the format is theirs
-            raw = stored_gguf_experts(self.gguf_loader, self.key, names)
+            raw = stored or stored_gguf_experts(self.gguf_loader, self.key, names)
             store = self.gpu_prefill.store
             down = raw_down_format(store.fmt, store.inter, *(kind for _, kind in raw)) if raw else None
             if down is not None:

@@ -91,9 +91,8 @@ class LayerwisePrefill:
         self._bank: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staging: list[torch.Tensor | None] = [None, None]
         self._staged: list[tuple[int, int] | None] = [None, None]  # (layer, experts) each buffer holds or receives
-        self._copied: list[Any] = [None, None]   # event: the buffer's copy has landed
         self._read: list[Any] = [None, None]     # event: the compute stream is done with the buffer
-        self._timing: list[Any] = [None, None]   # (start, end) events of the buffer's last copy
+        self._timing: list[Any] = [None, None]   # (start, end) events of the buffer's last copy: end = landed
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._returned: float | None = None  # host clock when the last layer's call returned
         self._pending: list[tuple[str, Any, Any]] = []  # (counter, start, end) events not read back yet
@@ -141,6 +140,7 @@ class LayerwisePrefill:
         task = None
         if count < self.num_experts:
             task = self._submit_cpu(cpu, layer, hidden, top_k_index, top_k_weights, count)
+            submitted = time.perf_counter()
         gate_up, down = self._gpu_bank(layer, count)
         if self.cuda:  # only the dequantization read the staging buffer: free it and start the next layer's copy
             # before the grouped GEMM, which may wait on the host (torch's _grouped_mm read its group ends back
@@ -157,10 +157,11 @@ class LayerwisePrefill:
         self.counters.tokens += hidden.shape[0]
         self.counters.gpu_experts += count
         if task is not None:
-            seconds = task.wait_seconds()
+            result = task.wait()
+            seconds = time.perf_counter() - submitted
             self.counters.cpu_experts += self.num_experts - count
             self.counters.cpu_seconds += seconds
-            out = out + task.result.to(out.device, non_blocking=True)
+            out = out + result.to(out.device, non_blocking=True)
             self._update_share(layer, count, seconds)
         self._returned = time.perf_counter()
         return out
@@ -172,12 +173,12 @@ class LayerwisePrefill:
         return self._staged[slot][1] if slot is not None else self.gpu_experts()
 
     def _submit_cpu(self, cpu: Any, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, count: int) -> "_TimedTask":
+                    top_k_weights: torch.Tensor, count: int) -> Any:
         ids = top_k_index.masked_fill(top_k_index < count, -1)  # -1: computed elsewhere (the backend skips it)
         host = [t.to("cpu", non_blocking=self.cuda) for t in (hidden, ids, top_k_weights.float())]
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        return _TimedTask(cpu.submit(layer, *host))
+        return cpu.submit(layer, *host)
 
     def _gpu_bank(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's first `count` experts in the model's dtype, rows at their own indices."""
@@ -193,7 +194,7 @@ class LayerwisePrefill:
             slot = self._stage(layer, count, self._free_slot(layer))
         stalled, resumed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stalled.record()
-        torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+        torch.cuda.current_stream(self.device).wait_event(self._timing[slot][1])
         resumed.record()
         self._pending.append(("stall_seconds", stalled, resumed))
         staging = self._staging[slot]
@@ -253,7 +254,7 @@ class LayerwisePrefill:
             start.record()
             self._staging[slot][:source.numel()].copy_(source, non_blocking=True)
             end.record()
-        self._copied[slot], self._timing[slot] = end, (start, end)
+        self._timing[slot] = (start, end)
         self._pending.append(("copy_seconds", start, end))
         self._read[slot] = torch.cuda.Event()
         self._staged[slot] = (layer, count)
@@ -286,30 +287,20 @@ class LayerwisePrefill:
         return (f"layerwise GPU prefill from {self.min_tokens} tokens: {self.fmt} host copy "
                 f"({self.store.nbytes / 2**30:.1f} GiB), GPU share {share}")
 
-    def stats(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
+    def settle(self) -> LayerwiseCounters:
+        """The counters with every timing read back (waits for the device's work)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self._read_back()
+        return self.counters
 
+    def stats(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        self.settle()
         return {"gpu_prefill": self.describe(), **{f"gpu_prefill_{k}": v for k, v in asdict(self.counters).items()}}
 
     def close(self) -> None:
         self.store.release()
         self._staging = [None, None]
         self._bank = None
-
-
-class _TimedTask:
-    """A CPU backend's task and the host seconds from its submission to its result."""
-
-    def __init__(self, task: Any):
-        self._clock = time.perf_counter
-        self._start = self._clock()
-        self._task = task
-        self.result: torch.Tensor | None = None
-
-    def wait_seconds(self) -> float:
-        self.result = self._task.wait()
-        return self._clock() - self._start

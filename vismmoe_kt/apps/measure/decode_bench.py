@@ -365,8 +365,7 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
                 row["prefill_cpu_expert_gb_s"] = backend.host_bytes / row["prefill_cpu_expert_s"] / 1e9
     gpu_prefill = model.vismmoe.context.gpu_prefill
     if gpu_prefill is not None and gpu_prefill.counters.prefills:  # KTransformers' dual prefill (kt-cpu+gpuprefill)
-        gpu_prefill.stats()  # reads back the copies' and stalls' timings
-        c = gpu_prefill.counters
+        c = gpu_prefill.settle()  # the copies' and stalls' timings read back
         row.update(gpu_prefill_copy_s=c.copy_seconds / c.prefills, gpu_prefill_stall_s=c.stall_seconds / c.prefills,
                    gpu_prefill_host_between_s=c.host_seconds_between / c.prefills,
                    gpu_prefill=gpu_prefill.describe(), gpu_prefill_prefills=c.prefills,

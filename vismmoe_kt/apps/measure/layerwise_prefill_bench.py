@@ -15,21 +15,14 @@ import json
 import torch
 
 from ..arguments import FlagParser
+from .timing import median_seconds
 
 
 def timed(fn, reps: int = 5) -> float:
-    """Median milliseconds of `fn` on the current stream, after one warm-up call."""
+    """Median milliseconds of `fn` after one warm-up call (timing.median_seconds: CUDA events)."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_seconds(fn, reps) * 1000
 
 
 def main() -> None:
