@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -146,3 +147,19 @@ def test_decode_bench_reports_the_layerwise_gpu_prefill(tmp_path):
     assert row["gpu_prefill_prefills"] == 2  # the warm-up's and the measured one's
     assert row["gpu_prefill_gpu_share"] == 0.25 and row["gpu_prefill"].startswith("layerwise GPU prefill from 2 tokens: q8_0")
     assert "of the prefill layers' experts on the GPU" in result.stdout
+
+
+def test_decode_rate_is_measured_from_the_tokens_arrivals(tiny_dir, image_inputs, monkeypatch):
+    """A decode rate is the tokens' arrival times, not the device sync after the last one (which may wait on
+    work queued for a later request, such as the layerwise prefill's copy of the next prompt's first layer)."""
+    from vismmoe_kt import load
+    from vismmoe_kt.apps.bench import timing
+
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl-gpu.yaml", generate_device="cpu", prefill_device="cpu",
+                    progress=False)
+    syncs = []
+    monkeypatch.setattr(timing, "_sync", lambda: syncs.append(time.sleep(0.05)))  # a slow device-wide sync
+    timed = timing.timed_generate(model, dict(image_inputs), 5)
+    assert len(syncs) == 2 and len(timed.gaps_s) == 5 and timed.tokens.shape == (6,)
+    assert timed.decode_tok_s == pytest.approx(5 / sum(timed.gaps_s), rel=1e-9)
+    assert timed.prefill_s > 0

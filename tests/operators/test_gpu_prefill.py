@@ -101,6 +101,29 @@ def test_quantized_copy_is_the_dequantized_weights_arithmetic(tmp_path_factory):
     assert 0 < error < 0.3  # 4.5 bits a weight on a random tiny model: 0.13 here
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_the_copy_computes_in_the_models_dtype(case, dtype):
+    """The bank and its GEMMs take the dtype the model computes in (the checkpoint's, or `dtype`'s), not
+    the float32 of the meta-device module the rule replaced: a BF16 model's prefill once ran its
+    experts in float32, off torch's BF16 grouped GEMM and with a host sync a layer."""
+    model_dir, _, inputs = case
+    overrides = {"dtype": dtype} if dtype else {}
+    logits, stats, model = logits_and_stats(model_dir, inputs, gpu_prefill_tokens=2, gpu_prefill_format="model",
+                                            **overrides)
+    computes_in = next(model.model.language_model.embed_tokens.parameters()).dtype
+    assert computes_in == (torch.bfloat16 if dtype else torch.float32)
+    assert model.vismmoe.context.gpu_prefill.dtype == computes_in
+    assert stats["gpu_prefill_layers"] == SPECS["tiny-4x16"].layers and torch.isfinite(logits).all()
+
+
+def test_activations_in_another_dtype_are_named():
+    prefill = LayerwisePrefill(4, 64, 32, torch.float32, torch.device("cpu"), "model", 8)
+    prefill.fill_layer(0, torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    with pytest.raises(ValueError, match="torch.bfloat16 activations.*torch.float32"):
+        prefill.run(0, torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 1, dtype=torch.long),
+                    torch.ones(8, 1), torch.nn.functional.silu)
+
+
 def test_formats_and_bad_kwargs_are_named():
     assert resolve_format("auto", 2048, 768) == "q4_k"
     assert resolve_format("auto", 96, 64) == "q8_0"

@@ -176,6 +176,17 @@ class BaseInjectedModule(UPSTREAM or nn.Module):
         return adapter_for(getattr(self.config, "model_type", None), where=f"operator {self.key!r}")
 
     @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: the loader's conversion where one was asked for, else the
+        config's, else torch's default. Not the replaced module's parameters: rules inject into a model
+        built on the meta device, whose parameters have torch's default dtype (float32) whatever the
+        checkpoint's (a BF16 model's layerwise prefill once built its bank in float32 that way)."""
+        text = self.adapter.text_config(self.config)
+        dtype = getattr(self.gguf_loader, "dtype", None) or getattr(text, "dtype", None) \
+            or getattr(self.config, "dtype", None) or torch.float32
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+    @property
     def weights_device(self) -> torch.device:
         """Where this operator's weights live; operators that keep them elsewhere override it."""
         return torch.device(self.generate_device)

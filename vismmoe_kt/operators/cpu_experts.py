@@ -79,8 +79,7 @@ class CpuExperts(BaseInjectedModule):
         if made is None:
             shape = self.adapter.moe_shape(config)
             device = self.context.model_device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = getattr(self.orig_module, self.adapter.expert_tensors[0]).dtype  # the model's
-            made = LayerwisePrefill(shape.num_experts, shape.hidden, shape.inter, dtype, device,
+            made = LayerwisePrefill(shape.num_experts, shape.hidden, shape.inter, self.model_dtype, device,
                                     s.gpu_prefill_format, s.gpu_prefill_tokens, s.gpu_prefill_share)
             made.wanted = wanted
             self.context.gpu_prefill = made

@@ -45,10 +45,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set
     device = operator.generate_device
     if runtime is None:
         shape = adapter.expert_set_shape(config, expert_set)
-        text = adapter.text_config(config)
-        dtype = getattr(operator.gguf_loader, "dtype", None) or getattr(text, "dtype", None) \
-            or getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = operator.model_dtype
         prefetch = lookahead = None
         if settings.predictor:
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))

@@ -131,6 +131,9 @@ class LayerwisePrefill:
         rest (where `share` < 1) through `cpu` (a CpuExpertBackend) at the same time."""
         if layer not in self.store.layers:
             raise RuntimeError(f"layer {layer} has no experts in the layerwise prefill's store")
+        if hidden.dtype != self.dtype:  # a silent cast would run the GEMMs off their fast path
+            raise ValueError(f"the layerwise prefill got {hidden.dtype} activations for experts kept in {self.dtype}; "
+                             "the model's dtype and the operator's differ")
         if layer == self.layers[0]:
             self.counters.prefills += 1
         elif self._returned is not None:
@@ -143,8 +146,8 @@ class LayerwisePrefill:
             submitted = time.perf_counter()
         gate_up, down = self._gpu_bank(layer, count)
         if self.cuda:  # only the dequantization read the staging buffer: free it and start the next layer's copy
-            # before the grouped GEMM, which may wait on the host (torch's _grouped_mm read its group ends back
-            # in a full-size prefill on the H200): a copy issued after it would wait for this layer's compute
+            # before the grouped GEMM: where the GEMM waits on the host (torch's grouped GEMM outside BF16 reads
+            # its group ends back), a copy issued after it would wait for this layer's compute
             self._read[self._buffer_of(layer)].record()
             self._stage_next(layer, self.gpu_experts() if cpu is not None else self.num_experts)
         if task is None:

@@ -147,9 +147,9 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     before = collect_stats(model)
     prefill, decode = [], []
     for _ in range(settings.repeats):
-        first, rate, _ = timed_generate(model, request, settings.decode_tokens)
-        prefill.append(first)
-        decode.append(rate)
+        timed = timed_generate(model, request, settings.decode_tokens)
+        prefill.append(timed.prefill_s)
+        decode.append(timed.decode_tok_s)
         progress.update(1)
     after = collect_stats(model)
     routing = model.vismmoe.context.routing

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -27,12 +28,23 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, float, torch.Tensor]:
-    """(seconds to the first token, decode tokens/s over the next `decode_tokens` tokens, the new tokens).
+class TimedGeneration(NamedTuple):
+    prefill_s: float           # seconds to the first token
+    decode_tok_s: float        # tokens/s from the first token's arrival to the last's
+    tokens: torch.Tensor       # the new tokens (host)
+    gaps_s: list[float]        # seconds between consecutive tokens' arrivals
+
+
+def timed_generate(model, request: dict, decode_tokens: int) -> TimedGeneration:
+    """The first token's latency and the next `decode_tokens` tokens' rate, as a client sees them.
 
     Through the product's own generation (the lean decode path where the rules have a VisDecoder),
     greedy and forced to the full length (`min_new_tokens`): a random model's EOS would end early.
     Every request prefills cold: the lean path would otherwise reuse the same prompt's cache.
+    Times are the tokens' arrivals (each after its id was read back, so after the compute stream's
+    work for it). The device is synchronized after the last token, for the next measurement, but that
+    wait is not decode time: it may include work queued for a later request, such as the layerwise
+    prefill's copy of the next prompt's first layer.
     """
     streamer = TimingStreamer(_NoText(), io.StringIO())
     new_tokens = decode_tokens + 1  # the first token comes out of the prefill
@@ -48,9 +60,10 @@ def timed_generate(model, request: dict, decode_tokens: int) -> tuple[float, flo
     with torch.inference_mode():
         out = generate(model, request, new_tokens, streamer=streamer, min_new_tokens=new_tokens)
     _sync()
-    end = time.perf_counter()
-    first = streamer.token_times[0]
-    return first - start, decode_tokens / (end - first), out[0, request["input_ids"].shape[1]:].cpu()
+    times = streamer.token_times
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    return TimedGeneration(times[0] - start, decode_tokens / (times[-1] - times[0]),
+                           out[0, request["input_ids"].shape[1]:].cpu(), gaps)
 
 
 def profile_decode(model, request: dict, decode_tokens: int) -> dict | None:

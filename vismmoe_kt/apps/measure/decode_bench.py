@@ -93,7 +93,7 @@ from PIL import Image
 
 from vismmoe_kt import load
 from vismmoe_kt.apps.bench.bandwidth import measure_copy_bandwidth
-from vismmoe_kt.apps.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
+from vismmoe_kt.apps.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency, percentile
 from vismmoe_kt.apps.bench.inputs import make_request
 from vismmoe_kt.apps.bench.timing import profile_decode, timed_generate
 from vismmoe_kt.apps.measure.kernel_timeline import profile_kernels, profile_run
@@ -340,17 +340,22 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
-    prefill, decode, tokens = [], [], None
+    prefill, decode, gaps, tokens = [], [], [], None
     for _ in range(args.reps):
-        p, d, tokens = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
-        prefill.append(p)
-        decode.append(d)
+        timed = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
+        prefill.append(timed.prefill_s)
+        decode.append(timed.decode_tok_s)
+        gaps += timed.gaps_s
+        tokens = timed.tokens
     row_split = split.per_prefill(args.reps)
     row = {"config": spec, "load_s": model.vismmoe.load_seconds, "prompt_tokens": int(inputs["input_ids"].shape[1]),
            "decode_tok_s_reps": decode,
            "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
            "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
+           # inter-token latency over every rep's gaps: the median, and the tail a client notices
+           "token_gap_ms_p50": 1e3 * statistics.median(gaps) if gaps else None,
+           "token_gap_ms_p95": 1e3 * percentile(gaps, 0.95) if gaps else None,
            "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference), **row_split}
     if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
         row["turn_prompt_s"] = conversation(model, processor, args)
@@ -569,10 +574,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n")
-    print("| config | load s | prefill s (median) | decode tok/s (median, min-max) | x hf | tokens = hf "
-          "| PCIe bytes/token | decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak "
+    print("| config | load s | prefill s (median) | decode tok/s (median, min-max) | token gap ms (p50, p95) "
+          "| x hf | tokens = hf | PCIe bytes/token | decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak "
           "| host RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     hf = next((r for r in rows if r["config"] == "hf"), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
@@ -586,8 +591,9 @@ def main() -> int:
         graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
         peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
         load_s = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "-"
+        gap = f"{r['token_gap_ms_p50']:.1f}, {r['token_gap_ms_p95']:.1f}" if r.get("token_gap_ms_p50") else "-"
         print(f"| {r['config']} | {load_s} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
-              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {speedup} | {agree} | {per_token} | {hits} "
+              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {gap} | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     for r in rows:
         if r.get("prefill_cpu_expert_s"):

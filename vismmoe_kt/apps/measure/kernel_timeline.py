@@ -63,8 +63,7 @@ def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path |
     rate: list[float] = []
 
     def run() -> int:
-        _, tokens_per_s, _ = timed_generate(model, request, decode_tokens)
-        rate.append(tokens_per_s)
+        rate.append(timed_generate(model, request, decode_tokens).decode_tok_s)
         return decode_tokens
 
     summary = profile_run(run, trace_path)
