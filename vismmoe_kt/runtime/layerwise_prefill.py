@@ -132,8 +132,9 @@ class LayerwisePrefill:
         if layer not in self.store.layers:
             raise RuntimeError(f"layer {layer} has no experts in the layerwise prefill's store")
         if hidden.dtype != self.dtype:  # a silent cast would run the GEMMs off their fast path
-            raise ValueError(f"the layerwise prefill got {hidden.dtype} activations for experts kept in {self.dtype}; "
-                             "the model's dtype and the operator's differ")
+            raise ValueError(f"the layerwise prefill got {hidden.dtype} activations for experts kept in {self.dtype}: "
+                             "the operator took the model's dtype from the loader or the config, which name another "
+                             "one; load with dtype= set to the model's")
         if layer == self.layers[0]:
             self.counters.prefills += 1
         elif self._returned is not None:
