@@ -44,7 +44,8 @@ Configurations (all greedy, batch 1, an image prompt; the rule files named are Q
                 files, read as `--gguf_path`; `python -m vismmoe_kt.demo.synthetic_gguf DIR` writes the
                 synthetic model's weights so, Q4_K experts by default) instead of made in memory; with
                 store_dtype auto, a GGUF's quantized experts stay in its format in the host store
-Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps), how many greedy
+Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps;
+from the tokens' arrivals), the gaps between tokens (p50 and p95 over every rep), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
