@@ -33,8 +33,9 @@ import torch
 from . import decode_kernel
 from .expert_compute import bank_experts
 from .store import CODECS, ExpertStore
+from .store import FORMATS as HOST_FORMATS
 
-FORMATS = ("auto", "model", "q8_0", "q4_0", "q4_k", "q5_k")
+FORMATS = ("auto", *HOST_FORMATS)
 SHARE_KEEP = 0.5  # weight of the past in the automatic share, per layer measured
 
 
@@ -88,6 +89,7 @@ class LayerwisePrefill:
         self.wanted: tuple = ()  # the rule kwargs that made it (CpuExperts checks every layer asks the same)
         self.counters = LayerwiseCounters()
         self._identity = torch.arange(num_experts, device=self.device)
+        self._needed = torch.ones(num_experts, dtype=torch.int8, device=self.device)  # the kernel fetches every row
         self._bank: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staging: list[torch.Tensor | None] = [None, None]
         self._staged: list[tuple[int, int] | None] = [None, None]  # (layer, experts) each buffer holds or receives
@@ -210,8 +212,8 @@ class LayerwisePrefill:
         if not decode_kernel.available(self.dtype):  # torch's dequantization, on the device
             return self.store.dequantized(staging[:count * blocks_bytes].view(count, blocks_bytes), layer)
         ids = self._identity[:count]
-        need = torch.ones(count, dtype=torch.int8, device=self.device)
-        decode_kernel.fetch_q8(ids, need, ids, self._bank, staging.data_ptr(), blocks_bytes, self.inter, self.hidden,
+        decode_kernel.fetch_q8(ids, self._needed[:count], ids, self._bank, staging.data_ptr(), blocks_bytes,
+                               self.inter, self.hidden,
                                fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
         return self._bank[0][:count], self._bank[1][:count]
 
