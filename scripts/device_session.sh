@@ -68,6 +68,9 @@
 #                                                   model's routed experts), PX px (448), synthetic routing
 #                                                   (FAMILY_CONFIGS picks configurations; ernie-4.5-vl-28b-a3b: the
 #                                                   budget is its text experts', the vision experts keep 2 GiB)
+#   bash scripts/device_session.sh ablation BUDGET  VisMMOE's offload-only ladder against lru at BUDGET (448 and 896 px,
+#                                                   synthetic routing, the calibrated predictor): bench_h200.sh's
+#                                                   parts 1-2 or 3-4 without the resident baselines, in one call
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present; the gguf package from .scratch/pylib
@@ -224,6 +227,16 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              tail -3 "$OUT/bench_part$1.err"
              shift
            done ;;
+    ablation) shift  # #19's ladder at one BUDGET in two processes (each writes its own bench.json, so a
+                     # late timeout loses the second half only): lru, base, +compress; then +predict, -full
+              budget=$1; shift; t0=$SECONDS
+              args=(--synthetic qwen3-vl-30b-a3b --layers 48 --image-sizes 448 896 --warmup 1 --repeats 3
+                    --decode-tokens 16 --cpu_infer 12 --routing synthetic:0 --budgets "$budget"
+                    --predictor results/predictor-synthetic-48x128/predictor.pt)
+              timeout 330 python3 -m vismmoe_kt bench "${args[@]}" --configs lru vismmoe-base vismmoe+compress \
+                --output "$OUT/ablation-$budget-a" 2>"$OUT/ablation-$budget-a.err" | tee "$OUT/ablation-$budget-a.txt" || true
+              timeout $((585 - (SECONDS - t0))) python3 -m vismmoe_kt bench "${args[@]}" --configs vismmoe+predict \
+                vismmoe-full --output "$OUT/ablation-$budget-b" 2>"$OUT/ablation-$budget-b.err" | tee "$OUT/ablation-$budget-b.txt" ;;
     fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
           python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
           timeout 500 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \

@@ -163,3 +163,16 @@ def test_decode_rate_is_measured_from_the_tokens_arrivals(tiny_dir, image_inputs
     assert len(syncs) == 2 and len(timed.gaps_s) == 5 and timed.tokens.shape == (6,)
     assert timed.decode_tok_s == pytest.approx(5 / sum(timed.gaps_s), rel=1e-9)
     assert timed.prefill_s > 0
+
+
+def test_decode_bench_pin_sets_the_prefix_depth_of_vismmoe_configurations_only():
+    """`+pin=N` checks the automatic pinned depth by measurement: it sets `pinned_layers` on lean:BUDGET,
+    and is refused where no prefix exists (lru pins nothing by definition)."""
+    from vismmoe_kt.apps.measure.decode_bench import parse_config
+
+    rules, overrides = parse_config("lean:32GiB+pin=11")
+    assert overrides == {"expert_budget": "32GiB", "pinned_layers": 11}
+    with pytest.raises(SystemExit, match=r"\+pin apply to lean:BUDGET only"):
+        parse_config("lru:32GiB+pin=3")
+    with pytest.raises(SystemExit, match="unknown option"):
+        parse_config("lean:32GiB+pin=x")

@@ -24,6 +24,9 @@ Configurations (all greedy, batch 1, an image prompt; the rule files named are Q
                 (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
                 slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget), or
                 dequantized (the model's dtype); neither: auto (quantized where it works)
+  lean:BUDGET+pin=N
+                lean:BUDGET with N pinned layers instead of the automatic depth (Eq. 10's range, then
+                runtime/prefix_depth.py's predicted time per token): the choice checked by measurement
   lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
                 lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
                 graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
@@ -132,6 +135,8 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
             if not predictor:
                 raise SystemExit(f"--configs {spec}+predict needs --predictor PATH")
             extra["predictor"] = predictor
+        elif name == "pin" and value.isdigit():  # the pinned prefix's depth instead of Eq. 10's choice
+            extra["pinned_layers"] = int(value)
         elif name in ("minp", "topk", "stride") and value:
             key = {"minp": "prefetch_min_probability", "topk": "prefetch_topk", "stride": "prefetch_stride"}[name]
             extra[key] = float(value) if name == "minp" else int(value)
@@ -152,14 +157,14 @@ def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
         elif name == "gguf" and not value:
             extra[FROM_GGUF] = True
         else:
-            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S; kt-cpu, hybrid: int8, "
+            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S, pin=N; kt-cpu, hybrid: int8, "
                              "int4, gpuprefill[=N], share=F|auto; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; "
                              "any: gguf)")
     if "gpu_prefill_share" in extra and "gpu_prefill_tokens" not in extra:
         raise SystemExit(f"--configs: +share applies with +gpuprefill, not alone ({spec!r})")
     if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF, "gpu_prefill_tokens",
                      "gpu_prefill_share"} and not spec.startswith("lean:"):
-        raise SystemExit(f"--configs: +predict, +minp, +topk, +stride apply to lean:BUDGET only, not {spec!r}")
+        raise SystemExit(f"--configs: +predict, +minp, +topk, +stride, +pin apply to lean:BUDGET only, not {spec!r}")
     rules, overrides = _base_config(spec)
     return rules, {**overrides, **extra}
 
