@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vismmoe_kt.runtime.slab_cache import SlabCache, SlabState
+from vismmoe_kt.runtime.slab_cache import VICTIMS_HEAD, SlabCache, SlabState
 
 
 class CopySimulator:
@@ -202,27 +202,37 @@ def test_vismmoe_evicts_what_the_router_favours_least_when_usage_is_known():
     cache.check_invariants()
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_vectorised_usage_ranking_equals_the_plain_python_one(seed):
+@pytest.mark.parametrize("seed,num_slabs,levels", [(seed, 40, None) for seed in range(5)]
+                         + [(seed, 400, levels) for seed in range(3) for levels in (None, 4)])
+def test_vectorised_usage_ranking_equals_the_plain_python_one(seed, num_slabs, levels):
     """The numpy ranking (every Expired slab by (router average, recency), then Speculative by
     priority) against the rule written out in Python, on random caches with slabs in flight, in use,
-    in layers that ran and that did not, and usage rows of lists and arrays with missing layers."""
+    in layers that ran and that did not, and usage rows of lists and arrays with missing layers. At
+    400 slabs the first victims come from a partition (VICTIMS_HEAD); `levels` rounds the averages to
+    that many values, so ties at the partition's bound must keep their recency order."""
     import numpy as np
 
     rng = random.Random(seed)
     layers = list(range(6))
-    cache = SlabCache(40, layers, policy="vismmoe")
-    keys = rng.sample([(layer, expert) for layer in layers for expert in range(12)], 40)
+    experts = num_slabs // 4 + 2
+    cache = SlabCache(num_slabs, layers, policy="vismmoe")
+    keys = rng.sample([(layer, expert) for layer in layers for expert in range(experts)], num_slabs)
     slabs = cache.assign_many(keys, urgent=True)
-    for slab in slabs[:34]:  # the rest stay in flight (Required)
+    resident = num_slabs * 17 // 20
+    for slab in slabs[:resident]:  # the rest stay in flight (Required)
         cache.complete(slab)
     for layer in layers[:4]:
         cache.begin_layer(layer, [])
         cache.end_layer(layer)
     cache.begin_layer(4, [e for (layer, e) in keys if layer == 4][:2])  # its experts in use
-    for _ in range(15):
-        cache._touch(rng.choice(slabs[:34]))
-    cache.usage = {layer: (np.array if layer % 2 else list)([rng.random() for _ in range(10)]) for layer in layers[:3]}
+    for _ in range(num_slabs * 3 // 8):
+        cache._touch(rng.choice(slabs[:resident]))
+
+    def average() -> float:
+        return round(rng.random() * (levels - 1)) / (levels - 1) if levels else rng.random()
+
+    cache.usage = {layer: (np.array if layer % 2 else list)([average() for _ in range(experts - 2)])
+                   for layer in layers[:3]}
     cache.set_priorities({key: rng.random() for key in keys[::3]})
 
     def value(slab):
@@ -236,3 +246,8 @@ def test_vectorised_usage_ranking_equals_the_plain_python_one(seed):
     want = sorted(expired, key=lambda s: (value(s), recency.index(s))) + sorted(speculative, key=cache._priority_of)
     assert list(cache._victims()) == want
     assert expired and speculative  # both kinds were there to rank
+    if num_slabs > 40:
+        assert len(expired) > VICTIMS_HEAD  # the partition's path ran
+    # the decode boundary's way in: one array of every listed layer's averages, the same ranking
+    cache.set_usage(layers[:3], np.array([list(cache.usage[layer]) for layer in layers[:3]]))
+    assert list(cache._victims()) == want

@@ -159,7 +159,7 @@ class DecodeBoundary:
             # recency, Expired/Speculative (a batched step's tokens may share experts: each once)
             cache.begin_layer(layer, [e for e in dict.fromkeys(ids) if (layer, e) in cache.where])
             cache.end_layer(layer)
-        cache.usage = {layer: records.usage[row] for row, layer in enumerate(rt.moe_layers)}
+        cache.set_usage(rt.moe_layers, records.usage)
 
     def _publish_finished_copies(self) -> None:
         rt = self.runtime
