@@ -220,10 +220,7 @@ class SlabCache:
         a step): the ranking's lookup table is made here in one piece, not row by row."""
         averages = np.asarray(averages, dtype=np.float64)
         self.usage = dict(zip(layers, averages))
-        table = np.vstack([averages, np.zeros((1, averages.shape[1]))])  # the last row: layers without one
-        row_of = np.full(max(layers) + 1, len(layers), dtype=np.int64)
-        row_of[list(layers)] = np.arange(len(layers))
-        self._usage_of = (self.usage, table, row_of)
+        self._usage_of = (self.usage, *_lookup_table(list(layers), averages))
 
     def set_priorities(self, priorities: dict[Key, float]) -> None:
         self.priority = dict(priorities)
@@ -286,14 +283,12 @@ class SlabCache:
         # by value, then by recency (`place` ascends: a stable sort keeps it within equal values). A step
         # takes a few dozen victims of thousands, so the first HEAD come from a partition, not a full sort;
         # every slab valued at most the HEAD-th smallest value is in that part, so the order is the same
+        parts = [np.arange(len(place))]
         if len(place) > VICTIMS_HEAD:
             bound = np.partition(value, VICTIMS_HEAD - 1)[VICTIMS_HEAD - 1]
-            first = np.flatnonzero(value <= bound)
-            yield from order[place[first[np.argsort(value[first], kind="stable")]]].tolist()
-            rest = np.flatnonzero(value > bound)
-            yield from order[place[rest[np.argsort(value[rest], kind="stable")]]].tolist()
-        else:
-            yield from order[place[np.argsort(value, kind="stable")]].tolist()
+            parts = [np.flatnonzero(value <= bound), np.flatnonzero(value > bound)]
+        for part in parts:  # the rest is sorted only if the head did not suffice
+            yield from order[place[part[np.argsort(value[part], kind="stable")]]].tolist()
         speculative = order[evictable & ~ran].tolist()
         speculative.sort(key=self._priority_of)  # stable: equal priorities go least recent first
         yield from speculative
@@ -329,14 +324,11 @@ class SlabCache:
         if self._usage_of is not None and self._usage_of[0] is self.usage:
             return self._usage_of[1], self._usage_of[2]
         rows = [np.asarray(row, dtype=np.float64).reshape(-1) for row in self.usage.values()]
-        table = np.zeros((len(rows) + 1, max(len(row) for row in rows)))
+        averages = np.zeros((len(rows), max(len(row) for row in rows)))  # rows of any length, zero-padded
         for i, row in enumerate(rows):
-            table[i, :len(row)] = row
-        keys = np.fromiter(self.usage.keys(), dtype=np.int64, count=len(rows))
-        row_of = np.full(int(keys.max()) + 1, len(rows), dtype=np.int64)
-        row_of[keys] = np.arange(len(rows))
-        self._usage_of = (self.usage, table, row_of)
-        return table, row_of
+            averages[i, :len(row)] = row
+        self._usage_of = (self.usage, *_lookup_table(list(self.usage), averages))
+        return self._usage_of[1], self._usage_of[2]
 
     def _priority_of(self, slab: int) -> float:
         key = self.owner[slab]
@@ -370,3 +362,10 @@ class SlabCache:
         assert self.in_use <= {s for s in range(self.num_slabs) if self.owner[s] is not None}
         assert sorted(self._free) == [s for s in range(self.num_slabs) if self.owner[s] is None], "free list out of sync"
         assert set(self._recency) == {s for s in range(self.num_slabs) if self.owner[s] is not None}, "recency out of sync"
+
+
+def _lookup_table(layers: list[int], averages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the averages plus a zero row for layers without one, each layer's row in it)."""
+    row_of = np.full(max(layers) + 1, len(layers), dtype=np.int64)
+    row_of[layers] = np.arange(len(layers))
+    return np.vstack([averages, np.zeros((1, averages.shape[1]))]), row_of
