@@ -7,7 +7,7 @@
 #                                                   lru at 16 GiB, lean offloaded at 16 and 32 GiB (synthetic
 #                                                   routing): five configurations in one process
 #   bash scripts/device_session.sh predict PX BUDGET  decode at PX px, BUDGET: lru, vismmoe, vismmoe with the
-#                                                   lookahead predictor (results/predictor-synthetic-48x128) at
+#                                                   lookahead predictor (benchmarks/results/2026-11-30/predictor-synthetic-48x128) at
 #                                                   every MoE layer, every 2nd and every 5th (prefetch_stride),
 #                                                   synthetic routing (about 9 min)
 #   bash scripts/device_session.sh kernels PX BUDGET  all resident, lru, vismmoe, vismmoe + lookahead at PX px, BUDGET,
@@ -63,7 +63,7 @@
 #                                                   all-resident; then stock vs all-resident at 448 px
 #   bash scripts/device_session.sh family [PX]      #24's rows for a non-Qwen family at full published shapes (MODEL,
 #                                                   default deepseek-ocr2; MODEL_LAYERS cuts layers, e.g. 24 for
-#                                                   glm-4.5v): vismmoe-kt bench all-on-gpu, all-pinned, lru and
+#                                                   glm-4.5v): python -m benchmarks.bench all-on-gpu, all-pinned, lru and
 #                                                   vismmoe-full at a budget of FAMILY_BUDGET (30%: that share of the
 #                                                   model's routed experts), PX px (448), synthetic routing
 #                                                   (FAMILY_CONFIGS picks configurations; ernie-4.5-vl-28b-a3b: the
@@ -94,12 +94,12 @@ rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) t
 while [[ $# -gt 0 ]]; do
   case $1 in
     check) timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
-    kernel) timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
+    kernel) timeout 400 python3 -m benchmarks.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
     decode) shift
             px=448
             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
-            timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/decode$px" --layers 48 --reps 5 \
+            timeout 570 python3 -m benchmarks.decode_bench --out "$OUT/decode$px" --layers 48 --reps 5 \
               --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lru:16GiB lean:16GiB lean:32GiB \
               | tee "$OUT/decode_bench$px.txt" ;;
     smoke) shift
@@ -109,46 +109,46 @@ from vismmoe_kt.predictor.model import LookaheadPredictor, PredictorConfig
 torch.manual_seed(0)
 LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32, visual_size=96, window=5,
                                    hidden_source='synthetic')).save('$OUT/tiny_predictor.pt')"
-           timeout 300 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/smoke" --tiny tiny-6x64 --routing synthetic \
+           timeout 300 python3 -m benchmarks.decode_bench --out "$OUT/smoke" --tiny tiny-6x64 --routing synthetic \
              --reps 2 --decode-tokens 16 --image-size 224 --predictor "$OUT/tiny_predictor.pt" \
              --configs lean:12MiB lean:12MiB+predict+minp=0 | tee "$OUT/smoke.txt"
            grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json" && { echo "smoke: steps not graphed" >&2; exit 3; } ;;
     predict) shift
              px=$1 budget=$2; shift 2
-             timeout "${PREDICT_TIMEOUT:-580}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/predict$px-$budget" \
+             timeout "${PREDICT_TIMEOUT:-580}" python3 -m benchmarks.decode_bench --out "$OUT/predict$px-$budget" \
                --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
-               --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --predictor benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt \
                --configs ${PREDICT_CONFIGS:-"lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=2" \
                  "lean:$budget+predict+stride=5"} \
                | tee "$OUT/predict$px-$budget.txt" ;;
     kernels) shift  # one profiled request per configuration: where the decode step's device time goes
              px=$1 budget=$2; shift 2
-             timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
+             timeout 560 python3 -m benchmarks.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
                --reps 1 --image-size "$px" --decode-tokens 32 --kernels \
-               --predictor results/predictor-synthetic-48x128/predictor.pt \
+               --predictor benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt \
                --configs ${KERNEL_CONFIGS:-lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=5"} \
                | tee "$OUT/kernels$px-$budget.txt" ;;
     ktcpu) shift  # every routed expert on kt-kernel, decode on the lean path (graphed), two worker counts
            px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
            python3 -c "import kt_kernel; print('kt-kernel', kt_kernel.__cpu_variant__)"
-           timeout 560 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/ktcpu$px" --layers 48 \
+           timeout 560 python3 -m benchmarks.decode_bench --out "$OUT/ktcpu$px" --layers 48 \
              --reps 3 --image-size "$px" --decode-tokens 16 --configs ${KTCPU_CONFIGS:-kt-cpu kt-cpu:16} \
              | tee "$OUT/ktcpu$px.txt" ;;
     ktquant) shift  # kt-kernel BF16 / INT8 / INT4 experts, LAYERS of the 48 layers (load time: quantization)
              layers=${1:-16}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
-             timeout 400 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/ktquant$layers" \
+             timeout 400 python3 -m benchmarks.decode_bench --out "$OUT/ktquant$layers" \
                --layers "$layers" --reps 3 --image-size 448 --decode-tokens 16 \
                --configs kt-cpu kt-cpu+int8 kt-cpu+int4 | tee "$OUT/ktquant$layers.txt" ;;
     hybrid) shift  # VisMMOE hybrid decode in the graph (kt-kernel INT8 on misses) against lru and offload-only
             px=$1 budget=$2; shift 2
-            timeout "${HYBRID_TIMEOUT:-590}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
+            timeout "${HYBRID_TIMEOUT:-590}" python3 -m benchmarks.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
               --reps 3 --image-size "$px" --decode-tokens 32 \
               --configs ${HYBRID_CONFIGS:-"lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu"} \
               | tee "$OUT/hybrid$px-$budget.txt" || true
             rows_up "$OUT/hybrid$px-$budget" ;;
     q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K / Q5_K (a half to a quarter of the PCIe bytes per miss) vs BF16
         px=$1 budget=$2; shift 2
-        timeout 570 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
+        timeout 570 python3 -m benchmarks.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
           --image-size "$px" --decode-tokens 32 \
           --configs "lru:$budget" "lean:$budget" "lean:$budget+q8" "lean:$budget+q4" "lean:$budget+q4k" "lean:$budget+q5k" \
           | tee "$OUT/q8-$px-$budget.txt" ;;
@@ -157,13 +157,13 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     gpuprefill) shift
                 timeout 300 python3 scripts/gpu_check.py --gpu-prefill --out "$OUT/gpu_prefill.json" | tee "$OUT/gpu_prefill.txt" ;;
     ggufwrite) shift
-               timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48 | tee "$OUT/gguf_write.txt"
+               timeout 560 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48 | tee "$OUT/gguf_write.txt"
                cp "$GGUF_DIR/synthetic_gguf.json" "$OUT/" ;;
     gguf) shift  # VisMMOE from a Q4_K GGUF checkpoint against BF16 (lru, VisMMOE) and Q4_K quantized at load
           px=$1 budget=$2; shift 2
-          [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 560 python3 -m vismmoe_kt.demo.synthetic_gguf "$GGUF_DIR" --layers 48
+          [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 560 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           # a process per configuration: each one's host RSS is its own (and a row survives a timeout)
-          timeout "${GGUF_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/gguf-$px-$budget" \
+          timeout "${GGUF_TIMEOUT:-570}" python3 -m benchmarks.decode_bench --out "$OUT/gguf-$px-$budget" \
             --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" --isolate \
             --configs ${GGUF_CONFIGS:-"lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k"} \
             | tee "$OUT/gguf-$px-$budget.txt" || true
@@ -177,7 +177,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            px=$1; shift
            levels=()
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
-           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench \
+           timeout "${BATCH_TIMEOUT:-570}" python3 -m benchmarks.decode_bench \
              --out "$OUT/batch$px${BATCH_TAG:-}" --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
              --routing "${BATCH_ROUTING:-synthetic}" --concurrency "${levels[@]}" \
              --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} ${BATCH_ARGS:-} | tee "$OUT/batch$px${BATCH_TAG:-}.txt" ;;
@@ -185,22 +185,22 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            px=$1; shift
            levels=()
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
-           timeout "${BATCH_TIMEOUT:-570}" python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/batchoff$px" \
+           timeout "${BATCH_TIMEOUT:-570}" python3 -m benchmarks.decode_bench --out "$OUT/batchoff$px" \
              --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing synthetic --isolate \
              --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} ${BATCH_ARGS:-} \
              | tee "$OUT/batchoff$px.txt" || true
            rows_up "$OUT/batchoff$px" ;;
     kbatch) shift  # a batched step's resident experts: grouped GEMM, the table kernels, the expert-major kernels
-            timeout 400 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kbatch" --batch --tune \
+            timeout 400 python3 -m benchmarks.decode_kernel_bench --out "$OUT/kbatch" --batch --tune \
               > "$OUT/kbatch.txt" 2>&1 || true
             tail -c 3000 "$OUT/kbatch.txt" ;;
     realblayer) shift  # ReaLB's MoE layer, each EP rank's expert compute on one GPU: R ranks x N requests
               for spec in ${REALB_RUNS:-2x16 4x16 8x16 8x32 8x64}; do
-                timeout 170 python3 -m vismmoe_kt.apps.measure.realb_layer_bench --out "$OUT/realblayer-$spec" \
+                timeout 170 python3 -m benchmarks.realb_layer_bench --out "$OUT/realblayer-$spec" \
                   --ranks "${spec%x*}" --requests "${spec#*x}" 2>&1 | tee "$OUT/realblayer-$spec.txt" | tail -7 || true
               done ;;
     kqbatch) shift  # the same step on Q4_K slabs: GEMVs token by token, in one launch, the quantized expert-major kernels
-             timeout 500 python3 -m vismmoe_kt.apps.measure.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
+             timeout 500 python3 -m benchmarks.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
                --tune > "$OUT/kqbatch.txt" 2>&1 || true
              tail -c 3000 "$OUT/kqbatch.txt" ;;
     epdp) shift  # nvidia-h200-x2: expert parallelism over both GPUs (NCCL), BF16 / ReaLB / ReaLB-seq: one request
@@ -208,15 +208,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           px=$1; shift
           levels=()
           while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
-          timeout 570 torchrun --nproc-per-node 2 -m vismmoe_kt bench --synthetic qwen3-vl-30b-a3b --layers 48 \
+          timeout 570 torchrun --nproc-per-node 2 -m benchmarks.bench --synthetic qwen3-vl-30b-a3b --layers 48 \
             --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 16 --routing synthetic:0 --profile \
             --configs ${EP_CONFIGS:-ep ep-graphs ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
             2>&1 | tail -40 | tee "$OUT/epdp$px.txt" || true ;;
-    family) shift  # #24: bench rows for a non-Qwen family (its own rule files: apps/bench/configs.py RULE_FILES)
+    family) shift  # #24: bench rows for a non-Qwen family (its own rule files: benchmarks/bench/configs.py RULE_FILES)
             px=448
             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
             model=${MODEL:-deepseek-ocr2}
-            timeout "${FAMILY_TIMEOUT:-570}" python3 -m vismmoe_kt bench --synthetic "$model" ${MODEL_LAYERS:+--layers "$MODEL_LAYERS"} \
+            timeout "${FAMILY_TIMEOUT:-570}" python3 -m benchmarks.bench --synthetic "$model" ${MODEL_LAYERS:+--layers "$MODEL_LAYERS"} \
               --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 32 --routing synthetic:0 --cpu_infer 12 \
               --configs ${FAMILY_CONFIGS:-all-on-gpu all-pinned lru vismmoe-full} --budgets "${FAMILY_BUDGET:-30%}" \
               --output "$OUT/family-$model-$px" 2>"$OUT/family-$model-$px.err" | tee "$OUT/family-$model-$px.txt" || true
@@ -232,17 +232,17 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               budget=$1; shift; t0=$SECONDS
               args=(--synthetic qwen3-vl-30b-a3b --layers 48 --image-sizes 448 896 --warmup 1 --repeats 3
                     --decode-tokens 16 --cpu_infer 12 --routing synthetic:0 --budgets "$budget"
-                    --predictor results/predictor-synthetic-48x128/predictor.pt)
-              timeout 330 python3 -m vismmoe_kt bench "${args[@]}" --configs lru vismmoe-base vismmoe+compress \
+                    --predictor benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt)
+              timeout 330 python3 -m benchmarks.bench "${args[@]}" --configs lru vismmoe-base vismmoe+compress \
                 --output "$OUT/ablation-$budget-a" 2>"$OUT/ablation-$budget-a.err" | tee "$OUT/ablation-$budget-a.txt" || true
-              timeout $((585 - (SECONDS - t0))) python3 -m vismmoe_kt bench "${args[@]}" --configs vismmoe+predict \
+              timeout $((585 - (SECONDS - t0))) python3 -m benchmarks.bench "${args[@]}" --configs vismmoe+predict \
                 vismmoe-full --output "$OUT/ablation-$budget-b" 2>"$OUT/ablation-$budget-b.err" | tee "$OUT/ablation-$budget-b.txt" ;;
     fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
           python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
-          timeout 500 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \
+          timeout 500 python3 -m benchmarks.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \
             --decode-tokens 32 --routing "trace:$OUT/fits.safetensors" --configs lean-graphs lru:32GiB lean:32GiB \
             | tee "$OUT/decode_fits.txt"
-          timeout 200 python3 -m vismmoe_kt.apps.measure.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
+          timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
     *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac

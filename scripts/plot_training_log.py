@@ -1,6 +1,6 @@
 """Draw the demo model's loss curve from the logs of scripts/train_demo_model.py, stages end to end.
 
-    python scripts/plot_training_log.py --out results/demo_training_loss.png STAGE1.log[:LAST_STEP] STAGE2.log ...
+    python scripts/plot_training_log.py --out benchmarks/results/YYYY-MM-DD/demo_training_loss.png STAGE1.log[:LAST_STEP] STAGE2.log ...
 
 Each log's "step N/M  loss X ..." lines (a 20-step mean) are drawn after the previous stage's last step;
 `:LAST_STEP` cuts a stage at the checkpoint the next stage started from.

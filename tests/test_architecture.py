@@ -4,7 +4,9 @@ Read from the source (nothing is imported): every `import` / `from ... import` o
 depth (imports inside functions count too), resolved to the room (top-level folder or module) it
 names. A room may import only the rooms listed for it below; `apps` may import anything and nothing
 imports `apps`. Outside `models/`, no code names a Hugging Face attribute path: the family's adapter
-is asked instead.
+is asked instead. `benchmarks/` sits above the whole package: it may import any of `vismmoe_kt` (and
+the standard and third-party libraries, nothing else of the repository), and nothing in `vismmoe_kt`
+imports it.
 """
 
 import ast
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "vismmoe_kt"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "vismmoe_kt"
+BENCHMARKS = ROOT / "benchmarks"
 
 # room -> the rooms it may import (besides itself); the order is the floors, lowest first
 ALLOWED = {
@@ -28,7 +32,7 @@ ALLOWED = {
     "parallel": {"errors", "runtime", "lb", "core"},
     "engine": {"errors", "core", "models", "vision", "routing"},
     "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
-    "demo": {"errors", "core", "models", "runtime"},
+    "demo": {"errors", "models", "runtime"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats
     "__main__": {"apps"},             # `python -m vismmoe_kt` is the command line
@@ -61,6 +65,25 @@ def names_hf_part(node: ast.Attribute) -> bool:
 def modules() -> list[tuple[Path, ast.AST]]:
     return [(path.relative_to(PACKAGE), ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
             for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+@functools.cache
+def benchmark_modules() -> list[tuple[Path, ast.AST]]:
+    """benchmarks/'s modules (not results/: raw records of past runs)."""
+    return [(path.relative_to(ROOT), ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            for path in sorted(BENCHMARKS.rglob("*.py")) if path.relative_to(BENCHMARKS).parts[0] != "results"]
+
+
+def absolute_imports(tree: ast.AST):
+    """(line, top-level name) of every absolute import in this file, `importlib.import_module("x.y")` included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module.split(".")[0]
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            yield node.lineno, str(node.args[0].value).split(".")[0]
 
 
 def room_of(rel: Path) -> str:
@@ -118,20 +141,43 @@ def test_the_rules_themselves_point_down():
     assert not [room for room in graph if reaches(room, room)]
 
 
+def test_nothing_in_the_package_imports_benchmarks():
+    wrong = [f"vismmoe_kt/{rel}:{line}" for rel, tree in modules() for line, name in absolute_imports(tree)
+             if name == "benchmarks"]
+    assert not wrong, "the package imports benchmarks/ (it sits above the package):\n" + "\n".join(wrong)
+
+
+def test_benchmarks_import_only_the_package_and_libraries():
+    """Besides `vismmoe_kt` and itself, no name that resolves inside the repository: its other top-level
+    entries (scripts/, tests/, ...) and the modules of tests/ and scripts/ (importable from there)."""
+    local = {p.name.removesuffix(".py") for p in ROOT.iterdir() if not p.name.startswith(".")}
+    local |= {p.stem for folder in ("tests", "scripts") for p in (ROOT / folder).rglob("*.py")}
+    local -= {"vismmoe_kt", "benchmarks"}
+    assert benchmark_modules() and {"tests", "scripts", "conftest"} <= local
+    wrong = [f"{rel}:{line} imports {name}" for rel, tree in benchmark_modules()
+             for line, name in absolute_imports(tree) if name in local]
+    wrong += [f"{rel}:{node.lineno} imports past benchmarks/" for rel, tree in benchmark_modules()
+              for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level >= len(rel.parts)]
+    assert not wrong, "benchmarks/ importing the repository outside vismmoe_kt:\n" + "\n".join(wrong)
+
+
+def hugging_face_paths(tree: ast.AST):
+    """(line, attribute) of every Hugging Face attribute path this file names."""
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in HF_ATTRIBUTES and names_hf_part(node):
+            name = node.attr
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in HF_ATTRIBUTES:
+            name = node.args[1].value
+        if name:
+            yield node.lineno, name
+
+
 def test_no_hugging_face_attribute_paths_outside_models():
-    found = []
-    for rel, tree in modules():
-        if rel.parts[0] == "models":
-            continue
-        for node in ast.walk(tree):
-            name = None
-            if isinstance(node, ast.Attribute) and node.attr in HF_ATTRIBUTES and names_hf_part(node):
-                name = node.attr
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") \
-                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in HF_ATTRIBUTES:
-                name = node.args[1].value
-            if name:
-                found.append(f"vismmoe_kt/{rel}:{node.lineno} .{name}")
+    found = [f"vismmoe_kt/{rel}:{line} .{name}" for rel, tree in modules() if rel.parts[0] != "models"
+             for line, name in hugging_face_paths(tree)]
+    found += [f"{rel}:{line} .{name}" for rel, tree in benchmark_modules() for line, name in hugging_face_paths(tree)]
     assert not found, "Hugging Face attribute paths outside models/ (ask the adapter):\n" + "\n".join(found)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import vismmoe_kt.apps.measure as measure
+import benchmarks
+from benchmarks.bench import build_parser as bench_parser
 from vismmoe_kt.apps import arguments
 from vismmoe_kt.apps.cli import build_parser
 
@@ -23,7 +24,7 @@ def parsers(parser, path=("vismmoe-kt",)):
                 yield from parsers(sub, path + (name,))
 
 
-COMMANDS = list(parsers(build_parser()))
+COMMANDS = [*parsers(build_parser()), *parsers(bench_parser(), ("python -m benchmarks.bench",))]
 IDS = [" ".join(path) for path, _ in COMMANDS]
 
 
@@ -49,11 +50,10 @@ def test_both_spellings_of_every_flag_reach_the_same_setting(path, parser):
 
 
 def test_hyphen_and_underscore_spellings_parse_alike():
-    parser = build_parser()
-    hyphens = parser.parse_args(["bench", "--demo", "--decode-tokens", "4", "--image-sizes", "224"])
-    underscores = parser.parse_args(["bench", "--demo", "--decode_tokens", "4", "--image_sizes", "224"])
+    hyphens = bench_parser().parse_args(["--demo", "--decode-tokens", "4", "--image-sizes", "224"])
+    underscores = bench_parser().parse_args(["--demo", "--decode_tokens", "4", "--image_sizes", "224"])
     assert vars(hyphens) == vars(underscores) and hyphens.decode_tokens == 4 and hyphens.image_sizes == [224]
-    chat = parser.parse_args(["chat", "--demo", "--max-new-tokens", "5", "--prompt-file", "q.txt", "--ep-size", "2"])
+    chat = build_parser().parse_args(["chat", "--demo", "--max-new-tokens", "5", "--prompt-file", "q.txt", "--ep-size", "2"])
     assert (chat.max_new_tokens, chat.prompt_file, chat.ep_size) == (5, "q.txt", 2)
 
 
@@ -80,19 +80,23 @@ def test_two_flags_that_differ_only_by_separator_are_refused():
         parser.parse_args([])
 
 
-@pytest.mark.parametrize("name", [m.name for m in pkgutil.iter_modules(measure.__path__)])
+# every module and package of benchmarks/ (bench/, models/ and the measurements)
+BENCHMARKS = [m.name for m in pkgutil.walk_packages(benchmarks.__path__, "benchmarks.")]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
 def test_measurement_modules_use_the_same_parser(name):
-    """`python -m vismmoe_kt.apps.measure.X` modules: the same spelling rule (their help text is their own)."""
-    source = importlib.util.find_spec(f"vismmoe_kt.apps.measure.{name}").origin
+    """`python -m benchmarks.X` modules: the same spelling rule (their help text is their own)."""
+    source = importlib.util.find_spec(name).origin
     text = open(source, encoding="utf-8").read()
     assert "argparse.ArgumentParser(" not in text
     if "add_argument(" in text:
         assert "FlagParser(" in text
 
 
-MEASURE = [f"vismmoe_kt.apps.measure.{m.name}" for m in pkgutil.iter_modules(measure.__path__)]
 SCRIPTS = sorted(Path(__file__).resolve().parents[2].joinpath("scripts").glob("*.py"))
-STANDALONE = [name for name in MEASURE if "add_argument(" in open(importlib.util.find_spec(name).origin).read()]
+STANDALONE = [name for name in BENCHMARKS if name != "benchmarks.bench"  # its parser is in COMMANDS above
+              and "add_argument(" in open(importlib.util.find_spec(name).origin).read()]
 STANDALONE += [str(p) for p in SCRIPTS if "add_argument(" in p.read_text(encoding="utf-8")]
 
 
@@ -122,14 +126,14 @@ def standalone_parser(name, monkeypatch):
 
 
 def test_the_standalone_commands_are_found():
-    assert len(STANDALONE) >= 20 and "vismmoe_kt.apps.measure.decode_bench" in STANDALONE
+    assert len(STANDALONE) >= 20 and "benchmarks.decode_bench" in STANDALONE
     assert any(name.endswith("train_demo_model.py") for name in STANDALONE)
 
 
 @pytest.mark.parametrize("name", STANDALONE, ids=[Path(n).name if n.endswith(".py") else n.rsplit(".", 1)[1]
                                                    for n in STANDALONE])
 def test_every_flag_of_the_measurement_modules_and_scripts_has_help(name, monkeypatch):
-    """`python -m vismmoe_kt.apps.measure.X` and `python scripts/X.py`: help for every flag and argument,
+    """`python -m benchmarks.X` and `python scripts/X.py`: help for every flag and argument,
     underscores in the help, both spellings parsed (#26)."""
     parser = standalone_parser(name, monkeypatch)
     assert isinstance(parser, arguments.FlagParser)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench import build_parser as bench_parser
 from vismmoe_kt.apps.cli import build_parser
 from vismmoe_kt.demo.pictures import DEMO_QUESTIONS
 
@@ -104,17 +105,24 @@ def shown_commands(path: Path) -> list[str]:
 
 
 def test_every_command_the_docs_show_exists():
-    """`vismmoe-kt ...` lines parse (flags and subcommands exist); modules, scripts and rule files exist."""
-    parser, checked = build_parser(), 0
+    """`vismmoe-kt ...` and `python -m benchmarks.bench ...` lines parse (flags and subcommands exist);
+    modules, scripts and rule files exist."""
+    parser, bench, checked = build_parser(), bench_parser(), 0
     for path in DOCS:
         for command in shown_commands(path):
             words = [w for w in shlex.split(command) if w != "..."]  # "..." stands for more flags
             for word in words:
                 if re.fullmatch(r"(optimize_rules|scripts)/[\w.-]+\.(yaml|py|sh)", word):
                     assert (ROOT / word).is_file(), f"{path.name}: {command}: no {word}"
-            if "-m" in words and words[words.index("-m") + 1].startswith("vismmoe_kt."):
-                module = words[words.index("-m") + 1]
+            module = words[words.index("-m") + 1] if "-m" in words else ""
+            if module.startswith(("vismmoe_kt.", "benchmarks.")):
                 assert importlib.util.find_spec(module), f"{path.name}: {command}: no module {module}"
+            if module == "benchmarks.bench":
+                try:
+                    bench.parse_args(words[words.index("-m") + 2:])
+                except SystemExit:
+                    pytest.fail(f"{path.name}: {command}: the parser refuses it")
+                checked += 1
             if any(w.endswith("vismmoe-kt") for w in words) or "vismmoe_kt" in words:
                 start = next(i for i, w in enumerate(words) if w.endswith("vismmoe-kt") or w == "vismmoe_kt") + 1
                 try:

@@ -49,9 +49,9 @@ def test_openai_client_streamed_and_plain_answers_agree(server):
 
 
 def test_the_load_test_drives_the_server_at_each_concurrency(server, tmp_path):
-    """apps/measure/load_test.py against this server: a row per concurrency, every request answered,
+    """benchmarks/load_test.py against this server: a row per concurrency, every request answered,
     no answer changed by the load, and its table and plot written."""
-    from vismmoe_kt.apps.measure.load_test import main
+    from benchmarks.load_test import main
 
     assert main(["--out", str(tmp_path), "--url", server + "/v1", "--concurrency", "1", "3", "--requests", "4",
                  "--max_tokens", "6", "--timeout_s", "120"]) == 0

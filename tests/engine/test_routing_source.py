@@ -125,7 +125,7 @@ def test_a_prepared_table_is_the_one_begin_would_make(tiny_dir, image_inputs, mo
     """`prepare` makes the next request's synthetic table ahead (the benchmarks' clock then times the model
     alone): the request routes exactly as without it, one table is made, and a table prepared for another
     request is not taken."""
-    from vismmoe_kt.apps.bench.timing import timed_generate
+    from benchmarks.bench.timing import timed_generate
     from vismmoe_kt.engine.routing_source import RoutingSource
 
     plain, _ = offload(tiny_dir)

@@ -109,7 +109,7 @@ def test_precision_split_computes_each_pair_once_bf16_ones_bit_for_bit(share):
 def test_realb_layer_bench_runs_on_the_cpu(tmp_path):
     import json
 
-    from vismmoe_kt.apps.measure import realb_layer_bench
+    from benchmarks import realb_layer_bench
 
     realb_layer_bench.main(["--device", "cpu", "--out", str(tmp_path), "--experts", "8", "--hidden", "32",
                             "--intermediate", "16", "--top-k", "2", "--requests", "4", "--visual", "40",

@@ -1,6 +1,6 @@
-"""`vismmoe-kt chat`, `serve` and `bench` under torchrun with the expert-parallel rule file (2 CPU processes,
-gloo): rank 0 answers, rank 1 follows with its half of the experts, and the answer is the single-process
-one (fp32, exact). Then everything exits: rank 0 releases the follower."""
+"""`vismmoe-kt chat`, `serve` and `python -m benchmarks.bench` under torchrun with the expert-parallel rule
+file (2 CPU processes, gloo): rank 0 answers, rank 1 follows with its half of the experts, and the answer is
+the single-process one (fp32, exact). Then everything exits: rank 0 releases the follower."""
 
 import json
 import os
@@ -34,8 +34,8 @@ def chat(model_dir, *prefix, extra=()):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def torchrun(port):
-    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", "vismmoe_kt"]
+def torchrun(port, module="vismmoe_kt"):
+    return [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", "--master-port", str(port), "-m", module]
 
 
 def wait_until_up(server, ports, seconds=300):  # model loads on a 2-core machine
@@ -115,8 +115,8 @@ def test_serve_under_torchrun_answers_and_shuts_down(tiny_dir, single, batching)
 
 def test_bench_under_torchrun_measures_the_expert_parallel_configurations(tmp_path):
     out = tmp_path / "bench"
-    cmd = [*torchrun(free_port()), "bench", "--demo", "--image-sizes", "64", "--decode-tokens", "2", "--warmup", "0",
-           "--repeats", "1", "--cpu_infer", "1", "--output", str(out)]
+    cmd = [*torchrun(free_port(), "benchmarks.bench"), "--demo", "--image-sizes", "64", "--decode-tokens", "2",
+           "--warmup", "0", "--repeats", "1", "--cpu_infer", "1", "--output", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
@@ -132,7 +132,7 @@ def test_bench_under_torchrun_measures_data_parallel_concurrency(tmp_path):
     """--concurrency under torchrun: every rank decodes N requests of its own (data parallel + expert
     parallelism, in lockstep); rank 0 reports the group's figures and each rank's."""
     out = tmp_path / "bench"
-    cmd = [*torchrun(free_port()), "bench", "--demo", "--configs", "ep-realb", "--image-sizes", "64",
+    cmd = [*torchrun(free_port(), "benchmarks.bench"), "--demo", "--configs", "ep-realb", "--image-sizes", "64",
            "--decode-tokens", "3", "--warmup", "0", "--repeats", "1", "--concurrency", "2", "--cpu_infer", "1",
            "--output", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
@@ -151,7 +151,7 @@ def test_bench_under_torchrun_measures_data_parallel_concurrency(tmp_path):
 
 
 def test_bench_under_torchrun_refuses_single_process_configurations(tiny_dir):
-    cmd = [*torchrun(free_port()), "bench", "--demo", "--configs", "lru", "--image-sizes", "64"]
+    cmd = [*torchrun(free_port(), "benchmarks.bench"), "--demo", "--configs", "lru", "--image-sizes", "64"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "--configs lru: under torchrun only the expert-parallel configurations run" in result.stderr

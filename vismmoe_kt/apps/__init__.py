@@ -1,3 +1,3 @@
-"""What users run: the command line (cli), chat, eval, calibrate, trace, serve/ (the HTTP server),
-bench/ (`vismmoe-kt bench`) and measure/ (standalone measurements: `python -m vismmoe_kt.apps.measure.X`).
-Apps may import anything; nothing imports apps."""
+"""What users run: the command line (cli), chat, eval, calibrate, trace and serve/ (the HTTP server).
+Apps may import anything in the package; nothing in it imports apps. The measurements live beside the
+package, in `benchmarks/`."""

@@ -1,7 +1,7 @@
 """`vismmoe-kt`: parse the command line and hand it to the command's module.
 
 Each command lives in its own module with `add_parser(commands)` and `run(args) -> int`: chat,
-calibrate, serve, bench, eval, trace. Errors a user can act on (`VismmoeError`) print `error: ...`
+calibrate, serve, eval, trace. Errors a user can act on (`VismmoeError`) print `error: ...`
 and exit with status 2; usage errors exit 2 through argparse.
 """
 
@@ -14,7 +14,7 @@ import sys
 from ..errors import FollowerDone, PeerLostError, VismmoeError
 from .arguments import ALIAS_NOTE, FlagParser
 
-COMMANDS = {"chat": "chat", "calibrate": "calibrate", "serve": "serve.command", "bench": "bench", "eval": "evaluate",
+COMMANDS = {"chat": "chat", "calibrate": "calibrate", "serve": "serve.command", "eval": "evaluate",
             "trace": "trace"}  # command -> module under vismmoe_kt.apps
 
 
@@ -34,9 +34,13 @@ def build_parser() -> FlagParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by `bench` beside its results
+    return run_command(command_module(args.command).run, args)
+
+
+def run_command(run, args) -> int:
+    """`run(args)` with the exit statuses above (also `python -m benchmarks.bench`'s)."""
     try:
-        return command_module(args.command).run(args)
+        return run(args)
     except FollowerDone:
         return 0
     except PeerLostError as exc:  # the group cannot be torn down cleanly: leave at once

@@ -11,7 +11,7 @@ The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it read
 cannot write them. Q4_K and Q5_K are written with the host store's own quantizers (runtime/q4k.py,
 q5k.py: min-max scales, valid bytes that the `gguf` package and llama.cpp read), Q8_0 and Q4_0 too
 (the same bytes as the `gguf` package's, made by torch on whatever device holds the values).
-`write_planned` streams: a file is written one tensor at a time (demo/synthetic_gguf.py writes a
+`write_planned` streams: a file is written one tensor at a time (benchmarks/models/synthetic_gguf.py writes a
 full-size model's so).
 """
 

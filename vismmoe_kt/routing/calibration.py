@@ -1,7 +1,7 @@
 """The synthetic router's knobs: defaults, the fitted per-layer table, and resolving both to a shape.
 
 A calibration is a JSON file in this package (calibration_qwen3_30b_a3b.json, written by
-vismmoe_kt/apps/measure/fit_routing.py) holding one value per layer for each per-layer knob and one value for each
+benchmarks/fit_routing.py) holding one value per layer for each per-layer knob and one value for each
 scalar knob. Any model shape can use it: a table of L0 layers is interpolated over relative depth
 (layer l of L sits at l / (L - 1)), so a 24-layer or a 94-layer model gets the same depth profile.
 Callers override any knob with a scalar (every layer), a sequence of L values, or a sequence of any

@@ -1,6 +1,6 @@
 """Routing statistics: the numbers public routing studies report, measured on any trace.
 
-They are what the synthetic router is calibrated against (vismmoe_kt/apps/measure/fit_routing.py) and what a replayed
+They are what the synthetic router is calibrated against (benchmarks/fit_routing.py) and what a replayed
 real trace can be compared with. Every function takes expert ids [T, L, k] (T tokens, L MoE layers,
 k experts per token; a torch tensor or numpy array) and returns plain Python numbers, so the results
 go straight into JSON.

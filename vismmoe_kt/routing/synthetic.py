@@ -23,7 +23,7 @@ Three seeds' worth of structure:
     hot_size_l * E experts get a bonus ramping from 1 down to 0 (graded: a flat set cannot match the
     published top-16 share and reuse distances together), and all the noise.
 Vision tokens ignore the prompt's hot set and the text corpus skew: image patches are not the prompt's
-topic. The per-layer strengths come from the fitted calibration (calibration.py, vismmoe_kt/apps/measure/fit_routing.py).
+topic. The per-layer strengths come from the fitted calibration (calibration.py, benchmarks/fit_routing.py).
 
 Because h_l keeps sqrt(c_l) of h_{l-1}, layer l+1's router applied to h_l predicts layer l+1's experts
 with skill set by c_{l+1}: `SyntheticRouter.next_layer_logits` is that lookahead predictor.

@@ -1,6 +1,6 @@
 """Calibration targets: what public routing studies report for Qwen3-30B-A3B (48 layers x 128 experts, top-8).
 
-The synthetic router is fitted to these (vismmoe_kt/apps/measure/fit_routing.py) and the tests check it against them.
+The synthetic router is fitted to these (benchmarks/fit_routing.py) and the tests check it against them.
 Published figures (decode, text; per prompt unless said otherwise):
   * consecutive decode tokens share 43% of their 8 experts on average (35-51% per prompt); by layer about
     8% at layer 0, 55-60% in layers 6-7 and 18-31, 21% at layer 47

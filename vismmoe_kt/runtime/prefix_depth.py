@@ -11,7 +11,7 @@ S = E * B bytes per layer (B bytes per expert), M the expert budget.
 
 h_l(c) is layer l's decode hit rate with a cache of c experts: a HitRateCurve, measured by replaying
 routing (the synthetic router's or a recorded trace) through an LRU cache per layer
-(vismmoe_kt/routing/belady.py; `python -m vismmoe_kt.apps.measure.pinned_depth` computes and writes
+(vismmoe_kt/routing/belady.py; `python -m benchmarks.pinned_depth` computes and writes
 one). The runtime shares one slab pool among the offloaded layers; splitting it equally is the
 approximation (on the synthetic trace, 16 and 32 GiB, 0-12 pinned layers, a shared-pool LRU hit
 0.2-1.8 points more than the split). Below k experts a layer cannot hold one token's experts; h_l is

@@ -11,7 +11,7 @@ Policies:
   just used and kept cold prefill leftovers), or, when `usage` is given (table decode: per layer,
   the average of the router's probabilities over decode tokens), the least favoured by the router,
   recency breaking ties (83.3% decode hits against recency's 81.5% in a simulation of synthetic
-  routing, apps/measure/eviction_study.py); among Speculative the lowest prefetch priority. A
+  routing, benchmarks/eviction_study.py); among Speculative the lowest prefetch priority. A
   prefetch may only evict an Expired expert or a Speculative one of lower priority than what it
   brings in.
 - `lru`: the least recently used resident expert, whatever its layer (on-demand caching as in

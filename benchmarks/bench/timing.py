@@ -1,0 +1,86 @@
+"""Prefill latency and decode speed of `generate`, and the spread of repeated measurements."""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from typing import NamedTuple
+
+import torch
+
+from vismmoe_kt.core.context import context_of_model
+from vismmoe_kt.engine.chat import TimingStreamer
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.engine.lean_engine import decode_engine
+
+
+class _NoText:
+    """Stands in for the tokenizer: decoding text is not what is being timed."""
+
+    @staticmethod
+    def decode(*args, **kwargs) -> str:
+        return ""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class TimedGeneration(NamedTuple):
+    prefill_s: float           # seconds to the first token
+    decode_tok_s: float        # tokens/s from the first token's arrival to the last's
+    tokens: torch.Tensor       # the new tokens (host)
+    gaps_s: list[float]        # seconds between consecutive tokens' arrivals
+
+
+def timed_generate(model, request: dict, decode_tokens: int) -> TimedGeneration:
+    """The first token's latency and the next `decode_tokens` tokens' rate, as a client sees them.
+
+    Through the product's own generation (the lean decode path where the rules have a VisDecoder),
+    greedy and forced to the full length (`min_new_tokens`): a random model's EOS would end early.
+    Every request prefills cold: the lean path would otherwise reuse the same prompt's cache.
+    Times are the tokens' arrivals (each after its id was read back, so after the compute stream's
+    work for it). The device is synchronized after the last token, for the next measurement, but that
+    wait is not decode time: it may include work queued for a later request, such as the layerwise
+    prefill's copy of the next prompt's first layer.
+    """
+    streamer = TimingStreamer(_NoText(), io.StringIO())
+    new_tokens = decode_tokens + 1  # the first token comes out of the prefill
+    engine = decode_engine(model)
+    if engine is not None:
+        engine.forget()
+    context = context_of_model(model)
+    routing = context.routing if context is not None else None
+    if routing is not None:  # the synthetic router's table for this request, made before the clock starts
+        routing.prepare(request["input_ids"], new_tokens)
+    _sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = generate(model, request, new_tokens, streamer=streamer, min_new_tokens=new_tokens)
+    _sync()
+    times = streamer.token_times
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    return TimedGeneration(times[0] - start, decode_tokens / (times[-1] - times[0]),
+                           out[0, request["input_ids"].shape[1]:].cpu(), gaps)
+
+
+def profile_decode(model, request: dict, decode_tokens: int) -> dict | None:
+    """One more request with each lean decode piece timed to its end: seconds per step by piece kind
+    and layer (None without the lean decode path)."""
+    engine = decode_engine(model)
+    if engine is None:
+        return None
+    engine.reset_profile()
+    engine.profiling = True
+    try:
+        timed_generate(model, request, decode_tokens)
+    finally:
+        engine.profiling = False
+    return engine.profile()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

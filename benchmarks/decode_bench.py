@@ -1,0 +1,644 @@
+"""Decode speed: transformers' generation vs our lean decode path, same run, same inputs.
+
+    PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR [--model NAME] [--layers N] [--profile]
+        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB lru:16GiB lru:30%]
+    PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR --model deepseek-ocr2 \
+        --configs hf lean-graphs lru:30% lean:30%      # DeepSeek-OCR-2's published shapes (benchmarks/models/synthetic.py)
+    PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR --device cpu --tiny tiny-6x64   # a CPU sanity run
+
+`--model` picks the synthetic model (qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v: benchmarks/models/synthetic.py;
+`--narrow`: deepseek-ocr2's layout at CPU-sized widths) and so the family's rule files (the gpu, offload, lru
+and kt-cpu files of benchmarks/bench/configs.py's RULE_FILES; hybrid:BUDGET is Qwen3-VL's qwen3vl.yaml only). A
+BUDGET is a size (16GiB) or a share of the model's routed experts (30%: the offload runtime resolves it).
+
+Configurations (all greedy, batch 1, an image prompt; the rule files named are Qwen3-VL's):
+  hf            stock transformers, everything on the device (optimize_rules/qwen3vl-gpu.yaml)
+  lean-eager    our decode path, every expert resident (a budget above the model), no graphs
+  lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
+  lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
+  lru:BUDGET    the same with the LRU cache policy (no pinned prefix, no prefetch)
+  ...+q8, +q4, +q4k, +q5k
+                (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K / Q5_K blocks (store_dtype): a half / a quarter
+                of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
+  ...+qslabs, +dqslabs
+                (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
+                slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget), or
+                dequantized (the model's dtype); neither: auto (quantized where it works)
+  lean:BUDGET+pin=N
+                lean:BUDGET with N pinned layers instead of the automatic depth (Eq. 10's range, then
+                runtime/prefix_depth.py's predicted time per token): the choice checked by measurement
+  lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
+                lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
+                graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
+                stride (the predictor at every S-th MoE layer)
+  hybrid:BUDGET[+bf16|+int4][+cpu]
+                lean:BUDGET in VisMMOE's hybrid mode (optimize_rules/qwen3vl.yaml, no token pruning):
+                each layer's misses split between PCIe reads and kt-kernel (INT8 copy by default) by the
+                cost model, the CPU's calls inside the step's graph; +cpu: every miss to the CPU
+  kt-cpu[:N][+int8|+int4]
+                every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
+                N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
+                each layer's CPU call inside the step's CUDA graph
+  kt-cpu...+gpuprefill[=N][+share=F|auto]
+                KTransformers' dual prefill: prompts of N tokens or more (default 64) run each layer's experts
+                on the GPU from a Q4_K host copy sent a layer ahead (gpu_prefill_tokens), all of them or a
+                share F while kt-kernel computes the rest (gpu_prefill_share); decode as kt-cpu
+  ...+gguf      any of the above loaded from the checkpoint in `--gguf DIR` (an HF directory with GGUF
+                files, read as `--gguf_path`; `python -m benchmarks.models.synthetic_gguf DIR` writes the
+                synthetic model's weights so, Q4_K experts by default) instead of made in memory; with
+                store_dtype auto, a GGUF's quantized experts stay in its format in the host store
+Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps;
+from the tokens' arrivals), the gaps between tokens (p50 and p95 over every rep), how many greedy
+tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
+that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
+hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
+lean-graphs' time per token); for kt-cpu rows the expert bytes the CPU reads per token and the host
+bandwidth that implies (a floor: the step's GPU work is in the time too), and a prefill's split: the vision
+tower's time, the CPU experts' calls and the GB/s of expert weights those read if they read them all.
+
+Configurations with kt-kernel experts (kt-cpu, hybrid) each run in a process of their own when there
+are several: kt-kernel never frees an expert layer's weights, so a second one would start with the
+first's host memory still taken (`--isolate` runs every configuration so). `--turns N` also times an
+N-turn chat about one image (prompt seconds per turn: the lean path prefills only each turn's new
+tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
+(embed, attention + router per layer, experts per layer, head), each piece timed to its end.
+
+`--concurrency N [N...]` also decodes N requests together (engine/batched.py: steps in CUDA graphs per
+power-of-two batch size where the configuration's decode is graphed), for each N: tokens per second
+over the run and while all N decode, against the single request's rate, and for offloaded
+configurations the expert bytes over PCIe per generated decode token (each request gets its own
+routing table, request i of the source's seeds in turn).
+
+Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
+uniformly, so their own routing would make hit rates and bytes per token meaningless), `model` or
+`trace:PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import io
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+from vismmoe_kt import load
+from benchmarks.bench.bandwidth import measure_copy_bandwidth
+from benchmarks.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency, percentile
+from benchmarks.bench.inputs import make_request
+from benchmarks.bench.timing import profile_decode, timed_generate
+from benchmarks.kernel_timeline import profile_kernels, profile_run
+from vismmoe_kt.engine.batched import PREFILL_BUDGET
+from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.engine.routing_source import install_routing
+from benchmarks.bench.configs import DEFAULT_FAMILY, rule_file
+from benchmarks.models.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
+from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
+from vismmoe_kt.errors import InputError
+from vismmoe_kt.operators.cpu_experts import CpuExperts
+from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
+from vismmoe_kt.runtime.offload import BATCH_EXPERTS
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+
+# the rule files by role (each family's: RULE_FILES); hybrid:BUDGET's overrides name qwen3vl.yaml's kwargs
+GPU_RULES, OFFLOAD_RULES, LRU_RULES, KT_CPU_RULES = "gpu", "offload", "lru", "kt-cpu"
+HYBRID_RULES = "hybrid"
+
+FROM_GGUF = "from_gguf"  # a configuration's own key: load from --gguf instead of making the weights
+GPU_PREFILL_TOKENS = 64  # kt-cpu+gpuprefill's threshold when the option names none
+
+
+def runtime_of(model):
+    return model.vismmoe.context.offload_runtime
+
+
+def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
+    spec, *options = spec.split("+")
+    extra: dict = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name == "predict":
+            if not predictor:
+                raise SystemExit(f"--configs {spec}+predict needs --predictor PATH")
+            extra["predictor"] = predictor
+        elif name == "pin" and value.isdigit():  # the pinned prefix's depth instead of Eq. 10's choice
+            extra["pinned_layers"] = int(value)
+        elif name in ("minp", "topk", "stride") and value:
+            key = {"minp": "prefetch_min_probability", "topk": "prefetch_topk", "stride": "prefetch_stride"}[name]
+            extra[key] = float(value) if name == "minp" else int(value)
+        elif name in ("bf16", "int8", "int4") and not value:
+            if not spec.startswith(("kt-cpu", "hybrid:")):
+                raise SystemExit(f"--configs: +{name} applies to kt-cpu and hybrid:BUDGET only, not {spec!r}")
+            extra["cpu_dtype"] = name
+        elif name == "gpuprefill" and spec.startswith("kt-cpu") and (not value or value.isdigit()):
+            extra["gpu_prefill_tokens"] = int(value or GPU_PREFILL_TOKENS)
+        elif name == "share" and value and spec.startswith("kt-cpu"):
+            extra["gpu_prefill_share"] = value if value == "auto" else float(value)
+        elif name == "cpu" and not value and spec.startswith("hybrid:"):
+            extra["miss_policy"] = "cpu"
+        elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
+            extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
+        elif name in ("qslabs", "dqslabs") and not value and spec.startswith(("lean:", "lru:")):
+            extra["slab_format"] = "quantized" if name == "qslabs" else "dequantized"
+        elif name == "gguf" and not value:
+            extra[FROM_GGUF] = True
+        else:
+            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S, pin=N; kt-cpu, hybrid: int8, "
+                             "int4, gpuprefill[=N], share=F|auto; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; "
+                             "any: gguf)")
+    if "gpu_prefill_share" in extra and "gpu_prefill_tokens" not in extra:
+        raise SystemExit(f"--configs: +share applies with +gpuprefill, not alone ({spec!r})")
+    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF, "gpu_prefill_tokens",
+                     "gpu_prefill_share"} and not spec.startswith("lean:"):
+        raise SystemExit(f"--configs: +predict, +minp, +topk, +stride, +pin apply to lean:BUDGET only, not {spec!r}")
+    rules, overrides = _base_config(spec)
+    return rules, {**overrides, **extra}
+
+
+def _base_config(spec: str) -> tuple[str, dict]:
+    if spec == "hf":
+        return GPU_RULES, {}
+    if spec == "lean-eager":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "off"}
+    if spec == "lean-graphs":
+        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "cuda"}
+    if spec.startswith("lean:"):
+        return OFFLOAD_RULES, {"expert_budget": spec.split(":", 1)[1]}
+    if spec.startswith("lru:"):
+        return LRU_RULES, {"expert_budget": spec.split(":", 1)[1]}
+    if spec.startswith("hybrid:"):  # VisMMOE's hybrid mode, kt-kernel INT8 on the CPU, no token pruning
+        return HYBRID_RULES, {"expert_budget": spec.split(":", 1)[1], "keep_ratio": 1.0, "miss_policy": "auto",
+                              "cpu_backend": "kt-kernel", "cpu_dtype": "int8"}
+    if spec == "kt-cpu" or spec.startswith("kt-cpu:"):  # every routed expert on kt-kernel (KTransformers' placement)
+        workers = spec.partition(":")[2]
+        if workers and not workers.isdigit():
+            raise SystemExit(f"--configs {spec}: kt-cpu:N takes a worker count")
+        return KT_CPU_RULES, {"cpu_backend": "kt-kernel", **({"cpu_infer": int(workers)} if workers else {})}
+    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET, lru:BUDGET, "
+                     "hybrid:BUDGET, kt-cpu[:WORKERS])")
+
+
+def family_of(args) -> str:
+    """The model family (`config.model_type`) whose rule files the configurations load."""
+    if args.tiny:
+        return SPECS[args.tiny].family
+    return SYNTHETIC_MODELS[args.model]["family"] if not args.gguf else DEFAULT_FAMILY
+
+
+def rules_path(role: str, family: str) -> str:
+    if role == HYBRID_RULES:  # its overrides (keep_ratio, miss_policy, cpu_backend) are qwen3vl.yaml's kwargs
+        if family != DEFAULT_FAMILY:
+            raise SystemExit(f"--configs hybrid:BUDGET loads Qwen3-VL's hybrid rule file (qwen3vl.yaml); the "
+                             f"{family} family has none (its offload configurations: lean:BUDGET, lru:BUDGET)")
+        return f"optimize_rules/{rule_file(family, 'ladder')}"
+    try:
+        return f"optimize_rules/{rule_file(family, role)}"
+    except InputError as exc:
+        raise SystemExit(f"--configs: {exc}") from None
+
+
+def load_model(args, rules: str, overrides: dict):
+    rules = rules_path(rules, family_of(args))
+    devices = {"generate_device": args.device, "prefill_device": args.device}
+    overrides = dict(overrides)
+    if overrides.pop(FROM_GGUF, False):
+        if not args.gguf:
+            raise SystemExit("--configs ...+gguf loads the checkpoint in --gguf DIR: give --gguf")
+        start = time.perf_counter()
+        model, processor = load(args.gguf, rules, gguf_path=args.gguf, progress=False, **devices, **overrides)
+        model.vismmoe.load_seconds = time.perf_counter() - start
+        model.generation_config.eos_token_id = None  # random weights: decode the requested number of tokens
+    elif args.tiny_dir:
+        model, processor = load(args.tiny_dir, rules, progress=False, **devices, **overrides)
+    else:
+        model, processor = load_synthetic(args.model, rules, layers=args.layers, dtype=args.dtype, narrow=args.narrow,
+                                          progress=False, **devices, **overrides)
+    if args.routing != "model":  # every configuration replays the same requests' routing
+        install_routing(model, args.routing)
+    return model, processor
+
+
+def _decode_hit_rate(runtime) -> float | None:
+    counters = [c for c in runtime.counters["decode"].values()]
+    needed = sum(c.hits + c.late + c.misses for c in counters)
+    return sum(c.hits + c.late for c in counters) / needed if needed else None
+
+
+def _decode_cpu_share(runtime) -> float | None:
+    """Hybrid mode: the share of offloaded layers' decode pairs the CPU computed."""
+    counters = list(runtime.counters["decode"].values())
+    pairs = sum(c.hits + c.late + c.misses + c.cpu for c in counters)
+    return sum(c.cpu for c in counters) / pairs if pairs and runtime.cpu is not None else None
+
+
+def agreeing_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
+    if b is None:
+        return None
+    same = (a[:len(b)] == b[:len(a)]).long()
+    return int(same.cumprod(0).sum())
+
+
+def conversation(model, processor, args) -> list[float]:
+    """Seconds to the first token of each turn of a chat about one image (median over --reps chats)."""
+    from vismmoe_kt.engine.chat import ChatSession
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (args.image_size, args.image_size, 3),
+                                                              dtype=np.uint8))
+    per_turn: list[list[float]] = [[] for _ in range(args.turns)]
+    engine = decode_engine(model)
+    for _ in range(args.reps):
+        if engine is not None:  # each chat starts cold (the previous one left the same first turn cached)
+            engine.forget()
+        session = ChatSession(model, processor, max_new_tokens=args.decode_tokens, greedy=True)
+        for turn in range(args.turns):
+            _, timings = session.ask(f"Question {turn}: what else is in the picture?", [image] if turn == 0 else [],
+                                     out=io.StringIO())
+            per_turn[turn].append(timings.prompt_seconds)
+    return [statistics.median(t) for t in per_turn]
+
+
+def batched_run(model, processor, args, n: int, spec: str) -> dict:
+    """--concurrency N: N requests, each with its own image of the same size, decoded together
+    (benchmarks/bench/concurrency.py): aggregate and full-batch rates, TTFT and inter-token latency,
+    PCIe bytes per generated token; the batched step's graph counters; how many of each request's
+    tokens equal its tokens alone (with --kernels, one more run under torch.profiler: the batched
+    steps' kernels)."""
+
+    offload = runtime_of(model)
+    if offload is not None:
+        offload.batch_experts = args.batch_experts
+    requests = concurrent_requests(processor, n, args.image_size, args.device)
+    trace = Path(args.out) / f"trace-batch{n}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
+    source = model.vismmoe.context.routing
+    timed = source.requests + n if source is not None else 0  # the timed run's first table: after the warm-up's
+
+    def alone(i: int, request: dict, tokens: int) -> list[int]:
+        if source is not None:
+            source.requests = timed + i  # the table request i had in the timed run
+        with torch.inference_mode():
+            out = generate(model, dict(request), tokens, min_new_tokens=tokens)
+        return out[0, request["input_ids"].shape[1]:].tolist()
+
+    with torch.inference_mode():  # as the single-request runs: the runtime's lazily made banks are inference tensors
+        return measure_concurrency(model, requests, args.decode_tokens,
+                                   (lambda: decode_pcie_bytes(offload)) if offload is not None else None,
+                                   args.prefill_chunk or None, args.prefill_budget,
+                                   (lambda run: profile_run(run, trace)) if args.kernels else None, alone)
+
+
+class PrefillSplit:
+    """Host time of a model's prefills spent in its vision tower (timed on the host, the device synchronized
+    around it) and in CPU expert calls of more than one token (CpuExperts' `prefill_cpu_seconds`: a prefill's
+    calls wait on the host), from creation until `per_prefill`."""
+
+    def __init__(self, model):
+        self.vision_s, self._start = 0.0, None
+        self._experts = [m for m in model.modules() if isinstance(m, CpuExperts)]
+        self._cpu_before = sum(m.counters.prefill_cpu_seconds for m in self._experts)
+        tower = model.vismmoe.adapter.vision_tower(model)
+        self._hooks = [tower.register_forward_pre_hook(lambda *_: self._begin()),
+                       tower.register_forward_hook(lambda *_: self._end())]
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _begin(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        self._sync()
+        self.vision_s += time.perf_counter() - self._start
+
+    def per_prefill(self, prefills: int) -> dict:
+        """The split per prefill; the timing hooks come off (later runs in this process go unsynchronized)."""
+        for hook in self._hooks:
+            hook.remove()
+        out = {"prefill_vision_s": self.vision_s / prefills}
+        if self._experts:
+            out["prefill_cpu_expert_s"] = (sum(m.counters.prefill_cpu_seconds for m in self._experts) - self._cpu_before) / prefills
+        return out
+
+
+def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    rules, overrides = parse_config(spec, args.predictor)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    model, processor = load_model(args, rules, overrides)
+    inputs = make_request(processor, args.image_size, args.device)
+    # warm-up of the measured length: the same cache capacity, so the capture happens here, not in a rep
+    timed_generate(model, inputs, args.decode_tokens - 1)
+    runtime = runtime_of(model)
+    copied = decode_pcie_bytes(runtime) if runtime else 0
+    split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
+    prefill, decode, gaps, tokens = [], [], [], None
+    for _ in range(args.reps):
+        timed = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
+        prefill.append(timed.prefill_s)
+        decode.append(timed.decode_tok_s)
+        gaps += timed.gaps_s
+        tokens = timed.tokens
+    row_split = split.per_prefill(args.reps)
+    row = {"config": spec, "load_s": model.vismmoe.load_seconds, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+           "decode_tok_s_reps": decode,
+           "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
+           "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
+           "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),
+           # inter-token latency over every rep's gaps: the median, and the tail a client notices
+           "token_gap_ms_p50": 1e3 * statistics.median(gaps) if gaps else None,
+           "token_gap_ms_p95": 1e3 * percentile(gaps, 0.95) if gaps else None,
+           "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference), **row_split}
+    if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
+        row["turn_prompt_s"] = conversation(model, processor, args)
+    backend = model.vismmoe.context.cpu_backend or (runtime.cpu if runtime is not None else None)
+    if backend is not None:
+        row["cpu_backend"] = backend.describe()
+        if getattr(backend, "layers", None) and runtime is None:  # every routed expert on the CPU: the bytes read
+            per_token = len(backend.layers) * backend.top_k * backend.host_bytes / len(backend.layers) / backend.num_experts
+            row["cpu_expert_bytes_per_token"] = per_token
+            row["cpu_expert_gb_s"] = per_token * row["decode_tok_s_median"] / 1e9  # a floor: the step has GPU work too
+            if row.get("prefill_cpu_expert_s"):  # a prefill of hundreds of tokens reaches about every expert
+                row["prefill_cpu_expert_gb_s"] = backend.host_bytes / row["prefill_cpu_expert_s"] / 1e9
+    gpu_prefill = model.vismmoe.context.gpu_prefill
+    if gpu_prefill is not None and gpu_prefill.counters.prefills:  # KTransformers' dual prefill (kt-cpu+gpuprefill)
+        c = gpu_prefill.settle()  # the copies' and stalls' timings read back
+        row.update(gpu_prefill_copy_s=c.copy_seconds / c.prefills, gpu_prefill_stall_s=c.stall_seconds / c.prefills,
+                   gpu_prefill_host_between_s=c.host_seconds_between / c.prefills,
+                   gpu_prefill=gpu_prefill.describe(), gpu_prefill_prefills=c.prefills,
+                   gpu_prefill_gb_per_prefill=c.bytes_copied / c.prefills / 1e9,
+                   gpu_prefill_gpu_share=c.gpu_experts / (c.gpu_experts + c.cpu_experts))
+    if runtime is not None:
+        summary = runtime.summary()
+        used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
+        row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
+                   decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
+                   decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
+                   decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
+                   decode_cpu_share=_decode_cpu_share(runtime))
+        trial = getattr(runtime.miss, "trial", None)
+        if trial is not None and trial.describe():  # hybrid auto: kept or dropped the CPU's share, measured
+            row["cpu_quota_trial"] = trial.describe()
+    engine = decode_engine(model)
+    if engine is not None:
+        row["lean"] = engine.stats()
+        if args.profile:
+            row["profile"] = profile_decode(model, inputs, args.decode_tokens - 1)
+    if any(n > 1 for n in args.concurrency):
+        row["batched"] = [batched_run(model, processor, args, n, spec) for n in args.concurrency if n > 1]
+    if args.kernels:
+        trace = Path(args.out) / f"trace-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        row["kernels"] = profile_kernels(model, inputs, args.decode_tokens - 1, trace)
+    if args.device.startswith("cuda"):
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["host_rss_gib"] = host_resident_bytes() / 2**30
+    if runtime is not None:
+        runtime.close()
+    del model, processor, inputs
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        empty_host_cache()
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return row, tokens
+
+
+def uses_kt_kernel(spec: str) -> bool:
+    return spec.startswith(("kt-cpu", "hybrid:"))
+
+
+def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict | None, torch.Tensor | None]:
+    """`run_config` in a child process (this module again, one configuration): whatever host memory
+    the configuration's native libraries keep goes with the process. The child writes its row and
+    greedy tokens under OUT/isolated/<config>. A child that fails is reported and its row left out
+    (the other configurations still run and are written)."""
+    out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--configs", spec,
+               "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--image_size", str(args.image_size),
+               "--decode_tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
+               "--routing", args.routing, "--child"]
+    command += ["--tiny", args.tiny] if args.tiny else []
+    command += ["--layers", str(args.layers)] if args.layers is not None else []
+    command += ["--narrow"] if args.narrow else []
+    command += ["--predictor", args.predictor] if args.predictor else []
+    command += ["--gguf", args.gguf] if args.gguf else []
+    command += ["--concurrency", *map(str, args.concurrency)]
+    command += ["--batch_experts", args.batch_experts]
+    command += ["--prefill_chunk", str(args.prefill_chunk), "--prefill_budget", str(args.prefill_budget)]
+    command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
+    if reference is not None:
+        torch.save(reference, out / "reference.pt")
+        command += ["--reference", str(out / "reference.pt")]
+    done = subprocess.run(command)
+    if done.returncode:
+        print(f"--configs {spec}: its process exited with status {done.returncode} (output above); "
+              "left out of the table", file=sys.stderr, flush=True)
+        return None, None
+    row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
+    return row, torch.load(out / "tokens.pt")
+
+
+def kernel_report(rows: list[dict]) -> str:
+    """Per configuration (and its --concurrency runs, "config xN"): wall, busy, idle and overlapped
+    device time per decode step, then its top kernels."""
+    profiled = [(r["config"], r.get("kernels") or {}) for r in rows]
+    profiled += [(f"{r['config']} x{b['requests']}", b.get("kernels") or {}) for r in rows for b in r.get("batched", [])]
+    profiled = [(label, k) for label, k in profiled if k.get("kernels")]
+    lines = ["| config | wall ms/step | device busy | idle | overlapped | per stream |", "|---|---|---|---|---|---|"]
+    for label, k in profiled:
+        streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in k["streams_ms_per_step"].items())
+        wall = f"{k['wall_ms_per_step']:.2f}" if "wall_ms_per_step" in k else "-"
+        lines.append(f"| {label} | {wall} | {k['busy_ms_per_step']:.2f} "
+                     f"| {k['idle_ms_per_step']:.2f} | {k['overlap_ms_per_step']:.2f} | {streams} |")
+    for label, k in profiled:
+        if k.get("kernels"):
+            lines += ["", f"{label} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",
+                      "|---|---|---|"]
+            lines += [f"| `{t['name']}` | {t['ms_per_step']:.3f} | {t['calls_per_step']:.1f} |" for t in k["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for the results (decode.json, the table, profiles)")
+    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"],
+                        help="configurations to time (the module's docstring lists them)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                        help=f"the synthetic model ({', '.join(SYNTHETIC_MODELS)}; default %(default)s): its published "
+                             "shapes with random weights, and its family's rule files")
+    parser.add_argument("--layers", type=int, help="synthetic model: keep the first N decoder layers (default: all)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="synthetic model: the family's layout at CPU-sized widths (deepseek-ocr2), for sanity runs")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="synthetic model: the weights' dtype (default %(default)s; float32 is faster on a CPU)")
+    parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
+    parser.add_argument("--device", default="cuda:0", help="where the model runs")
+    parser.add_argument("--image_size", type=int, default=448, help="square image size of each request, in pixels")
+    parser.add_argument("--decode_tokens", type=int, default=32, help="decoded tokens timed per request")
+    parser.add_argument("--reps", type=int, default=3, help="timed requests per configuration (median reported)")
+    parser.add_argument("--profile", action="store_true", help="also time each lean decode piece per layer")
+    parser.add_argument("--kernels", action="store_true",
+                        help="one more request per configuration under torch.profiler: decode kernels by name and "
+                             "stream, busy and idle device time per step (kernels.md and a trace-*.json.gz each)")
+    parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
+    parser.add_argument("--predictor", help="a predictor.pt for the +predict configurations (`vismmoe-kt calibrate`, "
+                                            "or `calibrate synthetic` for synthetic routing)")
+    parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
+                                          "model, model for --tiny)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="also decode N requests together, for each N given (batched generation): aggregate "
+                             "tokens/s, the rate while all N run, PCIe bytes per generated token")
+    parser.add_argument("--prefill_chunk", type=int, default=0,
+                        help="with --concurrency: prompt tokens prefilled per step beside the others' decode (0: whole)")
+    parser.add_argument("--prefill_budget", type=int, default=PREFILL_BUDGET,
+                        help="with --concurrency and whole prompts: prompt tokens prefilled together in one forward "
+                             "(default: %(default)s; 0: one prompt per step)")
+    parser.add_argument("--batch_experts", choices=BATCH_EXPERTS, default="auto",
+                        help="with --concurrency: a batched step's resident experts through the table kernel (a read "
+                             "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
+                             "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "
+                             "Offloaded layers on quantized slabs: expert-major (and auto) decodes each expert once "
+                             "for all its tokens (runtime/quantized_major.py), table one GEMV per pair, token by token")
+    parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
+                                       "(`python -m benchmarks.models.synthetic_gguf DIR` writes one)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="every configuration in a process of its own (kt-kernel ones always are)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
+    parser.add_argument("--reference", help=argparse.SUPPRESS)  # hf's greedy tokens, for a child's agreement
+    args = parser.parse_args()
+    if args.model not in SYNTHETIC_MODELS:
+        parser.error(f"--model {args.model!r}: unknown synthetic model; choose one of {', '.join(SYNTHETIC_MODELS)}")
+    if args.layers is not None and not 1 <= args.layers <= total_layers(args.model):
+        parser.error(f"--layers must be in 1..{total_layers(args.model)} for {args.model}, got {args.layers}")
+    if args.narrow and "narrow" not in SYNTHETIC_MODELS[args.model]:
+        parser.error(f"--narrow: {args.model} has no narrow variant")
+    if args.tiny and args.tiny not in SPECS:
+        parser.error(f"--tiny {args.tiny!r}: unknown tiny model; choose one of {', '.join(SPECS)}")
+    for spec in args.configs:
+        if parse_config(spec, args.predictor)[1].get(FROM_GGUF) and not args.gguf:
+            parser.error(f"--configs {spec} loads the checkpoint in --gguf DIR: give --gguf")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
+    if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
+        parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
+    args.routing = args.routing or ("model" if args.tiny else "synthetic")
+    args.tiny_dir = None
+    if args.tiny:
+        root = tempfile.mkdtemp(prefix="decode-bench-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        args.tiny_dir = save_tiny_model(root, args.tiny, seed=0)
+    torch.manual_seed(0)
+    rows, reference = [], torch.load(args.reference) if args.reference else None
+    several = len(args.configs) > 1 and not args.child
+    for spec in args.configs:
+        isolate = several and (args.isolate or uses_kt_kernel(spec))
+        row, tokens = (run_isolated if isolate else run_config)(spec, args, reference)
+        if row is None:
+            continue
+        if args.child:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            torch.save(tokens, Path(args.out) / "tokens.pt")
+        if spec == "hf":
+            reference = tokens
+        rows.append(row)
+    cuda = args.device.startswith("cuda") and not args.child  # a page-locked host -> device copy, what a slab fetch gets
+    bandwidth = measure_copy_bandwidth(torch.device(args.device))["bytes_per_s"] / 1e9 if cuda else None
+    resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
+    for r in rows:
+        if "decode_bytes_per_token" in r and bandwidth:
+            bound = r["decode_bytes_per_token"] / (bandwidth * 1e9)
+            if resident:
+                bound = max(bound, 1 / resident["decode_tok_s_median"])
+            r["bound_s_per_token"] = bound
+            r["ratio_to_bound"] = (1 / r["decode_tok_s_median"]) / bound if bound else None
+    meta = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__,
+            "model": args.tiny or (f"{args.model} shapes{' at narrow widths' if args.narrow else ''}, "
+                                   f"{args.layers or total_layers(args.model)} of {total_layers(args.model)} layers, "
+                                   f"{args.dtype}"),
+            "family": family_of(args),
+            "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
+            "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
+            "routing": args.routing + (" (the random weights' own, near-uniform routing)" if args.routing == "model" else "")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\n{meta}\n")
+    print("| config | load s | prefill s (median) | decode tok/s (median, min-max) | token gap ms (p50, p95) "
+          "| x hf | tokens = hf | PCIe bytes/token | decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak "
+          "| host RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    hf = next((r for r in rows if r["config"] == "hf"), None)
+    for r in rows:
+        speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
+        per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f} MB" if "decode_bytes_per_token" in r else "-"
+        bound = f"{r['ratio_to_bound']:.2f}x" if r.get("ratio_to_bound") else "-"
+        agree = "-" if r["tokens_agreeing_with_hf"] is None else f"{r['tokens_agreeing_with_hf']}/{args.decode_tokens}"
+        hits = f"{100 * r['decode_hit_rate']:.0f}%" if r.get("decode_hit_rate") is not None else "-"
+        precision = f"{100 * r['decode_prefetch_precision']:.0f}%" if r.get("decode_prefetch_precision") is not None else "-"
+        cpu_share = f"{100 * r['decode_cpu_share']:.0f}%" if r.get("decode_cpu_share") is not None else "-"
+        lean = r.get("lean") or {}
+        graphed = f"{lean['graphed_steps']}/{lean['steps']}" if lean else "-"
+        peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
+        load_s = f"{r['load_s']:.1f}" if r.get("load_s") is not None else "-"
+        gap = f"{r['token_gap_ms_p50']:.1f}, {r['token_gap_ms_p95']:.1f}" if r.get("token_gap_ms_p50") else "-"
+        print(f"| {r['config']} | {load_s} | {r['prefill_s_median']:.3f} | {r['decode_tok_s_median']:.2f} "
+              f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {gap} | {speedup} | {agree} | {per_token} | {hits} "
+              f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
+    for r in rows:
+        if r.get("prefill_cpu_expert_s"):
+            print(f"{r['config']}: a prefill's {r['prefill_s_median']:.3f} s: vision tower {r['prefill_vision_s']:.3f} s, "
+                  f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "
+                  f"expert weights if it reads them all), the rest (the GPU's layers, copies) "
+                  f"{r['prefill_s_median'] - r['prefill_vision_s'] - r['prefill_cpu_expert_s']:.3f} s")
+        if r.get("gpu_prefill"):
+            print(f"{r['config']}: {r['gpu_prefill']}; {r['gpu_prefill_gb_per_prefill']:.2f} GB over PCIe per prefill, "
+                  f"{100 * r['gpu_prefill_gpu_share']:.0f}% of the prefill layers' experts on the GPU; per prefill the "
+                  f"copies took {r['gpu_prefill_copy_s']:.3f} s, the compute stream waited on them {r['gpu_prefill_stall_s']:.3f} s, "
+                  f"the host spent {r['gpu_prefill_host_between_s']:.3f} s between the layers' calls")
+    for r in rows:
+        if r.get("cpu_quota_trial"):
+            print(f"{r['config']}: {r['cpu_quota_trial']}")
+    for r in rows:
+        for b in r.get("batched") or []:
+            full = b["full_batch_decode_tok_s"]
+            ratio = f" ({full / r['decode_tok_s_median']:.2f}x one request)" if full else ""
+            pcie = b.get("decode_bytes_per_token")
+            bytes_note = "" if pcie is None or not r.get("decode_bytes_per_token") else \
+                f"; {pcie / 1e6:.1f} MB over PCIe per token ({pcie / r['decode_bytes_per_token']:.2f}x one request)"
+            itl = "" if b.get("itl_p95_s") is None else \
+                f"; inter-token p95 {b['itl_p95_s'] * 1e3:.1f} ms ({b['itl_p95_s'] * r['decode_tok_s_median']:.2f}x one request's)"
+            print(f"{r['config']}: {b['requests']} requests together: {b['aggregate_tok_s']:.2f} tok/s over the run, "
+                  f"{f'{full:.2f}' if full else '-'} tok/s while all {b['requests']} decode{ratio}; "
+                  f"{b['graphed_steps']}/{b['steps']} steps graphed{itl}{bytes_note}; tokens equal to each request "
+                  f"alone: {100 * float(np.mean(b['tokens_agreeing_alone'])):.0f}%")
+    if args.kernels:
+        report = kernel_report(rows)
+        (out / "kernels.md").write_text(report)
+        print("\n" + report)
+    if args.turns > 1:
+        print("\n| config | " + " | ".join(f"turn {t + 1} prompt s" for t in range(args.turns)) + " |")
+        print("|---" * (args.turns + 1) + "|")
+        for r in rows:
+            print(f"| {r['config']} | " + " | ".join(f"{t:.3f}" for t in r["turn_prompt_s"]) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Where a decode step's time goes on the device: one request under torch.profiler, its kernels
+summed by name and by stream, and how much of the wall time any kernel was running at all.
+
+The lean path replays each decode step as one CUDA graph, so `--profile`'s per-piece timing (which
+runs the pieces eagerly) cannot see inside it; CUPTI still reports every kernel a graph launches.
+"idle" is the decode wall time during which no kernel ran (host work between steps, syncs, or waits
+on copies); "overlap" is kernel time beyond the busy union (streams running at once).
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks.bench.timing import timed_generate
+
+
+def _busy(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by the union of [start, end) intervals."""
+    total, end_so_far = 0, None
+    for start, end in sorted(intervals):
+        if end_so_far is None or start > end_so_far:
+            total += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            total += end - end_so_far
+            end_so_far = end
+    return total
+
+
+def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 25) -> dict:
+    """kernels: (name, stream, start ns, duration ns) of every device kernel in the decode window."""
+    if not kernels:
+        return {"kernels": 0}
+    by_name: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_stream: dict[int, int] = defaultdict(int)
+    for name, stream, _, duration in kernels:
+        by_name[name][0] += duration
+        by_name[name][1] += 1
+        by_stream[stream] += duration
+    window = max(s + d for _, _, s, d in kernels) - min(s for _, _, s, _ in kernels)
+    busy = _busy([(s, s + d) for _, _, s, d in kernels])
+    per_step = lambda ns: ns / steps / 1e6  # noqa: E731  milliseconds per decode step
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps, "kernels": len(kernels),
+        "window_ms_per_step": per_step(window), "busy_ms_per_step": per_step(busy),
+        "idle_ms_per_step": per_step(window - busy),
+        "overlap_ms_per_step": per_step(sum(by_stream.values()) - busy),
+        "streams_ms_per_step": {str(k): per_step(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": name[:120], "ms_per_step": per_step(ns), "calls_per_step": count / steps}
+                        for name, (ns, count) in ranked],
+    }
+
+
+def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path | None = None) -> dict:
+    """One more request under torch.profiler; the decode window's kernels summarized (see summarize)."""
+    rate: list[float] = []
+
+    def run() -> int:
+        rate.append(timed_generate(model, request, decode_tokens).decode_tok_s)
+        return decode_tokens
+
+    summary = profile_run(run, trace_path)
+    summary["wall_ms_per_step"] = 1e3 / rate[0]
+    return summary
+
+
+def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
+    """`run()` under torch.profiler (it returns its decode steps); the kernels from its first graph
+    replay on summarized per step (see summarize)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        steps = run()
+    events = prof.profiler.kineto_results.events()
+    kernels = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns()) for e in events
+                      if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0),
+                     key=lambda k: k[2])
+    # decode starts at the first graph replay (the warm-up captured every graph before this request);
+    # an eager run has no replay and is summarized whole, prefill included (the summary says so)
+    launches = [e.start_ns() for e in events if "GraphLaunch" in e.name()]
+    decode = [k for k in kernels if k[2] >= min(launches)] if launches else kernels
+    if trace_path is not None:
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        raw = trace_path.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    summary = summarize(decode, steps)
+    summary["window"] = "decode (from the first graph replay)" if launches else "the whole request (no graph replays)"
+    return summary

@@ -1,0 +1,46 @@
+"""The decode-step kernel summary: busy time is the union of kernel intervals, overlap what streams
+ran at once, idle the rest of the window, all per step; and a CPU run of decode_bench --kernels
+reports its window without a GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.decode_bench import kernel_report
+from benchmarks.kernel_timeline import _busy, summarize
+
+
+def test_busy_is_the_union_of_intervals():
+    assert _busy([(0, 10), (5, 15), (20, 30)]) == 25
+    assert _busy([(20, 30), (0, 10), (2, 3)]) == 20
+    assert _busy([]) == 0
+
+
+def test_summary_splits_busy_idle_and_overlap_per_step():
+    ms = 1_000_000
+    # two steps: a main-stream kernel of 4 ms, a side-stream one of 3 ms overlapping it by 1 ms, then a gap
+    kernels = [("gemv", 7, 0, 4 * ms), ("copy", 9, 3 * ms, 3 * ms),
+               ("gemv", 7, 10 * ms, 4 * ms), ("copy", 9, 13 * ms, 3 * ms)]
+    s = summarize(kernels, steps=2)
+    assert s["window_ms_per_step"] == pytest.approx(8.0)   # 0 .. 16 ms
+    assert s["busy_ms_per_step"] == pytest.approx(6.0)     # 0-6 and 10-16
+    assert s["idle_ms_per_step"] == pytest.approx(2.0)
+    assert s["overlap_ms_per_step"] == pytest.approx(1.0)  # 7 ms of kernels in 6 ms busy
+    assert s["streams_ms_per_step"] == {"7": pytest.approx(4.0), "9": pytest.approx(3.0)}
+    assert [t["name"] for t in s["top_kernels"]] == ["gemv", "copy"]
+    assert s["top_kernels"][0]["calls_per_step"] == 1.0
+    report = kernel_report([{"config": "lean:1GiB", "kernels": {**s, "wall_ms_per_step": 9.0, "window": "decode"}}])
+    assert "| lean:1GiB | 9.00 | 6.00 | 2.00 | 1.00 | 7: 4.00, 9: 3.00 |" in report
+
+
+def test_decode_bench_kernels_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--tiny",
+                    "tiny-6x64", "--device", "cpu", "--reps", "1", "--decode-tokens", "3", "--configs", "lean:12MiB",
+                    "--kernels"], check=True, capture_output=True, timeout=300)
+    row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
+    assert row["kernels"]["window"] == "the whole request (no graph replays)"  # no CUDA: no device kernels
+    assert row["kernels"]["wall_ms_per_step"] > 0
+    assert (out / "kernels.md").exists() and list(out.glob("trace-lean*.json.gz"))
