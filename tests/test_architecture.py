@@ -3,8 +3,9 @@
 Read from the source (nothing is imported): every `import` / `from ... import` of a module, at any
 depth (imports inside functions count too), resolved to the room (top-level folder or module) it
 names. A room may import only the rooms listed for it below; `apps` may import anything and nothing
-imports `apps`. Outside `models/`, no code names a Hugging Face attribute path: the family's adapter
-is asked instead.
+imports `apps`. The packages beside `vismmoe_kt` (`cpu_kernels/`) are one room each, on the lowest
+floor: they import nothing of `vismmoe_kt`. Outside `models/`, no code names a Hugging Face attribute
+path: the family's adapter is asked instead.
 """
 
 import ast
@@ -14,20 +15,23 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vismmoe_kt"
+BESIDE = ("cpu_kernels",)  # top-level packages of the repository below vismmoe_kt: each is one room
 
 # room -> the rooms it may import (besides itself); the order is the floors, lowest first
 ALLOWED = {
+    "cpu_kernels": set(),  # the CPU expert backends: nothing of vismmoe_kt, not even its errors
     "errors": set(),
     "routing": set(),
     "vision": {"errors"},
     "lb": {"errors"},
     "predictor": {"errors"},
-    "runtime": {"errors"},
+    "runtime": {"errors", "cpu_kernels"},
     "models": {"errors"},
     "core": {"errors", "models", "runtime"},
     "parallel": {"errors", "runtime", "lb", "core"},
     "engine": {"errors", "core", "models", "vision", "routing"},
-    "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
+    "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor",
+                  "cpu_kernels"},
     "demo": {"errors", "core", "models", "runtime"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats
@@ -63,22 +67,35 @@ def modules() -> list[tuple[Path, ast.AST]]:
             for path in sorted(PACKAGE.rglob("*.py"))]
 
 
+@functools.cache
+def beside_modules() -> list[tuple[Path, ast.AST]]:
+    """The modules of the packages in BESIDE, their paths relative to the repository."""
+    root = PACKAGE.parent
+    return [(path.relative_to(root), ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            for name in BESIDE for path in sorted((root / name).rglob("*.py"))]
+
+
 def room_of(rel: Path) -> str:
     return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
 
 
-def imported_rooms(rel: Path, tree: ast.AST):
-    """(line, room) of every import of a vismmoe_kt module in this file."""
-    package = ["vismmoe_kt", *rel.parts[:-1]]
+def imported_rooms(rel: Path, tree: ast.AST, package: str = "vismmoe_kt"):
+    """(line, room) of every import of a vismmoe_kt module or a BESIDE package in this file (`rel`:
+    its path inside `package`)."""
+    here = [package, *rel.parts[:-1]]
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1]
+                base = here[: len(here) - node.level + 1]
                 target = base + (node.module.split(".") if node.module else [])
                 names = [alias.name for alias in node.names] if not node.module and len(target) == 1 else []
-            elif (node.module or "").startswith("vismmoe_kt"):
-                target, names = node.module.split("."), []
+            elif (node.module or "").split(".")[0] in ("vismmoe_kt", *BESIDE):
+                target = node.module.split(".")
+                names = [alias.name for alias in node.names] if len(target) == 1 else []
             else:
+                continue
+            if target[0] in BESIDE:
+                yield node.lineno, target[0]
                 continue
             if len(target) > 1:
                 yield node.lineno, target[1]
@@ -87,12 +104,14 @@ def imported_rooms(rel: Path, tree: ast.AST):
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
-                if parts[0] == "vismmoe_kt" and len(parts) > 1:
+                if parts[0] in BESIDE:
+                    yield node.lineno, parts[0]
+                elif parts[0] == "vismmoe_kt" and len(parts) > 1:
                     yield node.lineno, parts[1]
 
 
 def test_every_room_is_known():
-    rooms = {room_of(rel) for rel, _ in modules()}
+    rooms = {room_of(rel) for rel, _ in modules()} | {rel.parts[0] for rel, _ in beside_modules()}
     assert rooms == set(ALLOWED), f"rooms without a rule: {rooms - set(ALLOWED)}; rules without a room: {set(ALLOWED) - rooms}"
 
 
@@ -106,7 +125,23 @@ def test_imports_point_down():
                 continue
             if (target == "apps" and room != "__main__") or allowed is None or target not in allowed:
                 wrong.append(f"vismmoe_kt/{rel}:{line} ({room}) imports {target}")
+    for rel, tree in beside_modules():
+        room = rel.parts[0]
+        wrong += [f"{rel}:{line} ({room}) imports {target}" for line, target in
+                  imported_rooms(Path(*rel.parts[1:]), tree, room) if target != room and target not in ALLOWED[room]]
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_cpu_kernels_import_nothing_of_vismmoe_kt():
+    """The CPU expert backends are a floor of their own: vismmoe_kt builds on them, never the reverse
+    (read per import, so a lazy import inside a function is caught too)."""
+    found = [f"{rel}:{node.lineno}" for rel, tree in beside_modules() if rel.parts[0] == "cpu_kernels"
+             for node in ast.walk(tree)
+             if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vismmoe_kt" for a in node.names)
+             or isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vismmoe_kt"
+             or isinstance(node, ast.ImportFrom) and node.level > len(rel.parts) - 1]
+    assert [rel for rel, _ in beside_modules() if rel.parts[0] == "cpu_kernels"], "cpu_kernels/ was not read"
+    assert not found, "cpu_kernels imports vismmoe_kt:\n" + "\n".join(found)
 
 
 def test_the_rules_themselves_point_down():
@@ -120,8 +155,8 @@ def test_the_rules_themselves_point_down():
 
 def test_no_hugging_face_attribute_paths_outside_models():
     found = []
-    for rel, tree in modules():
-        if rel.parts[0] == "models":
+    for rel, tree in [(Path("vismmoe_kt", rel), tree) for rel, tree in modules()] + beside_modules():
+        if rel.parts[:2] == ("vismmoe_kt", "models"):
             continue
         for node in ast.walk(tree):
             name = None
@@ -131,7 +166,7 @@ def test_no_hugging_face_attribute_paths_outside_models():
                     and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in HF_ATTRIBUTES:
                 name = node.args[1].value
             if name:
-                found.append(f"vismmoe_kt/{rel}:{node.lineno} .{name}")
+                found.append(f"{rel}:{node.lineno} .{name}")
     assert not found, "Hugging Face attribute paths outside models/ (ask the adapter):\n" + "\n".join(found)
 
 
