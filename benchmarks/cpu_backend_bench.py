@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 
-from vismmoe_kt.runtime.cpu.isa import detect_isa, kt_kernel_installed
-from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
+from cpu_kernels.isa import detect_isa, kt_kernel_installed
+from cpu_kernels.torch_backend import TorchCpuBackend
 from vismmoe_kt.apps.arguments import FlagParser
 
 E, K, H, I = 128, 8, 2048, 768
@@ -49,7 +49,7 @@ def main():
     down = (torch.randn(E, H, I) * 0.02).bfloat16()
     backends = [TorchCpuBackend()]
     if kt_kernel_installed():
-        from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+        from cpu_kernels.kt_backend import KtKernelBackend
 
         backends.append(KtKernelBackend(E, K, H, I, threads=args.threads))
     for backend in backends:

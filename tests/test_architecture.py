@@ -3,10 +3,11 @@
 Read from the source (nothing is imported): every `import` / `from ... import` of a module, at any
 depth (imports inside functions count too), resolved to the room (top-level folder or module) it
 names. A room may import only the rooms listed for it below; `apps` may import anything and nothing
-imports `apps`. Outside `models/`, no code names a Hugging Face attribute path: the family's adapter
-is asked instead. `benchmarks/` sits above the whole package: it may import any of `vismmoe_kt` (and
-the standard and third-party libraries, nothing else of the repository), and nothing in `vismmoe_kt`
-imports it.
+imports `apps`. The packages beside `vismmoe_kt` below it (`cpu_kernels/`) are one room each, on the
+lowest floor: they import nothing of `vismmoe_kt`. `benchmarks/` sits above the whole package: it may
+import any of `vismmoe_kt` (and the standard and third-party libraries, nothing else of the
+repository), and nothing in `vismmoe_kt` imports it. Outside `models/`, no code names a Hugging Face
+attribute path: the family's adapter is asked instead.
 """
 
 import ast
@@ -18,20 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vismmoe_kt"
 BENCHMARKS = ROOT / "benchmarks"
+BESIDE = ("cpu_kernels",)  # top-level packages of the repository below vismmoe_kt: each is one room
 
 # room -> the rooms it may import (besides itself); the order is the floors, lowest first
 ALLOWED = {
+    "cpu_kernels": set(),  # the CPU expert backends: nothing of vismmoe_kt, not even its errors
     "errors": set(),
     "routing": set(),
     "vision": {"errors"},
     "lb": {"errors"},
     "predictor": {"errors"},
-    "runtime": {"errors"},
+    "runtime": {"errors", "cpu_kernels"},
     "models": {"errors"},
     "core": {"errors", "models", "runtime"},
     "parallel": {"errors", "runtime", "lb", "core"},
     "engine": {"errors", "core", "models", "vision", "routing"},
-    "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor"},
+    "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor",
+                  "cpu_kernels"},
     "demo": {"errors", "models", "runtime"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats
@@ -86,22 +90,35 @@ def absolute_imports(tree: ast.AST):
             yield node.lineno, str(node.args[0].value).split(".")[0]
 
 
+@functools.cache
+def beside_modules() -> list[tuple[Path, ast.AST]]:
+    """The modules of the packages in BESIDE, their paths relative to the repository."""
+    root = PACKAGE.parent
+    return [(path.relative_to(root), ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            for name in BESIDE for path in sorted((root / name).rglob("*.py"))]
+
+
 def room_of(rel: Path) -> str:
     return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
 
 
-def imported_rooms(rel: Path, tree: ast.AST):
-    """(line, room) of every import of a vismmoe_kt module in this file."""
-    package = ["vismmoe_kt", *rel.parts[:-1]]
+def imported_rooms(rel: Path, tree: ast.AST, package: str = "vismmoe_kt"):
+    """(line, room) of every import of a vismmoe_kt module or a BESIDE package in this file (`rel`:
+    its path inside `package`)."""
+    here = [package, *rel.parts[:-1]]
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1]
+                base = here[: len(here) - node.level + 1]
                 target = base + (node.module.split(".") if node.module else [])
                 names = [alias.name for alias in node.names] if not node.module and len(target) == 1 else []
-            elif (node.module or "").startswith("vismmoe_kt"):
-                target, names = node.module.split("."), []
+            elif (node.module or "").split(".")[0] in ("vismmoe_kt", *BESIDE):
+                target = node.module.split(".")
+                names = [alias.name for alias in node.names] if len(target) == 1 else []
             else:
+                continue
+            if target[0] in BESIDE:
+                yield node.lineno, target[0]
                 continue
             if len(target) > 1:
                 yield node.lineno, target[1]
@@ -110,12 +127,14 @@ def imported_rooms(rel: Path, tree: ast.AST):
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
-                if parts[0] == "vismmoe_kt" and len(parts) > 1:
+                if parts[0] in BESIDE:
+                    yield node.lineno, parts[0]
+                elif parts[0] == "vismmoe_kt" and len(parts) > 1:
                     yield node.lineno, parts[1]
 
 
 def test_every_room_is_known():
-    rooms = {room_of(rel) for rel, _ in modules()}
+    rooms = {room_of(rel) for rel, _ in modules()} | {rel.parts[0] for rel, _ in beside_modules()}
     assert rooms == set(ALLOWED), f"rooms without a rule: {rooms - set(ALLOWED)}; rules without a room: {set(ALLOWED) - rooms}"
 
 
@@ -129,7 +148,23 @@ def test_imports_point_down():
                 continue
             if (target == "apps" and room != "__main__") or allowed is None or target not in allowed:
                 wrong.append(f"vismmoe_kt/{rel}:{line} ({room}) imports {target}")
+    for rel, tree in beside_modules():
+        room = rel.parts[0]
+        wrong += [f"{rel}:{line} ({room}) imports {target}" for line, target in
+                  imported_rooms(Path(*rel.parts[1:]), tree, room) if target != room and target not in ALLOWED[room]]
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_cpu_kernels_import_nothing_of_vismmoe_kt():
+    """The CPU expert backends are a floor of their own: vismmoe_kt builds on them, never the reverse
+    (read per import, so a lazy import inside a function is caught too)."""
+    found = [f"{rel}:{node.lineno}" for rel, tree in beside_modules() if rel.parts[0] == "cpu_kernels"
+             for node in ast.walk(tree)
+             if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vismmoe_kt" for a in node.names)
+             or isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vismmoe_kt"
+             or isinstance(node, ast.ImportFrom) and node.level > len(rel.parts) - 1]
+    assert [rel for rel, _ in beside_modules() if rel.parts[0] == "cpu_kernels"], "cpu_kernels/ was not read"
+    assert not found, "cpu_kernels imports vismmoe_kt:\n" + "\n".join(found)
 
 
 def test_the_rules_themselves_point_down():
@@ -152,7 +187,7 @@ def test_benchmarks_import_only_the_package_and_libraries():
     entries (scripts/, tests/, ...) and the modules of tests/ and scripts/ (importable from there)."""
     local = {p.name.removesuffix(".py") for p in ROOT.iterdir() if not p.name.startswith(".")}
     local |= {p.stem for folder in ("tests", "scripts") for p in (ROOT / folder).rglob("*.py")}
-    local -= {"vismmoe_kt", "benchmarks"}
+    local -= {"vismmoe_kt", "benchmarks", *BESIDE}  # the packages below vismmoe_kt are part of it
     assert benchmark_modules() and {"tests", "scripts", "conftest"} <= local
     wrong = [f"{rel}:{line} imports {name}" for rel, tree in benchmark_modules()
              for line, name in absolute_imports(tree) if name in local]
@@ -177,7 +212,8 @@ def hugging_face_paths(tree: ast.AST):
 def test_no_hugging_face_attribute_paths_outside_models():
     found = [f"vismmoe_kt/{rel}:{line} .{name}" for rel, tree in modules() if rel.parts[0] != "models"
              for line, name in hugging_face_paths(tree)]
-    found += [f"{rel}:{line} .{name}" for rel, tree in benchmark_modules() for line, name in hugging_face_paths(tree)]
+    found += [f"{rel}:{line} .{name}" for rel, tree in benchmark_modules() + beside_modules()
+              for line, name in hugging_face_paths(tree)]
     assert not found, "Hugging Face attribute paths outside models/ (ask the adapter):\n" + "\n".join(found)
 
 

@@ -169,7 +169,7 @@ def test_the_cli_reads_weights_from_gguf_path(tiny, capsys):
     assert "give --gguf_path too" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(),
+@pytest.mark.skipif(not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(),
                     reason="kt_kernel is not installed")
 @pytest.mark.parametrize("qtype,error", [("Q8_0", 0.05), ("Q4_0", 0.35)])
 def test_kt_cpu_computes_gguf_experts_as_stored(tmp_path, qtype, error):
@@ -236,7 +236,7 @@ def test_operators_read_experts_through_kt_transformers_gguf_loader(tiny):
     assert adapter.layer_of("blk.7.ffn_gate_exps") == 7 == adapter.layer_of("model.language_model.layers.7.mlp.experts")
 
 
-@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(),
+@pytest.mark.skipif(not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(),
                     reason="kt_kernel is not installed")
 def test_the_hybrid_cpu_copy_is_the_gguf_experts_as_stored(tmp_path):
     """Hybrid mode over a Q8_0 GGUF: the store holds the dequantized experts for the GPU, and kt-kernel

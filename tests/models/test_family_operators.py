@@ -27,7 +27,7 @@ from conftest import free_port, make_image
 from families import CPU, FAMILIES, TOKENS, family_case
 
 SEED = 1
-KT_KERNEL = __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed()
+KT_KERNEL = __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -227,7 +227,7 @@ def test_every_routed_expert_on_kt_kernel(tmp_path, case):
     step's graphed decode gives the tokens of an eager one."""
     from vismmoe_kt.engine.lean_engine import decode_engine
     from vismmoe_kt.operators.cpu_experts import CpuExperts
-    from vismmoe_kt.runtime.cpu.torch_backend import pair_experts
+    from cpu_kernels.torch_backend import pair_experts
 
     family, image = case[0], case[3]
     spec = dataclasses.replace(SPECS[family.spec], moe_intermediate=family.kt_kernel_inter)

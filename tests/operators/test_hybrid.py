@@ -82,7 +82,7 @@ def test_bad_miss_policy_is_a_clear_error(tiny_dir):
         load(tiny_dir, HYBRID, miss_policy="auto", cost_model={"fetch_seconds": 1}, **CPU)
 
 
-@pytest.mark.skipif(not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed")
+@pytest.mark.skipif(not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed")
 def test_kt_style_rule_with_kt_kernel(tmp_path):
     """tiny-6x64's sizes suit kt-kernel: BF16 kernels, so logits agree to BF16 precision."""
     model_dir = save_tiny_model(tmp_path / "m", "tiny-6x64", seed=0)
@@ -97,7 +97,7 @@ def test_kt_style_rule_with_kt_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("kt-kernel", marks=pytest.mark.skipif(
-    not __import__("vismmoe_kt.runtime.cpu.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed"))])
+    not __import__("cpu_kernels.isa", fromlist=["x"]).kt_kernel_installed(), reason="kt_kernel is not installed"))])
 def test_kt_style_rule_decodes_on_the_lean_path_with_every_step_captured(tmp_path, backend):
     """The KTransformers-style rule file has the VisDecoder: its CPU expert layers are capturable, so
     the lean step's CPU twin of the graphs replays every step, with the tokens of an eager run;

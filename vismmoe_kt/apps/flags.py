@@ -29,7 +29,7 @@ CPU_INFER_HELP = ("CPU expert workers (kt-kernel's pool) and torch's CPU threads
 
 
 def default_cpu_threads() -> int:
-    from ..runtime.cpu.threads import RESERVED_CORES
+    from cpu_kernels.threads import RESERVED_CORES
 
     return max(physical_cores() - RESERVED_CORES, 1)
 

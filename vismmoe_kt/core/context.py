@@ -11,7 +11,7 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
     cpu_backend       the CPU expert backend of the CpuExperts layers (one worker pool for all)
     gpu_prefill       the CpuExperts layers' LayerwisePrefill (long prompts' experts on the GPU), or None
     cpu_threads       its worker count (`load(..., cpu_infer=N)` or `--cpu_infer`; None: physical
-                      cores - 2, runtime/cpu/threads.py)
+                      cores - 2, cpu_kernels/threads.py)
     model_device      the device modules go to by default (our loader sets it; None under upstream's)
     token_is_visual   which rows of the hidden states the layers process now are visual tokens
                       (written by the text model's forward, read by ReaLB's operators)
@@ -80,7 +80,7 @@ class LoadContext:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     offload_runtime: Any = None      # runtime.offload.OffloadRuntime
     expert_set_runtimes: dict[str, Any] = field(default_factory=dict)  # a second expert set's (VisionExperts)
-    cpu_backend: Any = None          # runtime.cpu.base.CpuBackend
+    cpu_backend: Any = None          # cpu_kernels.base.CpuExpertBackend
     gpu_prefill: Any = None          # runtime.layerwise_prefill.LayerwisePrefill
     cpu_threads: int | None = None
     model_device: str | None = None  # where the loader puts modules by default (None under upstream's loop)

@@ -26,11 +26,11 @@ from dataclasses import fields
 from typing import Any, TypeVar
 
 import torch
+from cpu_kernels import ggml_types
 from torch import nn
 
 from ..core.context import context_of
 from ..models import ModelAdapter, adapter_for
-from ..runtime import ggml_types
 
 
 def _upstream_base() -> type | None:

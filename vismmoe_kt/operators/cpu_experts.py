@@ -16,8 +16,8 @@ A prompt of at least `gpu_prefill_tokens` tokens takes KTransformers' other pref
 cross PCIe from a host copy (Q4_K by default), a layer ahead, and run on the GPU, all of them or a share
 while the CPU computes the rest (runtime/layerwise_prefill.py). Decode stays on the CPU.
 
-Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu/__init__.py). Workers: `--cpu_infer`
-(runtime/cpu/threads.py).
+Rule kwargs: CpuExpertSettings (vismmoe_kt/runtime/cpu_expert_settings.py). Workers: `--cpu_infer`
+(cpu_kernels/threads.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from cpu_kernels import make_backend
+from cpu_kernels.threads import leave_cores_to_workers
 from torch import nn
 
-from ..runtime.cpu import CpuExpertSettings, make_backend
-from ..runtime.cpu.threads import leave_cores_to_workers
+from ..runtime.cpu_expert_settings import CpuExpertSettings
 from ..runtime.layerwise_prefill import LayerwisePrefill
 from ..runtime.store import raw_down_format
 from .base import HF_READ_ATTRIBUTES, BaseInjectedModule, settings_from, stored_gguf_experts

@@ -40,15 +40,15 @@ class MissPolicy:
         store doubles host memory: refuse it where that cannot fit."""
         import psutil
 
-        from .cpu.isa import choose_backend
-        from .cpu.kt_backend import kt_kernel_supports
+        from cpu_kernels.isa import choose_backend
+        from cpu_kernels.kt_backend import kt_kernel_supports
 
         name = choose_backend("kt-kernel" if dtype != "bf16" else requested, shape_ok=kt_kernel_supports(hidden, inter))
         if name == "torch":
-            from .cpu.torch_backend import TorchCpuBackend
+            from cpu_kernels.torch_backend import TorchCpuBackend
 
             return TorchCpuBackend()
-        from .cpu.kt_backend import BYTES_PER_WEIGHT, KtKernelBackend
+        from cpu_kernels.kt_backend import BYTES_PER_WEIGHT, KtKernelBackend
 
         needed = offloaded_layers * (layer_bytes + num_experts * 3 * inter * hidden * BYTES_PER_WEIGHT[dtype])
         total = psutil.virtual_memory().total

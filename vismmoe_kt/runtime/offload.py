@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from cpu_kernels.threads import leave_cores_to_workers
 
 from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
 from .expert_compute import bank_experts, row_chunks
@@ -38,7 +39,6 @@ from .offload_settings import OffloadSettings
 from .offload_stats import PHASES, LayerCounters, layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
 from .decode_boundary import DecodeBoundary
-from .cpu.threads import leave_cores_to_workers
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views, raw_down_format

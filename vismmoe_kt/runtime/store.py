@@ -17,9 +17,9 @@ never held twice.
 from __future__ import annotations
 
 import torch
+from cpu_kernels.ggml_types import PART_FORMATS, STORE_FORMATS
 
 from . import q4, q4k, q5k, q6k, q8
-from .ggml_types import PART_FORMATS, STORE_FORMATS
 from .host_memory import HostBuffer
 
 

@@ -4,8 +4,8 @@ on-disk cache that makes the next start skip the quantization, and clear errors 
 import pytest
 import torch
 
-from vismmoe_kt.runtime.cpu.base import reference_experts
-from vismmoe_kt.runtime.cpu.isa import kt_kernel_installed
+from cpu_kernels.base import reference_experts
+from cpu_kernels.isa import kt_kernel_installed
 
 pytestmark = pytest.mark.skipif(not kt_kernel_installed(), reason="kt_kernel is not installed")
 
@@ -22,7 +22,7 @@ def experts(seed=0):
 
 
 def backend(dtype, model_dir=None):
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     return KtKernelBackend(E, K, H, I, threads=1, dtype=dtype, model_dir=model_dir)
 
@@ -105,7 +105,7 @@ def test_a_model_without_a_directory_quantizes_in_a_temporary_place_and_keeps_no
 
 
 def test_read_only_checkpoint_directories_cache_under_the_user_cache(tmp_path, monkeypatch):
-    from vismmoe_kt.runtime.cpu import quant_cache
+    from cpu_kernels import quant_cache
 
     model_dir = _checkpoint(tmp_path)
     real = quant_cache._writable
@@ -118,30 +118,16 @@ def test_read_only_checkpoint_directories_cache_under_the_user_cache(tmp_path, m
 
 
 def test_what_the_quantized_kernels_cannot_take_is_a_clear_error():
-    from vismmoe_kt.runtime.cpu import CpuExpertSettings
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     with pytest.raises(ValueError, match="int4 experts need .* multiples of 128; this model has 256 and 64"):
         KtKernelBackend(E, K, 256, 64, threads=1, dtype="int4")
     with pytest.raises(ValueError, match="cpu_dtype 'fp3' is not one of: bf16, int8, int4"):
         KtKernelBackend(E, K, H, I, threads=1, dtype="fp3")
-    with pytest.raises(ValueError, match="needs cpu_backend kt-kernel"):
-        CpuExpertSettings(cpu_backend="torch", cpu_dtype="int8")
-
-
-def test_the_hybrid_modes_quantized_copy_needs_kt_kernel():
-    from vismmoe_kt.runtime.budget import BudgetError
-    from vismmoe_kt.runtime.offload_settings import OffloadSettings
-
-    with pytest.raises(BudgetError, match="cpu_dtype int8 needs cpu_backend kt-kernel"):
-        OffloadSettings(expert_budget="1GiB", miss_policy="auto", cpu_backend="torch", cpu_dtype="int8")
-    with pytest.raises(BudgetError, match="cpu_dtype 'int3' is not one of"):
-        OffloadSettings(expert_budget="1GiB", cpu_dtype="int3")
-    assert OffloadSettings(expert_budget="1GiB", miss_policy="auto", cpu_backend="kt-kernel", cpu_dtype="int4").cpu_dtype == "int4"
 
 
 def _plan(*threads):
-    from vismmoe_kt.runtime.cpu.threads import WorkerPlan
+    from cpu_kernels.threads import WorkerPlan
 
     return WorkerPlan(tuple(range(len(threads))), tuple(threads), sum(threads), None)
 
@@ -149,7 +135,7 @@ def _plan(*threads):
 def test_the_cache_is_rebuilt_when_the_sub_pools_change_or_a_file_is_gone(tmp_path):
     """kt-kernel's files depend on how many sub-pools split each layer: another worker plan must not
     read them (the manifest records it); a cached layer whose files kt-kernel cannot read is quantized again."""
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     model_dir = _checkpoint(tmp_path)
     tensors = experts(0)
@@ -167,7 +153,7 @@ def test_the_cache_is_rebuilt_when_the_sub_pools_change_or_a_file_is_gone(tmp_pa
 
 
 def test_sizes_are_checked_per_sub_pool():
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     with pytest.raises(ValueError, match=r"multiples of 128; this model has 256 and 128 split across 2 NUMA sub-pools "
                                          r"\(64 each\)"):

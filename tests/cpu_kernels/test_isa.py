@@ -1,8 +1,11 @@
 """ISA detection from (faked) /proc/cpuinfo contents, and the backend choice it drives."""
 
+import sys
+import types
+
 import pytest
 
-from vismmoe_kt.runtime.cpu.isa import choose_backend, cpuinfo_flags, detect_isa
+from cpu_kernels.isa import choose_backend, cpuinfo_flags, detect_isa
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse avx avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 ICE_LAKE = "processor\t: 0\nflags\t\t: fpu sse avx avx2 avx512f avx512bw avx512vl\n"
@@ -26,6 +29,20 @@ def test_amx_needs_the_tile_flag():
 def test_os_without_avx512_state_masks_avx512():
     isa = detect_isa(SAPPHIRE_RAPIDS, {"OS_AVX": True, "OS_AVX512": False, "AVX2": True, "AVX512f": True})
     assert isa.avx2 and not isa.avx512f and not isa.avx512_bf16
+
+
+def test_without_cpufeature_proc_cpuinfo_alone_decides(monkeypatch):
+    """The GPU machine has no cpufeature: its import fails and the flags line still finds every ISA."""
+    monkeypatch.setitem(sys.modules, "cpufeature", None)  # `import cpufeature` raises ImportError
+    assert detect_isa(SAPPHIRE_RAPIDS) == detect_isa(SAPPHIRE_RAPIDS, NO_TABLE)
+    assert detect_isa(SAPPHIRE_RAPIDS).best == "amx" and detect_isa(OLD).best == "none"
+
+
+def test_installed_cpufeature_is_asked(monkeypatch):
+    fake = types.ModuleType("cpufeature")
+    fake.CPUFeature = {"OS_AVX": True, "OS_AVX512": False, "AVX2": True, "AVX512f": True}
+    monkeypatch.setitem(sys.modules, "cpufeature", fake)
+    assert detect_isa(ICE_LAKE).best == "avx2"  # the flags say avx512f, cpufeature says the OS does not save its state
 
 
 def test_flags_parsing():

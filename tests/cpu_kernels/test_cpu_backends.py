@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from vismmoe_kt.runtime.cpu.base import reference_experts
-from vismmoe_kt.runtime.cpu.isa import kt_kernel_installed
-from vismmoe_kt.runtime.cpu.torch_backend import TorchCpuBackend
+from cpu_kernels.base import reference_experts
+from cpu_kernels.isa import kt_kernel_installed
+from cpu_kernels.torch_backend import TorchCpuBackend
 
 E, K, H, I = 16, 4, 128, 64
 
@@ -15,7 +15,7 @@ needs_kt = pytest.mark.skipif(not kt_kernel_installed(), reason="kt_kernel is no
 def make_backend(name):
     if name == "torch":
         return TorchCpuBackend()
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     return KtKernelBackend(E, K, H, I, threads=2)
 
@@ -74,7 +74,7 @@ def test_kt_kernel_keeps_its_own_copy_and_accounts_for_it(experts):
 
 @needs_kt
 def test_kt_kernel_refuses_shapes_that_crash_it():
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     with pytest.raises(ValueError, match="multiples of 32; this model has 96 and 40"):
         KtKernelBackend(8, 2, 96, 40)

@@ -36,8 +36,7 @@ import weakref
 
 import torch
 
-from .. import ggml_types
-from . import CPU_DTYPES
+from . import CPU_DTYPES, ggml_types
 from .quant_cache import QuantCache
 from .threads import WorkerPlan, plan_workers, worker_pool_config
 

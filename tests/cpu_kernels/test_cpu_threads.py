@@ -6,8 +6,8 @@ import gc
 import pytest
 import torch
 
-from vismmoe_kt.runtime.cpu.isa import kt_kernel_installed
-from vismmoe_kt.runtime.cpu.threads import RESERVED_CORES, live_threads, numa_cores, plan_workers
+from cpu_kernels.isa import kt_kernel_installed
+from cpu_kernels.threads import RESERVED_CORES, live_threads, numa_cores, plan_workers
 
 
 def test_default_leaves_the_reserved_cores_free():
@@ -61,7 +61,7 @@ def test_numa_cores_without_sysfs_uses_the_affinity(tmp_path):
 
 @pytest.mark.skipif(not kt_kernel_installed(), reason="kt_kernel is not installed")
 def test_kt_kernel_pool_pins_one_worker_per_core_and_leaves_cores_free():
-    from vismmoe_kt.runtime.cpu.kt_backend import KtKernelBackend
+    from cpu_kernels.kt_backend import KtKernelBackend
 
     before = live_threads()
     backend = KtKernelBackend(16, 4, 128, 64)  # the default plan
