@@ -86,7 +86,9 @@ for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_
         outs.append((y, pool))
     (want, twin_pool), (got, kern_pool) = outs
     # the kernels decode into fp32; the twin (and the reference below) round the weights to the model's dtype first
-    close = dict(rtol=2e-4, atol=2e-4) if dtype == torch.float32 else dict(rtol=0, atol=1e-2 * want.abs().max().item())
+    # (fp32: within a few ulps of the outputs' scale, which the Q6_K rows make large)
+    scale = want.abs().max().item()
+    close = dict(rtol=2e-4, atol=2e-6 * scale) if dtype == torch.float32 else dict(rtol=0, atol=1e-2 * scale)
     torch.testing.assert_close(got, want, **close)
     # expert 1 landed in slab 1; experts 4 and 0 (no landing slab) in scratch slabs 4 + 2 and 4 + 3
     for slab, expert in ((1, 1), (6, 4), (7, 0)):

@@ -62,7 +62,8 @@ ids, land = torch.tensor([3, 4, 0]), torch.tensor([-1, -1, 2])
 want = experts_twin(x, ids, cpu_slots, land, [p.clone() for p in pools], host, torch.nn.SiLU(), 3)
 got = bf16_gemv.experts_where_they_lie(x, ids, cpu_slots, land, [p.clone() for p in pools], host.data_ptr(),
                                        host.shape[1], 3)
-torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+# fp32 in a different summation order: within a few ulps of the outputs' scale
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
 assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
 print("OK")
 """
