@@ -514,7 +514,7 @@ def main() -> int:
                              "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
                              "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "
                              "Offloaded layers on quantized slabs: expert-major (and auto) decodes each expert once "
-                             "for all its tokens (runtime/quantized_major.py), table one GEMV per pair, token by token")
+                             "for all its tokens (runtime/kernels/quantized_major.py), table one GEMV per pair, token by token")
     parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
                                        "(`python -m benchmarks.models.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",

@@ -10,7 +10,7 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
   table host + land    ... and written into a landing slab as it is read (what a decode miss costs)
   copy engine          cudaMemcpyAsync of the same bytes from the host store into slabs
   prefetch P programs  the lookahead prefetch's kernels (claim, copy by P programs, publish) moving
-                       the same experts into landing slots (decode_kernel.prefetch)
+                       the same experts into landing slots (kernels.prefetch_copy.prefetch)
   resident + prefetch  "table resident" on the compute stream while the prefetch (32 programs)
                        runs on a side stream: how much each slows the other
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
@@ -21,11 +21,12 @@ program, warps).
 
 `--batch`: a batched step's resident experts instead (T = 2, 4, 8, 16 tokens, each with K distinct
 random experts of a layer, LAYERS layers each with its own bank of E experts): grouped GEMM, the
-table kernels (a read per pair) and the expert-major tensor-core kernels (runtime/expert_major.py, a
-read per expert), with the distinct experts read per layer, the rate that makes, and each result's
+table kernels (a read per pair) and the expert-major tensor-core kernels (runtime/kernels/expert_major.py,
+a read per expert), with the distinct experts read per layer, the rate that makes, and each result's
 error against grouped GEMM; with `--tune`, the expert-major kernels' tiles at T = 8. `--batch
 --quantized`: the same step on Q4_K slabs: the GEMVs token by token, all pairs in one launch, and
-the quantized expert-major kernels (runtime/quantized_major.py), with `--tune` their tiles.
+the quantized expert-major kernels (runtime/kernels/quantized_major.py), with `--tune` their tiles.
+The tiles the kernels run with by default are the device's in runtime/kernels/tuning.json.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from vismmoe_kt.runtime import decode_kernel, expert_major
+from vismmoe_kt.runtime.kernels import bf16_gemv, expert_major, prefetch_copy, quantized_gemv
+from vismmoe_kt.runtime.kernels import tuning as kernel_tuning
 from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.host_memory import HostBuffer
 from vismmoe_kt.runtime.table_experts import combine, pair_outputs, table_experts
@@ -83,7 +85,7 @@ def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]
 
                     def run():
                         for l in range(LAYERS):
-                            decode_kernel.experts_where_they_lie(
+                            bf16_gemv.experts_where_they_lie(
                                 x, ids[l].view(-1), resident[l], no_land, pools, host.data_ptr(), host.shape[1], K,
                                 gate_up_config=config, down_config=config, parts=part)
                     try:
@@ -97,43 +99,47 @@ def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]
     return out
 
 
-def quantized_rows(device, x, sweep: bool) -> dict[str, list]:
-    """The quantized slabs' GEMVs (decode_kernel.quantized_experts), every expert resident in its slab, per
+def quantized_rows(device, x, sweep: bool) -> dict[str, dict]:
+    """The quantized slabs' GEMVs (quantized_gemv.quantized_experts), every expert resident in its slab, per
     format: microseconds per layer, the blocks' bytes read per second, and the error against the same
     blocks dequantized and computed in fp32; `sweep`: every (rows per program, warps)."""
-    from vismmoe_kt.runtime.store import ExpertStore
-
     out = {}
     for name in ("q8_0", "q4_0", "q4_k", "q4_k:bytes", "q5_k"):  # q4_k:bytes: its quant bytes read one by one
-        decode_kernel.Q4K_WORD_LOADS = not name.endswith(":bytes")
-        fmt = name.split(":")[0]
-        store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
-        store.fill_layer(0, torch.randn(LAYERS * K, 2 * I, H, device=device) / 50,
-                         torch.randn(LAYERS * K, H, I, device=device) / 50)
-        pool = store.layers[0].to(device)           # slab i holds expert i
-        slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
-        configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else [decode_kernel.QUANTIZED_CONFIGS[fmt]]
-        results = []
-        for config in configs:
-            def run():
-                for l in range(LAYERS):
-                    decode_kernel.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)
-            try:
-                seconds = timed(run, repeats=10)
-            except Exception as exc:  # a shape the compiler refuses
-                results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
-                continue
-            results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
-                            "gb_s": LAYERS * K * store.block_bytes / seconds / 1e9})
-        got = decode_kernel.quantized_experts(x, slots[0], pool, fmt, fmt, I, H, K)
-        gu, dn = store.dequantized(pool[:K], 0)
-        gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-        want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        error = float((got - want).norm() / want.norm())
-        out[name] = {"relative_error_vs_dequantized": error,
-                     "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
-    decode_kernel.Q4K_WORD_LOADS = True
+        with kernel_tuning.overridden(q4_k_word_loads=not name.endswith(":bytes")):
+            out[name] = quantized_format_rows(device, x, name.split(":")[0], sweep)
     return out
+
+
+def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
+    """`quantized_rows` of one format."""
+    from vismmoe_kt.runtime.store import ExpertStore
+
+    store = ExpertStore(LAYERS * K, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
+    store.fill_layer(0, torch.randn(LAYERS * K, 2 * I, H, device=device) / 50,
+                     torch.randn(LAYERS * K, H, I, device=device) / 50)
+    pool = store.layers[0].to(device)           # slab i holds expert i
+    slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
+    configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else \
+        [kernel_tuning.get("quantized_gemv", device)[fmt]]
+    results = []
+    for config in configs:
+        def run():
+            for l in range(LAYERS):
+                quantized_gemv.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)
+        try:
+            seconds = timed(run, repeats=10)
+        except Exception as exc:  # a shape the compiler refuses
+            results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
+            continue
+        results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
+                        "gb_s": LAYERS * K * store.block_bytes / seconds / 1e9})
+    got = quantized_gemv.quantized_experts(x, slots[0], pool, fmt, fmt, I, H, K)
+    gu, dn = store.dequantized(pool[:K], 0)
+    gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    error = float((got - want).norm() / want.norm())
+    return {"relative_error_vs_dequantized": error,
+            "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
 
 
 def prefetch_rows(device, host, pools, compute, per_token: int) -> list[dict]:
@@ -172,11 +178,11 @@ def prefetch_rows(device, host, pools, compute, per_token: int) -> list[dict]:
 
     out = []
     for programs in (8, 16, 32, 64, 132):
-        seconds = timed_eager(lambda: decode_kernel.prefetch(table, rows_of, experts, pools, addresses, programs))
+        seconds = timed_eager(lambda: prefetch_copy.prefetch(table, rows_of, experts, pools, addresses, programs))
         out.append({"kernel": f"prefetch {programs} programs", "us_per_layer": seconds / LAYERS * 1e6,
                     "gb_s": per_token / seconds / 1e9})
     alone = timed_eager(compute)
-    both = timed_eager(compute, lambda: decode_kernel.prefetch(table, rows_of, experts, pools, addresses))
+    both = timed_eager(compute, lambda: prefetch_copy.prefetch(table, rows_of, experts, pools, addresses))
     out.append({"kernel": "resident alone", "us_per_layer": alone / LAYERS * 1e6, "gb_s": per_token / alone / 1e9})
     out.append({"kernel": "resident + prefetch", "us_per_layer": both / LAYERS * 1e6, "gb_s": None})
     return out
@@ -215,7 +221,7 @@ def batch_rows(device, sweep: bool) -> dict:
                 out.append(combine(y, w, x.dtype, True))
             return out
 
-        def major(gate_up_tiles=expert_major.GATE_UP_TILES, down_tiles=expert_major.DOWN_TILES):
+        def major(gate_up_tiles=None, down_tiles=None):  # None: the device's tuned tiles
             def run():
                 out = []
                 for l in range(LAYERS):
@@ -257,10 +263,10 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
     """--batch --quantized: a batched step's experts on quantized slabs (every expert of LAYERS layers
     resident in its slab), three ways: the GEMVs token by token (what a step ran before, one token's K
     pairs a launch), the GEMVs over all the step's pairs in one launch, and the expert-major kernels
-    (runtime/quantized_major.py: each expert decoded once per block of its tokens); each result's
+    (runtime/kernels/quantized_major.py: each expert decoded once per block of its tokens); each result's
     error against grouped GEMM over the same blocks dequantized to BF16. `sweep`: the expert-major
     kernels' tiles at T = 8."""
-    from vismmoe_kt.runtime import quantized_major
+    from vismmoe_kt.runtime.kernels import quantized_major
     from vismmoe_kt.runtime.store import ExpertStore
 
     store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=fmt)
@@ -277,14 +283,14 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
         no_land = torch.full((tokens * K,), -1, dtype=torch.long, device=device)
 
         def per_token():
-            return [torch.cat([combine(decode_kernel.quantized_experts(x[t:t + 1], ids[l][t], pools[l], fmt, fmt, I, H, K),
+            return [torch.cat([combine(quantized_gemv.quantized_experts(x[t:t + 1], ids[l][t], pools[l], fmt, fmt, I, H, K),
                                        w[t:t + 1], x.dtype, True) for t in range(tokens)]) for l in range(LAYERS)]
 
         def one_launch():
-            return [combine(decode_kernel.quantized_experts(x, ids[l].reshape(-1), pools[l], fmt, fmt, I, H, K),
+            return [combine(quantized_gemv.quantized_experts(x, ids[l].reshape(-1), pools[l], fmt, fmt, I, H, K),
                             w, x.dtype, True) for l in range(LAYERS)]
 
-        def major(gate_up_tiles=quantized_major.GATE_UP_TILES, down_tiles=quantized_major.DOWN_TILES):
+        def major(gate_up_tiles=None, down_tiles=None):  # None: the device's tuned tiles
             def run():
                 return [combine(quantized_major.experts_quantized_major(
                     x, ids[l], ids[l].reshape(-1), no_land, pools[l], staging, fmt, fmt, I, E, gate_up_tiles, down_tiles),

@@ -26,7 +26,7 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    from vismmoe_kt.runtime import decode_kernel
+    from vismmoe_kt.runtime.kernels import dequantize
     from vismmoe_kt.runtime.expert_compute import bank_experts
     from vismmoe_kt.runtime.layerwise_prefill import LayerwisePrefill
 
@@ -64,8 +64,8 @@ def main() -> None:
     rows = torch.arange(e, device=device)
     need = torch.ones(e, dtype=torch.int8, device=device)
     block = store.block_bytes_of(0)
-    dequant_ms = timed(lambda: decode_kernel.fetch_q8(rows, need, rows, bank, staging.data_ptr(), block, i, h,
-                                                      fmt=store.fmt, staged=True)) if store.quantized else 0.0
+    dequant_ms = timed(lambda: dequantize.fetch_q8(rows, need, rows, bank, staging.data_ptr(), block, i, h,
+                                                   fmt=store.fmt, staged=True)) if store.quantized else 0.0
     gemm_ms = timed(lambda: bank_experts(hidden, ids, weights, rows, *bank, act))
 
     def prefill_pass():

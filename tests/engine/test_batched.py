@@ -132,8 +132,8 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_give_the_same_tokens(c
 @pytest.mark.parametrize("mode", ["expert-major", "grouped-gemm"])
 def test_each_way_of_computing_a_batched_steps_resident_experts_gives_the_tokens_alone(case, mode, monkeypatch):
     """batch_experts: the expert-major blocks (their torch twin here; the Triton kernels are checked
-    against it in tests/runtime/test_expert_major.py) and grouped GEMM, every expert resident."""
-    from vismmoe_kt.runtime import expert_major
+    against it in tests/runtime/kernels/test_expert_major.py) and grouped GEMM, every expert resident."""
+    from vismmoe_kt.runtime.kernels import expert_major
 
     calls = []
     twin = expert_major.experts_by_block

@@ -226,13 +226,13 @@ def test_the_kernels_serve_silu_gating_only():
     """What decides the Triton path: the activation's values (transformers' SiLU module included)."""
     from transformers.activations import ACT2FN
 
-    from vismmoe_kt.runtime import decode_kernel
+    from vismmoe_kt.runtime.kernels import bf16_gemv
     from vismmoe_kt.runtime.table_experts import is_silu, kernel_usable
 
     assert is_silu(ACT2FN["silu"]) and is_silu(torch.nn.SiLU()) and is_silu(torch.nn.functional.silu)
     assert not is_silu(ACT2FN["gelu"]) and not is_silu(torch.relu)
     cuda = torch.device("cuda")
-    assert kernel_usable(cuda, torch.bfloat16, ACT2FN["silu"]) == decode_kernel.available(torch.bfloat16)
+    assert kernel_usable(cuda, torch.bfloat16, ACT2FN["silu"]) == bf16_gemv.available(torch.bfloat16)
     assert not kernel_usable(cuda, torch.bfloat16, ACT2FN["gelu"])
     assert not kernel_usable(torch.device("cpu"), torch.bfloat16, ACT2FN["silu"])
 

@@ -23,7 +23,6 @@ Vocabulary (used with these meanings everywhere in the project):
 Modules: `budget` (Eq. 10, byte sizes), `store` (host blocks), `slab_cache` (residency state and
 eviction policy, pure host data), `transfers` (copy streams, events, prefetch worker),
 `offload` (the runtime the VisExperts operators share), `expert_compute` (grouped GEMM over a bank
-of blocks), `expert_major` (a batched decode step's resident experts: each routed expert read once
-for all its tokens, on tensor cores), `quantized_major` (the same on quantized slabs: each routed
-expert decoded once for all its tokens).
+of blocks), `table_experts` (a decode step's routed experts, Triton kernel or torch twin), `kernels/`
+(the Triton kernels, one concept per module, and their tuned tiles per device: kernels/__init__.py).
 """

@@ -51,7 +51,7 @@ import numpy as np
 
 import torch
 
-from . import decode_kernel
+from .kernels import prefetch_copy, table_ops
 from .store import block_views
 
 NOT_RESIDENT, ARRIVING, CPU_PAIR = -1, -2, -3
@@ -117,11 +117,11 @@ class DecodeTable:
                offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, landing slab per pair) for one token's K expert ids of an offloaded layer; records
         the step (a batched step's token at `offset`: records()) and claims the landings. `use_kernel`:
-        the same in one Triton launch (decode_kernel.plan). Several tokens' T x K ids (a batched step,
+        the same in one Triton launch (kernels.table_ops.plan). Several tokens' T x K ids (a batched step,
         `offset` given): token t as the token at offset + t K, one after another (the kernel runs them
         at once; either way, of tokens missing the same expert one claims it, the others read the host)."""
         if use_kernel:
-            return decode_kernel.plan(self, row, ids, offset)
+            return table_ops.plan(self, row, ids, offset)
         k = self.top_k
         if ids.numel() > k:
             if offset is None or ids.numel() % k:
@@ -179,8 +179,8 @@ class DecodeTable:
         self.usage[row].mul_(keep).add_(probabilities.reshape(-1).float(), alpha=1.0 - keep)
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
-        """After the experts were written to their landing slabs: point the table at them (decode_kernel.combine
-        does this in its own launch)."""
+        """After the experts were written to their landing slabs: point the table at them
+        (kernels.table_ops.combine does this in its own launch)."""
         lands = land >= 0
         self.slots[row].scatter_(0, torch.where(lands, ids, self.num_experts), land)
 
@@ -190,12 +190,12 @@ class DecodeTable:
         """Copy predicted (row, expert) pairs ((B,) each, -1: none) that nothing holds or claims into
         landing slots of their rows, then publish them. Pinned rows hold everything, so nothing happens
         there. Device ops only (a side stream inside the step's graph). `use_kernel`: Triton, reading
-        the mapped host store at `host_addresses` (L,) (decode_kernel.prefetch); else the torch twin
+        the mapped host store at `host_addresses` (L,) (kernels.prefetch_copy.prefetch); else the torch twin
         (host_blocks: each row's (E, block) store, None for pinned rows; the pools' last row is scratch)."""
         valid = (experts >= 0) & (experts < self.num_experts) & (rows >= 0) & (rows < self.num_layers)
         rows, experts = torch.where(valid, rows, 0), torch.where(valid, experts, 0)
         if use_kernel:
-            return decode_kernel.prefetch(self, rows, torch.where(valid, experts, -1), pools, host_addresses)
+            return prefetch_copy.prefetch(self, rows, torch.where(valid, experts, -1), pools, host_addresses)
         wanted = valid & (self.slots[rows, experts] == NOT_RESIDENT)
         slab = self._claim(rows, experts, wanted, experts + self.num_experts)
         lands = slab >= 0

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from . import decode_kernel
 from .expert_compute import bank_experts
+from .kernels import dequantize
 from .store import CODECS, ExpertStore
 from .store import FORMATS as HOST_FORMATS
 
@@ -209,12 +209,12 @@ class LayerwisePrefill:
             self._bank[0][:count].copy_(gate_up)
             self._bank[1][:count].copy_(down)
             return self._bank[0][:count], self._bank[1][:count]
-        if not decode_kernel.available(self.dtype):  # torch's dequantization, on the device
+        if not dequantize.available(self.dtype):  # torch's dequantization, on the device
             return self.store.dequantized(staging[:count * blocks_bytes].view(count, blocks_bytes), layer)
         ids = self._identity[:count]
-        decode_kernel.fetch_q8(ids, self._needed[:count], ids, self._bank, staging.data_ptr(), blocks_bytes,
-                               self.inter, self.hidden,
-                               fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
+        dequantize.fetch_q8(ids, self._needed[:count], ids, self._bank, staging.data_ptr(), blocks_bytes,
+                            self.inter, self.hidden,
+                            fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
         return self._bank[0][:count], self._bank[1][:count]
 
     def _buffer_of(self, layer: int) -> int | None:

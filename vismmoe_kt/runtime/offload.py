@@ -42,7 +42,7 @@ from .decode_boundary import DecodeBoundary
 from .decode_table import CPU_PAIR, DecodeTable
 from .slab_cache import CacheCounters, Key, SlabCache
 from .store import ExpertStore, block_views, raw_down_format
-from . import decode_kernel, expert_major, quantized_major
+from .kernels import dequantize, expert_major, quantized_major, table_ops
 from .table_experts import (combine, fetch_dequantized, kernel_usable, pair_outputs, quantized_batch_outputs,
                             quantized_slab_outputs)
 from .transfers import TransferCounters, Transfers
@@ -148,7 +148,7 @@ class OffloadRuntime:
         self.batch_step = False    # set around a batched decode step (several sequences' tokens, one each)
         # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
         # expert) up to batch_table_pairs pairs, and beyond, the expert-major tensor-core kernels (each
-        # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, one
+        # routed expert read once, runtime/kernels/expert_major.py) where they run, else grouped GEMM. H200, one
         # layer's experts, random distinct experts per token (`decode_kernel_bench --batch`), us per layer
         # table / grouped / expert-major: 2 tokens 60.6 / 118.1 / 92.6, 4: 106.5 / 169.1 / 123.4,
         # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6
@@ -339,7 +339,7 @@ class OffloadRuntime:
         else:
             y = pair_outputs(hidden, ids, slots, land, self.pool, self.store.layers[layer], act, top_k, kernel)
         if kernel:  # combines and publishes in one launch
-            out = decode_kernel.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
+            out = table_ops.combine(y, top_k_weights, hidden.dtype, table, row, ids, land)
         else:
             table.publish(row, ids, land)
             out = combine(y, top_k_weights, hidden.dtype)
@@ -366,7 +366,7 @@ class OffloadRuntime:
         y = quantized_batch_outputs(hidden, top_k_index, slots, land, self.pool[0], self._batch_staging,
                                     self.store.layers[layer], self.store, layer, self.num_experts, act, kernel)
         if self._use_kernel:  # combines and publishes each token's landings in one launch
-            return decode_kernel.combine(y, top_k_weights, hidden.dtype, self.table, row, ids, land)
+            return table_ops.combine(y, top_k_weights, hidden.dtype, self.table, row, ids, land)
         self.table.publish(row, ids, land)
         return combine(y, top_k_weights, hidden.dtype)
 
@@ -492,10 +492,10 @@ class OffloadRuntime:
         bank, pool = self._bank_of_layer, self.pool[0]
         ids = torch.tensor(slabs, dtype=torch.long).to(self.device, non_blocking=True)
         target = torch.tensor(experts, dtype=torch.long).to(self.device, non_blocking=True)
-        if self.device.type == "cuda" and decode_kernel.available(self.store.dtype):
+        if self.device.type == "cuda" and dequantize.available(self.store.dtype):
             need = torch.ones(len(slabs), dtype=torch.int8, device=self.device)
-            decode_kernel.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], self.inter, self.hidden,
-                                   fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
+            dequantize.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], self.inter, self.hidden,
+                                fmt=self.store.fmt, down_fmt=self.store.down_format(layer), staged=True)
         else:
             gate_up, down = self.store.dequantized(pool[ids, :self.store.block_bytes_of(layer)], layer)
             bank[0].index_copy_(0, target, gate_up)

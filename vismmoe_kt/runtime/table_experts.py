@@ -5,9 +5,9 @@ Shapes: T tokens, K experts per token, P = T * K pairs, H hidden, I intermediate
 `slots[p]` is the slab holding pair p's expert, or -1 (not resident: read the host store), or -3
 (CPU_PAIR: the hybrid mode's CPU computes it; its output here is zero);
 `land[p]` is the slab a missing expert's weights are also written to as they are read (-1: none).
-On CUDA this is the Triton kernel pair of vismmoe_kt.runtime.decode_kernel (zero-copy reads of the
-mapped host store); elsewhere `experts_twin`, the same arithmetic in torch (fp32 accumulation, the
-same landing writes), which the CPU tests run.
+On CUDA this is the Triton kernel pair of vismmoe_kt.runtime.kernels.bf16_gemv (zero-copy reads of
+the mapped host store; quantized slabs: kernels.quantized_gemv); elsewhere `experts_twin`, the same
+arithmetic in torch (fp32 accumulation, the same landing writes), which the CPU tests run.
 
 `combine` weights the P outputs and sums each token's K of them in a fixed order (no atomics), so
 the result is the same on every run: the graphed step can be checked bit for bit.
@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from . import decode_kernel, quantized_major
 from .decode_table import CPU_PAIR
+from .kernels import bf16_gemv, block_staging, dequantize, quantized_gemv, quantized_major, table_ops
 from .store import block_views
 
 
 def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, use_kernel: bool = False) -> torch.Tensor:
     """(P, H) per-pair outputs -> (T, H): weighted, summed over each token's K pairs in order."""
     if use_kernel:
-        return decode_kernel.combine(y, top_k_weights, dtype)
+        return table_ops.combine(y, top_k_weights, dtype)
     tokens, k = top_k_weights.shape
     weighted = y.view(tokens, k, -1) * top_k_weights.to(y.dtype).unsqueeze(-1)
     return weighted.sum(dim=1).to(dtype)
@@ -35,7 +35,7 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, us
 
 def kernel_usable(device: torch.device, dtype: torch.dtype, act: Any) -> bool:
     """Whether the Triton kernels serve this layer: CUDA, a supported dtype, SiLU gating."""
-    return device.type == "cuda" and decode_kernel.available(dtype) and is_silu(act)
+    return device.type == "cuda" and bf16_gemv.available(dtype) and is_silu(act)
 
 
 def is_silu(act: Any) -> bool:
@@ -82,8 +82,8 @@ def fetch_dequantized(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor
     pairs = torch.arange(ids.numel(), device=ids.device)
     target = torch.where(land >= 0, land, scratch + pairs)
     if use_kernel:
-        decode_kernel.fetch_q8(ids, need, target, pools, host_blocks.data_ptr(), store.block_bytes_of(layer),
-                               store.inter, store.hidden, fmt=store.fmt, down_fmt=store.down_format(layer))
+        dequantize.fetch_q8(ids, need, target, pools, host_blocks.data_ptr(), store.block_bytes_of(layer),
+                            store.inter, store.hidden, fmt=store.fmt, down_fmt=store.down_format(layer))
     else:
         gate_up, down = store.dequantized(host_blocks[ids.to(host_blocks.device)], layer)
         where = torch.where(need, target, pools[0].shape[0] - 1)
@@ -106,8 +106,8 @@ def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch
     fmt, down_fmt = store.fmt, store.down_format(layer)
     block_bytes = store.block_bytes_of(layer)
     if use_kernel:
-        decode_kernel.stage_blocks(ids, need, target, pool, host_blocks.data_ptr(), block_bytes)
-        return decode_kernel.quantized_experts(hidden, read, pool, fmt, down_fmt, store.inter, store.hidden, top_k)
+        block_staging.stage_blocks(ids, need, target, pool, host_blocks.data_ptr(), block_bytes)
+        return quantized_gemv.quantized_experts(hidden, read, pool, fmt, down_fmt, store.inter, store.hidden, top_k)
     where = torch.where(need, target, pool.shape[0] - 1)
     pool[:, :block_bytes].index_copy_(0, where, host_blocks[ids.to(host_blocks.device)].to(pool.device))
     gate_up, down = store.dequantized(pool[read, :block_bytes], layer)
@@ -122,7 +122,7 @@ def quantized_batch_outputs(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     """(P, H) fp32 unweighted outputs of a batched step's T tokens (`top_k_index` (T, K)) on quantized
     slabs, all at once: each miss's block is copied as it is into its landing slab, or, where it
     claimed none, into the pair's row of `staging` (uint8 (>= P, slab bytes)); then each routed expert
-    is decoded once per block of its tokens and multiplied on tensor cores (quantized_major.py).
+    is decoded once per block of its tokens and multiplied on tensor cores (kernels/quantized_major.py).
     Branch-free like `quantized_slab_outputs`."""
     ids = top_k_index.reshape(-1)
     block_bytes = store.block_bytes_of(layer)
@@ -146,7 +146,7 @@ def pair_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, l
     the layer's page-locked store, None where every slot is resident)."""
     if use_kernel:
         address, block_elems = (host_blocks.data_ptr(), host_blocks.shape[1]) if host_blocks is not None else (0, 0)
-        return decode_kernel.experts_where_they_lie(hidden, ids, slots, land, pools, address, block_elems, top_k)
+        return bf16_gemv.experts_where_they_lie(hidden, ids, slots, land, pools, address, block_elems, top_k)
     return experts_twin(hidden, ids, slots, land, pools, host_blocks, act, top_k)
 
 

@@ -152,16 +152,16 @@ class Transfers:
 
     def _dequantizes_on_device(self) -> bool:
         """A quantized store on CUDA with the Triton kernels: a fetch moves each layer's blocks in one
-        launch and dequantizes them there (decode_kernel.fetch_q8), instead of a dozen small torch
+        launch and dequantizes them there (kernels.dequantize.fetch_q8), instead of a dozen small torch
         kernels per expert (which made a prefill touching every expert of every layer 3x slower)."""
-        from . import decode_kernel
+        from .kernels import dequantize
 
         return self.cuda and self.store.quantized and len(self.pool) == 2 and self.store.pin_memory and \
-            decode_kernel.available(self.pool[0].dtype)
+            dequantize.available(self.pool[0].dtype)
 
     def _fetch_dequantized(self, slabs: list[int], keys: list[Key]) -> None:
         """Urgent copies of `keys` into `slabs`, one launch per layer among them, on the urgent stream."""
-        from . import decode_kernel
+        from .kernels import dequantize
 
         stream = self.urgent_stream
         by_layer: dict[int, list[tuple[int, int]]] = {}
@@ -177,9 +177,9 @@ class Transfers:
                 ids = torch.tensor([e for _, e in pairs], dtype=torch.long).to(self.device, non_blocking=True)
                 target = torch.tensor([s for s, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
                 need = torch.ones(len(pairs), dtype=torch.int8, device=self.device)
-                decode_kernel.fetch_q8(ids, need, target, self.pool, self.store.layers[layer].data_ptr(),
-                                       self.store.block_bytes_of(layer), self.store.inter, self.store.hidden,
-                                       fmt=self.store.fmt, down_fmt=self.store.down_format(layer))
+                dequantize.fetch_q8(ids, need, target, self.pool, self.store.layers[layer].data_ptr(),
+                                    self.store.block_bytes_of(layer), self.store.inter, self.store.hidden,
+                                    fmt=self.store.fmt, down_fmt=self.store.down_format(layer))
                 done.record(stream)
             for slab, _ in pairs:
                 self.events[slab] = done

@@ -5,7 +5,7 @@ H hidden, I expert intermediate size, M = BLOCK_M pairs per block.
 
 With B requests in a step, a layer's P pairs name fewer distinct experts than P when requests share
 some, but rarely many fewer (8 requests under realistic routing: about 50 of 64). The table kernel
-(decode_kernel.py) reads an expert's weights once per pair; grouped GEMM reads them once per expert
+(bf16_gemv.py) reads an expert's weights once per pair; grouped GEMM reads them once per expert
 but pads every group to its large tiles and sorts, gathers and scatters around two library calls.
 Here each expert's pairs are gathered into blocks of M (usually one block: few tokens share an
 expert), and one program per (block, output tile) reads that tile of the expert's weights once and
@@ -21,7 +21,8 @@ first block, from P x P comparisons), where the torch version takes some fifteen
 each a launch gap in the step. No atomics:
 each pair's output row is written by exactly one program per tile, and the caller combines the K rows
 of each token in a fixed order, so results are deterministic. `expert_blocks` and the torch twin
-`experts_by_block` run anywhere (the CPU tests); the kernels need Triton (or its interpreter).
+`experts_by_block` run anywhere (the CPU tests); the kernels need Triton (or its interpreter). Their
+tiles are tuned per device (tuning.py, key expert_major).
 """
 
 from __future__ import annotations
@@ -30,17 +31,10 @@ from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the twin runs instead
-    triton = tl = None
+from . import tuning
+from .triton_support import tl, triton
 
 BLOCK_M = 16  # pairs per block: tl.dot's smallest M
-# (output columns per program, input elements per loop step, warps, pipeline stages) per projection;
-# `decode_kernel_bench --batch` times the alternatives on the GPU
-GATE_UP_TILES = (64, 128, 4, 4)
-DOWN_TILES = (64, 128, 4, 4)
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,11 +89,11 @@ def experts_by_block(hidden: torch.Tensor, top_k: int, block_expert: torch.Tenso
 
 
 def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor, gate_up_tiles: tuple[int, int, int, int] = GATE_UP_TILES,
-                         down_tiles: tuple[int, int, int, int] = DOWN_TILES) -> torch.Tensor:
+                         down: torch.Tensor, gate_up_tiles: tuple[int, int, int, int] | None = None,
+                         down_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """(P, H) fp32 unweighted pair outputs of T tokens' K experts each, from a bank whose row e holds
     expert e (gate_up (E, 2I, H), down (E, H, I), contiguous), SiLU-gated, on tensor cores; the tiles
-    as (BLOCK_N, BLOCK_K, warps, stages) per kernel."""
+    as (BLOCK_N, BLOCK_K, warps, stages) per kernel (default: the device's tuned ones)."""
     num_experts, two_inter, hidden_size = gate_up.shape
     inter = two_inter // 2
     top_k = top_k_index.shape[1]
@@ -109,11 +103,12 @@ def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_u
     x = hidden.to(gate_up.dtype).contiguous()
     h = torch.empty(pairs, inter, dtype=gate_up.dtype, device=hidden.device)
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    n, k, warps, stages = gate_up_tiles
+    tuned = tuning.get("expert_major", hidden.device)
+    n, k, warps, stages = gate_up_tiles or tuned["gate_up"]
     _gate_up_blocks[(pairs, triton.cdiv(inter, n))](
         x, block_expert, block_pairs, gate_up, h, TOP_K=top_k, H=hidden_size, I=inter, BLOCK_M=BLOCK_M,
         BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
-    n, k, warps, stages = down_tiles
+    n, k, warps, stages = down_tiles or tuned["down"]
     _down_blocks[(pairs, triton.cdiv(hidden_size, n))](
         h, block_expert, block_pairs, down, y, H=hidden_size, I=inter, BLOCK_M=BLOCK_M, BLOCK_N=n, BLOCK_K=k,
         num_warps=warps, num_stages=stages)

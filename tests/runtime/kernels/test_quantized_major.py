@@ -1,4 +1,4 @@
-"""A batched step's experts on quantized slabs, expert by expert (runtime/quantized_major.py), and the
+"""A batched step's experts on quantized slabs, expert by expert (runtime/kernels/quantized_major.py), and the
 table's lookup and publish for several tokens at once: the Triton kernels against the torch twins and a
 dequantize-then-compute reference, in Triton's interpreter; the kernels compiled for Hopper at
 Qwen3-VL-30B-A3B's shapes."""
@@ -9,7 +9,8 @@ from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interp
 
 SCRIPT = r"""
 import torch
-from vismmoe_kt.runtime import decode_kernel, q4k, quantized_major as qm
+from vismmoe_kt.runtime import q4k
+from vismmoe_kt.runtime.kernels import quantized_major as qm, table_ops
 from vismmoe_kt.runtime.decode_table import DecodeTable
 from vismmoe_kt.runtime.store import ExpertStore
 
@@ -74,7 +75,7 @@ for use_kernel in (False, True):
     ids = torch.tensor([0, 1, 3, 3, 4, 2, 5, 0, 1])               # expert 0 and 3 missed by two tokens each
     slots, land = table.lookup(1, ids, use_kernel, offset=0)
     if use_kernel:
-        out = decode_kernel.combine(y, weights, torch.float32, table, 1, ids, land)
+        out = table_ops.combine(y, weights, torch.float32, table, 1, ids, land)
     else:
         table.publish(1, ids, land)
         out = (y.view(3, K, 8) * weights[..., None]).sum(1)
@@ -99,18 +100,20 @@ def test_kernels_match_the_twin_and_the_reference_in_the_interpreter():
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q4_0", "q5_k", "q6_k"])
 def test_kernels_compile_for_hopper(fmt):
-    from vismmoe_kt.runtime import expert_major as em
-    from vismmoe_kt.runtime import quantized_major as qm
+    from vismmoe_kt.runtime.kernels import expert_major as em
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+    from vismmoe_kt.runtime.kernels import tuning
 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_addr": "i64",
               "slab_bytes": "i64",
               "staging_addr": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr", "KIND": "constexpr",
               "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     shapes = {"H": 2048, "I": 768, "BLOCK_M": em.BLOCK_M, "KIND": qm.TILE_KINDS[fmt], "SB_BYTES": qm.TILE_BYTES[fmt]}
-    n, warps, stages = qm.GATE_UP_TILES
+    tuned = tuning.entry("NVIDIA H200")["quantized_major"]
+    n, warps, stages = tuned["gate_up"]
     compile_for_hopper(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
                        {**shapes, "TOP_K": 8, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-    n, warps, stages = qm.DOWN_TILES
+    n, warps, stages = tuned["down"]
     compile_for_hopper(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
                        {**shapes, "BLOCK_N": n, "PART_BYTES": 2 * 768 * 8 * qm.TILE_BYTES[fmt]},
                        num_warps=warps, num_stages=stages)

@@ -1,4 +1,4 @@
-"""The batched step's expert-major kernels (runtime/expert_major.py): the block layout, the torch twin
+"""The batched step's expert-major kernels (runtime/kernels/expert_major.py): the block layout, the torch twin
 against grouped GEMM (bank_experts), the Triton kernels against the twin in Triton's interpreter, and
 the kernels compiled for Hopper at Qwen3-VL-30B-A3B's shapes."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vismmoe_kt.runtime.expert_compute import bank_experts
-from vismmoe_kt.runtime.expert_major import BLOCK_M, expert_blocks, experts_by_block
+from vismmoe_kt.runtime.kernels.expert_major import BLOCK_M, expert_blocks, experts_by_block
 
 from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
 
@@ -45,7 +45,7 @@ def test_the_twin_gives_grouped_gemms_pair_outputs():
 
 SCRIPT = r"""
 import torch
-from vismmoe_kt.runtime import expert_major as em
+from vismmoe_kt.runtime.kernels import expert_major as em
 
 torch.manual_seed(0)
 E, H, I, K = 6, 160, 72, 4      # H, I not multiples of the tiles: the masks matter
@@ -78,15 +78,17 @@ def test_kernels_match_the_twin_in_the_interpreter():
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 def test_kernels_compile_for_hopper():
     triton = pytest.importorskip("triton")
-    from vismmoe_kt.runtime import expert_major as em
+    from vismmoe_kt.runtime.kernels import expert_major as em
+    from vismmoe_kt.runtime.kernels import tuning
 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "w_ptr": "*bf16", "H": "constexpr", "I": "constexpr",
               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
     shapes = {"H": 2048, "I": 768, "BLOCK_M": em.BLOCK_M}
-    n, k, warps, stages = em.GATE_UP_TILES
+    tuned = tuning.entry("NVIDIA H200")["expert_major"]
+    n, k, warps, stages = tuned["gate_up"]
     compile_for_hopper(em._gate_up_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
                        {**shapes, "TOP_K": 8, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-    n, k, warps, stages = em.DOWN_TILES
+    n, k, warps, stages = tuned["down"]
     compile_for_hopper(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
                        {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest

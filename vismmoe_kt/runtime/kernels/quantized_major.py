@@ -4,7 +4,7 @@ Shapes: T tokens (the step's rows), K experts per token, P = T x K pairs, H hidd
 intermediate size, M = BLOCK_M pairs per block, N = BLOCK_N output rows per program.
 
 Quantized slabs (slab_format quantized) hold the store's blocks as they are. One token's experts
-are GEMVs that decode each pair's weights as they read them (decode_kernel's `_q` kernels). Run
+are GEMVs that decode each pair's weights as they read them (quantized_gemv.py). Run
 token by token, a step of T tokens decodes T x K experts' blocks, although 8 requests route to
 only about 50 distinct experts of a layer's 64 pairs. The decoding, not the bytes, bounds those
 GEMVs: an H200 decodes Q4_K at about 400 GB/s of quantized bytes that way.
@@ -29,7 +29,7 @@ block first, in one launch). Every pair of one expert reads the same bytes where
 by one program per tile, and the caller combines each token's K rows in a fixed order.
 
 `experts_by_pair_blocks` is the torch twin (the CPU tests): the same plan, weights dequantized by
-the store's codecs.
+the store's codecs. The tiles are tuned per device (tuning.py, key quantized_major).
 """
 
 from __future__ import annotations
@@ -38,25 +38,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import expert_major
-from .decode_kernel import STAGE_CHUNK
+from . import expert_major, tuning
+from .block_decode import TILE_BYTES
+from .block_staging import STAGE_CHUNK
 from .expert_major import BLOCK_M, block_plan, expert_blocks, experts_by_block
+from .triton_support import tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the twin runs instead
-    triton = tl = None
-
-# (BLOCK_N output rows per program, warps, pipeline stages) per projection, the fastest of 27 at 8
-# tokens on the H200 (`decode_kernel_bench --batch --quantized --tune`, Q4_K, 2026-12-01): a layer
-# 294 us with these gate/up tiles, 313 us with these down tiles, 369 us with (32, 4, 2) for both
-GATE_UP_TILES = (64, 4, 1)
-DOWN_TILES = (64, 2, 1)
-# each format's tile code in the kernels and its bytes per 256 weights of a row (decode_kernel's)
+# each format's tile code in the kernels (`_tile`; Q4_K's quant bytes read as 32-bit words)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 44, "q5_k": 5, "q6_k": 6}
-TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-
 
 def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, pool: torch.Tensor, staging: torch.Tensor,
                  host_address: int, block_bytes: int) -> None:
@@ -74,12 +63,13 @@ def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, poo
 
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                             pool: torch.Tensor, staging: torch.Tensor, fmt: str, down_fmt: str, inter: int,
-                            num_experts: int, gate_up_tiles: tuple[int, int, int] = GATE_UP_TILES,
-                            down_tiles: tuple[int, int, int] = DOWN_TILES) -> torch.Tensor:
+                            num_experts: int, gate_up_tiles: tuple[int, int, int] | None = None,
+                            down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """(P, H) fp32 unweighted pair outputs of T tokens' K experts each (`top_k_index` (T, K)), every
     pair's expert read from quantized slab `slots[p]` of `pool` (uint8 (S, slab bytes)), or, a miss
     (slot < 0), from its landing slab `land[p]`, or, without one, from row p of `staging`; SiLU-gated.
-    H and I must be multiples of 256."""
+    H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages) per kernel (default: the
+    device's tuned ones)."""
     tokens, top_k = top_k_index.shape
     hidden_size = hidden.shape[1]
     ids = top_k_index.reshape(-1)
@@ -89,11 +79,12 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     h = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     rows = (pool.data_ptr(), pool.shape[1], staging.data_ptr(), staging.shape[1])
-    n, warps, stages = gate_up_tiles
+    tuned = tuning.get("quantized_major", hidden.device)
+    n, warps, stages = gate_up_tiles or tuned["gate_up"]
     _gate_up_q_blocks[(pairs, triton.cdiv(inter, n))](
         x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter, KIND=TILE_KINDS[fmt],
         SB_BYTES=TILE_BYTES[fmt], BLOCK_M=BLOCK_M, BLOCK_N=n, num_warps=warps, num_stages=stages)
-    n, warps, stages = down_tiles
+    n, warps, stages = down_tiles or tuned["down"]
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
     _down_q_blocks[(pairs, triton.cdiv(hidden_size, n))](
         h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
@@ -125,7 +116,7 @@ def available(dtype: torch.dtype) -> bool:
 
 
 if tl is not None:
-    from .decode_kernel import _kquant_weights, _q6k_weights, _scales_mins
+    from .block_decode import _kquant_weights, _q6k_weights, _scales_mins
     from .expert_major import _block
 
     @triton.jit

@@ -1,0 +1,147 @@
+"""The quantized store's kernels against their torch twins, in Triton's interpreter (no GPU): a
+decode miss's blocks staged from the host (runtime/kernels/block_staging.py) and dequantized into
+its landing or scratch slab (dequantize.py), and the quantized slabs' GEMVs (quantized_gemv.py),
+which decode each format as they read it. Run in a subprocess because
+the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
+"""
+
+import pytest
+
+from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import torch
+from vismmoe_kt.runtime.kernels import dequantize, tuning
+
+torch.manual_seed(0)
+# a quantized store's misses: fetched and dequantized into their landing or scratch slabs, kernel = twin
+from vismmoe_kt.runtime.store import ExpertStore
+from vismmoe_kt.runtime.table_experts import fetch_dequantized
+from vismmoe_kt.runtime.decode_table import CPU_PAIR
+from vismmoe_kt.runtime import q4k
+QE = 5
+gen = torch.Generator().manual_seed(0)
+q6k_down = torch.randint(0, 256, (QE, 256, 2 * 210), dtype=torch.uint8, generator=gen)  # Q6_K rows of 512
+for d_at in (208, 418):  # each super-block's own finite d (a kernel reading another block's would differ)
+    d = (torch.rand(QE, 256, 1, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    q6k_down[..., d_at:d_at + 2] = d.view(torch.uint8)
+for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), (torch.bfloat16, "q8_0", (96, 64), None),
+                                       (torch.float32, "q4_0", (96, 64), None), (torch.float32, "q4_k", (256, 512), None),
+                                       (torch.bfloat16, "q4_k", (256, 512), None),
+                                       (torch.float32, "q5_k", (256, 512), None),
+                                       (torch.float32, "q4_k", (256, 512), "q6_k")):
+    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
+    if down_fmt is None:
+        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    else:  # a Q4_K_M file's layer: gate and up in Q4_K, down in Q6_K, as stored
+        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
+        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
+        assert store.down_format(0) == "q6_k" and store.block_bytes_of(0) > store.block_bytes
+    ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
+    results = []
+    for use_kernel in (False, True):
+        pools = [torch.zeros(9, 2 * QI, QH, dtype=dtype), torch.zeros(9, QH, QI, dtype=dtype)]  # 4 slabs, 4 scratch, dump
+        read = fetch_dequantized(ids, q_slots, q_land, pools, store.layers[0], store, 4, use_kernel, 0)
+        results.append((read, pools))
+    (read, twin), (k_read, kern) = results
+    assert read.tolist() == k_read.tolist() == [1, 2, 6, CPU_PAIR]  # landed in slab 1; expert 4 in scratch 4 + 2
+    want_gu, want_dn = store.dequantized(store.layers[0][torch.tensor([1, 4])], 0)
+    # exact in fp32; in bf16 the interpreter's cast from fp32 may round the last bit differently
+    close = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    for slab, i in ((1, 0), (6, 1)):
+        torch.testing.assert_close(kern[0][slab], want_gu[i], **close)
+        torch.testing.assert_close(kern[1][slab], want_dn[i], **close)
+        assert torch.equal(twin[0][slab], want_gu[i]) and torch.equal(twin[1][slab], want_dn[i])
+    for slab in (0, 2, 3, 4, 5, 7):  # nothing else written (the twin's dump is row 8)
+        assert not kern[0][slab].any() and not kern[1][slab].any()
+
+# quantized slabs: misses copied as they are into their landing or scratch slab, every pair decoded by the GEMVs
+from vismmoe_kt.runtime.table_experts import quantized_slab_outputs
+QH, QI, QK = 256, 512, 2
+for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_0", None), (torch.float32, "q4_k", None),
+                             (torch.bfloat16, "q4_k", None), (torch.float32, "q5_k", None),
+                             (torch.float32, "q4_k", "q6_k"),  # a Q4_K_M file's layer, down in Q6_K
+                             (torch.float32, "q4_k:bytes", None)):  # Q4_K's quant bytes read one by one, not as words
+    word_loads = not fmt.endswith(":bytes")
+    fmt = fmt.split(":")[0]
+    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
+    if down_fmt is None:
+        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
+    else:
+        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
+        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
+    bb = store.block_bytes_of(0)
+    ids = torch.tensor([1, 3, 4, 0])                    # tokens 0 and 1, two experts each
+    slots, land = torch.tensor([-1, 2, -2, -1]), torch.tensor([1, -1, -1, -1])
+    x = torch.randn(2, QH).to(dtype)
+    outs = []
+    for use_kernel in (False, True):
+        pool = torch.zeros(9, bb + 64, dtype=torch.uint8)  # rows wider than a block: the row stride matters
+        pool[2, :bb] = store.layers[0][3]                    # expert 3 resident in slab 2
+        with tuning.overridden(q4_k_word_loads=word_loads):
+            y = quantized_slab_outputs(x, ids, slots, land, pool, store.layers[0], store, 0, 4, torch.nn.SiLU(), QK,
+                                       use_kernel)
+        outs.append((y, pool))
+    (want, twin_pool), (got, kern_pool) = outs
+    # the kernels decode into fp32; the twin (and the reference below) round the weights to the model's dtype first
+    # (fp32: within a few ulps of the outputs' scale, which the Q6_K rows make large)
+    scale = want.abs().max().item()
+    close = dict(rtol=2e-4, atol=2e-6 * scale) if dtype == torch.float32 else dict(rtol=0, atol=1e-2 * scale)
+    torch.testing.assert_close(got, want, **close)
+    # expert 1 landed in slab 1; experts 4 and 0 (no landing slab) in scratch slabs 4 + 2 and 4 + 3
+    for slab, expert in ((1, 1), (6, 4), (7, 0)):
+        assert torch.equal(kern_pool[slab, :bb], store.layers[0][expert]), (fmt, slab)
+        assert torch.equal(twin_pool[slab, :bb], store.layers[0][expert]), (fmt, slab)
+    for slab in (0, 3, 4, 5):
+        assert not kern_pool[slab].any(), (fmt, slab)
+    gu, dn = store.dequantized(store.layers[0][ids], 0)  # the reference: dequantize, then compute in fp32
+    xs = x.float()[torch.arange(4) // QK]
+    gate, up = torch.bmm(gu.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    ref = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, ref, **close)
+    # a prefill's bank decoded from the slabs (fetch_q8 on blocks already on the device, `staged`)
+    bank = [torch.zeros(QE, 2 * QI, QH, dtype=dtype), torch.zeros(QE, QH, QI, dtype=dtype)]
+    slabs_of, experts_of = torch.tensor([1, 6, 2]), torch.tensor([1, 4, 3])
+    dequantize.fetch_q8(slabs_of, torch.ones(3, dtype=torch.int8), experts_of, bank, kern_pool.data_ptr(),
+                        kern_pool.shape[1], QI, QH, fmt=fmt, down_fmt=down_fmt, staged=True)
+    want_gu, want_dn = store.dequantized(store.layers[0][experts_of], 0)
+    exact = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(bank[0][experts_of], want_gu, **exact)
+    torch.testing.assert_close(bank[1][experts_of], want_dn, **exact)
+    assert not bank[0][0].any() and not bank[0][2].any()
+print("OK")
+"""
+
+
+def test_kernels_match_the_twin_in_the_interpreter():
+    run_in_triton_interpreter(SCRIPT)
+
+
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
+def test_kernels_compile_for_hopper():
+    """Triton's compiler front end and ptxas accept the kernels for sm_90 (what the interpreter does
+    not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
+    from vismmoe_kt.runtime.kernels import block_decode, block_staging, dequantize, quantized_gemv
+
+    q8 = {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "pool_ptr": "*bf16", "host_addr": "i64",
+          "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
+          "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}
+    for q4 in (False, True):
+        compile_for_hopper(dequantize._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
+                           {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
+    kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "KIND": "constexpr"}
+    for rows, cols, kind in ((1536, 2048, 4), (2048, 768, 4), (1536, 2048, 5), (2048, 768, 6)):  # Qwen3-VL-30B-A3B's
+        compile_for_hopper(dequantize._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "KIND": kind})
+    compile_for_hopper(block_staging._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "staging_ptr": "*i32",
+                                          "host_addr": "i64", "block_words": "i64", "row_words": "i64",
+                                          "CHUNK": "constexpr"}, {"CHUNK": block_staging.STAGE_CHUNK})
+    quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
+                 "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr"}
+    for fmt in [*quantized_gemv.TILE_KINDS, "q4_k words"]:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
+        kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
+        tile = {"H": 2048, "I": 768, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]], "BLOCK_ROWS": 16}
+        compile_for_hopper(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
+                           {**tile, "TOP_K": 8})
+        compile_for_hopper(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)

@@ -1,0 +1,53 @@
+"""The kernels' tuned configurations as data (runtime/kernels/tuning.py, tuning.json): the default
+entry serves the CPU and unknown devices, a device's entry overrides it key by key, and a block can
+override values for every device."""
+
+import json
+
+import pytest
+import torch
+
+from vismmoe_kt.runtime.kernels import tuning
+
+
+def test_the_cpu_and_unknown_devices_get_the_default_entry():
+    assert tuning.device_name(None) == tuning.device_name("cpu") == tuning.device_name(torch.device("cpu")) == "default"
+    assert tuning.entry("a GPU nobody measured") == tuning.entry("default")
+    assert tuning.get("bf16_gemv", "cpu") == {"gate_up": (4, 512, 2), "down": (16, 256, 2)}
+
+
+def test_the_h200_values_are_the_measured_ones():
+    """The values benchmarks/results/kernel-tuning.md gives the evidence for."""
+    h200 = tuning.entry("NVIDIA H200")
+    assert h200["bf16_gemv"] == {"gate_up": (4, 512, 2), "down": (16, 256, 2)}
+    assert h200["quantized_gemv"] == {"q8_0": (4, 1), "q4_0": (4, 1), "q4_k": (8, 2), "q5_k": (8, 1), "q6_k": (8, 1)}
+    assert h200["q4_k_word_loads"] is True
+    assert h200["expert_major"] == {"gate_up": (64, 128, 4, 4), "down": (64, 128, 4, 4)}
+    assert h200["quantized_major"] == {"gate_up": (64, 4, 1), "down": (64, 2, 1)}
+    assert h200["prefetch_programs"] == 32
+
+
+def test_a_device_entry_overrides_the_default_key_by_key(tmp_path, monkeypatch):
+    table = json.loads(tuning.TABLE.read_text())
+    table["Some GPU"] = {"prefetch_programs": 8}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(tuning, "TABLE", path)
+    tuning.entry.cache_clear()
+    try:
+        some = tuning.entry("Some GPU")
+        assert some["prefetch_programs"] == 8
+        assert some["bf16_gemv"] == tuning.entry("default")["bf16_gemv"]
+    finally:
+        tuning.entry.cache_clear()
+
+
+def test_overridden_values_hold_inside_the_block_only():
+    with tuning.overridden(q4_k_word_loads=False):
+        assert tuning.get("q4_k_word_loads", "cpu") is False
+        with tuning.overridden(prefetch_programs=4):
+            assert tuning.get("prefetch_programs") == 4 and tuning.get("q4_k_word_loads") is False
+        assert tuning.get("prefetch_programs") == 32
+    assert tuning.get("q4_k_word_loads") is True
+    with pytest.raises(KeyError):
+        tuning.get("no such key")

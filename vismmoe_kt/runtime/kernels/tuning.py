@@ -1,0 +1,79 @@
+"""The kernels' tuned configurations, as data per device (tuning.json next to this module).
+
+An entry is named as torch.cuda.get_device_name names the device ("NVIDIA H200"); "default" serves
+every other device and the CPU (the Triton interpreter), and a device's entry overrides it key by
+key, so a new GPU's entry holds only what was measured on it. `decode_kernel_bench --tune` (with
+--batch, --batch --quantized) measures the alternatives; benchmarks/results/kernel-tuning.md keeps
+the measurements behind each value.
+
+Keys (lists in the file, tuples here):
+  bf16_gemv          gate_up, down: (output rows per program, input elements per loaded tile, warps)
+  quantized_gemv     per format: (output rows per program, warps) of the quantized slabs' GEMVs
+  q4_k_word_loads    Q4_K's GEMVs read the quant bytes as 32-bit words (else byte by byte)
+  expert_major       gate_up, down: (output columns per program, input elements per loop step, warps,
+                     pipeline stages)
+  quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
+  prefetch_programs  programs of the lookahead prefetch's copy: few, so the layers computing
+                     meanwhile keep the GPU
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+TABLE = Path(__file__).with_name("tuning.json")
+DEFAULT = "default"
+
+_overrides: dict[str, Any] = {}
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def entry(device_name: str) -> dict[str, Any]:
+    """Every tuned value for the device of this name: its entry over the default one."""
+    table = json.loads(TABLE.read_text(encoding="utf-8"))
+    return _tuples({**table[DEFAULT], **table.get(device_name, {})})
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device | str | None) -> str:
+    """tuning.json's name for `device` (None or a non-CUDA device: the default)."""
+    if device is None or torch.device(device).type != "cuda":
+        return DEFAULT
+    index = torch.device(device).index
+    return _cuda_name(torch.cuda.current_device() if index is None else index)
+
+
+def get(key: str, device: torch.device | str | None = None) -> Any:
+    """The tuned value of `key` (see the module's docstring) for kernels running on `device`."""
+    return _overrides[key] if key in _overrides else entry(device_name(device))[key]
+
+
+@contextlib.contextmanager
+def overridden(**values: Any) -> Iterator[None]:
+    """Within the block `get` returns these values on every device: the alternatives a benchmark
+    times, or a test's other code path."""
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
