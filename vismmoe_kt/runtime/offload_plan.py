@@ -123,12 +123,12 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     sizing = ExpertStore(facts.num_experts, facts.hidden, facts.inter, facts.dtype, pin_memory=False, fmt=store_format)
     layer_bytes = facts.num_experts * sizing.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
     budget = resolve_budget(settings.expert_budget, facts.moe_layers * layer_bytes)  # a share ("30%") -> bytes
-    settings = replace(settings, store_dtype=store_format, expert_budget=budget)
     quantized_store, tiles = sizing.quantized, facts.hidden % 256 == 0 and facts.inter % 256 == 0
-    check({"slab_format": settings.slab_format, "store_dtype": settings.store_dtype,
+    check({"slab_format": settings.slab_format, "store_dtype": settings.store_dtype,  # as given (auto stays auto)
            "miss_policy": settings.miss_policy, "cpu_dtype": settings.cpu_dtype, "cpu_backend": settings.cpu_backend,
            "store": "quantized" if quantized_store else "model", "store_format": store_format,
            "lookahead": facts.lookahead, "whole_tiles": tiles, "hidden": facts.hidden, "inter": facts.inter})
+    settings = replace(settings, store_dtype=store_format, expert_budget=budget)
     quantized_slabs, slabs_why = _slab_format(settings, quantized_store, facts, tiles)
     # a quantized slab holds the largest block among the layers (down parts in their files' formats, where given)
     slab_bytes = max([sizing.block_bytes] + [sizing.block_bytes_with(fmt) for fmt in facts.down_formats]) \
