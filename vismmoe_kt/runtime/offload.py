@@ -83,9 +83,9 @@ class OffloadRuntime:
                                        self._armed)
         self.step_lookahead = StepLookahead(res, lookahead) if lookahead is not None else None
         self.cpu_join = TableCpuJoin(res, self.cpu) if self.cpu is not None else None
-        self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
         self._batch = False         # between begin_batch_step and end_batch_step
         self._build_executors()
+        self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
 
     # --- the residency's state, as the rooms above read it ---------------------------------------------
     store, pool, banks, cache = _residency("store"), _residency("pool"), _residency("banks"), _residency("cache")
@@ -106,8 +106,6 @@ class OffloadRuntime:
         self._executors = {(False, False): placement, (False, True): table or placement,
                            (True, False): eager_batch,
                            (True, True): BatchStepExecutor(res, plan, placement, table) if table else eager_batch}
-        self._hooks = (self.boundary.before_step, self.boundary.after_step) if plan.table_decode else (_nothing,
-                                                                                                      _nothing)
         self._bind()
 
     def _bind(self) -> None:
@@ -122,6 +120,18 @@ class OffloadRuntime:
         self.plan = resolve_plan(self._given, self.facts, self.device)
         self.settings = self.residency.settings = self.plan.settings
         self._build_executors()
+
+    @property
+    def table_enabled(self) -> bool:
+        return self._table_enabled
+
+    @table_enabled.setter
+    def table_enabled(self, enabled: bool) -> None:
+        """The step hooks bound once: the boundary's where the table serves decode, else nothing (False
+        also turns a planned table off: a test's or a benchmark's switch, between requests)."""
+        self._table_enabled = enabled and self.plan.table_decode is not None
+        self._hooks = (self.boundary.before_step, self.boundary.after_step) if self._table_enabled \
+            else (_nothing, _nothing)
 
     @property
     def batch_experts(self) -> str:
@@ -160,7 +170,7 @@ class OffloadRuntime:
                      expert_major_kernels=expert_major.available(dtype),
                      quantized_major_kernels=quantized_major.available(dtype),
                      cpu_streams=bool(getattr(self.cpu, "streams", False)))
-        self.table_enabled = self.plan.table_decode is not None
+        self.table_enabled = True  # where the plan has table decode
         return self.table_enabled
 
     # --- per layer and per step -------------------------------------------------------------------------
@@ -290,4 +300,3 @@ class OffloadRuntime:
         """Stop the copy worker and give back the host store and the GPU banks (unload)."""
         self.residency.close()
         self.table_enabled = False
-        self._hooks = (_nothing, _nothing)
