@@ -26,7 +26,7 @@ from .executors.placement import Placement, PlacementExecutor  # noqa: F401 (Pla
 from .executors.step_lookahead import StepLookahead
 from .executors.table_step import TableStepExecutor
 from .miss_policy import MissPolicy
-from .offload_plan import QUANTIZED_MAJOR_MIN_TOKENS, OffloadPlan, PlanFacts, built_backend_check, resolve_plan  # noqa: F401
+from .offload_plan import OffloadPlan, PlanFacts, built_backend_check, resolve_plan
 from .offload_settings import BATCH_EXPERTS, OffloadSettings  # noqa: F401 (BATCH_EXPERTS: decode_bench's choices)
 from .offload_stats import layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
@@ -219,7 +219,8 @@ class OffloadRuntime:
         res = self.residency
         if self.batch_table and res.table is not None:
             res.table.enable_batch(max_rows)
-            if res.quantized_slabs and (res.batch_staging is None or res.batch_staging.shape[0] < max_rows * self.top_k):
+            pairs = max_rows * self.top_k
+            if res.quantized_slabs and (res.batch_staging is None or res.batch_staging.shape[0] < pairs):
                 # a staging row per pair for misses that claim no landing slab (outside the expert budget)
                 res.batch_staging = torch.zeros(max_rows * self.top_k, res.slab_bytes, dtype=torch.uint8,
                                                 device=self.device)

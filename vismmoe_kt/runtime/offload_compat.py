@@ -4,7 +4,8 @@ name settings only) and by resolve_plan (the rows that need facts of the model o
 A row holds when every one of its conditions does: a condition names an option (a setting, or a fact
 the plan adds: `store`, the resolved store's kind, model or quantized, and `store_format` its format;
 `lookahead`, a device predictor in decode; `whole_tiles`, hidden and expert intermediate multiples of
-256; `backend_built`, the CPU backend the hybrid mode built) and the values it takes. The first row that holds is the error raised.
+256; `backend_built`, the CPU backend the hybrid mode built) and the values it takes. The first row
+that holds is the error raised.
 """
 
 from __future__ import annotations

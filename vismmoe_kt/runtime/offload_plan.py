@@ -98,7 +98,8 @@ def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str
     if fmt is None:
         return "model", "auto: no quantized expert format in the checkpoint"
     if settings.predictor or settings.miss_policy != "wait":  # both need the model's dtype today
-        return "model", f"auto: the checkpoint's {fmt} experts, but the predictor or a CPU miss path needs the model's dtype"
+        return "model", f"auto: the checkpoint's {fmt} experts, but the predictor or a CPU miss path needs the " \
+                        "model's dtype"
     return fmt, f"auto: the checkpoint's {fmt} experts as the file stores them"
 
 

@@ -55,7 +55,7 @@ class Residency:
         self.phase = "prefill"
         self.loaded: set[int] = set()
         self.host_reads = 0  # device->host synchronisations, one per offloaded layer call
-        self.batch_staging: torch.Tensor | None = None  # quantized slabs: a batched step's misses without a landing slab
+        self.batch_staging: torch.Tensor | None = None  # quantized slabs: a batched step's misses with no landing
 
     def allocate(self) -> None:
         """Slabs and maps, once, before the first layer loads (no allocation afterwards)."""

@@ -18,7 +18,7 @@ from ..residency import Residency
 class StepLookahead:
     def __init__(self, res: Residency, predictor: Any):
         self.res, self.predictor = res, predictor
-        self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store, for prefetch copies
+        self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store: prefetch copies
         self._host_blocks: list[torch.Tensor | None] = []  # per row: its store blocks (None: pinned), the twin's source
         self._side: Any = None  # the side stream (CUDA)
 
