@@ -556,8 +556,8 @@ def test_hybrid_steps_without_cpu_work_are_captured_without_the_cpu_calls(case):
                     miss_policy="auto", keep_ratio=1.0, cost_model=slow_cpu, **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
     calls = []  # the decode steps' CPU calls (the prefill's placement path may call the CPU too)
-    begin = runtime._cpu_begin
-    runtime._cpu_begin = lambda layer, *a: (calls.append(layer), begin(layer, *a))[1]
+    begin = runtime.cpu_join.begin
+    runtime.cpu_join.begin = lambda layer, *a: (calls.append(layer), begin(layer, *a))[1]
     engine = decode_engine(model)
 
     def pairs_on_cpu() -> int:

@@ -289,7 +289,7 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
     landing slabs or staging rows, each expert decoded once per block of its tokens). Every request
     gets its tokens alone."""
     from vismmoe_kt.engine.batched import generate_batch
-    from vismmoe_kt.runtime import offload
+    from vismmoe_kt.runtime.executors import batch_step
 
     seen = {"calls": 0, "staged": 0, "landed": 0}
 
@@ -299,8 +299,8 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
         seen["landed"] += int(((slots < 0) & (land >= 0)).sum())
         return quantized_batch_outputs(hidden, top_k_index, slots, land, *args)
 
-    quantized_batch_outputs = offload.quantized_batch_outputs
-    monkeypatch.setattr(offload, "quantized_batch_outputs", spy)
+    quantized_batch_outputs = batch_step.quantized_batch_outputs
+    monkeypatch.setattr(batch_step, "quantized_batch_outputs", spy)
 
     model_dir, spec, _ = case256
     _, processor = build_tiny_model(spec, seed=0)

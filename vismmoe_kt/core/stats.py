@@ -47,7 +47,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append("  operators: none (stock Hugging Face modules)")
     lines += [f"  {line}" for line in summary(stats["operators"])]
     for name, entry in sorted(stats["operators"].items()):
-        fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k != "count"]
+        fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k not in ("count", "plan")]
         lines.append(f"  {name} x{entry['count']}:")
         for start in range(0, len(fields), 6):
             lines.append("    " + ", ".join(fields[start:start + 6]))
@@ -65,6 +65,9 @@ def summary(operators: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(f"offload: experts of {pinned} of {layers} MoE layers pinned, the other {layers - pinned} in "
                          f"the host store behind {entry['slabs']} slabs: {entry['fetches']} fetched, "
                          f"{entry['evictions']} evicted{decode}")
+        if entry.get("plan"):  # the offload plan's choices and why (runtime/offload_plan.py)
+            lines.append("offload plan:")
+            lines += [f"  {line}" for line in entry["plan"]]
         if "visual_tokens_before" in entry:
             before, after = entry["visual_tokens_before"], entry["visual_tokens_after"]
             lines.append(f"visual tokens: {before} -> {after} ({entry.get('compression')} compression, "

@@ -14,7 +14,6 @@ decode upkeep as step hooks of the lean engine. Compute runs on
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,15 +25,12 @@ from .base import (HF_READ_ATTRIBUTES, BaseInjectedModule, gguf_down_formats, gg
                    stored_gguf_experts)
 
 
-def resolve_store_dtype(operator: "VisExperts", settings: OffloadSettings) -> OffloadSettings:
-    """`store_dtype: auto`: the GGUF's expert format where the store can keep the file's bytes as they
-    are (a GGUF in q8_0, q4_0, q4_k or q5_k; no lookahead predictor and no CPU miss path, which need
-    the model's dtype today), else the model's dtype."""
+def checkpoint_format(operator: "VisExperts", settings: OffloadSettings) -> str | None:
+    """The GGUF's expert format (q8_0, q4_0, q4_k or q5_k) where `store_dtype: auto` may keep the file's
+    bytes as they are, else None: a fact for the runtime's plan (offload_plan.py decides)."""
     if settings.store_dtype != "auto":
-        return settings
-    fmt = gguf_expert_format(operator.gguf_loader, operator.key, operator.adapter.expert_tensors)
-    usable = fmt is not None and not settings.predictor and settings.miss_policy == "wait"
-    return replace(settings, store_dtype=fmt if usable else "model")
+        return None
+    return gguf_expert_format(operator.gguf_loader, operator.key, operator.adapter.expert_tensors)
 
 
 def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set: str | None = None) -> OffloadRuntime:
@@ -49,15 +45,14 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set
         prefetch = lookahead = None
         if settings.predictor:
             prefetch, lookahead = predictor_policies(settings, shape, context, torch.device(device))
-        resolved = resolve_store_dtype(operator, settings)
         # quantized slabs are sized for the largest down experts the file holds (a Q4_K_M file's Q6_K)
         down_formats = gguf_down_formats(operator.gguf_loader, adapter, list(shape.moe_layers)) \
-            if resolved.slab_format != "dequantized" else {}
-        runtime = OffloadRuntime(resolved, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
+            if settings.slab_format != "dequantized" else {}
+        runtime = OffloadRuntime(settings, list(shape.moe_layers), shape.num_experts, shape.hidden, shape.inter,
                                  dtype, device, shape.top_k, prefetch, lookahead, context.cpu_threads,
                                  getattr(operator.gguf_loader, "model_dir", None),
-                                 getattr(operator.gguf_loader, "weight_files", list)(), down_formats)
-        runtime.requested_settings = settings  # what the rules said (store_dtype auto before resolving)
+                                 getattr(operator.gguf_loader, "weight_files", list)(), down_formats,
+                                 checkpoint_format(operator, settings))
         if expert_set is not None:  # a second set runs in prefills only: no decode table, no step hooks
             context.expert_set_runtimes[expert_set] = runtime
             return runtime

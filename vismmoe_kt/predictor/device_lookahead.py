@@ -2,7 +2,7 @@
 
 Shapes: L MoE layers (rows), E experts, K experts per token, W window, R history length, B budget.
 
-The offload runtime calls it at every MoE layer of a slab-table decode step (runtime/offload.py,
+The offload runtime calls it at every MoE layer of a slab-table decode step (runtime/executors/step_lookahead.py,
 on a side stream while the layer's experts compute):
 
     predicts_at(row)                 whether the step runs the predictor at this row (every `stride`-th

@@ -18,14 +18,17 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                     5. hybrid mode: how many of a layer's misses the CPU computes, per miss count
                        (the cost model's split, kept while steps measure faster with it: QuotaTrial)
 
-All of it runs under the runtime's lock; the device writes go on the compute stream, ordered after
+It talks to the Residency (the cache, the table, the transfers, the counters) and, through the
+runtime, to three things: the hybrid's MissPolicy (its decode quota), what starts with decode (the
+lookahead's per-request state) and who serves the step once it is armed (the runtime swaps its
+executor: `on_arm`). All of it runs under the residency's lock; the device writes go on the compute stream, ordered after
 the previous step and before the next one.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 from .decode_table import ARRIVING, CPU_PAIR, NOT_RESIDENT
 from .offload_stats import LayerCounters
@@ -35,8 +38,12 @@ SPARE = 2  # landing slots beyond the layer's last miss count: room for a change
 
 
 class DecodeBoundary:
-    def __init__(self, runtime: Any):
-        self.runtime = runtime
+    def __init__(self, residency: Any, miss: Any = None, on_enter: Callable[[], None] = lambda: None,
+                 on_arm: Callable[[bool], None] = lambda armed: None):
+        """`miss`: the hybrid's MissPolicy (None without a CPU miss path); `on_enter`: decode starts;
+        `on_arm`: a table step is armed (True, before it) or over (False, after it)."""
+        self.res, self.miss, self.on_enter, self.on_arm = residency, miss, on_enter, on_arm
+        self.armed = False                         # between before_step and after_step
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
@@ -44,13 +51,13 @@ class DecodeBoundary:
 
     @property
     def table(self):
-        return self.runtime.table
+        return self.res.table
 
     # --- the hooks ---------------------------------------------------------------------------------
     def before_step(self) -> None:
-        rt = self.runtime
+        rt = self.res
         with rt.lock:
-            nested = rt.table_armed
+            nested = self.armed
             if nested:  # a step ran without its `after` (the graph self-check nests a second
                 self.table.readback()  # step inside the first): read what it did before moving on
             if self.stale:
@@ -61,19 +68,21 @@ class DecodeBoundary:
                     self._account(records)
             self._publish_finished_copies()
             self._reserve()
-            offloaded = self._first_offloaded() if rt.cpu is not None else None
+            offloaded = self._first_offloaded() if self.miss is not None else None
             # hybrid: the cost model's share of misses for the CPU. A nested step (the self-check of a
             # capture) keeps the quota its capture ran with: it must compute the same step
             if offloaded is not None and not nested:
-                self.table.set_cpu_quota(rt.miss.decode_quota(rt.store, offloaded, rt.device))
-            rt.table_armed = True
+                self.table.set_cpu_quota(self.miss.decode_quota(rt.store, offloaded, rt.device))
+            self.armed = True
+            self.on_arm(True)
 
     def _first_offloaded(self) -> int | None:
-        rt = self.runtime
+        rt = self.res
         return next((layer for layer in rt.moe_layers if layer not in rt.pinned), None)
 
     def after_step(self) -> None:
-        self.runtime.table_armed = False
+        self.armed = False
+        self.on_arm(False)
         self.table.readback()
 
     # --- leaving and entering ----------------------------------------------------------------------
@@ -83,9 +92,9 @@ class DecodeBoundary:
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
             self._account(records)
-        if self.runtime.cpu is not None:
-            self.runtime.miss.decode_interrupted()
-        cache = self.runtime.cache
+        if self.miss is not None:
+            self.miss.decode_interrupted()
+        cache = self.res.cache
         for slabs in self.reserved.values():
             for slab in slabs:
                 if cache.owner[slab] is not None and cache.owner[slab][1] < 0:
@@ -96,14 +105,14 @@ class DecodeBoundary:
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
-        if self.runtime.cpu is not None:
-            self.runtime.miss.decode_interrupted()
+        if self.miss is not None:
+            self.miss.decode_interrupted()
         self.reserved.clear()
         self.table.discard()
         self.stale = True
 
     def _enter(self) -> None:
-        rt = self.runtime
+        rt = self.res
         if rt.transfers is not None:  # queued prefetches would evict slabs the table points at
             rt.transfers.drop_queue()
             rt.transfers.poll()
@@ -124,12 +133,12 @@ class DecodeBoundary:
         self.table.discard()
         self.table.usage.zero_()  # a new request's decode: its router favours other experts
         rt.cache.usage = None
-        rt.prepare_lookahead()
+        self.on_enter()
         self.stale = False
 
     # --- records -----------------------------------------------------------------------------------
     def _account(self, records) -> None:
-        rt, cache = self.runtime, self.runtime.cache
+        rt, cache = self.res, self.res.cache
         copies = rt.copy_counters["decode"]
         experts = rt.num_experts
         for row, layer in enumerate(rt.moe_layers):
@@ -162,7 +171,7 @@ class DecodeBoundary:
         cache.set_usage(rt.moe_layers, records.usage)
 
     def _publish_finished_copies(self) -> None:
-        rt = self.runtime
+        rt = self.res
         if rt.transfers is None:
             return
         rt.transfers.poll()
@@ -176,7 +185,7 @@ class DecodeBoundary:
 
     # --- reservations ------------------------------------------------------------------------------
     def _reserve(self) -> None:
-        rt, cache = self.runtime, self.runtime.cache
+        rt, cache = self.res, self.res.cache
         k = rt.top_k
         wanted: list[tuple[int, int]] = []  # (row, how many more)
         for row, layer in enumerate(rt.moe_layers):

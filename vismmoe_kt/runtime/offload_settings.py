@@ -12,11 +12,13 @@ from typing import Any
 
 from .budget import BudgetError, parse_budget, parse_bytes
 from .cost_model import CostModel
+from .offload_compat import check
 from .store import FORMATS
 
 POLICIES = ("vismmoe", "lru")
 MISS_POLICIES = ("wait", "cpu", "auto")
 SLAB_FORMATS = ("auto", "dequantized", "quantized")
+BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,15 @@ class OffloadSettings:
     prefetch_min_probability: float = 0.7  # in table decode, prefetch only pairs the predictor gives at least this
     prefetch_stride: int = 1           # in table decode, the predictor runs at every S-th MoE layer (1 <= S <= its
                                        # window W): its W layers ahead still cover the gap, at 1/S of its kernels
+    # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
+    # expert) up to batch_table_pairs pairs, and beyond, the expert-major tensor-core kernels (each
+    # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, one
+    # layer's experts, random distinct experts per token (`decode_kernel_bench --batch`), us per layer
+    # table / grouped / expert-major: 2 tokens 60.6 / 118.1 / 92.6, 4: 106.5 / 169.1 / 123.4,
+    # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6. On quantized slabs, expert-major and auto
+    # run an offloaded layer's tokens at once (offload_plan.py); table and grouped-gemm token by token
+    batch_experts: str = "auto"
+    batch_table_pairs: int = 32
 
     def __post_init__(self):
         def put(name: str, value: Any) -> None:  # frozen: normalised values go in through object.__setattr__
@@ -81,17 +92,13 @@ class OffloadSettings:
             raise BudgetError(f"store_dtype {self.store_dtype!r} is not one of: auto, {', '.join(FORMATS)}")
         if self.slab_format not in SLAB_FORMATS:
             raise BudgetError(f"slab_format {self.slab_format!r} is not one of: {', '.join(SLAB_FORMATS)}")
-        if self.slab_format == "quantized" and self.store_dtype == "model":
-            raise BudgetError("slab_format quantized keeps the store's blocks in the slabs: it needs a quantized "
-                              "store (store_dtype q8_0, q4_0, q4_k or q5_k, or auto with a GGUF's quantized experts)")
-        if self.slab_format == "quantized" and self.miss_policy != "wait":
-            raise BudgetError(f"slab_format quantized works with miss_policy wait, not {self.miss_policy} (the "
-                              "hybrid's CPU backends read the model's dtype)")
         if self.cpu_dtype not in ("auto", "bf16", "int8", "int4"):
             raise BudgetError(f"cpu_dtype {self.cpu_dtype!r} is not one of: auto, bf16, int8, int4")
-        if self.cpu_dtype not in ("auto", "bf16") and self.cpu_backend == "torch":
-            raise BudgetError(f"cpu_dtype {self.cpu_dtype} needs cpu_backend kt-kernel: the torch backend reads the "
-                              "store's BF16 blocks in place")
+        if self.batch_experts not in BATCH_EXPERTS:
+            raise BudgetError(f"batch_experts {self.batch_experts!r} is not one of: {', '.join(BATCH_EXPERTS)}")
+        put("batch_table_pairs", int(self.batch_table_pairs))
+        check({key: getattr(self, key) for key in ("slab_format", "store_dtype", "miss_policy", "cpu_dtype",
+                                                   "cpu_backend")}, settings_only=True)  # offload_compat.py
         if isinstance(self.cost_model, dict):
             model = CostModel.from_kwargs(self.cost_model)
             put("cost_model", (model.fetch_seconds, model.cpu_seconds_fixed, model.cpu_seconds_per_token,

@@ -1,0 +1,57 @@
+"""The hybrid CPU path inside a table step: a layer's CPU pairs (slot CPU_PAIR, the cost model's share
+of the misses: DecodeTable.cpu_quota) computed by the CPU backend beside the GPU's pairs.
+
+On CUDA both halves (kt-kernel's host functions and the small copies around them) go on a stream of
+their own, forked after the plan and joined before the sum, so the GPU's pairs compute meanwhile, the
+compute stream never stalls on a host function, and the step stays one graph; on the CPU the backend
+runs there and then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..decode_table import CPU_PAIR
+from ..residency import Residency
+
+
+class TableCpuJoin:
+    def __init__(self, res: Residency, cpu: Any):
+        self.res, self.cpu = res, cpu
+        self._stream: Any = None  # the CPU calls' stream (CUDA)
+
+    def maybe_begin(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """`begin` while the cost model sends misses to the CPU (a graph variant of its own), else None:
+        a step with no CPU pairs is captured without the CPU's calls."""
+        if not self.res.table.cpu_active:
+            return None
+        return self.begin(layer, hidden, ids, slots, top_k_weights)
+
+    def begin(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+              top_k_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the CPU on this layer's CPU pairs (ids of the others -1, which the backend skips) and
+        return what waits for its output."""
+        device = self.res.device
+        cpu_ids = torch.where(slots == CPU_PAIR, ids, -1).view(1, -1)
+        if device.type == "cuda":  # on a stream of its own: the GPU's pairs never wait on a host function
+            compute = torch.cuda.current_stream(device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            side = self._stream
+            side.wait_stream(compute)
+            for t in (hidden, cpu_ids, top_k_weights):
+                t.record_stream(side)  # the compute stream may free them while the side stream reads
+            with torch.cuda.stream(side):
+                self.cpu.begin_on_stream(layer, hidden, cpu_ids, top_k_weights)
+                out = self.cpu.end_on_stream(device, hidden.dtype)
+
+            def joined() -> torch.Tensor:
+                compute.wait_stream(side)
+                out.record_stream(compute)
+                return out
+            return joined
+        out = self.cpu.submit(layer, hidden, cpu_ids, top_k_weights.float()).wait().to(hidden.dtype)
+        return lambda: out

@@ -1,0 +1,178 @@
+"""The placement path: prefill, decode outside the lean engine, and the hybrid CPU path, per MoE layer.
+
+    route (done by the model) -> need: which experts the tokens chose  [the one device->host sync]
+      -> place: hit / late prefetch (wait on its event) / miss: fetch, or the CPU (MissPolicy)
+      -> prefetch: the policy handed in queues the coming layers' experts (prefetch.py)
+      -> compute: grouped GEMM over the bank rows (+ the CPU's share) -> release the slabs
+
+A pinned layer computes from its bank. The plan fixes, at construction, how an offloaded layer's
+GPU experts compute (from the pool's rows, or from quantized slabs decoded into a bank of one layer)
+and whether the routing's host read carries the CPU's inputs too (the hybrid mode).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..kernels import dequantize
+from ..expert_compute import bank_experts, row_chunks
+from ..offload_stats import LayerCounters
+from ..residency import Residency
+
+
+@dataclass
+class Placement:
+    on_gpu: list[int]   # experts computed from slabs (resident, waited on, or fetched)
+    on_cpu: set[int]    # missing experts computed by the CPU backend instead
+    slabs: list[int]    # the slab of each on_gpu expert
+
+
+class PlacementExecutor:
+    def __init__(self, res: Residency, owner: Any, boundary: Any, miss: Any):
+        """`owner`: what the prefetch policy sees as the runtime (its observe / after_layer hooks)."""
+        self.res, self.owner, self.boundary, self.miss = res, owner, boundary, miss
+        self.cpu = miss.cpu
+        self._bank_of_layer: tuple[torch.Tensor, torch.Tensor] | None = None  # quantized slabs: a prefill's layer
+        self._compute = self._from_decoded_bank if res.quantized_slabs else self._from_pool
+        self._cpu_inputs = self._with_cpu_inputs if self.cpu is not None else self._routing_only
+        self.by_layer: dict[int, Callable] = {layer: self._pinned if layer in res.pinned else self._offloaded
+                                              for layer in res.moe_layers}
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  act: Any, batched: bool = False) -> torch.Tensor:
+        """`batched`: a batched decode step's rows (decode, whatever their number)."""
+        res = self.res
+        phase = "prefill" if hidden.shape[0] > 1 and not batched else "decode"
+        if phase != res.phase or not self.boundary.stale:
+            with res.lock:
+                self.boundary.leave()
+                if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
+                    res.last_routed.clear()
+                res.switch_phase(phase)
+        counters = res.counters[phase].setdefault(layer, LayerCounters())
+        counters.calls += 1
+        self.owner.policy.observe(self.owner, layer, top_k_index)
+        return self.by_layer[layer](layer, hidden, top_k_index, top_k_weights, act, phase, counters)
+
+    def _pinned(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
+        self._prefetch_after(layer, hidden)
+        return bank_experts(hidden, top_k_index, top_k_weights, self.res.identity, *self.res.banks[layer], act)
+
+    def _offloaded(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
+        res = self.res
+        # the layer's one device->host read: the routing (and, when the CPU may compute, its inputs)
+        host = res.to_host(*self._cpu_inputs(top_k_index, hidden, top_k_weights))
+        experts, pairs = torch.unique(host[0], return_counts=True)  # on the host: no further sync
+        pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
+        placement = self._place(layer, pairs_of, counters)
+        self._prefetch_after(layer, hidden)
+        if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
+            res.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
+        task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
+        out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
+            if placement.on_gpu else None
+        if task is not None:
+            start = time.perf_counter()
+            cpu_out = task.wait().to(hidden.device, non_blocking=True)
+            waited = time.perf_counter() - start
+            counters.cpu_seconds += waited
+            if not placement.on_gpu:  # nothing overlapped the wait: it is the CPU's own time
+                self.miss.observed_cpu(len(placement.on_cpu), sum(pairs_of[e] for e in placement.on_cpu), waited)
+            out = cpu_out if out is None else out + cpu_out
+        with res.lock:
+            res.transfers.release(placement.slabs)
+            res.cache.end_layer(layer)
+        return out
+
+    @staticmethod
+    def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
+        return (top_k_index,)
+
+    @staticmethod
+    def _with_cpu_inputs(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
+        return top_k_index, hidden, top_k_weights
+
+    def _prefetch_after(self, layer: int, hidden: torch.Tensor) -> None:
+        """The coming layers' experts, as the prefetch policy sees them (nothing to do without slabs)."""
+        if self.res.num_slabs:
+            self.owner.policy.after_layer(self.owner, layer, hidden)
+
+    def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
+        """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
+        res = self.res
+        needed = list(pairs_of)
+        with res.lock:
+            res.transfers.poll()
+            placed = res.cache.begin_layer(layer, needed)
+            if placed["miss"] and self.miss.mode == "auto":
+                self.miss.observed_copies(res.transfers.counters)
+            on_cpu = self.miss.on_cpu(res.store, layer, placed["miss"], pairs_of, res.device)
+            counters.hits += len(placed["hit"])
+            counters.late += len(placed["late"])
+            counters.misses += len(placed["miss"]) - len(on_cpu)
+            counters.cpu += len(on_cpu)
+            res.transfers.fetch([(layer, e) for e in placed["miss"] if e not in on_cpu])
+            on_gpu = [e for e in needed if e not in on_cpu]
+            slabs = [res.cache.where[(layer, e)] for e in on_gpu]
+            res.transfers.wait_for(slabs)
+            if on_gpu:  # experts computed on the CPU read a slab in use (weight 0): never a slab being copied
+                res.upload_rows(layer, on_gpu + sorted(on_cpu), slabs + [slabs[0]] * len(on_cpu))
+        return Placement(on_gpu, on_cpu, slabs)
+
+    def _compute_on_gpu(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        act: Any, placement: Placement, pairs_of: dict[int, int]) -> torch.Tensor:
+        weights = top_k_weights
+        if placement.on_cpu:  # their pairs add nothing here (the CPU returns them)
+            cpu_ids = torch.tensor(sorted(placement.on_cpu), device=top_k_index.device)
+            weights = top_k_weights.masked_fill(torch.isin(top_k_index, cpu_ids), 0)
+        return self._compute(layer, hidden, top_k_index, weights, act, placement, pairs_of)
+
+    def _from_pool(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor,
+                   act: Any, placement: Placement, pairs_of: dict[int, int]) -> torch.Tensor:
+        pairs_per_slab: dict[int, int] = {}
+        for expert, slab in zip(placement.on_gpu, placement.slabs):
+            pairs_per_slab[slab] = pairs_per_slab.get(slab, 0) + pairs_of[expert]
+        pairs_per_slab[placement.slabs[0]] += sum(pairs_of[e] for e in placement.on_cpu)
+        chunks = row_chunks(list(pairs_per_slab.items()))
+        res = self.res
+        return bank_experts(hidden, top_k_index, weights, res.row_map[res.index[layer]], *res.pool, act, chunks)
+
+    def _from_decoded_bank(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor,
+                           act: Any, placement: Placement, pairs_of: dict[int, int]) -> torch.Tensor:
+        """Quantized slabs: the layer's experts decoded into a bank at their own indices, computed from there."""
+        bank = self._decoded_bank(layer, placement.on_gpu, placement.slabs)
+        return bank_experts(hidden, top_k_index, weights, self.res.identity, *bank, act)
+
+    def _decoded_bank(self, layer: int, experts: list[int], slabs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized slabs: `experts` of `layer` decoded from their slabs into a bank of one layer in the
+        model's dtype (made once, outside the budget), at their own indices (the rest keep stale values
+        that no pair reads)."""
+        res = self.res
+        if self._bank_of_layer is None:
+            self._bank_of_layer = res.bank(res.num_experts)
+        bank, pool, store = self._bank_of_layer, res.pool[0], res.store
+        ids = torch.tensor(slabs, dtype=torch.long).to(res.device, non_blocking=True)
+        target = torch.tensor(experts, dtype=torch.long).to(res.device, non_blocking=True)
+        if res.device.type == "cuda" and dequantize.available(store.dtype):
+            need = torch.ones(len(slabs), dtype=torch.int8, device=res.device)
+            dequantize.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], res.inter, res.hidden,
+                                   fmt=store.fmt, down_fmt=store.down_format(layer), staged=True)
+        else:
+            gate_up, down = store.dequantized(pool[ids, :store.block_bytes_of(layer)], layer)
+            bank[0].index_copy_(0, target, gate_up)
+            bank[1].index_copy_(0, target, down)
+        return bank
+
+    def _submit_cpu(self, layer: int, ids: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                    on_cpu: set[int], counters: LayerCounters):
+        """Hand the activations (already on the host) to the CPU backend; only pairs of `on_cpu`
+        experts count there."""
+        keep = torch.isin(ids, torch.tensor(sorted(on_cpu)))
+        counters.cpu_pairs += int(keep.sum())
+        return self.cpu.submit(layer, hidden, ids.masked_fill(~keep, -1), top_k_weights.float())

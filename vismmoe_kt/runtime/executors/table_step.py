@@ -1,0 +1,105 @@
+"""Table decode: a lean decode step's layers read their experts where they lie (slab or host store)
+through the DecodeTable, with no host work, so the whole step is one CUDA graph (decode_table.py;
+the DecodeBoundary keeps the cache between steps).
+
+The plan's variant fixes how an offloaded layer reads (`slabs`: the model's dtype, misses read from
+the host store in place; `dequantize-into-slabs`: a quantized store's misses dequantized into their
+landing or scratch slabs first; `quantized-slabs`: the store's blocks copied as they are and decoded
+by the GEMVs), whether the lookahead predictor runs at each layer (StepLookahead) and whether the
+hybrid's CPU pairs join (TableCpuJoin): all bound here at construction, per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..kernels import table_ops
+from ..residency import Residency
+from ..table_experts import combine, fetch_dequantized, pair_outputs, quantized_slab_outputs
+
+
+class TableStepExecutor:
+    def __init__(self, res: Residency, variant: str, kernel: bool, fallback: Any,
+                 lookahead: Any = None, cpu_join: Any = None):
+        """`fallback`: the placement path, for a call of more than one token while a step is armed."""
+        self.res, self.kernel, self.fallback = res, kernel, fallback
+        self.lookahead, self.cpu_join = lookahead, cpu_join
+        self._read = {"slabs": self._read_slabs, "dequantize-into-slabs": self._read_dequantized,
+                      "quantized-slabs": self._read_quantized_slabs}[variant]
+        self._publish = self._combine_publishing if kernel else self._publish_then_combine
+        pinned = self._pinned_looking_ahead if lookahead is not None else self._pinned
+        self.by_layer: dict[int, Callable] = {layer: pinned if layer in res.pinned else self._offloaded
+                                              for layer in res.moe_layers}
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  act: Any) -> torch.Tensor:
+        if top_k_index.numel() != self.res.top_k:  # not one decode token: the placement path serves it
+            return self.fallback.run_layer(layer, hidden, top_k_index, top_k_weights, act)
+        return self.token(layer, hidden, top_k_index, top_k_weights, act)
+
+    def token(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              act: Any, offset: int | None = None) -> torch.Tensor:
+        """One decode token's experts, each read from its slab or the host store (device work only).
+        On CUDA three launches besides the two expert kernels' (plan, and combine with publish).
+        `offset`: a batched step's token, whose records go to the table's batch columns from there."""
+        return self.by_layer[layer](layer, hidden, top_k_index, top_k_weights, act, offset)
+
+    def _pinned(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                act: Any, offset: int | None) -> torch.Tensor:
+        """The bank holds every expert at its own index: nothing to look up."""
+        ids = top_k_index.reshape(-1)
+        y = pair_outputs(hidden, ids, ids, self.res.table.no_landing, self.res.banks[layer], None, act,
+                         top_k_index.shape[1], self.kernel)
+        return combine(y, top_k_weights, hidden.dtype, self.kernel)
+
+    def _pinned_looking_ahead(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor, act: Any, offset: int | None) -> torch.Tensor:
+        row = self.res.index[layer]
+        self.res.table.routed[row].copy_(top_k_index.reshape(-1))  # the predictor's routing history
+        self.lookahead.look_ahead(row, hidden)
+        return self._pinned(layer, hidden, top_k_index, top_k_weights, act, offset)
+
+    def _offloaded(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   act: Any, offset: int | None) -> torch.Tensor:
+        res = self.res
+        row, ids, top_k = res.index[layer], top_k_index.reshape(-1), top_k_index.shape[1]
+        slots, land = res.table.lookup(row, ids, self.kernel, offset)
+        if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
+            self.lookahead.look_ahead(row, hidden)
+        on_cpu = self.cpu_join.maybe_begin(layer, hidden, ids, slots, top_k_weights) \
+            if self.cpu_join is not None else None
+        y = self._read(layer, hidden, ids, slots, land, act, top_k)
+        out = self._publish(y, top_k_weights, hidden.dtype, row, ids, land)
+        return out if on_cpu is None else out + on_cpu()
+
+    def _read_slabs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                    land: torch.Tensor, act: Any, top_k: int) -> torch.Tensor:
+        res = self.res
+        return pair_outputs(hidden, ids, slots, land, res.pool, res.store.layers[layer], act, top_k, self.kernel)
+
+    def _read_dequantized(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                          land: torch.Tensor, act: Any, top_k: int) -> torch.Tensor:
+        """Misses dequantized into their landing (or scratch) slabs first."""
+        res = self.res
+        read = fetch_dequantized(ids, slots, land, res.pool, res.store.layers[layer], res.store, res.num_slabs + 1,
+                                 self.kernel, layer)
+        return pair_outputs(hidden, ids, read, res.table.no_landing, res.pool, None, act, top_k, self.kernel)
+
+    def _read_quantized_slabs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                              land: torch.Tensor, act: Any, top_k: int) -> torch.Tensor:
+        """Misses copied as they are into their landing (or scratch) slabs, then decoded."""
+        res = self.res
+        return quantized_slab_outputs(hidden, ids, slots, land, res.pool[0], res.store.layers[layer], res.store,
+                                      layer, res.num_slabs + 1, act, top_k, self.kernel)
+
+    def _combine_publishing(self, y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, row: int,
+                            ids: torch.Tensor, land: torch.Tensor) -> torch.Tensor:
+        """The kernels combine and publish in one launch."""
+        return table_ops.combine(y, top_k_weights, dtype, self.res.table, row, ids, land)
+
+    def _publish_then_combine(self, y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, row: int,
+                              ids: torch.Tensor, land: torch.Tensor) -> torch.Tensor:
+        self.res.table.publish(row, ids, land)
+        return combine(y, top_k_weights, dtype)

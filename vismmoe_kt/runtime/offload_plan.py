@@ -1,0 +1,195 @@
+"""resolve_plan: every `auto` of the offload settings decided once, from the settings and facts of the load.
+
+The runtime (offload.py) builds what the plan says and nothing else decides a mode afterwards: the
+store's format, the slabs' format and count, the pinned depth, the decode executor (table decode and
+its variant, or the placement path), the batched step's executors and the hybrid CPU path. Facts are
+what the settings cannot say: the model's shapes, the checkpoint's expert format (a GGUF's, where the
+operator reads one), whether a lookahead predictor runs in decode, and, once the operator knows the
+activation (`enable_table`), whether the Triton kernels serve this dtype and activation on this device
+and whether the hybrid's CPU backend can run inside a CUDA stream. Given those, the function is pure
+(its pinned-depth choice is logged). Options that cannot go together: offload_compat.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
+from .offload_compat import check
+from .offload_settings import OffloadSettings
+from .prefix_depth import DepthChoice
+from .store import ExpertStore
+
+# a batched step on quantized slabs goes expert-major from this many tokens: on the H200 (Q4_K,
+# `decode_kernel_bench --batch --quantized`, 2026-12-01, tiles swept) the expert-major kernels took
+# 91 us a layer at 2 tokens against 112 for token-by-token GEMVs, 233 vs 442 at 8, 393 vs 883 at 16
+QUANTIZED_MAJOR_MIN_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    moe_layers: int                        # how many MoE layers the runtime serves
+    num_experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    dtype: torch.dtype                     # the model's
+    checkpoint_format: str | None = None   # the checkpoint's expert format where the store can keep it (a GGUF's)
+    down_formats: tuple[str, ...] = ()     # the down parts' formats the file declares, where they differ
+    lookahead: bool = False                # a device predictor prefetches inside table decode steps
+    prefetch_capturable: bool = True       # the prefetch policy needs no host work per layer
+    table_kernels: bool | None = None      # the Triton decode kernels serve dtype and activation here; None:
+                                           # not asked yet (before enable_table: no table decode)
+    expert_major_kernels: bool = False     # expert_major.available(dtype)
+    quantized_major_kernels: bool = False  # quantized_major.available(dtype)
+    cpu_streams: bool = False              # the hybrid's CPU backend can run its calls inside a CUDA stream
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    settings: OffloadSettings   # with store_dtype and expert_budget resolved (bytes)
+    store_format: str
+    quantized_slabs: bool
+    slab_bytes: int             # one slab's bytes on the GPU
+    layer_bytes: int            # one pinned layer's bytes (the model's dtype)
+    depth: DepthChoice          # the pinned prefix and why
+    num_slabs: int
+    hybrid: bool                # misses may go to the CPU backend (miss_policy cpu or auto)
+    lookahead: bool
+    table_kernels: bool         # the Triton kernels run the decode and batched executors (CUDA)
+    table_decode: str | None    # a lean decode step's executor: slabs | dequantize-into-slabs | quantized-slabs;
+                                # None: the placement path
+    batch_pinned: str           # a batched step's pinned layers: grouped-gemm | table | expert-major |
+                                # table-then-expert-major (table up to batch_table_pairs pairs)
+    batch_pinned_kernels: bool  # expert-major on the Triton kernels (else its torch twin)
+    batch_offloaded: str        # placement | table | quantized-expert-major (from QUANTIZED_MAJOR_MIN_TOKENS)
+    batch_major_kernels: bool   # quantized expert-major on the Triton kernels
+    why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
+
+    @property
+    def pinned_depth(self) -> int:
+        return self.depth.depth
+
+    @property
+    def batch_table(self) -> bool:
+        return self.batch_offloaded != "placement"
+
+    def describe(self) -> list[str]:
+        """Lines for `--stats`: each choice and why."""
+        slabs = "quantized" if self.quantized_slabs else "dequantized"
+        decode = f"table ({self.table_decode}{', Triton kernels' if self.table_kernels else ''})" \
+            if self.table_decode else "placement path"
+        return [f"store: {self.store_format} ({self.why['store']})",
+                f"slabs: {self.num_slabs} {slabs} of {human_bytes(self.slab_bytes)} ({self.why['slabs']})",
+                f"pinned: {self.pinned_depth} layer(s) ({self.why['pinned']})",
+                f"misses: {'hybrid, ' + self.settings.miss_policy if self.hybrid else 'fetched (wait)'}"
+                f"{', lookahead predictor' if self.lookahead else ''}",
+                f"decode: {decode} ({self.why['decode']})",
+                f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
+                f"({self.why['batch']})"]
+
+
+def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str]:
+    if settings.store_dtype != "auto":
+        return settings.store_dtype, "given"
+    fmt = facts.checkpoint_format
+    if fmt is None:
+        return "model", "auto: no quantized expert format in the checkpoint"
+    if settings.predictor or settings.miss_policy != "wait":  # both need the model's dtype today
+        return "model", f"auto: the checkpoint's {fmt} experts, but the predictor or a CPU miss path needs the " \
+                        "model's dtype"
+    return fmt, f"auto: the checkpoint's {fmt} experts as the file stores them"
+
+
+def _slab_format(settings: OffloadSettings, quantized_store: bool, facts: PlanFacts, tiles: bool) -> tuple[bool, str]:
+    """auto is quantized wherever it works, since fewer bytes per slab hold more experts and copy fewer
+    bytes per miss (quantized itself was checked against offload_compat's table)."""
+    if settings.slab_format != "auto":
+        return settings.slab_format == "quantized", "given"
+    lacks = [what for what, missing in (("a quantized store", not quantized_store),
+                                        ("miss_policy wait", settings.miss_policy != "wait"),
+                                        ("no lookahead predictor", facts.lookahead),
+                                        ("hidden and intermediate multiples of 256", not tiles)) if missing]
+    if lacks:
+        return False, f"auto: dequantized, quantized slabs need {', '.join(lacks)}"
+    return True, "auto: quantized, the store's blocks as they are"
+
+
+def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.device | str) -> OffloadPlan:
+    device = torch.device(device)
+    store_format, store_why = _store_format(settings, facts)
+    # sizes only: a store allocates nothing until a layer fills it (and refuses rows of partial blocks)
+    sizing = ExpertStore(facts.num_experts, facts.hidden, facts.inter, facts.dtype, pin_memory=False, fmt=store_format)
+    layer_bytes = facts.num_experts * sizing.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
+    budget = resolve_budget(settings.expert_budget, facts.moe_layers * layer_bytes)  # a share ("30%") -> bytes
+    quantized_store, tiles = sizing.quantized, facts.hidden % 256 == 0 and facts.inter % 256 == 0
+    check({"slab_format": settings.slab_format, "store_dtype": settings.store_dtype,  # as given (auto stays auto)
+           "miss_policy": settings.miss_policy, "cpu_dtype": settings.cpu_dtype, "cpu_backend": settings.cpu_backend,
+           "store": "quantized" if quantized_store else "model", "store_format": store_format,
+           "lookahead": facts.lookahead, "whole_tiles": tiles, "hidden": facts.hidden, "inter": facts.inter})
+    settings = replace(settings, store_dtype=store_format, expert_budget=budget)
+    quantized_slabs, slabs_why = _slab_format(settings, quantized_store, facts, tiles)
+    # a quantized slab holds the largest block among the layers (down parts in their files' formats, where given)
+    slab_bytes = max([sizing.block_bytes] + [sizing.block_bytes_with(fmt) for fmt in facts.down_formats]) \
+        if quantized_slabs else sizing.slab_bytes
+    c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else facts.num_experts * slab_bytes
+    # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
+    # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
+    read_bytes = sizing.block_bytes if quantized_store else 0
+    unpriced = (f"a pinned layer's {human_bytes(layer_bytes)} in {facts.dtype} would hold "
+                f"{layer_bytes // slab_bytes} quantized slabs") if quantized_slabs else None
+    depth = resolve_pinned_layers(budget, layer_bytes, c_safe, settings.min_pinned_layers, facts.moe_layers,
+                                  settings.pinned_layers, read_bytes=read_bytes, unpriced=unpriced)
+    n_pinned = depth.depth
+    offloaded = facts.moe_layers - n_pinned
+    # (a quantized store adds K + 1 slabs and K blocks of staging beyond the budget: decode's scratch; quantized
+    # slabs add a layer of experts in `dtype` that a prefill computes from)
+    num_slabs = min((budget - n_pinned * layer_bytes) // slab_bytes, offloaded * facts.num_experts)
+    if offloaded and num_slabs < facts.num_experts:
+        raise BudgetError(
+            f"expert budget {human_bytes(budget)} leaves {num_slabs} slabs after "
+            f"{n_pinned} pinned layer(s); at least one layer's {facts.num_experts} experts must fit "
+            f"(minimum {human_bytes(n_pinned * layer_bytes + layer_bytes)})")
+    hybrid = settings.miss_policy != "wait"
+    why = {"store": store_why, "slabs": slabs_why, "pinned": depth.reason}
+    kernels = device.type == "cuda" and bool(facts.table_kernels)
+    table_decode = _table_decode(settings, facts, device, hybrid, quantized_slabs, quantized_store, kernels, why)
+    batch_pinned = {"auto": "table-then-expert-major" if kernels else "grouped-gemm",
+                    "table": "table" if kernels else "grouped-gemm"}.get(settings.batch_experts, settings.batch_experts)
+    if table_decode is None or hybrid or facts.lookahead:  # both run per token: the placement path serves them
+        batch_offloaded = "placement"
+    elif quantized_slabs and settings.batch_experts in ("auto", "expert-major"):
+        batch_offloaded = "quantized-expert-major"
+    else:
+        batch_offloaded = "table"
+    why["batch"] = f"batch_experts {settings.batch_experts}" + ("" if kernels else ", no Triton kernels")
+    return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
+                       facts.lookahead, kernels, table_decode, batch_pinned, kernels and facts.expert_major_kernels,
+                       batch_offloaded, kernels and facts.quantized_major_kernels, why)
+
+
+def _table_decode(settings: OffloadSettings, facts: PlanFacts, device: torch.device, hybrid: bool,
+                  quantized_slabs: bool, quantized_store: bool, kernels: bool, why: dict[str, str]) -> str | None:
+    """Lean decode reads experts through the table where it can: the hybrid CPU path only where its
+    calls can run inside the step (kt-kernel's in-stream calls on CUDA, any backend on the CPU), not a
+    prefetch policy with per-layer host logic unless a device lookahead stands in for it in decode, and
+    on CUDA only where the Triton kernels serve the dtype and activation."""
+    on_cuda = device.type == "cuda"
+    reasons = [reason for reason, fails in (
+        ("not enabled (no activation known yet)", facts.table_kernels is None),
+        ("the prefetch policy has host work per layer", not (facts.prefetch_capturable or facts.lookahead)),
+        ("the CPU backend cannot run inside a CUDA stream", hybrid and on_cuda and not facts.cpu_streams),
+        ("no Triton kernels for this dtype and activation", on_cuda and not kernels)) if fails]
+    if reasons:
+        why["decode"] = "; ".join(reasons)
+        return None
+    why["decode"] = "each layer reads its experts where they lie: one graph per step"
+    return "quantized-slabs" if quantized_slabs else "dequantize-into-slabs" if quantized_store else "slabs"
+
+
+def built_backend_check(plan: OffloadPlan, backend_name: str | None) -> None:
+    """After the hybrid's CPU backend is built: `auto` may have fallen back to torch (offload_compat.py)."""
+    check({"store": "quantized" if plan.store_format != "model" else "model", "store_format": plan.store_format,
+           "backend_built": backend_name})
