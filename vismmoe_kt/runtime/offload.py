@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
+from .engine_queries import EngineQueries
 from .expert_compute import bank_experts, row_chunks
 from .host_memory import empty_host_cache
 from .miss_policy import MissPolicy
@@ -65,7 +66,7 @@ QUANTIZED_MAJOR_MIN_TOKENS = 2
 BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
 
 
-class OffloadRuntime:
+class OffloadRuntime(EngineQueries):
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
                  prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,
