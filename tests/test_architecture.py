@@ -31,7 +31,7 @@ ALLOWED = {
     "predictor": {"errors"},
     "runtime": {"errors", "cpu_kernels"},
     "models": {"errors"},
-    "core": {"errors", "models", "runtime"},
+    "core": {"errors", "models", "runtime", "cpu_kernels"},
     "parallel": {"errors", "runtime", "lb", "core"},
     "engine": {"errors", "core", "models", "vision", "routing"},
     "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor",

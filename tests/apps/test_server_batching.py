@@ -110,3 +110,41 @@ def test_a_prompt_longer_than_a_slot_is_refused(tiny_dir):
                                 "cpu", "--prefill_device", "cpu", "--max_batch", "2", "--slot_tokens", "16"]):
         reply = httpx.post(url + "/v1/chat/completions", json={"messages": message(5), "max_tokens": 4})
         assert reply.status_code == 400 and "--slot_tokens" in reply.json()["error"]["message"]
+
+
+def test_the_demo_batches_without_a_rule_file():
+    """`serve --demo --max_batch 8` names no rules: the demo's batching rules (demo/batching.yaml: our text
+    model's forward, nothing pruned, every other module stock) run it, and 8 concurrent requests each get
+    the answer they get alone, which is the stock demo's answer (greedy)."""
+    from openai import OpenAI
+
+    questions = ["What colour is the square?", "How many triangles are there?", "What shape is red?",
+                 "Is there a circle?", "What colour is the triangle?", "How many shapes are there?",
+                 "Describe the image.", "What is blue?"]
+
+    def asker(url: str):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(i: int) -> str:
+            buffer = io.BytesIO()
+            make_image(64 + 8 * i, 48, seed=i).save(buffer, format="PNG")
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                        base64.b64encode(buffer.getvalue()).decode()}}
+            content = [image, {"type": "text", "text": questions[i]}]
+            out = client.chat.completions.create(model="vismmoe-demo", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=6, temperature=0)
+            return out.choices[0].message.content
+        return ask
+
+    common = ["--demo", "--generate_device", "cpu", "--prefill_device", "cpu", "--max_new_tokens", "6"]
+    for stock in serve_in_thread(common):
+        stock_answers = [asker(stock)(i) for i in range(8)]
+    for url in serve_in_thread([*common, "--max_batch", "8", "--max_queue", "8", "--slot_tokens", "512"]):
+        ask = asker(url)
+        alone = [ask(i) for i in range(8)]
+        before = batch_steps(url)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            together = list(pool.map(ask, range(8)))
+        assert batch_steps(url)[0] > before[0]  # the batching engine decoded them
+    assert together == alone == stock_answers
+    assert len(set(alone)) > 1  # different questions, different answers: the rows did not mix

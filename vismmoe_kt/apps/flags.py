@@ -150,7 +150,9 @@ def check_device(value: Any, where: str) -> str:
     return value
 
 
-def load_from_args(args: argparse.Namespace):
+def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
+    """The model and processor the flags name, under `--optimize_config_path` (else `default_rules`,
+    else the stock modules)."""
     import torch
 
     from ..core.loader import load
@@ -186,7 +188,7 @@ def load_from_args(args: argparse.Namespace):
     gguf = {"gguf_path": args.gguf_path} if getattr(args, "gguf_path", None) else {}
     if getattr(args, "mmproj_path", None):
         gguf["mmproj_path"] = args.mmproj_path
-    loaded = load(model_path, args.optimize_config_path, dtype=args.dtype, **gguf, **overrides)
+    loaded = load(model_path, args.optimize_config_path or default_rules, dtype=args.dtype, **gguf, **overrides)
     if fallback and (group is None or group.leader):
         print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
               file=sys.stderr)

@@ -37,16 +37,31 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
                       replayed routing on random weights), or None
     checks            requirements between rules, checked once every operator exists (rule order
                       does not matter)
+
+Every field is typed. An object of a room core may import (runtime/) is named by its class; one made
+by a room above core (the engine, vision, operators) by a `typing.Protocol` of what its readers use,
+defined in core because core is the lowest room that names it (core/context_parts.py). The expert
+runtime is the exception that proves the rule: its class is below core, but the engine (which may not
+import runtime/) reads it from here, so `offload_runtime` is typed by the protocol the engine talks to
+it through (core/expert_runtime.py), which the runtime implements without importing it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
+from torch import nn
 
 from ..errors import RuleError
+from .context_parts import DecodeState, PrefillForward, RoutingTable, SaliencySource
+from .expert_runtime import ExpertRuntime
+
+if TYPE_CHECKING:  # runtime/ is below core: its classes are named as they are (not imported at run time: heavy)
+    from cpu_kernels.base import CpuExpertBackend
+    from ..runtime.layerwise_prefill import LayerwisePrefill
+    from ..runtime.offload import OffloadRuntime
 
 DECODE_MODES = ("lean", "hf")
 GRAPH_MODES = ("auto", "cuda", "replay", "off")
@@ -78,25 +93,25 @@ class PruningState:
 @dataclass
 class LoadContext:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    offload_runtime: Any = None      # runtime.offload.OffloadRuntime
-    expert_set_runtimes: dict[str, Any] = field(default_factory=dict)  # a second expert set's (VisionExperts)
-    cpu_backend: Any = None          # cpu_kernels.base.CpuExpertBackend
-    gpu_prefill: Any = None          # runtime.layerwise_prefill.LayerwisePrefill
+    offload_runtime: ExpertRuntime | None = None  # runtime.offload.OffloadRuntime, as the engine sees it
+    expert_set_runtimes: dict[str, OffloadRuntime] = field(default_factory=dict)  # a second expert set's (VisionExperts)
+    cpu_backend: CpuExpertBackend | None = None
+    gpu_prefill: LayerwisePrefill | None = None
     cpu_threads: int | None = None
     model_device: str | None = None  # where the loader puts modules by default (None under upstream's loop)
     token_is_visual: torch.Tensor | None = None
-    saliency: Any = None             # vision.saliency.SaliencyRecorder
-    text_model: Any = None
-    text_forward: Any = None         # engine.text_forward.TextForward of that text model (chunked prefill)
+    saliency: SaliencySource | None = None        # vision.saliency.SaliencyRecorder
+    text_model: nn.Module | None = None
+    text_forward: PrefillForward | None = None    # engine.text_forward.TextForward of that text model
     pruning: PruningState = field(default_factory=PruningState)
-    expert_parallel: list = field(default_factory=list)
+    expert_parallel: list[nn.Module] = field(default_factory=list)  # operators.ep_experts' operators
     ep_fixed_rows: int = 0
     ep_step_rows: int = 0
     ep_step_hooks: list[tuple[Callable[[int], None], Callable[[], None]]] = field(default_factory=list)
     step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
     graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)
-    decode_state: Any = None         # engine.lean_engine.LeanEngine
-    routing: Any = None              # engine.routing_source.RoutingSource: replaces the routers' choice
+    decode_state: DecodeState | None = None       # engine.lean_engine.LeanEngine
+    routing: RoutingTable | None = None           # engine.routing_source.RoutingSource: replaces the routers' choice
     checks: list[Callable[[], None]] = field(default_factory=list)
 
     def ep_step_hook(self, rows: Callable[[], int]) -> tuple[Callable[[], None], Callable[[], None]]:

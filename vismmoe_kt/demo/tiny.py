@@ -226,6 +226,10 @@ def remove_stale_staging(models_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+# the demo's rules for `serve --demo --max_batch N` without a rule file (batching needs our text model's forward)
+BATCHING_RULES = Path(__file__).resolve().parent / "batching.yaml"
+
+
 def demo_model_dir() -> Path:
     """The embedded default model (trained on the synthetic VQA task): assembled on first use into the cache."""
     spec = SPECS[DEMO_SPEC]

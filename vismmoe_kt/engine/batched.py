@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..core.context import LoadContext
 from ..models import ModelAdapter
 from .generation import _eos_ids, check_context, continuation, next_token
 from .graphs import State
@@ -63,19 +64,17 @@ class BatchedDecodeStep(LeanDecodeStep):
     are device work only for several rows (`batch_capturable`) join the graphs; the others (the
     placement path, which reads the routing on the host) run eagerly between them."""
 
-    def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache, context: Any,
-                 graphs: str = "off"):
+    def __init__(self, text: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache,
+                 context: LoadContext, graphs: str = "off"):
         runtime = context.offload_runtime  # serves the step's rows as decode tokens while it runs
-        if not hasattr(runtime, "begin_batch_step"):
-            runtime = None  # none, or one without batched steps
         hooks = []
         # an offload runtime whose table serves the batch: its step hooks too, and no padding rows (each row
         # looks its experts up in the table: a padding row would fetch experts nobody asked for)
-        self.exact_rows = runtime is not None and runtime.batch_table and len(runtime.pinned) < len(runtime.moe_layers)
+        self.exact_rows = runtime is not None and runtime.batch_needs_exact_rows()
         if runtime is not None:
             runtime.prepare_batch(cache.max_rows)
             hooks.append((lambda: runtime.begin_batch_step(self.rows), runtime.end_batch_step))
-            if runtime.batch_table:
+            if runtime.batch_uses_table():
                 hooks.append((runtime.before_step, runtime.after_step))
         self.context, self.rows, self.real_rows = context, 1, 1
         hooks.append(context.ep_step_hook(lambda: self.rows))  # the step (padding rows too), to an EP group

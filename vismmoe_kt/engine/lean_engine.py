@@ -202,7 +202,7 @@ class LeanEngine:
             if self.graph_pool is None and weight.device.type == "cuda":
                 self.graph_pool = torch.cuda.graph_pool_handle()
             runtime = self.context.offload_runtime  # an offload cache that ranks eviction by the routers
-            sink = runtime.router_sink() if runtime is not None and hasattr(runtime, "router_sink") else None
+            sink = runtime.router_sink() if runtime is not None else None
             self.step = LeanDecodeStep(text, adapter, self.lm_head, self.cache, self.graphs, self._set_visual,
                                        self.context.step_hooks, routing, self.graph_pool, sink,
                                        self.context.graph_variants)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
+from ..core.context_parts import RoutingTable
 from ..models import ModelAdapter
 from .fused_ops import rms_norm, route
 from .graphs import State, capture_backend
@@ -115,8 +116,9 @@ def experts_capturable(experts: nn.Module, probe_name: str = "decode_capturable"
 class LeanDecodeStep:
     def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
                  graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
-                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None, routing: Any = None,
-                 graph_pool: Any = None, router_sink: Callable[[int, torch.Tensor], None] | None = None,
+                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None,
+                 routing: RoutingTable | None = None, graph_pool: Any = None,
+                 router_sink: Callable[[int, torch.Tensor], None] | None = None,
                  variants: list[Callable[[], Hashable]] | None = None):
         self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
         # (MoE index, (1, E) probabilities): the router's full softmax at each MoE layer, for an offload

@@ -103,7 +103,7 @@ class TextForward:
         if runtime is None:
             raise ValueError("prune_layer: auto needs the offload runtime's pinned prefix (VisExperts rules); "
                              "give prune_layer a layer index instead")
-        offloaded = [layer for layer in runtime.moe_layers if layer not in runtime.pinned]
+        offloaded = runtime.offloaded_layers()
         return offloaded[0] if offloaded else len(self.layers)
 
     def _keep(self, visual: torch.Tensor, prefix_layers: list[int]) -> torch.Tensor:
@@ -284,7 +284,7 @@ class TextForward:
         """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""
         runtime = self.context.offload_runtime
         if runtime is not None:
-            runtime.visual_summary = inputs_embeds[visual].float().mean(dim=0)
+            runtime.set_visual_summary(inputs_embeds[visual].float().mean(dim=0))
 
     def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
         """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""

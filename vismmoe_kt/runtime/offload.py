@@ -19,6 +19,7 @@ import torch
 from cpu_kernels.threads import leave_cores_to_workers
 
 from .decode_boundary import DecodeBoundary
+from .engine_queries import EngineQueries
 from .executors.batch_step import BatchStepExecutor
 from .executors.cpu_join import TableCpuJoin
 from .executors.placement import Placement, PlacementExecutor  # noqa: F401 (Placement: the placement's result)
@@ -51,7 +52,7 @@ def _nothing() -> None:
     pass
 
 
-class OffloadRuntime:
+class OffloadRuntime(EngineQueries):
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
                  prefetch: PrefetchPolicy | None = None, lookahead: Any = None, cpu_threads: int | None = None,

@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
     serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
     serve.add_argument("--max_batch", type=at_least(1), default=1,
                        help="requests decoded together (continuous batching; needs the lean decode path, i.e. rules "
-                            "with a VisDecoder; default 1: one at a time)")
+                            "with a VisDecoder, which --demo without rules brings; default 1: one at a time)")
     serve.add_argument("--slot_tokens", type=at_least(2), default=4096,
                        help="with --max_batch > 1: the tokens (prompt and answer) each running request's KV slot "
                             "holds (default: %(default)s)")
@@ -61,6 +61,7 @@ def add_parser(commands) -> None:
 
 def build_server(args: argparse.Namespace):
     """The app for these flags (tests start it on a free port)."""
+    from ...demo.tiny import BATCHING_RULES
     from .app import create_app
     from .engine import Engine
     from .guard import default_allowed_hosts
@@ -68,7 +69,8 @@ def build_server(args: argparse.Namespace):
 
     if args.max_new_tokens < 1:  # as chat and eval say it
         raise InputError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    model, processor = load_from_args(args)
+    batching_demo = args.demo and args.max_batch > 1 and not args.optimize_config_path
+    model, processor = load_from_args(args, BATCHING_RULES if batching_demo else None)
     from ...parallel import launch
 
     group = launch.joined if args.data_parallel else None
