@@ -152,3 +152,13 @@ def test_a_default_of_zero_is_shown():
     parser.add_argument("--flag", action="store_true", help="a switch")
     text = " ".join(parser.format_help().split())
     assert "seed (default: 0)" in text and "(default: False)" not in text
+
+
+def test_the_rules_command_and_the_placement_flag_are_covered():
+    """`vismmoe-kt rules` and its actions are among the commands checked above; --placement names its choices
+    on every command that takes --optimize_config_path."""
+    assert {"vismmoe-kt rules", "vismmoe-kt rules list", "vismmoe-kt rules show", "vismmoe-kt rules write"} <= set(IDS)
+    for path, parser in COMMANDS:
+        actions = {o: a for a in flag_actions(parser) for o in a.option_strings}
+        if "--optimize_config_path" in actions:
+            assert "vismmoe | gpu | offload | lru | hybrid | kt-cpu | realb | ep" in actions["--placement"].help, path

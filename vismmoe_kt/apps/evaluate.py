@@ -228,7 +228,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"  {name:<10} {entry['accuracy']:.3f} ({entry['correct']}/{entry['n']})", file=out)
     if args.output:
         header = {"task": args.task, "split": args.split if args.task != "folder" else None, "data": args.data,
-                  "model": str(model.vismmoe.model_dir), "rules": args.optimize_config_path,
+                  "model": str(model.vismmoe.model_dir), "rules": model.vismmoe.rules,
                   "overrides": args.set, "stats": collect_stats(model)}
         Path(args.output).write_text(json.dumps({**header, **result}, indent=1, default=str) + "\n", encoding="utf-8")
         print(f"wrote {args.output}", file=out)

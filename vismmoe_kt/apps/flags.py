@@ -1,7 +1,8 @@
 """Flags every model-loading command shares, their checks, and loading the model they describe.
 
 Flags follow ktransformers' local_chat where they mean the same thing (`--model_path`,
-`--optimize_config_path`, `--cpu_infer`, ...). A value out of range is a usage error before anything
+`--optimize_config_path`, `--cpu_infer`, ...); `--placement NAME` stands for the checkpoint family's generated
+rule file of that placement (vismmoe_kt/core/placements.py). A value out of range is a usage error before anything
 loads; a device the user named is checked against this machine.
 """
 
@@ -79,6 +80,12 @@ TOP_P_HELP = "nucleus sampling: keep the likeliest tokens up to this probability
 POSITIVE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
 
 
+PLACEMENT_FLAG_HELP = ("the generated rules of a placement for the checkpoint's family: vismmoe | gpu | offload | lru | "
+                       "hybrid | kt-cpu | realb | ep (`vismmoe-kt rules list`; the same as "
+                       "optimize_rules/<family>[-<placement>].yaml; default: neither, every module as the checkpoint "
+                       "has it)")
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory (config, safetensors, processor)")
@@ -87,7 +94,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                                            "tokenizer and processor still come from --model_path, as in KTransformers")
     group.add_argument("--mmproj_path", help="with --gguf_path: the vision tower from llama.cpp's mmproj GGUF file "
                                              "(default: the safetensors in --model_path)")
-    group.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
+    rules = group.add_mutually_exclusive_group()
+    rules.add_argument("--optimize_config_path", help="injection rule file (YAML), e.g. optimize_rules/qwen3vl.yaml")
+    rules.add_argument("--placement", help=PLACEMENT_FLAG_HELP)
     group.add_argument("--generate_device", help="put every module on this device for decode (overrides the rules)")
     group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -175,6 +184,15 @@ def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
     model_path = resolve_model_path(args)
     if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
         raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
+    rules, placement = args.optimize_config_path, getattr(args, "placement", None)
+    if placement:  # the family from the checkpoint (the demo's is Qwen3-VL-MoE), before anything loads
+        from ..core.placements import family_of_model, placement_rules
+
+        family = family_of_model(model_path)
+        try:
+            rules = placement_rules(family, placement)
+        except InputError as exc:
+            raise InputError(f"--placement {placement}: {exc}") from None
     from ..parallel import launch
 
     group = launch.join_from_env(args.ep_size, args.ep_timeout)
@@ -188,7 +206,9 @@ def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
     gguf = {"gguf_path": args.gguf_path} if getattr(args, "gguf_path", None) else {}
     if getattr(args, "mmproj_path", None):
         gguf["mmproj_path"] = args.mmproj_path
-    loaded = load(model_path, args.optimize_config_path or default_rules, dtype=args.dtype, **gguf, **overrides)
+    loaded = load(model_path, rules or default_rules, dtype=args.dtype, **gguf, **overrides)
+    if placement:  # `--stats` and eval's record name the placement, as they name a rule file
+        loaded[0].vismmoe.rules = f"--placement {placement} ({family})"
     if fallback and (group is None or group.leader):
         print("no CUDA device: running every module on the CPU (choose with --generate_device/--prefill_device)",
               file=sys.stderr)
