@@ -73,7 +73,7 @@
 #                                                   parts 1-2 or 3-4 without the resident baselines, in one call
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
-# .scratch/kt (../shared/scripts/slim-kt-kernel.sh .scratch/kt), if present; the gguf package from .scratch/pylib
+# .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
 # (cp -r .venv/lib/python3.*/site-packages/gguf .scratch/pylib/), for the GGUF stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@ def logits(model, inputs):
 
 
 def assert_same_logits(model, ref, inputs):
-    """DESIGN.md's reference tolerance for fp32 on CPU."""
+    """The reference tolerance for fp32 on CPU (docs/design.md "Testing and measuring")."""
     assert (logits(model, inputs) - logits(ref, inputs)).abs().max().item() <= 1e-5
 
 

@@ -1,4 +1,4 @@
-"""AIMD control of M_d, the vision-fraction threshold of ReaLB's policy (DESIGN.md "Decisions").
+"""AIMD control of M_d, the vision-fraction threshold of ReaLB's policy (docs/design.md "ReaLB").
 
 While the measured imbalance (max/mean rank time) stays above its target and the low-precision
 share is within budget, M_d drops by `step` (additive: more ranks qualify, more experts switch).

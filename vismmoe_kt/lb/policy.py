@@ -1,4 +1,4 @@
-"""The per-step precision plan of ReaLB (DESIGN.md "Decisions": the paper's 4.2 lost its equations).
+"""The per-step precision plan of ReaLB (docs/design.md "ReaLB": the paper's 4.2 lost its equations).
 
 Inputs come from the current routing only, and are per-expert so that an all-gather of per-rank
 statistics can supply them under expert parallelism:

@@ -2,7 +2,7 @@
 and the predictor's calibration from requests, whatever produced them (`calibrate_requests`).
 
 Hot Recall@B = |activated experts of the next layer that were among the B predicted| / |activated|
-(DESIGN.md "Decisions"), averaged over steps; `vismmoe-kt calibrate` reports it for the trained
+(docs/design.md "Predictor"), averaged over steps; `vismmoe-kt calibrate` reports it for the trained
 predictor, its history-only ablation and a random guess, and `vismmoe-kt trace plot` draws it per layer.
 """
 

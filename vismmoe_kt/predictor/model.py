@@ -15,7 +15,7 @@ token's experts are its predecessor's, which the current token's earlier layers 
 Model (Eq. 8): z = psi(W2 psi(W1 x)), psi = BatchNorm-ReLU-Dropout, y = W_o z, plus a learned
 embedding of l (one predictor serves every layer). `layer_heads` r > 0 adds a per-layer term
 U_l (P h_h) + b_l with P: H -> r shared and U_l: r -> (W, E) per layer: each layer's router is a
-different map of the hidden state, which one shared MLP fed a layer embedding learns poorly. Output per DESIGN.md: a (W, E) score map, one
+different map of the hidden state, which one shared MLP fed a layer embedding learns poorly. Output per docs/design.md "Predictor": a (W, E) score map, one
 row per distance d = 1..W; the runtime ranks (layer l+d, expert e) pairs by sigmoid(y[d, e]) *
 gamma**(d-1) and prefetches the top B. `output: vector` gives the paper's E-vector instead, trained
 on Eq. 9's decayed targets (`paper_targets`) and applied to every layer of the window.
@@ -29,7 +29,7 @@ a score added to y[d, e], scaled per (layer, d).
 `hidden_source`: "model" (h_h is the model's hidden state) or "synthetic" (a predictor for the
 synthetic router, vismmoe_kt/routing/synthetic.py: h_h is the routing source's latent h_l,
 hidden_size its latent dim; the serving runtime feeds that latent instead of the model's state).
-Training: soft binary cross-entropy. Quality: Hot Recall@B (DESIGN.md), against a random-B guess
+Training: soft binary cross-entropy. Quality: Hot Recall@B (docs/design.md "Predictor"), against a random-B guess
 and the same model without hidden/visual features (history only).
 """
 
@@ -56,7 +56,7 @@ def paper_targets(active: torch.Tensor, layer: int, window: int, gamma: float) -
 
 
 def window_targets(active: torch.Tensor, layer: int, window: int) -> torch.Tensor:
-    """DESIGN.md's (W, E) target map: row d-1 marks the experts layer + d uses (zeros past the last layer)."""
+    """The (W, E) target map of docs/design.md "Predictor": row d-1 marks the experts layer + d uses (zeros past the last layer)."""
     out = torch.zeros(window, active.shape[1])
     for d in range(1, window + 1):
         if layer + d < active.shape[0]:

@@ -1,5 +1,5 @@
 """Visual-token saliency: head-averaged attention each merged visual token receives in the vision
-encoder's last block (DESIGN.md "Decisions"), per image; or (`saliency_source: llm`, FastV-style)
+encoder's last block (docs/design.md "Vision compression"), per image; or (`saliency_source: llm`, FastV-style)
 the attention the last prompt token pays to each visual token in the last layer of the LLM prefix.
 
 The vision tower runs fused attention, so the probabilities are never materialised; a forward
