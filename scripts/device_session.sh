@@ -93,7 +93,7 @@ rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) t
 }
 while [[ $# -gt 0 ]]; do
   case $1 in
-    check) timeout 240 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
+    check) timeout 420 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
     kernel) timeout 400 python3 -m benchmarks.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
     decode) shift

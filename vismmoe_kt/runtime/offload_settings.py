@@ -57,7 +57,7 @@ class OffloadSettings:
                                        # window W): its W layers ahead still cover the gap, at 1/S of its kernels
     # a batched step's pinned layers (BATCH_EXPERTS): auto takes the table kernel (each pair reads its
     # expert) up to batch_table_pairs pairs, and beyond, the expert-major tensor-core kernels (each
-    # routed expert read once, runtime/expert_major.py) where they run, else grouped GEMM. H200, one
+    # routed expert read once, runtime/kernels/expert_major.py) where they run, else grouped GEMM. H200, one
     # layer's experts, random distinct experts per token (`decode_kernel_bench --batch`), us per layer
     # table / grouped / expert-major: 2 tokens 60.6 / 118.1 / 92.6, 4: 106.5 / 169.1 / 123.4,
     # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6. On quantized slabs, expert-major and auto
