@@ -19,9 +19,9 @@ from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.demo.tiny_llama4 import CHUNK, MAX_TILES, TILE
 from vismmoe_kt.errors import InputError, LoadError
 from vismmoe_kt.models import adapter_for
-from vismmoe_kt.models.llama4 import (Llama4FusedExperts, Llama4ImageProcessorPil, Llama4MoeBlock,
-                                      Llama4PackedRopeAttention, best_canvas, fit_without_distortion, scale_expert_input,
-                                      supported_canvases)
+from vismmoe_kt.models.llama4 import Llama4FusedExperts, Llama4MoeBlock, Llama4PackedRopeAttention, scale_expert_input
+from vismmoe_kt.models.llama4_images import (Llama4ImageProcessorPil, best_canvas, fit_without_distortion,
+                                             supported_canvases)
 
 from conftest import make_image, run_eager, tiny_case
 

@@ -39,7 +39,7 @@ def build_tokenizer():
 def build_processor(spec, tile: int = TILE, max_tiles: int = MAX_TILES):
     """Llama 4's processor over our PIL image processor: tiles of `tile` px, at most `max_tiles` of them
     (the published model's: 336 px and 16)."""
-    from ..models.llama4 import Llama4ImageProcessorPil, Llama4ImageTextProcessor
+    from ..models.llama4_images import Llama4ImageProcessorPil, Llama4ImageTextProcessor
 
     image_processor = Llama4ImageProcessorPil(size={"height": tile, "width": tile}, max_patches=max_tiles)
     return Llama4ImageTextProcessor(image_processor, build_tokenizer(), patch_size=PATCH, pixel_shuffle_ratio=0.5,
