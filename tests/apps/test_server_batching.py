@@ -123,7 +123,7 @@ def test_the_demo_batches_without_a_rule_file():
                  "Describe the image.", "What is blue?"]
 
     def asker(url: str):
-        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
         def ask(i: int) -> str:
             buffer = io.BytesIO()
