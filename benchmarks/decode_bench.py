@@ -63,7 +63,7 @@ N-turn chat about one image (prompt seconds per turn: the lean path prefills onl
 tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
 (embed, attention + router per layer, experts per layer, head), each piece timed to its end.
 
-`--concurrency N [N...]` also decodes N requests together (engine/batched.py: steps in CUDA graphs per
+`--concurrency N [N...]` also decodes N requests together (engine/runner.py: steps in CUDA graphs per
 power-of-two batch size where the configuration's decode is graphed), for each N: tokens per second
 over the run and while all N decode, against the single request's rate, and for offloaded
 configurations the expert bytes over PCIe per generated decode token (each request gets its own
@@ -101,10 +101,10 @@ from benchmarks.bench.concurrency import concurrent_requests, decode_pcie_bytes,
 from benchmarks.bench.inputs import make_request
 from benchmarks.bench.timing import profile_decode, timed_generate
 from benchmarks.kernel_timeline import profile_kernels, profile_run
-from vismmoe_kt.engine.batched import PREFILL_BUDGET
-from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.runner import PREFILL_BUDGET
+from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.engine.routing_source import install_routing
+from vismmoe_kt.operators.routing_source import install_routing
 from benchmarks.bench.configs import DEFAULT_FAMILY, rule_file
 from benchmarks.models.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model

@@ -33,9 +33,9 @@ ALLOWED = {
     "models": {"errors"},
     "core": {"errors", "models", "runtime", "cpu_kernels"},
     "parallel": {"errors", "runtime", "lb", "core"},
-    "engine": {"errors", "core", "models", "vision", "routing"},
+    "engine": {"errors", "core", "models", "vision"},
     "operators": {"errors", "core", "models", "runtime", "lb", "vision", "parallel", "engine", "predictor",
-                  "cpu_kernels"},
+                  "routing", "cpu_kernels"},
     "demo": {"errors", "models", "runtime"},
     "apps": None,  # anything
     "__init__": {"core", "engine"},  # the public API: load, generate, stats

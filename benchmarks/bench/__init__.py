@@ -72,7 +72,7 @@ def check_predictor(path: str) -> None:
 
 def routing_of(args) -> str:
     """--routing, defaulting to the synthetic router for random-weight (--synthetic) models."""
-    from vismmoe_kt.engine.routing_source import parse_spec
+    from vismmoe_kt.operators.routing_source import parse_spec
 
     routing = args.routing or ("synthetic" if args.synthetic else "model")
     parse_spec(routing)  # a bad value fails before anything loads

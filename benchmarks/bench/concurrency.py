@@ -1,7 +1,7 @@
-"""N requests at once through batched generation (engine/batched.py): what a server's N clients see.
+"""N requests at once through the model runner (engine/runner.py): what a server's N clients see.
 
 All N arrive together, each with its own picture of the same size (and, under a routing source, its
-own routing table). One BatchRunner serves a warm-up and the timed run, as a server keeps one: the
+own routing table). One ModelRunner serves a warm-up and the timed run, as a server keeps one: the
 CUDA graphs of each batch size are captured in the warm-up. Per level:
     aggregate_tok_s            generated tokens / wall time of the run (the prefills included)
     full_batch_decode_tok_s    the rate over the decode steps that ran all N together
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vismmoe_kt.engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner
+from vismmoe_kt.engine.runner import PREFILL_BUDGET, BatchRequest, ModelRunner
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
 from benchmarks.bench.inputs import PROMPT
 
@@ -52,7 +52,7 @@ def _agreeing(got: list[int], want: list[int]) -> float:
     return same / max(len(want), 1)
 
 
-def _run(runner: BatchRunner, requests: list[dict], tokens: int,
+def _run(runner: ModelRunner, requests: list[dict], tokens: int,
          generated: list[list[int]] | None = None) -> tuple[list[list[float]], list[tuple[float, int]]]:
     """Every request's token times and every step's (end time, decode batch size); each request's
     tokens into `generated` if given."""
@@ -89,7 +89,7 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
     n = len(requests)
     if n < 2 or tokens < 2:
         raise ValueError(f"a concurrency run needs at least 2 requests of 2 tokens, got {n} of {tokens}")
-    runner = BatchRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n,
+    runner = ModelRunner(model, n, max(r["input_ids"].shape[1] for r in requests) + tokens, max_queue=n,
                          prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
     _run(runner, requests, tokens)  # warm-up: captures, caches
     runner.forget_histories()  # the same prompts again: prefilled whole, as new requests are

@@ -34,7 +34,7 @@ class Settings:
     predictor: str | None = None
     profile: bool = False
     group: Any = None             # vismmoe_kt.parallel.launch.Group under torchrun
-    routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (engine/routing_source.py)
+    routing: str = "model"        # model | synthetic[:SEED] | trace:PATH (operators/routing_source.py)
     cpu_infer: int | None = None  # CPU expert workers (None: physical cores - 2)
     concurrency: tuple[int, ...] = ()  # also N requests decoded together, for each N (concurrency.py)
     prefill_chunk: int | None = None   # ... their prompts prefilled this many tokens a step (None: whole)
@@ -89,7 +89,7 @@ def _release_memory(cuda: bool) -> None:
 
 def _graph_state(model) -> str | None:
     """How decode ran: graphed steps of all steps, and why not where it went eager."""
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
 
     engine = decode_engine(model)
     stats = engine.stats() if engine is not None else {}
@@ -177,7 +177,7 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
 def data_parallel_levels(model, processor, settings: Settings) -> dict[int, list[dict[str, Any]]]:
     """Under torchrun, on every rank: each image size's levels with every rank decoding N requests of its
     own (data parallel + expert parallelism, concurrency.measure_data_parallel)."""
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
     from benchmarks.bench.concurrency import measure_data_parallel
 
     if decode_engine(model) is None:
@@ -191,7 +191,7 @@ def data_parallel_levels(model, processor, settings: Settings) -> dict[int, list
 
 def measure_level(model, processor, size: int, settings: Settings, n: int) -> dict[str, Any]:
     """N requests at `size` px decoded together, or why this configuration cannot."""
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
     from benchmarks.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency
 
     if decode_engine(model) is None:
@@ -225,7 +225,7 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     load_s = time.perf_counter() - start
     peak_load = torch.cuda.max_memory_allocated() if settings.cuda else None
     if settings.routing != "model":  # every configuration replays the same sequence of requests' routing
-        from vismmoe_kt.engine.routing_source import install_routing
+        from vismmoe_kt.operators.routing_source import install_routing
 
         install_routing(model, settings.routing)
     rows, leader = [], None

@@ -12,7 +12,7 @@ import torch
 from vismmoe_kt.core.context import context_of_model
 from vismmoe_kt.engine.chat import TimingStreamer
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.decoding import decode_engine
 
 
 class _NoText:

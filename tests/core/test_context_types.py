@@ -13,8 +13,8 @@ from torch import nn
 from vismmoe_kt.core.context import LoadContext
 from vismmoe_kt.core.context_parts import DecodeState, PrefillForward, RoutingTable, SaliencySource
 from vismmoe_kt.core.expert_runtime import ExpertRuntime
-from vismmoe_kt.engine.lean_engine import LeanEngine
-from vismmoe_kt.engine.routing_source import RoutingSource
+from vismmoe_kt.engine.decoding import Decoding
+from vismmoe_kt.operators.routing_source import RoutingSource
 from vismmoe_kt.engine.text_forward import TextForward
 from cpu_kernels.base import CpuExpertBackend
 from vismmoe_kt.runtime.layerwise_prefill import LayerwisePrefill
@@ -100,7 +100,7 @@ def incompatibilities(protocol: type, implementation: type, instance: object = N
 
 @pytest.mark.parametrize("protocol,implementation", [
     (ExpertRuntime, OffloadRuntime),  # context.offload_runtime, and every expert_set_runtimes entry (ERNIE's vision set)
-    (PrefillForward, TextForward), (DecodeState, LeanEngine), (RoutingTable, RoutingSource)],
+    (PrefillForward, TextForward), (DecodeState, Decoding), (RoutingTable, RoutingSource)],
     ids=lambda item: item.__name__)
 def test_each_implementation_satisfies_its_protocol(protocol, implementation):
     assert protocol_members(protocol)
@@ -115,14 +115,13 @@ def test_the_saliency_recorder_satisfies_its_protocol():
 def test_the_check_sees_what_an_implementation_lacks():
     """The check itself can fail: a missing member, a renamed parameter, a lost default, an extra one."""
     class Broken:
-        def before_step(self, extra): ...
-        def prepare_batch(self, rows): ...
-        def begin_batch_step(self, rows): ...
+        def begin_step(self, rows, extra): ...
+        def prepare_steps(self, rows): ...
+        def end_step(self, rows=1, *, strict): ...
         router_sink = property(lambda self: None)
 
     wrong = incompatibilities(ExpertRuntime, Broken)
-    assert "after_step: missing" in wrong and "router_sink: a method in the protocol, not here" in wrong
-    assert any(w.startswith("prepare_batch: parameter max_rows") for w in wrong)
-    assert "begin_batch_step: parameter rows needs a default" in wrong
-    assert "before_step: extra parameters without defaults ['extra']" in wrong
+    assert "graph_variant: missing" in wrong and "router_sink: a method in the protocol, not here" in wrong
+    assert any(w.startswith("prepare_steps: parameter max_rows") for w in wrong)
+    assert "begin_step: extra parameters without defaults ['extra']" in wrong
     assert incompatibilities(SaliencySource, SaliencyRecorder) == ["enabled: missing"]  # set in __init__ only

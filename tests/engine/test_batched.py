@@ -1,4 +1,4 @@
-"""Batched generation (engine/batched.py): requests decoded together, as the scheduler plans, give
+"""Batched generation (engine/runner.py): requests decoded together, as the scheduler plans, give
 every request the greedy tokens it gets alone, with every expert resident or offloaded, whatever the
 batch size and whoever joins or leaves meanwhile."""
 
@@ -7,7 +7,7 @@ import torch
 
 from vismmoe_kt import load
 from vismmoe_kt.demo.tiny import SPECS
-from vismmoe_kt.engine.batched import generate_batch
+from vismmoe_kt.engine.generation import generate_batch
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
 
@@ -79,7 +79,7 @@ def test_batched_requests_follow_their_own_routing_tables(case, graphs):
     """A routing source under batching: each request's slot gets the table it gets alone (request i
     of the synthetic seeds), its prefill (whole, or 16 tokens a step) and every batched step read it,
     so the tokens are the same as alone."""
-    from vismmoe_kt.engine.routing_source import install_routing
+    from vismmoe_kt.operators.routing_source import install_routing
 
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
@@ -162,7 +162,7 @@ def test_a_conversations_next_turn_prefills_only_what_follows_its_history(case, 
     """A finished request's slot keeps its KV; the conversation's next turn (the history re-sent, as
     chat clients do) is admitted to that slot and prefills only the tokens after the history, and
     gets the tokens it gets alone. The same prompt again reuses all but its last token."""
-    from vismmoe_kt.engine.batched import BatchRunner
+    from vismmoe_kt.engine.runner import ModelRunner as BatchRunner
 
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
@@ -189,7 +189,7 @@ def test_a_history_overwritten_before_its_turn_is_prefilled_again(case):
     """One slot: the follow-up was matched to the slot's history when it was added, but an earlier
     request in the queue ran there first; the follow-up then prefills from its first token (and gets
     the tokens it gets alone), never reading the other request's keys and values."""
-    from vismmoe_kt.engine.batched import BatchRequest, BatchRunner
+    from vismmoe_kt.engine.runner import BatchRequest, ModelRunner as BatchRunner
 
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4),
                             **CPU)
@@ -237,13 +237,13 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     """Hashing an image copies its pixels to the host: a finishing request must not do it inside the
     step every stream waits for. Its slot's history hashes them only when a new request's tokens
     could continue it."""
-    from vismmoe_kt.engine import batched, lean_engine
-    from vismmoe_kt.engine.batched import BatchRunner
-    from vismmoe_kt.engine.lean_engine import ImageKeys, may_continue
+    from vismmoe_kt.engine import prompt_history, runner as runner_module
+    from vismmoe_kt.engine.runner import ModelRunner as BatchRunner
+    from vismmoe_kt.engine.prompt_history import ImageKeys, may_continue
 
     hashed = []
-    real = lean_engine.image_keys
-    for module in (batched, lean_engine):
+    real = prompt_history.image_keys
+    for module in (runner_module, prompt_history):
         monkeypatch.setattr(module, "image_keys", lambda inputs: hashed.append(1) or real(inputs))
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml",
                             expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4), **CPU)
@@ -252,7 +252,7 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     with torch.no_grad():
         generate_batch(model, [dict(r) for r in requests], 4, runner=runner, min_new_tokens=4)
     assert len(runner.held) == 2 and not hashed  # histories kept, nothing hashed
-    assert sorted(keys.count() for _, keys, _ in runner.held.values()) == [1, 1] and not hashed
+    assert sorted(held.images.count() for held in runner.held.values()) == [1, 1] and not hashed
     # a different question: its tokens part before any image, so nothing is hashed either
     other = build_inputs(processor, [user_turn("Something else entirely?", 0)], [])
     with torch.no_grad():

@@ -31,13 +31,13 @@ def test_the_engine_never_probes_the_runtime():
 def test_the_engine_uses_the_runtime_only_through_the_protocol():
     uses = [(name, node) for name, tree in engine_trees() for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and is_runtime(node.value)]
-    assert len(uses) >= 8  # batched steps, lean steps, prefill: the engine does talk to it
+    assert len(uses) >= 6  # the decode step (prepare, begin and end, exact rows, router sink), prefill: it does talk to it
     outside = [f"engine/{name}:{node.lineno} .{node.attr}" for name, node in uses if node.attr not in MEMBERS]
     assert not outside, "the engine reads the expert runtime past its protocol:\n" + "\n".join(outside)
 
 
 def test_the_probe_check_sees_a_probe():
-    tree = ast.parse("ok = hasattr(context.offload_runtime, 'begin_batch_step')\nrows = runtime.pinned")
+    tree = ast.parse("ok = hasattr(context.offload_runtime, 'begin_step')\nrows = runtime.pinned")
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
     assert any(is_runtime(part) for part in ast.walk(call.args[0]))
     assert [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and is_runtime(n.value)] == ["pinned"]

@@ -12,10 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vismmoe_kt import load
-from vismmoe_kt.engine.generation import generate, next_token
+from vismmoe_kt.engine.generation import generate
+from vismmoe_kt.engine.sampling import next_token
 from vismmoe_kt.engine.graphs import ReplayCapture
-from vismmoe_kt.engine.lean_engine import decode_engine
-from vismmoe_kt.engine.static_cache import CacheFullError, StaticKVCache
+from vismmoe_kt.engine.decoding import decode_engine
+from vismmoe_kt.engine.slot_cache import CacheFullError, SlotKVCache
 from vismmoe_kt.core.context import DecodeOptions
 from vismmoe_kt.errors import LoadError, RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
@@ -109,7 +110,7 @@ def run_steps(model, inputs, steps):
         watched = []
         for _ in range(steps):
             with DeviceReads() as mode:
-                logits = engine.step(token)
+                logits = engine.step([0], token.view(1), torch.zeros(1, dtype=torch.long))
             watched.append(mode)
             token = next_token(logits, False, 1.0, 1.0)
     return engine, watched
@@ -174,7 +175,7 @@ def test_graph_trouble_falls_back_to_eager_and_says_so(case, backend, counter):
     model_dir, inputs, expected = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay", **CPU)
     engine = decode_engine(model)
-    engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
+    engine.runner_for(inputs["input_ids"].shape[1] + TOKENS)
     engine.step.backend = backend()
     with pytest.warns(RuntimeWarning, match="decode runs without graphs"), torch.no_grad():
         tokens = generate(model, inputs, TOKENS)
@@ -200,7 +201,7 @@ def test_a_transient_check_failure_captures_again_and_keeps_graphs(case):
     model_dir, inputs, expected = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay", **CPU)
     engine = decode_engine(model)
-    engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
+    engine.runner_for(inputs["input_ids"].shape[1] + TOKENS)
     engine.step.backend = WrongOnce()
     with torch.no_grad():
         tokens = generate(model, inputs, TOKENS)
@@ -223,20 +224,24 @@ def test_cache_reuse_across_requests_and_growth(case):
     assert torch.equal(first, expected) and torch.equal(again, expected)
     assert engine.cache.capacity > cache.capacity
     assert torch.equal(longer[:, :expected.shape[1]], expected)
-    assert engine.stats()["segments_captured"] == 2  # one per cache
+    # one capture in the first cache; in the larger one, one per attention span the longer request reached
+    assert engine.stats()["captured_shapes"] == [(1, 256), (1, 512)]
+    assert engine.stats()["segments_captured"] == 3
 
 
-def test_static_cache_refuses_overflow_and_tracks_layers_apart():
-    cache = StaticKVCache(layers=2, kv_heads=1, head_dim=4, capacity=5, dtype=torch.float32, device="cpu")
-    keys, _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
-    assert keys.shape[2] == 3 and cache.get_seq_length(0) == 3 and cache.get_seq_length(1) == 0
+def test_a_slot_refuses_overflow_and_tracks_layers_apart():
+    cache = SlotKVCache(layers=2, slots=1, kv_heads=1, head_dim=4, capacity=5, dtype=torch.float32, device="cpu")
+    view = cache.slot_view(0)
+    keys, _ = view.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    assert keys.shape[2] == 3 and view.get_seq_length(0) == 3 and view.get_seq_length(1) == 0
     with pytest.raises(CacheFullError, match="layer 0 needs 6 positions, the cache holds 5"):
-        cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
-    cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 1)
+        view.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    view.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 1)
+    cache.begin_decode([0])
     masks = cache.decode_masks(torch.float32)
-    assert masks.shape == (2, 1, 1, 5)
-    assert (masks[0, 0, 0] == 0).tolist() == [True, True, True, True, False]  # 3 filled + the slot written now
-    assert (masks[1, 0, 0] == 0).tolist() == [True, True, False, False, False]
+    assert masks.shape == (2, 1, 1, 1, 5)
+    assert (masks[0, 0, 0, 0] == 0).tolist() == [True, True, True, True, False]  # 3 filled + the slot written now
+    assert (masks[1, 0, 0, 0] == 0).tolist() == [True, True, False, False, False]
 
 
 def test_sampling_respects_top_p_and_greedy():
@@ -334,8 +339,9 @@ def test_chat_turns_reuse_the_cached_history(case, tiny_dir, rules, extra):
             # each later turn kept at least the whole first prompt (image included)
             assert stats["decode_reused_tokens"] >= 2 * timings.prompt_tokens
             engine = decode_engine(model)  # every layer holds the history minus what pruning left out
-            held, pruned = len(engine.sequence), len(engine.pruned)
-            assert engine.cache.host_lengths == [held] + [held - pruned] * 3
+            history = engine.single.held[0]
+            held, pruned = len(history.ids), len(history.pruned)
+            assert engine.cache.host_lengths == [[held]] + [[held - pruned]] * 3
             assert (pruned > 0) == ("keep_ratio" in extra)
     assert replies["lean"] == replies["hf"]
     assert towers == {"hf": 3, "lean": 1}
@@ -389,14 +395,14 @@ def test_min_new_tokens_decodes_past_the_end_token(case):
 
 def _first_logits(monkeypatch):
     """Record the logits each generate() call samples its first token from."""
-    import vismmoe_kt.engine.generation as generation
+    import vismmoe_kt.engine.sampling as sampling
 
-    seen, original = [], generation.next_token
+    seen, original = [], sampling.next_token
 
     def recording(logits, *args):
         seen.append(logits.detach().clone())
         return original(logits, *args)
-    monkeypatch.setattr(generation, "next_token", recording)
+    monkeypatch.setattr(sampling, "next_token", recording)
     return seen
 
 
@@ -614,7 +620,7 @@ def test_a_measured_quota_alternates_captured_variants_and_each_replays_what_it_
             return checked, outputs
 
     engine = decode_engine(model)
-    engine.prepare(inputs["input_ids"].shape[1] + TOKENS)
+    engine.runner_for(inputs["input_ids"].shape[1] + TOKENS)
     engine.step.backend = KeyedReplay()
     asked = []
     choose = runtime.miss.trial.choose

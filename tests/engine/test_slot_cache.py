@@ -1,13 +1,12 @@
 """SlotKVCache (engine/slot_cache.py): several sequences' keys and values at once, one slot each. A
 decoder layer's attention run for B sequences in one call, each row at its own length, gives what it
-gives for each sequence alone over a StaticKVCache."""
+gives for each sequence alone in a cache of one slot."""
 
 import pytest
 import torch
 
 from vismmoe_kt.demo.tiny import build_tiny_model
-from vismmoe_kt.engine.slot_cache import SlotKVCache
-from vismmoe_kt.engine.static_cache import CacheFullError, StaticKVCache
+from vismmoe_kt.engine.slot_cache import CacheFullError, SlotKVCache
 from vismmoe_kt.engine.text_forward import causal_mask
 from vismmoe_kt.models import adapter_for
 
@@ -40,12 +39,12 @@ def test_a_batched_decode_step_attends_each_row_as_alone(attention, rows):
     alone = []
     with torch.no_grad():
         for prompt, step, n in zip(prompts, steps, lengths):
-            cache = StaticKVCache(2, heads, dim, 16, torch.float32, "cpu")
+            cache = SlotKVCache(2, 1, heads, dim, 16, torch.float32, "cpu")
             attn(hidden_states=prompt, position_embeddings=rotary(prompt, torch.arange(n)[None]),
-                 attention_mask=causal_mask(n, 0, torch.float32, prompt.device), past_key_values=cache)
-            cache.decoding = True
+                 attention_mask=causal_mask(n, 0, torch.float32, prompt.device), past_key_values=cache.slot_view(0))
+            cache.begin_decode([0])
             out, _ = attn(hidden_states=step, position_embeddings=rotary(step, torch.tensor([[n]])),
-                          attention_mask=cache.decode_masks(torch.float32)[1:2][0], past_key_values=cache)
+                          attention_mask=cache.decode_masks(torch.float32)[1], past_key_values=cache)
             alone.append(out)
         slots = SlotKVCache(2, 4, heads, dim, 16, torch.float32, "cpu")
         order = [2, 0, 3]  # any slots, in any order

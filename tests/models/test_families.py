@@ -195,10 +195,10 @@ def test_pruned_prefill_decodes_alike_on_both_paths(case, compression, source):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_batched_greedy_tokens_equal_each_request_alone(case, offload):
-    """Batched decode (engine/batched.py: the lean step's pieces over several rows of the slot cache, shared
+    """Batched decode (engine/runner.py: the decode step's pieces over several rows of the slot cache, shared
     experts included, MLA latents in the slots) gives each request the tokens it gets alone; prompts of
     different lengths, with and without images."""
-    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.inputs import build_inputs, user_turn
 
     family, model_dir = case[:2]

@@ -189,7 +189,7 @@ def test_realb_on_real_ranks_switches_image_pairs_the_same_on_every_rank(case, t
 def test_every_routed_expert_on_the_torch_cpu_backend_matches_the_reference(case, decode, graphs):
     """The torch backend computes in the model's fp32: exact; on the lean path the CPU layers are
     capturable, so the CPU twin of the graphs replays every decode step."""
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
     from vismmoe_kt.operators.cpu_experts import CpuExperts
 
     family, model_dir, _, inputs, expected = case
@@ -225,7 +225,7 @@ def test_every_routed_expert_on_kt_kernel(tmp_path, case):
     flipped a near-tie of some router (Kimi's grouped routing flips one on this prompt); on the image
     prompt each layer's expert outputs are checked against fp32 for the routing they got, and the lean
     step's graphed decode gives the tokens of an eager one."""
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
     from vismmoe_kt.operators.cpu_experts import CpuExperts
     from cpu_kernels.torch_backend import pair_experts
 

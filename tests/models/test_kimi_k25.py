@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from vismmoe_kt import load
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.models import adapter_for
 from vismmoe_kt.models.kimi_k25 import KimiK25ImageProcessorPil, navit_resize
 

@@ -171,7 +171,7 @@ def test_prompt_longer_than_the_attention_chunk_is_refused(case):
 def test_decoding_past_the_attention_chunk_is_refused_before_any_work(case, batched):
     """A prompt that fits but a token budget that would decode past the chunk: our decode step computes
     plain causal attention, which chunked attention leaves behind there, so the request is refused whole."""
-    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.generation import generate
 
     model_dir, _, _ = case

@@ -103,7 +103,7 @@ def test_kt_style_rule_decodes_on_the_lean_path_with_every_step_captured(tmp_pat
     the lean step's CPU twin of the graphs replays every step, with the tokens of an eager run;
     `cpu_infer` sets kt-kernel's worker count."""
     from vismmoe_kt.engine.generation import generate
-    from vismmoe_kt.engine.lean_engine import decode_engine
+    from vismmoe_kt.engine.decoding import decode_engine
 
     model_dir = save_tiny_model(tmp_path / "m", "tiny-6x64", seed=0)
     _, processor = build_tiny_model("tiny-6x64", seed=0)

@@ -196,7 +196,7 @@ def test_prompts_prefilled_together_open_the_lb_gate_that_one_prompt_leaves_shut
     """ReaLB balances a step's load only past its token gate. A single image prompt stays below it. The
     same prompts arriving together are prefilled in one forward (batched generation's grouped
     prefill), whose token count crosses it, so experts switch there and nowhere else."""
-    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.inputs import build_inputs, user_turn
 
     calls = {}

@@ -33,7 +33,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 from vismmoe_kt import load
-from vismmoe_kt.engine.batched import generate_batch
+from vismmoe_kt.engine.generation import generate_batch
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.parallel import launch
 from vismmoe_kt.parallel.lockstep import Lockstep

@@ -243,10 +243,10 @@ def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
     took slabs from a full pool, and each one evicted a resident expert, which the next step missed."""
     from vismmoe_kt import load
     from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
-    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.generation import generate
-    from vismmoe_kt.engine.lean_engine import decode_engine
-    from vismmoe_kt.engine.routing_source import install_routing
+    from vismmoe_kt.engine.decoding import decode_engine
+    from vismmoe_kt.operators.routing_source import install_routing
     from vismmoe_kt.operators.vis_experts import VisExperts
 
     spec = SPECS["tiny-3x32"]

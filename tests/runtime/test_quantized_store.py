@@ -8,7 +8,7 @@ import torch
 from vismmoe_kt import load
 from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.engine.lean_engine import decode_engine
+from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.errors import RuleError
 from vismmoe_kt.operators.vis_experts import VisExperts
 from vismmoe_kt.runtime import q4, q4k, q5k, q6k, q8
@@ -288,7 +288,7 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
     slabs and `batch_experts` expert-major or auto, the step's tokens at once (misses staged into
     landing slabs or staging rows, each expert decoded once per block of its tokens). Every request
     gets its tokens alone."""
-    from vismmoe_kt.engine.batched import generate_batch
+    from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.runtime.executors import batch_step
 
     seen = {"calls": 0, "staged": 0, "landed": 0}

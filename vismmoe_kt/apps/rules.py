@@ -10,6 +10,7 @@ from pathlib import Path
 from ..core.placements import (FAMILIES, PLACEMENT_HELP, PLACEMENTS, facts_of, family_of_model, placements_of,
                                rule_file_name)
 from ..core.rule_text import rule_text
+from ..operators.routing_source import parse_spec
 from .arguments import RawHelpFormatter
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "optimize_rules"
@@ -28,6 +29,9 @@ def add_parser(commands) -> None:
     which.add_argument("--model_path", help="the family of this checkpoint (its config.json's model_type)")
     which.add_argument("--demo", action="store_true", help="the embedded demo model's family (qwen3vl)")
     which.add_argument("--family", help=f"a family by name: {', '.join(FAMILIES)}")
+    show.add_argument("--routing", metavar="SOURCE",
+                      help="put a routing source on the routers first (benchmarks on random weights: synthetic[:SEED] "
+                           "or trace:PATH replace the routers' choice; model keeps it)")
     write = actions.add_parser("write", help="regenerate every family's rule files")
     write.add_argument("--out", default=str(RULES_DIR), help="the folder to write them to")
 
@@ -53,7 +57,9 @@ def run(args) -> int:
               "prints one")
         return 0
     if args.rules_command == "show":
-        sys.stdout.write(rule_text(family_of(args), args.placement))
+        if args.routing is not None:
+            parse_spec(args.routing)  # a clear error for a bad source, before any output
+        sys.stdout.write(rule_text(family_of(args), args.placement, args.routing))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,15 +26,16 @@ operators also work under upstream's loaders, which have no such attribute. Fiel
                       whose expert-parallel exchanges are the fixed-size ones; 0: another pass (set on
                       every rank by parallel/launch.py or lockstep.py)
     ep_step_rows      the rows of the last such step (kept after it: captured steps are kept per size)
-    ep_step_hooks     (before(rows), after) callables around every decode step, lean or batched:
+    ep_step_hooks     (before(rows), after) callables around every decode step:
                       expert parallelism announcing it to the group (`ep_step_hook` calls them)
-    step_hooks        (before, after) callables around every lean decode step
     graph_variants    callables read after the step hooks' `before`: a captured decode step is kept
                       per distinct tuple of their answers (what the step's launches depend on beyond
                       its tensors, e.g. whether the hybrid mode enqueues its CPU calls)
     decode_state      the engine's decode state for this model (made by the engine on first use)
     routing           a routing source that replaces the routers' choice (benchmarks: synthetic or
-                      replayed routing on random weights), or None
+                      replayed routing on random weights; its operators sit on the routers), or None
+    model_pass        what the model's forward under way computes (which requests, slots, positions),
+                      published by the engine for operators that key state by position
     checks            requirements between rules, checked once every operator exists (rule order
                       does not matter)
 
@@ -56,6 +57,7 @@ from torch import nn
 
 from ..errors import RuleError
 from .context_parts import DecodeState, PrefillForward, RoutingTable, SaliencySource
+from .model_pass import ModelPass
 from .expert_runtime import ExpertRuntime
 
 if TYPE_CHECKING:  # runtime/ is below core: its classes are named as they are (not imported at run time: heavy)
@@ -108,10 +110,10 @@ class LoadContext:
     ep_fixed_rows: int = 0
     ep_step_rows: int = 0
     ep_step_hooks: list[tuple[Callable[[int], None], Callable[[], None]]] = field(default_factory=list)
-    step_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
     graph_variants: list[Callable[[], Hashable]] = field(default_factory=list)
-    decode_state: DecodeState | None = None       # engine.lean_engine.LeanEngine
-    routing: RoutingTable | None = None           # engine.routing_source.RoutingSource: replaces the routers' choice
+    decode_state: DecodeState | None = None       # engine.decoding.Decoding
+    routing: RoutingTable | None = None           # operators.routing_source.RoutingSource: replaces the routers' choice
+    model_pass: ModelPass | None = None           # what the forward under way computes (the runner says)
     checks: list[Callable[[], None]] = field(default_factory=list)
 
     def ep_step_hook(self, rows: Callable[[], int]) -> tuple[Callable[[], None], Callable[[], None]]:

@@ -39,38 +39,19 @@ class PrefillForward(Protocol):
 
 
 class DecodeState(Protocol):
-    """engine.lean_engine.LeanEngine: the engine's decode state for the model; operators report its
+    """engine.decoding.Decoding: the engine's decode state for the model; operators report its
     counters with their own."""
 
     def stats(self) -> dict[str, Any]: ...
 
 
 class RoutingTable(Protocol):
-    """engine.routing_source.RoutingSource: a routing source whose tables replace the routers' choice
-    (`replaces`), read by the decode steps on the device and, for a predictor calibrated on synthetic
-    routing, by the expert operators (`latent`)."""
+    """operators.routing_source.RoutingSource: a routing source whose tables replace the routers' choice
+    (`replaces`; its operators sit on the routers), read by the expert operators for a predictor
+    calibrated on synthetic routing (`latent`)."""
 
     @property
     def replaces(self) -> bool: ...
-
-    def reserve(self, positions: int, device: torch.device, dtype: torch.dtype, latent_dim: int = 0) -> None: ...
-
-    def reserve_slots(self, slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None: ...
-
-    def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0, slot: int | None = None) -> None: ...
-
-    def begin_rows(self, slots: list[int], lengths: list[int], width: int) -> None: ...
-
-    def resume_slot_prefill(self, slot: int) -> None: ...
-
-    def end_slot_prefill(self) -> None: ...
-
-    def decode_route(self, index: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def batch_decode_route(self, index: int, slots: torch.Tensor,
-                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def decode_probabilities(self, index: int, position: torch.Tensor) -> torch.Tensor: ...
 
     def latent(self, index: int) -> torch.Tensor: ...
 

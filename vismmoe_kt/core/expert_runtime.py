@@ -9,18 +9,16 @@ has every member with a compatible signature. A runtime with nothing to do for a
 no effect (False, None, nothing offloaded), never by lacking it: the engine does not probe.
 
 Members, by who calls them:
-    before_step, after_step      the lean decode step's hooks (the cache's upkeep between steps;
-                                 registered by the operator that makes the runtime, run by the engine)
+    prepare_steps                before any decode step: steps of up to `max_rows` tokens will run
+    begin_step, end_step         around every decode step of `rows` tokens (one request: one row): the
+                                 runtime binds the executor for them and keeps its cache between steps
     graph_variant                what a captured decode step depends on beyond its tensors
     router_sink                  a device-side sink for each MoE layer's router probabilities, or None
     decode_capturable, batch_capturable
                                  whether a layer's (batched) decode forward is device work only; the
                                  expert operators answer the engine's capture question with these
-    batch_uses_table             a batched step's offloaded layers go through the decode table (its
-                                 step hooks then run around the batched step too)
-    batch_needs_exact_rows       ... and each row looks its experts up there: no padding rows
-    prepare_batch, begin_batch_step, end_batch_step
-                                 around batched decode steps of up to `max_rows` / `rows` tokens
+    batch_needs_exact_rows       a step of several rows looks each row's experts up in the decode
+                                 table: no padding rows
     offloaded_layers             the MoE layers not pinned on the GPU, in order (prefill's pruning
                                  starts at the first one: `prune_layer: auto`)
     set_visual_summary           h_v, the mean visual embedding of an image prefill (the lookahead
@@ -35,9 +33,11 @@ import torch
 
 
 class ExpertRuntime(Protocol):
-    def before_step(self) -> None: ...
+    def prepare_steps(self, max_rows: int) -> None: ...
 
-    def after_step(self) -> None: ...
+    def begin_step(self, rows: int) -> None: ...
+
+    def end_step(self) -> None: ...
 
     def graph_variant(self) -> Hashable: ...
 
@@ -47,15 +47,7 @@ class ExpertRuntime(Protocol):
 
     def batch_capturable(self, layer: int) -> bool: ...
 
-    def batch_uses_table(self) -> bool: ...
-
     def batch_needs_exact_rows(self) -> bool: ...
-
-    def prepare_batch(self, max_rows: int) -> None: ...
-
-    def begin_batch_step(self, rows: int = 0) -> None: ...
-
-    def end_batch_step(self) -> None: ...
 
     def offloaded_layers(self) -> list[int]: ...
 

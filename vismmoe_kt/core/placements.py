@@ -36,6 +36,7 @@ VISION_EXPERTS = f"{OPERATORS}.vis_experts.VisionExperts"
 CPU_EXPERTS = f"{OPERATORS}.cpu_experts.CpuExperts"
 MIXED_PRECISION = f"{OPERATORS}.mixed_precision.MixedPrecisionExperts"
 EP_EXPERTS = f"{OPERATORS}.ep_experts.ExpertParallelExperts"
+SOURCE_ROUTER = f"{OPERATORS}.routing_source.SourceRouter"
 
 GPU = {"generate_device": "cuda:0", "prefill_device": "cuda:0"}
 CPU = {"generate_device": "cpu", "prefill_device": "cpu"}
@@ -151,6 +152,14 @@ def placement_rules(family: str, placement: str) -> list[dict[str, Any]]:
     else:  # ep: a second expert set (prefill's image tokens only) stays whole on every rank
         experts = [_experts(facts, EP_EXPERTS, {**GPU, **EP})]
     return [_decoder(facts), *experts, _everything_else()]
+
+
+def routing_rule(family: str, routing: str, record: bool = False) -> dict[str, Any]:
+    """The rule that puts a routing source on `family`'s MoE routers (synthetic or replayed routing for
+    benchmarks on random weights; `model` with `record` to record the router's own): first in a rule list,
+    before the catch-all."""
+    return _rule(facts_of(family).router, SOURCE_ROUTER, {**GPU, "routing": routing, "record": record},
+                 recursive=False)
 
 
 def family_of_model(model_dir: Any) -> str:

@@ -11,7 +11,7 @@ import re
 import textwrap
 from typing import Any
 
-from .placements import FAMILIES, PlacementFacts, placement_rules, rule_file_name
+from .placements import FAMILIES, PlacementFacts, placement_rules, routing_rule, rule_file_name
 
 WIDTH = 110
 NOTE_COLUMN = 36  # where a kwarg's comment starts
@@ -24,6 +24,8 @@ KWARG_NOTES = {
     ("VisExperts", "slab_format"): "quantized where it works (a quantized store, miss_policy wait, no predictor) | "
                                    "dequantized | quantized",
     ("VisExperts", "predictor"): "a predictor.pt from `vismmoe-kt calibrate`; null: prefetch by routing history",
+    ("SourceRouter", "routing"): "synthetic[:SEED] | trace:PATH replace the routers' choice; model keeps it",
+    ("SourceRouter", "record"): "keep what the routers chose (`vismmoe-kt trace record`)",
     ("VisExperts", "prefetch_min_probability"): "decode prefetches only pairs the predictor believes in",
     ("VisExperts", "prefetch_stride"): "decode runs the predictor at every S-th MoE layer (S <= its window)",
     ("VisExperts", "miss_policy"): "auto: the cost model splits the misses | cpu: all on the CPU | wait: fetch them",
@@ -177,9 +179,12 @@ def render_rule(rule: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def rule_text(family: str, placement: str) -> str:
-    """The commented YAML of `placement_rules(family, placement)`, as optimize_rules/<file> holds it."""
+def rule_text(family: str, placement: str, routing: str | None = None) -> str:
+    """The commented YAML of `placement_rules(family, placement)`, as optimize_rules/<file> holds it; with
+    `routing`, a routing source's rule on the routers first (what the benchmarks load)."""
     rules = placement_rules(family, placement)
+    if routing is not None:
+        rules = [routing_rule(family, routing), *rules]
     return header(family, placement) + "".join(render_rule(rule) for rule in rules)
 
 

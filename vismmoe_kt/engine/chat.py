@@ -11,7 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from .generation import generate
-from .lean_engine import decode_engine
+from .decoding import decode_engine
 from .inputs import build_inputs, model_device, user_turn
 from ..errors import InputError
 

@@ -1,6 +1,6 @@
 """Replaying a decode segment from fixed buffers: CUDA graphs, and a CPU twin with the same contract.
 
-A segment is a run of decode pieces with no host logic (vismmoe_kt.engine.lean_step). Captured once,
+A segment is a run of decode pieces with no host logic (vismmoe_kt.engine.decode_step). Captured once,
 it reads its inputs from the tensors it was captured with and writes its outputs to the tensors the
 capture returned; replaying it launches the whole run at once. Whatever runs between two segments
 (offloaded experts, CPU experts) must copy its results into the next segment's input tensors.

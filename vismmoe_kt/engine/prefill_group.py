@@ -1,6 +1,6 @@
 """Several fresh prompts as one right-padded batch, for a prefill forward that serves them all.
 
-Batched generation (batched.py) prefills the prompts that wait together in one forward: their
+The model runner (runner.py) prefills the prompts that wait together in one forward: their
 per-token rows right-padded to the longest (causal attention from an empty cache keeps each prompt
 from its padding), their images concatenated in order so the vision tower runs once on them all.
 """

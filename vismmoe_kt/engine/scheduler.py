@@ -53,6 +53,7 @@ class Sequence:
     cached: int = 0                                   # tokens whose KV is in the cache
     kv_blocks: list[int] = field(default_factory=list)   # the KV blocks it holds, in token order
     cancel_requested: bool = False
+    stop_requested: bool = False  # the caller ends it after its latest token (finished, not cancelled)
     preemptions: int = 0
     preferred_block: int | None = None  # a free block holding the first `cached` tokens already (a chat's history)
     solo_prefill: bool = False  # its prompt prefills in a forward of its own (the engine cannot group it)
@@ -193,7 +194,8 @@ class Scheduler:
                 raise SchedulerError(f"step result lacks a token for sequence {sequence.id}")
             token = sampled[sequence.id]
             sequence.generated.append(token)
-            if token in sequence.stop_token_ids or len(sequence.generated) >= sequence.max_new_tokens:
+            if token in sequence.stop_token_ids or len(sequence.generated) >= sequence.max_new_tokens \
+                    or sequence.stop_requested:
                 self._leave(sequence, Status.FINISHED)
                 finished.append(sequence)
         return finished

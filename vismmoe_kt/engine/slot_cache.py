@@ -1,15 +1,18 @@
-"""SlotKVCache: keys and values of several sequences at once, one slot each (continuous batching).
+"""SlotKVCache: keys and values of the sequences being decoded, one slot each (a single request is one slot).
 
 Shapes: L decoder layers, S slots, B sequences in a step, Hkv key/value heads, C capacity, D head dim (Dv
-the values', D unless the model says otherwise, as in StaticKVCache).
+the values', D unless the model says otherwise: latent attention caches a key and a "value" of different
+widths, models/kimi_k25.py).
 
-Each layer owns (S, Hkv, C, D) buffers made once, and a length per (layer, slot): a slot holds one
-sequence (scheduler.py decides which), and after VisDecoder prunes visual tokens a sequence's later
-layers hold fewer tokens than its prefix layers, as in StaticKVCache (static_cache.py, batch 1).
+transformers' DynamicCache concatenates at every step, so each decode step allocates buffers that grow
+with the sequence, and CUDA graphs cannot replay it. Here each layer owns (S, Hkv, C, D) buffers made
+once, and a length per (layer, slot): a slot holds one sequence (scheduler.py decides which), and after
+VisDecoder prunes visual tokens a sequence's prefix layers hold every token and its later layers only
+the kept ones, so "position p" means a different place per layer.
 
 Two ways in, with the interface transformers' attention calls (`update`, `get_seq_length`):
 - prefill of one sequence: `slot_view(s)` is a batch-1 cache over slot s (copies at the layer's
-  host-side length, returns the filled part), what the attention gets from StaticKVCache;
+  host-side length, returns the filled part), exactly what the attention would get from DynamicCache;
 - prefill of several fresh prompts in one forward: `rows_view(slots, lengths)` takes their (B, Hkv, T, D)
   keys, right-padded to the longest prompt T, into the B empty slots at once; each slot's length is
   its own prompt's (the padding's keys lie past it: decode masks them and writes over them);
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from .static_cache import CacheFullError
+
+class CacheFullError(RuntimeError):
+    """More positions were asked for than the cache was made with."""
 
 SPAN_STEP = 256  # decode attends to this many positions more at a time (few distinct shapes, little waste)
 
@@ -44,17 +49,20 @@ class SlotKVCache:
                  device: torch.device | str, value_dim: int | None = None):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a slot cache needs at least one slot and one position, got {slots} x {capacity}")
-        shape = (slots + 1, kv_heads, capacity, head_dim)  # the last slot: padding rows of a captured step
+        # the last slot: padding rows of a captured step (a cache of one slot never pads: none)
+        pad = 1 if slots > 1 else 0
+        shape = (slots + pad, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         value_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
         self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.capacity, self.device = capacity, torch.device(device)
+        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
         self.host_lengths = [[0] * slots for _ in range(layers)]
-        self.lengths = torch.zeros(layers, slots + 1, dtype=torch.long, device=device)  # device mirror, for decode
+        self.lengths = torch.zeros(layers, slots + pad, dtype=torch.long, device=device)  # device mirror, for decode
         self.positions = torch.arange(capacity, device=device)
         self.pad_slot = slots
         # the step's rows' slots: views of one buffer (a graph reads the same memory at every replay)
-        self._active_rows = torch.full((1 << (slots - 1).bit_length(),), slots, dtype=torch.long, device=device)
+        self._active_rows = torch.full((1 << (slots - 1).bit_length(),), slots if pad else 0, dtype=torch.long,
+                                       device=device)
         self.active: torch.Tensor | None = None  # the rows of the decode step under way
         self._active_host: list[int] = []
         self.span = capacity  # positions the step under way attends to
@@ -79,14 +87,17 @@ class SlotKVCache:
             lengths[slot] = 0
         self.lengths[:, slot] = 0
 
-    def keep(self, slot: int, tokens: int) -> None:
-        """Cut a slot back to its first `tokens` positions in every layer (a chat's next turn keeps its
-        history); the slot must hold at least that many everywhere (no pruned layers)."""
-        if any(lengths[slot] < tokens for lengths in self.host_lengths):
-            raise ValueError(f"slot {slot} holds fewer than {tokens} positions in some layer")
-        for lengths in self.host_lengths:
-            lengths[slot] = tokens
-        self.lengths[:, slot] = tokens
+    def keep(self, slot: int, tokens: list[int]) -> None:
+        """Cut a slot back to `tokens[l]` positions in layer l (a chat's next turn keeps its history; a
+        pruned prefill's later layers hold fewer); the slot must hold at least that many."""
+        if len(tokens) != self.num_layers or any(lengths[slot] < n for lengths, n in zip(self.host_lengths, tokens)):
+            raise ValueError(f"slot {slot} cannot keep {tokens} positions per layer")
+        for lengths, n in zip(self.host_lengths, tokens):
+            lengths[slot] = n
+        self.lengths[:, slot] = torch.tensor(tokens, device=self.device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def slot_view(self, slot: int) -> "SlotView":
         if not 0 <= slot < self.num_slots:

@@ -31,6 +31,8 @@ class PlacementFacts:
     vision_experts: str | None = None
     vision_experts_budget: str = "2GiB"
     missing: dict[str, str] = field(default_factory=dict)  # placement -> why this family has no such rule file
+    # the MoE routers' module name (a regex): where a routing source's operator goes (`--routing`, benchmarks)
+    router: str = "^model\\.language_model\\.layers\\.\\d+\\.mlp\\.gate$"
 
 
 FAMILIES: dict[str, PlacementFacts] = {facts.family: facts for facts in (
@@ -85,7 +87,8 @@ FAMILIES: dict[str, PlacementFacts] = {facts.family: facts for facts in (
         model_note="Each MoE layer has text experts, which text tokens (and so every decode step) route to, and "
                    "vision experts, which only image tokens of a prefill reach; both stay the model's own modules "
                    "here.",
-        vision_experts="^model\\.language_model\\.layers\\.\\d+\\.mlp\\.vision_moe\\.experts$"),
+        vision_experts="^model\\.language_model\\.layers\\.\\d+\\.mlp\\.vision_moe\\.experts$",
+        router="^model\\.language_model\\.layers\\.\\d+\\.mlp\\.text_moe\\.gate$"),
     PlacementFacts(
         "llama4", "llama4", "Llama 4 (transformers llama4)", "^language_model\\.model$",
         "^language_model\\.model\\.layers\\.\\d+\\.feed_forward\\.experts$",
@@ -97,7 +100,8 @@ FAMILIES: dict[str, PlacementFacts] = {facts.family: facts for facts in (
                    "expert's input) and an attention that takes the complex rotary packed as (cos, sin); the shared "
                    "expert runs in the decode step's attention piece, the routed experts in its experts piece. The "
                    "context is capped at attention_chunk_size (within one chunk Llama 4's chunked attention is causal "
-                   "attention)."),
+                   "attention).",
+        router="^language_model\\.model\\.layers\\.\\d+\\.feed_forward\\.router$"),
 )}
 
 

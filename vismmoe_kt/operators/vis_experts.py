@@ -7,8 +7,8 @@ runtime, which keeps them in a GPU bank (pinned prefix) or in the host ExpertSto
 
 Rule kwargs: OffloadSettings (vismmoe_kt/runtime/offload_settings.py); all operators of a model
 must agree, the first one creates the runtime and hands it its prefetch policy (the lookahead
-predictor's when `predictor` names one, else the history policy), and registers the runtime's
-decode upkeep as step hooks of the lean engine. Compute runs on
+predictor's when `predictor` names one, else the history policy), and puts it in the load context,
+where the decode step finds it (its step hooks keep the cache between steps). Compute runs on
 `generate_device` (its slabs and banks live there).
 """
 
@@ -58,9 +58,7 @@ def shared_runtime(operator: "VisExperts", settings: OffloadSettings, expert_set
             return runtime
         context.offload_runtime = runtime
         if runtime.enable_table(adapter.expert_activation(operator.orig_module)):
-            # the cache's upkeep between lean decode steps (the steps themselves read the table only)
-            context.step_hooks.append((runtime.before_step, runtime.after_step))
-            context.graph_variants.append(runtime.graph_variant)
+            context.graph_variants.append(runtime.graph_variant)  # the decode step's captures depend on it
     elif runtime.requested_settings != settings or runtime.device != torch.device(device):
         raise ValueError(f"every {type(operator).__name__} rule of a model must use the same runtime kwargs and device")
     return runtime

@@ -175,8 +175,10 @@ class DecodeTable:
         return slab
 
     def observe_router(self, row: int, probabilities: torch.Tensor, keep: float) -> None:
-        """usage[row] <- keep * usage[row] + (1 - keep) * the router's probabilities (1, E) of this token."""
-        self.usage[row].mul_(keep).add_(probabilities.reshape(-1).float(), alpha=1.0 - keep)
+        """usage[row] <- keep * usage[row] + (1 - keep) * the router's probabilities (T, E) of the step's
+        tokens, averaged (a step of several rows pads only where no layer is offloaded: nothing to evict)."""
+        mean = probabilities.reshape(-1, probabilities.shape[-1]).float().mean(dim=0)
+        self.usage[row].mul_(keep).add_(mean, alpha=1.0 - keep)
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
         """After the experts were written to their landing slabs: point the table at them

@@ -20,10 +20,6 @@ class EngineQueries:
     visual_summary: torch.Tensor | None
     batch_table: bool  # OffloadRuntime's property
 
-    def batch_uses_table(self) -> bool:
-        """A batched step's offloaded layers go through the decode table (OffloadRuntime.batch_table)."""
-        return self.batch_table
-
     def batch_needs_exact_rows(self) -> bool:
         """A batched step runs as exactly its rows, no padding: offloaded layers look each row's experts
         up in the table, and a padding row would fetch experts nobody asked for."""

@@ -84,7 +84,8 @@ class OffloadRuntime(EngineQueries):
                                        self._armed)
         self.step_lookahead = StepLookahead(res, lookahead) if lookahead is not None else None
         self.cpu_join = TableCpuJoin(res, self.cpu) if self.cpu is not None else None
-        self._batch = False         # between begin_batch_step and end_batch_step
+        self._batch = False         # inside a decode step of several rows
+        self._upkeep = False        # the table's upkeep ran at this step's beginning (`begin_step`)
         self._build_executors()
         self.table_enabled = False  # `enable_table`: this runtime's decode may use the table
 
@@ -214,11 +215,11 @@ class OffloadRuntime(EngineQueries):
         lean decode uses, without the hybrid's CPU calls or a lookahead predictor (both per token)."""
         return self.table_enabled and self.plan.batch_table
 
-    def prepare_batch(self, max_rows: int) -> None:
-        """Batched steps of up to `max_rows` tokens will run: the table's record buffers for them, made
-        before any step is captured (captured steps write into them)."""
+    def prepare_steps(self, max_rows: int) -> None:
+        """Decode steps of up to `max_rows` tokens will run: for several rows, the table's record buffers,
+        made before any step is captured (captured steps write into them)."""
         res = self.residency
-        if self.batch_table and res.table is not None:
+        if max_rows > 1 and self.batch_table and res.table is not None:
             res.table.enable_batch(max_rows)
             pairs = max_rows * self.top_k
             if res.quantized_slabs and (res.batch_staging is None or res.batch_staging.shape[0] < pairs):
@@ -226,18 +227,26 @@ class OffloadRuntime(EngineQueries):
                 res.batch_staging = torch.zeros(max_rows * self.top_k, res.slab_bytes, dtype=torch.uint8,
                                                 device=self.device)
 
-    def begin_batch_step(self, rows: int = 0) -> None:
-        """A batched step of `rows` tokens starts (before the table's own step hook)."""
-        self._batch = True
+    def begin_step(self, rows: int) -> None:
+        """A decode step of `rows` tokens starts: the executor for them (one token: the table step, with the
+        lookahead and the hybrid's CPU join where the plan has them; several: the batched step), and the
+        table's upkeep where the table serves the step (a batch only through `batch_table`)."""
+        self._batch = rows > 1
         self._bind()
         table = self.table
-        if self.batch_table and table is not None:
+        if self._batch and self.batch_table and table is not None:
             if table.batch_routed is None or rows * self.top_k > table.batch_routed.shape[1]:
-                raise ValueError(f"a batched step of {rows} tokens: prepare_batch made room for "
+                raise ValueError(f"a decode step of {rows} tokens: prepare_steps made room for "
                                  f"{0 if table.batch_routed is None else table.batch_routed.shape[1] // self.top_k}")
             table.batch_pairs = rows * self.top_k
+        self._upkeep = self.batch_table if self._batch else self.table_enabled
+        if self._upkeep:
+            self.before_step()
 
-    def end_batch_step(self) -> None:
+    def end_step(self) -> None:
+        if self._upkeep:
+            self._upkeep = False
+            self.after_step()
         self._batch = False
         self._bind()
         if self.table is not None:

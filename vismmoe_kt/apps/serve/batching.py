@@ -2,7 +2,7 @@
 
 Admission, preparation (images, tokens) and the streamed, stop-matched text are the serial Engine's
 (engine.py). What changes is the turn: instead of one generation thread per request behind a lock,
-one batching thread owns the model and a BatchRunner (engine/batched.py). Started jobs go into its
+one batching thread owns the model and a ModelRunner (engine/runner.py). Started jobs go into its
 inbox; at every step it takes them in, drops the cancelled ones (a client that left, or a stop
 string matched), runs the scheduler's next plan (a chunk of one prompt prefilled, `--prefill_chunk`
 tokens, and a token for every running request, all rows in one forward) and hands each sampled id to its request's streamer. A request
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...engine.batched import PREFILL_BUDGET, BatchRequest, BatchRunner, Sampling
+from ...engine.runner import PREFILL_BUDGET, BatchRequest, ModelRunner, Sampling
 from .engine import Engine, Job, Prepared, Ticket, TimedStreamer, Usage
 from .errors import ApiError
 from .inputs import ChatRequest
@@ -44,7 +44,7 @@ class BatchedEngine(Engine):
         self.max_batch = max_batch
         self.slot_tokens = min(slot_tokens, self.context)
         # made here, on the thread that loads: an unsuitable model (no lean decode path) fails at start-up
-        self.runner = BatchRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
+        self.runner = ModelRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
                                   prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
         # data parallel over an expert-parallel group (serve --data_parallel): this rank's passes in step
         # with the others', and while it waits for requests it serves theirs (parallel/lockstep.py)

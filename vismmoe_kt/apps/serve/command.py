@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ...engine.batched import PREFILL_BUDGET
+from ...engine.runner import PREFILL_BUDGET
 from ...errors import InputError
 from ..flags import POSITIVE, PORT, TEMPERATURE, TOP_P, add_model_flags, at_least, checked, load_from_args
 

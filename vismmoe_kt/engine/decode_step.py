@@ -1,22 +1,30 @@
-"""One decode step of the text model, owned by us: static cache, no host logic between MoE layers.
+"""One decode step of the text model for B sequences, owned by us: slot cache, no host logic between MoE layers.
 
-Shapes: H hidden, V vocabulary, C the cache's capacity, K experts per token; one token per step.
+Shapes: B sequences in the step (R rows: B, or padded to a power of two), H hidden, V vocabulary, span the
+positions the step attends to, K experts per token. A single request is a step of one row.
 
 The step is a list of pieces, each a function from a tuple of tensors to the next tuple:
-    embed            token -> hidden, rotary cos/sin for the next position, the layers' masks
+    embed            tokens -> hidden, rotary cos/sin of each row's next position, the layers' masks
     attention l      input norm, attention over layer l's static cache, residual, post-attention norm,
                      and for an MoE layer the router (norms and router fused: decode/fused_ops.py)
                      and the shared experts, where the family has them
     experts l        the routed experts (the injected operator), residual
-    head             final norm, lm_head -> logits (1, V); the cache lengths move on by one
-A piece is `capturable` when it launches device work only: then consecutive capturable pieces form a
-segment that is captured once (a CUDA graph on the GPU, `ReplayCapture` as its CPU twin) and replayed
-at every step. Expert operators say whether their decode forward is capturable through
-`decode_capturable()`: offloaded layers are, where the offload runtime serves them from its slab
-table (vismmoe_kt.runtime.decode_table), so such a step is one graph and its only host read is the
-sampled token. Those that are not (the hybrid CPU path, a lookahead predictor, ReaLB's controller)
-run eagerly between segments. The step hooks (`hooks`) run around every step, graphed or not: the
-offload runtime keeps its cache there, between steps.
+    head             final norm, lm_head -> logits (R, V); the rows' cache lengths move on by one
+A piece is capturable for R rows when it launches device work only: then consecutive capturable pieces
+form a segment that is captured once per (R, span) and what the step depends on beyond its tensors
+(`variants`), on the GPU a CUDA graph (`ReplayCapture` as its CPU twin), and replayed at every step of
+that shape. Expert operators say whether their decode forward is capturable through
+`decode_capturable()` (one row) and `batch_capturable()` (several): offloaded layers are, where the
+offload runtime serves them from its slab table (vismmoe_kt.runtime.decode_table), so such a step is one
+graph and its only host read is the sampled tokens. Those that are not (the hybrid CPU path, a lookahead
+predictor, ReaLB's controller, the placement path of several rows) run eagerly between segments, on the
+real rows only. The expert runtime's step hooks run around every step, graphed or not: the offload
+runtime binds the executor for the step's rows there and keeps its cache between steps
+(core/expert_runtime.py).
+
+With graphs, a step of B rows runs as R = the next power of two of B (padding rows read and write the
+cache's pad slot), or R = B where offloaded layers look experts up row by row in the decode table (a
+padding row would fetch experts for nobody).
 
 The first graphed step captures, then checks the graphed logits against an eager run of the same
 step (tolerance: a few units of the dtype's rounding); on a mismatch it captures once more, and after
@@ -33,18 +41,20 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
-from ..core.context_parts import RoutingTable
+from ..core.context import LoadContext
+from ..core.model_pass import ModelPass
 from ..models import ModelAdapter
 from .fused_ops import rms_norm, route
 from .graphs import State, capture_backend
-from .static_cache import CacheFullError, StaticKVCache
+from .slot_cache import SlotKVCache
 
 
 @dataclass
 class Piece:
     name: str
     run: Callable[[State], State]
-    capturable: bool
+    capturable: bool             # in a step of one row
+    batch_capturable: bool       # ... of several rows
     layer: int | None = None
     kind: str = ""  # embed | attention | experts | head: the profile's columns
 
@@ -108,37 +118,42 @@ def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = Fals
     return lambda x: gate(x)[1:]
 
 
-def experts_capturable(experts: nn.Module, probe_name: str = "decode_capturable") -> bool:
+def experts_capturable(experts: nn.Module, probe_name: str) -> bool:
     probe = getattr(experts, probe_name, None)
     return bool(probe()) if callable(probe) else False  # unknown modules may sync or branch on the host
 
 
-class LeanDecodeStep:
-    def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: StaticKVCache,
-                 graphs: str = "auto", visual_flag: Callable[[torch.Tensor], None] | None = None,
-                 hooks: list[tuple[Callable[[], None], Callable[[], None]]] | None = None,
-                 routing: RoutingTable | None = None, graph_pool: Any = None,
-                 router_sink: Callable[[int, torch.Tensor], None] | None = None,
-                 variants: list[Callable[[], Hashable]] | None = None):
-        self.text, self.adapter, self.lm_head, self.cache = text_model, adapter, lm_head, cache
-        # (MoE index, (1, E) probabilities): the router's full softmax at each MoE layer, for an offload
-        # cache that ranks experts by it (device ops only: part of the captured step)
-        self.router_sink = router_sink
-        self.routing = routing if routing is not None and routing.replaces else None  # a routing source's table
-        # (before, after) callables around every step, e.g. expert parallelism announcing it to the
-        # other ranks; a list shared with the decoder, so hooks added later apply too
-        self.hooks = hooks if hooks is not None else []
-        # what the step's launches depend on beyond its tensors (read after the hooks' `before`): one
-        # capture per distinct answer, e.g. with and without the hybrid mode's CPU calls. The captures
-        # share the engine's graph pool, so one may reuse memory another freed: safe while no two
-        # replay at once and no caller keeps a step's outputs (the logits) past the next step
-        self.variants = variants if variants is not None else []
+class DecodeStep:
+    """One decode token for each of B sequences in a SlotKVCache (`step(slots, tokens, rope_deltas)`)."""
+
+    def __init__(self, text_model: nn.Module, adapter: ModelAdapter, lm_head: nn.Module, cache: SlotKVCache,
+                 context: LoadContext, graphs: str = "auto", graph_pool: Any = None):
+        self.text, self.adapter, self.lm_head, self.cache, self.context = text_model, adapter, lm_head, cache, context
+        self.rows = self.real_rows = 1
+        runtime = context.offload_runtime
+        # (before, after) around every step: the expert runtime binds the executor for the step's rows and
+        # keeps its cache; expert parallelism announces the step (padding rows too) to the group
+        self.hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        # each row looks its experts up in the runtime's table: a padding row would fetch experts nobody asked for
+        self.exact_rows = runtime is not None and runtime.batch_needs_exact_rows()
+        # (MoE index, (R, E) probabilities): each router's full softmax, for an offload cache that ranks
+        # experts by it (device ops only: part of the captured step)
+        self.router_sink = runtime.router_sink() if runtime is not None else None
+        if runtime is not None:
+            runtime.prepare_steps(cache.max_rows)
+            self.hooks.append((lambda: runtime.begin_step(self.rows), runtime.end_step))
+        self.hooks.append(context.ep_step_hook(lambda: self.rows))
+        self.model_pass = ModelPass(decode=cache, cache=cache)  # what the step computes, for operators keyed by position
+        # what the step's launches depend on beyond its tensors (read after the hooks' `before`): one capture
+        # per distinct answer, e.g. with and without the hybrid mode's CPU calls (the context's list: variants
+        # added later apply too). The captures share the graph pool, so one may reuse memory another freed:
+        # safe while no two replay at once and no caller keeps a step's outputs (the logits) past the next step
+        self.variants = context.graph_variants
         self._captured: dict[tuple, list[Segment]] = {}
-        device = cache.device
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)    # the step's input
-        self.rope_delta = torch.zeros(1, dtype=torch.long, device=device)  # M-RoPE: position = length + delta
-        self.not_visual = torch.zeros(1, dtype=torch.bool, device=device)
-        self.visual_flag = visual_flag
+        rows, device = cache.max_rows, cache.device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)       # the captures' inputs
+        self.deltas = torch.zeros(rows, dtype=torch.long, device=device)          # M-RoPE: position = length + delta
+        self.not_visual = torch.zeros(rows, dtype=torch.bool, device=device)
         self.embed = adapter.token_embedding(text_model)
         self.pieces = self._build_pieces()
         self.backend = capture_backend(graphs, device, graph_pool)
@@ -150,46 +165,45 @@ class LeanDecodeStep:
     def _build_pieces(self) -> list[Piece]:
         text, cache, adapter = self.text, self.cache, self.adapter
         layers = adapter.layers_of(text)
-        pieces = [Piece("embed", self._embed, True, kind="embed")]
+        pieces = [Piece("embed", self._embed, True, True, kind="embed")]
+        moe_index = 0
         for index, layer in enumerate(layers):
             experts = adapter.experts(layer)
-            pieces.append(Piece(f"attention {index}", self._attention(index, layer, experts is not None), True, index,
+            moe = moe_index if experts is not None else None
+            pieces.append(Piece(f"attention {index}", self._attention(index, layer, moe), True, True, index,
                                 "attention"))
             if experts is not None:
-                pieces.append(Piece(f"experts {index}", self._experts(experts), self._experts_capturable(experts),
-                                    index, "experts"))
-        pieces.append(Piece("head", self._head(norm_fn(adapter, adapter.final_norm(text))), True, kind="head"))
+                one, several = experts_capturable(experts, "decode_capturable"), \
+                    experts_capturable(experts, "batch_capturable")
+                pieces.append(Piece(f"experts {index}", self._experts(experts, several), one, several, index,
+                                    "experts"))
+                moe_index += 1
+        pieces.append(Piece("head", self._head(norm_fn(adapter, adapter.final_norm(text))), True, True, kind="head"))
         if len(layers) != cache.num_layers:
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(layers)}")
         return pieces
 
-    @staticmethod
-    def _experts_capturable(experts: nn.Module) -> bool:
-        return experts_capturable(experts)
-
-    @staticmethod
-    def _layer_mask(masks: torch.Tensor, index: int) -> torch.Tensor:
-        return masks[index:index + 1]  # (1, 1, 1, C): the one row's
-
     def _embed(self, state: State) -> State:
-        hidden = self.embed(self.token)
-        position = (self.cache.lengths[0] + self.rope_delta).view(1, 1, 1).expand(self.adapter.position_rows(), 1, 1)
-        cos, sin = self.adapter.rotary(self.text, hidden, position)
-        return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)
+        rows = self.rows
+        hidden = self.embed(self.tokens[:rows])                                   # (R, 1, H)
+        position = self.cache.lengths[0, self.cache.active] + self.deltas[:rows]  # the prefix layer holds every position
+        cos, sin = self.adapter.rotary(self.text, hidden, position.view(1, -1, 1).expand(self.adapter.position_rows(), -1, 1))
+        return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)            # masks (L, R, 1, 1, span)
 
-    def _attention(self, index: int, layer: nn.Module, moe: bool) -> Callable[[State], State]:
+    def _attention(self, index: int, layer: nn.Module, moe_index: int | None) -> Callable[[State], State]:
         cache, adapter = self.cache, self.adapter
         norm_in = norm_fn(adapter, adapter.input_norm(layer))
         norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
         attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
-        moe_index = self._moe_index(index) if moe else None
-        router = self._router(moe_index, layer) if moe else None
+        moe = moe_index is not None
+        router = router_fn(adapter, adapter.router(layer), self.router_sink is not None) if moe else None
+        sink = self.router_sink
         shared = adapter.shared_experts(layer) if moe else None  # dense experts every token runs (GLM)
 
         def run(state: State) -> State:
             hidden, cos, sin, masks = state[0], *state[-3:]
             attended, _ = attention(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
-                                    attention_mask=self._layer_mask(masks, index), past_key_values=cache)
+                                    attention_mask=masks[index], past_key_values=cache)
             hidden = hidden + attended
             normed = norm_post(hidden)
             if not moe:
@@ -197,34 +211,22 @@ class LeanDecodeStep:
             flat = normed.view(-1, normed.shape[-1])
             weights, chosen, *probabilities = router(flat)
             if probabilities:
-                self.router_sink(moe_index, probabilities[0])
+                sink(moe_index, probabilities[0])
             if shared is not None:  # the experts piece adds the routed experts' output on top
                 hidden = hidden + shared(normed)
             return hidden, flat, chosen, weights, cos, sin, masks
         return run
 
-    def _router(self, moe_index: int, layer: nn.Module) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """The layer's router, or the routing source's row for the step's position (read on the device:
-        the step stays capturable)."""
-        probabilities = self.router_sink is not None
-        if self.routing is None:
-            return router_fn(self.adapter, self.adapter.router(layer), probabilities)
-        position = self.cache.lengths[:1]  # a view: moves with the cache
-        if probabilities:
-            return lambda x: (*self.routing.decode_route(moe_index, position),
-                              self.routing.decode_probabilities(moe_index, position))
-        return lambda x: self.routing.decode_route(moe_index, position)
-
-    def _moe_index(self, index: int) -> int:
-        """The MoE layer's index among the MoE layers (the offload runtime's row)."""
-        layers = self.adapter.layers_of(self.text)
-        return sum(1 for i in range(index) if self.adapter.experts(layers[i]) is not None)
-
-    @staticmethod
-    def _experts(experts: nn.Module) -> Callable[[State], State]:
+    def _experts(self, experts: nn.Module, batch_capturable: bool) -> Callable[[State], State]:
         def run(state: State) -> State:
             hidden, flat, chosen, weights, cos, sin, masks = state
-            return hidden + experts(flat, chosen, weights).view_as(hidden), cos, sin, masks
+            rows = self.real_rows
+            if batch_capturable or rows == flat.shape[0]:
+                out = experts(flat, chosen, weights)
+            else:  # eager, between graphs: padding rows would add their experts to the step's fetches
+                out = torch.zeros_like(flat)
+                out[:rows] = experts(flat[:rows], chosen[:rows], weights[:rows])
+            return hidden + out.view_as(hidden), cos, sin, masks
         return run
 
     def _head(self, norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[State], State]:
@@ -235,13 +237,17 @@ class LeanDecodeStep:
         return run
 
     # --- segments -----------------------------------------------------------------------------------
+    def _capturable(self, piece: Piece) -> bool:
+        return piece.capturable if self.rows == 1 else piece.batch_capturable
+
     def _group(self) -> list[Segment]:
         segments: list[Segment] = []
         for piece in self.pieces:
-            if segments and segments[-1].capturable == piece.capturable:
+            capturable = self._capturable(piece)
+            if segments and segments[-1].capturable == capturable:
                 segments[-1].pieces.append(piece)
             else:
-                segments.append(Segment([piece], piece.capturable))
+                segments.append(Segment([piece], capturable))
         return segments
 
     @staticmethod
@@ -289,7 +295,7 @@ class LeanDecodeStep:
         return state[0]
 
     def _graphed_step(self) -> torch.Tensor:
-        key = tuple(variant() for variant in self.variants)
+        key = self._variant()
         self.segments = self._captured.get(key)
         if self.segments is not None:
             return self._replay()
@@ -310,7 +316,7 @@ class LeanDecodeStep:
             difference, tolerance = logits_difference(logits, reference)
             self.counters.check_max_difference = max(self.counters.check_max_difference, difference)
             if difference <= tolerance:
-                if tuple(variant() for variant in self.variants) != key:  # the variant moved under the check:
+                if self._variant() != key:  # the variant moved under the check:
                     self.segments = None  # do not file this capture under either key
                     return reference
                 self._captured[key] = self.segments
@@ -344,25 +350,33 @@ class LeanDecodeStep:
         self.counters.reason_eager = reason
 
     # --- the step -----------------------------------------------------------------------------------
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """Logits (1, V) for the next position, given the last token (1, 1) or (1,)."""
-        if self.cache.room() < 1:
-            raise CacheFullError(f"the decode cache is full ({self.cache.capacity} positions)")
-        self.token.copy_(token.view(1, 1))
-        if self.visual_flag is not None:
-            self.visual_flag(self.not_visual)
-        self.cache.decoding = True
+    def _variant(self) -> tuple:
+        return (self.rows, self.cache.span, self.cache.contiguous, *(variant() for variant in self.variants))
+
+    def __call__(self, slots: list[int], tokens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
+        """(B,) last tokens and M-RoPE deltas of the sequences in `slots` -> (B, V) logits; the rows move on."""
+        b = self.real_rows = len(slots)
+        self.rows = b if self.backend is None or self.exact_rows else 1 << (b - 1).bit_length()
+        self.cache.begin_decode(slots, self.rows)
+        self.tokens[:b, 0].copy_(tokens.view(-1))
+        self.tokens[b:self.rows].zero_()
+        self.deltas[:b].copy_(rope_deltas.view(-1))
+        self.deltas[b:self.rows].zero_()
+        # decode tokens are text: what the operators that treat visual tokens apart read from the context
+        self.context.token_is_visual = self.not_visual[:self.rows]
+        self.context.model_pass = self.model_pass
         try:
-            if self.backend is None or self.profiling:
-                logits = self._announced(self._eager_step)
-            else:
-                logits = self._announced(self._graphed_step)
+            eager = self.backend is None or self.profiling
+            logits = self._announced(self._eager_step if eager else self._graphed_step)
+        except BaseException:
+            self.cache.abandon_step()
+            raise
         finally:
-            self.cache.decoding = False
+            self.context.model_pass = None
         self.cache.advance_on_host()
         self.counters.steps += 1
         self.counters.graphed_steps += self.segments is not None
-        return logits
+        return logits[:b]
 
     # --- profile ------------------------------------------------------------------------------------
     def _profiled_step(self) -> torch.Tensor:
@@ -390,6 +404,7 @@ class LeanDecodeStep:
         # pieces that run between segments (or all of them, without graphs)
         out["eager_pieces_per_step"] = len(self.pieces) if self.segments is None else \
             sum(len(s.pieces) for s in self.segments if not s.capturable)
-        out["capturable_pieces"] = sum(p.capturable for p in self.pieces)
+        out["captured_shapes"] = sorted({key[:2] for key in self._captured})  # (rows, span), once each
+        out["capturable_pieces"] = sum(self._capturable(p) for p in self.pieces)
         out["pieces"] = len(self.pieces)
         return out

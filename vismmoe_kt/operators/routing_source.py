@@ -12,15 +12,15 @@ computes on the real weights, so timing stays real and only the choice of expert
 Per request the source builds one table for every position of the request, prompt and decode
 (ids (N, L, k), weights (N, L, k)), independent of the generated tokens. The prefill takes its rows
 by position through forward hooks on the routers (`adapter.with_routing` rebuilds the router's
-output); the decode engine reads the row of the step's position on the device, so a captured decode
-step replays with the table's next row and no host work. Rows of a pruned prefill (fewer tokens
-after the prefix) are the kept positions (`context.pruning.keep`).
+output). Rows of a pruned prefill (fewer tokens after the prefix) are the kept positions
+(`context.pruning.keep`).
 
-Batched generation (batched.py) gives each KV slot a table of its own (`reserve_slots`): a request's
-`begin(..., slot=s)` fills slot s's rows, its prefill reads them, and a batched step's router reads
-each row's own slot at its own position (`batch_decode_route`, on the device). Prompts prefilled
-together (right-padded to one length) read their own slots' rows through `begin_rows`; padding
-tokens read the padding table (expert 0 at weight 0).
+The model runner (runner.py) gives each KV slot a table of its own (`reserve_slots`): a request's
+`begin(..., slot=s)` fills slot s's rows, its prefill reads them, and the decode step's router reads
+each row's own slot at its own position (`batch_decode_route`, on the device), so a captured step
+replays with the tables' next rows and no host work. Prompts prefilled together (right-padded to one
+length) read their own slots' rows through `begin_rows`; padding tokens read the padding table
+(expert 0 at weight 0). Transformers' own loop (`decode: hf`) reads the single table through the hooks.
 
 A synthetic source also keeps the latent state each router read (N, L, D): `latent(index)` is its
 mean over the positions layer `index` routed last (the prompt's in a prefill, the step's position
@@ -31,13 +31,17 @@ the random-weight model's own hidden states say nothing about synthetic routing.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..core.context import LoadContext
+from ..core.model_pass import ModelPass, SlotRows
 from ..errors import InputError
 from ..models import ModelAdapter
+from .base import BaseInjectedModule
 
 MODES = ("model", "synthetic", "trace")
 HISTORY = 64  # requests whose tables stay for the benchmark's Belady figures (a long run must not grow without end)
@@ -67,6 +71,7 @@ class RoutingSource:
         self.moe_layers = list(shape.moe_layers)
         self.layers, self.experts, self.top_k = len(self.moe_layers), shape.num_experts, shape.top_k
         self.seed, self.trace, self.record = seed, trace, record
+        self.spec = mode if mode != "synthetic" else f"synthetic:{seed}"  # as a rule names it (make_source: as given)
         if trace is not None:
             if trace.layers != self.layers or trace.top_k != self.top_k or int(trace.ids.max()) >= self.experts:
                 raise InputError(f"the routing trace has {trace.layers} layers x top-{trace.top_k} (ids up to "
@@ -77,19 +82,28 @@ class RoutingSource:
         self.weights: torch.Tensor | None = None  # (capacity, L, k)
         self.latents: torch.Tensor | None = None  # (capacity, L, D) float32, synthetic mode only
         self.probabilities: torch.Tensor | None = None  # (capacity, L, E) float32: each router's full softmax
-        self._routed_at: dict[int, torch.Tensor] = {}  # MoE layer index -> the positions it routed last
+        # MoE layer index -> (the slot(s) or None for the single table, the positions) it routed last
+        self._routed_at: dict[int, tuple[Any, torch.Tensor]] = {}
         self.requests = 0
         self.history: list[dict[str, Any]] = []   # per request: ids (N, L, k) on the host, prompt length
         self._start = self._prompt = 0
         self._next: list[int] = []
         self._recorded: dict[int, list[torch.Tensor]] = {}
-        # batched generation: per KV slot (and one for padding rows), (S + 1, capacity, L, k) tables
+        # the model runner's: per KV slot (and one for padding rows), (S + 1, capacity, L, k) tables, one set per
+        # runner's cache (two runners may live at once: each one's captured steps read its own tables)
+        self._slot_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tables_of: SlotRows | None = None
+        self._pass: ModelPass | None = None
+        self._begun: dict[int, None] = {}  # the requests whose tables were made (runner sequence ids, newest last)
         self.slot_ids: torch.Tensor | None = None
         self.slot_weights: torch.Tensor | None = None
+        self.slot_latents: torch.Tensor | None = None        # (S + 1, capacity, L, D), synthetic mode only
+        self.slot_probabilities: torch.Tensor | None = None  # (S + 1, capacity, L, E), where the step sinks them
         self._slot: int | None = None  # the slot whose prefill runs now (None: the single-request table)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # begin_rows: (slot, position) per token
         self._primary_rows: dict[int, torch.Tensor | None] = {}  # MoE layer index -> its tokens that reach the router
         self._prepared: tuple | None = None  # (key, table) that `prepare` made for the next request
+        self._watching = False  # the modality pre-hooks are on the decoder layers
 
     @property
     def replaces(self) -> bool:
@@ -106,17 +120,50 @@ class RoutingSource:
         if latent_dim and (self.latents is None or self.latents.shape[2] != latent_dim):
             self.latents = torch.zeros(self.ids.shape[0], self.layers, latent_dim, device=device)
 
-    def reserve_slots(self, slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Tables for batched generation: `slots` KV slots of `capacity` positions, and a padding row's
-        (all zeros: expert 0 with weight 0)."""
-        shape = (slots + 1, capacity, self.layers, self.top_k)
-        if self.slot_ids is None or self.slot_ids.shape != shape or self.slot_ids.device != torch.device(device):
-            self.slot_ids = torch.zeros(shape, dtype=torch.long, device=device)
-            self.slot_weights = torch.zeros(shape, dtype=dtype, device=device)
+    def _use_tables(self, cache: SlotRows) -> None:
+        """The tables of a runner's KV slots (made on its first prefill, before any of its steps is captured):
+        one per slot of `capacity` positions and a padding row's (all zeros: expert 0 with weight 0), each
+        router's full probabilities too (an offload cache may rank eviction by them: decode hands them on)."""
+        if cache is self._tables_of:
+            return
+        tables = self._slot_tables.get(cache)
+        if tables is None:
+            shape = (cache.num_slots + 1, cache.capacity, self.layers, self.top_k)
+            tables = {"ids": torch.zeros(shape, dtype=torch.long, device=cache.device),
+                      "weights": torch.zeros(shape, dtype=cache.dtype, device=cache.device), "latents": None,
+                      "probabilities": None}
+            runtime = self.context.offload_runtime
+            if runtime is not None and runtime.router_sink() is not None:
+                tables["probabilities"] = torch.zeros(*shape[:3], self.experts, device=cache.device)
+            self._slot_tables[cache] = tables
+        self._tables_of = cache
+        self.slot_ids, self.slot_weights = tables["ids"], tables["weights"]
+        self.slot_latents, self.slot_probabilities = tables["latents"], tables["probabilities"]
+
+    def enter(self, model_pass: ModelPass | None) -> None:
+        """A new forward (the runner's ModelPass): the requests it starts get their tables, and the routers
+        read the tables of its slots (or the single table, under transformers' loop)."""
+        self._pass = model_pass
+        self._slot, self._rows = None, None
+        if model_pass is None:
+            return
+        if model_pass.cache is not None and self.replaces:
+            self._use_tables(model_pass.cache)
+        rows = model_pass.prefill
+        for row in rows:
+            if row.request not in self._begun:
+                self.begin(row.input_ids, row.max_new_tokens, start=row.start, slot=row.slot)
+                self._begun[row.request] = None
+                while len(self._begun) > HISTORY:
+                    del self._begun[next(iter(self._begun))]
+        if len(rows) > 1:
+            self.begin_rows([row.slot for row in rows], [row.length for row in rows], model_pass.width)
+        elif rows:
+            self._slot = rows[0].slot  # a prompt, a chunk of one, or what follows a held history
 
     def begin(self, input_ids: torch.Tensor, max_new_tokens: int, start: int = 0, slot: int | None = None) -> None:
         """A request: prompt `input_ids` (1, T), of which the first `start` are in the cache already;
-        `slot`: batched generation's KV slot, whose table it fills (reserve_slots) instead of the single one."""
+        `slot`: the runner's KV slot, whose table it fills instead of the single one."""
         prompt = int(input_ids.shape[1])
         self._start, self._prompt = start, prompt
         self._next = [start] * self.layers
@@ -133,11 +180,18 @@ class RoutingSource:
             ids, weights, latents, probabilities = self._table(total, visual)
         if slot is not None:
             if self.slot_ids is None or not 0 <= slot < self.slot_ids.shape[0] - 1 or total > self.slot_ids.shape[1]:
-                raise ValueError(f"slot {slot} with {total} positions: reserve_slots made "
+                raise ValueError(f"slot {slot} with {total} positions: the runner's tables are "
                                  f"{None if self.slot_ids is None else tuple(self.slot_ids.shape[:2])}")
-            self.slot_ids[slot, :total].copy_(ids.to(self.slot_ids.device))
-            self.slot_weights[slot, :total].copy_(weights.to(device=self.slot_weights.device,
-                                                             dtype=self.slot_weights.dtype))
+            device = self.slot_ids.device
+            self.slot_ids[slot, :total].copy_(ids.to(device))
+            self.slot_weights[slot, :total].copy_(weights.to(device=device, dtype=self.slot_weights.dtype))
+            if latents is not None:
+                if self.slot_latents is None:  # made once, before any decode step is captured
+                    self.slot_latents = torch.zeros(*self.slot_ids.shape[:3], latents.shape[2], device=device)
+                    self._slot_tables[self._tables_of]["latents"] = self.slot_latents
+                self.slot_latents[slot, :total].copy_(latents.to(device=device, dtype=torch.float32))
+            if self.slot_probabilities is not None:
+                self.slot_probabilities[slot, :total].copy_(probabilities.to(device))
             self._count(ids, prompt)
             return
         device = input_ids.device
@@ -169,11 +223,6 @@ class RoutingSource:
         del self.history[:-HISTORY]
         self.requests += 1
 
-    def end_slot_prefill(self) -> None:
-        """After a batched request's prefill (or a chunk of it, or a group's): the routers' hooks read
-        the single-request table again."""
-        self._slot, self._rows = None, None
-
     def begin_rows(self, slots: list[int], lengths: list[int], width: int) -> None:
         """A prefill of several prompts at once, each `begin(..., slot=)`-ed, right-padded to `width`
         tokens: token t of row b reads slot `slots[b]`'s table at position t, padding the padding table."""
@@ -185,10 +234,6 @@ class RoutingSource:
         rows = torch.tensor(slots, device=device)[:, None].expand(-1, width)
         pad = self.slot_ids.shape[0] - 1
         self._rows = (torch.where(real, rows, pad).reshape(-1), torch.where(real, positions, 0).reshape(-1))
-
-    def resume_slot_prefill(self, slot: int) -> None:
-        """The next chunk of slot `slot`'s prefill: its table again, positions where the last chunk ended."""
-        self._slot = slot
 
     def _table(self, total: int, visual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                               torch.Tensor]:
@@ -235,14 +280,50 @@ class RoutingSource:
         rows = [torch.cat(self._recorded[i]) for i in range(self.layers)]
         return torch.stack(rows, dim=1)
 
-    # --- the prefill (and transformers' decode loop): hooks on the routers ------------------------
-    def install(self, model: Any) -> None:
-        layers = self.adapter.decoder_layers(model)
-        modality = self.adapter.modality_argument()
+    # --- the routers' operators call these ---------------------------------------------------------
+    def moe_index(self, layer: int) -> int:
+        """The MoE index (the tables' column) of decoder layer `layer`."""
+        if layer not in self.moe_layers:
+            raise ValueError(f"layer {layer} has no router this routing source replaces (MoE layers: {self.moe_layers})")
+        return self.moe_layers.index(layer)
+
+    def watch_modality(self, layers: nn.ModuleList) -> None:
+        """A modality-separated family: the decoder layers' pre-hooks that tell which of their tokens reach
+        the primary (text) router (once)."""
+        name = self.adapter.modality_argument()
+        if name is None or self._watching:
+            return
+        self._watching = True
         for index, layer in enumerate(self.moe_layers):
-            self.adapter.router(layers[layer]).register_forward_hook(self._hook(index))
-            if modality is not None:  # a modality-separated family: the router sees the text tokens only
-                layers[layer].register_forward_pre_hook(self._modality_hook(index, modality), with_kwargs=True)
+            layers[layer].register_forward_pre_hook(self._modality_hook(index, name), with_kwargs=True)
+
+    def route(self, index: int, router: nn.Module, hidden: torch.Tensor) -> Any:
+        """MoE layer `index`'s routing of `hidden`: in a decode step the tables' rows of the step's slots at
+        their positions, (logits or None, weights, ids) as the decode step reads a router (device work
+        only: the step stays capturable); otherwise the router's own output with its choice replaced."""
+        model_pass = self.context.model_pass
+        if model_pass is not self._pass:
+            self.enter(model_pass)
+        if model_pass is not None and model_pass.decode is not None:
+            return self._decode_route(index, model_pass.decode) if self.replaces else router(hidden)
+        if self.adapter.modality_argument() is not None and not self._watching:
+            text = self.context.text_model
+            if text is None:
+                raise InputError("a routing source on a modality-separated family needs our text model's forward "
+                                 "(a VisDecoder rule) to see which tokens reach the text router")
+            self.watch_modality(self.adapter.layers_of(text))
+        return self._prefill_route(index, router(hidden))
+
+    def _decode_route(self, index: int, rows: SlotRows) -> tuple:
+        slots = rows.active
+        positions = rows.lengths[0, slots]
+        self._routed_at[index] = (slots, positions)
+        weights, ids = self.slot_weights[slots, positions, index], self.slot_ids[slots, positions, index]
+        if self.slot_probabilities is None:
+            return None, weights, ids
+        # the router's probabilities as logits the family's scorer maps back onto them (a softmax exactly;
+        # a sigmoid scorer monotonically: what ranks eviction keeps its order)
+        return torch.log(self.slot_probabilities[slots, positions, index].clamp_min(1e-30)), weights, ids
 
     def _modality_hook(self, index: int, name: str):
         """Keeps which of a decoder layer's tokens reach its primary (text) router: those of modality 0
@@ -252,31 +333,32 @@ class RoutingSource:
             self._primary_rows[index] = modality.reshape(-1) == 0 if modality is not None else None
         return hook
 
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            chosen = self.adapter.routed_experts(output)
-            rows = chosen.shape[0]
-            primary = self._primary_rows.pop(index, None)
-            positions = self._positions(index, rows, chosen.device, primary)
-            self._routed_at[index] = positions
-            if self.record:
-                self._recorded.setdefault(index, []).append(chosen.detach().cpu())
-            if not self.replaces:
-                return None
-            if self._rows is not None:  # prompts prefilled together: each token its own slot's row
-                slots, at = self._rows
-                if primary is not None and primary.numel() == slots.numel():
-                    mask = primary.to(slots.device)
-                    slots, at = slots[mask], at[mask]
-                if slots.numel() != rows:
-                    raise RuntimeError(f"a grouped prefill of {slots.numel()} tokens routed {rows} at layer {index}")
-                return self.adapter.with_routing(output, self.slot_weights[slots, at, index],
-                                                 self.slot_ids[slots, at, index])
-            if self._slot is not None:  # a batched request's prefill: its slot's table
-                return self.adapter.with_routing(output, self.slot_weights[self._slot, positions, index],
-                                                 self.slot_ids[self._slot, positions, index])
-            return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
-        return hook
+    def _prefill_route(self, index: int, output: Any) -> Any:
+        """A prefill's (or transformers' decode loop's) router output, its choice replaced by the tables'
+        rows of its tokens' positions."""
+        chosen = self.adapter.routed_experts(output)
+        rows = chosen.shape[0]
+        primary = self._primary_rows.pop(index, None)
+        positions = self._positions(index, rows, chosen.device, primary)
+        self._routed_at[index] = (self._slot, positions)
+        if self.record:
+            self._recorded.setdefault(index, []).append(chosen.detach().cpu())
+        if not self.replaces:
+            return output
+        if self._rows is not None:  # prompts prefilled together: each token its own slot's row
+            slots, at = self._rows
+            if primary is not None and primary.numel() == slots.numel():
+                mask = primary.to(slots.device)
+                slots, at = slots[mask], at[mask]
+            if slots.numel() != rows:
+                raise RuntimeError(f"a grouped prefill of {slots.numel()} tokens routed {rows} at layer {index}")
+            self._routed_at[index] = (slots, at)
+            return self.adapter.with_routing(output, self.slot_weights[slots, at, index],
+                                             self.slot_ids[slots, at, index])
+        if self._slot is not None:  # a runner's prefill: its slot's table
+            return self.adapter.with_routing(output, self.slot_weights[self._slot, positions, index],
+                                             self.slot_ids[self._slot, positions, index])
+        return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
 
     def _positions(self, index: int, rows: int, device: torch.device, primary: torch.Tensor | None = None) -> torch.Tensor:
         """The sequence positions of the `rows` tokens MoE layer `index`'s router saw, and the layer's next
@@ -299,34 +381,44 @@ class RoutingSource:
                                    f"layer's {tokens} are of its modality")
         return positions
 
-    # --- the decode engine: the step's row, on the device ----------------------------------------
-    def decode_route(self, index: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights (1, k), ids (1, k)) of MoE layer `index` at `position` ((1,) long on the device)."""
-        self._routed_at[index] = position
-        return self.weights[position, index], self.ids[position, index]
-
-    def batch_decode_route(self, index: int, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor]:
-        """(weights (R, k), ids (R, k)) of MoE layer `index` for a batched step's R rows: row r at
-        `positions[r]` of slot `slots[r]`'s table (device tensors, read on the device)."""
-        return self.slot_weights[slots, positions, index], self.slot_ids[slots, positions, index]
-
-    def decode_probabilities(self, index: int, position: torch.Tensor) -> torch.Tensor:
-        """(1, E): MoE layer `index`'s router probabilities over every expert at `position` (device)."""
-        return self.probabilities[position, index]
-
     # --- the synthetic router's latent state, for a predictor calibrated on it ---------------------
     def latent(self, index: int) -> torch.Tensor:
         """(1, D): the latent state MoE layer `index`'s router read, averaged over the positions it
         routed last (device ops only)."""
-        if self.latents is None or index not in self._routed_at:
+        slots, positions = self._routed_at.get(index, (None, None))
+        table = self.latents if slots is None else self.slot_latents
+        if table is None or positions is None:
             raise InputError("this predictor was calibrated on synthetic routing (hidden_source: synthetic): it "
                              "needs --routing synthetic, whose latent state it reads instead of the model's")
-        return self.latents[self._routed_at[index], index].mean(dim=0, keepdim=True)
+        rows = table[positions, index] if slots is None else table[slots, positions, index]
+        return rows.mean(dim=0, keepdim=True)
 
 
-def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSource:
-    """Put a routing source (`model`, `synthetic[:SEED]`, `trace:PATH`) on a loaded model."""
+class SourceRouter(BaseInjectedModule):
+    """A MoE layer's router whose choice a routing source replaces: benchmarks route random weights by the
+    synthetic router or a recorded trace (every expert still computes on the real weights), and `model`
+    keeps the router's own choice (with `record`, for `vismmoe-kt trace record`). Rule kwargs: `routing`
+    (model | synthetic[:SEED] | trace:PATH) and `record`; every SourceRouter of a model shares one source,
+    the load context's `routing`, which the expert operators read for a predictor calibrated on synthetic
+    routing."""
+
+    def __init__(self, key: str, gguf_loader: Any, config: Any, orig_module: nn.Module, prefill_device: str = "cuda",
+                 generate_device: str = "cuda", routing: str = "synthetic", record: bool = False, **kwargs: Any):
+        super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
+        source = self.context.routing
+        if source is None:
+            source = self.context.routing = make_source(routing, self.adapter, config, self.context, record)
+        elif (source.spec, source.record) != (routing, record):
+            raise ValueError(f"every SourceRouter of a model must name the same routing, got {routing!r} (record="
+                             f"{record}) beside {source.spec!r} (record={source.record})")
+        self.source, self.index = source, source.moe_index(self.adapter.layer_of(key))
+
+    def forward(self, hidden: torch.Tensor) -> Any:
+        return self.source.route(self.index, self.orig_module, hidden)
+
+
+def make_source(spec: str, adapter: ModelAdapter, config: Any, context: LoadContext, record: bool = False) -> RoutingSource:
+    """The routing source `spec` names (`model`, `synthetic[:SEED]`, `trace:PATH`)."""
     mode, argument = parse_spec(spec)
     trace = None
     if mode == "trace":
@@ -336,9 +428,37 @@ def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSourc
             trace = load_trace(argument)
         except (TraceFormatError, OSError) as exc:
             raise InputError(f"--routing {spec}: {exc}") from None
-    info = model.vismmoe
-    source = RoutingSource(mode, info.adapter, model.config, info.context, seed=argument if mode == "synthetic" else 0,
+    source = RoutingSource(mode, adapter, config, context, seed=argument if mode == "synthetic" else 0,
                            trace=trace, record=record)
-    source.install(model)
-    info.context.routing = source
+    source.spec = spec
     return source
+
+
+def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSource:
+    """Put a routing source on a loaded model: each MoE router replaced by a SourceRouter, as a rule would
+    (`vismmoe-kt rules show --routing`), the modality pre-hooks on the decoder layers where the family needs
+    them."""
+    info = model.vismmoe
+    adapter, context = info.adapter, info.context
+    if context.routing is not None:
+        raise InputError("this model has a routing source already")
+    context.routing = source = make_source(spec, adapter, model.config, context, record)
+    layers = adapter.decoder_layers(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    holder = _ContextHolder(context)
+    for layer in source.moe_layers:
+        router = adapter.router(layers[layer])
+        name = names[id(router)]
+        parent, _, child = name.rpartition(".")
+        device = next(router.parameters()).device
+        operator = SourceRouter(name, holder, model.config, router, str(device), str(device), spec, record)
+        setattr(model.get_submodule(parent), child, operator)
+    source.watch_modality(layers)
+    return source
+
+
+class _ContextHolder:
+    """What an operator reads its load context from, for operators put on a model after its load."""
+
+    def __init__(self, context: LoadContext):
+        self.context = context

@@ -10,7 +10,7 @@ from vismmoe_kt import load
 from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.tiny import SPECS
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.engine.routing_source import install_routing
+from vismmoe_kt.operators.routing_source import install_routing
 from vismmoe_kt.errors import InputError
 from vismmoe_kt.routing import load_trace, save_trace, synthetic_trace
 from vismmoe_kt.runtime.offload import OffloadRuntime
@@ -126,7 +126,7 @@ def test_a_prepared_table_is_the_one_begin_would_make(tiny_dir, image_inputs, mo
     alone): the request routes exactly as without it, one table is made, and a table prepared for another
     request is not taken."""
     from benchmarks.bench.timing import timed_generate
-    from vismmoe_kt.engine.routing_source import RoutingSource
+    from vismmoe_kt.operators.routing_source import RoutingSource
 
     plain, _ = offload(tiny_dir)
     ahead, _ = offload(tiny_dir)
@@ -148,3 +148,31 @@ def test_a_prepared_table_is_the_one_begin_would_make(tiny_dir, image_inputs, mo
     assert torch.equal(got, want)
     assert all(torch.equal(a["ids"], b["ids"]) for a, b in zip(*(s.history for s in sources)))
     assert len(sources[1].history) == 3
+
+
+def test_a_routing_rule_routes_as_the_source_put_on_a_loaded_model(tiny_dir, image_inputs):
+    """The rule `vismmoe-kt rules show --routing` prints (SourceRouter on every MoE router, first in the list)
+    gives the tokens and the tables of the same source put on the loaded model."""
+    import yaml
+
+    from vismmoe_kt.core.placements import placement_rules, routing_rule
+    from vismmoe_kt.core.rule_text import rule_text
+    from vismmoe_kt.operators.routing_source import SourceRouter
+
+    rules = [routing_rule("qwen3vl", "synthetic:5"), *placement_rules("qwen3vl", "offload")]
+    assert yaml.safe_load(rule_text("qwen3vl", "offload", "synthetic:5")) == rules
+    by_rule, _ = load(tiny_dir, rules, expert_budget=2 * layer_bytes(SPEC), **CPU)
+    routers = [m for m in by_rule.modules() if isinstance(m, SourceRouter)]
+    assert len(routers) == SPEC.layers and len({id(r.source) for r in routers}) == 1
+    put_on, _ = offload(tiny_dir)
+    install_routing(put_on, "synthetic:5")
+    with torch.no_grad():
+        tokens = [generate(model, image_inputs, TOKENS) for model in (by_rule, put_on)]
+    assert torch.equal(*tokens)
+    tables = [model.vismmoe.context.routing.history[0]["ids"] for model in (by_rule, put_on)]
+    assert torch.equal(*tables)
+
+def test_rules_show_with_a_bad_routing_source_is_a_clear_error(capsys):
+    assert main(["rules", "show", "--placement", "offload", "--demo", "--routing", "random"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error: --routing 'random': expected model, synthetic" in err

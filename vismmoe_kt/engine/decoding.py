@@ -1,0 +1,122 @@
+"""A model's decode engine across requests: the runner single requests go through, and what every runner
+of the model shares.
+
+It is made on first use for a model whose text model's forward is ours (a VisDecoder rule registered it
+in the load context) and kept in that context (`decode_state`). `decode_engine(model)` returns it, or
+None where transformers' loop decodes (no such rule, or `decode: hf`). The engine reads everything
+model-specific through the family's adapter.
+
+Single requests (chat, eval, the benchmarks) run on a runner of one slot, made again, larger, when a
+request does not fit (capacities grow in CAPACITY_STEP positions, so most requests reuse the buffers and
+the graphs); a conversation's next turn finds its history in that slot. Every runner's captured steps
+share one CUDA graph memory pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..core.context import LoadContext, context_of_model
+from ..models import ModelAdapter, adapter_for
+from .decode_attention import use_grouped_decode_attention
+from .decode_step import DecodeStep
+from .fused_ops import fuse_norms
+from .slot_cache import SlotKVCache
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+
+CAPACITY_STEP = 256  # single-request slots grow in these steps
+COUNTERS = ("steps", "graphed_steps", "segments_captured", "capture_failures", "check_failures", "check_retries")
+
+
+class Decoding:
+    def __init__(self, model: Any, text: nn.Module, adapter: ModelAdapter, output_head: nn.Module, context: LoadContext):
+        self.model, self.text, self.adapter, self.output_head, self.context = model, text, adapter, output_head, context
+        self.graphs = context.decode.graphs
+        self.graph_pool = torch.cuda.graph_pool_handle() if adapter.token_embedding(text).weight.is_cuda else None
+        self.single: ModelRunner | None = None  # the runner single requests go through
+        self.retired: list[dict] = []            # the counters of single-request runners replaced by larger ones
+        self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
+        use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
+        # the attention's query/key RMSNorms in one kernel each on the GPU (7 launches fewer per norm: ~670 per step)
+        fuse_norms([norm for layer in adapter.layers_of(text) for norm in adapter.attention_norms(adapter.attention(layer))],
+                   adapter.rms_norm_params)
+
+    def make_step(self, cache: SlotKVCache) -> DecodeStep:
+        step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)
+        step.profiling = self.profiling
+        return step
+
+    def runner_for(self, positions: int) -> "ModelRunner":
+        """The single-request runner, with a slot of at least `positions` (a new, larger one when it has less)."""
+        from .runner import ModelRunner
+
+        if self.single is None or self.single.capacity < positions:
+            if self.single is not None:
+                self.retired.append(self.single.step_fn.stats())
+            self.single = None  # free the old buffers before making larger ones
+            capacity = -(-positions // CAPACITY_STEP) * CAPACITY_STEP
+            self.single = ModelRunner(self.model, 1, capacity, max_queue=1, engine=self)
+        self.single.step_fn.profiling = self.profiling
+        return self.single
+
+    def discard(self, runner: "ModelRunner") -> None:
+        """A runner left unusable by a failed step: single requests get a new one."""
+        if runner is self.single:
+            self.retired.append(runner.step_fn.stats())
+            self.single = None
+
+    @property
+    def cache(self) -> SlotKVCache | None:
+        return self.single.cache if self.single is not None else None
+
+    @property
+    def step(self) -> DecodeStep | None:
+        return self.single.step_fn if self.single is not None else None
+
+    def forget(self) -> None:
+        """The next single request prefills whole (benchmarks of cold prefill)."""
+        if self.single is not None:
+            self.single.forget_histories()
+
+    def reset_profile(self) -> None:
+        if self.step is not None:
+            self.step.counters.profile.clear()
+            self.step.counters.profile_steps = 0
+
+    def profile(self) -> dict[str, Any]:
+        """Seconds per decode step by piece kind and layer, from the profiled steps so far."""
+        if self.step is None or not self.step.counters.profile_steps:
+            return {}
+        steps = self.step.counters.profile_steps
+        return {"steps": steps, "seconds_per_step": {kind: {layer: round(t / steps, 6) for layer, t in column.items()}
+                                                     for kind, column in self.step.counters.profile.items()}}
+
+    def stats(self) -> dict[str, Any]:
+        """The single-request runner's counters, totalled over every runner it replaced."""
+        if self.single is None:
+            return {}
+        out = self.single.stats()
+        for old in self.retired:
+            for key in COUNTERS:
+                out[key] += old[key]
+            out["check_max_difference"] = max(out["check_max_difference"], old["check_max_difference"])
+        out["cache_capacity"] = self.single.capacity
+        out["cache_bytes"] = self.single.cache.nbytes()
+        return out
+
+
+def decode_engine(model: Any) -> Decoding | None:
+    """The model's decode engine (made on first use), or None where transformers' loop decodes."""
+    context = context_of_model(model)
+    if context is None or context.text_model is None or context.decode.decode != "lean":
+        return None
+    if context.decode_state is None:
+        info = getattr(model, "vismmoe", None)
+        adapter = info.adapter if info is not None else adapter_for(model.config.model_type)
+        context.decode_state = Decoding(model, context.text_model, adapter, adapter.output_head(model), context)
+    return context.decode_state
