@@ -359,9 +359,10 @@ class DecodeStep:
         self.rows = b if self.backend is None or self.exact_rows else 1 << (b - 1).bit_length()
         self.cache.begin_decode(slots, self.rows)
         self.tokens[:b, 0].copy_(tokens.view(-1))
-        self.tokens[b:self.rows].zero_()
         self.deltas[:b].copy_(rope_deltas.view(-1))
-        self.deltas[b:self.rows].zero_()
+        if self.rows > b:  # padding rows
+            self.tokens[b:self.rows].zero_()
+            self.deltas[b:self.rows].zero_()
         # decode tokens are text: what the operators that treat visual tokens apart read from the context
         self.context.token_is_visual = self.not_visual[:self.rows]
         self.context.model_pass = self.model_pass

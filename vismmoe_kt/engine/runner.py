@@ -184,7 +184,7 @@ class ModelRunner:
         if plan.decode:
             decode = sorted(plan.decode, key=lambda s: s.kv_blocks[0])  # rows in slot order: the cache's views
             requests = [self.requests[s.id] for s in decode]
-            last = torch.tensor([s.generated[-1] for s in decode], device=self.device)
+            last = torch.tensor([s.generated[-1] for s in decode])  # on the host: one copy into the step's buffer
             logits = self.step_fn([s.kv_blocks[0] for s in decode], last, self._rope_deltas(decode, requests))
             greedy = logits.argmax(dim=-1).tolist()  # one device read for every greedy row
             for row, (sequence, request) in enumerate(zip(decode, requests)):
