@@ -39,9 +39,9 @@ SPARE = 2  # landing slots beyond the layer's last miss count: room for a change
 
 class DecodeBoundary:
     def __init__(self, residency: Any, miss: Any = None, on_enter: Callable[[], None] = lambda: None,
-                 on_arm: Callable[[bool], None] = lambda armed: None):
+                 on_arm: Callable[[], None] = lambda: None):
         """`miss`: the hybrid's MissPolicy (None without a CPU miss path); `on_enter`: decode starts;
-        `on_arm`: a table step is armed (True, before it) or over (False, after it)."""
+        `on_arm`: a table step is armed (before it) or over (after it): `armed` says which."""
         self.res, self.miss, self.on_enter, self.on_arm = residency, miss, on_enter, on_arm
         self.armed = False                         # between before_step and after_step
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
@@ -74,7 +74,7 @@ class DecodeBoundary:
             if offloaded is not None and not nested:
                 self.table.set_cpu_quota(self.miss.decode_quota(rt.store, offloaded, rt.device))
             self.armed = True
-            self.on_arm(True)
+            self.on_arm()
 
     def _first_offloaded(self) -> int | None:
         rt = self.res
@@ -82,7 +82,7 @@ class DecodeBoundary:
 
     def after_step(self) -> None:
         self.armed = False
-        self.on_arm(False)
+        self.on_arm()
         self.table.readback()
 
     # --- leaving and entering ----------------------------------------------------------------------

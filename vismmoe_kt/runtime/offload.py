@@ -52,6 +52,10 @@ def _nothing() -> None:
     pass
 
 
+def _ignore_prefetch(items: list) -> None:
+    pass
+
+
 class OffloadRuntime(EngineQueries):
     def __init__(self, settings: OffloadSettings, moe_layers: list[int], num_experts: int, hidden: int,
                  inter: int, dtype: torch.dtype, device: torch.device | str, top_k: int = 8,
@@ -80,6 +84,8 @@ class OffloadRuntime(EngineQueries):
         if getattr(self.cpu, "streams", False) and self.device.type == "cuda":
             leave_cores_to_workers()  # kt-kernel's pinned workers get the cores torch would otherwise spin on
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill
+        # the prefetch policies' `prefetch(items)`: nothing to fill without slabs
+        self.prefetch = self._queue_prefetch if res.num_slabs else _ignore_prefetch
         self.boundary = DecodeBoundary(res, self.miss if self.cpu is not None else None, self.prepare_lookahead,
                                        self._armed)
         self.step_lookahead = StepLookahead(res, lookahead) if lookahead is not None else None
@@ -105,6 +111,7 @@ class OffloadRuntime(EngineQueries):
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join) if plan.table_decode else None
         eager_batch = BatchStepExecutor(res, plan, placement)
+        self._arm_table = table.bind_step if table else _nothing  # the CPU pairs' layers, or those without
         self._executors = {(False, False): placement, (False, True): table or placement,
                            (True, False): eager_batch,
                            (True, True): BatchStepExecutor(res, plan, placement, table) if table else eager_batch}
@@ -114,7 +121,9 @@ class OffloadRuntime(EngineQueries):
         """Which executor serves `run_layer` now: the phase changed (a step armed or over, a batch begun or ended)."""
         self._serve = self._executors[self._batch, self.boundary.armed].run_layer
 
-    def _armed(self, armed: bool) -> None:
+    def _armed(self) -> None:
+        """The boundary armed a table step (its CPU quota set) or ended one."""
+        self._arm_table()
         self._bind()
 
     def _replan(self, **facts: Any) -> None:
@@ -284,10 +293,10 @@ class OffloadRuntime(EngineQueries):
         if self.step_lookahead is not None:
             self.step_lookahead.prepare(self.visual_summary)
 
-    def prefetch(self, items: list[tuple[Key, float]]) -> None:
-        """Replace the prefetch list: (layer, expert) pairs with priorities (higher sooner). Ignored
-        while lean decode reads the table: only its boundary may evict then."""
-        if self.transfers is not None and self.num_slabs and self.boundary.stale:
+    def _queue_prefetch(self, items: list[tuple[Key, float]]) -> None:
+        """`prefetch` with slabs: replace the prefetch list, (layer, expert) pairs with priorities (higher
+        sooner). Ignored while lean decode reads the table: only its boundary may evict then."""
+        if self.boundary.stale:
             self.transfers.prefetch([(k, p) for k, p in items if k[0] not in self.pinned])
 
     # --- statistics and lifetime -----------------------------------------------------------------------

@@ -1,21 +1,15 @@
 """The BF16 GEMVs (runtime/kernels/bf16_gemv.py) against their torch twin, in Triton's interpreter
 (no GPU): each pair's weights read from its slab or from the host store by address, a missing
-expert written into its landing slab as it is read, the same as the twin. Run in a subprocess because
-the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
+expert written into its landing slab as it is read, the same as the twin; and the kernels compiled
+for Hopper (kernel_cases.py: the fixtures).
 """
 
-import pytest
-
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
-
-pytest.importorskip("triton")
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
-import torch
 from vismmoe_kt.runtime.kernels import bf16_gemv
 from vismmoe_kt.runtime.table_experts import experts_twin, combine
 
-torch.manual_seed(0)
 E, H, I, K, T, S = 6, 160, 40, 3, 2, 5   # H, I not multiples of the tiles: the masks matter
 for dtype in (torch.float32, torch.bfloat16):
     host = (torch.randn(E, 3 * I * H) / 8).to(dtype)
@@ -39,30 +33,24 @@ for dtype in (torch.float32, torch.bfloat16):
     weights = torch.rand(T, K)
     again = bf16_gemv.experts_where_they_lie(x, ids, slots, land, kernel_pools, host.data_ptr(), host.shape[1], K)
     assert torch.equal(combine(got, weights, dtype), combine(again, weights, dtype))  # deterministic
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT)
+def test_kernels_match_the_twin_in_the_interpreter(interpreter):
+    interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
-def test_kernels_compile_for_hopper():
-    """Triton's compiler front end and ptxas accept the kernels for sm_90 (what the interpreter does
-    not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
-    import triton.language as tl
+def test_kernels_compile_for_hopper(hopper):
+    from vismmoe_kt.runtime.kernels import bf16_gemv
 
-    from vismmoe_kt.runtime.kernels import bf16_gemv, tuning
-
-    tuned = tuning.entry("NVIDIA H200")["bf16_gemv"]
+    tuned = hopper.tuned["bf16_gemv"]
     weights = {"ids_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_addr": "i64", "host_addr": "i64",
                "slab_elems": "i32", "block_elems": "i32", "H": "constexpr", "I": "constexpr", "W_DTYPE": "constexpr",
                "ELEM_BYTES": "constexpr", "BLOCK_ROWS": "constexpr", "BLOCK_COLS": "constexpr"}
-    shapes = {"H": 2048, "I": 768, "W_DTYPE": tl.bfloat16, "ELEM_BYTES": 2}
+    shapes = {**hopper.shapes, "W_DTYPE": hopper.tl.bfloat16, "ELEM_BYTES": 2}
     rows, cols, _ = tuned["gate_up"]
-    compile_for_hopper(bf16_gemv._gate_up_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **weights},
-                       {**shapes, "TOP_K": 8, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})
+    hopper.compile(bf16_gemv._gate_up_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **weights},
+                   {**shapes, "TOP_K": 8, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})
     rows, cols, _ = tuned["down"]
-    compile_for_hopper(bf16_gemv._down_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", **weights},
-                       {**shapes, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})
+    hopper.compile(bf16_gemv._down_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", **weights},
+                   {**shapes, "BLOCK_ROWS": rows, "BLOCK_COLS": cols})

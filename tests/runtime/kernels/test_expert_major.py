@@ -2,13 +2,12 @@
 against grouped GEMM (bank_experts), the Triton kernels against the twin in Triton's interpreter, and
 the kernels compiled for Hopper at Qwen3-VL-30B-A3B's shapes."""
 
-import pytest
 import torch
 
 from vismmoe_kt.runtime.expert_compute import bank_experts
 from vismmoe_kt.runtime.kernels.expert_major import BLOCK_M, expert_blocks, experts_by_block
 
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 
 def test_each_experts_pairs_fill_blocks_of_their_own_in_pair_order():
@@ -44,10 +43,8 @@ def test_the_twin_gives_grouped_gemms_pair_outputs():
 
 
 SCRIPT = r"""
-import torch
 from vismmoe_kt.runtime.kernels import expert_major as em
 
-torch.manual_seed(0)
 E, H, I, K = 6, 160, 72, 4      # H, I not multiples of the tiles: the masks matter
 # float16: the interpreter's tl.dot misreads bfloat16 (numpy has none); the GPU runs bfloat16
 # (decode_kernel_bench --batch checks it against grouped GEMM there)
@@ -67,32 +64,28 @@ for pairs, experts in ((1, 4), (7, 3), (64, 128), (40, 2), (128, 128), (200, 9))
     ids = torch.randint(0, experts, (pairs,), generator=generator)
     for got, want in zip(em.block_plan(ids, experts), em.expert_blocks(ids, experts)):
         assert torch.equal(got, want), (pairs, experts, got, want)
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT)
+def test_kernels_match_the_twin_in_the_interpreter(interpreter):
+    interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
-def test_kernels_compile_for_hopper():
-    triton = pytest.importorskip("triton")
+def test_kernels_compile_for_hopper(hopper):
     from vismmoe_kt.runtime.kernels import expert_major as em
-    from vismmoe_kt.runtime.kernels import tuning
 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "w_ptr": "*bf16", "H": "constexpr", "I": "constexpr",
               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    shapes = {"H": 2048, "I": 768, "BLOCK_M": em.BLOCK_M}
-    tuned = tuning.entry("NVIDIA H200")["expert_major"]
+    shapes = {**hopper.shapes, "BLOCK_M": em.BLOCK_M}
+    tuned = hopper.tuned["expert_major"]
     n, k, warps, stages = tuned["gate_up"]
-    compile_for_hopper(em._gate_up_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
-                       {**shapes, "TOP_K": 8, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+    hopper.compile(em._gate_up_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
+                   {**shapes, "TOP_K": 8, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
     n, k, warps, stages = tuned["down"]
-    compile_for_hopper(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
-                       {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+    hopper.compile(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
+                   {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
-        compile_for_hopper(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
-                                               "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
-                           {"P": pairs, "PP": triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M},
-                           num_warps=4, num_stages=1)
+        hopper.compile(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
+                                           "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
+                       {"P": pairs, "PP": hopper.triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M},
+                       num_warps=4, num_stages=1)

@@ -1,19 +1,13 @@
 """The lookahead prefetch inside the graph (runtime/kernels/prefetch_copy.py): claim, copy from the
-host, publish, against DecodeTable's torch twin, in Triton's interpreter (no GPU). Run in a subprocess because
-the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
+host, publish, against DecodeTable's torch twin, in Triton's interpreter (no GPU); and the kernel compiled
+for Hopper (kernel_cases.py: the fixtures).
 """
 
-import pytest
-
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
-
-pytest.importorskip("triton")
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
-import torch
 from vismmoe_kt.runtime.decode_table import DecodeTable
 
-torch.manual_seed(0)
 E, H, I, K = 6, 160, 40, 3
 # lookahead prefetch: claim, copy from the host, publish, against the twin
 L, R = 3, 4
@@ -45,26 +39,21 @@ for slab, (row, expert) in {5: (1, 0), 6: (1, 3), 8: (2, 4), 9: (2, 0)}.items():
     assert torch.equal(twin_pools[0][slab], gu) and torch.equal(twin_pools[1][slab], dn), slab
 for slab in (0, 1, 2, 3, 4, 7):
     assert not kern_pools[0][slab].any() and not kern_pools[1][slab].any(), slab
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT)
+def test_kernels_match_the_twin_in_the_interpreter(interpreter):
+    interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
-def test_kernels_compile_for_hopper():
-    """Triton's compiler front end and ptxas accept the kernels for sm_90 (what the interpreter does
-    not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
-    import triton.language as tl
+def test_kernels_compile_for_hopper(hopper):
+    from vismmoe_kt.runtime.kernels import prefetch_copy
 
-    from vismmoe_kt.runtime.kernels import prefetch_copy, tuning
-
-    gate_up, down = 2 * 768 * 2048, 768 * 2048
-    compile_for_hopper(prefetch_copy._prefetch_copy_kernel, {
+    down = hopper.shapes["I"] * hopper.shapes["H"]
+    gate_up = 2 * down
+    hopper.compile(prefetch_copy._prefetch_copy_kernel, {
         "rows_ptr": "*i64", "ids_ptr": "*i64", "slab_ptr": "*i64", "host_ptr": "*i64", "gate_up_addr": "i64",
         "down_addr": "i64", "B": "i32", "block_elems": "i32", "ROUNDS": "constexpr", "W_DTYPE": "constexpr", "ELEM_BYTES": "constexpr",
         "GATE_UP": "constexpr", "CHUNK": "constexpr", "PROGRAMS": "constexpr"},
-        {"ROUNDS": 60, "W_DTYPE": tl.bfloat16, "ELEM_BYTES": 2, "GATE_UP": gate_up, "CHUNK": prefetch_copy.copy_chunk(gate_up, down),
-         "PROGRAMS": tuning.entry("NVIDIA H200")["prefetch_programs"]})
+        {"ROUNDS": 60, "W_DTYPE": hopper.tl.bfloat16, "ELEM_BYTES": 2, "GATE_UP": gate_up,
+         "CHUNK": prefetch_copy.copy_chunk(gate_up, down), "PROGRAMS": hopper.tuned["prefetch_programs"]})

@@ -1,43 +1,28 @@
 """The quantized store's kernels against their torch twins, in Triton's interpreter (no GPU): a
 decode miss's blocks staged from the host (runtime/kernels/block_staging.py) and dequantized into
 its landing or scratch slab (dequantize.py), and the quantized slabs' GEMVs (quantized_gemv.py),
-which decode each format as they read it. Run in a subprocess because
-the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
+which decode each format as they read it; and the kernels compiled for Hopper (kernel_cases.py: the
+fixtures, and the stores and the reference the script builds).
 """
 
-import pytest
-
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
-
-pytest.importorskip("triton")
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
-import torch
 from vismmoe_kt.runtime.kernels import dequantize, tuning
+from kernel_cases import dequantized_reference, filled_store, q6k_rows
 
-torch.manual_seed(0)
 # a quantized store's misses: fetched and dequantized into their landing or scratch slabs, kernel = twin
-from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import fetch_dequantized
 from vismmoe_kt.runtime.decode_table import CPU_PAIR
-from vismmoe_kt.runtime import q4k
 QE = 5
-gen = torch.Generator().manual_seed(0)
-q6k_down = torch.randint(0, 256, (QE, 256, 2 * 210), dtype=torch.uint8, generator=gen)  # Q6_K rows of 512
-for d_at in (208, 418):  # each super-block's own finite d (a kernel reading another block's would differ)
-    d = (torch.rand(QE, 256, 1, generator=gen) * 0.02 + 0.001).to(torch.float16)
-    q6k_down[..., d_at:d_at + 2] = d.view(torch.uint8)
+q6k_down = q6k_rows(QE, 256, 512, 0.02, 0.001, torch.Generator().manual_seed(0))  # Q6_K rows of 512
 for dtype, fmt, (QH, QI), down_fmt in ((torch.float32, "q8_0", (96, 64), None), (torch.bfloat16, "q8_0", (96, 64), None),
                                        (torch.float32, "q4_0", (96, 64), None), (torch.float32, "q4_k", (256, 512), None),
                                        (torch.bfloat16, "q4_k", (256, 512), None),
                                        (torch.float32, "q5_k", (256, 512), None),
                                        (torch.float32, "q4_k", (256, 512), "q6_k")):
-    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
-    if down_fmt is None:
-        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
-    else:  # a Q4_K_M file's layer: gate and up in Q4_K, down in Q6_K, as stored
-        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
-        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
+    store = filled_store(QE, QH, QI, dtype, fmt, (lambda: q6k_down) if down_fmt else None)
+    if down_fmt is not None:  # a Q4_K_M file's layer: gate and up in Q4_K, down in Q6_K, as stored
         assert store.down_format(0) == "q6_k" and store.block_bytes_of(0) > store.block_bytes
     ids, q_slots, q_land = torch.tensor([1, 3, 4, 0]), torch.tensor([-1, 2, -2, CPU_PAIR]), torch.tensor([1, -1, -1, -1])
     results = []
@@ -66,12 +51,7 @@ for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_
                              (torch.float32, "q4_k:bytes", None)):  # Q4_K's quant bytes read one by one, not as words
     word_loads = not fmt.endswith(":bytes")
     fmt = fmt.split(":")[0]
-    store = ExpertStore(QE, QH, QI, dtype, pin_memory=False, fmt=fmt)
-    if down_fmt is None:
-        store.fill_layer(0, torch.randn(QE, 2 * QI, QH) / 8, torch.randn(QE, QH, QI) / 8)
-    else:
-        gate, up = (q4k.quantize(torch.randn(QE, QI, QH) / 8) for _ in range(2))
-        store.fill_layer_raw(0, gate, up, q6k_down, down_format=down_fmt)
+    store = filled_store(QE, QH, QI, dtype, fmt, (lambda: q6k_down) if down_fmt else None)
     bb = store.block_bytes_of(0)
     ids = torch.tensor([1, 3, 4, 0])                    # tokens 0 and 1, two experts each
     slots, land = torch.tensor([-1, 2, -2, -1]), torch.tensor([1, -1, -1, -1])
@@ -96,11 +76,7 @@ for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_
         assert torch.equal(twin_pool[slab, :bb], store.layers[0][expert]), (fmt, slab)
     for slab in (0, 3, 4, 5):
         assert not kern_pool[slab].any(), (fmt, slab)
-    gu, dn = store.dequantized(store.layers[0][ids], 0)  # the reference: dequantize, then compute in fp32
-    xs = x.float()[torch.arange(4) // QK]
-    gate, up = torch.bmm(gu.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    ref = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(got, ref, **close)
+    torch.testing.assert_close(got, dequantized_reference(store, ids, x, QK), **close)
     # a prefill's bank decoded from the slabs (fetch_q8 on blocks already on the device, `staged`)
     bank = [torch.zeros(QE, 2 * QI, QH, dtype=dtype), torch.zeros(QE, QH, QI, dtype=dtype)]
     slabs_of, experts_of = torch.tensor([1, 6, 2]), torch.tensor([1, 4, 3])
@@ -111,37 +87,34 @@ for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_
     torch.testing.assert_close(bank[0][experts_of], want_gu, **exact)
     torch.testing.assert_close(bank[1][experts_of], want_dn, **exact)
     assert not bank[0][0].any() and not bank[0][2].any()
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT)
+def test_kernels_match_the_twin_in_the_interpreter(interpreter):
+    interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
-def test_kernels_compile_for_hopper():
-    """Triton's compiler front end and ptxas accept the kernels for sm_90 (what the interpreter does
-    not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
+def test_kernels_compile_for_hopper(hopper):
     from vismmoe_kt.runtime.kernels import block_decode, block_staging, dequantize, quantized_gemv
 
     q8 = {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "pool_ptr": "*bf16", "host_addr": "i64",
           "block_bytes": "i64", "part_bytes": "i64", "slab_elems": "i64", "part_elems": "i64", "ROWS": "constexpr",
           "COLS": "constexpr", "BLOCK_ROWS": "constexpr", "QBLOCKS": "constexpr"}
     for q4 in (False, True):
-        compile_for_hopper(dequantize._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
-                           {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
+        hopper.compile(dequantize._fetch_q8_kernel, {**q8, "Q4": "constexpr"},
+                       {"ROWS": 1536, "COLS": 2048, "BLOCK_ROWS": 16, "QBLOCKS": 8, "Q4": q4})
     kquant = {**{name: kind for name, kind in q8.items() if name != "QBLOCKS"}, "KIND": "constexpr"}
     for rows, cols, kind in ((1536, 2048, 4), (2048, 768, 4), (1536, 2048, 5), (2048, 768, 6)):  # Qwen3-VL-30B-A3B's
-        compile_for_hopper(dequantize._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "KIND": kind})
-    compile_for_hopper(block_staging._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64", "staging_ptr": "*i32",
-                                          "host_addr": "i64", "block_words": "i64", "row_words": "i64",
-                                          "CHUNK": "constexpr"}, {"CHUNK": block_staging.STAGE_CHUNK})
+        hopper.compile(dequantize._fetch_kquant_kernel, kquant, {"ROWS": rows, "COLS": cols, "BLOCK_ROWS": 16, "KIND": kind})
+    hopper.compile(block_staging._stage_kernel, {"ids_ptr": "*i64", "need_ptr": "*i8", "target_ptr": "*i64",
+                                                 "staging_ptr": "*i32", "host_addr": "i64", "block_words": "i64",
+                                                 "row_words": "i64", "CHUNK": "constexpr"},
+                   {"CHUNK": block_staging.STAGE_CHUNK})
     quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
                  "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr"}
     for fmt in [*quantized_gemv.TILE_KINDS, "q4_k words"]:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
         kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
-        tile = {"H": 2048, "I": 768, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]], "BLOCK_ROWS": 16}
-        compile_for_hopper(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
-                           {**tile, "TOP_K": 8})
-        compile_for_hopper(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)
+        tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]], "BLOCK_ROWS": 16}
+        hopper.compile(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
+                       {**tile, "TOP_K": 8})
+        hopper.compile(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)

@@ -1,32 +1,22 @@
 """A batched step's experts on quantized slabs, expert by expert (runtime/kernels/quantized_major.py), and the
 table's lookup and publish for several tokens at once: the Triton kernels against the torch twins and a
 dequantize-then-compute reference, in Triton's interpreter; the kernels compiled for Hopper at
-Qwen3-VL-30B-A3B's shapes."""
+Qwen3-VL-30B-A3B's shapes (kernel_cases.py: the fixtures, and the stores and the reference the script builds)."""
 
 import pytest
 
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
-import torch
-from vismmoe_kt.runtime import q4k
 from vismmoe_kt.runtime.kernels import quantized_major as qm, table_ops
 from vismmoe_kt.runtime.decode_table import DecodeTable
-from vismmoe_kt.runtime.store import ExpertStore
+from kernel_cases import dequantized_reference, filled_store, q6k_rows
 
-torch.manual_seed(0)
 E, H, I = 6, 256, 512
 # float16 activations: the interpreter's tl.dot misreads bfloat16 (numpy has none); the GPU runs bfloat16
 for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", None), ("q4_k", "q6_k")):
-    store = ExpertStore(E, H, I, torch.float16, pin_memory=False, fmt=fmt)
-    if down_fmt is None:
-        store.fill_layer(0, torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 8)
-    else:  # a Q4_K_M file's layer: down experts in Q6_K
-        gate, up = (q4k.quantize(torch.randn(E, I, H) / 8) for _ in range(2))
-        down = torch.randint(0, 256, (E, H, I // 256 * 210), dtype=torch.uint8)  # random Q6_K bytes
-        for d_at in range(208, I // 256 * 210, 210):  # each super-block's own finite d
-            down[..., d_at:d_at + 2] = (torch.rand(E, H, 1) * 0.002 + 0.0001).to(torch.float16).view(torch.uint8)
-        store.fill_layer_raw(0, gate, up, down, down_format=down_fmt)
+    # a Q4_K_M file's layer: down experts in Q6_K (random bytes, each super-block's d finite)
+    store = filled_store(E, H, I, torch.float16, fmt, (lambda: q6k_rows(E, H, I, 0.002, 0.0001)) if down_fmt else None)
     bb = store.block_bytes_of(0)
     # 5 tokens x 3 experts: expert 2 in four pairs, expert 5 in three, every block partly empty
     top_k_index = torch.tensor([[2, 5, 0], [5, 2, 1], [2, 3, 5], [4, 2, 0], [1, 3, 4]])
@@ -51,10 +41,7 @@ for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", N
     got = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, down_fmt or fmt, I, E)
     twin = qm.experts_by_pair_blocks(x, top_k_index, slots, land, pool, staging, bb, E,
                                      lambda blocks: store.dequantized(blocks, 0), torch.nn.SiLU())
-    gu, dn = store.dequantized(store.layers[0][ids], 0)      # the reference: dequantize, then compute in fp32
-    xs = x.float()[torch.arange(ids.numel()) // 3]
-    gate, up = torch.bmm(gu.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    ref = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    ref = dequantized_reference(store, ids, x, 3)
     scale = ref.abs().max().item()
     assert scale > 0
     # float16 weights and intermediate: a few thousandths of the largest output
@@ -89,35 +76,32 @@ slots, land, entries, routed, recorded, used, _ = results[1]
 assert land.tolist() == [5, -1, 6, -1, 7, -1, -1, -1, -1] and used == 4  # the undone claim (expert 5) counted too
 assert entries[:E].tolist() == [5, 2, -2, 6, 7, -1] and routed.tolist() == ids.tolist()
 assert recorded.tolist() == slots.tolist() == [-1, 2, -1, -2, -1, -2, -1, -2, 2]
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_and_the_reference_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT, timeout=600)
+def test_kernels_match_the_twin_and_the_reference_in_the_interpreter(interpreter):
+    interpreter(SCRIPT, timeout=600)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 @pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "q4_0", "q5_k", "q6_k"])
-def test_kernels_compile_for_hopper(fmt):
+def test_kernels_compile_for_hopper(hopper, fmt):
     from vismmoe_kt.runtime.kernels import expert_major as em
     from vismmoe_kt.runtime.kernels import quantized_major as qm
-    from vismmoe_kt.runtime.kernels import tuning
 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_addr": "i64",
               "slab_bytes": "i64",
               "staging_addr": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr", "KIND": "constexpr",
               "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    shapes = {"H": 2048, "I": 768, "BLOCK_M": em.BLOCK_M, "KIND": qm.TILE_KINDS[fmt], "SB_BYTES": qm.TILE_BYTES[fmt]}
-    tuned = tuning.entry("NVIDIA H200")["quantized_major"]
+    shapes = {**hopper.shapes, "BLOCK_M": em.BLOCK_M, "KIND": qm.TILE_KINDS[fmt], "SB_BYTES": qm.TILE_BYTES[fmt]}
+    tuned = hopper.tuned["quantized_major"]
     n, warps, stages = tuned["gate_up"]
-    compile_for_hopper(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
-                       {**shapes, "TOP_K": 8, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+    hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
+                   {**shapes, "TOP_K": 8, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
     n, warps, stages = tuned["down"]
-    compile_for_hopper(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
-                       {**shapes, "BLOCK_N": n, "PART_BYTES": 2 * 768 * 8 * qm.TILE_BYTES[fmt]},
-                       num_warps=warps, num_stages=stages)
-    compile_for_hopper(qm._stage_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*i32",
-                                          "staging_ptr": "*i32", "host_addr": "i64", "block_words": "i32",
-                                          "pool_words": "i32", "staging_words": "i32", "CHUNK": "constexpr"},
-                       {"CHUNK": qm.STAGE_CHUNK})
+    hopper.compile(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
+                   {**shapes, "BLOCK_N": n, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES[fmt]},
+                   num_warps=warps, num_stages=stages)
+    hopper.compile(qm._stage_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*i32",
+                                      "staging_ptr": "*i32", "host_addr": "i64", "block_words": "i32",
+                                      "pool_words": "i32", "staging_words": "i32", "CHUNK": "constexpr"},
+                   {"CHUNK": qm.STAGE_CHUNK})

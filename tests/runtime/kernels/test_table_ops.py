@@ -1,21 +1,15 @@
 """The decode table's kernels (runtime/kernels/table_ops.py): plan and combine-with-publish do
 DecodeTable's lookup and publish in one launch each and must leave the same table behind, the
-hybrid's CPU pairs included; in Triton's interpreter (no GPU). Run in a subprocess because
-the interpreter is chosen when the kernels are defined (TRITON_INTERPRET=1 at import).
+hybrid's CPU pairs included; in Triton's interpreter (no GPU); and the kernels compiled for Hopper
+(kernel_cases.py: the fixtures).
 """
 
-import pytest
-
-from conftest import UNDER_INTERPRETER, compile_for_hopper, run_in_triton_interpreter
-
-pytest.importorskip("triton")
+from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
-import torch
 from vismmoe_kt.runtime.kernels import bf16_gemv, table_ops
 from vismmoe_kt.runtime.table_experts import experts_twin, combine
 
-torch.manual_seed(0)
 E, H, I, S = 6, 160, 40, 5
 
 # the plan and combine-with-publish kernels against DecodeTable's torch lookup and publish
@@ -65,29 +59,25 @@ got = bf16_gemv.experts_where_they_lie(x, ids, cpu_slots, land, [p.clone() for p
 # fp32 in a different summation order: within a few ulps of the outputs' scale
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
 assert torch.equal(got[0], torch.zeros(H)) and got[1].abs().sum() > 0 and got[2].abs().sum() > 0
-print("OK")
 """
 
 
-def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(SCRIPT)
+def test_kernels_match_the_twin_in_the_interpreter(interpreter):
+    interpreter(SCRIPT)
 
 
-@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
-def test_kernels_compile_for_hopper():
-    """Triton's compiler front end and ptxas accept the kernels for sm_90 (what the interpreter does
-    not check: e.g. a name given two types), with the shapes and tiles of Qwen3-VL-30B-A3B."""
+def test_kernels_compile_for_hopper(hopper):
     from vismmoe_kt.runtime.kernels import table_ops
 
     table = {name: "*i64" for name in ("ids_ptr", "table_ptr", "landing_ptr", "count_ptr", "used_ptr", "owner_ptr",
                                        "routed_ptr", "read_ptr", "slots_ptr", "land_ptr", "quota_ptr")}
     small = {"E1": 129, "K": 8, "KP": 8, "R": 12}
     for stride in (8, 64):  # a single step's records, and a batched step's
-        compile_for_hopper(table_ops._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr",
-                                             "KP": "constexpr", "R": "constexpr", "STRIDE": "constexpr"},
-                           {**small, "STRIDE": stride})
+        hopper.compile(table_ops._plan_kernel, {**table, "row": "i32", "E1": "constexpr", "K": "constexpr",
+                                         "KP": "constexpr", "R": "constexpr", "STRIDE": "constexpr"},
+                       {**small, "STRIDE": stride})
     for publish in (True, False):
-        compile_for_hopper(table_ops._combine_kernel, {
+        hopper.compile(table_ops._combine_kernel, {
             "y_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "ids_ptr": "*i64", "land_ptr": "*i64",
             "table_ptr": "*i64", "row": "i32", "H": "i32", "E1": "constexpr",
             "K": "constexpr", "KP": "constexpr", "PUBLISH": "constexpr", "BLOCK": "constexpr"},
@@ -95,7 +85,7 @@ def test_kernels_compile_for_hopper():
     candidates = {"rows_ptr": "*i64", "ids_ptr": "*i64", "table_ptr": "*i64", "landing_ptr": "*i64",
                   "count_ptr": "*i64", "used_ptr": "*i64", "owner_ptr": "*i64", "slab_ptr": "*i64", "B": "i32",
                   "E": "constexpr", "R": "constexpr", "BP": "constexpr"}
-    compile_for_hopper(table_ops._prefetch_claim_kernel, candidates, {"E": 128, "R": 12, "BP": 32})
-    compile_for_hopper(table_ops._prefetch_publish_kernel, {"rows_ptr": "*i64", "ids_ptr": "*i64", "slab_ptr": "*i64",
-                                                     "table_ptr": "*i64", "B": "i32", "E": "constexpr",
-                                                     "BP": "constexpr"}, {"E": 128, "BP": 32})
+    hopper.compile(table_ops._prefetch_claim_kernel, candidates, {"E": 128, "R": 12, "BP": 32})
+    hopper.compile(table_ops._prefetch_publish_kernel, {"rows_ptr": "*i64", "ids_ptr": "*i64", "slab_ptr": "*i64",
+                                                 "table_ptr": "*i64", "B": "i32", "E": "constexpr",
+                                                 "BP": "constexpr"}, {"E": 128, "BP": 32})

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels import expert_major, table_ops
+from ..kernels import expert_major
 from ..expert_compute import bank_experts
 from ..offload_plan import QUANTIZED_MAJOR_MIN_TOKENS, OffloadPlan
 from ..residency import Residency
@@ -26,7 +26,9 @@ class BatchStepExecutor:
         """`table`: the table executor when the step's table is armed, else None (the placement path)."""
         self.res, self.placement, self.table = res, placement, table
         self.kernel, self.major_kernels = plan.table_kernels, plan.batch_major_kernels
-        self.expert_major_kernels, self.table_pairs = plan.batch_pinned_kernels, plan.settings.batch_table_pairs
+        self.table_pairs = plan.settings.batch_table_pairs
+        # expert-major on the Triton kernels, or their torch twin (CPU, or weights the kernels do not take)
+        self._expert_major_outputs = self._expert_major_kernels if plan.batch_pinned_kernels else self._expert_major_twin
         # expert-major (asked for) from 2 tokens, auto from QUANTIZED_MAJOR_MIN_TOKENS
         self.major_from = 2 if plan.settings.batch_experts == "expert-major" else max(2, QUANTIZED_MAJOR_MIN_TOKENS)
         pinned = {"grouped-gemm": self._grouped, "table": self._table_kernel, "expert-major": self._expert_major,
@@ -58,14 +60,20 @@ class BatchStepExecutor:
 
     def _expert_major(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       act: Any) -> torch.Tensor:
-        gate_up, down = self.res.banks[layer]
-        if self.expert_major_kernels:
-            y = expert_major.experts_expert_major(hidden, top_k_index, gate_up, down)
-        else:  # its torch twin (CPU, or weights the kernels do not take): same blocks, eagerly
-            y = expert_major.experts_by_block(hidden, top_k_index.shape[1],
-                                              *expert_major.expert_blocks(top_k_index.reshape(-1), gate_up.shape[0]),
-                                              gate_up, down, act)
+        y = self._expert_major_outputs(hidden, top_k_index, *self.res.banks[layer], act)
         return combine(y, top_k_weights, hidden.dtype, self.kernel)
+
+    @staticmethod
+    def _expert_major_kernels(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
+                              down: torch.Tensor, act: Any) -> torch.Tensor:
+        return expert_major.experts_expert_major(hidden, top_k_index, gate_up, down)
+
+    @staticmethod
+    def _expert_major_twin(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
+                           down: torch.Tensor, act: Any) -> torch.Tensor:
+        """The kernels' torch twin: the same blocks, eagerly."""
+        blocks = expert_major.expert_blocks(top_k_index.reshape(-1), gate_up.shape[0])
+        return expert_major.experts_by_block(hidden, top_k_index.shape[1], *blocks, gate_up, down, act)
 
     def _table_then_expert_major(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                                  top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
@@ -85,8 +93,9 @@ class BatchStepExecutor:
 
     def _quantized_or_token_by_token(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                                      top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
-        """All tokens at once from `major_from` tokens (with prepare_batch's staging rows)."""
-        if self.res.batch_staging is None or top_k_index.shape[0] < self.major_from:
+        """All tokens at once from `major_from` tokens (into prepare_batch's staging rows: begin_batch_step
+        refuses a step with the table that prepare_batch did not make room for)."""
+        if top_k_index.shape[0] < self.major_from:
             return self._token_by_token(layer, hidden, top_k_index, top_k_weights, act)
         return self._quantized_major(layer, hidden, top_k_index, top_k_weights, act)
 
@@ -101,7 +110,4 @@ class BatchStepExecutor:
         y = quantized_batch_outputs(hidden, top_k_index, slots, land, res.pool[0], res.batch_staging,
                                     res.store.layers[layer], res.store, layer, res.num_experts, act,
                                     self.major_kernels)
-        if self.kernel:  # combines and publishes each token's landings in one launch
-            return table_ops.combine(y, top_k_weights, hidden.dtype, res.table, row, ids, land)
-        res.table.publish(row, ids, land)
-        return combine(y, top_k_weights, hidden.dtype)
+        return self.table.publish_and_combine(y, top_k_weights, hidden.dtype, row, ids, land)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -36,9 +37,13 @@ class PlacementExecutor:
         """`owner`: what the prefetch policy sees as the runtime (its observe / after_layer hooks)."""
         self.res, self.owner, self.boundary, self.miss = res, owner, boundary, miss
         self.cpu = miss.cpu
-        self._bank_of_layer: tuple[torch.Tensor, torch.Tensor] | None = None  # quantized slabs: a prefill's layer
         self._compute = self._from_decoded_bank if res.quantized_slabs else self._from_pool
         self._cpu_inputs = self._with_cpu_inputs if self.cpu is not None else self._routing_only
+        # without slabs the prefetch policy has nothing to fill; the copies' rates feed only `auto`'s cost model
+        self._prefetch_after = self._policy_after_layer if res.num_slabs else _no_prefetch
+        self._observe_copies = miss.observed_copies if miss.mode == "auto" else _no_observation
+        self._decode_into_bank = self._decode_on_device \
+            if res.device.type == "cuda" and dequantize.available(res.store.dtype) else self._decode_on_host
         self.by_layer: dict[int, Callable] = {layer: self._pinned if layer in res.pinned else self._offloaded
                                               for layer in res.moe_layers}
 
@@ -98,10 +103,9 @@ class PlacementExecutor:
     def _with_cpu_inputs(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
         return top_k_index, hidden, top_k_weights
 
-    def _prefetch_after(self, layer: int, hidden: torch.Tensor) -> None:
-        """The coming layers' experts, as the prefetch policy sees them (nothing to do without slabs)."""
-        if self.res.num_slabs:
-            self.owner.policy.after_layer(self.owner, layer, hidden)
+    def _policy_after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """The coming layers' experts, as the prefetch policy sees them."""
+        self.owner.policy.after_layer(self.owner, layer, hidden)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
@@ -110,8 +114,8 @@ class PlacementExecutor:
         with res.lock:
             res.transfers.poll()
             placed = res.cache.begin_layer(layer, needed)
-            if placed["miss"] and self.miss.mode == "auto":
-                self.miss.observed_copies(res.transfers.counters)
+            if placed["miss"]:
+                self._observe_copies(res.transfers.counters)
             on_cpu = self.miss.on_cpu(res.store, layer, placed["miss"], pairs_of, res.device)
             counters.hits += len(placed["hit"])
             counters.late += len(placed["late"])
@@ -149,25 +153,36 @@ class PlacementExecutor:
         bank = self._decoded_bank(layer, placement.on_gpu, placement.slabs)
         return bank_experts(hidden, top_k_index, weights, self.res.identity, *bank, act)
 
+    @cached_property
+    def _bank_of_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized slabs: a bank of one layer in the model's dtype that a prefill's layer is decoded into
+        (made at the first such layer, outside the budget)."""
+        return self.res.bank(self.res.num_experts)
+
     def _decoded_bank(self, layer: int, experts: list[int], slabs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantized slabs: `experts` of `layer` decoded from their slabs into a bank of one layer in the
-        model's dtype (made once, outside the budget), at their own indices (the rest keep stale values
-        that no pair reads)."""
-        res = self.res
-        if self._bank_of_layer is None:
-            self._bank_of_layer = res.bank(res.num_experts)
-        bank, pool, store = self._bank_of_layer, res.pool[0], res.store
+        """Quantized slabs: `experts` of `layer` decoded from their slabs into the bank of one layer, at
+        their own indices (the rest keep stale values that no pair reads)."""
+        res, bank = self.res, self._bank_of_layer
         ids = torch.tensor(slabs, dtype=torch.long).to(res.device, non_blocking=True)
         target = torch.tensor(experts, dtype=torch.long).to(res.device, non_blocking=True)
-        if res.device.type == "cuda" and dequantize.available(store.dtype):
-            need = torch.ones(len(slabs), dtype=torch.int8, device=res.device)
-            dequantize.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], res.inter, res.hidden,
-                                   fmt=store.fmt, down_fmt=store.down_format(layer), staged=True)
-        else:
-            gate_up, down = store.dequantized(pool[ids, :store.block_bytes_of(layer)], layer)
-            bank[0].index_copy_(0, target, gate_up)
-            bank[1].index_copy_(0, target, down)
+        self._decode_into_bank(layer, ids, target, bank)
         return bank
+
+    def _decode_on_device(self, layer: int, ids: torch.Tensor, target: torch.Tensor,
+                          bank: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The dequantize kernel, reading the slabs in place."""
+        res, pool, store = self.res, self.res.pool[0], self.res.store
+        need = torch.ones(ids.numel(), dtype=torch.int8, device=res.device)
+        dequantize.fetch_q8(ids, need, target, bank, pool.data_ptr(), pool.shape[1], res.inter, res.hidden,
+                            fmt=store.fmt, down_fmt=store.down_format(layer), staged=True)
+
+    def _decode_on_host(self, layer: int, ids: torch.Tensor, target: torch.Tensor,
+                        bank: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The store's torch dequantization (the CPU, or a dtype the kernel does not write)."""
+        store = self.res.store
+        gate_up, down = store.dequantized(self.res.pool[0][ids, :store.block_bytes_of(layer)], layer)
+        bank[0].index_copy_(0, target, gate_up)
+        bank[1].index_copy_(0, target, down)
 
     def _submit_cpu(self, layer: int, ids: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                     on_cpu: set[int], counters: LayerCounters):
@@ -176,3 +191,11 @@ class PlacementExecutor:
         keep = torch.isin(ids, torch.tensor(sorted(on_cpu)))
         counters.cpu_pairs += int(keep.sum())
         return self.cpu.submit(layer, hidden, ids.masked_fill(~keep, -1), top_k_weights.float())
+
+
+def _no_prefetch(layer: int, hidden: torch.Tensor) -> None:
+    """No slabs: every expert is pinned or read from the host."""
+
+
+def _no_observation(counters: Any) -> None:
+    """A miss policy other than `auto`: no cost model to feed."""

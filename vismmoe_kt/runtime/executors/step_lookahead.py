@@ -8,7 +8,7 @@ start_decode(visual), device work only (predictor/device_lookahead.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,7 +20,11 @@ class StepLookahead:
         self.res, self.predictor = res, predictor
         self.host_addresses: torch.Tensor | None = None  # (rows,) each offloaded layer's mapped store: prefetch copies
         self._host_blocks: list[torch.Tensor | None] = []  # per row: its store blocks (None: pinned), the twin's source
-        self._side: Any = None  # the side stream (CUDA)
+        cuda = res.device.type == "cuda"
+        self._side: Any = None  # the side stream (CUDA), made in `prepare`
+        # bound once: the device is fixed, and the last row closes the step where the others predict
+        scored, closed = (self._scored_on_side, self._close_on_side) if cuda else (self._scored_here, self._closed)
+        self._at_row: list[Callable[[int, torch.Tensor], None]] = [scored] * (len(res.moe_layers) - 1) + [closed]
 
     def prepare(self, visual: torch.Tensor | None) -> None:
         """As decode starts (outside any capture): the side stream, each row's mapped store address,
@@ -37,18 +41,25 @@ class StepLookahead:
     def look_ahead(self, row: int, hidden: torch.Tensor) -> None:
         """Score the next layers' experts and prefetch the likely ones, on the side stream; at the
         last layer, join it (a captured step must end on one stream) and close the step's features."""
-        lookahead, table, res = self.predictor, self.res.table, self.res
-        cuda = res.device.type == "cuda"
-        if row == len(res.moe_layers) - 1:
-            if cuda:
-                torch.cuda.current_stream(res.device).wait_stream(self._side)
-            lookahead.end_step(table.routed)
-            return
-        if not lookahead.predicts_at(row):  # `prefetch_stride`: the last run's window covers this row
-            return
-        if not cuda:
+        self._at_row[row](row, hidden)
+
+    def _closed(self, row: int, hidden: torch.Tensor) -> None:
+        self.predictor.end_step(self.res.table.routed)
+
+    def _close_on_side(self, row: int, hidden: torch.Tensor) -> None:
+        torch.cuda.current_stream(self.res.device).wait_stream(self._side)
+        self._closed(row, hidden)
+
+    def _scored_here(self, row: int, hidden: torch.Tensor) -> None:
+        """On the CPU: the torch twin's prefetch, from the store blocks."""
+        lookahead, table = self.predictor, self.res.table
+        if lookahead.predicts_at(row):  # `prefetch_stride`: else the last run's window covers this row
             rows, experts = lookahead.candidates(row, hidden, table.routed)
-            table.prefetch(rows, experts, res.pool, self._host_blocks, False)
+            table.prefetch(rows, experts, self.res.pool, self._host_blocks, False)
+
+    def _scored_on_side(self, row: int, hidden: torch.Tensor) -> None:
+        lookahead, table, res = self.predictor, self.res.table, self.res
+        if not lookahead.predicts_at(row):  # `prefetch_stride`: the last run's window covers this row
             return
         self._side.wait_stream(torch.cuda.current_stream(res.device))
         hidden.record_stream(self._side)  # the compute stream may free it while the side stream reads

@@ -6,7 +6,8 @@ The plan's variant fixes how an offloaded layer reads (`slabs`: the model's dtyp
 the host store in place; `dequantize-into-slabs`: a quantized store's misses dequantized into their
 landing or scratch slabs first; `quantized-slabs`: the store's blocks copied as they are and decoded
 by the GEMVs), whether the lookahead predictor runs at each layer (StepLookahead) and whether the
-hybrid's CPU pairs join (TableCpuJoin): all bound here at construction, per layer.
+hybrid's CPU pairs join (TableCpuJoin): all bound here at construction, per layer (the CPU pairs'
+table, or the one without them, picked again as each step is armed: `bind_step`).
 """
 
 from __future__ import annotations
@@ -23,15 +24,26 @@ from ..table_experts import combine, fetch_dequantized, pair_outputs, quantized_
 class TableStepExecutor:
     def __init__(self, res: Residency, variant: str, kernel: bool, fallback: Any,
                  lookahead: Any = None, cpu_join: Any = None):
-        """`fallback`: the placement path, for a call of more than one token while a step is armed."""
+        """`fallback`: the placement path, for a call of more than one token while a step is armed.
+        `lookahead` (StepLookahead) and `cpu_join` (TableCpuJoin): None where the plan has neither."""
         self.res, self.kernel, self.fallback = res, kernel, fallback
-        self.lookahead, self.cpu_join = lookahead, cpu_join
+        self.cpu_join = cpu_join
         self._read = {"slabs": self._read_slabs, "dequantize-into-slabs": self._read_dequantized,
                       "quantized-slabs": self._read_quantized_slabs}[variant]
-        self._publish = self._combine_publishing if kernel else self._publish_then_combine
+        self.publish_and_combine = self._combine_publishing if kernel else self._publish_then_combine
+        self._look_ahead = lookahead.look_ahead if lookahead is not None else _no_look_ahead
         pinned = self._pinned_looking_ahead if lookahead is not None else self._pinned
-        self.by_layer: dict[int, Callable] = {layer: pinned if layer in res.pinned else self._offloaded
-                                              for layer in res.moe_layers}
+        # two tables: a step whose cost model sends misses to the CPU (a graph variant of its own) and one
+        # that sends none, captured without the CPU's calls; `bind_step` picks one as each step is armed
+        self._without_cpu: dict[int, Callable] = {layer: pinned if layer in res.pinned else self._offloaded
+                                                  for layer in res.moe_layers}
+        self._with_cpu = {layer: pinned if layer in res.pinned else self._offloaded_with_cpu
+                          for layer in res.moe_layers} if cpu_join is not None else self._without_cpu
+        self.by_layer = self._without_cpu
+
+    def bind_step(self) -> None:
+        """A step is armed (its CPU quota set): the layers' table for it, CPU pairs joining or not."""
+        self.by_layer = self._with_cpu if self.res.table.cpu_active else self._without_cpu
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   act: Any) -> torch.Tensor:
@@ -58,21 +70,36 @@ class TableStepExecutor:
                               top_k_weights: torch.Tensor, act: Any, offset: int | None) -> torch.Tensor:
         row = self.res.index[layer]
         self.res.table.routed[row].copy_(top_k_index.reshape(-1))  # the predictor's routing history
-        self.lookahead.look_ahead(row, hidden)
+        self._look_ahead(row, hidden)
         return self._pinned(layer, hidden, top_k_index, top_k_weights, act, offset)
 
     def _offloaded(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    act: Any, offset: int | None) -> torch.Tensor:
-        res = self.res
-        row, ids, top_k = res.index[layer], top_k_index.reshape(-1), top_k_index.shape[1]
-        slots, land = res.table.lookup(row, ids, self.kernel, offset)
-        if self.lookahead is not None:  # started before this layer's experts: they compute meanwhile
-            self.lookahead.look_ahead(row, hidden)
-        on_cpu = self.cpu_join.maybe_begin(layer, hidden, ids, slots, top_k_weights) \
-            if self.cpu_join is not None else None
+        row, ids, slots, land = self._looked_up(layer, hidden, top_k_index, offset)
+        return self._gpu_pairs(layer, hidden, row, ids, slots, land, top_k_weights, act, top_k_index.shape[1])
+
+    def _offloaded_with_cpu(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, act: Any, offset: int | None) -> torch.Tensor:
+        """The hybrid's step: the layer's CPU pairs (slot CPU_PAIR) start on the CPU before the GPU's
+        pairs compute, and join their sum."""
+        row, ids, slots, land = self._looked_up(layer, hidden, top_k_index, offset)
+        on_cpu = self.cpu_join.begin(layer, hidden, ids, slots, top_k_weights)
+        return self._gpu_pairs(layer, hidden, row, ids, slots, land, top_k_weights, act, top_k_index.shape[1]) \
+            + on_cpu()
+
+    def _looked_up(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                   offset: int | None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The table's slots and landings for the layer's pairs; the lookahead started after them (its
+        prefetches overlap this layer's experts)."""
+        row, ids = self.res.index[layer], top_k_index.reshape(-1)
+        slots, land = self.res.table.lookup(row, ids, self.kernel, offset)
+        self._look_ahead(row, hidden)
+        return row, ids, slots, land
+
+    def _gpu_pairs(self, layer: int, hidden: torch.Tensor, row: int, ids: torch.Tensor, slots: torch.Tensor,
+                   land: torch.Tensor, top_k_weights: torch.Tensor, act: Any, top_k: int) -> torch.Tensor:
         y = self._read(layer, hidden, ids, slots, land, act, top_k)
-        out = self._publish(y, top_k_weights, hidden.dtype, row, ids, land)
-        return out if on_cpu is None else out + on_cpu()
+        return self.publish_and_combine(y, top_k_weights, hidden.dtype, row, ids, land)
 
     def _read_slabs(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
                     land: torch.Tensor, act: Any, top_k: int) -> torch.Tensor:
@@ -103,3 +130,7 @@ class TableStepExecutor:
                               ids: torch.Tensor, land: torch.Tensor) -> torch.Tensor:
         self.res.table.publish(row, ids, land)
         return combine(y, top_k_weights, dtype)
+
+
+def _no_look_ahead(row: int, hidden: torch.Tensor) -> None:
+    """No lookahead predictor in the plan."""
