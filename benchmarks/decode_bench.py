@@ -31,7 +31,9 @@ Configurations used in scripts/device_session.sh (all greedy, batch 1, an image 
   offload:...,pinned_layers=N               N pinned layers instead of the automatic depth (Eq. 10's range,
                                             then runtime/prefix_depth.py's predicted time per token)
   offload:...,predictor=PATH[,prefetch_min_probability=P,prefetch_topk=B,prefetch_stride=S]
-                                            the lookahead predictor (prefetching inside the decode graph)
+                                            the lookahead predictor (prefetching inside the decode graph), a
+                                            predictor.pt from `vismmoe-kt calibrate` (`calibrate synthetic` for
+                                            synthetic routing)
   offload:...,batch_experts=expert-major    with --concurrency: a batched step's resident experts through the
                                             expert-major kernels (table, grouped-gemm; auto: table up to
                                             batch_table_pairs pairs, then expert-major)
