@@ -120,7 +120,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              --reps 2 --decode-tokens 16 --image-size 224 --configs offload:expert_budget=12MiB \
              "offload:expert_budget=12MiB,predictor=$OUT/tiny_predictor.pt,prefetch_min_probability=0" \
              | tee "$OUT/smoke.txt"
-           grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json" && { echo "smoke: steps not graphed" >&2; exit 3; } ;;
+           # an `if`: a `grep && exit` that finds nothing would leave the stage (and the script) with status 1
+           if grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json"; then echo "smoke: steps not graphed" >&2; exit 3; fi ;;
     predict) shift
              px=$1 budget=$2; shift 2
              timeout "${PREDICT_TIMEOUT:-580}" python3 -m benchmarks.decode_bench --out "$OUT/predict$px-$budget" \
