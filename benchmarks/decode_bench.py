@@ -1,63 +1,69 @@
 """Decode speed: transformers' generation vs our lean decode path, same run, same inputs.
 
     PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR [--model NAME] [--layers N] [--profile]
-        [--configs hf lean-eager lean-graphs lean:16GiB lean:32GiB lru:16GiB lru:30%]
+        [--configs hf offload:expert_budget=1TiB,graphs=cuda offload:expert_budget=16GiB lru:expert_budget=30%]
     PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR --model deepseek-ocr2 \
-        --configs hf lean-graphs lru:30% lean:30%      # DeepSeek-OCR-2's published shapes (benchmarks/models/synthetic.py)
+        --configs hf offload:expert_budget=1TiB,graphs=cuda lru:expert_budget=30% offload:expert_budget=30%
     PYTHONPATH=. python3 -m benchmarks.decode_bench --out DIR --device cpu --tiny tiny-6x64   # a CPU sanity run
 
-`--model` picks the synthetic model (qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v: benchmarks/models/synthetic.py;
-`--narrow`: deepseek-ocr2's layout at CPU-sized widths) and so the family's rule files (the gpu, offload, lru
-and kt-cpu files of benchmarks/bench/configs.py's RULE_FILES; hybrid:BUDGET is Qwen3-VL's qwen3vl.yaml only). A
-BUDGET is a size (16GiB) or a share of the model's routed experts (30%: the offload runtime resolves it).
+A configuration is `NAME` or `NAME:key=value,key=value` (benchmarks/configurations.py): NAME is `hf` (stock
+transformers, no rules: the reference whose greedy tokens the others are compared with), a placement
+(vismmoe, gpu, offload, lru, hybrid, kt-cpu, realb, ep) resolved for the model's family to its generated rule
+file exactly as `--placement` does (`vismmoe-kt rules list`), or a rule file's path; the kwargs are what
+chat and serve take as `--set key=value`, applied the same way: any kwarg of the rule file, the engine's
+decode=lean|hf and graphs=auto|cuda|replay|off, cpu_infer=N, and gguf_path=DIR (the weights from that GGUF
+checkpoint, e.g. one `python -m benchmarks.models.synthetic_gguf DIR` wrote, instead of made in memory). A key
+the rules do not have is refused before anything loads, with --set's message. The spec as given labels the row.
 
-Configurations (all greedy, batch 1, an image prompt; the rule files named are Qwen3-VL's):
-  hf            stock transformers, everything on the device (optimize_rules/qwen3vl-gpu.yaml)
-  lean-eager    our decode path, every expert resident (a budget above the model), no graphs
-  lean-graphs   the same with the step captured in CUDA graphs (graphs: cuda)
-  lean:BUDGET   our decode path, experts offloaded to the host beyond BUDGET (graphs: auto)
-  lru:BUDGET    the same with the LRU cache policy (no pinned prefix, no prefetch)
-  ...+q8, +q4, +q4k, +q5k
-                (lean, lru, hybrid) the host store in Q8_0 / Q4_0 / Q4_K / Q5_K blocks (store_dtype): a half / a quarter
-                of the PCIe bytes per fetched expert, dequantized into the slabs as they arrive
-  ...+qslabs, +dqslabs
-                (lean, lru; with a quantized store: +q8 and friends, or +gguf) slab_format quantized: the
-                slabs keep the store's blocks, the decode GEMVs decode them (more experts per budget), or
-                dequantized (the model's dtype); neither: auto (quantized where it works)
-  lean:BUDGET+pin=N
-                lean:BUDGET with N pinned layers instead of the automatic depth (Eq. 10's range, then
-                runtime/prefix_depth.py's predicted time per token): the choice checked by measurement
-  lean:BUDGET+predict[+minp=P][+topk=B][+stride=S]
-                lean:BUDGET with the lookahead predictor `--predictor` (prefetching inside the decode
-                graph: predictor/device_lookahead.py), optionally its probability floor, top-B and
-                stride (the predictor at every S-th MoE layer)
-  hybrid:BUDGET[+bf16|+int4][+cpu]
-                lean:BUDGET in VisMMOE's hybrid mode (optimize_rules/qwen3vl.yaml, no token pruning):
-                each layer's misses split between PCIe reads and kt-kernel (INT8 copy by default) by the
-                cost model, the CPU's calls inside the step's graph; +cpu: every miss to the CPU
-  kt-cpu[:N][+int8|+int4]
-                every routed expert on the CPU through kt-kernel (optimize_rules/qwen3vl-kt-cpu.yaml),
-                N workers (default physical cores - 2), BF16 or quantized at load; on our decode path,
-                each layer's CPU call inside the step's CUDA graph
-  kt-cpu...+gpuprefill[=N][+share=F|auto]
-                KTransformers' dual prefill: prompts of N tokens or more (default 64) run each layer's experts
-                on the GPU from a Q4_K host copy sent a layer ahead (gpu_prefill_tokens), all of them or a
-                share F while kt-kernel computes the rest (gpu_prefill_share); decode as kt-cpu
-  ...+gguf      any of the above loaded from the checkpoint in `--gguf DIR` (an HF directory with GGUF
-                files, read as `--gguf_path`; `python -m benchmarks.models.synthetic_gguf DIR` writes the
-                synthetic model's weights so, Q4_K experts by default) instead of made in memory; with
-                store_dtype auto, a GGUF's quantized experts stay in its format in the host store
+`--model` picks the synthetic model (qwen3-vl-30b-a3b, deepseek-ocr2, glm-4.5v, ...: benchmarks/models/synthetic.py;
+`--narrow`: deepseek-ocr2's layout at CPU-sized widths) and so the family whose rule files the placements name.
+An expert_budget is a size (16GiB) or a share of the model's routed experts (30%: the offload runtime resolves it).
+
+Configurations used in scripts/device_session.sh (all greedy, batch 1, an image prompt):
+  offload:expert_budget=1TiB,graphs=off     our decode path, every expert resident, no graphs
+  offload:expert_budget=1TiB,graphs=cuda    the same with each step captured in a CUDA graph
+  offload:expert_budget=16GiB               experts offloaded to the host beyond 16 GiB (graphs auto)
+  lru:expert_budget=16GiB                   the same with the LRU cache policy (no pinned prefix, no prefetch)
+  offload:...,store_dtype=q4_k              the host store in Q4_K blocks (q8_0, q4_0, q5_k): a half to a
+                                            quarter of the PCIe bytes per fetched expert
+  offload:...,slab_format=quantized         the slabs keep a quantized store's blocks, the decode GEMVs decode
+                                            them (dequantized: the model's dtype; auto: quantized where it works)
+  offload:...,pinned_layers=N               N pinned layers instead of the automatic depth (Eq. 10's range,
+                                            then runtime/prefix_depth.py's predicted time per token)
+  offload:...,predictor=PATH[,prefetch_min_probability=P,prefetch_topk=B,prefetch_stride=S]
+                                            the lookahead predictor (prefetching inside the decode graph), a
+                                            predictor.pt from `vismmoe-kt calibrate` (`calibrate synthetic` for
+                                            synthetic routing)
+  offload:...,batch_experts=expert-major    with --concurrency: a batched step's resident experts through the
+                                            expert-major kernels (table, grouped-gemm; auto: table up to
+                                            batch_table_pairs pairs, then expert-major)
+  hybrid:expert_budget=16GiB,cpu_backend=kt-kernel,cpu_dtype=int8[,miss_policy=cpu]
+                                            VisMMOE's hybrid mode: each layer's misses split between PCIe reads
+                                            and kt-kernel's INT8 copy by the cost model, the CPU's calls inside
+                                            the step's graph; miss_policy=cpu: every miss to the CPU
+  kt-cpu:cpu_backend=kt-kernel[,cpu_infer=N,cpu_dtype=int4]
+                                            every routed expert on the CPU through kt-kernel, N workers
+                                            (default physical cores - 2), BF16 or quantized at load
+  kt-cpu:...,gpu_prefill_tokens=64[,gpu_prefill_share=F|auto]
+                                            KTransformers' dual prefill: prompts of 64 tokens or more run each
+                                            layer's experts on the GPU from a host copy sent a layer ahead
+  offload:...,gguf_path=DIR                 loaded from a GGUF checkpoint; with store_dtype auto its quantized
+                                            experts stay in their format in the host store
+The old spellings (lean:16GiB+q4k, hybrid:16GiB+cpu, kt-cpu:16+int4, ...) and their translations:
+benchmarks/results/README.md.
+
 Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps;
 from the tokens' arrivals), the gaps between tokens (p50 and p95 over every rep), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
-hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run,
-lean-graphs' time per token); for kt-cpu rows the expert bytes the CPU reads per token and the host
+hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run, the time per
+token of the first configuration with every expert resident and every step graphed); for kt-cpu rows the
+expert bytes the CPU reads per token and the host
 bandwidth that implies (a floor: the step's GPU work is in the time too), and a prefill's split: the vision
 tower's time, the CPU experts' calls and the GB/s of expert weights those read if they read them all.
 
-Configurations with kt-kernel experts (kt-cpu, hybrid) each run in a process of their own when there
-are several: kt-kernel never frees an expert layer's weights, so a second one would start with the
+Configurations whose CPU experts may be kt-kernel's (cpu_backend kt-kernel or auto) each run in a process of
+their own when there are several: kt-kernel never frees an expert layer's weights, so a second one would start with the
 first's host memory still taken (`--isolate` runs every configuration so). `--turns N` also times an
 N-turn chat about one image (prompt seconds per turn: the lean path prefills only each turn's new
 tokens). `--profile` adds one profiled request per lean configuration: seconds per step by piece
@@ -105,128 +111,42 @@ from vismmoe_kt.engine.runner import PREFILL_BUDGET
 from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.operators.routing_source import install_routing
-from benchmarks.bench.configs import DEFAULT_FAMILY, rule_file
+from benchmarks.configurations import Configuration, parse_configuration
 from benchmarks.models.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
-from vismmoe_kt.errors import InputError
+from vismmoe_kt.errors import VismmoeError
 from vismmoe_kt.operators.cpu_experts import CpuExperts
 from vismmoe_kt.runtime.host_memory import empty_host_cache, host_resident_bytes
-from vismmoe_kt.runtime.offload import BATCH_EXPERTS
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
-# the rule files by role (each family's: RULE_FILES); hybrid:BUDGET's overrides name qwen3vl.yaml's kwargs
-GPU_RULES, OFFLOAD_RULES, LRU_RULES, KT_CPU_RULES = "gpu", "offload", "lru", "kt-cpu"
-HYBRID_RULES = "hybrid"
-
-FROM_GGUF = "from_gguf"  # a configuration's own key: load from --gguf instead of making the weights
-GPU_PREFILL_TOKENS = 64  # kt-cpu+gpuprefill's threshold when the option names none
+DEFAULT_CONFIGS = ["hf", "offload:expert_budget=1TiB,graphs=off", "offload:expert_budget=1TiB,graphs=cuda",
+                   "offload:expert_budget=16GiB", "offload:expert_budget=32GiB"]
 
 
 def runtime_of(model):
     return model.vismmoe.context.offload_runtime
 
 
-def parse_config(spec: str, predictor: str | None = None) -> tuple[str, dict]:
-    spec, *options = spec.split("+")
-    extra: dict = {}
-    for option in options:
-        name, _, value = option.partition("=")
-        if name == "predict":
-            if not predictor:
-                raise SystemExit(f"--configs {spec}+predict needs --predictor PATH")
-            extra["predictor"] = predictor
-        elif name == "pin" and value.isdigit():  # the pinned prefix's depth instead of Eq. 10's choice
-            extra["pinned_layers"] = int(value)
-        elif name in ("minp", "topk", "stride") and value:
-            key = {"minp": "prefetch_min_probability", "topk": "prefetch_topk", "stride": "prefetch_stride"}[name]
-            extra[key] = float(value) if name == "minp" else int(value)
-        elif name in ("bf16", "int8", "int4") and not value:
-            if not spec.startswith(("kt-cpu", "hybrid:")):
-                raise SystemExit(f"--configs: +{name} applies to kt-cpu and hybrid:BUDGET only, not {spec!r}")
-            extra["cpu_dtype"] = name
-        elif name == "gpuprefill" and spec.startswith("kt-cpu") and (not value or value.isdigit()):
-            extra["gpu_prefill_tokens"] = int(value or GPU_PREFILL_TOKENS)
-        elif name == "share" and value and spec.startswith("kt-cpu"):
-            extra["gpu_prefill_share"] = value if value == "auto" else float(value)
-        elif name == "cpu" and not value and spec.startswith("hybrid:"):
-            extra["miss_policy"] = "cpu"
-        elif name in ("q8", "q4", "q4k", "q5k") and not value and spec.startswith(("lean:", "lru:", "hybrid:")):
-            extra["store_dtype"] = {"q8": "q8_0", "q4": "q4_0", "q4k": "q4_k", "q5k": "q5_k"}[name]
-        elif name in ("qslabs", "dqslabs") and not value and spec.startswith(("lean:", "lru:")):
-            extra["slab_format"] = "quantized" if name == "qslabs" else "dequantized"
-        elif name == "gguf" and not value:
-            extra[FROM_GGUF] = True
-        else:
-            raise SystemExit(f"--configs: unknown option +{option} (predict, minp=P, topk=B, stride=S, pin=N; kt-cpu, hybrid: int8, "
-                             "int4, gpuprefill[=N], share=F|auto; hybrid: cpu; lean, lru, hybrid: q8, q4, q4k, q5k; lean, lru: qslabs, dqslabs; "
-                             "any: gguf)")
-    if "gpu_prefill_share" in extra and "gpu_prefill_tokens" not in extra:
-        raise SystemExit(f"--configs: +share applies with +gpuprefill, not alone ({spec!r})")
-    if set(extra) - {"cpu_dtype", "miss_policy", "store_dtype", "slab_format", FROM_GGUF, "gpu_prefill_tokens",
-                     "gpu_prefill_share"} and not spec.startswith("lean:"):
-        raise SystemExit(f"--configs: +predict, +minp, +topk, +stride, +pin apply to lean:BUDGET only, not {spec!r}")
-    rules, overrides = _base_config(spec)
-    return rules, {**overrides, **extra}
-
-
-def _base_config(spec: str) -> tuple[str, dict]:
-    if spec == "hf":
-        return GPU_RULES, {}
-    if spec == "lean-eager":
-        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "off"}
-    if spec == "lean-graphs":
-        return OFFLOAD_RULES, {"expert_budget": "1TiB", "graphs": "cuda"}
-    if spec.startswith("lean:"):
-        return OFFLOAD_RULES, {"expert_budget": spec.split(":", 1)[1]}
-    if spec.startswith("lru:"):
-        return LRU_RULES, {"expert_budget": spec.split(":", 1)[1]}
-    if spec.startswith("hybrid:"):  # VisMMOE's hybrid mode, kt-kernel INT8 on the CPU, no token pruning
-        return HYBRID_RULES, {"expert_budget": spec.split(":", 1)[1], "keep_ratio": 1.0, "miss_policy": "auto",
-                              "cpu_backend": "kt-kernel", "cpu_dtype": "int8"}
-    if spec == "kt-cpu" or spec.startswith("kt-cpu:"):  # every routed expert on kt-kernel (KTransformers' placement)
-        workers = spec.partition(":")[2]
-        if workers and not workers.isdigit():
-            raise SystemExit(f"--configs {spec}: kt-cpu:N takes a worker count")
-        return KT_CPU_RULES, {"cpu_backend": "kt-kernel", **({"cpu_infer": int(workers)} if workers else {})}
-    raise SystemExit(f"--configs: unknown configuration {spec!r} (hf, lean-eager, lean-graphs, lean:BUDGET, lru:BUDGET, "
-                     "hybrid:BUDGET, kt-cpu[:WORKERS])")
-
-
 def family_of(args) -> str:
-    """The model family (`config.model_type`) whose rule files the configurations load."""
-    if args.tiny:
-        return SPECS[args.tiny].family
-    return SYNTHETIC_MODELS[args.model]["family"] if not args.gguf else DEFAULT_FAMILY
+    """The model type (`config.model_type`) whose placements the configurations name (gguf_path: that
+    checkpoint's own)."""
+    return SPECS[args.tiny].family if args.tiny else SYNTHETIC_MODELS[args.model]["family"]
 
 
-def rules_path(role: str, family: str) -> str:
-    if role == HYBRID_RULES:  # its overrides (keep_ratio, miss_policy, cpu_backend) are qwen3vl.yaml's kwargs
-        if family != DEFAULT_FAMILY:
-            raise SystemExit(f"--configs hybrid:BUDGET loads Qwen3-VL's hybrid rule file (qwen3vl.yaml); the "
-                             f"{family} family has none (its offload configurations: lean:BUDGET, lru:BUDGET)")
-        return f"optimize_rules/{rule_file(family, 'ladder')}"
-    try:
-        return f"optimize_rules/{rule_file(family, role)}"
-    except InputError as exc:
-        raise SystemExit(f"--configs: {exc}") from None
-
-
-def load_model(args, rules: str, overrides: dict):
-    rules = rules_path(rules, family_of(args))
-    devices = {"generate_device": args.device, "prefill_device": args.device}
-    overrides = dict(overrides)
-    if overrides.pop(FROM_GGUF, False):
-        if not args.gguf:
-            raise SystemExit("--configs ...+gguf loads the checkpoint in --gguf DIR: give --gguf")
+def load_model(args, config: Configuration):
+    """The configuration's model: its rules and settings as `--set` would apply them, the weights from its
+    gguf_path (load()'s keyword), the tiny model or the synthetic one."""
+    settings = {"generate_device": args.device, "prefill_device": args.device, **config.settings}
+    if config.gguf_path:
         start = time.perf_counter()
-        model, processor = load(args.gguf, rules, gguf_path=args.gguf, progress=False, **devices, **overrides)
+        model, processor = load(config.gguf_path, config.rules, progress=False, **settings)
         model.vismmoe.load_seconds = time.perf_counter() - start
         model.generation_config.eos_token_id = None  # random weights: decode the requested number of tokens
     elif args.tiny_dir:
-        model, processor = load(args.tiny_dir, rules, progress=False, **devices, **overrides)
+        model, processor = load(args.tiny_dir, config.rules, progress=False, **settings)
     else:
-        model, processor = load_synthetic(args.model, rules, layers=args.layers, dtype=args.dtype, narrow=args.narrow,
-                                          progress=False, **devices, **overrides)
+        model, processor = load_synthetic(args.model, config.rules, layers=args.layers, dtype=args.dtype,
+                                          narrow=args.narrow, progress=False, **settings)
     if args.routing != "model":  # every configuration replays the same requests' routing
         install_routing(model, args.routing)
     return model, processor
@@ -279,8 +199,6 @@ def batched_run(model, processor, args, n: int, spec: str) -> dict:
     steps' kernels)."""
 
     offload = runtime_of(model)
-    if offload is not None:
-        offload.batch_experts = args.batch_experts
     requests = concurrent_requests(processor, n, args.image_size, args.device)
     trace = Path(args.out) / f"trace-batch{n}-{re.sub(r'[^A-Za-z0-9.=-]+', '_', spec)}.json.gz"
     source = model.vismmoe.context.routing
@@ -335,11 +253,14 @@ class PrefillSplit:
         return out
 
 
-def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
-    rules, overrides = parse_config(spec, args.predictor)
+def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    spec = config.label
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    model, processor = load_model(args, rules, overrides)
+    try:
+        model, processor = load_model(args, config)
+    except VismmoeError as exc:  # a value the operators refuse: their message, no traceback
+        raise SystemExit(f"--configs {spec}: {exc}") from None
     inputs = make_request(processor, args.image_size, args.device)
     # warm-up of the measured length: the same cache capacity, so the capture happens here, not in a rep
     timed_generate(model, inputs, args.decode_tokens - 1)
@@ -354,7 +275,8 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
         gaps += timed.gaps_s
         tokens = timed.tokens
     row_split = split.per_prefill(args.reps)
-    row = {"config": spec, "load_s": model.vismmoe.load_seconds, "prompt_tokens": int(inputs["input_ids"].shape[1]),
+    row = {"config": spec, "rules": config.rule_file, "settings": config.settings, "load_s": model.vismmoe.load_seconds,
+           "prompt_tokens": int(inputs["input_ids"].shape[1]),
            "decode_tok_s_reps": decode,
            "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
@@ -418,15 +340,12 @@ def run_config(spec: str, args, reference: torch.Tensor | None) -> tuple[dict, t
     return row, tokens
 
 
-def uses_kt_kernel(spec: str) -> bool:
-    return spec.startswith(("kt-cpu", "hybrid:"))
-
-
-def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict | None, torch.Tensor | None]:
+def run_isolated(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict | None, torch.Tensor | None]:
     """`run_config` in a child process (this module again, one configuration): whatever host memory
     the configuration's native libraries keep goes with the process. The child writes its row and
     greedy tokens under OUT/isolated/<config>. A child that fails is reported and its row left out
     (the other configurations still run and are written)."""
+    spec = config.label
     out = Path(args.out) / "isolated" / re.sub(r"[^A-Za-z0-9.=-]+", "_", spec)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--configs", spec,
@@ -436,10 +355,7 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
     command += ["--tiny", args.tiny] if args.tiny else []
     command += ["--layers", str(args.layers)] if args.layers is not None else []
     command += ["--narrow"] if args.narrow else []
-    command += ["--predictor", args.predictor] if args.predictor else []
-    command += ["--gguf", args.gguf] if args.gguf else []
     command += ["--concurrency", *map(str, args.concurrency)]
-    command += ["--batch_experts", args.batch_experts]
     command += ["--prefill_chunk", str(args.prefill_chunk), "--prefill_budget", str(args.prefill_budget)]
     command += [flag for flag, on in (("--profile", args.profile), ("--kernels", args.kernels)) if on]
     if reference is not None:
@@ -452,6 +368,13 @@ def run_isolated(spec: str, args, reference: torch.Tensor | None) -> tuple[dict 
         return None, None
     row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
     return row, torch.load(out / "tokens.pt")
+
+
+def is_resident_graphed(row: dict) -> bool:
+    """A row on our runtime whose decode moved no expert bytes, every step in a CUDA graph (e.g.
+    offload:expert_budget=1TiB,graphs=cuda): its time per token is the decode step's own, without transfers."""
+    lean = row.get("lean") or {}
+    return row.get("decode_bytes_per_token") == 0 and lean.get("steps", 0) > 0 and lean["graphed_steps"] == lean["steps"]
 
 
 def kernel_report(rows: list[dict]) -> str:
@@ -477,8 +400,9 @@ def kernel_report(rows: list[dict]) -> str:
 def main() -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for the results (decode.json, the table, profiles)")
-    parser.add_argument("--configs", nargs="+", default=["hf", "lean-eager", "lean-graphs", "lean:16GiB", "lean:32GiB"],
-                        help="configurations to time (the module's docstring lists them)")
+    parser.add_argument("--configs", nargs="+", metavar="NAME[:KEY=VALUE,...]", default=DEFAULT_CONFIGS,
+                        help="configurations to time: hf, a placement or a rule file, each with --set's "
+                             f"key=value settings (the docstring above; default: {' '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"the synthetic model ({', '.join(SYNTHETIC_MODELS)}; default %(default)s): its published "
                              "shapes with random weights, and its family's rule files")
@@ -497,8 +421,6 @@ def main() -> int:
                         help="one more request per configuration under torch.profiler: decode kernels by name and "
                              "stream, busy and idle device time per step (kernels.md and a trace-*.json.gz each)")
     parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
-    parser.add_argument("--predictor", help="a predictor.pt for the +predict configurations (`vismmoe-kt calibrate`, "
-                                            "or `calibrate synthetic` for synthetic routing)")
     parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
@@ -509,14 +431,6 @@ def main() -> int:
     parser.add_argument("--prefill_budget", type=int, default=PREFILL_BUDGET,
                         help="with --concurrency and whole prompts: prompt tokens prefilled together in one forward "
                              "(default: %(default)s; 0: one prompt per step)")
-    parser.add_argument("--batch_experts", choices=BATCH_EXPERTS, default="auto",
-                        help="with --concurrency: a batched step's resident experts through the table kernel (a read "
-                             "per token and expert), grouped GEMM or the expert-major tensor-core kernels (a read per "
-                             "expert each); auto: the table kernel up to 32 pairs, expert-major beyond (on the GPU). "
-                             "Offloaded layers on quantized slabs: expert-major (and auto) decodes each expert once "
-                             "for all its tokens (runtime/kernels/quantized_major.py), table one GEMV per pair, token by token")
-    parser.add_argument("--gguf", help="a checkpoint directory with GGUF files for the +gguf configurations "
-                                       "(`python -m benchmarks.models.synthetic_gguf DIR` writes one)")
     parser.add_argument("--isolate", action="store_true",
                         help="every configuration in a process of its own (kt-kernel ones always are)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
@@ -530,13 +444,15 @@ def main() -> int:
         parser.error(f"--narrow: {args.model} has no narrow variant")
     if args.tiny and args.tiny not in SPECS:
         parser.error(f"--tiny {args.tiny!r}: unknown tiny model; choose one of {', '.join(SPECS)}")
-    for spec in args.configs:
-        if parse_config(spec, args.predictor)[1].get(FROM_GGUF) and not args.gguf:
-            parser.error(f"--configs {spec} loads the checkpoint in --gguf DIR: give --gguf")
+    try:  # every configuration checked before the first loads
+        configs = [parse_configuration(spec, family_of(args)) for spec in args.configs]
+    except VismmoeError as exc:
+        parser.error(str(exc))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
-    if "lean-graphs" in args.configs and not args.device.startswith("cuda"):
-        parser.error("lean-graphs captures CUDA graphs: it needs --device cuda")
+    graphed = [c.label for c in configs if c.settings.get("graphs") == "cuda"]
+    if graphed and not args.device.startswith("cuda"):
+        parser.error(f"--configs {graphed[0]}: graphs=cuda captures CUDA graphs: it needs --device cuda")
     args.routing = args.routing or ("model" if args.tiny else "synthetic")
     args.tiny_dir = None
     if args.tiny:
@@ -546,20 +462,20 @@ def main() -> int:
     torch.manual_seed(0)
     rows, reference = [], torch.load(args.reference) if args.reference else None
     several = len(args.configs) > 1 and not args.child
-    for spec in args.configs:
-        isolate = several and (args.isolate or uses_kt_kernel(spec))
-        row, tokens = (run_isolated if isolate else run_config)(spec, args, reference)
+    for config in configs:
+        isolate = several and (args.isolate or config.uses_kt_kernel())
+        row, tokens = (run_isolated if isolate else run_config)(config, args, reference)
         if row is None:
             continue
         if args.child:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             torch.save(tokens, Path(args.out) / "tokens.pt")
-        if spec == "hf":
+        if config.is_reference and reference is None:
             reference = tokens
         rows.append(row)
     cuda = args.device.startswith("cuda") and not args.child  # a page-locked host -> device copy, what a slab fetch gets
     bandwidth = measure_copy_bandwidth(torch.device(args.device))["bytes_per_s"] / 1e9 if cuda else None
-    resident = next((r for r in rows if r["config"] == "lean-graphs"), None)
+    resident = next((r for r in rows if is_resident_graphed(r)), None)  # the compute floor of a decode step
     for r in rows:
         if "decode_bytes_per_token" in r and bandwidth:
             bound = r["decode_bytes_per_token"] / (bandwidth * 1e9)
@@ -584,7 +500,7 @@ def main() -> int:
           "| x hf | tokens = hf | PCIe bytes/token | decode hits | prefetch precision | CPU share | vs bound | graphed steps | GPU peak "
           "| host RSS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    hf = next((r for r in rows if r["config"] == "hf"), None)
+    hf = next((r for r in rows if r["config"] in {c.label for c in configs if c.is_reference}), None)
     for r in rows:
         speedup = f"{r['decode_tok_s_median'] / hf['decode_tok_s_median']:.2f}" if hf else "-"
         per_token = f"{r['decode_bytes_per_token'] / 1e6:.1f} MB" if "decode_bytes_per_token" in r else "-"

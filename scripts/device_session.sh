@@ -15,7 +15,8 @@
 #                                                   decode step by kernel and stream, idle and overlapped time
 #   bash scripts/device_session.sh ktcpu [PX]       every routed expert on kt-kernel (needs .scratch/kt), decode graphed
 #                                                   on the lean path: the default worker plan and 16 workers
-#                                                   (KTCPU_CONFIGS overrides, e.g. "kt-cpu+int4 kt-cpu+int4+gpuprefill")
+#                                                   (KTCPU_CONFIGS overrides, e.g. "kt-cpu:cpu_backend=kt-kernel,cpu_dtype=int4
+#                                                   kt-cpu:cpu_backend=kt-kernel,cpu_dtype=int4,gpu_prefill_tokens=64")
 #   bash scripts/device_session.sh gpuprefill       scripts/gpu_check.py --gpu-prefill: the kt-cpu rule's layerwise GPU
 #                                                   prefill (model dtype, Q8_0, Q4_K copies; shares 1, 0.5, auto) vs its CPU twin
 #   bash scripts/device_session.sh ktquant [LAYERS] kt-kernel experts in BF16, INT8 and INT4 (quantized at load), LAYERS
@@ -34,11 +35,12 @@
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
-#   bash scripts/device_session.sh batch PX N...    every expert resident (lean-graphs), and offloaded at 16 GiB: one
+#   bash scripts/device_session.sh batch PX N...    every expert resident (graphed), and offloaded at 16 GiB: one
 #                                                   request graphed against N decoded together for each N (batched
 #                                                   generation, CUDA graphs per batch size), synthetic routing
 #                                                   (BATCH_ROUTING, BATCH_CONFIGS override; BATCH_ARGS adds
-#                                                   decode_bench flags, e.g. --prefill-budget 0; BATCH_TAG names
+#                                                   decode_bench flags, e.g. --prefill-budget 0; a configuration's
+#                                                   batch_experts=... picks the batched step's kernels; BATCH_TAG names
 #                                                   the output apart)
 #   bash scripts/device_session.sh batchoff PX N... offloaded batching at 16 GiB (the batch's offloaded layers through the
 #                                                   decode table): BF16 slabs, and Q4_K store and slabs (quantized at
@@ -49,8 +51,8 @@
 #   bash scripts/device_session.sh kqbatch          the same step on Q4_K slabs: the GEMVs token by token and in one launch,
 #                                                   the quantized expert-major kernels, their tiles swept
 #                                                   (decode_kernel_bench --batch --quantized --tune)
-#                                                   (end to end: BATCH_CONFIGS=lean:16GiB+q4k BATCH_ARGS="--batch-experts
-#                                                   expert-major" bash scripts/device_session.sh batchoff 448 8)
+#                                                   (end to end: BATCH_CONFIGS=offload:expert_budget=16GiB,store_dtype=q4_k,
+#                                                   batch_experts=expert-major bash scripts/device_session.sh batchoff 448 8)
 #   bash scripts/device_session.sh realblayer       ReaLB's MoE layer on one GPU, each expert-parallel rank's compute in turn:
 #                                                   bf16, fp8-all, realb, fixed M_d for RxN (ranks x 448 px requests,
 #                                                   REALB_RUNS, default 2x16 4x16 8x16 8x32 8x64), synthetic routing
@@ -82,6 +84,10 @@ mkdir -p "$OUT"
 # the gguf package (pure Python; the machine has no index to install it from) travels in .scratch/pylib
 export PYTHONPATH=.:.scratch/kt:.scratch/pylib${PYTHONPATH:+:$PYTHONPATH}
 GGUF_DIR=.scratch/gguf-q4k  # an ignored path: it stays on the device machine between calls while it is held
+# decode_bench configurations (NAME:key=value,...: a placement and --set's kwargs, benchmarks/configurations.py)
+RESIDENT=offload:expert_budget=1TiB,graphs=cuda  # every expert resident, each decode step a CUDA graph
+KT_INT8=cpu_backend=kt-kernel,cpu_dtype=int8      # the hybrid mode's CPU experts: kt-kernel's INT8 copy
+PREDICTOR=benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) to OUT/X-C.json: deeper files do
@@ -100,7 +106,8 @@ while [[ $# -gt 0 ]]; do
             px=448
             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
             timeout 570 python3 -m benchmarks.decode_bench --out "$OUT/decode$px" --layers 48 --reps 5 \
-              --image-size "$px" --decode-tokens 32 --configs hf lean-graphs lru:16GiB lean:16GiB lean:32GiB \
+              --image-size "$px" --decode-tokens 32 --configs hf "$RESIDENT" lru:expert_budget=16GiB \
+              offload:expert_budget=16GiB offload:expert_budget=32GiB \
               | tee "$OUT/decode_bench$px.txt" ;;
     smoke) shift
            python3 -c "
@@ -110,47 +117,56 @@ torch.manual_seed(0)
 LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32, visual_size=96, window=5,
                                    hidden_source='synthetic')).save('$OUT/tiny_predictor.pt')"
            timeout 300 python3 -m benchmarks.decode_bench --out "$OUT/smoke" --tiny tiny-6x64 --routing synthetic \
-             --reps 2 --decode-tokens 16 --image-size 224 --predictor "$OUT/tiny_predictor.pt" \
-             --configs lean:12MiB lean:12MiB+predict+minp=0 | tee "$OUT/smoke.txt"
-           grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json" && { echo "smoke: steps not graphed" >&2; exit 3; } ;;
+             --reps 2 --decode-tokens 16 --image-size 224 --configs offload:expert_budget=12MiB \
+             "offload:expert_budget=12MiB,predictor=$OUT/tiny_predictor.pt,prefetch_min_probability=0" \
+             | tee "$OUT/smoke.txt"
+           # an `if`: a `grep && exit` that finds nothing would leave the stage (and the script) with status 1
+           if grep -q '"graphed_steps": 0' "$OUT/smoke/decode_bench.json"; then echo "smoke: steps not graphed" >&2; exit 3; fi ;;
     predict) shift
              px=$1 budget=$2; shift 2
              timeout "${PREDICT_TIMEOUT:-580}" python3 -m benchmarks.decode_bench --out "$OUT/predict$px-$budget" \
                --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
-               --predictor benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt \
-               --configs ${PREDICT_CONFIGS:-"lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=2" \
-                 "lean:$budget+predict+stride=5"} \
+               --configs ${PREDICT_CONFIGS:-"lru:expert_budget=$budget" "offload:expert_budget=$budget" \
+                 "offload:expert_budget=$budget,predictor=$PREDICTOR" \
+                 "offload:expert_budget=$budget,predictor=$PREDICTOR,prefetch_stride=2" \
+                 "offload:expert_budget=$budget,predictor=$PREDICTOR,prefetch_stride=5"} \
                | tee "$OUT/predict$px-$budget.txt" ;;
     kernels) shift  # one profiled request per configuration: where the decode step's device time goes
              px=$1 budget=$2; shift 2
              timeout 560 python3 -m benchmarks.decode_bench --out "$OUT/kernels$px-$budget" --layers 48 \
                --reps 1 --image-size "$px" --decode-tokens 32 --kernels \
-               --predictor benchmarks/results/2026-11-30/predictor-synthetic-48x128/predictor.pt \
-               --configs ${KERNEL_CONFIGS:-lean-graphs "lru:$budget" "lean:$budget" "lean:$budget+predict" "lean:$budget+predict+stride=5"} \
+               --configs ${KERNEL_CONFIGS:-"$RESIDENT" "lru:expert_budget=$budget" "offload:expert_budget=$budget" \
+                 "offload:expert_budget=$budget,predictor=$PREDICTOR" \
+                 "offload:expert_budget=$budget,predictor=$PREDICTOR,prefetch_stride=5"} \
                | tee "$OUT/kernels$px-$budget.txt" ;;
     ktcpu) shift  # every routed expert on kt-kernel, decode on the lean path (graphed), two worker counts
            px=${1:-448}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
            python3 -c "import kt_kernel; print('kt-kernel', kt_kernel.__cpu_variant__)"
            timeout 560 python3 -m benchmarks.decode_bench --out "$OUT/ktcpu$px" --layers 48 \
-             --reps 3 --image-size "$px" --decode-tokens 16 --configs ${KTCPU_CONFIGS:-kt-cpu kt-cpu:16} \
+             --reps 3 --image-size "$px" --decode-tokens 16 \
+             --configs ${KTCPU_CONFIGS:-kt-cpu:cpu_backend=kt-kernel kt-cpu:cpu_backend=kt-kernel,cpu_infer=16} \
              | tee "$OUT/ktcpu$px.txt" ;;
     ktquant) shift  # kt-kernel BF16 / INT8 / INT4 experts, LAYERS of the 48 layers (load time: quantization)
              layers=${1:-16}; [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]] && shift
              timeout 400 python3 -m benchmarks.decode_bench --out "$OUT/ktquant$layers" \
                --layers "$layers" --reps 3 --image-size 448 --decode-tokens 16 \
-               --configs kt-cpu kt-cpu+int8 kt-cpu+int4 | tee "$OUT/ktquant$layers.txt" ;;
+               --configs kt-cpu:cpu_backend=kt-kernel kt-cpu:cpu_backend=kt-kernel,cpu_dtype=int8 \
+               kt-cpu:cpu_backend=kt-kernel,cpu_dtype=int4 | tee "$OUT/ktquant$layers.txt" ;;
     hybrid) shift  # VisMMOE hybrid decode in the graph (kt-kernel INT8 on misses) against lru and offload-only
             px=$1 budget=$2; shift 2
             timeout "${HYBRID_TIMEOUT:-590}" python3 -m benchmarks.decode_bench --out "$OUT/hybrid$px-$budget" --layers 48 \
               --reps 3 --image-size "$px" --decode-tokens 32 \
-              --configs ${HYBRID_CONFIGS:-"lru:$budget" "lean:$budget" "hybrid:$budget" "hybrid:$budget+cpu"} \
+              --configs ${HYBRID_CONFIGS:-"lru:expert_budget=$budget" "offload:expert_budget=$budget" \
+                "hybrid:expert_budget=$budget,$KT_INT8" "hybrid:expert_budget=$budget,$KT_INT8,miss_policy=cpu"} \
               | tee "$OUT/hybrid$px-$budget.txt" || true
             rows_up "$OUT/hybrid$px-$budget" ;;
     q8) shift  # the host store in Q8_0 / Q4_0 / Q4_K / Q5_K (a half to a quarter of the PCIe bytes per miss) vs BF16
         px=$1 budget=$2; shift 2
         timeout 570 python3 -m benchmarks.decode_bench --out "$OUT/q8-$px-$budget" --layers 48 --reps 3 \
           --image-size "$px" --decode-tokens 32 \
-          --configs "lru:$budget" "lean:$budget" "lean:$budget+q8" "lean:$budget+q4" "lean:$budget+q4k" "lean:$budget+q5k" \
+          --configs "lru:expert_budget=$budget" "offload:expert_budget=$budget" \
+            "offload:expert_budget=$budget,store_dtype=q8_0" "offload:expert_budget=$budget,store_dtype=q4_0" \
+            "offload:expert_budget=$budget,store_dtype=q4_k" "offload:expert_budget=$budget,store_dtype=q5_k" \
           | tee "$OUT/q8-$px-$budget.txt" ;;
     stores) shift
             timeout 300 python3 scripts/gpu_check.py --stores --out "$OUT/gpu_stores.json" | tee "$OUT/gpu_stores.txt" ;;
@@ -164,14 +180,18 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 560 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           # a process per configuration: each one's host RSS is its own (and a row survives a timeout)
           timeout "${GGUF_TIMEOUT:-570}" python3 -m benchmarks.decode_bench --out "$OUT/gguf-$px-$budget" \
-            --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --gguf "$GGUF_DIR" --isolate \
-            --configs ${GGUF_CONFIGS:-"lean:$budget+gguf" "lean:$budget" "lru:$budget" "lean:$budget+q4k"} \
+            --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --isolate \
+            --configs ${GGUF_CONFIGS:-"offload:expert_budget=$budget,gguf_path=$GGUF_DIR" "offload:expert_budget=$budget" \
+              "lru:expert_budget=$budget" "offload:expert_budget=$budget,store_dtype=q4_k"} \
             | tee "$OUT/gguf-$px-$budget.txt" || true
           rows_up "$OUT/gguf-$px-$budget" ;;
     qslabs) shift  # quantized slabs: the GGUF's Q4_K blocks kept on the GPU too, decoded by the decode GEMVs
             px=$1 budget=$2; shift 2
             half=$(( ${budget%GiB} / 2 ))GiB
-            GGUF_CONFIGS=${GGUF_CONFIGS:-"lean:$budget lean:$budget+gguf+dqslabs lean:$budget+gguf+qslabs lean:$half+gguf+qslabs"} \
+            GGUF_CONFIGS=${GGUF_CONFIGS:-"offload:expert_budget=$budget
+              offload:expert_budget=$budget,gguf_path=$GGUF_DIR,slab_format=dequantized
+              offload:expert_budget=$budget,gguf_path=$GGUF_DIR,slab_format=quantized
+              offload:expert_budget=$half,gguf_path=$GGUF_DIR,slab_format=quantized"} \
               bash "$0" gguf "$px" "$budget" ;;
     batch) shift  # continuous batching: the single graphed request against N together, for each N
            px=$1; shift
@@ -180,14 +200,16 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
            timeout "${BATCH_TIMEOUT:-570}" python3 -m benchmarks.decode_bench \
              --out "$OUT/batch$px${BATCH_TAG:-}" --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 \
              --routing "${BATCH_ROUTING:-synthetic}" --concurrency "${levels[@]}" \
-             --configs ${BATCH_CONFIGS:-lean-graphs lean:16GiB} ${BATCH_ARGS:-} | tee "$OUT/batch$px${BATCH_TAG:-}.txt" ;;
+             --configs ${BATCH_CONFIGS:-"$RESIDENT" offload:expert_budget=16GiB} ${BATCH_ARGS:-} \
+             | tee "$OUT/batch$px${BATCH_TAG:-}.txt" ;;
     batchoff) shift  # offloaded batching, one configuration per process (each loads its own store)
            px=$1; shift
            levels=()
            while [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; do levels+=("$1"); shift; done
            timeout "${BATCH_TIMEOUT:-570}" python3 -m benchmarks.decode_bench --out "$OUT/batchoff$px" \
              --layers 48 --reps 3 --image-size "$px" --decode-tokens 32 --routing synthetic --isolate \
-             --concurrency "${levels[@]}" --configs ${BATCH_CONFIGS:-lean:16GiB lean:16GiB+q4k} ${BATCH_ARGS:-} \
+             --concurrency "${levels[@]}" \
+             --configs ${BATCH_CONFIGS:-offload:expert_budget=16GiB offload:expert_budget=16GiB,store_dtype=q4_k} ${BATCH_ARGS:-} \
              | tee "$OUT/batchoff$px.txt" || true
            rows_up "$OUT/batchoff$px" ;;
     kbatch) shift  # a batched step's resident experts: grouped GEMM, the table kernels, the expert-major kernels
@@ -240,10 +262,11 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
           python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
           timeout 500 python3 -m benchmarks.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \
-            --decode-tokens 32 --routing "trace:$OUT/fits.safetensors" --configs lean-graphs lru:32GiB lean:32GiB \
+            --decode-tokens 32 --routing "trace:$OUT/fits.safetensors" \
+            --configs "$RESIDENT" lru:expert_budget=32GiB offload:expert_budget=32GiB \
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
-            --decode-tokens 32 --configs hf lean-graphs | tee "$OUT/decode_resident448.txt" ;;
+            --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
     *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

@@ -38,9 +38,9 @@ def test_summary_splits_busy_idle_and_overlap_per_step():
 def test_decode_bench_kernels_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--tiny",
-                    "tiny-6x64", "--device", "cpu", "--reps", "1", "--decode-tokens", "3", "--configs", "lean:12MiB",
+                    "tiny-6x64", "--device", "cpu", "--reps", "1", "--decode-tokens", "3", "--configs", "offload:expert_budget=12MiB",
                     "--kernels"], check=True, capture_output=True, timeout=300)
     row = json.loads((out / "decode_bench.json").read_text())["rows"][0]
     assert row["kernels"]["window"] == "the whole request (no graph replays)"  # no CUDA: no device kernels
     assert row["kernels"]["wall_ms_per_step"] > 0
-    assert (out / "kernels.md").exists() and list(out.glob("trace-lean*.json.gz"))
+    assert (out / "kernels.md").exists() and list(out.glob("trace-offload_expert_budget=12MiB.json.gz"))

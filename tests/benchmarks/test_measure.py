@@ -55,7 +55,7 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
     """`--isolate` (what kt-kernel configurations always get) runs each configuration in a child
     process: its row comes back, and its greedy tokens are compared with `hf`'s from the parent."""
     common = ["--device", "cpu", "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "4", "--reps", "1",
-              "--configs", "hf", "lean:4MiB"]
+              "--configs", "hf", "offload:expert_budget=4MiB"]
     runs = {}
     for name, extra in (("inline", []), ("isolated", ["--isolate"])):
         out = tmp_path / name
@@ -63,17 +63,17 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
                                  *common, *extra], capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
         runs[name] = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
-    assert (tmp_path / "isolated" / "isolated" / "lean_4MiB" / "tokens.pt").exists()
+    assert (tmp_path / "isolated" / "isolated" / "offload_expert_budget=4MiB" / "tokens.pt").exists()
     assert not (tmp_path / "inline" / "isolated").exists()
-    for config in ("hf", "lean:4MiB"):
+    for config in ("hf", "offload:expert_budget=4MiB"):
         inline, isolated = runs["inline"][config], runs["isolated"][config]
         assert isolated["tokens_agreeing_with_hf"] == inline["tokens_agreeing_with_hf"]
         assert isolated.get("decode_hit_rate") == inline.get("decode_hit_rate")
-    assert runs["isolated"]["lean:4MiB"]["tokens_agreeing_with_hf"] is not None
+    assert runs["isolated"]["offload:expert_budget=4MiB"]["tokens_agreeing_with_hf"] is not None
 
 
 def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
-    """`+gguf` loads from `--gguf DIR` (here the synthetic writer's tiny checkpoint, Q4_K experts): its
+    """`gguf_path=DIR` loads that checkpoint (here the synthetic writer's tiny one, Q4_K experts): its
     store keeps the file's format, the other configuration's is the model's dtype."""
     from benchmarks.models.synthetic_gguf import write_synthetic_checkpoint
     from vismmoe_kt.demo.tiny import SPECS, build_config, build_processor
@@ -84,14 +84,17 @@ def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--device", "cpu",
                "--tiny", "tiny-2x8", "--image-size", "96", "--decode-tokens", "3", "--reps", "1", "--routing", "model",
-               "--configs", "lean:24MiB", "lean:24MiB+gguf"]
-    result = subprocess.run([*command, "--gguf", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600)
+               "--configs", "offload:expert_budget=24MiB"]
+    gguf = f"offload:expert_budget=24MiB,gguf_path={tmp_path / 'ckpt'}"
+    result = subprocess.run([*command, gguf], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
-    assert rows["lean:24MiB+gguf"]["store"] == "q4_k" and rows["lean:24MiB"]["store"] == "model"
-    assert rows["lean:24MiB+gguf"]["load_s"] > 0
-    missing = subprocess.run(command, capture_output=True, text=True, timeout=600)  # no --gguf: refused up front
-    assert missing.returncode == 2 and "give --gguf" in missing.stderr
+    assert rows[gguf]["store"] == "q4_k" and rows["offload:expert_budget=24MiB"]["store"] == "model"
+    assert rows[gguf]["load_s"] > 0 and rows[gguf]["rules"] == "optimize_rules/qwen3vl-offload.yaml"
+    missing = subprocess.run([*command, f"offload:gguf_path={tmp_path / 'none'}"], capture_output=True, text=True,
+                             timeout=600)  # refused before the first configuration loads
+    assert missing.returncode == 2 and "cannot read the model's family from" in missing.stderr
+    assert "Traceback" not in missing.stderr and not (out / "none").exists()
 
 
 def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
@@ -101,7 +104,7 @@ def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
     KV, which the runner would keep for a next turn), and each request gets its tokens alone, under
     the routing source too (the same table it had in the timed run)."""
     command = [sys.executable, "-m", "benchmarks.decode_bench", "--out", str(tmp_path), "--device", "cpu",
-               "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "6", "--reps", "1", "--configs", "lean:1GiB",
+               "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "6", "--reps", "1", "--configs", "offload:expert_budget=1GiB",
                "--concurrency", "2", "3"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -113,7 +116,7 @@ def test_decode_bench_concurrency_decodes_requests_together(tmp_path):
         assert batched["reused_prefixes"] == 0 and batched["grouped_prompts"] == batched["requests"]
         assert batched["tokens_agreeing_alone"] == [1.0] * batched["requests"]
     assert "3 requests together" in result.stdout and "2 requests together" in result.stdout
-    offloaded = [*command[:command.index("--configs")], "--configs", "lean:1280KiB", "--routing", "synthetic",
+    offloaded = [*command[:command.index("--configs")], "--configs", "offload:expert_budget=1280KiB", "--routing", "synthetic",
                  "--concurrency", "3", "--out", str(tmp_path / "offloaded")]
     result = subprocess.run(offloaded, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -128,19 +131,21 @@ def test_decode_bench_splits_a_cpu_expert_prefill(tmp_path):
     CPU experts' calls (their prefill calls only), and the GB/s of expert weights that implies."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(tmp_path),
                              "--device", "cpu", "--tiny", "tiny-6x64", "--image-size", "96", "--decode-tokens", "4",
-                             "--reps", "1", "--configs", "kt-cpu"], capture_output=True, text=True, timeout=600)
+                             "--reps", "1", "--configs", "kt-cpu:cpu_backend=kt-kernel"], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]
     assert row["prefill_vision_s"] > 0 and row["prefill_cpu_expert_s"] > 0 and row["prefill_cpu_expert_gb_s"] > 0
-    assert re.search(r"kt-cpu: a prefill's [\d.]+ s: vision tower [\d.]+ s, CPU experts [\d.]+ s", result.stdout)
+    assert re.search(r"kt-cpu:cpu_backend=kt-kernel: a prefill's [\d.]+ s: vision tower [\d.]+ s, CPU experts [\d.]+ s", result.stdout)
 
 
 def test_decode_bench_reports_the_layerwise_gpu_prefill(tmp_path):
-    """kt-cpu+gpuprefill: the prompt's experts go through the host copy (here the CPU twin), a quarter of each
+    """kt-cpu with gpu_prefill_tokens: the prompt's experts go through the host copy (here the CPU twin), a quarter of each
     layer's there and the rest on the CPU backend, and the row says so."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(tmp_path),
                              "--device", "cpu", "--tiny", "tiny-6x64", "--image-size", "96", "--decode-tokens", "4",
-                             "--reps", "1", "--configs", "kt-cpu+gpuprefill=2+share=0.25"],
+                             "--reps", "1", "--configs",
+                             "kt-cpu:cpu_backend=kt-kernel,gpu_prefill_tokens=2,gpu_prefill_share=0.25"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads((tmp_path / "decode_bench.json").read_text())["rows"][0]
@@ -163,16 +168,3 @@ def test_decode_rate_is_measured_from_the_tokens_arrivals(tiny_dir, image_inputs
     assert len(syncs) == 2 and len(timed.gaps_s) == 5 and timed.tokens.shape == (6,)
     assert timed.decode_tok_s == pytest.approx(5 / sum(timed.gaps_s), rel=1e-9)
     assert timed.prefill_s > 0
-
-
-def test_decode_bench_pin_sets_the_prefix_depth_of_vismmoe_configurations_only():
-    """`+pin=N` checks the automatic pinned depth by measurement: it sets `pinned_layers` on lean:BUDGET,
-    and is refused where no prefix exists (lru pins nothing by definition)."""
-    from benchmarks.decode_bench import parse_config
-
-    rules, overrides = parse_config("lean:32GiB+pin=11")
-    assert overrides == {"expert_budget": "32GiB", "pinned_layers": 11}
-    with pytest.raises(SystemExit, match=r"\+pin apply to lean:BUDGET only"):
-        parse_config("lru:32GiB+pin=3")
-    with pytest.raises(SystemExit, match="unknown option"):
-        parse_config("lean:32GiB+pin=x")

@@ -35,8 +35,9 @@ def default_cpu_threads() -> int:
     return max(physical_cores() - RESERVED_CORES, 1)
 
 
-def parse_set(values: list[str]) -> dict[str, Any]:
-    """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings)."""
+def parse_set(values: list[str], flag: str = "--set") -> dict[str, Any]:
+    """`--set key=value` pairs; values are parsed as YAML scalars (numbers, booleans, strings). `flag` names
+    where they came from in errors (a benchmark's `--configs NAME:key=value,...` takes the same pairs)."""
     import yaml
 
     from ..core.inject import check_yaml_size
@@ -45,14 +46,14 @@ def parse_set(values: list[str]) -> dict[str, Any]:
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise InputError(f"--set {item!r}: expected key=value")
+            raise InputError(f"{flag} {item!r}: expected key=value")
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:
-            raise InputError(f"--set {item}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+            raise InputError(f"{flag} {item}: the value is not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
         except RecursionError:
-            raise InputError(f"--set {item}: the value is nested too deeply") from None
-        check_yaml_size(parsed, f"--set {key.strip()}", InputError)
+            raise InputError(f"{flag} {item}: the value is nested too deeply") from None
+        check_yaml_size(parsed, f"{flag} {key.strip()}", InputError)
         out[key.strip()] = parsed
     return out
 

@@ -224,6 +224,18 @@ def plan_rules(model: nn.Module, rules: str | Path | list, default_device: str =
     return plan
 
 
+DEVICE_KEYS = ("generate_device", "prefill_device")  # set on every module, whether its rule names them or not
+
+
+def check_override_keys(kwargs: list[dict[str, Any]], overrides: Any) -> None:
+    """Every override is a device key or a kwarg that one of `kwargs` (the rules' or plan entries') sets,
+    else a RuleError naming it and the kwargs there are."""
+    for key in overrides:
+        if key not in DEVICE_KEYS and not any(key in entry for entry in kwargs):
+            known = sorted({k for entry in kwargs for k in entry} - set(DEVICE_KEYS))
+            raise RuleError(f"override {key!r} is not a kwarg of any rule; known kwargs: {', '.join(known) or 'none'}")
+
+
 def apply_overrides(plan: dict[str, dict], overrides: dict[str, Any]) -> dict[str, dict]:
     """Apply user overrides on top of a plan (returns a new plan).
 
@@ -231,16 +243,13 @@ def apply_overrides(plan: dict[str, dict], overrides: dict[str, Any]) -> dict[st
     wherever a rule set it. A key that no entry has is an error listing the keys that exist.
     """
     plan = copy.deepcopy(plan)
-    known = sorted({k for entry in plan.values() for k in entry["kwargs"]} - {"generate_device", "prefill_device"})
+    check_override_keys([entry["kwargs"] for entry in plan.values()], overrides)
     for key, value in overrides.items():
-        if key in ("generate_device", "prefill_device"):
+        if key in DEVICE_KEYS:
             for entry in plan.values():
                 entry["kwargs"][key] = value
             continue
-        hits = [entry for entry in plan.values() if key in entry["kwargs"]]
-        if not hits:
-            raise RuleError(f"override {key!r} is not a kwarg of any rule; known kwargs: {', '.join(known) or 'none'}")
-        for entry in hits:
+        for entry in (entry for entry in plan.values() if key in entry["kwargs"]):
             entry["kwargs"][key] = copy.deepcopy(value)
     return plan
 

@@ -24,7 +24,7 @@ from .checkpoint import CheckpointReader
 from .gguf_checkpoint import GgufCheckpointReader
 from .context import DecodeOptions, LoadContext, context_of
 from ..errors import LoadError
-from .inject import inject
+from .inject import check_override_keys, inject, read_rules
 from ..models import ModelAdapter, adapter_for
 from .weights import load_module_tree, meta_tensor_names
 
@@ -176,6 +176,18 @@ def load(
     processor = adapter.load_processor(model_dir)
     model.vismmoe.load_seconds = time.perf_counter() - start
     return model, processor
+
+
+def check_overrides(rules: Any, overrides: dict[str, Any]) -> None:
+    """What `load` would refuse in `overrides` for the rules they go with, refused before anything is built
+    (a benchmark checks all its configurations before it runs the first): an engine option's value, or a key
+    that is neither a load option nor a kwarg some rule sets (the RuleError inject gives)."""
+    try:
+        DecodeOptions(**{key: overrides[key] for key in ENGINE_KEYS if key in overrides})
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
+    check_override_keys([rule.kwargs for rule in read_rules(rules if rules is not None else [])],
+                        [key for key in overrides if key not in (*ENGINE_KEYS, "cpu_infer")])
 
 
 def assemble(config: Any, adapter: ModelAdapter, reader: Any, rules: Any, device: str, progress: bool,

@@ -23,6 +23,8 @@ KWARG_NOTES = {
     ("VisExperts", "store_dtype"): "a GGUF's expert format as stored, else model | q8_0 | q4_0 | q4_k | q5_k",
     ("VisExperts", "slab_format"): "quantized where it works (a quantized store, miss_policy wait, no predictor) | "
                                    "dequantized | quantized",
+    ("VisExperts", "batch_experts"): "a batched step's pinned layers: auto (the table kernel up to batch_table_pairs "
+                                     "pairs, then expert-major) | table | grouped-gemm | expert-major",
     ("VisExperts", "predictor"): "a predictor.pt from `vismmoe-kt calibrate`; null: prefetch by routing history",
     ("SourceRouter", "routing"): "synthetic[:SEED] | trace:PATH replace the routers' choice; model keeps it",
     ("SourceRouter", "record"): "keep what the routers chose (`vismmoe-kt trace record`)",

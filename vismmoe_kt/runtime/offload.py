@@ -28,7 +28,7 @@ from .executors.table_step import TableStepExecutor
 from .kernels import expert_major, quantized_major
 from .miss_policy import MissPolicy
 from .offload_plan import OffloadPlan, PlanFacts, built_backend_check, resolve_plan
-from .offload_settings import BATCH_EXPERTS, OffloadSettings  # noqa: F401 (BATCH_EXPERTS: decode_bench's choices)
+from .offload_settings import OffloadSettings
 from .offload_stats import layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
 from .residency import Residency
@@ -150,7 +150,7 @@ class OffloadRuntime(EngineQueries):
 
     @batch_experts.setter
     def batch_experts(self, mode: str) -> None:
-        """A benchmark's or a test's choice after load (the rules' `batch_experts`): the plan again."""
+        """A test's choice after load (else the rules' or `--set`'s `batch_experts`): the plan again."""
         self._given = replace(self._given, batch_experts=mode)
         self._replan()
 

@@ -137,18 +137,19 @@ def decode_bench(out, monkeypatch, tokens, *configs) -> dict:
 def test_decode_bench_lru_misses_and_decodes_what_all_resident_does(tmp_path, monkeypatch):
     """Stock transformers with every expert resident against LRU at 30% of the experts: LRU misses (expert
     bytes cross every decode token) and, with features off, decodes the same tokens."""
-    rows = decode_bench(tmp_path, monkeypatch, 3, "hf", "lru:30%")
-    assert set(rows) == {"hf", "lru:30%"}
-    assert rows["hf"]["prompt_tokens"] == rows["lru:30%"]["prompt_tokens"] > 257  # 257 image tokens + the text
-    lru = rows["lru:30%"]
+    rows = decode_bench(tmp_path, monkeypatch, 3, "hf", "lru:expert_budget=30%")
+    assert set(rows) == {"hf", "lru:expert_budget=30%"}
+    assert rows["hf"]["prompt_tokens"] == rows["lru:expert_budget=30%"]["prompt_tokens"] > 257  # 257 image tokens + the text
+    lru = rows["lru:expert_budget=30%"]
+    assert lru["rules"] == "optimize_rules/deepseek-ocr2-lru.yaml" and rows["hf"]["rules"] is None
     assert lru["decode_tok_s_median"] > 0 and lru["decode_bytes_per_token"] > 0 and lru["decode_hit_rate"] < 1
     assert lru["pinned_layers"] == 0 and lru["slabs"] == int(0.3 * 704)
     assert lru["tokens_agreeing_with_hf"] == 3
 
 
 def test_decode_bench_vismmoe_pins_a_prefix_and_misses_beyond_it(tmp_path, monkeypatch):
-    rows = decode_bench(tmp_path, monkeypatch, 2, "lean:30%")
-    row = rows["lean:30%"]
+    rows = decode_bench(tmp_path, monkeypatch, 2, "offload:expert_budget=30%")
+    row = rows["offload:expert_budget=30%"]
     assert row["pinned_layers"] == 1 and row["slabs"] == int(0.3 * 704) - 64
     assert row["decode_bytes_per_token"] > 0 and row["decode_hit_rate"] < 1 and row["tokens_agreeing_with_hf"] is None
 
@@ -169,6 +170,20 @@ def test_decode_bench_bad_model_flags_are_clear_errors(args, message, tmp_path, 
     assert message in capsys.readouterr().err
 
 
-def test_decode_bench_hybrid_is_qwen3_vl_only(tmp_path, monkeypatch):
-    with pytest.raises(SystemExit, match="the deepseek_ocr2 family has none"):
-        decode_bench(tmp_path, monkeypatch, 2, "hybrid:30%")
+@pytest.mark.parametrize("spec, message", [
+    ("offload:expert_budgt=30%", "--configs offload:expert_budgt=30%: override 'expert_budgt' is not a kwarg of any "
+                                 "rule; known kwargs: batch_experts, batch_table_pairs, compression, expert_budget"),
+    ("lru:pinned_layers=2", "override 'pinned_layers' is not a kwarg of any rule"),  # lru pins nothing
+    ("lean:30%", "unknown configuration 'lean': hf, a placement (vismmoe, gpu, offload"),
+    ("offload:graphs=sometimes", "graphs 'sometimes' is not one of: auto, cuda, replay, off"),
+    ("offload:expert_budget", "'expert_budget' is not key=value"),
+])
+def test_decode_bench_bad_configurations_are_usage_errors_before_anything_loads(spec, message, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A configuration is checked as `--set` checks its keys, every one before the first loads: a usage
+    error (status 2) naming the configuration and the key, no traceback, no row written."""
+    with pytest.raises(SystemExit) as exit_:
+        decode_bench(tmp_path, monkeypatch, 2, "hf", spec)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "decode_bench.json").exists()
