@@ -41,7 +41,7 @@ class DecodeBoundary:
     def __init__(self, residency: Any, miss: Any = None, on_enter: Callable[[], None] = lambda: None,
                  on_arm: Callable[[], None] = lambda: None):
         """`miss`: the hybrid's MissPolicy (None without a CPU miss path); `on_enter`: decode starts;
-        `on_arm`: a table step is armed (before it) or over (after it): `armed` says which."""
+        `on_arm`: a table step is armed (before it) or over (after it): the runtime binds its executor again."""
         self.res, self.miss, self.on_enter, self.on_arm = residency, miss, on_enter, on_arm
         self.armed = False                         # between before_step and after_step
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
