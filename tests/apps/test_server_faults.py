@@ -450,6 +450,20 @@ def test_max_queue_zero_serves_one_at_a_time_and_refuses_before_preparing(demo):
         assert_serves(engine, url)
 
 
+@pytest.mark.parametrize("max_batch,max_queue", [(1, 0), (1, 2), (3, 2)])
+def test_the_server_holds_max_batch_plus_max_queue_requests(demo, max_batch, max_queue):
+    """The one admission rule: `max_batch` running and `max_queue` waiting; the next one is a 429 at once."""
+    from vismmoe_kt.apps.serve.errors import ApiError
+
+    engine, _, _ = make_server(demo, max_queue=max_queue, max_batch=max_batch)
+    tickets = [engine.admit() for _ in range(max_batch + max_queue)]
+    with pytest.raises(ApiError) as refused:
+        engine.admit()
+    assert refused.value.status == 429 and engine.metrics.registry.get_sample_value("vismmoe_requests_rejected_total") == 1
+    tickets.pop().leave()  # a place given back is a place for the next one
+    engine.admit()
+
+
 # -- 6. access ----------------------------------------------------------------------------------------
 
 def test_with_an_api_key_every_route_but_health_and_the_page_needs_it(demo, monkeypatch):
