@@ -151,7 +151,8 @@ def test_concurrent_clients_get_their_own_answers_or_a_clean_429(server):
 
 @pytest.mark.parametrize("rules", [None, "optimize_rules/qwen3vl-offload.yaml"])  # transformers' loop; lean decode
 def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference, rules):
-    """Closing the stream (a client that went away) stops generate() early and releases the turn."""
+    """Closing the stream (a client that went away) stops the generation early (transformers' loop through
+    the SerialRunner; the lean decode path through a ModelRunner of one slot) and frees its slot."""
     import asyncio
 
     from vismmoe_kt import load
@@ -176,9 +177,9 @@ def test_a_cancelled_request_stops_generating_and_frees_its_slot(reference, rule
             await task
         except asyncio.CancelledError:
             pass
-        second = Usage()  # waits for the turn, which the cancelled generation gives back within a step
+        second = Usage()  # waits for the slot, which the cancelled generation gives back within a step
         text = "".join([p async for p in engine.stream(ChatRequest(request.messages, max_tokens=2), second)])
-        assert not engine._turn.locked() and engine._running == engine._waiting == 0
+        assert engine.runner.idle and engine._running == engine._waiting == 0
         return usage, second, text
 
     usage, second, text = asyncio.run(scenario())

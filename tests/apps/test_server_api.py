@@ -3,7 +3,7 @@
 Prometheus' parser reads it.
 
 Against the fault tests' server (test_server_faults.py: the demo model's processor, `SlowWords` in place
-of the generation: one known word per token), so what reached the model is observed, not guessed.
+of the engine's runner: one known word per token), so what reached the model is observed, not guessed.
 """
 
 import json
@@ -49,12 +49,12 @@ def sse_events(r: httpx.Response) -> list:
 ])
 def test_an_unsupported_parameter_is_a_400_naming_it(served, field, value):
     engine, url, _, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     r = post(url, "/v1/chat/completions", chat_body("hi", max_tokens=2, **{field: value}))
     assert r.status_code == 400
     error = openai_error(r)
     assert error["param"] == field and error["code"] == "unsupported_parameter" and f"'{field}'" in error["message"]
-    assert len(engine.generate_fn.calls) == calls  # refused before anything ran
+    assert len(engine.runner.calls) == calls  # refused before anything ran
 
 
 def test_the_openai_client_sees_the_refused_parameter(served):
@@ -80,11 +80,11 @@ def test_parameters_at_their_off_value_and_user_are_accepted(served):
 
 def test_the_developer_role_is_the_system_prompt(served):
     engine, url, _, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "developer", "content": "Answer in one word."},
                                                         {"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
-    prompt = engine.generate_fn.calls[calls]["prompt"]
+    prompt = engine.runner.calls[calls]["prompt"]
     assert "<|im_start|>system\nAnswer in one word.<|im_end|>" in prompt and "developer" not in prompt
 
 
@@ -146,12 +146,12 @@ def test_a_known_model_is_retrieved(served):
 ])
 def test_ollama_errors_are_strings_naming_the_fields_the_client_sent(served, path, body, status, message):
     engine, url, _, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     r = post(url, path, body)
     assert r.status_code == status
     error = ollama_error(r)
     assert message in error and "max_tokens" not in error
-    assert len(engine.generate_fn.calls) == calls
+    assert len(engine.runner.calls) == calls
 
 
 def test_ollama_answers_carry_load_duration_and_its_model_names(served):
@@ -169,10 +169,10 @@ def test_ollama_answers_carry_load_duration_and_its_model_names(served):
 
 def test_generate_takes_a_system_prompt(served):
     engine, url, _, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     r = post(url, "/api/generate", {"prompt": "hi", "system": "Be terse.", "stream": False, "options": {"num_predict": 1}})
     assert r.status_code == 200
-    assert "<|im_start|>system\nBe terse.<|im_end|>" in engine.generate_fn.calls[calls]["prompt"]
+    assert "<|im_start|>system\nBe terse.<|im_end|>" in engine.runner.calls[calls]["prompt"]
 
 
 def test_ollamas_model_routes_have_the_fields_its_clients_read(served):

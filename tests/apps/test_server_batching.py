@@ -74,13 +74,12 @@ def test_a_cancelled_request_stops_within_a_step_and_frees_its_slot(tiny_dir):
     import asyncio
 
     from vismmoe_kt import load
-    from vismmoe_kt.apps.serve.batching import BatchedEngine
-    from vismmoe_kt.apps.serve.engine import Usage
+    from vismmoe_kt.apps.serve.engine import Engine, Usage
     from vismmoe_kt.apps.serve.inputs import Limits, parse_chat
 
     model, processor = load(tiny_dir, RULES, generate_device="cpu", prefill_device="cpu", progress=False)
     # 2000 tokens take seconds even for this model: the cancellation lands long before the budget would end it
-    engine = BatchedEngine(model, processor, "tiny", 2000, None, None, 4, Limits(), max_batch=2, slot_tokens=2048)
+    engine = Engine(model, processor, "tiny", 2000, None, None, 4, Limits(), max_batch=2, slot_tokens=2048)
 
     async def scenario() -> tuple[Usage, Usage]:
         cancelled, kept = Usage(), Usage()
@@ -145,6 +144,49 @@ def test_the_demo_batches_without_a_rule_file():
         before = batch_steps(url)
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             together = list(pool.map(ask, range(8)))
-        assert batch_steps(url)[0] > before[0]  # the batching engine decoded them
+        assert batch_steps(url)[0] > before[0]  # a ModelRunner decoded them
     assert together == alone == stock_answers
     assert len(set(alone)) > 1  # different questions, different answers: the rows did not mix
+
+
+def test_max_batch_1_and_4_are_one_engine_with_the_same_greedy_answers():
+    """`--max_batch 1` is the batching engine with one slot: the stock demo (no lean decode path) through
+    the SerialRunner (transformers' loop), the demo's batching rules through a ModelRunner of one slot,
+    and `--max_batch 4` through one of four, all one Engine class; concurrent clients get the same greedy
+    answers from each."""
+    from conftest import running_app
+    from vismmoe_kt.apps.serve.engine import Engine
+    from vismmoe_kt.apps.serve.runners import SerialRunner
+    from vismmoe_kt.demo.tiny import BATCHING_RULES
+    from vismmoe_kt.engine.runner import ModelRunner
+
+    questions = ["What colour is the square?", "How many triangles are there?", "What shape is red?",
+                 "Describe the image."]
+    common = ["--demo", "--generate_device", "cpu", "--prefill_device", "cpu", "--max_new_tokens", "6",
+              "--max_queue", "4", "--slot_tokens", "512"]
+    setups = {"serial": ["--max_batch", "1"], "one slot": ["--max_batch", "1", "--optimize_config_path",
+                                                           str(BATCHING_RULES)], "four slots": ["--max_batch", "4"]}
+    answers, runners = {}, {}
+    for setup, flags in setups.items():
+        app = build_server(build_parser().parse_args(["serve", *common, *flags]))
+        engine = app.state.engine
+        assert type(engine) is Engine and engine.max_batch == int(flags[1])
+        runners[setup] = type(engine.runner)
+        with running_app(app) as port:
+            from openai import OpenAI
+
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+            def ask(i: int) -> str:
+                buffer = io.BytesIO()
+                make_image(64 + 8 * i, 48, seed=i).save(buffer, format="PNG")
+                image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                            base64.b64encode(buffer.getvalue()).decode()}}
+                out = client.chat.completions.create(model="vismmoe-demo", max_tokens=6, temperature=0, messages=[
+                    {"role": "user", "content": [image, {"type": "text", "text": questions[i]}]}])
+                return out.choices[0].message.content
+            with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+                answers[setup] = list(pool.map(ask, range(4)))
+    assert runners == {"serial": SerialRunner, "one slot": ModelRunner, "four slots": ModelRunner}
+    assert answers["serial"] == answers["one slot"] == answers["four slots"]
+    assert len(set(answers["serial"])) > 1  # different questions, different answers: the rows did not mix

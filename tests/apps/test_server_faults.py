@@ -2,7 +2,7 @@
 free, stop strings across pieces, the error contract for odd bodies, the queue, and access control.
 
 The server runs in this process on a free loopback port with the demo model's processor and a stand-in
-for the generation (`SlowWords`: one word every few milliseconds until the limit or a cancellation),
+for the engine's runner (`SlowWords`: one word a step, every few milliseconds, until the limit or a cancellation),
 so that whether a generation was cancelled, and when, is observed rather than timed.
 """
 
@@ -25,6 +25,7 @@ from vismmoe_kt.apps.serve.app import create_app
 from vismmoe_kt.apps.serve.engine import Engine
 from vismmoe_kt.apps.serve.guard import LOOPBACK_HOSTS, bearer_token, host_name
 from vismmoe_kt.apps.serve.inputs import Limits
+from vismmoe_kt.apps.serve.runners import Run
 from vismmoe_kt.apps.serve.stops import StopMatcher
 from vismmoe_kt.demo.tiny import demo_model_dir
 
@@ -33,33 +34,64 @@ HOLD = "HOLD"  # a prompt containing this makes SlowWords wait for a cancellatio
 
 
 class SlowWords:
-    """Stands in for decode.generation.generate: streams WORDS one token every `pace` seconds, checks the
-    stopping criteria before each token, and records every call (its prompt, tokens, cancellation)."""
+    """Stands in for the engine's runner (apps/serve/runners.py's interface): one request at a time, in the
+    order added, one token of WORDS per step every `pace` seconds until its limit or a cancellation. A
+    prompt containing HOLD gets no token until it is cancelled. Records every request it started running
+    (its prompt, limit, tokens, cancellation); `fail` set: the steps raise it (a generation that fails)."""
 
     def __init__(self, tokenizer, pace=0.01):  # a request left to run takes ~20 s: far longer than a cancellation
         self.tokenizer, self.pace = tokenizer, pace
         self.ids = tokenizer(WORDS, add_special_tokens=False)["input_ids"]
-        self.calls = []
+        self.calls, self.queue, self.cancelled = [], [], set()
+        self.current = None  # (request, its call, the deadline of its HOLD)
+        self.fail = None
 
-    def __call__(self, model, inputs, limit, streamer=None, stopping_criteria=None, **sampling):
-        out = inputs["input_ids"].cpu()
-        call = {"prompt": self.tokenizer.decode(out[0]), "limit": limit, "produced": 0, "cancelled": False}
-        self.calls.append(call)
-        streamer.put(out)
-        deadline = time.monotonic() + 60  # bounded: a test that forgets to cancel still ends
-        while HOLD in call["prompt"] and not bool(stopping_criteria(out, None).all()) and time.monotonic() < deadline:
+    @property
+    def idle(self):
+        return not self.queue and self.current is None
+
+    def stats(self):
+        return {"calls": len(self.calls)}
+
+    def add(self, request):
+        request.sequence = Run()
+        self.queue.append(request)
+        return request.sequence
+
+    def cancel(self, request):
+        self.cancelled.add(request)
+
+    def step(self):
+        ended = [r for r in self.queue if r in self.cancelled]  # cancelled while waiting: never started
+        self.queue = [r for r in self.queue if r not in self.cancelled]
+        if self.current is None and self.queue:
+            request = self.queue.pop(0)
+            call = {"prompt": self.tokenizer.decode(request.inputs["input_ids"][0]), "limit": request.max_new_tokens,
+                    "produced": 0, "cancelled": False}
+            self.calls.append(call)
+            self.current = (request, call, time.monotonic() + 60)  # bounded: a test that forgets to cancel ends
+        if self.current is None:
+            return 0, ended
+        request, call, deadline = self.current
+        if request in self.cancelled:
+            call["cancelled"] = True
+            self.current = None
+            return 0, ended + [request]
+        if self.fail is not None:
+            self.current = None
+            raise self.fail
+        if HOLD in call["prompt"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        for i in range(limit):
-            if bool(stopping_criteria(out, None).all()):
-                call["cancelled"] = True
-                break
-            token = torch.tensor([[self.ids[i % len(self.ids)]]])
-            streamer.put(token[0])
-            out = torch.cat([out, token], dim=1)
-            call["produced"] += 1
-            time.sleep(self.pace)
-        streamer.end()
-        return out
+            return 0, ended
+        token = self.ids[call["produced"] % len(self.ids)]
+        request.sequence.generated.append(token)
+        request.on_token(token)
+        call["produced"] += 1
+        time.sleep(self.pace)
+        if call["produced"] >= request.max_new_tokens:
+            self.current = None
+            ended.append(request)
+        return 1, ended
 
 
 class Spy:
@@ -92,7 +124,7 @@ def make_server(demo, tmp_path_factory=None, max_queue=2, api_key=None, max_body
     media = str(tmp_path_factory.mktemp("media")) if tmp_path_factory else None
     limits = Limits(4, 2**20, media, 4_000_000, max_body)
     engine = Engine(model, Spy(processor), "vismmoe-demo", max_new_tokens=2000, max_queue=max_queue, limits=limits,
-                    generate_fn=SlowWords(processor.tokenizer), **engine_kwargs)
+                    runner=SlowWords(processor.tokenizer), **engine_kwargs)
     return engine, create_app(engine, limits, api_key, list(LOOPBACK_HOSTS)), media
 
 
@@ -181,12 +213,12 @@ STREAMS = {
 def test_a_streaming_client_that_disconnects_mid_stream_frees_the_server(served, path):
     engine, url, port, _ = served
     body, marker = STREAMS[path]
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     s = raw_post(port, path, json.dumps(body).encode())
     read_until(s, marker)  # streaming has begun
     s.close()
-    assert until(lambda: len(engine.generate_fn.calls) > calls and engine.generate_fn.calls[calls]["cancelled"])
-    call = engine.generate_fn.calls[calls]
+    assert until(lambda: len(engine.runner.calls) > calls and engine.runner.calls[calls]["cancelled"])
+    call = engine.runner.calls[calls]
     assert call["produced"] < call["limit"]  # stopped, not run to max_tokens for nobody
     assert_serves(engine, url)
     assert 'vismmoe_num_requests_running 0.0' in httpx.get(url + "/metrics").text
@@ -194,38 +226,38 @@ def test_a_streaming_client_that_disconnects_mid_stream_frees_the_server(served,
 
 def test_a_client_that_disconnects_before_the_first_byte_frees_the_server(served):
     engine, url, port, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     s = raw_post(port, "/v1/chat/completions", json.dumps(chat_body(HOLD, stream=True)).encode())
-    assert until(lambda: len(engine.generate_fn.calls) > calls)  # generating, nothing sent yet
+    assert until(lambda: len(engine.runner.calls) > calls)  # generating, nothing sent yet
     s.close()
-    assert until(lambda: engine.generate_fn.calls[calls]["cancelled"])
-    assert engine.generate_fn.calls[calls]["produced"] == 0
+    assert until(lambda: engine.runner.calls[calls]["cancelled"])
+    assert engine.runner.calls[calls]["produced"] == 0
     assert_serves(engine, url)
 
 
 def test_a_client_that_disconnects_while_queued_never_runs(served):
     engine, url, port, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     holder = raw_post(port, "/v1/chat/completions", json.dumps(chat_body(HOLD, stream=True)).encode())
-    assert until(lambda: len(engine.generate_fn.calls) > calls and engine._running == 1)
+    assert until(lambda: len(engine.runner.calls) > calls and engine._running == 1)
     queued = raw_post(port, "/v1/chat/completions", json.dumps(chat_body("queued one", stream=True)).encode())
     assert until(lambda: engine._waiting == 1)
     queued.close()
     assert until(lambda: engine._waiting == 0)  # it left the queue
     holder.close()
     assert idle(engine)
-    assert not any("queued one" in call["prompt"] for call in engine.generate_fn.calls[calls:])
+    assert not any("queued one" in call["prompt"] for call in engine.runner.calls[calls:])
     assert_serves(engine, url)
 
 
 def test_a_non_streaming_client_that_leaves_stops_its_generation(served):
     engine, url, port, _ = served
-    calls = len(engine.generate_fn.calls)
+    calls = len(engine.runner.calls)
     s = raw_post(port, "/v1/chat/completions", json.dumps(chat_body("a long one", max_tokens=2000)).encode())
-    assert until(lambda: len(engine.generate_fn.calls) > calls and engine.generate_fn.calls[calls]["produced"] > 5)
+    assert until(lambda: len(engine.runner.calls) > calls and engine.runner.calls[calls]["produced"] > 5)
     s.close()
-    assert until(lambda: engine.generate_fn.calls[calls]["cancelled"])
-    assert engine.generate_fn.calls[calls]["produced"] < 2000
+    assert until(lambda: engine.runner.calls[calls]["cancelled"])
+    assert engine.runner.calls[calls]["produced"] < 2000
     assert_serves(engine, url)
 
 
@@ -389,16 +421,12 @@ def test_odd_bodies_get_a_400_in_the_error_contract(served, case):
 
 def test_an_unexpected_failure_is_a_json_500(served):
     engine, url, _, _ = served
-    original = engine.generate_fn
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("the device fell over")
-    engine.generate_fn = broken
+    engine.runner.fail = RuntimeError("the device fell over")
     try:
         r = post(url, "/v1/chat/completions", chat_body("hi"))
         streamed = post(url, "/v1/chat/completions", chat_body("hi", stream=True))
     finally:
-        engine.generate_fn = original
+        engine.runner.fail = None
     assert r.status_code == 500 and "the device fell over" in r.json()["error"]["message"]
     assert '"error"' in streamed.text and "data: [DONE]" in streamed.text
     assert_serves(engine, url)
@@ -420,6 +448,20 @@ def test_max_queue_zero_serves_one_at_a_time_and_refuses_before_preparing(demo):
         assert engine.processor.calls == calls  # refused before any image was decoded or token made
         holder.close()
         assert_serves(engine, url)
+
+
+@pytest.mark.parametrize("max_batch,max_queue", [(1, 0), (1, 2), (3, 2)])
+def test_the_server_holds_max_batch_plus_max_queue_requests(demo, max_batch, max_queue):
+    """The one admission rule: `max_batch` running and `max_queue` waiting; the next one is a 429 at once."""
+    from vismmoe_kt.apps.serve.errors import ApiError
+
+    engine, _, _ = make_server(demo, max_queue=max_queue, max_batch=max_batch)
+    tickets = [engine.admit() for _ in range(max_batch + max_queue)]
+    with pytest.raises(ApiError) as refused:
+        engine.admit()
+    assert refused.value.status == 429 and engine.metrics.registry.get_sample_value("vismmoe_requests_rejected_total") == 1
+    tickets.pop().leave()  # a place given back is a place for the next one
+    engine.admit()
 
 
 # -- 6. access ----------------------------------------------------------------------------------------

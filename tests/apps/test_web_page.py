@@ -97,10 +97,10 @@ def test_stop_aborts_the_answer_and_the_server_stops_generating(demo):  # noqa: 
         page.fill("#prompt", "HOLD on")
         page.press("#prompt", "Enter")
         page.wait_for_selector("#stop:enabled")
-        assert until(lambda: len(engine.generate_fn.calls) == 1)  # generating, nothing sent back yet
+        assert until(lambda: len(engine.runner.calls) == 1)  # generating, nothing sent back yet
         page.click("#stop")
         answered(page, 1)
-        assert until(lambda: engine.generate_fn.calls[0]["cancelled"])  # the abort reached the generation
+        assert until(lambda: engine.runner.calls[0]["cancelled"])  # the abort reached the generation
         assert "stopped" in page.inner_text(".stats") and page.is_disabled("#stop") and page.is_enabled("#send")
         page.click("#settings summary")
         page.fill("#max-tokens", "3")

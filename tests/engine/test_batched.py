@@ -162,14 +162,14 @@ def test_a_conversations_next_turn_prefills_only_what_follows_its_history(case, 
     """A finished request's slot keeps its KV; the conversation's next turn (the history re-sent, as
     chat clients do) is admitted to that slot and prefills only the tokens after the history, and
     gets the tokens it gets alone. The same prompt again reuses all but its last token."""
-    from vismmoe_kt.engine.runner import ModelRunner as BatchRunner
+    from vismmoe_kt.engine.runner import ModelRunner
 
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)
     image = make_image(160, 128, seed=1)
     first = build_inputs(processor, [user_turn("Describe the image.", 1)], [image])
     other = build_inputs(processor, [user_turn("Hello there", 0)], [])
-    runner = BatchRunner(model, max_batch=2, capacity=512, max_queue=4, prefill_chunk=chunk)
+    runner = ModelRunner(model, max_batch=2, capacity=512, max_queue=4, prefill_chunk=chunk)
     with torch.no_grad():
         answered, _ = generate_batch(model, [dict(first), dict(other)], [6, 5], min_new_tokens=6, runner=runner)
         answer = processor.decode(answered[0, first["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -189,12 +189,12 @@ def test_a_history_overwritten_before_its_turn_is_prefilled_again(case):
     """One slot: the follow-up was matched to the slot's history when it was added, but an earlier
     request in the queue ran there first; the follow-up then prefills from its first token (and gets
     the tokens it gets alone), never reading the other request's keys and values."""
-    from vismmoe_kt.engine.runner import BatchRequest, ModelRunner as BatchRunner
+    from vismmoe_kt.engine.runner import BatchRequest, ModelRunner
 
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4),
                             **CPU)
     first = build_inputs(processor, [user_turn("Hello there, how are you today?", 0)], [])
-    runner = BatchRunner(model, max_batch=1, capacity=256, max_queue=4)
+    runner = ModelRunner(model, max_batch=1, capacity=256, max_queue=4)
     with torch.no_grad():
         answered = generate_batch(model, [dict(first)], 4, min_new_tokens=4, runner=runner)[0]
         answer = processor.decode(answered[0, first["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -238,7 +238,7 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     step every stream waits for. Its slot's history hashes them only when a new request's tokens
     could continue it."""
     from vismmoe_kt.engine import prompt_history, runner as runner_module
-    from vismmoe_kt.engine.runner import ModelRunner as BatchRunner
+    from vismmoe_kt.engine.runner import ModelRunner
     from vismmoe_kt.engine.prompt_history import ImageKeys, may_continue
 
     hashed = []
@@ -248,7 +248,7 @@ def test_finished_requests_keep_their_images_unhashed_until_a_next_turn_needs_th
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml",
                             expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * 4), **CPU)
     requests = requests_for(processor)[:2]
-    runner = BatchRunner(model, 2, max(r["input_ids"].shape[1] for r in requests) + 4, max_queue=2)
+    runner = ModelRunner(model, 2, max(r["input_ids"].shape[1] for r in requests) + 4, max_queue=2)
     with torch.no_grad():
         generate_batch(model, [dict(r) for r in requests], 4, runner=runner, min_new_tokens=4)
     assert len(runner.held) == 2 and not hashed  # histories kept, nothing hashed

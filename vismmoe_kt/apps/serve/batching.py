@@ -1,18 +1,18 @@
-"""The server's engine with continuous batching (`vismmoe-kt serve --max_batch N`, N > 1).
+"""The server engine's batching thread: the one thread that owns the model and its runner.
 
-Admission, preparation (images, tokens) and the streamed, stop-matched text are the serial Engine's
-(engine.py). What changes is the turn: instead of one generation thread per request behind a lock,
-one batching thread owns the model and a ModelRunner (engine/runner.py). Started jobs go into its
-inbox; at every step it takes them in, drops the cancelled ones (a client that left, or a stop
-string matched), runs the scheduler's next plan (a chunk of one prompt prefilled, `--prefill_chunk`
-tokens, and a token for every running request, all rows in one forward) and hands each sampled id to its request's streamer. A request
-that ends is finished on the event loop, as in the serial engine.
+Started requests (`Entry`) go into its queue, in the order they were started (FIFO). At every step it
+moves queued requests into the runner while fewer than `max_batch` run there, tells the runner of the
+running ones that were cancelled (a client that left, a stop string matched), runs the runner's next
+step and ends the requests that finished in it: their end is accounted on the event loop
+(`call_soon_threadsafe`), so no await in a consumer's cleanup is needed for a slot to come back. (A
+serial first version released its turn after `await thread.join` in a `finally`; a client that
+disconnected made Starlette cancel that await too, and the turn was never released.)
 
-Slots hold `slot_tokens` tokens (prompt and answer): a request that would not fit gets 400 before it
-waits. `max_batch` requests run at once, `max_queue` more may wait. A step that fails fails the
-requests it ran (500 in their streams), and the server keeps serving.
+A request cancelled while queued leaves the queue at once (`withdraw`, from the event loop), whatever
+the runner is doing. A step that fails fails the requests it ran (500 in their streams); the runner's
+next step drops them, and the server keeps serving.
 
-Data parallel under torchrun (`serve --data_parallel`): every rank runs this engine behind a server of
+Data parallel under torchrun (`serve --data_parallel`): every rank runs this thread behind a server of
 its own (port + rank), its passes in step with the other ranks' (parallel/lockstep.py). While it has no
 requests, it joins a round with the group every IDLE_ROUND_S and serves the passes another rank runs.
 A rank that shuts down stops the group at the next round: every rank ends its requests and stops.
@@ -25,73 +25,60 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from ...engine.runner import PREFILL_BUDGET, BatchRequest, ModelRunner, Sampling
-from .engine import Engine, Job, Prepared, Ticket, TimedStreamer, Usage
-from .errors import ApiError
-from .inputs import ChatRequest
+from .runners import ServedRequest
 
 IDLE_ROUND_S = 0.005  # data parallel, no requests: a round with the group this often (others' passes wait for it)
 
 
-class BatchedEngine(Engine):
-    def __init__(self, *args: Any, max_batch: int, slot_tokens: int, prefill_chunk: int | None = None,
-                 prefill_budget: int = PREFILL_BUDGET, group: Any = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.max_batch = max_batch
-        self.slot_tokens = min(slot_tokens, self.context)
-        # made here, on the thread that loads: an unsuitable model (no lean decode path) fails at start-up
-        self.runner = ModelRunner(self.model, max_batch, self.slot_tokens, max_queue=max_batch + self.max_queue,
-                                  prefill_chunk=prefill_chunk, prefill_budget=prefill_budget)
-        # data parallel over an expert-parallel group (serve --data_parallel): this rank's passes in step
-        # with the others', and while it waits for requests it serves theirs (parallel/lockstep.py)
-        self.lockstep = None
-        if group is not None:
-            from ...parallel.lockstep import Lockstep
+@dataclass(eq=False)
+class Entry:
+    """A started request: its job and place on the event loop's side, what the runner runs."""
+    job: Any
+    request: ServedRequest
+    ticket: Any
+    usage: Any
+    loop: asyncio.AbstractEventLoop
+    started: float = 0.0  # perf_counter when it went into the runner (its prefill starts)
+    error: BaseException | None = None
 
-            self.lockstep = Lockstep(self.model, group)
-        self._inbox: list[tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = []
-        self._active: dict[int, tuple[Job, BatchRequest, Ticket, Usage, float, asyncio.AbstractEventLoop]] = {}
+
+class BatchingThread:
+    """Owns `runner`; `put` an Entry to run it. `ran(entry)` and `ended(entry)` are called on the entry's
+    event loop when it goes into the runner and when it ended (`entry.error`: why it failed)."""
+
+    def __init__(self, runner: Any, max_batch: int, ran: Callable[[Entry], None], ended: Callable[[Entry], None],
+                 lockstep: Any = None, observe: Callable[[int], None] | None = None):
+        self.runner, self.max_batch, self.lockstep = runner, max_batch, lockstep
+        self._ran, self._ended, self._observe = ran, ended, observe
+        self._queue: deque[Entry] = deque()   # started, not yet in the runner (guarded by _wake)
+        self._active: dict[ServedRequest, Entry] = {}  # in the runner (this thread's alone)
         self._wake = threading.Condition()
         self._leaving = False
         self._thread = threading.Thread(target=self._loop, name="vismmoe-batch", daemon=True)
         self._thread.start()
 
-    def admit(self) -> Ticket:
-        """As the serial engine, with `max_batch` requests running beside the `max_queue` that wait."""
-        if self._waiting + self._running >= self.max_queue + self.max_batch:
-            self.metrics.rejected.inc()
-            raise ApiError(429, f"the server is busy: {self._running} requests are running and {self._waiting} "
-                                "waiting", type_="server_busy", code="queue_full")
-        self._waiting += 1
-        self.metrics.set_queue(self._waiting, self._running)
-        return Ticket(self)
-
-    async def start(self, request: ChatRequest, prepared: Prepared, ticket: Ticket, usage: Usage) -> Job:
-        limit = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens,
-                    self.slot_tokens - prepared.prompt_tokens)
-        if limit < 1:
-            raise ApiError(400, f"the prompt is {prepared.prompt_tokens} tokens: a request's slot holds "
-                                f"{self.slot_tokens} (--slot_tokens) with the answer", param="messages",
-                           code="context_length_exceeded")
-        ticket._run()
-        usage.prompt_tokens = prepared.prompt_tokens
-        streamer = TimedStreamer(self.processor.tokenizer, self.metrics.inter_token)
-        streamer.put(prepared.inputs["input_ids"].cpu())  # the prompt, which the streamer skips
-        job = Job(streamer, request.stop, limit)
-        sampling = self._sampling(request)
-        chosen = Sampling(sampling["do_sample"], sampling.get("temperature", 1.0), sampling.get("top_p", 1.0))
-        batch_request = BatchRequest(prepared.inputs, limit, chosen,
-                                     on_token=lambda token: streamer.put(torch.tensor([token])))
+    def put(self, entry: Entry) -> None:
         with self._wake:
-            self._inbox.append((job, batch_request, ticket, usage, time.perf_counter(), asyncio.get_running_loop()))
+            self._queue.append(entry)
             self._wake.notify()
-        return job
 
-    # -- the batching thread ------------------------------------------------------------------------
+    def withdraw(self, entry: Entry) -> None:
+        """A queued request whose client left or was answered: it leaves the queue now and ends, never run.
+        A no-op once it is in the runner (the next step cancels it there)."""
+        with self._wake:
+            try:
+                self._queue.remove(entry)
+            except ValueError:
+                return
+        self._end(entry, None)
+
+    # -- the thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         from ...parallel.lockstep import GroupStopped
 
@@ -103,29 +90,35 @@ class BatchedEngine(Engine):
                 os.kill(os.getpid(), signal.SIGINT)  # uvicorn's own shutdown
 
     def _serve_steps(self) -> None:
+        from ...parallel.lockstep import GroupStopped
+
         while True:
             with self._wake:
-                while not self._inbox and self.runner.idle:
+                while not self._queue and self.runner.idle:
                     if self.lockstep is None:
                         self._wake.wait()
                         continue
                     self._wake.wait(timeout=IDLE_ROUND_S)  # then one round with the group: serve its passes
-                    if not self._inbox:
+                    if not self._queue:
                         break
-                arrived, self._inbox = self._inbox, []
+                arrived = []
+                while self._queue and len(self._active) + len(arrived) < self.max_batch:
+                    arrived.append(self._queue.popleft())
             if self.lockstep is not None and not arrived and self.runner.idle:
                 self.lockstep.tick()
                 continue
             for entry in arrived:
                 try:
-                    self.runner.add(entry[1])
-                except Exception as exc:  # cannot happen after `start`'s checks; reported, not lost
+                    self.runner.add(entry.request)
+                except Exception as exc:  # cannot happen after the engine's checks; reported, not lost
                     self._end(entry, exc)
                     continue
-                self._active[entry[1].sequence.id] = entry
+                entry.started = time.perf_counter()
+                self._active[entry.request] = entry
+                self._call(entry, self._ran)
             for entry in self._active.values():
-                if entry[0].cancel_flag.is_set():
-                    self.runner.cancel(entry[1])
+                if entry.job.cancel_flag.is_set():
+                    self.runner.cancel(entry.request)
             try:
                 with torch.inference_mode():
                     size, ended = self.runner.step()
@@ -134,10 +127,10 @@ class BatchedEngine(Engine):
             except Exception as exc:  # the step's requests fail; the server goes on
                 self._fail_all(exc)
                 continue
-            if size:
-                self.metrics.batch_size.observe(size)
+            if size and self._observe is not None:
+                self._observe(size)
             for request in ended:
-                self._end(self._active.pop(request.sequence.id), None)
+                self._end(self._active.pop(request), None)
 
     def leave_group(self, timeout_s: float = 60.0) -> None:
         """At shutdown, data parallel: stop the group at its next round and wait for this rank's batching
@@ -152,42 +145,31 @@ class BatchedEngine(Engine):
 
     def _fail_all(self, error: BaseException, step: bool = True) -> None:
         """After a step failed half-way: every request in the runner ends with the error, and the runner's
-        next plan drops them all (their slots come back). `step`: run that plan (not once the group
+        next step drops them all (their slots come back). `step`: run that step (not once the group
         stopped: it would need a round)."""
         for entry in self._active.values():
-            self.runner.cancel(entry[1])
+            self.runner.cancel(entry.request)
             self._end(entry, error)
         self._active.clear()
-        if not step:  # the group stopped: nothing more runs here, so the waiting requests end too
+        if not step:  # the group stopped: nothing more runs here, so the queued requests end too
             with self._wake:
-                waiting, self._inbox = self._inbox, []
+                waiting, self._queue = list(self._queue), deque()
             for entry in waiting:
                 self._end(entry, error)
             return
         try:
             with torch.inference_mode():
-                self.runner.step()  # only cancelled requests: the plan drops them and runs nothing
+                self.runner.step()  # only cancelled requests: the runner drops them and runs nothing
         except Exception:  # nothing is left to tell
             pass
 
-    def _end(self, entry, error: BaseException | None) -> None:
-        job, request, ticket, usage, start, loop = entry
-        if error is not None:
-            job.error = error
-        job.ids = None if error is not None else torch.tensor([request.sequence.generated if request.sequence else []])
-        job.streamer.end()
+    def _end(self, entry: Entry, error: BaseException | None) -> None:
+        entry.error = error
+        self._call(entry, self._ended)
+
+    @staticmethod
+    def _call(entry: Entry, callback: Callable[[Entry], None]) -> None:
         try:
-            loop.call_soon_threadsafe(self._finish_batched, job, ticket, usage, start)
+            entry.loop.call_soon_threadsafe(callback, entry)
         except RuntimeError:  # the loop is closed: the server is shutting down
             pass
-
-    def _finish_batched(self, job: Job, ticket: Ticket, usage: Usage, start: float) -> None:
-        ticket._done()
-        end = time.perf_counter()
-        usage.prefill_seconds = (job.first_piece or end) - start
-        usage.total_seconds = end - start
-        if job.ids is not None:
-            usage.completion_tokens = int(job.ids.shape[1])
-            usage.finish_reason = "length" if usage.completion_tokens >= job.limit and not job.matcher.stopped else "stop"
-        self.metrics.finished(usage, job.first_piece, end, cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
-        job.finished.set()

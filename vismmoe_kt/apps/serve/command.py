@@ -23,21 +23,22 @@ def add_parser(commands) -> None:
     serve.add_argument("--temperature", type=TEMPERATURE, help="default sampling temperature when a request gives none "
                                                                 "(0 or unset: greedy)")
     serve.add_argument("--top_p", type=TOP_P, help="default nucleus sampling mass when a request gives none (unset: 1.0)")
-    serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait; more get 429")
+    serve.add_argument("--max_queue", type=at_least(0), default=8, help="requests that may wait (for a slot, beside the --max_batch running ones); more get 429")
     serve.add_argument("--max_batch", type=at_least(1), default=1,
-                       help="requests decoded together (continuous batching; needs the lean decode path, i.e. rules "
-                            "with a VisDecoder, which --demo without rules brings; default 1: one at a time)")
+                       help="requests decoded together (continuous batching); more than 1 needs the lean decode path, "
+                            "i.e. rules with a VisDecoder, which --demo without rules brings (default 1: one at a time; "
+                            "a model without that path runs transformers' loop, one at a time)")
     serve.add_argument("--slot_tokens", type=at_least(2), default=4096,
-                       help="with --max_batch > 1: the tokens (prompt and answer) each running request's KV slot "
-                            "holds (default: %(default)s)")
+                       help="on the lean decode path: the tokens (prompt and answer) each running request's KV slot "
+                            "holds, --max_batch 1 included (default: %(default)s; at most the model's context)")
     serve.add_argument("--prefill_chunk", type=checked(int, lambda v: v == 0 or v >= 2, "0 (whole prompts) or at least 2"),
                        default=0,
-                       help="with --max_batch > 1: prompt tokens prefilled per step beside the running requests' "
+                       help="on the lean decode path: prompt tokens prefilled per step beside the running requests' "
                             "decode (default 0: whole prompts, which measured faster on an H200: an eager prefill "
                             "forward costs about the same for 128 tokens as for 800; rules that prune visual tokens "
                             "prefill whole)")
     serve.add_argument("--prefill_budget", type=at_least(0), default=PREFILL_BUDGET,
-                       help="with --max_batch > 1 and whole prompts: new prompts waiting together are prefilled in "
+                       help="on the lean decode path, with whole prompts: new prompts waiting together are prefilled in "
                             "one forward, their images through one vision-tower call, up to this many tokens "
                             "(default: %(default)s; 0: one prompt per step)")
     serve.add_argument("--data_parallel", action="store_true",
@@ -80,19 +81,15 @@ def build_server(args: argparse.Namespace):
     name = "vismmoe-demo" if args.demo else Path(args.model_path).name
     limits = Limits(args.limit_mm_per_prompt, int(args.max_image_mb * 2**20), args.allowed_local_media_path,
                     args.max_image_pixels, int(args.max_body_mb * 2**20) if args.max_body_mb else None)
-    if args.max_batch > 1 or group is not None:  # data parallel: the batching engine, whose thread keeps in step
-        from .batching import BatchedEngine
-
-        try:
-            engine = BatchedEngine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p,
-                                   args.max_queue, limits, max_batch=args.max_batch, slot_tokens=args.slot_tokens,
-                                   prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget,
-                                   group=group)
-        except ValueError as exc:  # e.g. no lean decode path for these rules
-            raise InputError(f"--max_batch {args.max_batch}: {exc}") from None
-    else:
+    try:
         engine = Engine(model, processor, name, args.max_new_tokens, args.temperature, args.top_p, args.max_queue,
-                        limits)
+                        limits, max_batch=args.max_batch, slot_tokens=args.slot_tokens,
+                        prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget, group=group)
+    except ValueError as exc:  # batching asked of a model without the lean decode path
+        if args.max_batch == 1 and group is None:
+            raise
+        raise InputError(f"{f'--max_batch {args.max_batch}' if args.max_batch > 1 else '--data_parallel'}: {exc}") \
+            from None
     hosts = args.allowed_hosts or default_allowed_hosts(args.host)
     return create_app(engine, limits, args.api_key, hosts)
 

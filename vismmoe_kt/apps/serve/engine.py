@@ -1,60 +1,56 @@
-"""One model, one generation at a time, a bounded wait queue, streamed text, cancellation.
+"""The server's one engine: admission, a bounded wait queue, continuous batching, streamed text, cancellation.
 
 A request goes through four stages:
 
-    admit (on the loop, instant)  ->  prepare (worker thread)  ->  wait for the turn  ->  generate (worker thread)
+    admit (on the loop, instant)  ->  prepare (worker thread)  ->  wait for a slot  ->  run (batching thread)
 
-- `admit` takes a place in the queue or refuses at once with 429: nothing is decoded or tokenised for
-  a request that will be refused. `max_queue` counts the requests that may wait while one runs, so
-  `max_queue 0` still serves one request at a time.
+- `admit` takes a place or refuses at once with 429: nothing is decoded or tokenised for a request
+  that will be refused. The rule: the server holds at most `max_batch + max_queue` requests, admitted
+  and not yet ended. Up to `max_batch` run (each in a slot of the runner); the others wait (being
+  prepared, or queued for a slot). So `max_queue 0` still serves `max_batch` requests at a time, and
+  `--max_batch 1` is the serial server: one runs, `max_queue` may wait behind it.
 - `prepare` decodes the images and tokenises the prompt on a worker thread (at most `PREPARE_SLOTS`
   at a time, so a burst of large images cannot take all memory), after checks from the text length
   alone: a prompt whose characters cannot fit the context is refused before it is tokenised.
-- The turn is an asyncio.Lock (FIFO). Requests run one after another, as in the ktransformers server:
-  its users saw answers mixed between clients without that serialisation.
-- `generate` runs on its own thread and releases the turn itself when it ends
-  (`loop.call_soon_threadsafe`), so no await in a consumer's cleanup is needed for the slot to come
-  back. (The first version released it after `await thread.join` in a `finally`; a client that
-  disconnected made Starlette cancel that await too, and the slot was never released.) Consumers
-  only set the job's cancel flag, which is synchronous; the stopping criterion reads it at the next
-  decode step.
+- `start` hands the request to the batching thread (batching.py), which owns the model and a runner
+  (runners.py: a ModelRunner where the model has our lean decode path, else a SerialRunner around
+  transformers' loop, one request at a time), chosen once when the engine is made. Requests get a
+  slot in the order they were started (FIFO), as in the ktransformers server, whose users saw answers
+  mixed between clients without an order kept. Each sampled id goes to the request's streamer.
+- Consumers only cancel the job, which is synchronous: a queued request leaves the queue at once, a
+  running one ends at the runner's next step (the SerialRunner's stopping criterion reads it within
+  a token). Its end is accounted on the event loop.
 
+A generation that fails is a 500 for its requests (in the stream, once it began); the server serves on.
 Stop strings are matched across streamed pieces (`stops.StopMatcher`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import torch
-from transformers import AsyncTextIteratorStreamer, StoppingCriteria, StoppingCriteriaList
+from transformers import AsyncTextIteratorStreamer
 
-from ...engine.generation import generate
+from ...engine.runner import PREFILL_BUDGET, Sampling
 from ...engine.inputs import build_inputs, model_device
+from .batching import BatchingThread, Entry
 from .errors import ApiError
 from .inputs import ChatRequest, ImageRef, Limits, decode_image
 from .metrics import ServerMetrics
+from .runners import ServedRequest, make_runner
 from .stops import StopMatcher
 
 PREPARE_SLOTS = 2  # requests decoding images / tokenising at once (memory bound: images are decoded whole)
 
 
-class _Cancelled(StoppingCriteria):
-    def __init__(self, flag: threading.Event):
-        self.flag = flag
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
 class TimedStreamer(AsyncTextIteratorStreamer):
     """The request's text streamer, timing the gap between its consecutive tokens for the inter-token
-    latency histogram. `put` runs on the generating thread: once with the prompt (which the streamer
-    skips), then once per token, in the transformers loop, the lean loop and the batching thread alike."""
+    latency histogram. `put` runs on the batching thread: once with the prompt (which the streamer
+    skips), then once per token."""
 
     def __init__(self, tokenizer: Any, gaps: Any):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -87,44 +83,53 @@ class Prepared:
 
 
 class Ticket:
-    """A place in the engine: waiting, then running (until the generation thread ends)."""
+    """A place in the engine: waiting (prepared, then queued for a slot), then running (in the runner)."""
 
     def __init__(self, engine: "Engine"):
         self.engine, self.state = engine, "waiting"
 
     def leave(self) -> None:
-        """Give up a place that is still waiting; once running, the job's end frees it (idempotent)."""
+        """Give up a place before it was started; once started, the request's end frees it (idempotent)."""
         if self.state == "waiting":
             self.engine._waiting -= 1
             self.state = "gone"
-            self.engine.metrics.set_queue(self.engine._waiting, self.engine._running)
+            self.engine._show_queue()
+
+    def _queued(self) -> None:
+        self.state = "queued"  # still waiting: counted so until it gets a slot
 
     def _run(self) -> None:
-        self.engine._waiting -= 1
-        self.engine._running += 1
-        self.state = "running"
-        self.engine.metrics.set_queue(self.engine._waiting, self.engine._running)
+        if self.state == "queued":
+            self.engine._waiting -= 1
+            self.engine._running += 1
+            self.state = "running"
+            self.engine._show_queue()
 
     def _done(self) -> None:
-        self.engine._running -= 1
+        if self.state == "running":
+            self.engine._running -= 1
+        elif self.state == "queued":
+            self.engine._waiting -= 1
         self.state = "gone"
-        self.engine.metrics.set_queue(self.engine._waiting, self.engine._running)
+        self.engine._show_queue()
 
 
 class Job:
-    """One generation on its worker thread. `cancel()` is safe from anywhere, any number of times."""
+    """One request's generation as its consumers see it. `cancel()` is safe on the loop, any number of times."""
 
-    def __init__(self, streamer: AsyncTextIteratorStreamer, stops: list[str], limit: int):
+    def __init__(self, streamer: AsyncTextIteratorStreamer, stops: list[str], limit: int, request: ServedRequest):
         self.streamer, self.limit = streamer, limit
         self.matcher = StopMatcher(stops)
-        self.cancel_flag = threading.Event()
-        self.finished = asyncio.Event()  # set on the loop after the thread ended and the turn was released
+        self.cancel_flag = request.cancel_flag  # read by the batching thread and the SerialRunner
+        self.finished = asyncio.Event()  # set on the loop after the request ended and its place was freed
         self.ids: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.first_piece: float | None = None
+        self.withdraw = lambda: None  # leaves the batching thread's queue (set when started)
 
     def cancel(self) -> None:
         self.cancel_flag.set()
+        self.withdraw()
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text as it is generated, up to a stop string; the held-back tail at the end."""
@@ -142,7 +147,7 @@ class Job:
     async def text(self) -> str:
         """The whole answer, once the generation ended."""
         parts = [piece async for piece in self.pieces()]
-        await self.finished.wait()  # the thread ends within a step once cancelled or done
+        await self.finished.wait()  # the request ends within a step once cancelled or done
         self.raise_error()
         return "".join(parts)
 
@@ -152,13 +157,19 @@ class Job:
 
 
 class Engine:
+    """`runner`: what the batching thread steps (tests hand in a scripted one); by default `make_runner`'s
+    choice for the model, with `max_batch` slots of `slot_tokens` (the model's context at most).
+    `group`: data parallel over an expert-parallel group (serve --data_parallel)."""
+
     def __init__(self, model: Any, processor: Any, name: str, max_new_tokens: int = 1000,
                  temperature: float | None = None, top_p: float | None = None, max_queue: int = 8,
-                 limits: Limits | None = None, generate_fn: Callable[..., torch.Tensor] = generate):
+                 limits: Limits | None = None, *, max_batch: int = 1, slot_tokens: int = 4096,
+                 prefill_chunk: int | None = None, prefill_budget: int = PREFILL_BUDGET, group: Any = None,
+                 runner: Any = None):
         self.model, self.processor, self.name = model, processor, name
         self.max_new_tokens, self.temperature, self.top_p, self.max_queue = max_new_tokens, temperature, top_p, max_queue
+        self.max_batch = max_batch
         self.limits = limits or Limits()
-        self.generate_fn = generate_fn  # tests hand in a stand-in to control timing; the server uses ours
         self.context = model.vismmoe.adapter.context_length(model.config)
         tokenizer = processor.tokenizer
         self.special_tokens = sorted(set(tokenizer.all_special_tokens) | {
@@ -168,19 +179,33 @@ class Engine:
         self.chars_per_token = max((len(t) for t in tokenizer.get_vocab() if t not in self.special_tokens), default=1)
         self.metrics = ServerMetrics(model)
         self._waiting = self._running = 0
-        self._turn: asyncio.Lock | None = None
         self._prepare_slots: asyncio.Semaphore | None = None
+        self.slot_tokens: int | None = None  # the tokens a request may hold, when less than the context
+        if runner is None:  # made here, on the thread that loads: an unsuitable model fails at start-up
+            runner, self.slot_tokens = make_runner(model, max_batch, min(slot_tokens, self.context), prefill_chunk,
+                                                   prefill_budget, "--data_parallel" if group is not None else None)
+        self.runner = runner
+        lockstep = None
+        if group is not None:  # this rank's passes in step with the others'; idle, it serves theirs
+            from ...parallel.lockstep import Lockstep
+
+            lockstep = Lockstep(model, group)
+        self._batching = BatchingThread(runner, max_batch, ran=lambda entry: entry.ticket._run(), ended=self._finish,
+                                        lockstep=lockstep, observe=self.metrics.batch_size.observe)
 
     # -- stages -------------------------------------------------------------------------------
     def admit(self) -> Ticket:
-        """A place in the queue, or 429 at once when `max_queue` requests already wait behind a running one."""
-        if self._waiting + self._running > self.max_queue:
+        """A place, or 429 at once when `max_batch + max_queue` requests are already in the server."""
+        if self._waiting + self._running >= self.max_batch + self.max_queue:
             self.metrics.rejected.inc()
-            raise ApiError(429, f"the server is busy: {self._waiting} requests are waiting", type_="server_busy",
-                           code="queue_full")
+            raise ApiError(429, f"the server is busy: {self._running} requests are running and {self._waiting} "
+                                "waiting", type_="server_busy", code="queue_full")
         self._waiting += 1
-        self.metrics.set_queue(self._waiting, self._running)
+        self._show_queue()
         return Ticket(self)
+
+    def _show_queue(self) -> None:
+        self.metrics.set_queue(self._waiting, self._running)
 
     def check_text(self, request: ChatRequest) -> None:
         """Checks from the text alone, cheap enough for the event loop."""
@@ -223,63 +248,54 @@ class Engine:
                            param="messages", code="context_length_exceeded")
         return Prepared(inputs.to(model_device(self.model)), length)
 
-    async def start(self, request: ChatRequest, prepared: Prepared, ticket: Ticket, usage: Usage) -> Job:
-        """Wait for the turn, then start generating on a worker thread."""
-        if self._turn is None:
-            self._turn = asyncio.Lock()
-        await self._turn.acquire()
-        # From here to the thread's start there is no await: the turn cannot be lost to a cancellation.
-        try:
-            return self._launch(request, prepared, ticket, usage)
-        except BaseException:
-            self._turn.release()
-            raise
-
-    def _launch(self, request: ChatRequest, prepared: Prepared, ticket: Ticket, usage: Usage) -> Job:
-        ticket._run()
+    def start(self, request: ChatRequest, prepared: Prepared, ticket: Ticket, usage: Usage) -> Job:
+        """Hand the request to the batching thread, which runs it when a slot is free (FIFO)."""
+        slot = self.slot_tokens or self.context
+        limit = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens, slot - prepared.prompt_tokens)
+        if limit < 1:  # only with slots smaller than the context: `prepare` checked the context
+            raise ApiError(400, f"the prompt is {prepared.prompt_tokens} tokens: a request's slot holds "
+                                f"{slot} (--slot_tokens) with the answer", param="messages",
+                           code="context_length_exceeded")
         usage.prompt_tokens = prepared.prompt_tokens
-        limit = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens, self.context - prepared.prompt_tokens)
         streamer = TimedStreamer(self.processor.tokenizer, self.metrics.inter_token)
-        job = Job(streamer, request.stop, limit)
-        loop, start = asyncio.get_running_loop(), time.perf_counter()
-
-        def work() -> None:
-            try:
-                with torch.inference_mode():
-                    job.ids = self.generate_fn(self.model, prepared.inputs, limit, streamer=streamer,
-                                               stopping_criteria=StoppingCriteriaList([_Cancelled(job.cancel_flag)]),
-                                               **self._sampling(request))
-            except BaseException as exc:  # reported to the client; the server keeps serving
-                job.error = exc
-                streamer.end()
-            finally:
-                try:
-                    loop.call_soon_threadsafe(self._finish, job, ticket, usage, start)
-                except RuntimeError:  # the loop is closed: the server is shutting down
-                    pass
-
-        threading.Thread(target=work, name="vismmoe-generate", daemon=True).start()
+        streamer.put(prepared.inputs["input_ids"].cpu())  # the prompt, which the streamer skips
+        served = ServedRequest(prepared.inputs, limit, self._sampling(request),
+                               on_token=lambda token: streamer.put(torch.tensor([token])))
+        job = Job(streamer, request.stop, limit, served)
+        entry = Entry(job, served, ticket, usage, asyncio.get_running_loop())
+        job.withdraw = lambda: self._batching.withdraw(entry)
+        ticket._queued()
+        self._batching.put(entry)
         return job
 
-    def _finish(self, job: Job, ticket: Ticket, usage: Usage, start: float) -> None:
-        """On the loop, after the generation thread ended: free the turn, account the request."""
-        ticket._done()
-        self._turn.release()
+    def _finish(self, entry: Entry) -> None:
+        """On the loop, after the request ended (run, cancelled or failed): free its place, account it."""
+        job, usage = entry.job, entry.usage
+        entry.ticket._done()
+        job.error = entry.error
+        sequence = entry.request.sequence
+        job.ids = None if entry.error is not None else torch.tensor([sequence.generated if sequence else []])
+        job.streamer.end()
         end = time.perf_counter()
-        usage.prefill_seconds = (job.first_piece or end) - start
+        start = entry.started or end
+        usage.prefill_seconds = max((job.first_piece or end) - start, 0.0)
         usage.total_seconds = end - start
         if job.ids is not None:
-            usage.completion_tokens = int(job.ids.shape[1]) - usage.prompt_tokens
+            usage.completion_tokens = int(job.ids.shape[1])
             usage.finish_reason = "length" if usage.completion_tokens >= job.limit and not job.matcher.stopped else "stop"
         self.metrics.finished(usage, job.first_piece, end, cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
         job.finished.set()
 
-    def _sampling(self, request: ChatRequest) -> dict:
+    def _sampling(self, request: ChatRequest) -> Sampling:
         temperature = request.temperature if request.temperature is not None else self.temperature
         top_p = request.top_p if request.top_p is not None else self.top_p
         if not temperature:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": temperature, "top_p": top_p if top_p is not None else 1.0}
+            return Sampling()
+        return Sampling(True, temperature, top_p if top_p is not None else 1.0)
+
+    def leave_group(self, timeout_s: float = 60.0) -> None:
+        """At shutdown, data parallel: every rank leaves at one round of the group (BatchingThread)."""
+        self._batching.leave_group(timeout_s)
 
     # -- the whole request ----------------------------------------------------------------------
     async def submit(self, request: ChatRequest, usage: Usage) -> Job:
@@ -288,9 +304,9 @@ class Engine:
         usage.arrived = time.perf_counter()
         try:
             prepared = await self.prepare(request)
-            return await self.start(request, prepared, ticket, usage)
+            return self.start(request, prepared, ticket, usage)
         finally:
-            ticket.leave()  # a no-op once the job runs: its end frees the place
+            ticket.leave()  # a no-op once started: the request's end frees the place
 
     async def stream(self, request: ChatRequest, usage: Usage) -> AsyncIterator[str]:
         """Text pieces of one request; closing or cancelling the consumer cancels the generation."""
@@ -300,5 +316,5 @@ class Engine:
                 yield piece
             await job.finished.wait()
         finally:
-            job.cancel()  # synchronous: a cancelled consumer cannot lose the turn here
+            job.cancel()  # synchronous: a cancelled consumer cannot keep its place here
         job.raise_error()

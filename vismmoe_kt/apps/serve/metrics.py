@@ -45,12 +45,12 @@ class ServerMetrics:
         self.tpot = Histogram("vismmoe_time_per_output_token_seconds", "a request's mean time per token after its first",
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                               registry=registry)
-        self.waiting = Gauge("vismmoe_num_requests_waiting", "requests admitted and not yet generating", registry=registry)
-        self.running = Gauge("vismmoe_num_requests_running", "requests generating", registry=registry)
+        self.waiting = Gauge("vismmoe_num_requests_waiting", "requests admitted and not yet in a slot", registry=registry)
+        self.running = Gauge("vismmoe_num_requests_running", "requests in a slot (prefilling or generating)", registry=registry)
         self.rejected = Counter("vismmoe_requests_rejected", "requests refused with 429 (queue full)", registry=registry)
         self.cancelled = Counter("vismmoe_requests_cancelled", "generations stopped early because the client left",
                                  registry=registry)
-        self.batch_size = Histogram("vismmoe_decode_batch_size", "sequences per decode step (--max_batch > 1)",
+        self.batch_size = Histogram("vismmoe_decode_batch_size", "sequences per batched decode step (the lean decode path)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry)
         self.inter_token = Histogram("vismmoe_inter_token_latency_seconds",
                                      "gap between a request's consecutive tokens",
