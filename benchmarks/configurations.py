@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vismmoe_kt.apps.flags import parse_set
 from vismmoe_kt.core.inject import read_rules
 from vismmoe_kt.core.loader import check_overrides
 from vismmoe_kt.core.placements import (PLACEMENTS, check_placement, family_for_model_type, family_of_model,
-                                        placement_rules, rule_file_name)
+                                        placement_rules, routing_rule, rule_file_name)
 from vismmoe_kt.errors import InputError, VismmoeError
 
 REFERENCE = "hf"
@@ -51,6 +53,16 @@ class Configuration:
     @property
     def gguf_path(self) -> str | None:
         return self.settings.get(GGUF_KEY)
+
+    def routed(self, routing: str, model_type: str) -> list | None:
+        """The rules with a routing source's rule first (`vismmoe-kt rules show --routing`): `model` adds none;
+        the reference gets the routing rule alone (every row replays the same requests' routing)."""
+        if routing == "model":
+            return self.rules
+        family = family_of_model(self.gguf_path) if self.gguf_path else family_for_model_type(model_type)
+        rules = [] if self.rules is None else \
+            yaml.safe_load(Path(self.rules).read_text(encoding="utf-8")) if isinstance(self.rules, str) else self.rules
+        return [routing_rule(family, routing), *rules]
 
     def uses_kt_kernel(self) -> bool:
         """Whether a rule's CPU experts may be kt-kernel's (whose weights outlive the model in the process)."""

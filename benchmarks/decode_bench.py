@@ -110,7 +110,6 @@ from benchmarks.kernel_timeline import profile_kernels, profile_run
 from vismmoe_kt.engine.runner import PREFILL_BUDGET
 from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.operators.routing_source import install_routing
 from benchmarks.configurations import Configuration, parse_configuration
 from benchmarks.models.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
@@ -137,18 +136,17 @@ def load_model(args, config: Configuration):
     """The configuration's model: its rules and settings as `--set` would apply them, the weights from its
     gguf_path (load()'s keyword), the tiny model or the synthetic one."""
     settings = {"generate_device": args.device, "prefill_device": args.device, **config.settings}
+    rules = config.routed(args.routing, family_of(args))  # every configuration replays the same requests' routing
     if config.gguf_path:
         start = time.perf_counter()
-        model, processor = load(config.gguf_path, config.rules, progress=False, **settings)
+        model, processor = load(config.gguf_path, rules, progress=False, **settings)
         model.vismmoe.load_seconds = time.perf_counter() - start
         model.generation_config.eos_token_id = None  # random weights: decode the requested number of tokens
     elif args.tiny_dir:
-        model, processor = load(args.tiny_dir, config.rules, progress=False, **settings)
+        model, processor = load(args.tiny_dir, rules, progress=False, **settings)
     else:
-        model, processor = load_synthetic(args.model, config.rules, layers=args.layers, dtype=args.dtype,
+        model, processor = load_synthetic(args.model, rules, layers=args.layers, dtype=args.dtype,
                                           narrow=args.narrow, progress=False, **settings)
-    if args.routing != "model":  # every configuration replays the same requests' routing
-        install_routing(model, args.routing)
     return model, processor
 
 

@@ -225,7 +225,7 @@ def run_config(config: BenchConfig, budget: str | None, source: ModelSource, set
     load_s = time.perf_counter() - start
     peak_load = torch.cuda.max_memory_allocated() if settings.cuda else None
     if settings.routing != "model":  # every configuration replays the same sequence of requests' routing
-        from vismmoe_kt.operators.routing_source import install_routing
+        from vismmoe_kt.operators.source_router import install_routing
 
         install_routing(model, settings.routing)
     rows, leader = [], None

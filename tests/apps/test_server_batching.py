@@ -100,7 +100,7 @@ def test_a_cancelled_request_stops_within_a_step_and_frees_its_slot(tiny_dir):
 def test_what_batching_needs_is_a_clear_error(tiny_dir):
     args = build_parser().parse_args(["serve", "--model_path", str(tiny_dir), "--generate_device", "cpu",
                                       "--prefill_device", "cpu", "--max_batch", "2"])  # no rules: no lean decode path
-    with pytest.raises(InputError, match="--max_batch 2: batched generation runs on the lean decode path"):
+    with pytest.raises(InputError, match="--max_batch 2: the model runner runs on the lean decode path"):
         build_server(args)
 
 

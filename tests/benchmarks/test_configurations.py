@@ -77,7 +77,7 @@ def test_batch_experts_reaches_the_offload_settings_through_the_kwargs(tiny_dir)
     as `--set batch_experts=...` does for chat and serve."""
     from benchmarks.decode_bench import load_model, runtime_of
 
-    args = SimpleNamespace(device="cpu", tiny_dir=tiny_dir, routing="model")
+    args = SimpleNamespace(device="cpu", tiny_dir=tiny_dir, routing="model", tiny="tiny-4x16")
     for spec, mode, pairs in (("offload:expert_budget=4MiB,batch_experts=expert-major,batch_table_pairs=8",
                                "expert-major", 8), ("offload:expert_budget=4MiB", "auto", 32)):
         model, _ = load_model(args, parse_configuration(spec, "qwen3_vl_moe"))

@@ -79,7 +79,7 @@ def test_batched_requests_follow_their_own_routing_tables(case, graphs):
     """A routing source under batching: each request's slot gets the table it gets alone (request i
     of the synthetic seeds), its prefill (whole, or 16 tokens a step) and every batched step read it,
     so the tokens are the same as alone."""
-    from vismmoe_kt.operators.routing_source import install_routing
+    from vismmoe_kt.operators.source_router import install_routing
 
     budget = int(layer_bytes(SPECS["tiny-4x16"]) * 2)
     model, processor = load(case, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, graphs=graphs, **CPU)

@@ -75,7 +75,7 @@ def _experts(E=6, H=32, I=16, seed=0):
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
-def test_precision_split_computes_each_pair_once_bf16_ones_bit_for_bit(share):
+def test_precision_split_computes_each_pair_once_bf16_ones_as_bf16(share):
     gate_up, down = _experts()
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(20, 32, generator=g)
@@ -99,7 +99,9 @@ def test_precision_split_computes_each_pair_once_bf16_ones_bit_for_bit(share):
         x, ends = seen[0]
         counts = torch.bincount(experts[lowprec], minlength=6)
         assert torch.equal(ends, torch.cumsum(counts, 0))
-    assert torch.equal(got[~lowprec], bf16[~lowprec])   # unswitched: the all-BF16 numbers, bit for bit
+    # unswitched: the all-BF16 numbers (to the last bits only: a CPU GEMM may round a row differently in a
+    # batch of another size, which some machines' kernels do; low precision moves them by far more)
+    torch.testing.assert_close(got[~lowprec], bf16[~lowprec], rtol=1e-5, atol=1e-6)
     # switched: the E4M3 copy's numbers (the CPU GEMM may round rows at other offsets differently)
     torch.testing.assert_close(got[lowprec], low[lowprec], rtol=1e-5, atol=1e-6)
     if lowprec.any():

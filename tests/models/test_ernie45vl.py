@@ -137,7 +137,7 @@ def test_synthetic_routing_reaches_the_text_experts_at_the_text_positions(case, 
     """The text router sees only the text tokens of an image prompt: `--routing synthetic` gives each of
     them its own position's row of the table (not the first rows in order), and decode steps the rows
     after the prompt. The vision experts keep the model's own routing."""
-    from vismmoe_kt.operators.routing_source import install_routing
+    from vismmoe_kt.operators.source_router import install_routing
     from vismmoe_kt.runtime.offload import OffloadRuntime
 
     model_dir, ref, inputs, _ = case
@@ -172,7 +172,7 @@ def test_synthetic_routing_under_batching_gives_each_request_its_tokens_alone(ca
     of every prompt, each mapped to its own slot's table."""
     from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.inputs import build_inputs, user_turn
-    from vismmoe_kt.operators.routing_source import install_routing
+    from vismmoe_kt.operators.source_router import install_routing
 
     from conftest import make_image
 

@@ -10,7 +10,7 @@ from vismmoe_kt import load
 from vismmoe_kt.apps.cli import main
 from vismmoe_kt.demo.tiny import SPECS
 from vismmoe_kt.engine.generation import generate
-from vismmoe_kt.operators.routing_source import install_routing
+from vismmoe_kt.operators.source_router import install_routing
 from vismmoe_kt.errors import InputError
 from vismmoe_kt.routing import load_trace, save_trace, synthetic_trace
 from vismmoe_kt.runtime.offload import OffloadRuntime
@@ -157,7 +157,7 @@ def test_a_routing_rule_routes_as_the_source_put_on_a_loaded_model(tiny_dir, ima
 
     from vismmoe_kt.core.placements import placement_rules, routing_rule
     from vismmoe_kt.core.rule_text import rule_text
-    from vismmoe_kt.operators.routing_source import SourceRouter
+    from vismmoe_kt.operators.source_router import SourceRouter
 
     rules = [routing_rule("qwen3vl", "synthetic:5"), *placement_rules("qwen3vl", "offload")]
     assert yaml.safe_load(rule_text("qwen3vl", "offload", "synthetic:5")) == rules

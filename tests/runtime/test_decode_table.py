@@ -246,7 +246,7 @@ def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
     from vismmoe_kt.engine.generation import generate_batch
     from vismmoe_kt.engine.generation import generate
     from vismmoe_kt.engine.decoding import decode_engine
-    from vismmoe_kt.operators.routing_source import install_routing
+    from vismmoe_kt.operators.source_router import install_routing
     from vismmoe_kt.operators.vis_experts import VisExperts
 
     spec = SPECS["tiny-3x32"]

@@ -11,7 +11,7 @@ from vismmoe_kt import load
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
-from vismmoe_kt.operators.routing_source import install_routing
+from vismmoe_kt.operators.source_router import install_routing
 
 SPEC = SPECS["proxy-48x128"]
 LAYER_BYTES = SPEC.experts * 3 * SPEC.moe_intermediate * SPEC.hidden * 4

@@ -79,7 +79,7 @@ def record(args) -> dict:
     """Run requests with the model's own routing and write what every router chose, token by token."""
     from ..engine.generation import generate
     from ..engine.inputs import ask_inputs
-    from ..operators.routing_source import install_routing
+    from ..operators.source_router import install_routing
     from ..routing import save_trace
     from .calibrate import requests_from_args
     from .flags import load_from_args

@@ -36,7 +36,7 @@ VISION_EXPERTS = f"{OPERATORS}.vis_experts.VisionExperts"
 CPU_EXPERTS = f"{OPERATORS}.cpu_experts.CpuExperts"
 MIXED_PRECISION = f"{OPERATORS}.mixed_precision.MixedPrecisionExperts"
 EP_EXPERTS = f"{OPERATORS}.ep_experts.ExpertParallelExperts"
-SOURCE_ROUTER = f"{OPERATORS}.routing_source.SourceRouter"
+SOURCE_ROUTER = f"{OPERATORS}.source_router.SourceRouter"
 
 GPU = {"generate_device": "cuda:0", "prefill_device": "cuda:0"}
 CPU = {"generate_device": "cpu", "prefill_device": "cpu"}

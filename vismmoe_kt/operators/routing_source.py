@@ -10,17 +10,19 @@ computes on the real weights, so timing stays real and only the choice of expert
     trace:PATH      replay a recorded trace (vismmoe_kt.routing.load_trace formats), request by request
 
 Per request the source builds one table for every position of the request, prompt and decode
-(ids (N, L, k), weights (N, L, k)), independent of the generated tokens. The prefill takes its rows
-by position through forward hooks on the routers (`adapter.with_routing` rebuilds the router's
-output). Rows of a pruned prefill (fewer tokens after the prefix) are the kept positions
-(`context.pruning.keep`).
+(ids (N, L, k), weights (N, L, k)), independent of the generated tokens. Its operators sit on the
+routers (source_router.py: SourceRouter, put there by a rule or on a loaded model) and hand it every
+router call; which request, KV slot and positions a call's tokens are it reads from the forward's
+ModelPass (core/model_pass.py), which the engine publishes for whoever listens. A prefill's router
+output gets its choice replaced by the rows of its tokens' positions (`adapter.with_routing`); rows
+of a pruned prefill (fewer tokens after the prefix) are the kept positions (`context.pruning.keep`).
 
-The model runner (runner.py) gives each KV slot a table of its own (`reserve_slots`): a request's
-`begin(..., slot=s)` fills slot s's rows, its prefill reads them, and the decode step's router reads
-each row's own slot at its own position (`batch_decode_route`, on the device), so a captured step
-replays with the tables' next rows and no host work. Prompts prefilled together (right-padded to one
-length) read their own slots' rows through `begin_rows`; padding tokens read the padding table
-(expert 0 at weight 0). Transformers' own loop (`decode: hf`) reads the single table through the hooks.
+Each runner's KV slots get tables of their own (made on the runner's first prefill, before any of
+its steps is captured): a request's first pass fills its slot's rows, and in a decode step each row
+reads its own slot at its own position on the device, so a captured step replays with the tables'
+next rows and no host work. Prompts prefilled together (right-padded to one length) read their own
+slots' rows; padding tokens read the padding table (expert 0 at weight 0). Transformers' own loop
+(`decode: hf`) reads a single table, position after position.
 
 A synthetic source also keeps the latent state each router read (N, L, D): `latent(index)` is its
 mean over the positions layer `index` routed last (the prompt's in a prefill, the step's position
@@ -41,7 +43,6 @@ from ..core.context import LoadContext
 from ..core.model_pass import ModelPass, SlotRows
 from ..errors import InputError
 from ..models import ModelAdapter
-from .base import BaseInjectedModule
 
 MODES = ("model", "synthetic", "trace")
 HISTORY = 64  # requests whose tables stay for the benchmark's Belady figures (a long run must not grow without end)
@@ -104,6 +105,7 @@ class RoutingSource:
         self._primary_rows: dict[int, torch.Tensor | None] = {}  # MoE layer index -> its tokens that reach the router
         self._prepared: tuple | None = None  # (key, table) that `prepare` made for the next request
         self._watching = False  # the modality pre-hooks are on the decoder layers
+        self._step_rows: tuple | None = None  # the decode step's rows of every layer (_decode_route)
 
     @property
     def replaces(self) -> bool:
@@ -315,15 +317,23 @@ class RoutingSource:
         return self._prefill_route(index, router(hidden))
 
     def _decode_route(self, index: int, rows: SlotRows) -> tuple:
-        slots = rows.active
-        positions = rows.lengths[0, slots]
+        """The step's rows of MoE layer `index`: the first MoE layer gathers every layer's rows of the step's
+        slots at their positions at once (a few launches a step, not a few a layer: inside a captured step
+        each launch costs microseconds), the others take their column of it."""
+        if index == 0 or self._step_rows is None:
+            slots = rows.active
+            positions = rows.lengths[0, slots]
+            weights, ids = self.slot_weights[slots, positions], self.slot_ids[slots, positions]    # (R, L, k)
+            logits = None
+            if self.slot_probabilities is not None:
+                # the router's probabilities as logits the family's scorer maps back onto them (a softmax
+                # exactly; a sigmoid scorer monotonically: what ranks eviction keeps its order)
+                logits = torch.log(self.slot_probabilities[slots, positions].clamp_min(1e-30))    # (R, L, E)
+            self._step_rows = (slots, positions, weights, ids, logits)
+        slots, positions, weights, ids, logits = self._step_rows
         self._routed_at[index] = (slots, positions)
-        weights, ids = self.slot_weights[slots, positions, index], self.slot_ids[slots, positions, index]
-        if self.slot_probabilities is None:
-            return None, weights, ids
-        # the router's probabilities as logits the family's scorer maps back onto them (a softmax exactly;
-        # a sigmoid scorer monotonically: what ranks eviction keeps its order)
-        return torch.log(self.slot_probabilities[slots, positions, index].clamp_min(1e-30)), weights, ids
+        # a column is contiguous for one row (no copy); the expert kernels read several rows' ids as contiguous
+        return None if logits is None else logits[:, index], weights[:, index].contiguous(), ids[:, index].contiguous()
 
     def _modality_hook(self, index: int, name: str):
         """Keeps which of a decoder layer's tokens reach its primary (text) router: those of modality 0
@@ -392,73 +402,3 @@ class RoutingSource:
                              "needs --routing synthetic, whose latent state it reads instead of the model's")
         rows = table[positions, index] if slots is None else table[slots, positions, index]
         return rows.mean(dim=0, keepdim=True)
-
-
-class SourceRouter(BaseInjectedModule):
-    """A MoE layer's router whose choice a routing source replaces: benchmarks route random weights by the
-    synthetic router or a recorded trace (every expert still computes on the real weights), and `model`
-    keeps the router's own choice (with `record`, for `vismmoe-kt trace record`). Rule kwargs: `routing`
-    (model | synthetic[:SEED] | trace:PATH) and `record`; every SourceRouter of a model shares one source,
-    the load context's `routing`, which the expert operators read for a predictor calibrated on synthetic
-    routing."""
-
-    def __init__(self, key: str, gguf_loader: Any, config: Any, orig_module: nn.Module, prefill_device: str = "cuda",
-                 generate_device: str = "cuda", routing: str = "synthetic", record: bool = False, **kwargs: Any):
-        super().__init__(key, gguf_loader, config, orig_module, prefill_device, generate_device, **kwargs)
-        source = self.context.routing
-        if source is None:
-            source = self.context.routing = make_source(routing, self.adapter, config, self.context, record)
-        elif (source.spec, source.record) != (routing, record):
-            raise ValueError(f"every SourceRouter of a model must name the same routing, got {routing!r} (record="
-                             f"{record}) beside {source.spec!r} (record={source.record})")
-        self.source, self.index = source, source.moe_index(self.adapter.layer_of(key))
-
-    def forward(self, hidden: torch.Tensor) -> Any:
-        return self.source.route(self.index, self.orig_module, hidden)
-
-
-def make_source(spec: str, adapter: ModelAdapter, config: Any, context: LoadContext, record: bool = False) -> RoutingSource:
-    """The routing source `spec` names (`model`, `synthetic[:SEED]`, `trace:PATH`)."""
-    mode, argument = parse_spec(spec)
-    trace = None
-    if mode == "trace":
-        from ..routing import TraceFormatError, load_trace
-
-        try:
-            trace = load_trace(argument)
-        except (TraceFormatError, OSError) as exc:
-            raise InputError(f"--routing {spec}: {exc}") from None
-    source = RoutingSource(mode, adapter, config, context, seed=argument if mode == "synthetic" else 0,
-                           trace=trace, record=record)
-    source.spec = spec
-    return source
-
-
-def install_routing(model: Any, spec: str, record: bool = False) -> RoutingSource:
-    """Put a routing source on a loaded model: each MoE router replaced by a SourceRouter, as a rule would
-    (`vismmoe-kt rules show --routing`), the modality pre-hooks on the decoder layers where the family needs
-    them."""
-    info = model.vismmoe
-    adapter, context = info.adapter, info.context
-    if context.routing is not None:
-        raise InputError("this model has a routing source already")
-    context.routing = source = make_source(spec, adapter, model.config, context, record)
-    layers = adapter.decoder_layers(model)
-    names = {id(module): name for name, module in model.named_modules()}
-    holder = _ContextHolder(context)
-    for layer in source.moe_layers:
-        router = adapter.router(layers[layer])
-        name = names[id(router)]
-        parent, _, child = name.rpartition(".")
-        device = next(router.parameters()).device
-        operator = SourceRouter(name, holder, model.config, router, str(device), str(device), spec, record)
-        setattr(model.get_submodule(parent), child, operator)
-    source.watch_modality(layers)
-    return source
-
-
-class _ContextHolder:
-    """What an operator reads its load context from, for operators put on a model after its load."""
-
-    def __init__(self, context: LoadContext):
-        self.context = context

@@ -12,7 +12,7 @@ from benchmarks.bench.inputs import count_tokens, make_request
 from vismmoe_kt.core.loader import _build_on_meta
 from benchmarks.models.synthetic import (SYNTHETIC_MODELS, load_synthetic, routed_expert_bytes, synthetic_config,
                                        synthetic_processor)
-from vismmoe_kt.operators.routing_source import install_routing
+from vismmoe_kt.operators.source_router import install_routing
 from vismmoe_kt.models import adapter_for
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False, dtype="float32")
