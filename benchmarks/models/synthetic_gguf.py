@@ -26,7 +26,7 @@ import torch
 
 from vismmoe_kt.core.loader import _build_on_meta
 from vismmoe_kt.models import adapter_for
-from vismmoe_kt.demo.gguf_export import PlannedTensor, WRITABLE, tensor_type, write_planned
+from vismmoe_kt.demo.gguf_export import PlannedTensor, WRITABLE, llama_metadata, tensor_type, write_planned
 from benchmarks.models.synthetic import SYNTHETIC_MODELS, SyntheticReader, synthetic_config
 from vismmoe_kt.demo.tiny import TinySpec, build_processor
 
@@ -77,7 +77,8 @@ def write_synthetic_checkpoint(out_dir: str | Path, config: Any, processor: Any,
             planned.append(PlannedTensor(gguf_name, split, tensor_type(split, kind),
                                          lambda n=model_name, i=i, k=len(gguf_names): _part(reader, n, i, k)))
     gguf_file = out / f"model-{qtype}.gguf"
-    types = write_planned(planned, gguf_file, "qwen3vlmoe", progress=progress)
+    # llama.cpp's hyperparameters too, so llama-bench loads the same file (its routing: the random weights' own)
+    types = write_planned(planned, gguf_file, "qwen3vlmoe", progress=progress, metadata=llama_metadata(adapter, config))
     info = {"seconds": time.perf_counter() - start, "gguf_file": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size,
             "safetensors_bytes": (out / "model.safetensors").stat().st_size, "qtype": qtype, "rest": rest,
             "seed": seed, "types": types}

@@ -470,3 +470,41 @@ def test_store_dtype_auto_keeps_a_ggufs_expert_format(tiny):
     hybrid, _ = load(hf_dir, "optimize_rules/qwen3vl.yaml", gguf_path=root / "auto-q8.gguf", expert_budget="1GiB",
                      keep_ratio=1.0, cpu_backend="torch", **CPU)
     assert next(m for m in hybrid.modules() if isinstance(m, VisExperts)).runtime.store.fmt == "model"
+
+
+def test_a_written_gguf_carries_what_llama_cpp_reads_before_it_loads(tiny, tmp_path):
+    """llama.cpp refuses a qwen3vlmoe file without its hyperparameters (`key not found in model:
+    qwen3vlmoe.context_length`): the writer puts every one it reads, taken from the config, and our loader
+    still reads the file as before."""
+    from gguf import GGUFReader
+
+    root, reference, hf_dir, inputs = tiny
+    path = tmp_path / "llama.gguf"
+    export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), path, "Q8_0", config=reference.config)
+    fields = GGUFReader(str(path)).fields
+
+    def value(key):
+        field = fields[key]
+        parts = [field.parts[i] for i in field.data]
+        if len(parts) == 1 and parts[0].dtype.kind == "u" and parts[0].dtype.itemsize == 1:
+            return bytes(parts[0]).decode()
+        values = [p.tolist()[0] for p in parts]
+        return values if len(values) > 1 or key.endswith("dimension_sections") else values[0]
+
+    text = reference.config.text_config
+    required = {"context_length": text.max_position_embeddings, "embedding_length": text.hidden_size,
+                "block_count": text.num_hidden_layers, "feed_forward_length": text.intermediate_size,
+                "expert_feed_forward_length": text.moe_intermediate_size, "expert_count": text.num_experts,
+                "expert_used_count": text.num_experts_per_tok, "attention.head_count": text.num_attention_heads,
+                "attention.head_count_kv": text.num_key_value_heads, "attention.key_length": text.head_dim,
+                "attention.value_length": text.head_dim, "n_deepstack_layers": 2, "vocab_size": text.vocab_size,
+                "rope.dimension_sections": [*text.rope_parameters["mrope_section"], 0]}
+    assert {key: value(f"qwen3vlmoe.{key}") for key in required} == required
+    assert value("qwen3vlmoe.n_deepstack_layers") < value("qwen3vlmoe.block_count")
+    assert abs(value("qwen3vlmoe.attention.layer_norm_rms_epsilon") - text.rms_norm_eps) < 1e-9
+    assert value("qwen3vlmoe.rope.freq_base") == text.rope_parameters["rope_theta"]
+    assert value("general.architecture") == "qwen3vlmoe" and value("tokenizer.ggml.model") == "no_vocab"
+    model, _ = load(hf_dir, RULES, gguf_path=path, expert_budget="1GiB", **CPU)
+    with torch.no_grad():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert ((got - want).norm() / want.norm()).item() <= EXPECTED_ERROR["Q8_0"]

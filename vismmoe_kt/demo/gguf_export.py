@@ -30,14 +30,27 @@ WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"
 
 
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
-                arch: str = "qwen3vlmoe") -> dict[str, str]:
-    """Write `state`'s GGUF-mapped tensors to `path`; returns GGUF name -> the type it was written in."""
+                arch: str = "qwen3vlmoe", config: Any = None) -> dict[str, str]:
+    """Write `state`'s GGUF-mapped tensors to `path`, with the family's llama.cpp hyperparameters where
+    `config` is given and the family has them (`ModelAdapter.gguf_metadata`); returns GGUF name -> the type
+    it was written in."""
     def parts():
         for name, tensor in state.items():
             names = adapter.gguf_names(name)
             if names:  # fused in the model (gate and up): split along dim 1
                 yield from zip(names, tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),))
-    return _write(parts(), path, qtype, arch)
+    return _write(parts(), path, qtype, arch, llama_metadata(adapter, config))
+
+
+def llama_metadata(adapter: Any, config: Any) -> dict[str, Any]:
+    """The `<arch>.*` keys llama.cpp needs to load a family's GGUF (empty without a config or where the
+    family has none yet). No vocabulary is written (`tokenizer.ggml.model = no_vocab`, with
+    `<arch>.vocab_size`): llama-bench runs on such a file; a server needs the tokenizer's keys too."""
+    found = adapter.gguf_metadata(config) if config is not None else None
+    if found is None:
+        return {}
+    arch, keys = found
+    return {**{f"{arch}.{key}": value for key, value in keys.items()}, "tokenizer.ggml.model": "no_vocab"}
 
 
 def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
@@ -54,12 +67,12 @@ def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, pat
     return _write(parts(), path, qtype, "clip")
 
 
-def _write(parts, path: str | Path, qtype: str, arch: str) -> dict[str, str]:
+def _write(parts, path: str | Path, qtype: str, arch: str, metadata: dict[str, Any] | None = None) -> dict[str, str]:
     """(GGUF name, float tensor) pairs to a GGUF file: 2-D and larger whose rows divide into `qtype`'s
     blocks in `qtype`, the rest in F32."""
     planned = [PlannedTensor(name, tuple(part.shape), tensor_type(tuple(part.shape), qtype), lambda part=part: part)
                for name, part in parts]
-    return write_planned(planned, path, arch)
+    return write_planned(planned, path, arch, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -101,15 +114,28 @@ def encode(values: torch.Tensor, kind: str) -> np.ndarray:
     return quants.quantize(values.float().cpu().numpy(), GGMLQuantizationType[kind])
 
 
-def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, progress: bool = False) -> dict[str, str]:
+def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, progress: bool = False,
+                  metadata: dict[str, Any] | None = None) -> dict[str, str]:
     """Write `planned` to one GGUF file, one tensor made and encoded at a time (the header lists every
-    tensor's type and size first, so a file far larger than memory can be written). Returns GGUF
-    name -> the type it was written in."""
+    tensor's type and size first, so a file far larger than memory can be written), with `metadata`'s
+    keys (ints as uint32, floats as float32, strings, lists of ints as arrays: llama.cpp's types for its
+    hyperparameters). Returns GGUF name -> the type it was written in."""
     import gguf
     from gguf import GGMLQuantizationType
     from tqdm import tqdm
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, str, list)):
+            raise ValueError(f"GGUF metadata {key}: {value!r} is not an int, float, string or list of ints")
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_array(key, [int(v) for v in value])
     for t in planned:
         if t.kind == "F32":
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))

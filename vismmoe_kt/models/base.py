@@ -88,6 +88,12 @@ class ModelAdapter:
         tower, which llama.cpp keeps in a separate mmproj file)."""
         return None
 
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """(llama.cpp's architecture name, its `<arch>.*` keys without the prefix: the hyperparameters
+        llama.cpp reads from a GGUF before it loads one) for the model's config; None for a family whose
+        llama.cpp metadata is not written yet (its files carry only `general.architecture`)."""
+        return None
+
     def experts_key(self, layer: int) -> str | None:
         """The module name of decoder layer `layer`'s routed experts (whose `expert_tensors` a checkpoint
         holds); None where the family has not said."""

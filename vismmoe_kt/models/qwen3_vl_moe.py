@@ -122,6 +122,24 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
             return tuple(f"blk.{parts[1]}.{suffix}" for suffix in _GGUF_LAYER[parts[2]])
         return None
 
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `qwen3vlmoe` hyperparameters (what its loader refuses a file without): the M-RoPE
+        sections padded to four (llama.cpp keeps a fourth, unused here), the deepstack layers' count."""
+        text = config.text_config
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        sections = list(rope.get("mrope_section", ()))
+        return "qwen3vlmoe", {
+            "context_length": text.max_position_embeddings, "embedding_length": text.hidden_size,
+            "block_count": text.num_hidden_layers, "feed_forward_length": text.intermediate_size,
+            "expert_feed_forward_length": text.moe_intermediate_size, "expert_count": text.num_experts,
+            "expert_used_count": text.num_experts_per_tok, "attention.head_count": text.num_attention_heads,
+            "attention.head_count_kv": text.num_key_value_heads, "attention.key_length": text.head_dim,
+            "attention.value_length": text.head_dim, "attention.layer_norm_rms_epsilon": float(text.rms_norm_eps),
+            "rope.freq_base": float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+            "rope.dimension_sections": (sections + [0] * 4)[:4],
+            "n_deepstack_layers": len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ()),
+            "vocab_size": text.vocab_size}
+
     def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
         """llama.cpp's names for the vision tower (its converter's Qwen3VLVisionModel): the blocks,
         position and patch embeddings through the gguf package's own name map; the merger as `mm.0` /
