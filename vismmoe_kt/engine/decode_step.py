@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import torch
 from torch import nn

@@ -57,15 +57,15 @@ class Decoding:
 
         if self.single is None or self.single.capacity < positions:
             if self.single is not None:
-                self.retired.append(self.single.step_fn.stats())
-            self.single = None  # free the old buffers before making larger ones
+                self.discard(self.single)  # its counters kept, its buffers freed before larger ones are made
             capacity = -(-positions // CAPACITY_STEP) * CAPACITY_STEP
             self.single = ModelRunner(self.model, 1, capacity, max_queue=1, engine=self)
         self.single.step_fn.profiling = self.profiling
         return self.single
 
     def discard(self, runner: "ModelRunner") -> None:
-        """A runner left unusable by a failed step: single requests get a new one."""
+        """Single requests get a new runner (this one too small, or left unusable by a failed step); its
+        counters stay in the totals."""
         if runner is self.single:
             self.retired.append(runner.step_fn.stats())
             self.single = None

@@ -131,8 +131,3 @@ class SlotHistory:
         left_out = sum(1 for p in self.pruned if p < tokens)
         return [tokens - left_out if self.pruned_from is not None and layer >= self.pruned_from else tokens
                 for layer in range(layers)]
-
-    def cut(self, tokens: int) -> "SlotHistory":
-        """The history of the first `tokens` ids."""
-        return SlotHistory(self.ids[:tokens], self.images, self.rope_delta, [p for p in self.pruned if p < tokens],
-                           self.pruned_from if any(p < tokens for p in self.pruned) else None)
