@@ -78,7 +78,8 @@ def write_synthetic_checkpoint(out_dir: str | Path, config: Any, processor: Any,
                                          lambda n=model_name, i=i, k=len(gguf_names): _part(reader, n, i, k)))
     gguf_file = out / f"model-{qtype}.gguf"
     # llama.cpp's hyperparameters too, so llama-bench loads the same file (its routing: the random weights' own)
-    types = write_planned(planned, gguf_file, "qwen3vlmoe", progress=progress, metadata=llama_metadata(adapter, config))
+    arch, metadata = llama_metadata(adapter, config)
+    types = write_planned(planned, gguf_file, arch or "qwen3vlmoe", progress=progress, metadata=metadata)
     info = {"seconds": time.perf_counter() - start, "gguf_file": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size,
             "safetensors_bytes": (out / "model.safetensors").stat().st_size, "qtype": qtype, "rest": rest,
             "seed": seed, "types": types}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from vismmoe_kt import load
 from vismmoe_kt.core.gguf_checkpoint import GgufCheckpointReader
 from vismmoe_kt.demo.gguf_export import export_gguf
-from vismmoe_kt.demo.tiny import build_tiny_model, save_tiny_model
+from vismmoe_kt.demo.tiny import SPECS, build_processor, build_tiny_model, save_tiny_model
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.errors import LoadError
 from vismmoe_kt.models import adapter_for
@@ -163,7 +163,8 @@ def test_the_cli_reads_weights_from_gguf_path(tiny, capsys):
     assert "--gguf_path" in err and "absent.gguf: no such file or directory" in err
     from vismmoe_kt.demo.gguf_export import export_mmproj
 
-    export_mmproj(reference.state_dict(), adapter_for("qwen3_vl_moe"), reference.config, root / "cli-mmproj.gguf")
+    export_mmproj(reference.state_dict(), adapter_for("qwen3_vl_moe"), reference.config, root / "cli-mmproj.gguf",
+                  processor=build_processor(SPECS["tiny-6x64"]))
     assert main(args + ["--gguf_path", str(root / "cli.gguf"), "--mmproj_path", str(root / "cli-mmproj.gguf")]) == 0
     assert main(args + ["--mmproj_path", str(root / "cli-mmproj.gguf")]) != 0
     assert "give --gguf_path too" in capsys.readouterr().err
@@ -347,8 +348,9 @@ def test_the_vision_tower_loads_from_an_mmproj_file(tiny, tmp_path):
         if file.suffix != ".safetensors":
             (bare / file.name).write_bytes(file.read_bytes())
     export_gguf(reference.state_dict(), adapter_for("qwen3_vl_moe"), tmp_path / "text.gguf", "F16")
+    tiny_processor = build_processor(SPECS["tiny-6x64"])
     written = export_mmproj(reference.state_dict(), adapter_for("qwen3_vl_moe"), reference.config,
-                            tmp_path / "mmproj.gguf", "F16")
+                            tmp_path / "mmproj.gguf", "F16", processor=tiny_processor)
     layers = reference.config.vision_config.deepstack_visual_indexes
     assert {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "mm.2.bias", "v.post_ln.weight",
             "v.blk.0.attn_qkv.weight", "v.position_embd.weight", f"v.deepstack.{layers[-1]}.fc2.weight"} <= set(written)
@@ -356,7 +358,8 @@ def test_the_vision_tower_loads_from_an_mmproj_file(tiny, tmp_path):
                                         r"tensors v.patch_embd.weight, v.patch_embd.weight.1 \(no --mmproj_path given\)"):
         load(bare, RULES, gguf_path=tmp_path / "text.gguf", expert_budget="1GiB", **CPU)
     partial = {k: v for k, v in reference.state_dict().items() if k != "model.visual.merger.linear_fc1.weight"}
-    export_mmproj(partial, adapter_for("qwen3_vl_moe"), reference.config, tmp_path / "partial.gguf", "F16")
+    export_mmproj(partial, adapter_for("qwen3_vl_moe"), reference.config, tmp_path / "partial.gguf", "F16",
+                  processor=tiny_processor)
     with pytest.raises(LoadError, match=r"partial.gguf: the model's vision tensor "
                                         r"'model.visual.merger.linear_fc1.weight' is missing: it maps to mmproj tensor mm.0.weight"):
         load(hf_dir, RULES, gguf_path=tmp_path / "text.gguf", mmproj_path=tmp_path / "partial.gguf", **CPU)

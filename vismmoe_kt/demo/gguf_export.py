@@ -7,6 +7,12 @@ llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (
 rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written there
 (llama.cpp puts it in an mmproj file: `export_mmproj`).
 
+Given the model's config, the files carry what llama.cpp reads before it loads one: the text file its
+architecture's hyperparameters (`ModelAdapter.gguf_metadata`, with the vocabulary's size and
+`tokenizer.ggml.model = no_vocab`), the mmproj file its `clip.*` keys (`ModelAdapter.mmproj_metadata`,
+which needs the processor too). A family llama.cpp has no architecture or projector for gets a
+warning that names it, and a file without those keys.
+
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
 cannot write them. Q4_K and Q5_K are written with the host store's own quantizers (runtime/q4k.py,
 q5k.py: min-max scales, valid bytes that the `gguf` package and llama.cpp read), Q8_0 and Q4_0 too
@@ -18,6 +24,7 @@ full-size model's so).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,41 +37,84 @@ WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"
 
 
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
-                arch: str = "qwen3vlmoe", config: Any = None) -> dict[str, str]:
+                arch: str | None = None, config: Any = None) -> dict[str, str]:
     """Write `state`'s GGUF-mapped tensors to `path`, with the family's llama.cpp hyperparameters where
-    `config` is given and the family has them (`ModelAdapter.gguf_metadata`); returns GGUF name -> the type
-    it was written in."""
+    `config` is given (`llama_metadata`: the architecture is then the family's; without a config, `arch`,
+    qwen3vlmoe by default); returns GGUF name -> the type it was written in."""
     def parts():
         for name, tensor in state.items():
             names = adapter.gguf_names(name)
             if names:  # fused in the model (gate and up): split along dim 1
                 yield from zip(names, tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),))
-    return _write(parts(), path, qtype, arch, llama_metadata(adapter, config))
+    family_arch, metadata = llama_metadata(adapter, config)
+    if arch is not None and family_arch is not None and arch != family_arch:
+        raise ValueError(f"arch={arch!r}, but llama.cpp calls {_family(adapter)} {family_arch!r}")
+    written = _write(parts(), path, qtype, family_arch or arch or "qwen3vlmoe", metadata)
+    if not written:
+        warnings.warn(f"{_family(adapter)}: no tensor has a GGUF name (ModelAdapter.gguf_names); {path} holds "
+                      "no tensors", stacklevel=2)
+    return written
 
 
-def llama_metadata(adapter: Any, config: Any) -> dict[str, Any]:
-    """The `<arch>.*` keys llama.cpp needs to load a family's GGUF (empty without a config or where the
-    family has none yet). No vocabulary is written (`tokenizer.ggml.model = no_vocab`, with
-    `<arch>.vocab_size`): llama-bench runs on such a file; a server needs the tokenizer's keys too."""
-    found = adapter.gguf_metadata(config) if config is not None else None
+def llama_metadata(adapter: Any, config: Any) -> tuple[str | None, dict[str, Any]]:
+    """(llama.cpp's architecture, the keys it needs to load a family's GGUF: `ModelAdapter.gguf_metadata`,
+    with the vocabulary's size) for `config`; (None, {}) without one, or with a warning naming the family
+    where llama.cpp has no architecture for it. No vocabulary is written (`tokenizer.ggml.model =
+    no_vocab`, with `<arch>.vocab_size`): llama-bench runs on such a file; a server needs the tokenizer's
+    keys too."""
+    if config is None:
+        return None, {}
+    from gguf import Keys
+
+    found = adapter.gguf_metadata(config)
     if found is None:
-        return {}
+        warnings.warn(f"{_family(adapter)}: llama.cpp has no text architecture for this family; the GGUF file "
+                      "carries tensors only, which llama.cpp cannot load", stacklevel=3)
+        return None, {}
     arch, keys = found
-    return {**{f"{arch}.{key}": value for key, value in keys.items()}, "tokenizer.ggml.model": "no_vocab"}
+    vocab = Keys.LLM.VOCAB_SIZE.format(arch=arch)
+    return arch, {vocab: int(adapter.text_config(config).vocab_size), **keys, Keys.Tokenizer.MODEL: "no_vocab"}
+
+
+def mmproj_llama_metadata(adapter: Any, config: Any, processor: Any) -> dict[str, Any]:
+    """The `clip.*` keys llama.cpp's mmproj loader needs (`ModelAdapter.mmproj_metadata`, with
+    `general.type = mmproj` as its converter writes); {} with a warning naming the family where llama.cpp
+    has no projector for it, or where no processor is given (the keys include its pixel normalisation)."""
+    from gguf import GGUFType, Keys
+
+    if processor is None:
+        warnings.warn(f"{_family(adapter)}: no processor given, so the mmproj file carries no clip.* metadata "
+                      "(llama.cpp needs the image mean and std)", stacklevel=3)
+        return {}
+    keys = adapter.mmproj_metadata(config, processor)
+    if keys is None:
+        warnings.warn(f"{_family(adapter)}: llama.cpp has no mmproj projector for this family; the mmproj file "
+                      "carries no clip.* metadata", stacklevel=3)
+        return {}
+    return {Keys.General.TYPE: GGUFType.MMPROJ, **keys}
+
+
+def _family(adapter: Any) -> str:
+    return "/".join(adapter.model_types) or type(adapter).__name__
 
 
 def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
-                  qtype: str = "F16") -> dict[str, str]:
+                  qtype: str = "F16", processor: Any = None) -> dict[str, str]:
     """Write `state`'s vision tower as an mmproj GGUF under llama.cpp's names (`ModelAdapter.mmproj_source`,
-    a 3-D convolution split into its 2-D slices as llama.cpp's converter does). Matrices whose rows
-    divide into `qtype`'s blocks are written in it, the rest in F32. Returns GGUF name -> type."""
+    a 3-D convolution split into its 2-D slices as llama.cpp's converter does), with llama.cpp's `clip.*`
+    keys from the config and `processor` (`mmproj_llama_metadata`). Matrices whose rows divide into
+    `qtype`'s blocks are written in it, the rest in F32. Returns GGUF name -> type."""
     def parts():
         for name, tensor in state.items():
             source = adapter.mmproj_source(name, config)
             if source is not None:
                 values = tensor.float()
                 yield from zip(source.names, values.unbind(source.stack_dim) if source.stack_dim is not None else (values,))
-    return _write(parts(), path, qtype, "clip")
+    written = _write(parts(), path, qtype, "clip", mmproj_llama_metadata(adapter, config, processor))
+    if not written:
+        warnings.warn(f"{_family(adapter)}: no vision tensor has an mmproj name (ModelAdapter.mmproj_source); "
+                      f"{path} holds no tensors", stacklevel=2)
+    return written
 
 
 def _write(parts, path: str | Path, qtype: str, arch: str, metadata: dict[str, Any] | None = None) -> dict[str, str]:
@@ -118,24 +168,15 @@ def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, pro
                   metadata: dict[str, Any] | None = None) -> dict[str, str]:
     """Write `planned` to one GGUF file, one tensor made and encoded at a time (the header lists every
     tensor's type and size first, so a file far larger than memory can be written), with `metadata`'s
-    keys (ints as uint32, floats as float32, strings, lists of ints as arrays: llama.cpp's types for its
-    hyperparameters). Returns GGUF name -> the type it was written in."""
+    keys (`_add_value`: llama.cpp's types for its hyperparameters). Returns GGUF name -> the type it was
+    written in."""
     import gguf
     from gguf import GGMLQuantizationType
     from tqdm import tqdm
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
     for key, value in (metadata or {}).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float, str, list)):
-            raise ValueError(f"GGUF metadata {key}: {value!r} is not an int, float, string or list of ints")
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_array(key, [int(v) for v in value])
+        _add_value(writer, key, value)
     for t in planned:
         if t.kind == "F32":
             writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
@@ -155,3 +196,22 @@ def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, pro
         writer.write_tensor_data(encode(values, t.kind))
     writer.close()
     return {t.name: t.kind for t in planned}
+
+
+def _add_value(writer: Any, key: str, value: Any) -> None:
+    """One metadata key in llama.cpp's types: bools as bool, ints as uint32, floats as float32, strings,
+    and lists as arrays of bools, int32 or float32 (by their elements)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, list) and value and all(isinstance(v, (bool, int, float)) for v in value):
+        kind = bool if all(isinstance(v, bool) for v in value) else int if all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value) else float
+        writer.add_array(key, [kind(v) for v in value])
+    else:
+        raise ValueError(f"GGUF metadata {key}: {value!r} is not a bool, int, float, string or non-empty list of them")

@@ -89,9 +89,15 @@ class ModelAdapter:
         return None
 
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
-        """(llama.cpp's architecture name, its `<arch>.*` keys without the prefix: the hyperparameters
-        llama.cpp reads from a GGUF before it loads one) for the model's config; None for a family whose
-        llama.cpp metadata is not written yet (its files carry only `general.architecture`)."""
+        """(llama.cpp's architecture name, its `<arch>.*` keys by full name: the hyperparameters llama.cpp
+        reads from a GGUF before it loads one) for the model's config (models/llama_cpp_keys.py builds
+        the shared ones); None for a family llama.cpp has no text architecture for (the writer says so)."""
+        return None
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """The `clip.*` keys of an mmproj GGUF (llama.cpp's vision tower file: its projector type, the
+        tower's sizes, the processor's pixel normalisation) for the model's config; None for a family
+        llama.cpp has no projector for (the writer says so)."""
         return None
 
     def experts_key(self, layer: int) -> str | None:

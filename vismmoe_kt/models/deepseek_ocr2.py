@@ -29,6 +29,7 @@ from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (Deepseek
 from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 from .glm4v_moe import hand_text_model_image_mask
+from .llama_cpp_keys import arch_keys, common_text_keys, deepseek_moe_keys
 from .qwen3_vl_moe import _read_chat_template
 
 # the model's names -> the published checkpoint's (what `save_pretrained` writes too): the reverse of
@@ -98,6 +99,23 @@ class DeepseekOcr2Adapter(OneDimensionalRope, DeepseekMoeConfig, TransformersLay
                                               chat_template=_read_chat_template(model_dir, tokenizer),
                                               patch_size=options.get("patch_size", 16),
                                               downsample_ratio=options.get("downsample_ratio", 4))
+
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `deepseek2-ocr` (DeepSeek-V2's MoE without MLA: what src/models/deepseek2ocr.cpp
+        reads; llama.cpp's converter writes it for DeepseekOCRForCausalLM, and in later versions for
+        DeepseekOCR2ForCausalLM too): softmax scores, not renormalised, scaled; rotary over whole heads.
+        llama.cpp builds this architecture's q/k/v square (heads == KV heads), as the published model is."""
+        from gguf import Keys
+
+        text, arch = config.text_config, "deepseek2-ocr"
+        return arch, common_text_keys(text, arch) | deepseek_moe_keys(text, arch, self.moe_layers_from_config(config), False) | \
+            arch_keys(arch, {Keys.Rope.DIMENSION_COUNT: text.head_dim or text.hidden_size // text.num_attention_heads})
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """None: llama.cpp's converter names DeepSeek-OCR-2's projector `deepseekocr2` only in versions
+        newer than the gguf package we write with (whose VisionProjectorType stops at `deepseekocr`, the
+        first DeepSeek-OCR's SAM + CLIP tower), and no mmproj layout of this tower is mapped here."""
+        return None
 
     # --- config ------------------------------------------------------------------------------
     def moe_layers_from_config(self, config: Any) -> list[int]:

@@ -36,6 +36,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from .base import VISION_SET, MoEShape
 from .glm4v_moe import hand_text_model_image_mask
+from .llama_cpp_keys import arch_keys, common_text_keys, moe_layer_step
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
@@ -126,6 +127,25 @@ class Ernie45VLMoeAdapter(MropeVision, TransformersLayout):
         if name.endswith("e_score_correction_bias") and tensor.shape[0] == len(_SETS):
             return tensor[_SETS[match["set"]]:_SETS[match["set"]] + 1].reshape(expected).contiguous()
         return tensor
+
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `ernie4_5-moe` (its converter's Ernie4_5MoeModel; what src/models/ernie4-5-moe.cpp
+        reads): the text experts and the shared expert, the MoE layers' start and interval. llama.cpp's
+        text-only architecture has no place for the vision experts or M-RoPE, so such a file holds the
+        text side only (no converter of llama.cpp's takes ERNIE-4.5-VL; there is no mmproj for it)."""
+        from gguf import Keys
+
+        text, arch, llm = config.text_config, "ernie4_5-moe", Keys.LLM
+        moe = self.moe_layers_from_config(config)
+        width, shared = int(text.moe_intermediate_size[0]), int(text.moe_num_shared_experts or 0)
+        return arch, common_text_keys(text, arch) | arch_keys(arch, {
+            llm.EXPERT_COUNT: text.moe_num_experts, llm.EXPERT_USED_COUNT: text.moe_k,
+            llm.EXPERT_FEED_FORWARD_LENGTH: width, llm.EXPERT_SHARED_COUNT: shared,
+            # the shared experts run as one MLP this wide (the model's own rule; llama.cpp's converter
+            # derives the same number for the published checkpoints from intermediate_size)
+            llm.EXPERT_SHARED_FEED_FORWARD_LENGTH: width * shared if shared else None,
+            llm.LEADING_DENSE_BLOCK_COUNT: moe[0] if moe else text.num_hidden_layers,
+            llm.INTERLEAVE_MOE_LAYER_STEP: moe_layer_step(text.mlp_layer_types[:text.num_hidden_layers])})
 
     # --- config ------------------------------------------------------------------------------
     def moe_layers_from_config(self, config: Any) -> list[int]:

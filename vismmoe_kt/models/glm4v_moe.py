@@ -18,6 +18,7 @@ where our text model's forward needs it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from .base import ModelAdapter
+from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, deepseek_moe_keys, partial_rotary, rope_sections
 from .transformers_layout import (DeepseekMoeConfig, MropeVision, SigmoidRouting, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
@@ -81,6 +83,31 @@ class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, Transforme
 
         tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, Glm4vImageProcessorPil)
         return Glm4vImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
+
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `glm4moe` (its converter's Glm4MoeModel, which takes Glm4vMoeForConditionalGeneration;
+        what src/models/glm4-moe.cpp reads): the rotary part of each head, the M-RoPE sections (without
+        them llama.cpp refuses image embeddings), the DeepSeek-style MoE with sigmoid scores. No
+        NextN/MTP layers are written, so the block count is the decoder's."""
+        from gguf import Keys
+
+        text, arch = config.text_config, "glm4moe"
+        head_dim = text.head_dim or text.hidden_size // text.num_attention_heads
+        return arch, common_text_keys(text, arch) | deepseek_moe_keys(text, arch, self.moe_layers_from_config(config), True) | \
+            arch_keys(arch, {Keys.Rope.DIMENSION_COUNT: int(head_dim * partial_rotary(text, 0.5)), Keys.Rope.DIMENSION_SECTIONS: rope_sections(text)})
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """llama.cpp's `glm4v` projector (its converter's Glm4VVisionModel): the tower's activation as
+        use_silu / use_gelu, its RMS epsilon."""
+        from gguf import Keys
+
+        vision, clip = config.vision_config, Keys.ClipVision
+        sizes = dict(image_size=vision.image_size, patch_size=vision.patch_size, embedding_length=vision.hidden_size,
+                     feed_forward_length=vision.intermediate_size, block_count=vision.depth, head_count=vision.num_heads)
+        act = str(vision.hidden_act).lower()
+        activation = {"gelu": {clip.USE_GELU: True}, "silu": {clip.USE_SILU: True}}.get(act, {})
+        return clip_keys("glm4v", sizes, processor, config.text_config.hidden_size) | activation | {
+            clip.Attention.LAYERNORM_EPS: float(getattr(vision, "rms_norm_eps", 1e-5))}
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:

@@ -37,6 +37,7 @@ from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
 from transformers.processing_utils import ImagesKwargs, ProcessorMixin
 
 from .glm4v_moe import hand_text_model_image_mask
+from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, deepseek_moe_keys, rope_parameters
 from .qwen3_vl_moe import _read_chat_template
 from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, SigmoidRouting, TransformersLayout,
                                  pretrained_tokenizer_and_image_processor)
@@ -173,6 +174,44 @@ class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, Tran
     def load_processor(self, model_dir: Path) -> KimiK25ImageTextProcessor:
         tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, KimiK25ImageProcessorPil)
         return KimiK25ImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
+
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `deepseek2` (its converter's DeepseekV2Model, which takes KimiK25ForConditionalGeneration;
+        what its loader requires): MLA written as llama.cpp runs it, one KV head whose key is the latent
+        and the rotary key (kv_lora_rank + qk_rope_head_dim wide) and whose value is the latent, the
+        per-head widths as the *_mla lengths; the DeepSeek-V3 MoE with sigmoid scores over expert groups.
+        No NextN/MTP layer is written (llama.cpp's converter skips them)."""
+        from gguf import Keys
+
+        text, arch, attention = config.text_config, "deepseek2", Keys.Attention
+        rope = rope_parameters(text)
+        return arch, common_text_keys(text, arch) | deepseek_moe_keys(text, arch, self.moe_layers_from_config(config), True) | \
+            arch_keys(arch, {
+                attention.HEAD_COUNT_KV: 1, attention.Q_LORA_RANK: text.q_lora_rank, attention.KV_LORA_RANK: text.kv_lora_rank,
+                attention.KEY_LENGTH: text.kv_lora_rank + text.qk_rope_head_dim, attention.VALUE_LENGTH: text.kv_lora_rank,
+                attention.KEY_LENGTH_MLA: text.qk_nope_head_dim + text.qk_rope_head_dim,
+                attention.VALUE_LENGTH_MLA: text.v_head_dim, Keys.Rope.DIMENSION_COUNT: text.qk_rope_head_dim,
+                # llama.cpp's converter writes a tenth of mscale_all_dim here and its loader undoes it
+                Keys.Rope.SCALING_YARN_LOG_MUL: 0.1 * rope["mscale_all_dim"] if rope.get("mscale_all_dim") else None})
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """llama.cpp's `kimik25` projector (its converter's KimiK25Model): the image side its learned
+        position grid covers, the grid itself (the converter's literal `vision.pos_emb_*` keys), the
+        projector's GELU and LayerNorm epsilon, the merge window as the scale factor, the pixel budget."""
+        from gguf import Keys
+
+        vision, clip = config.vision_config, Keys.ClipVision
+        patch = int(vision.patch_size)
+        sizes = dict(image_size=vision.pos_emb_height * patch, patch_size=patch, embedding_length=vision.hidden_size,
+                     feed_forward_length=vision.intermediate_size, block_count=vision.num_hidden_layers,
+                     head_count=vision.num_attention_heads)
+        images = getattr(processor, "image_processor", processor)
+        return clip_keys("kimik25", sizes, processor, config.text_config.hidden_size) | {
+            "vision.pos_emb_height": vision.pos_emb_height, "vision.pos_emb_width": vision.pos_emb_width,
+            "vision.pos_emb_time": vision.pos_emb_time, clip.USE_GELU: True,
+            clip.Attention.LAYERNORM_EPS: float(config.projection_layer_norm_eps),
+            clip.Projector.SCALE_FACTOR: int(vision.merge_kernel_size[0]),
+            clip.IMAGE_MIN_PIXELS: 8 * patch * patch, clip.IMAGE_MAX_PIXELS: int(images.max_patches) * patch * patch}
 
     # --- config ------------------------------------------------------------------------------
     def kv_cache_shape(self, config: Any) -> tuple[int, int, int]:

@@ -46,6 +46,7 @@ from ..errors import InputError, LoadError
 from .base import MoEShape
 from .glm4v_moe import hand_text_model_image_mask
 from .llama4_images import Llama4ImageProcessorPil, Llama4ImageTextProcessor
+from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys
 from .qwen3_vl_moe import _read_chat_template
 from .transformers_layout import OneDimensionalRope, TransformersLayout, pretrained_tokenizer_and_image_processor
 
@@ -277,6 +278,33 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
         text = self.text_config(config)
         return MoEShape(int(text.num_local_experts), int(text.num_experts_per_tok), int(text.hidden_size),
                         int(text.intermediate_size), tuple(self.moe_layers_from_config(config)))
+
+    def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
+        """llama.cpp's `llama4` (its converter's Llama4Model; what its loader requires: the RMS epsilon,
+        the experts' width, the MoE interval): the dense MLPs' width as feed_forward_length, rotary over
+        whole heads, the chunk of the chunked layers as the sliding window (0: every layer full)."""
+        from gguf import Keys
+
+        text, arch, llm = config.text_config, "llama4", Keys.LLM
+        chunked = any(kind == "chunked_attention" for kind in getattr(text, "layer_types", None) or ("chunked_attention",))
+        return arch, common_text_keys(text, arch) | arch_keys(arch, {
+            llm.FEED_FORWARD_LENGTH: text.intermediate_size_mlp, llm.EXPERT_FEED_FORWARD_LENGTH: text.intermediate_size,
+            llm.EXPERT_COUNT: text.num_local_experts, llm.EXPERT_USED_COUNT: text.num_experts_per_tok,
+            llm.INTERLEAVE_MOE_LAYER_STEP: text.interleave_moe_layer_step, Keys.Rope.DIMENSION_COUNT: text.head_dim,
+            Keys.Attention.SLIDING_WINDOW: int(text.attention_chunk_size or 0) if chunked else 0})
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """llama.cpp's `llama4` projector (its converter's Llama4VisionModel): GELU, the tower's norm
+        epsilon, the pixel shuffle as the projector's scale factor."""
+        from gguf import Keys
+
+        vision, clip = config.vision_config, Keys.ClipVision
+        sizes = dict(image_size=vision.image_size, patch_size=vision.patch_size, embedding_length=vision.hidden_size,
+                     feed_forward_length=vision.intermediate_size, block_count=vision.num_hidden_layers,
+                     head_count=vision.num_attention_heads)
+        return clip_keys("llama4", sizes, processor, config.text_config.hidden_size) | {
+            clip.USE_GELU: True, clip.Attention.LAYERNORM_EPS: float(vision.norm_eps),
+            clip.Projector.SCALE_FACTOR: int(round(1.0 / vision.pixel_shuffle_ratio))}
 
     def context_length(self, config: Any) -> int:
         """At most `attention_chunk_size`: within one chunk Llama 4's chunked attention is plain causal attention,

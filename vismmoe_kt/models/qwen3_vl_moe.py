@@ -21,6 +21,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from .base import MmprojSource, MoEShape
+from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 
@@ -123,22 +124,32 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         return None
 
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
-        """llama.cpp's `qwen3vlmoe` hyperparameters (what its loader refuses a file without): the M-RoPE
-        sections padded to four (llama.cpp keeps a fourth, unused here), the deepstack layers' count."""
-        text = config.text_config
-        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        sections = list(rope.get("mrope_section", ()))
-        return "qwen3vlmoe", {
-            "context_length": text.max_position_embeddings, "embedding_length": text.hidden_size,
-            "block_count": text.num_hidden_layers, "feed_forward_length": text.intermediate_size,
-            "expert_feed_forward_length": text.moe_intermediate_size, "expert_count": text.num_experts,
-            "expert_used_count": text.num_experts_per_tok, "attention.head_count": text.num_attention_heads,
-            "attention.head_count_kv": text.num_key_value_heads, "attention.key_length": text.head_dim,
-            "attention.value_length": text.head_dim, "attention.layer_norm_rms_epsilon": float(text.rms_norm_eps),
-            "rope.freq_base": float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
-            "rope.dimension_sections": (sections + [0] * 4)[:4],
-            "n_deepstack_layers": len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ()),
-            "vocab_size": text.vocab_size}
+        """llama.cpp's `qwen3vlmoe` hyperparameters (its converter's Qwen3MoeModel and Qwen3VLMoeTextModel;
+        what its loader refuses a file without): the M-RoPE sections padded to four, the DeepStack
+        layers' count."""
+        from gguf import Keys
+
+        text, arch = config.text_config, "qwen3vlmoe"
+        return arch, common_text_keys(text, arch) | arch_keys(arch, {
+            Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: text.moe_intermediate_size, Keys.LLM.EXPERT_COUNT: text.num_experts,
+            Keys.LLM.EXPERT_USED_COUNT: text.num_experts_per_tok, Keys.Rope.DIMENSION_SECTIONS: rope_sections(text),
+            Keys.LLM.NUM_DEEPSTACK_LAYERS: len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ())})
+
+    def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
+        """llama.cpp's `qwen3vl_merger` projector (its converter's Qwen3VLVisionModel): the image side its
+        learned positions cover, GELU, the merge size, the text model's RMS epsilon for the tower's norms
+        (as the converter takes it), which blocks feed a DeepStack merger."""
+        from gguf import Keys
+
+        vision, clip = config.vision_config, Keys.ClipVision
+        deepstack = set(vision.deepstack_visual_indexes or ())
+        sizes = dict(image_size=image_size_from_positions(vision.num_position_embeddings, vision.patch_size),
+                     patch_size=vision.patch_size, embedding_length=vision.hidden_size,
+                     feed_forward_length=vision.intermediate_size, block_count=vision.depth, head_count=vision.num_heads)
+        return clip_keys("qwen3vl_merger", sizes, processor, config.text_config.hidden_size) | {
+            clip.USE_GELU: True, clip.SPATIAL_MERGE_SIZE: vision.spatial_merge_size,
+            clip.Attention.LAYERNORM_EPS: float(config.text_config.rms_norm_eps),
+            clip.IS_DEEPSTACK_LAYERS: [i in deepstack for i in range(vision.depth)]}
 
     def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
         """llama.cpp's names for the vision tower (its converter's Qwen3VLVisionModel): the blocks,
