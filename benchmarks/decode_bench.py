@@ -78,6 +78,17 @@ routing table, request i of the source's seeds in turn).
 Routing: `--routing synthetic` (the default for the full-size model: random weights route almost
 uniformly, so their own routing would make hit rates and bytes per token meaningless), `model` or
 `trace:PATH`.
+
+`--peer llama.cpp --peer_gguf FILE [--llama_bench PATH]` (PATH also from $LLAMA_BENCH, else llama-bench
+on PATH) then runs llama.cpp's llama-bench on that GGUF (e.g. the model-Q4_K.gguf
+`python -m benchmarks.models.synthetic_gguf DIR` writes) at the `-ncmoe N` split matching each
+configuration's expert_budget (the smallest N whose layers N..L-1's experts fit in it; kt-cpu: N = L;
+no budget: N = 0) and at 0 and L, with our prompt's length as -p and as the decode depth -d, our timed
+decode steps as -n (--peer_threads, --peer_reps, --peer_timeout), and prints and writes
+peer_llama_cpp.json and peer_llama_cpp.md: per configuration our decode tok/s beside llama.cpp's tg at
+that split and depth, the ratio, our prefill tokens/s beside its pp. llama.cpp's rows route by the random
+weights' own router and place experts statically per layer; ours carry their routing source
+(benchmarks/peers/llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ import atexit
 import gc
 import io
 import json
+import os
 import re
 import shutil
 import statistics
@@ -111,6 +123,7 @@ from vismmoe_kt.engine.runner import PREFILL_BUDGET
 from vismmoe_kt.engine.decoding import decode_engine
 from vismmoe_kt.engine.generation import generate
 from benchmarks.configurations import Configuration, parse_configuration
+from benchmarks.peers.llama_cpp import PeerError, find_llama_bench, peer_report, read_expert_layout
 from benchmarks.models.synthetic import DEFAULT_MODEL, SYNTHETIC_MODELS, load_synthetic, total_layers
 from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
 from vismmoe_kt.errors import VismmoeError
@@ -431,6 +444,16 @@ def main() -> int:
                              "(default: %(default)s; 0: one prompt per step)")
     parser.add_argument("--isolate", action="store_true",
                         help="every configuration in a process of its own (kt-kernel ones always are)")
+    parser.add_argument("--peer", choices=["llama.cpp"],
+                        help="after the configurations, run that program's benchmark on --peer_gguf at the matching "
+                             "expert splits and write the side-by-side table (peer_llama_cpp.json, .md)")
+    parser.add_argument("--peer_gguf", metavar="FILE", help="with --peer: the GGUF model file llama-bench loads")
+    parser.add_argument("--llama_bench", metavar="PATH", help="with --peer llama.cpp: the llama-bench binary "
+                                                             "(default: $LLAMA_BENCH, else llama-bench on PATH)")
+    parser.add_argument("--peer_threads", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                        help="with --peer: llama-bench's -t (CPU threads for the CPU's experts)")
+    parser.add_argument("--peer_reps", type=int, default=3, help="with --peer: llama-bench's -r")
+    parser.add_argument("--peer_timeout", type=float, default=300, help="with --peer: seconds llama-bench may run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one configuration of --isolate
     parser.add_argument("--reference", help=argparse.SUPPRESS)  # hf's greedy tokens, for a child's agreement
     args = parser.parse_args()
@@ -446,6 +469,20 @@ def main() -> int:
         configs = [parse_configuration(spec, family_of(args)) for spec in args.configs]
     except VismmoeError as exc:
         parser.error(str(exc))
+    peer = None
+    if (args.peer_gguf or args.llama_bench) and not args.peer:
+        parser.error("--peer_gguf and --llama_bench go with --peer llama.cpp")
+    if args.peer:  # the model file and the binary checked before the first configuration loads
+        if not args.peer_gguf:
+            parser.error("--peer llama.cpp needs --peer_gguf FILE (the GGUF llama-bench loads)")
+        try:
+            layout = read_expert_layout(args.peer_gguf)
+        except PeerError as exc:
+            parser.error(f"--peer_gguf {exc}")
+        try:
+            peer = layout, find_llama_bench(args.llama_bench)
+        except PeerError as exc:
+            parser.error(str(exc))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu with --tiny for a sanity run)")
     graphed = [c.label for c in configs if c.settings.get("graphs") == "cuda"]
@@ -551,6 +588,13 @@ def main() -> int:
         print("|---" * (args.turns + 1) + "|")
         for r in rows:
             print(f"| {r['config']} | " + " | ".join(f"{t:.3f}" for t in r["turn_prompt_s"]) + " |")
+    if peer is not None and rows:
+        try:
+            peer_report(configs, rows, *peer, out, routing=args.routing.split(":")[0], decode_tokens=args.decode_tokens,
+                        threads=args.peer_threads, reps=args.peer_reps, timeout=args.peer_timeout)
+        except PeerError as exc:  # our rows are written already; llama.cpp's failure in its own words
+            print(f"--peer llama.cpp: {exc}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 

@@ -32,6 +32,11 @@
 #   bash scripts/device_session.sh gguf PX BUDGET   lru and VisMMOE on BF16 against VisMMOE loaded from that GGUF (Q4_K
 #                                                   in the host store) and quantized to Q4_K at load (writes it first
 #                                                   if it is not there)
+#   bash scripts/device_session.sh peer [PX]        llama.cpp's llama-bench beside decode_bench on that GGUF (writes it
+#                                                   first if missing): our Q4_K configurations from the file (resident,
+#                                                   VisMMOE and lru at 6 GiB, VisMMOE at 12 GiB; PEER_CONFIGS overrides)
+#                                                   and llama-bench at each one's -ncmoe split, 0 and 48; the binary
+#                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it)
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
@@ -185,6 +190,25 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               "lru:expert_budget=$budget" "offload:expert_budget=$budget,store_dtype=q4_k"} \
             | tee "$OUT/gguf-$px-$budget.txt" || true
           rows_up "$OUT/gguf-$px-$budget" ;;
+    peer) shift  # llama.cpp's llama-bench on the same Q4_K GGUF, at the splits matching our budgets; under 570 s
+          px=448
+          if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+          t0=$SECONDS
+          parts=(.scratch/llama.cpp/llama-bench.xz.part-*)
+          if [[ ! -f ${parts[0]} ]]; then echo "peer: no .scratch/llama.cpp/llama-bench.xz.part-* (carry .scratch/llama.cpp)" >&2; exit 2; fi
+          cat "${parts[@]}" | xz -d > /tmp/llama-bench
+          chmod +x /tmp/llama-bench
+          [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
+          # what is left of the stage's 570 s; llama-bench gets at most 200 of it (5 splits, pp and tg, 2 depths)
+          left=$(( 570 - (SECONDS - t0) ))
+          timeout "$left" python3 -m benchmarks.decode_bench --out "$OUT/peer$px" --layers 48 --reps 3 \
+            --image-size "$px" --decode-tokens 32 --routing synthetic \
+            --configs ${PEER_CONFIGS:-"offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" \
+              "offload:expert_budget=6GiB,gguf_path=$GGUF_DIR" "lru:expert_budget=6GiB,gguf_path=$GGUF_DIR" \
+              "offload:expert_budget=12GiB,gguf_path=$GGUF_DIR"} \
+            --peer llama.cpp --peer-gguf "$GGUF_DIR/model-Q4_K.gguf" --llama-bench /tmp/llama-bench \
+            --peer-threads 14 --peer-timeout $(( left > 260 ? 200 : left / 2 )) \
+            | tee "$OUT/peer$px.txt" || true ;;
     qslabs) shift  # quantized slabs: the GGUF's Q4_K blocks kept on the GPU too, decoded by the decode GEMVs
             px=$1 budget=$2; shift 2
             half=$(( ${budget%GiB} / 2 ))GiB
@@ -267,6 +291,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done
