@@ -63,6 +63,8 @@ def main() -> int:
         return check_gpu_prefill(args.out)
     fused = check_fused_norm()
     print(json.dumps(fused))
+    fused_step = check_fused_step_kernels()
+    print(json.dumps(fused_step))
     fp8 = check_fp8_grouped()
     print(json.dumps(fp8))
     if args.fp8:
@@ -137,7 +139,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
-    ok &= fused["ok"] and fp8["ok"]
+    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -156,6 +158,58 @@ def check_fused_norm() -> dict:
         got = rms_norm(weight, 1e-6, x)
         worst = max(worst, ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item())
     return {"check": "fused RMSNorm, BF16", "max_relative_diff": worst, "ok": worst <= 2 ** -7}
+
+
+def check_fused_step_kernels() -> dict:
+    """The decode step's other fused kernels in BF16 on the GPU against their torch twins at
+    Qwen3-VL-30B-A3B's shapes: the attention's heads kernel (norms, rotary, the cache write; rows in
+    slot order and gathered), the residual add + RMSNorm, the router's top-k softmax (the same experts).
+    The twins reduce in another order, so a value may round one BF16 step apart: within 2^-8 normwise."""
+    from types import SimpleNamespace
+
+    from vismmoe_kt.engine.fused_attention import heads_torch, heads_triton
+    from vismmoe_kt.engine.fused_ops import add_rms_norm, rms_norm, route
+    from vismmoe_kt.engine.slot_cache import SlotKVCache
+
+    torch.manual_seed(0)
+    bf16, worst, same_experts = torch.bfloat16, 0.0, True
+
+    def relative(got, want):  # normwise: an element-wise ratio would blow up where the rotary's two terms cancel
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+    heads, kv, d = 32, 4, 128
+    p = SimpleNamespace(heads=heads, kv_heads=kv, head_dim=d, layer_index=0,
+                        query_norm=((torch.rand(d, device="cuda") + 0.5).to(bf16), 1e-6),
+                        key_norm=((torch.rand(d, device="cuda") + 0.5).to(bf16), 1e-6))
+    for slots in ([0, 1, 2, 3], [3, 1]):
+        cache = SlotKVCache(1, 4, kv, d, 64, bf16, "cuda")
+        for slot in range(4):
+            cache.slot_view(slot).update(torch.randn(1, kv, 3 + slot, d, device="cuda").to(bf16),
+                                         torch.randn(1, kv, 3 + slot, d, device="cuda").to(bf16), 0)
+        cache.begin_decode(slots)
+        rows = len(slots)
+        qkv = torch.randn(rows, (heads + 2 * kv) * d, device="cuda").to(bf16)
+        angles = torch.rand(rows, d // 2, device="cuda") * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf16), torch.cat([angles.sin()] * 2, -1).to(bf16)
+        query, key, value = heads_torch(qkv, cos, sin, p)
+        got = heads_triton(qkv, cos, sin, p, cache)
+        at = torch.tensor([3 + s for s in slots], device="cuda")
+        index = torch.tensor(slots, device="cuda")
+        worst = max(worst, relative(got, query), relative(cache.keys[0][index, :, at], key),
+                    relative(cache.values[0][index, :, at], value))
+    x, r = torch.randn(8, 2048, device="cuda").to(bf16), torch.randn(8, 2048, device="cuda").to(bf16)
+    w = (torch.rand(2048, device="cuda") + 0.5).to(bf16)
+    total, normed = add_rms_norm(w, 1e-6, x, r)
+    worst = max(worst, relative(total, x + r), relative(normed, rms_norm(w, 1e-6, x + r)))
+    hidden, gate = torch.randn(8, 2048, device="cuda").to(bf16), (torch.randn(128, 2048, device="cuda") / 40).to(bf16)
+    weights, chosen, every = route(gate, 8, hidden, probabilities=True)
+    logits = torch.nn.functional.linear(hidden, gate)
+    top, ids = torch.topk(logits, 8, dim=-1)
+    same_experts = bool(torch.equal(chosen.sort(-1).values, ids.sort(-1).values))
+    worst = max(worst, relative(weights, torch.softmax(top, -1, dtype=torch.float).to(bf16)),
+                relative(every, torch.softmax(logits, -1, dtype=torch.float)))
+    return {"check": "fused decode-step kernels (attention heads, add + RMSNorm, router), BF16",
+            "normwise_relative_diff": worst, "same_experts": same_experts, "ok": worst <= 2 ** -8 and same_experts}
 
 
 def check_fp8_grouped() -> dict:

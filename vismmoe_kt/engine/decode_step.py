@@ -5,11 +5,13 @@ positions the step attends to, K experts per token. A single request is a step o
 
 The step is a list of pieces, each a function from a tuple of tensors to the next tuple:
     embed            tokens -> hidden, rotary cos/sin of each row's next position, the layers' masks
-    attention l      input norm, attention over layer l's static cache, residual, post-attention norm,
-                     and for an MoE layer the router (norms and router fused: decode/fused_ops.py)
-                     and the shared experts, where the family has them
-    experts l        the routed experts (the injected operator), residual
-    head             final norm, lm_head -> logits (R, V); the rows' cache lengths move on by one
+    attention l      the residual of the layer before and the input norm, attention over layer l's static
+                     cache, residual, post-attention norm, and for an MoE layer the router and the shared
+                     experts, where the family has them (attention, adds with their norms, router fused:
+                     fused_attention.py, fused_ops.py)
+    experts l        the routed experts (the injected operator): their output is the next norm's residual
+    head             the last residual and final norm, lm_head -> logits (R, V); the rows' cache lengths
+                     move on by one
 A piece is capturable for R rows when it launches device work only: then consecutive capturable pieces
 form a segment that is captured once per (R, span) and what the step depends on beyond its tensors
 (`variants`), on the GPU a CUDA graph (`ReplayCapture` as its CPU twin), and replayed at every step of
@@ -44,7 +46,8 @@ from torch import nn
 from ..core.context import LoadContext
 from ..core.model_pass import ModelPass
 from ..models import ModelAdapter
-from .fused_ops import rms_norm, route
+from .fused_attention import FusedDecodeAttention, fusable
+from .fused_ops import add_rms_norm, rms_norm, route
 from .graphs import State, capture_backend
 from .slot_cache import SlotKVCache
 
@@ -100,6 +103,28 @@ def norm_fn(adapter: ModelAdapter, norm: nn.Module) -> Callable[[torch.Tensor], 
         return norm
     weight, eps = params
     return lambda x: rms_norm(weight, eps, x)
+
+
+def add_norm_fn(adapter: ModelAdapter, norm: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tuple]:
+    """(x + residual, the norm of it): one fused kernel where the adapter says the norm is an RMSNorm."""
+    params = adapter.rms_norm_params(norm)
+    if params is None:
+        def run(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            total = x + residual
+            return total, norm(total)
+        return run
+    weight, eps = params
+    return lambda x, residual: add_rms_norm(weight, eps, x, residual)
+
+
+def attention_fn(adapter: ModelAdapter, attention: nn.Module, cache: SlotKVCache) -> Callable[..., torch.Tensor]:
+    """(hidden, cos, sin, mask) -> the attention's output: four kernels where the adapter describes the
+    attention (fused_attention.py), else the module itself over the slot cache."""
+    parts = adapter.decode_attention_parts(attention)
+    if fusable(parts):
+        return FusedDecodeAttention(parts, cache)
+    return lambda hidden, cos, sin, mask: attention(hidden_states=hidden, position_embeddings=(cos, sin),
+                                                    attention_mask=mask, past_key_values=cache)[0]
 
 
 def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = False) -> Callable[[torch.Tensor], tuple]:
@@ -178,7 +203,7 @@ class DecodeStep:
                 pieces.append(Piece(f"experts {index}", self._experts(experts, several), one, several, index,
                                     "experts"))
                 moe_index += 1
-        pieces.append(Piece("head", self._head(norm_fn(adapter, adapter.final_norm(text))), True, True, kind="head"))
+        pieces.append(Piece("head", self._head(add_norm_fn(adapter, adapter.final_norm(text))), True, True, kind="head"))
         if len(layers) != cache.num_layers:
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(layers)}")
         return pieces
@@ -191,23 +216,29 @@ class DecodeStep:
         return hidden, cos, sin, self.cache.decode_masks(hidden.dtype)            # masks (L, R, 1, 1, span)
 
     def _attention(self, index: int, layer: nn.Module, moe_index: int | None) -> Callable[[State], State]:
+        """A layer's state in: (hidden, cos, sin, masks) from the embedding for the first layer, else
+        (hidden, residual, cos, sin, masks) from the layer before, whose MLP output (`residual`) is added
+        in this layer's input norm kernel (add_norm_fn: one launch for the add and the norm)."""
         cache, adapter = self.cache, self.adapter
-        norm_in = norm_fn(adapter, adapter.input_norm(layer))
-        norm_post = norm_fn(adapter, adapter.post_attention_norm(layer))
-        attention, mlp = adapter.attention(layer), adapter.feed_forward(layer)
+        if index == 0:
+            norm = norm_fn(adapter, adapter.input_norm(layer))
+            norm_in = lambda state: (state[0], norm(state[0]))  # noqa: E731
+        else:
+            add_norm = add_norm_fn(adapter, adapter.input_norm(layer))
+            norm_in = lambda state: add_norm(state[0], state[1])  # noqa: E731
+        add_norm_post = add_norm_fn(adapter, adapter.post_attention_norm(layer))
+        attention, mlp = attention_fn(adapter, adapter.attention(layer), cache), adapter.feed_forward(layer)
         moe = moe_index is not None
         router = router_fn(adapter, adapter.router(layer), self.router_sink is not None) if moe else None
         sink = self.router_sink
         shared = adapter.shared_experts(layer) if moe else None  # dense experts every token runs (GLM)
 
         def run(state: State) -> State:
-            hidden, cos, sin, masks = state[0], *state[-3:]
-            attended, _ = attention(hidden_states=norm_in(hidden), position_embeddings=(cos, sin),
-                                    attention_mask=masks[index], past_key_values=cache)
-            hidden = hidden + attended
-            normed = norm_post(hidden)
+            cos, sin, masks = state[-3:]
+            hidden, normed = norm_in(state)
+            hidden, normed = add_norm_post(hidden, attention(normed, cos, sin, masks[index]))
             if not moe:
-                return hidden + mlp(normed), cos, sin, masks
+                return hidden, mlp(normed), cos, sin, masks
             flat = normed.view(-1, normed.shape[-1])
             weights, chosen, *probabilities = router(flat)
             if probabilities:
@@ -226,12 +257,12 @@ class DecodeStep:
             else:  # eager, between graphs: padding rows would add their experts to the step's fetches
                 out = torch.zeros_like(flat)
                 out[:rows] = experts(flat[:rows], chosen[:rows], weights[:rows])
-            return hidden + out.view_as(hidden), cos, sin, masks
+            return hidden, out.view_as(hidden), cos, sin, masks  # the next norm adds `out`
         return run
 
-    def _head(self, norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[State], State]:
+    def _head(self, add_norm: Callable[[torch.Tensor, torch.Tensor], tuple]) -> Callable[[State], State]:
         def run(state: State) -> State:
-            logits = self.lm_head(norm(state[0]))[:, -1]
+            logits = self.lm_head(add_norm(state[0], state[1])[1])[:, -1]
             self.cache.advance_on_device()
             return (logits,)
         return run

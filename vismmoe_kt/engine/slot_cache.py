@@ -148,9 +148,9 @@ class SlotKVCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, Hkv, 1, D) new keys and values -> the B rows' buffers up to the step's span (B, Hkv, span, D)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.active is None:
             raise RuntimeError("SlotKVCache.update outside a decode step: prefill goes through slot_view(slot)")
-        span, keys, values = self.span, self.keys[layer_idx], self.values[layer_idx]
         if self.contiguous:  # rows 0..B-1 of the buffers are the step's rows: views, no gather
             rows = self.active.shape[0]
             # one scatter per buffer at each row's own length (a view of the lengths: no gather kernel; the
@@ -158,11 +158,22 @@ class SlotKVCache:
             at = self.lengths[layer_idx, :rows].view(rows, 1, 1, 1)
             keys[:rows].scatter_(2, at.expand(*key_states.shape), key_states)
             values[:rows].scatter_(2, at.expand(*value_states.shape), value_states)
+        else:
+            at = self.lengths[layer_idx, self.active]                                   # (B,)
+            rows, heads, at = self.active[:, None], self.heads[None, :key_states.shape[1]], at[:, None]  # (B, 1), (1, Hkv)
+            keys[rows, heads, at] = key_states[:, :, 0]
+            values[rows, heads, at] = value_states[:, :, 0]
+        return self.decode_view(layer_idx)
+
+    def decode_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows' keys and values in layer `layer_idx` up to the span (B, Hkv, span, D): what
+        `update` returns, for a step that wrote its new keys itself (engine/fused_attention.py)."""
+        if self.active is None:
+            raise RuntimeError("SlotKVCache.decode_view outside a decode step")
+        span, keys, values = self.span, self.keys[layer_idx], self.values[layer_idx]
+        if self.contiguous:
+            rows = self.active.shape[0]
             return keys[:rows, :, :span], values[:rows, :, :span]
-        at = self.lengths[layer_idx, self.active]                                   # (B,)
-        rows, heads, at = self.active[:, None], self.heads[None, :key_states.shape[1]], at[:, None]  # (B, 1), (1, Hkv)
-        keys[rows, heads, at] = key_states[:, :, 0]
-        values[rows, heads, at] = value_states[:, :, 0]
         return keys[self.active, :, :span], values[self.active, :, :span]
 
     def decode_masks(self, dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,25 @@ VISION_SET = "vision"
 
 
 @dataclass(frozen=True)
+class DecodeAttentionParts:
+    """A grouped-query attention the decode step may run in fewer kernels (engine/fused_attention.py):
+    bias-free query/key/value/output projections, an RMSNorm over each query and key head (Qwen3's), and
+    rotary embedding by halves (transformers' `rotate_half`) with the (cos, sin) that `rotary` returns."""
+
+    query: nn.Linear                      # the projections
+    key: nn.Linear
+    value: nn.Linear
+    output: nn.Linear
+    query_norm: tuple[torch.Tensor, float]   # (weight (D,), eps)
+    key_norm: tuple[torch.Tensor, float]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    layer_index: int                     # the cache layer it writes
+
+
+@dataclass(frozen=True)
 class MoEShape:
     """What the offload runtime and the CPU backends need to know of a model's experts."""
 
@@ -248,6 +267,11 @@ class ModelAdapter:
 
     def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
         """(weight, eps) when `norm` is an RMSNorm the decode step may fuse; None otherwise."""
+        return None
+
+    def decode_attention_parts(self, attn: nn.Module) -> DecodeAttentionParts | None:
+        """The attention's parts where it is one the decode step may fuse (DecodeAttentionParts); None
+        for every other attention, which runs as the module itself."""
         return None
 
     def attention_norms(self, attn: nn.Module) -> tuple[nn.Module, ...]:

@@ -20,7 +20,7 @@ from torch import nn
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from .base import MmprojSource, MoEShape
+from .base import DecodeAttentionParts, MmprojSource, MoEShape
 from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
@@ -204,6 +204,16 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         if type(router).__name__.endswith("TopKRouter") and isinstance(getattr(router, "weight", None), torch.Tensor):
             return router.weight, int(router.top_k)
         return None
+
+    def decode_attention_parts(self, attn: nn.Module) -> DecodeAttentionParts | None:
+        projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        norms = [self.rms_norm_params(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+        if not all(type(p) is nn.Linear and p.bias is None for p in projections) or None in norms:
+            return None  # biases, quantized or replaced projections: the module's own forward
+        config = attn.config
+        return DecodeAttentionParts(*projections, *norms, heads=config.num_attention_heads,
+                                    kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+                                    scaling=float(attn.scaling), layer_index=int(attn.layer_idx))
 
     def attention_norms(self, attn: nn.Module) -> tuple[nn.Module, ...]:
         return tuple(norm for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if norm is not None)
