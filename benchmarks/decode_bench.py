@@ -405,6 +405,13 @@ def kernel_report(rows: list[dict]) -> str:
             lines += ["", f"{label} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",
                       "|---|---|---|"]
             lines += [f"| `{t['name']}` | {t['ms_per_step']:.3f} | {t['calls_per_step']:.1f} |" for t in k["top_kernels"]]
+        prefill = k.get("prefill") or {}
+        if prefill.get("kernels"):
+            lines += ["", f"{label}, the prefill before it: {prefill['window_ms_per_step']:.2f} ms from its first kernel "
+                      f"to its last, {prefill['busy_ms_per_step']:.2f} busy, {prefill['kernels']} kernels; top kernels:",
+                      "", "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| `{t['name']}` | {t['ms_per_step']:.3f} | {t['calls_per_step']:.0f} |"
+                      for t in prefill["top_kernels"][:15]]
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,8 @@ summed by name and by stream, and how much of the wall time any kernel was runni
 The lean path replays each decode step as one CUDA graph, so `--profile`'s per-piece timing (which
 runs the pieces eagerly) cannot see inside it; CUPTI still reports every kernel a graph launches.
 "idle" is the decode wall time during which no kernel ran (host work between steps, syncs, or waits
-on copies); "overlap" is kernel time beyond the busy union (streams running at once).
+on copies); "overlap" is kernel time beyond the busy union (streams running at once). The kernels
+before the first replay are the prompt's prefill, summarized the same way as one "step" (`prefill`).
 """
 
 from __future__ import annotations
@@ -96,4 +97,6 @@ def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
         raw.unlink()
     summary = summarize(decode, steps)
     summary["window"] = "decode (from the first graph replay)" if launches else "the whole request (no graph replays)"
+    if launches:  # what ran before the first replay: the prompt's prefill (vision tower included), once
+        summary["prefill"] = summarize([k for k in kernels if k[2] < min(launches)], 1)
     return summary

@@ -33,6 +33,17 @@ def test_summary_splits_busy_idle_and_overlap_per_step():
     assert s["top_kernels"][0]["calls_per_step"] == 1.0
     report = kernel_report([{"config": "lean:1GiB", "kernels": {**s, "wall_ms_per_step": 9.0, "window": "decode"}}])
     assert "| lean:1GiB | 9.00 | 6.00 | 2.00 | 1.00 | 7: 4.00, 9: 3.00 |" in report
+    assert "prefill" not in report
+
+
+def test_the_report_gives_the_prefill_before_the_first_replay():
+    ms = 1_000_000
+    decode = summarize([("gemv", 7, 10 * ms, 2 * ms)], steps=1)
+    prefill = summarize([("grouped_mm", 7, 0, 3 * ms), ("vision", 7, 4 * ms, 1 * ms)], steps=1)
+    assert prefill["window_ms_per_step"] == pytest.approx(5.0) and prefill["idle_ms_per_step"] == pytest.approx(1.0)
+    report = kernel_report([{"config": "c", "kernels": {**decode, "window": "decode", "prefill": prefill}}])
+    assert "c, the prefill before it: 5.00 ms from its first kernel to its last, 4.00 busy, 2 kernels" in report
+    assert "| `grouped_mm` | 3.000 | 1 |" in report
 
 
 def test_decode_bench_kernels_on_the_cpu(tmp_path):

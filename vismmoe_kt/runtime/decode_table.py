@@ -177,7 +177,9 @@ class DecodeTable:
     def observe_router(self, row: int, probabilities: torch.Tensor, keep: float) -> None:
         """usage[row] <- keep * usage[row] + (1 - keep) * the router's probabilities (T, E) of the step's
         tokens, averaged (a step of several rows pads only where no layer is offloaded: nothing to evict)."""
-        mean = probabilities.reshape(-1, probabilities.shape[-1]).float().mean(dim=0)
+        rows = probabilities.reshape(-1, probabilities.shape[-1])
+        # one row is its own mean: no reduction kernel (a launch per offloaded layer of a single request's step)
+        mean = rows[0].float() if rows.shape[0] == 1 else rows.float().mean(dim=0)
         self.usage[row].mul_(keep).add_(mean, alpha=1.0 - keep)
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
