@@ -16,8 +16,11 @@ Rows, each the median of CUDA-event timings of a captured graph that runs LAYERS
 Each with the bytes of expert weights it reads and the rate that makes. Also: how long registering
 page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
 path alone, resident, over (rows per program, columns per tile, warps), fastest first. Quantized
-slabs (Q8_0, Q4_0, Q4_K, Q5_K): their GEMVs with every expert resident, and with `--tune` over (rows per
-program, warps).
+slabs (Q8_0, Q4_0, Q4_K, Q5_K; `--formats` picks): their GEMVs with every expert resident, and with
+`--tune` over QUANTIZED_SWEEP's (rows per program, warps, load form: loop, unrolled, tile), each with its
+error. `--quantized` without `--batch`: only those (decode_kernel_bench_quantized.json), e.g.
+
+    PYTHONPATH=. python3 -m benchmarks.decode_kernel_bench --out DIR --quantized --tune --formats q4_k,q8_0
 
 `--batch`: a batched step's resident experts instead (T = 2, 4, 8, 16 tokens, each with K distinct
 random experts of a layer, LAYERS layers each with its own bank of E experts): grouped GEMM, the
@@ -99,12 +102,21 @@ def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]
     return out
 
 
-def quantized_rows(device, x, sweep: bool) -> dict[str, dict]:
+QUANTIZED_FORMATS = ("q8_0", "q4_0", "q4_k", "q4_k:bytes", "q5_k")  # q4_k:bytes: its quant bytes read one by one
+# the quantized GEMVs' sweep: (rows per program, warps, load form: quantized_gemv.LOAD_FORMS), chosen so each
+# compiles without spilling on sm_90 and a format's sweep compiles in about a minute (the unrolled Q4_K
+# kernels take 5-15 s each; (16, 4) unrolled spills)
+QUANTIZED_SWEEP = ([(r, w, "loop") for r, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4))]
+                   + [(r, w, "unrolled") for r, w in ((4, 1), (8, 2), (8, 4), (16, 8), (32, 8))]
+                   + [(r, w, "tile") for r, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8))])
+
+
+def quantized_rows(device, x, sweep: bool, formats=QUANTIZED_FORMATS) -> dict[str, dict]:
     """The quantized slabs' GEMVs (quantized_gemv.quantized_experts), every expert resident in its slab, per
     format: microseconds per layer, the blocks' bytes read per second, and the error against the same
-    blocks dequantized and computed in fp32; `sweep`: every (rows per program, warps)."""
+    blocks dequantized and computed in fp32; `sweep`: every configuration of QUANTIZED_SWEEP."""
     out = {}
-    for name in ("q8_0", "q4_0", "q4_k", "q4_k:bytes", "q5_k"):  # q4_k:bytes: its quant bytes read one by one
+    for name in formats:
         with kernel_tuning.overridden(q4_k_word_loads=not name.endswith(":bytes")):
             out[name] = quantized_format_rows(device, x, name.split(":")[0], sweep)
     return out
@@ -119,10 +131,17 @@ def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
                      torch.randn(LAYERS * K, H, I, device=device) / 50)
     pool = store.layers[0].to(device)           # slab i holds expert i
     slots = [torch.arange(l * K, (l + 1) * K, device=device) for l in range(LAYERS)]
-    configs = [(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4, 8)] if sweep else \
-        [kernel_tuning.get("quantized_gemv", device)[fmt]]
+    gu, dn = store.dequantized(pool[:K], 0)
+    gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+    def error(config=None) -> float:
+        got = quantized_gemv.quantized_experts(x, slots[0], pool, fmt, fmt, I, H, K, config)
+        return float((got - want).norm() / want.norm())
+
+    tuned = kernel_tuning.get("quantized_gemv", device)[fmt]
     results = []
-    for config in configs:
+    for config in QUANTIZED_SWEEP if sweep else [tuned]:
         def run():
             for l in range(LAYERS):
                 quantized_gemv.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)
@@ -132,13 +151,8 @@ def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
             results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
             continue
         results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
-                        "gb_s": LAYERS * K * store.block_bytes / seconds / 1e9})
-    got = quantized_gemv.quantized_experts(x, slots[0], pool, fmt, fmt, I, H, K)
-    gu, dn = store.dequantized(pool[:K], 0)
-    gate, up = torch.bmm(gu.float(), x.float().expand(K, H).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    want = torch.bmm(dn.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-    error = float((got - want).norm() / want.norm())
-    return {"relative_error_vs_dequantized": error,
+                        "gb_s": LAYERS * K * store.block_bytes / seconds / 1e9, "relative_error": error(config)})
+    return {"tuned": tuned, "relative_error_vs_dequantized": error(),
             "results": sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))}
 
 
@@ -317,9 +331,22 @@ def main() -> int:
     parser.add_argument("--tune", action="store_true", help="sweep the kernels' tile shapes and warps")
     parser.add_argument("--batch", action="store_true", help="a batched step's resident experts (see above)")
     parser.add_argument("--quantized", action="store_true",
-                        help="with --batch: the experts on Q4_K slabs instead of resident BF16 banks (see above)")
+                        help="with --batch: the experts on Q4_K slabs instead of resident BF16 banks; alone: only "
+                             "the quantized slabs' GEMVs (see above)")
+    parser.add_argument("--formats", default=",".join(QUANTIZED_FORMATS),
+                        help="the quantized slabs' formats to time, comma-separated (default: all)")
     args = parser.parse_args()
     device = torch.device("cuda:0")
+    formats = args.formats.split(",")
+    if args.quantized and not args.batch:  # the quantized slabs' GEMVs alone (with --tune their sweep)
+        torch.manual_seed(0)
+        x = torch.randn(1, H, device=device, dtype=torch.bfloat16)
+        out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "quantized_slabs": quantized_rows(device, x, args.tune, formats)}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode_kernel_bench_quantized.json").write_text(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2))
+        return 0
     if args.batch:
         out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                **(batch_quantized_rows(device, args.tune) if args.quantized else batch_rows(device, args.tune))}
@@ -393,7 +420,7 @@ def main() -> int:
         reference[0] += w[0, k] * (host[e, 2 * I * H:].view(H, I).to(device).float() @ (act(gate) * up))
     error = float((a.float() - reference).norm() / reference.norm())
     tuning = tune(x, ids, resident, no_land, pools, host, block_bytes) if args.tune else None
-    quantized = quantized_rows(device, x, args.tune)
+    quantized = quantized_rows(device, x, args.tune, formats)
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": K, "layers_per_graph": LAYERS},
            "register_s_per_gib": register_s / (E * block_bytes / 2**30), "rows": rows,

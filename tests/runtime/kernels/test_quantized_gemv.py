@@ -1,8 +1,9 @@
 """The quantized store's kernels against their torch twins, in Triton's interpreter (no GPU): a
 decode miss's blocks staged from the host (runtime/kernels/block_staging.py) and dequantized into
 its landing or scratch slab (dequantize.py), and the quantized slabs' GEMVs (quantized_gemv.py),
-which decode each format as they read it; and the kernels compiled for Hopper (kernel_cases.py: the
-fixtures, and the stores and the reference the script builds).
+which decode each format as they read it, in every load form (quantized_gemv.LOAD_FORMS); and the
+kernels compiled for Hopper (kernel_cases.py: the fixtures, and the stores and the reference the
+scripts build).
 """
 
 from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
@@ -89,9 +90,35 @@ for dtype, fmt, down_fmt in ((torch.float32, "q8_0", None), (torch.float32, "q4_
     assert not bank[0][0].any() and not bank[0][2].any()
 """
 
+LOAD_FORMS = r"""
+from vismmoe_kt.runtime.kernels import quantized_gemv, tuning
+from kernel_cases import dequantized_reference, filled_store, q6k_rows
+
+# H = 768: three super-blocks a row, which the tile form pads to four (masked); I = 512: two
+QE, QH, QI, QK = 5, 768, 512, 2
+ids = torch.tensor([1, 3, 4, 0])  # tokens 0 and 1, two experts each
+x = torch.randn(2, QH)
+for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("q4_k", None, True),
+                                  ("q4_k", None, False), ("q5_k", None, True), ("q4_k", "q6_k", True)):
+    q6k_down = q6k_rows(QE, QH, QI, 0.02, 0.001, torch.Generator().manual_seed(1)) if down_fmt else None
+    store = filled_store(QE, QH, QI, torch.float32, fmt, (lambda: q6k_down) if down_fmt else None)
+    pool = torch.zeros(QE, store.block_bytes_of(0) + 64, dtype=torch.uint8)  # rows wider than a block
+    pool[:, :store.block_bytes_of(0)] = store.layers[0]                      # slab e holds expert e
+    want = dequantized_reference(store, ids, x, QK)
+    close = dict(rtol=2e-4, atol=2e-6 * want.abs().max().item())
+    for config in ((32, 1, "loop"), (32, 1, "unrolled"), (16, 1, "tile")):
+        with tuning.overridden(q4_k_word_loads=word_loads):
+            got = quantized_gemv.quantized_experts(x, ids, pool, fmt, down_fmt or fmt, QI, QH, QK, config)
+        torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {word_loads} {config}: {m}")
+"""
+
 
 def test_kernels_match_the_twin_in_the_interpreter(interpreter):
     interpreter(SCRIPT)
+
+
+def test_every_load_form_matches_the_reference_in_the_interpreter(interpreter):
+    interpreter(LOAD_FORMS)
 
 
 def test_kernels_compile_for_hopper(hopper):
@@ -111,10 +138,18 @@ def test_kernels_compile_for_hopper(hopper):
                                                  "row_words": "i64", "CHUNK": "constexpr"},
                    {"CHUNK": block_staging.STAGE_CHUNK})
     quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
-                 "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr"}
+                 "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr", "LOADS": "constexpr",
+                 "SB_TILE": "constexpr"}
+    H, I = hopper.shapes["H"], hopper.shapes["I"]
     for fmt in [*quantized_gemv.TILE_KINDS, "q4_k words"]:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
         kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
-        tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]], "BLOCK_ROWS": 16}
-        hopper.compile(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr", **quantized},
-                       {**tile, "TOP_K": 8})
-        hopper.compile(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64", **quantized}, tile)
+        rows, warps, tuned_form = hopper.tuned["quantized_gemv"][fmt.split()[0]]
+        for form in quantized_gemv.LOAD_FORMS:  # each at the H200's tuned rows and warps
+            tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]],
+                    "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form]}
+            hopper.compile(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr",
+                                                              **quantized},
+                           {**tile, "TOP_K": 8, "SB_TILE": hopper.triton.next_power_of_2(H // 256)}, num_warps=warps)
+            hopper.compile(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64",
+                                                           **quantized},
+                           {**tile, "SB_TILE": hopper.triton.next_power_of_2(I // 256)}, num_warps=warps)

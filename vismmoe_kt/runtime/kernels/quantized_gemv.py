@@ -2,17 +2,22 @@
 decoded from its slab's blocks as they are read.
 
 Shapes: P pairs, H hidden, I intermediate; H and I multiples of 256. Quantized slabs hold the
-store's blocks as they are (misses were staged into their slabs first: block_staging.py). Each step
-of a program's loop decodes one 256-weight super-block (or eight 32-weight blocks) of each of its
-rows and dots it with the 256 matching inputs, in fp32; `_dot` picks the format's decode:
+store's blocks as they are (misses were staged into their slabs first: block_staging.py). A program
+dots its rows' 256-weight super-blocks (or runs of eight 32-weight blocks) with the 256 matching
+inputs, in fp32; `_dot` picks the format's decode:
 
     Q8_0, Q4_0   `_q8_dot`          eight 32-weight blocks, one scale each
     Q4_K, Q5_K   `_kquant_dot`      sub-blocks summed against their inputs first, scaled once
     Q4_K         `_q4k_words_dot`   the same, the quant bytes read as 32-bit words
     Q6_K         block_decode's `_q6k_weights`, weight by weight
 
-The rows per program and warps are tuned per format and device (tuning.py, key quantized_gemv), and
-whether Q4_K reads words (q4_k_word_loads).
+How a program walks its rows' super-blocks (`_rows_dots`, LOAD_FORMS):
+    loop       one super-block of every row a step: few loads in flight per program
+    unrolled   the same steps unrolled, so the compiler may issue every step's loads up front
+    tile       every super-block of the rows as one tile (rows x super-blocks flattened), decoded at once
+
+The rows per program, warps and load form are tuned per format and device (tuning.py, key
+quantized_gemv), and whether Q4_K reads words (q4_k_word_loads).
 """
 
 from __future__ import annotations
@@ -25,20 +30,23 @@ from .triton_support import tl, triton
 
 # each format's code path in `_dot` (Q4_K read by words is 44: `_kind`)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+# how a program walks its rows' super-blocks (the kernels' LOADS; the third value of a quantized_gemv tuning)
+LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2}
 
 if tl is not None:
     from .block_decode import _q6k_weights, _scales_mins
 
     @triton.jit
     def _kquant_dot(at, xs, ok, FIFTH_BIT: tl.constexpr):
-        """Q4_K (or, with FIFTH_BIT, Q5_K) super-blocks at `at` (R, 1) dotted with the 256 values at `xs`:
-        (R,) floats. Sub-blocks 2j and 2j + 1 share the 32 quant bytes 32j.. (low and high nibbles), so
+        """Q4_K (or, with FIFTH_BIT, Q5_K) super-blocks at `at` (R, 1) dotted with the 256 values at `xs`
+        (1, 1) or (R, 1): (R,) floats. Sub-blocks 2j and 2j + 1 share the 32 quant bytes 32j.. (low and high nibbles), so
         each is summed against its 32 inputs first and scaled once (d * scale, dmin * min times the
         inputs' sum): whole bytes loaded, no per-weight scale."""
         j = tl.arange(0, 4)
         lane = tl.arange(0, 32)
-        x_even = tl.load(xs + (2 * j)[:, None] * 32 + lane[None, :]).to(tl.float32)     # (4, 32): sub-blocks 0, 2, ..
-        x_odd = tl.load(xs + (2 * j + 1)[:, None] * 32 + lane[None, :]).to(tl.float32)  # 1, 3, ..
+        x_even = tl.load(xs[:, :, None] + ((2 * j)[:, None] * 32 + lane[None, :])[None, :, :]).to(tl.float32)
+        x_odd = tl.load(xs[:, :, None] + ((2 * j + 1)[:, None] * 32 + lane[None, :])[None, :, :]).to(tl.float32)
+        # (1 or R, 4, 32): sub-blocks 0, 2, .. and 1, 3, ..
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
         d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)      # (R, 1)
         dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
@@ -52,11 +60,10 @@ if tl is not None:
             qh = tl.load(at8[:, :, None] + 16 + lane[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
             low = low | (((qh >> (2 * j)[None, :, None]) & 1) << 4)
             high = high | (((qh >> (2 * j + 1)[None, :, None]) & 1) << 4)
-        dot_even = tl.sum(low.to(tl.float32) * x_even[None, :, :], axis=2)               # (R, 4)
-        dot_odd = tl.sum(high.to(tl.float32) * x_odd[None, :, :], axis=2)
-        sum_even, sum_odd = tl.sum(x_even, axis=1), tl.sum(x_odd, axis=1)                 # (4,)
-        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even[None, :]
-                                                                            + min_odd * sum_odd[None, :])
+        dot_even = tl.sum(low.to(tl.float32) * x_even, axis=2)                           # (R, 4)
+        dot_odd = tl.sum(high.to(tl.float32) * x_odd, axis=2)
+        sum_even, sum_odd = tl.sum(x_even, axis=2), tl.sum(x_odd, axis=2)                 # (1 or R, 4)
+        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even + min_odd * sum_odd)
         return tl.sum(terms, axis=1)
 
     @triton.jit
@@ -68,8 +75,9 @@ if tl is not None:
         w = tl.arange(0, 8)
         b = tl.arange(0, 4)
         lanes = (4 * w[:, None] + b[None, :])[None, :, :]                                # (1, 8, 4)
-        x_even = tl.load(xs + (2 * j)[:, None, None] * 32 + lanes).to(tl.float32)        # (4, 8, 4)
-        x_odd = tl.load(xs + (2 * j + 1)[:, None, None] * 32 + lanes).to(tl.float32)
+        x_even = tl.load(xs[:, :, None, None] + ((2 * j)[:, None, None] * 32 + lanes)[None]).to(tl.float32)
+        x_odd = tl.load(xs[:, :, None, None] + ((2 * j + 1)[:, None, None] * 32 + lanes)[None]).to(tl.float32)
+        # (1 or R, 4, 8, 4)
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
         d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)      # (R, 1)
         dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
@@ -80,23 +88,23 @@ if tl is not None:
         shifted = words[:, :, :, None] >> (8 * b)[None, None, None, :]                  # (R, 4, 8, 4)
         low = (shifted & 0xF).to(tl.float32)
         high = ((shifted >> 4) & 0xF).to(tl.float32)
-        dot_even = tl.sum(tl.sum(low * x_even[None, :, :, :], axis=3), axis=2)          # (R, 4)
-        dot_odd = tl.sum(tl.sum(high * x_odd[None, :, :, :], axis=3), axis=2)
-        sum_even = tl.sum(tl.sum(x_even, axis=2), axis=1)                                # (4,)
-        sum_odd = tl.sum(tl.sum(x_odd, axis=2), axis=1)
-        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even[None, :]
-                                                                            + min_odd * sum_odd[None, :])
+        dot_even = tl.sum(tl.sum(low * x_even, axis=3), axis=2)                          # (R, 4)
+        dot_odd = tl.sum(tl.sum(high * x_odd, axis=3), axis=2)
+        sum_even = tl.sum(tl.sum(x_even, axis=3), axis=2)                                # (1 or R, 4)
+        sum_odd = tl.sum(tl.sum(x_odd, axis=3), axis=2)
+        terms = d * (scale_even * dot_even + scale_odd * dot_odd) - dmin * (min_even * sum_even + min_odd * sum_odd)
         return tl.sum(terms, axis=1)
 
     @triton.jit
     def _q8_dot(at, xs, ok, Q4: tl.constexpr):
         """Eight Q8_0 blocks (34 bytes: an fp16 scale, 32 int8) or, with Q4, Q4_0 blocks (18: the scale, 16
         bytes of nibbles, weight l the low nibble of byte l < 16, else the high nibble of byte l - 16,
-        minus 8) at `at` (R, 1) dotted with the 256 values at `xs`: (R,) floats, one scale per block."""
+        minus 8) at `at` (R, 1) dotted with the 256 values at `xs` (1, 1) or (R, 1): (R,) floats, one
+        scale per block."""
         QB: tl.constexpr = 18 if Q4 else 34
         blocks = tl.arange(0, 8)
         lane = tl.arange(0, 32)
-        x = tl.load(xs + blocks[:, None] * 32 + lane[None, :]).to(tl.float32)           # (8, 32)
+        x = tl.load(xs[:, :, None] + (blocks[:, None] * 32 + lane[None, :])[None, :, :]).to(tl.float32)  # (1|R, 8, 32)
         first = at + (blocks * QB)[None, :]                                              # (R, 8)
         scale = tl.load(first.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
         if Q4:
@@ -107,16 +115,17 @@ if tl is not None:
         else:
             q = tl.load((first[:, :, None] + 2 + lane[None, None, :]).to(tl.pointer_type(tl.int8), bitcast=True),
                         mask=ok[:, :, None], other=0).to(tl.int32)
-        return tl.sum(scale * tl.sum(q.to(tl.float32) * x[None, :, :], axis=2), axis=1)
+        return tl.sum(scale * tl.sum(q.to(tl.float32) * x, axis=2), axis=1)
 
     @triton.jit
     def _dot(at, xs, ok, KIND: tl.constexpr):
         """256 weights per row, from the blocks at `at` (R, 1) in the format `KIND` (TILE_KINDS), dotted
-        with the 256 values at `xs`: (R,) floats."""
+        with the 256 values at `xs`, a pointer tile: (1, 1) (every row the same inputs) or (R, 1) (each
+        row its own): (R,) floats."""
         if KIND == 6:  # Q6_K (a Q4_K_M file's down experts in some layers): decoded weight by weight
             w = tl.arange(0, 256)
-            x = tl.load(xs + w).to(tl.float32)
-            result = tl.sum(_q6k_weights(at, at.to(tl.pointer_type(tl.uint8), bitcast=True), w, ok) * x[None, :], axis=1)
+            x = tl.load(xs + w[None, :]).to(tl.float32)                                  # (1 or R, 256)
+            result = tl.sum(_q6k_weights(at, at.to(tl.pointer_type(tl.uint8), bitcast=True), w, ok) * x, axis=1)
         elif KIND == 8 or KIND == 40:
             result = _q8_dot(at, xs, ok, KIND == 40)
         elif KIND == 44:
@@ -126,46 +135,78 @@ if tl is not None:
         return result
 
     @triton.jit
+    def _step(first, second, at, up_bytes, xs, ok, KIND: tl.constexpr, UP: tl.constexpr):
+        """One step of the loop forms: a super-block of every row at `at` (R, 1) (and, with UP, of the
+        row `up_bytes` further) dotted with the 256 inputs at `xs` (1, 1), added to the running dots."""
+        first += _dot(at, xs, ok, KIND)
+        if UP:
+            second += _dot(at + up_bytes, xs, ok, KIND)
+        return first, second
+
+    @triton.jit
+    def _rows_dots(base, row0, n_rows, slot_ok, x_row, up_bytes, SBS: tl.constexpr, KIND: tl.constexpr,
+                   SB_BYTES: tl.constexpr, LOADS: tl.constexpr, SB_TILE: tl.constexpr, UP: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr):
+        """Rows row0 .. row0 + BLOCK_ROWS (those < n_rows; none unless slot_ok) of the matrix at byte
+        address `base`, SBS super-blocks of SB_BYTES a row, dotted with the SBS * 256 inputs at `x_row`,
+        and with UP the rows `up_bytes` further (the up rows) too: two (BLOCK_ROWS,) floats, the second
+        zero without UP. LOADS (LOAD_FORMS): 0 a loop over the super-blocks, 1 the loop unrolled, 2 all
+        (rows x SB_TILE super-blocks, SBS rounded up to a power of two, the padding masked) as one tile:
+        the loop's step waits on its loads, so a program has one step's bytes in flight at a time."""
+        ROW_BYTES: tl.constexpr = SBS * SB_BYTES
+        first = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        second = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        if LOADS == 2:  # virtual row v: row v // SB_TILE's super-block v % SB_TILE, with its own inputs
+            v = tl.arange(0, BLOCK_ROWS * SB_TILE)
+            rows, sb = row0 + v // SB_TILE, v % SB_TILE
+            ok = ((rows < n_rows) & (sb < SBS) & slot_ok)[:, None]
+            at = base + (rows.to(tl.int64) * ROW_BYTES + sb * SB_BYTES)[:, None]
+            xs = x_row + (tl.minimum(sb, SBS - 1) * 256)[:, None]  # the padding reads real inputs (its weights are 0)
+            first = tl.sum(tl.reshape(_dot(at, xs, ok, KIND), BLOCK_ROWS, SB_TILE), axis=1)
+            if UP:
+                second = tl.sum(tl.reshape(_dot(at + up_bytes, xs, ok, KIND), BLOCK_ROWS, SB_TILE), axis=1)
+        else:
+            rows = row0 + tl.arange(0, BLOCK_ROWS)
+            ok = ((rows < n_rows) & slot_ok)[:, None]
+            at = base + rows[:, None].to(tl.int64) * ROW_BYTES
+            xs = x_row + tl.zeros([1, 1], dtype=tl.int32)
+            if LOADS == 1:
+                for sb in tl.static_range(SBS):
+                    first, second = _step(first, second, at + sb * SB_BYTES, up_bytes, xs + sb * 256, ok, KIND, UP)
+            else:
+                for sb in range(0, SBS):
+                    first, second = _step(first, second, at + sb * SB_BYTES, up_bytes, xs + sb * 256, ok, KIND, UP)
+        return first, second
+
+    @triton.jit
     def _gate_up_q_kernel(x_ptr, slots_ptr, h_ptr, pool_addr, slab_bytes, TOP_K: tl.constexpr, H: tl.constexpr,
-                          I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+                          I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                          LOADS: tl.constexpr, SB_TILE: tl.constexpr):
         """`_gate_up_kernel` for quantized slabs: each pair's weights decoded from its slab's blocks as
-        they are read, one 256-weight super-block (or eight 32-weight blocks) of each row a step (every
-        pair reads a slab: misses were staged into theirs)."""
+        they are read (every pair reads a slab: misses were staged into theirs)."""
         pair = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row0 = tl.program_id(1) * BLOCK_ROWS
         slot = tl.load(slots_ptr + pair).to(tl.int64)
         base = pool_addr + tl.maximum(slot, 0) * slab_bytes
-        ROW_BYTES: tl.constexpr = H // 256 * SB_BYTES
-        token = pair // TOP_K
-        row_ok = rows < I
-        ok = row_ok[:, None] & (slot >= 0)
-        gate = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        up = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        for sb in range(0, H // 256):
-            xs = x_ptr + token * H + sb * 256
-            gate_at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
-            up_at = base + (rows[:, None].to(tl.int64) + I) * ROW_BYTES + sb * SB_BYTES
-            gate += _dot(gate_at, xs, ok, KIND)
-            up += _dot(up_at, xs, ok, KIND)
+        gate, up = _rows_dots(base, row0, I, slot >= 0, x_ptr + pair // TOP_K * H, I * (H // 256) * SB_BYTES,
+                              H // 256, KIND, SB_BYTES, LOADS, SB_TILE, True, BLOCK_ROWS)
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
         h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + pair * I + rows, h, mask=row_ok)
+        tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
 
     @triton.jit
     def _down_q_kernel(h_ptr, slots_ptr, y_ptr, pool_addr, slab_bytes, part_bytes, H: tl.constexpr,
-                       I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+                       I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       LOADS: tl.constexpr, SB_TILE: tl.constexpr):
         """`_down_kernel` for quantized slabs (the down part starts `part_bytes` into the slab)."""
         pair = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row0 = tl.program_id(1) * BLOCK_ROWS
         slot = tl.load(slots_ptr + pair).to(tl.int64)
         base = pool_addr + tl.maximum(slot, 0) * slab_bytes + part_bytes
-        ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
-        row_ok = rows < H
-        ok = row_ok[:, None] & (slot >= 0)
-        acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        for sb in range(0, I // 256):
-            at = base + rows[:, None].to(tl.int64) * ROW_BYTES + sb * SB_BYTES
-            acc += _dot(at, h_ptr + pair * I + sb * 256, ok, KIND)
-        tl.store(y_ptr + pair * H + rows, acc, mask=row_ok)
+        acc, _ = _rows_dots(base, row0, H, slot >= 0, h_ptr + pair * I, 0, I // 256, KIND, SB_BYTES, LOADS, SB_TILE,
+                            False, BLOCK_ROWS)
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        tl.store(y_ptr + pair * H + rows, acc, mask=rows < H)
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -174,26 +215,34 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, fmt: str, down_fmt: str, inter: int,
-                      hidden: int, top_k: int, config: tuple[int, int] | None = None) -> torch.Tensor:
+                      hidden: int, top_k: int, config: tuple | None = None) -> torch.Tensor:
     """(P, H) fp32 expert outputs, unweighted, each pair's weights decoded from its quantized slab (a row
     of `pool`, uint8 (S, slab bytes): gate and up rows, then down rows, in `fmt` / `down_fmt` blocks;
     every slot >= 0). H and I must be multiples of 256 (whole 256-weight tiles in every format).
-    `config` (rows per program, warps; default: the device's tuned one per format) is for the tuning
-    benchmark."""
+    `config` (rows per program, warps[, load form: LOAD_FORMS, default "loop"]; default: the device's
+    tuned one per format) is for the tuning benchmark."""
     tuned = tuning.get("quantized_gemv", x.device)
-    rows_up, warps_up = config or tuned[fmt]
-    rows_down, warps_down = config or tuned[down_fmt]
+    rows_up, warps_up, loads_up = _launch(config or tuned[fmt])
+    rows_down, warps_down, loads_down = _launch(config or tuned[down_fmt])
     pairs = slots.numel()
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
     _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
         x.contiguous(), slots, h, pool.data_ptr(), pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
-        KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, num_warps=warps_up)
+        KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, LOADS=loads_up,
+        SB_TILE=triton.next_power_of_2(hidden // 256), num_warps=warps_up)
     _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
         h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=_kind(down_fmt, x.device),
-        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, num_warps=warps_down)
+        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, LOADS=loads_down,
+        SB_TILE=triton.next_power_of_2(inter // 256), num_warps=warps_down)
     return y
+
+
+def _launch(config: tuple) -> tuple[int, int, int]:
+    """(rows per program, warps, LOADS) of a quantized_gemv tuning: (rows, warps[, load form])."""
+    rows, warps, form = (*config, "loop")[:3]
+    return rows, warps, LOAD_FORMS[form]
 
 
 def _kind(fmt: str, device: torch.device) -> int:
