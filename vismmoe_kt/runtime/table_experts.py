@@ -99,10 +99,7 @@ def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch
     blocks as they are): each miss's block is copied as it is into its landing slab (or the pair's
     scratch slab) over PCIe, then every pair's weights are decoded from its slab as the GEMVs read
     them. Branch-free like `fetch_dequantized`: pairs that need nothing write the pool's last row."""
-    need = slots < 0
-    pairs = torch.arange(ids.numel(), device=ids.device)
-    target = torch.where(land >= 0, land, scratch + pairs)
-    read = torch.where(need, target, slots)
+    need, target, read = block_staging.staging_plan(slots, land, scratch, use_kernel)
     fmt, down_fmt = store.fmt, store.down_format(layer)
     block_bytes = store.block_bytes_of(layer)
     if use_kernel:
@@ -111,7 +108,7 @@ def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch
     where = torch.where(need, target, pool.shape[0] - 1)
     pool[:, :block_bytes].index_copy_(0, where, host_blocks[ids.to(host_blocks.device)].to(pool.device))
     gate_up, down = store.dequantized(pool[read, :block_bytes], layer)
-    x_pairs = hidden.float()[pairs // top_k]
+    x_pairs = hidden.float()[torch.arange(ids.numel(), device=ids.device) // top_k]
     gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
     return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
 

@@ -31,6 +31,40 @@ if tl is not None:
         tl.store(staging_ptr + row * row_words + offsets, tl.load(src + offsets, mask=inside), mask=inside)
 
 
+if tl is not None:
+    @triton.jit
+    def _staging_plan_kernel(slots_ptr, land_ptr, need_ptr, target_ptr, read_ptr, scratch, pairs,
+                             BLOCK: tl.constexpr):
+        p = tl.arange(0, BLOCK)
+        ok = p < pairs
+        slot = tl.load(slots_ptr + p, mask=ok, other=0)
+        land = tl.load(land_ptr + p, mask=ok, other=0)
+        need = slot < 0
+        target = tl.where(land >= 0, land, scratch + p)
+        tl.store(need_ptr + p, need.to(tl.int8), mask=ok)
+        tl.store(target_ptr + p, target, mask=ok)
+        tl.store(read_ptr + p, tl.where(need, target, slot), mask=ok)
+
+
+def staging_plan(slots: torch.Tensor, land: torch.Tensor, scratch: int,
+                 use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(need, target, read) of a layer's P pairs on quantized slabs: whether a pair's block must be
+    staged (its slot < 0: not resident), the row it is staged into (its landing slab, else the pair's
+    scratch row `scratch + pair`), and the row the GEMVs then read. One launch on the GPU, where the
+    torch ops were six a layer (compares, wheres, an arange, a cast); `need` is int8 there, bool in
+    the torch twin."""
+    if use_kernel and slots.numel() <= 4096:
+        pairs = slots.numel()
+        need = torch.empty(pairs, dtype=torch.int8, device=slots.device)
+        target, read = torch.empty_like(slots), torch.empty_like(slots)
+        _staging_plan_kernel[(1,)](slots, land, need, target, read, scratch, pairs,
+                                   BLOCK=triton.next_power_of_2(pairs), num_warps=1)
+        return need, target, read
+    need = slots < 0
+    target = torch.where(land >= 0, land, scratch + torch.arange(slots.numel(), device=slots.device))
+    return need, target, torch.where(need, target, slots)
+
+
 def available() -> bool:
     """Whether the staging copy runs (Triton present)."""
     return triton_support.available()
