@@ -394,12 +394,14 @@ def kernel_report(rows: list[dict]) -> str:
     profiled = [(r["config"], r.get("kernels") or {}) for r in rows]
     profiled += [(f"{r['config']} x{b['requests']}", b.get("kernels") or {}) for r in rows for b in r.get("batched", [])]
     profiled = [(label, k) for label, k in profiled if k.get("kernels")]
-    lines = ["| config | wall ms/step | device busy | idle | overlapped | per stream |", "|---|---|---|---|---|---|"]
+    lines = ["| config | wall ms/step | device busy | idle | of it, gaps of the host (> 20 us) | overlapped | per stream |",
+             "|---|---|---|---|---|---|---|"]
     for label, k in profiled:
         streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in k["streams_ms_per_step"].items())
         wall = f"{k['wall_ms_per_step']:.2f}" if "wall_ms_per_step" in k else "-"
+        host = f"{k['long_gaps_ms_per_step']:.2f} ({k['long_gaps_per_step']:.1f} a step)" if "long_gaps_ms_per_step" in k else "-"
         lines.append(f"| {label} | {wall} | {k['busy_ms_per_step']:.2f} "
-                     f"| {k['idle_ms_per_step']:.2f} | {k['overlap_ms_per_step']:.2f} | {streams} |")
+                     f"| {k['idle_ms_per_step']:.2f} | {host} | {k['overlap_ms_per_step']:.2f} | {streams} |")
     for label, k in profiled:
         if k.get("kernels"):
             lines += ["", f"{label} ({k['window']}), top kernels:", "", "| kernel | ms/step | calls/step |",

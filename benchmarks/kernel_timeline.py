@@ -34,8 +34,28 @@ def _busy(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+LONG_GAP_NS = 20_000  # a gap between kernels longer than this is the host's (a graph's own gaps are a few us)
+
+
+def _gaps(intervals: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """(short gaps ns, long gaps ns, long gap count) between the busy union's pieces."""
+    short = long = count = 0
+    end_so_far = None
+    for start, end in sorted(intervals):
+        if end_so_far is not None and start > end_so_far:
+            gap = start - end_so_far
+            if gap > LONG_GAP_NS:
+                long, count = long + gap, count + 1
+            else:
+                short += gap
+        end_so_far = end if end_so_far is None else max(end_so_far, end)
+    return short, long, count
+
+
 def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 25) -> dict:
-    """kernels: (name, stream, start ns, duration ns) of every device kernel in the decode window."""
+    """kernels: (name, stream, start ns, duration ns) of every device kernel in the decode window.
+    The idle time splits into short gaps (between kernels a graph launches back to back: launch
+    latency) and long ones (the device waiting on the host: between steps, syncs)."""
     if not kernels:
         return {"kernels": 0}
     by_name: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -46,12 +66,15 @@ def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 2
         by_stream[stream] += duration
     window = max(s + d for _, _, s, d in kernels) - min(s for _, _, s, _ in kernels)
     busy = _busy([(s, s + d) for _, _, s, d in kernels])
+    short, long, long_count = _gaps([(s, s + d) for _, _, s, d in kernels])
     per_step = lambda ns: ns / steps / 1e6  # noqa: E731  milliseconds per decode step
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": steps, "kernels": len(kernels),
         "window_ms_per_step": per_step(window), "busy_ms_per_step": per_step(busy),
         "idle_ms_per_step": per_step(window - busy),
+        "short_gaps_ms_per_step": per_step(short), "long_gaps_ms_per_step": per_step(long),
+        "long_gaps_per_step": long_count / steps,
         "overlap_ms_per_step": per_step(sum(by_stream.values()) - busy),
         "streams_ms_per_step": {str(k): per_step(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": name[:120], "ms_per_step": per_step(ns), "calls_per_step": count / steps}

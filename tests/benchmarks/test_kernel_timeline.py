@@ -32,8 +32,19 @@ def test_summary_splits_busy_idle_and_overlap_per_step():
     assert [t["name"] for t in s["top_kernels"]] == ["gemv", "copy"]
     assert s["top_kernels"][0]["calls_per_step"] == 1.0
     report = kernel_report([{"config": "lean:1GiB", "kernels": {**s, "wall_ms_per_step": 9.0, "window": "decode"}}])
-    assert "| lean:1GiB | 9.00 | 6.00 | 2.00 | 1.00 | 7: 4.00, 9: 3.00 |" in report
+    assert s["long_gaps_ms_per_step"] == pytest.approx(2.0) and s["long_gaps_per_step"] == 0.5  # the 4 ms gap
+    assert s["short_gaps_ms_per_step"] == 0
+    assert "| lean:1GiB | 9.00 | 6.00 | 2.00 | 2.00 (0.5 a step) | 1.00 | 7: 4.00, 9: 3.00 |" in report
     assert "prefill" not in report
+
+
+def test_gaps_split_into_a_graphs_own_and_the_hosts():
+    us = 1_000
+    kernels = [("a", 7, 0, 10 * us), ("b", 7, 12 * us, 10 * us), ("c", 7, 100 * us, 10 * us), ("d", 7, 111 * us, 5 * us)]
+    s = summarize(kernels, steps=1)
+    assert s["short_gaps_ms_per_step"] == pytest.approx(0.003)   # 2 us + 1 us
+    assert s["long_gaps_ms_per_step"] == pytest.approx(0.078)    # 78 us
+    assert s["long_gaps_per_step"] == 1
 
 
 def test_the_report_gives_the_prefill_before_the_first_replay():
