@@ -1,0 +1,83 @@
+"""Where the host's time goes in a profiled request: a torch.profiler chrome trace (what `decode_bench
+--kernels` writes as trace-*.json.gz) read back, the prefill window (everything before the first CUDA
+graph launch) summarized by runtime call and by top-level op, and how much of the window those ops cover
+(the rest is Python between them).
+
+    python -m benchmarks.host_trace OUT/trace-*.json.gz
+
+A prefill whose kernels keep the device busy for a small part of its window is bound by the host: this
+says whether by launches (many runtime calls), by syncs (cudaStreamSynchronize, device-to-host copies)
+or by Python (top-level ops covering little of the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+
+
+def load_events(path: str | Path) -> list[dict]:
+    """The trace's complete events ("ph": "X") with a duration."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def prefill_summary(events: list[dict], top: int = 20) -> dict:
+    """The host's events before the first graph launch (all of them when there is none): the window, per
+    category the total and the top names by time, and the top-level ops' share of the window."""
+    launches = [e["ts"] for e in events if "GraphLaunch" in e.get("name", "")]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    if not host:
+        return {"window_ms": 0.0, "categories": {}, "top_level_ms": 0.0, "top_level_share": 0.0}
+    end = min(launches) if launches else max(e["ts"] + e["dur"] for e in host)
+    host = [e for e in host if e["ts"] < end]
+    start = min(e["ts"] for e in host)
+    window_ms = (end - start) / 1e3
+    by: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    for e in host:
+        entry = by[(e["cat"], e["name"])]
+        entry[0] += e["dur"] / 1e3
+        entry[1] += 1
+    categories = {}
+    for cat in HOST_CATEGORIES:
+        rows = sorted(((name, ms, n) for (c, name), (ms, n) in by.items() if c == cat), key=lambda r: -r[1])
+        categories[cat] = {"total_ms": sum(r[1] for r in rows), "calls": sum(r[2] for r in rows),
+                           "top": [{"name": name[:100], "ms": ms, "calls": n} for name, ms, n in rows[:top]]}
+    covered, edge = 0.0, float("-inf")
+    for e in sorted((e for e in host if e["cat"] == "cpu_op"), key=lambda e: e["ts"]):
+        if e["ts"] >= edge:  # not nested in the op before it
+            covered += e["dur"] / 1e3
+            edge = e["ts"] + e["dur"]
+    return {"window_ms": window_ms, "categories": categories, "top_level_ms": covered,
+            "top_level_share": covered / window_ms if window_ms else 0.0}
+
+
+def report(summary: dict) -> str:
+    lines = [f"prefill window {summary['window_ms']:.1f} ms; top-level ops cover {summary['top_level_ms']:.1f} ms "
+             f"({summary['top_level_share']:.0%}), the rest is Python between them"]
+    for cat, part in summary["categories"].items():
+        lines.append(f"{cat}: {part['total_ms']:.1f} ms in {part['calls']} calls")
+        lines += [f"  {t['ms']:8.2f} ms {t['calls']:6d}  {t['name']}" for t in part["top"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", help="chrome traces (.json or .json.gz)")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        print(f"== {path}")
+        print(report(prefill_summary(load_events(path), args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
