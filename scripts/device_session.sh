@@ -78,6 +78,11 @@
 #   bash scripts/device_session.sh ablation BUDGET  VisMMOE's offload-only ladder against lru at BUDGET (448 and 896 px,
 #                                                   synthetic routing, the calibrated predictor): bench_h200.sh's
 #                                                   parts 1-2 or 3-4 without the resident baselines, in one call
+#   bash scripts/device_session.sh compare DIR      the same decode_bench (COMPARE_CONFIGS: every expert resident, Q4_K slabs
+#                                                   at 16 GiB; --kernels) on the code in DIR (a `git archive` of an earlier
+#                                                   commit, carried, e.g. .scratch/before) and on this tree, one call: before/after
+#   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
+#                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
@@ -258,6 +263,20 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             --image-sizes "$px" --warmup 1 --repeats 3 --decode-tokens 16 --routing synthetic:0 --profile \
             --configs ${EP_CONFIGS:-ep ep-graphs ep-realb ep-realb-seq ep-lowprec-all} --concurrency "${levels[@]}" --output "$OUT/epdp$px" \
             2>&1 | tail -40 | tee "$OUT/epdp$px.txt" || true ;;
+    compare) shift  # before/after in one call: DIR's code, then this tree's, each in its own process
+             ref=$1; shift
+             for side in "$ref" .; do
+               name=$([[ $side == . ]] && echo after || echo before)
+               (cd "$side" && PYTHONPATH=. timeout 260 python3 -m benchmarks.decode_bench --out "$OUT/$name" --layers 48 \
+                  --reps 2 --image_size 448 --decode_tokens 32 --routing synthetic --kernels \
+                  --configs ${COMPARE_CONFIGS:-"$RESIDENT" offload:expert_budget=16GiB,store_dtype=q4_k} | tee "$OUT/$name.txt") || true
+               rm -f "$OUT/$name"/trace-*
+             done ;;
+    hosttrace) shift
+               timeout 240 python3 -m benchmarks.decode_bench --out "$OUT/hosttrace" --layers 48 --reps 1 --image_size 448 \
+                 --decode_tokens 16 --routing synthetic --kernels --configs "$RESIDENT" | tee "$OUT/hosttrace.txt" || true
+               python3 -m benchmarks.host_trace "$OUT"/hosttrace/trace-*.json.gz | tee "$OUT/host_trace.txt"
+               rm -f "$OUT"/hosttrace/trace-* ;;
     family) shift  # #24: bench rows for a non-Qwen family (its own rule files: benchmarks/bench/configs.py RULE_FILES)
             px=448
             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
@@ -291,6 +310,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, compare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done
