@@ -84,27 +84,22 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
     limits = limits or engine.limits
     engine.limits = limits
     page = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
-    count = engine.metrics.count
-    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit,
-                       on_refusal=count)
-    app.add_middleware(AccessLog)  # added last, so outermost: it sees the guard's refusals too
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit)
+    # added last, so outermost: it sees the guard's refusals too; it alone counts requests (access.py)
+    app.add_middleware(AccessLog, count=engine.metrics.count)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        count(request.url.path, exc.status)
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(request.url.path), status_code=exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, exc: HTTPException):  # Starlette's 404/405: not its {"detail": ...}
-        # an unknown path is counted under one label: scanners would otherwise make a series per path
-        count(request.url.path if exc.status_code != 404 else "(no route)", exc.status_code)
         error = http_error(exc.status_code, request.method, request.url.path)
         return JSONResponse(error.body(request.url.path), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):  # still the error contract, never a text/plain 500
-        count(request.url.path, 500)
         error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
         return JSONResponse(error.body(request.url.path), status_code=500)
 
@@ -121,25 +116,24 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
         try:
             job = await until_disconnected(request, engine.submit(chat, usage))
         except ClientGone:
-            count(request.url.path, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         streaming = False
         try:
             if not chat.stream:
                 text = await until_disconnected(request, job.text())
-                count(request.url.path, 200)
                 return respond(text)
             pieces = job.pieces()
             first = await until_disconnected(request, anext(pieces, None))
             streaming = True
 
-            def closed() -> None:
-                if not job.finished.is_set():  # the client left mid-stream
-                    count(request.url.path, CLIENT_GONE)
+            def closed() -> None:  # the stream began with 200; its books record how it ended (access.py)
+                if job.error is not None:  # it ended with an error chunk: a 500, as a failed whole answer is
+                    request.state.outcome = 500
+                elif not job.finished.is_set():  # the client left mid-stream
+                    request.state.outcome = CLIENT_GONE
                 job.cancel()
             return ClosingStreamingResponse(stream(first, job, pieces), on_close=closed, media_type=media_type)
         except ClientGone:
-            count(request.url.path, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         finally:
             if not streaming:
@@ -201,7 +195,6 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
             async for piece in pieces:
                 yield chunk({"content": piece})
             await job.finished.wait()
-            count(request.url.path, 200)
             if job.error is not None:  # the stream has begun: the error goes in it, as vLLM does
                 yield "data: " + json.dumps(ApiError(500, f"generation failed: {job.error}", type_="internal_error").body()) + "\n\n"
             else:
@@ -212,10 +205,13 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
             yield "data: [DONE]\n\n"
         return await run(request, chat, usage, respond, events, "text/event-stream")
 
-    ollama.add_routes(app, engine, body_of, run, count)
+    ollama.add_routes(app, engine, body_of, run)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # on a worker thread: a real model's operator counters make ~130 KB of text, tens of ms to render,
+        # a stall of every stream if done on the loop (prometheus_client's registry is thread-safe)
+        text = await asyncio.to_thread(engine.metrics.text)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

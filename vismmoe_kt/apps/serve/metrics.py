@@ -34,7 +34,7 @@ class _RuntimeCollector:
 class ServerMetrics:
     def __init__(self, model: Any):
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("vismmoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+        self.requests = Counter("vismmoe_requests", "HTTP requests by route template and outcome", ["endpoint", "status"],
                                 registry=registry)
         self.prompt_tokens = Counter("vismmoe_prompt_tokens", "prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("vismmoe_generation_tokens", "tokens generated", registry=registry)
@@ -63,6 +63,7 @@ class ServerMetrics:
         self.running.set(running)
 
     def count(self, endpoint: str, status: int) -> None:
+        """One ended request; `endpoint` is its route's template or `unmatched` (access.py), never the raw path."""
         self.requests.labels(endpoint, str(status)).inc()
 
     def finished(self, usage: Any, first_text: float | None, end: float, cancelled: bool) -> None:

@@ -88,7 +88,7 @@ def check_model(body: Any, card: ModelCard) -> None:
                        type_="not_found_error", code="model_not_found")
 
 
-def add_routes(app: FastAPI, engine: Engine, body_of: Callable, run: Callable, count: Callable[[str, int], None]) -> None:
+def add_routes(app: FastAPI, engine: Engine, body_of: Callable, run: Callable) -> None:
     card = ModelCard(engine)
 
     async def answer(request: Request, generate: bool):
@@ -119,7 +119,6 @@ def add_routes(app: FastAPI, engine: Engine, body_of: Callable, run: Callable, c
             async for piece in pieces:
                 yield json.dumps(line(piece, False)) + "\n"
             await job.finished.wait()
-            count(request.url.path, 200)
             if job.error is not None:
                 yield json.dumps({"error": f"generation failed: {job.error}"}) + "\n"
             else:
