@@ -392,7 +392,7 @@ def odd_bodies(media):
             "/v1/chat/completions", "special token"),
         "thin_image": (json.dumps({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(png(1, 5000))}}, {"type": "text", "text": "hi"}]}]}).encode(),
-            "/v1/chat/completions", "processor refused"),
+            "/v1/chat/completions", "its aspect ratio 5000:1 is over the 200:1"),
         "nul_path": (json.dumps({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": media + "/a\x00b.png"}}, {"type": "text", "text": "hi"}]}]}).encode(),
             "/v1/chat/completions", "NUL"),

@@ -119,6 +119,9 @@ def read_rules(rules: str | Path | list) -> list[Rule]:
         except RecursionError:  # PyYAML composes recursively: thousands of nested brackets
             raise RuleError(f"{source}: not a rule file: its YAML is nested too deeply") from None
         check_yaml_size(data, source)
+        if data is None or data == []:  # an empty file, or only comments: most likely the wrong file
+            raise RuleError(f"rule file {source} has no rules (it is empty); leave out --optimize_config_path "
+                            f"(or --placement) to run every module as the checkpoint has it")
     else:
         source, data = "<rules>", rules
     if data is None:

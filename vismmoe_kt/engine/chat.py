@@ -96,7 +96,10 @@ class ChatSession:
         KeyboardInterrupt while answering: a turn is recorded once it is answered."""
         out = out or sys.stdout
         messages = self.messages + [user_turn(text, len(images))]
-        inputs = build_inputs(self.processor, messages, self.images + list(images))
+        try:
+            inputs = build_inputs(self.processor, messages, self.images + list(images))
+        except (ValueError, TypeError) as exc:  # the processor's own checks: the turn is dropped, as the server answers 400
+            raise InputError(f"the model's processor refused the input: {exc or type(exc).__name__}") from None
         length = int(inputs["input_ids"].shape[1])
         if length + 1 > self.context:  # no room for one new token (the server refuses the same prompts)
             raise InputError(f"the prompt is {length} tokens, over this model's context of {self.context}")

@@ -22,7 +22,7 @@ from ..core.context import context_of_model
 from .decoding import decode_engine
 from ..core.model_pass import ModelPass, PrefillRow
 from .runner import PREFILL_BUDGET, REQUEST_KEYS, BatchRequest, ModelRunner
-from .sampling import Sampling, check_context
+from .sampling import Sampling, check_context, samples
 
 
 def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, streamer: Any = None,
@@ -31,6 +31,7 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int, s
     """(1, prompt + new) token ids, like `model.generate` (batch 1). End-of-sequence tokens do not stop
     it before `min_new_tokens` (benchmarks decode a fixed count). `stopping_criteria` (transformers'
     StoppingCriteria) is asked after every token, with the ids so far."""
+    do_sample = samples(do_sample, temperature)  # greedy below MIN_TEMPERATURE on both paths (sampling.py)
     engine = decode_engine(model)
     if engine is None:
         context = context_of_model(model)

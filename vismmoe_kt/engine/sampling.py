@@ -13,18 +13,38 @@ from ..models import ModelAdapter
 from .prompt_history import ImageKey
 
 
+# Temperatures below this decode greedily, on every path. Logits divided by a smaller one overflow:
+# transformers' generation loop (the serial server engine, the CLI without our decode engine) divides by the
+# temperature as given, so 1e-38 makes the scores inf and the probabilities nan; and long before that the
+# softmax is one-hot (a logit gap of 0.001 over 1e-5 is e^-100), so greedy is the answer sampling tends to.
+MIN_TEMPERATURE = 1e-5
+
+
+def samples(do_sample: bool, temperature: float | None) -> bool:
+    """Whether a request samples: asked to, at a temperature (None: the caller's default of 1) not below
+    MIN_TEMPERATURE (0 is greedy, as OpenAI's and Ollama's APIs mean it)."""
+    return bool(do_sample) and (temperature is None or float(temperature) >= MIN_TEMPERATURE)
+
+
 @dataclass(frozen=True)
 class Sampling:
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
 
+    @classmethod
+    def of(cls, temperature: float | None, top_p: float | None) -> "Sampling":
+        """A request's sampling: greedy at temperature 0, None or below MIN_TEMPERATURE."""
+        if not temperature or not samples(True, temperature):
+            return cls()
+        return cls(True, float(temperature), 1.0 if top_p is None else float(top_p))
+
 
 def next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float) -> torch.Tensor:
     """(1, V) logits -> (1,) token id: greedy, or sampled with temperature and nucleus (top-p) filtering."""
-    if not do_sample:
+    if not samples(do_sample, temperature):
         return logits.argmax(dim=-1)
-    scores = logits.float() / max(float(temperature), 1e-5)
+    scores = logits.float() / float(temperature)
     if top_p < 1.0:
         ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(dim=-1)

@@ -289,9 +289,7 @@ class Engine:
     def _sampling(self, request: ChatRequest) -> Sampling:
         temperature = request.temperature if request.temperature is not None else self.temperature
         top_p = request.top_p if request.top_p is not None else self.top_p
-        if not temperature:
-            return Sampling()
-        return Sampling(True, temperature, top_p if top_p is not None else 1.0)
+        return Sampling.of(temperature, top_p)  # greedy below MIN_TEMPERATURE, in either runner
 
     def leave_group(self, timeout_s: float = 60.0) -> None:
         """At shutdown, data parallel: every rank leaves at one round of the group (BatchingThread)."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...errors import InputError
+from ..images import decode
 from .errors import ApiError
 
 # The chat-completions fields this server implements. `user` only labels a request for the provider
@@ -99,8 +101,6 @@ def checked_text(value: str, where: str) -> str:
 
 def decode_image(ref: ImageRef, limits: Limits):
     """A data URL, or a local file under the allowed path; never a remote fetch. Runs off the event loop."""
-    from PIL import Image, UnidentifiedImageError
-
     url, where = ref.url, ref.where
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
@@ -115,18 +115,11 @@ def decode_image(ref: ImageRef, limits: Limits):
         source: Any = io.BytesIO(raw)
     else:
         source = local_image(url, limits, where)
-    try:
-        with Image.open(source) as image:
-            width, height = image.size  # from the header: nothing decoded yet
-            if width * height > limits.max_image_pixels:
-                raise ApiError(400, f"{where}: {width}x{height} pixels is over the {limits.max_image_pixels:,}-pixel "
-                                    f"limit", param=where, code="image_too_large")
-            image.load()
-            return image.convert("RGB")
-    except ApiError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-        raise ApiError(400, f"{where}: not a readable image", param=where) from None
+    try:  # the CLI's checks and conversion (apps/images.py): a 16-bit PNG is not white here either
+        return decode(source, limits.max_image_pixels)
+    except InputError as exc:
+        code = "image_too_large" if "-pixel limit" in str(exc) else None
+        raise ApiError(400, f"{where}: {exc}", param=where, code=code) from None
 
 
 def local_image(url: str, limits: Limits, where: str) -> str:
@@ -141,6 +134,33 @@ def local_image(url: str, limits: Limits, where: str) -> str:
     if path.stat().st_size > limits.max_image_bytes:
         raise ApiError(400, f"{where}: image is over the {limits.max_image_bytes / 2**20:g} MiB limit", param=where)
     return str(path)
+
+
+# A message's fields and the JSON types they may have, for both APIs; a field of another type is a 400
+# naming it, checked before any value is used (a list as a role is unhashable: a 500 deep in the parsing).
+MESSAGE_FIELDS = {"role": ((str,), "a string"), "name": ((str,), "a string"),
+                  "images": ((list,), "a list of base64-encoded images")}
+CONTENT_TYPES = {str: "a string", list: "a list of parts"}
+
+
+def check_message(message: Any, i: int, content: tuple[type, ...]) -> None:
+    """messages[i] is an object whose fields have their types (`content`: the API's content types)."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ApiError(400, f"{where} must be an object with a role and content, got {_json_type(message)}",
+                       param=where)
+    kinds = {**MESSAGE_FIELDS, "content": (content, " or ".join(CONTENT_TYPES[t] for t in content))}
+    for key, (types, expected) in kinds.items():
+        value = message.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ApiError(400, f"'{where}.{key}' must be {expected}, got {_json_type(value)}",
+                           param=f"{where}.{key}")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for error messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _number(body: dict, key: str, low: float, high: float, integer: bool = False, where: str | None = None):
@@ -205,12 +225,12 @@ def _chat_request(body: dict, limits: Limits) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    if body.get("n") not in (None, 1):
+    if _number(body, "n", 1, 1 << 20, integer=True) not in (None, 1):  # _number refuses `true` (not 1)
         raise ApiError(400, "'n' other than 1 is not supported", param="n")
     out, images = [], []
     for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        role = ROLE_ALIASES.get(role, role)
+        check_message(message, i, content=(str, list))
+        role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant",
                            param=f"messages[{i}].role")
@@ -249,6 +269,12 @@ def _chat_request(body: dict, limits: Limits) -> ChatRequest:
 # top_k, ...) are ignored, as Ollama itself ignores options it does not know.
 OLLAMA_NEUTRAL = {"format": ("",), "tools": ([],), "suffix": ("",), "template": ("",), "context": ([],),
                   "raw": (False,), "think": (False,)}
+# Options this server ignores but Ollama types: a value of another type is an error there ("must be of type
+# integer"), so it is one here too, not a silently accepted `"seed": true`.
+OLLAMA_TYPED_OPTIONS = {"num_ctx": True, "num_keep": True, "seed": True, "top_k": True, "repeat_last_n": True,
+                        "num_batch": True, "num_gpu": True, "main_gpu": True, "num_thread": True, "min_p": False,
+                        "typical_p": False, "repeat_penalty": False, "presence_penalty": False,
+                        "frequency_penalty": False}  # option -> whether it is an integer
 
 
 def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
@@ -274,8 +300,10 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
     converted = []
     for i, m in enumerate(messages):
         where = "images" if generate else f"messages[{i}].images"
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise ApiError(400, f"messages[{i}] needs a string content", param=f"messages[{i}]")
+        if not generate:  # generate's one message is built from `prompt`, `system` and `images`, checked by name
+            check_message(m, i, content=(str,))
+        if not isinstance(m.get("content"), str):
+            raise ApiError(400, f"messages[{i}] needs a string content", param=f"messages[{i}].content")
         images = m.get("images") or []
         if not isinstance(images, list) or not all(isinstance(img, str) for img in images):
             raise ApiError(400, f"'{where}' must be a list of base64-encoded images", param=where)
@@ -285,6 +313,8 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object such as {\"temperature\": 0.7, \"num_predict\": 64}",
                        param="options")
+    for key, integer in OLLAMA_TYPED_OPTIONS.items():
+        _number(options, key, -2.0**63, 2.0**63, integer=integer, where=f"options.{key}")
     stream = body.get("stream", True)  # Ollama streams unless told not to
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
