@@ -1,6 +1,6 @@
 """`vismmoe-kt serve` under faults, load and bad input, against a real server process on loopback.
 
-    .venv/bin/python3 -m benchmarks.server_faults --out DIR [--concurrency 50] [--seed 0]
+    .venv/bin/python3 -m benchmarks.server_faults --out DIR [--concurrency 50] [--seed 0] [--cases NAME ...]
 
 Starts `vismmoe-kt serve --demo` (real model, real generation, CPU) on a free port and runs, in order:
   bad-input   one request per hostile or malformed case; each must get its expected 4xx JSON error
@@ -11,8 +11,13 @@ Starts `vismmoe-kt serve --demo` (real model, real generation, CPU) on a free po
               end, before the first byte, mid-stream, while queued); the server must then be idle
   heavy       an 8 MB text body, a 13000 x 13000 PNG header and a 2,000 px image while /health is
               polled: /health latency p50/p95/max during the heavy requests
-  sigterm     SIGTERM while a stream runs: seconds until the process exits
+  stalled-body     a POST that announces 100,000 bytes and sends 12: 408 and closed within --body_timeout
+  stalled-headers  headers that never end, and a connection that sends nothing: closed within --header_timeout
+  port-in-use      a second `serve` on the server's port: exit 2 with `error: cannot listen ...`, before loading
+  sigterm          SIGTERM while a stream runs: seconds until the process exits
+  sigterm-stalled  SIGTERM (a server of its own) with a stalled-body client connected: exits within 10 s
 RSS of the server process before and after. Writes DIR/server_faults.json and prints a markdown table.
+--cases runs some of them (in the order above; sigterm ends the shared server, so it runs last).
 """
 
 from __future__ import annotations
@@ -68,12 +73,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
+CASES = ["bad_input", "load", "disconnect", "heavy", "stalled_body", "stalled_headers", "port_in_use", "sigterm",
+         "sigterm_stalled"]
+CLIENT_TIMEOUT = 3.0  # the shared server's --header_timeout and --body_timeout: short, so the stalled cases are quick
+SERVE = [sys.executable, "-m", "vismmoe_kt.apps.cli", "serve", "--demo", "--cpu_infer", "1"]
+STALLED_BODY = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n{\"messages\":")
+
+
 class Server:
     def __init__(self, max_new_tokens: int, max_queue: int, extra: list[str]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "vismmoe_kt.apps.cli", "serve", "--demo", "--port", str(self.port),
-                   "--max_new_tokens", str(max_new_tokens), "--max_queue", str(max_queue), "--cpu_infer", "1", *extra]
+        command = [*SERVE, "--port", str(self.port), "--max_new_tokens", str(max_new_tokens), "--max_queue",
+                   str(max_queue), *extra]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -290,52 +303,159 @@ def run_sigterm(server: Server) -> dict:
     return {"exited": True, "exit_code": code, "seconds": round(time.perf_counter() - start, 2)}
 
 
+def until_closed(port: int, sent: bytes, limit: float) -> tuple[bytes, float | None]:
+    """Send `sent` on a fresh connection and read until the server closes it: (reply, seconds; None: still
+    open after `limit`)."""
+    start = time.perf_counter()
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=limit) as s:
+        if sent:
+            s.sendall(sent)
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except socket.timeout:
+            return received, None
+    return received, round(time.perf_counter() - start, 2)
+
+
+def status_of(reply: bytes) -> str:
+    return reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/1.1 ") else "none"
+
+
+def run_stalled_body(server: Server) -> dict:
+    reply, seconds = until_closed(server.port, STALLED_BODY, 3 * CLIENT_TIMEOUT + 5)
+    ok = status_of(reply) == "408" and seconds is not None and seconds <= 3 * CLIENT_TIMEOUT
+    return {"expected": f"408, closed within {3 * CLIENT_TIMEOUT:g} s (--body_timeout {CLIENT_TIMEOUT:g})",
+            "status": status_of(reply), "closed_after_s": seconds, "ok": ok, "serves_after": server.serves()}
+
+
+def run_stalled_headers(server: Server) -> dict:
+    rows = []
+    for case, sent, status in [("half a header", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 12", "408"),
+                               ("nothing sent", b"", "none")]:
+        reply, seconds = until_closed(server.port, sent, 3 * CLIENT_TIMEOUT + 5)
+        rows.append({"case": case, "expected_status": status, "status": status_of(reply), "closed_after_s": seconds,
+                     "ok": status_of(reply) == status and seconds is not None and seconds <= 3 * CLIENT_TIMEOUT})
+    return {"expected": f"closed within {3 * CLIENT_TIMEOUT:g} s (--header_timeout {CLIENT_TIMEOUT:g})", "cases": rows,
+            "ok": all(r["ok"] for r in rows), "serves_after": server.serves()}
+
+
+def run_port_in_use(server: Server) -> dict:
+    start = time.perf_counter()
+    result = subprocess.run([*SERVE, "--port", str(server.port)], capture_output=True, text=True, timeout=300)
+    seconds = round(time.perf_counter() - start, 2)
+    refused = f"error: cannot listen on 127.0.0.1:{server.port}:" in result.stderr
+    loaded = "demo model:" in result.stderr or "serving on" in result.stderr
+    return {"expected": "exit 2, error: cannot listen on ..., nothing loaded", "exit_code": result.returncode,
+            "error_line": refused, "loaded": loaded, "seconds": seconds,
+            "ok": result.returncode == 2 and refused and not loaded, "serves_after": server.serves()}
+
+
+def run_sigterm_stalled() -> dict:
+    server = Server(max_new_tokens=16, max_queue=4, extra=["--body_timeout", "600", "--shutdown_timeout", "5"])
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as stalled:
+            stalled.sendall(STALLED_BODY)
+            time.sleep(0.5)  # the request is in the app, reading its body
+            start = time.perf_counter()
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                code = server.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                return {"expected": "exits within 10 s (--shutdown_timeout 5)", "exited": False, "ok": False}
+            seconds = round(time.perf_counter() - start, 2)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    return {"expected": "exits within 10 s (--shutdown_timeout 5)", "exited": True, "exit_code": code,
+            "seconds": seconds, "ok": seconds <= 10}
+
+
 def main() -> int:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for server_faults.json")
     parser.add_argument("--concurrency", type=int, default=50, help="concurrent streaming requests of the load phase")
     parser.add_argument("--disconnects", type=int, default=40, help="raw-socket clients of the disconnect phase")
     parser.add_argument("--seed", type=int, default=0, help="seed of the disconnect moments")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES, metavar="CASE",
+                        help=f"the parts to run: {' '.join(CASES)} (default: all)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     image = data_url(png_bytes(224, 224))
-    server = Server(max_new_tokens=256, max_queue=64, extra=[])
-    result = {"machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"), "rss_mib_start": round(server.rss_mib(), 1)}
+    shared = [c for c in args.cases if c != "sigterm_stalled"]
+    result: dict = {"machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"), "cases": args.cases}
+    server = Server(max_new_tokens=256, max_queue=64, extra=["--header_timeout", str(CLIENT_TIMEOUT), "--body_timeout",
+                                                             str(CLIENT_TIMEOUT)]) if shared else None
     try:
-        for name, step in [("bad_input", lambda: run_bad_input(server, image)),
-                           ("load", lambda: run_load(server, args.concurrency, image)),
-                           ("disconnect", lambda: run_disconnects(server, args.disconnects, args.seed)),
-                           ("heavy", lambda: run_heavy(server))]:
+        if server is not None:
+            result["rss_mib_start"] = round(server.rss_mib(), 1)
+        steps = {"bad_input": lambda: run_bad_input(server, image),
+                 "load": lambda: run_load(server, args.concurrency, image),
+                 "disconnect": lambda: run_disconnects(server, args.disconnects, args.seed),
+                 "heavy": lambda: run_heavy(server), "stalled_body": lambda: run_stalled_body(server),
+                 "stalled_headers": lambda: run_stalled_headers(server),
+                 "port_in_use": lambda: run_port_in_use(server)}
+        for name in [c for c in CASES if c in steps and c in args.cases]:
             print(f"[{name}] ...", file=sys.stderr, flush=True)
-            result[name] = step()
+            result[name] = steps[name]()
             print(json.dumps(result[name])[:400], file=sys.stderr, flush=True)
-        result["rss_mib_end"] = round(server.rss_mib(), 1)
-        result["sigterm"] = run_sigterm(server)
+        if server is not None:
+            result["rss_mib_end"] = round(server.rss_mib(), 1)
+        if "sigterm" in args.cases:
+            result["sigterm"] = run_sigterm(server)
     finally:
-        if server.process.poll() is None:
+        if server is not None and server.process.poll() is None:
             server.process.kill()
+    if "sigterm_stalled" in args.cases:
+        print("[sigterm_stalled] ...", file=sys.stderr, flush=True)
+        result["sigterm_stalled"] = run_sigterm_stalled()
     (out / "server_faults.json").write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     return 0
 
 
+def verdict(x: dict) -> str:
+    return "ok" if x["ok"] else "FAIL"
+
+
+ROWS = [  # (part, its row of the table from its result), for the parts that ran
+    ("bad_input", lambda b: f"| bad input | {b['ok']}/{b['n']} cases got the expected status with the JSON error body, "
+                            f"and the server answered after each |"),
+    ("load", lambda x: f"| load | {x['concurrency']} concurrent streams: "
+                       f"{', '.join(f'{k}: {v}' for k, v in sorted(x['statuses'].items()))}; answered p50 "
+                       f"{x['latency_p50_s']} s, p95 {x['latency_p95_s']} s; hung {x['hung']}; idle after: {x['idle_after']} |"),
+    ("disconnect", lambda d: f"| disconnects | {d['clients']} clients ({', '.join(f'{k} {v}' for k, v in d['by_kind'].items())}): "
+                             f"idle after {d['idle_after']}, serves after {d['serves_after']}, requests whose client left "
+                             f"{d['client_gone_total']:.0f} (generations cut short {d['cancelled_total']:.0f}; the others "
+                             f"left before theirs began or after it ended) |"),
+    ("heavy", lambda h: "| heavy input | " + "; ".join(f"{x['case']}: {x['status']} in {x['seconds']} s" for x in h["requests"])
+                        + f"; /health p50 {h['health_p50_s']} s, p95 {h['health_p95_s']} s, max {h['health_max_s']} s meanwhile |"),
+    ("stalled_body", lambda b: f"| stalled body | expected {b['expected']}; got {b['status']}, closed after "
+                               f"{b['closed_after_s']} s; serves after {b['serves_after']}: {verdict(b)} |"),
+    ("stalled_headers", lambda h: f"| stalled headers | expected {h['expected']}; " + "; ".join(
+        f"{c['case']}: status {c['status']} (expected {c['expected_status']}), closed after {c['closed_after_s']} s"
+        for c in h["cases"]) + f"; serves after {h['serves_after']}: {verdict(h)} |"),
+    ("port_in_use", lambda p: f"| port in use at startup | expected {p['expected']}; got exit {p['exit_code']}, error line "
+                              f"{p['error_line']}, loaded {p['loaded']}, in {p['seconds']} s: {verdict(p)} |"),
+    ("rss_mib_end", lambda _: None),  # the memory row, from two keys: markdown()
+    ("sigterm", lambda t: f"| SIGTERM while streaming | exited: {t.get('exited')} in {t.get('seconds')} s |"),
+    ("sigterm_stalled", lambda t: f"| SIGTERM with a stalled client | expected {t['expected']}; exited: {t.get('exited')} "
+                                  f"in {t.get('seconds')} s (exit {t.get('exit_code')}): {verdict(t)} |"),
+]
+
+
 def markdown(r: dict) -> str:
-    bad, load, disc, heavy = r["bad_input"], r["load"], r["disconnect"], r["heavy"]
-    heavy_text = "; ".join(f"{x['case']}: {x['status']} in {x['seconds']} s" for x in heavy["requests"])
-    lines = ["| part | outcome |", "|---|---|",
-             f"| bad input | {bad['ok']}/{bad['n']} cases got the expected status with the JSON error body, and the server answered after each |",
-             f"| load | {load['concurrency']} concurrent streams: {', '.join(f'{k}: {v}' for k, v in sorted(load['statuses'].items()))}; "
-             f"answered p50 {load['latency_p50_s']} s, p95 {load['latency_p95_s']} s; hung {load['hung']}; idle after: {load['idle_after']} |",
-             f"| disconnects | {disc['clients']} clients ({', '.join(f'{k} {v}' for k, v in disc['by_kind'].items())}): idle after "
-             f"{disc['idle_after']}, serves after {disc['serves_after']}, requests whose client left {disc['client_gone_total']:.0f} "
-             f"(generations cut short {disc['cancelled_total']:.0f}; the others left before theirs began or after it ended) |",
-             f"| heavy input | {heavy_text}; /health "
-             f"p50 {heavy['health_p50_s']} s, p95 {heavy['health_p95_s']} s, max {heavy['health_max_s']} s meanwhile |",
-             f"| memory | RSS {r['rss_mib_start']} MiB at start, {r['rss_mib_end']} MiB at the end |",
-             f"| SIGTERM while streaming | exited: {r['sigterm'].get('exited')} in {r['sigterm'].get('seconds')} s |"]
-    lines += ["", "| bad-input case | status (expected) |", "|---|---|"]
-    lines += [f"| {c['case']} | {c['status']} ({c['expected']}) |" for c in bad["cases"]]
+    lines = ["| part | outcome |", "|---|---|"]
+    for part, row in ROWS:
+        if part == "rss_mib_end" and part in r:
+            lines.append(f"| memory | RSS {r['rss_mib_start']} MiB at start, {r['rss_mib_end']} MiB at the end |")
+        elif part in r:
+            lines.append(row(r[part]))
+    if "bad_input" in r:
+        lines += ["", "| bad-input case | status (expected) |", "|---|---|"]
+        lines += [f"| {c['case']} | {c['status']} ({c['expected']}) |" for c in r["bad_input"]["cases"]]
     return "\n".join(lines)
 
 

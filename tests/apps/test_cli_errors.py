@@ -155,6 +155,10 @@ def test_cuda_index_beyond_the_device_count(monkeypatch, capsys):
     ("--max_image_mb", "0", "must be a number > 0, got 0"),
     ("--max_queue", "-1", "must be at least 0, got -1"),
     ("--limit_mm_per_prompt", "-2", "must be at least 0, got -2"),
+    ("--ep_timeout", "-5", "must be a number > 0, got -5"),  # torch's process group took it (and waited 0 s)
+    ("--header_timeout", "0", "must be a number > 0, got 0"),
+    ("--body_timeout", "-1", "must be a number > 0, got -1"),
+    ("--shutdown_timeout", "nan", "must be a number > 0, got nan"),
 ])
 def test_serve_flags_out_of_range(flag, value, message, capsys):
     usage_error(capsys, ["serve", flag, value], f"argument {flag}: {message}")

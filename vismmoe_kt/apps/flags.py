@@ -119,7 +119,7 @@ def add_engine_flags(group) -> None:
 def add_parallel_flags(group) -> None:
     group.add_argument("--ep_size", type=int,
                        help="expert-parallel group size: the torchrun process count (rank 0 serves, the others follow)")
-    group.add_argument("--ep_timeout", type=float, default=300.0,
+    group.add_argument("--ep_timeout", type=POSITIVE, default=300.0,
                        help="seconds a rank waits for the others before it stops with an error (torchrun launches)")
 
 

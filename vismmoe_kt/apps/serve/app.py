@@ -28,7 +28,7 @@ from . import ollama
 from .access import AccessLog
 from .engine import Engine, Job, Usage
 from .errors import ApiError, http_error
-from .guard import Guard
+from .guard import BODY_TIMEOUT, Guard
 from .inputs import Limits, parse_chat, parse_json
 
 T = TypeVar("T")
@@ -77,14 +77,16 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None = None,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
-    """`allowed_hosts`: Host header names to answer (None: any; the CLI passes loopback names for a loopback bind)."""
+               allowed_hosts: list[str] | None = None, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+    """`allowed_hosts`: Host header names to answer (None: any; the CLI passes loopback names for a loopback bind);
+    `body_timeout`: seconds a request body may stall before 408 (guard.py)."""
     app = FastAPI(title="vismmoe-kt", docs_url=None, redoc_url=None)
     app.state.engine = engine  # the command's shutdown asks it to leave a data-parallel group
     limits = limits or engine.limits
     engine.limits = limits
     page = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
-    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit)
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=limits.body_limit,
+                       body_timeout=body_timeout)
     # added last, so outermost: it sees the guard's refusals too; it alone counts requests (access.py)
     app.add_middleware(AccessLog, count=engine.metrics.count)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def add_parser(commands) -> None:
     serve.add_argument("--no_access_log", action="store_true",
                        help="do not print the access log (one line per request on stderr: client, method, path, "
                             "status, tokens, duration; never the prompt)")
+    serve.add_argument("--header_timeout", type=POSITIVE, default=10.0,
+                       help="seconds a client may take to send a request's headers, from connecting (or from its next "
+                            "request's first byte); then 408 and the connection closes (uvicorn has no such limit)")
+    serve.add_argument("--body_timeout", type=POSITIVE, default=30.0,
+                       help="seconds a request body may stall (no bytes arriving) before 408 and the connection closes")
+    serve.add_argument("--shutdown_timeout", type=POSITIVE, default=5.0,
+                       help="seconds SIGTERM waits for running requests before it cancels them and exits")
     serve.add_argument("--allowed_hosts", nargs="+", metavar="HOST",
                        help="Host header names to answer, '*' for any (default: loopback names when --host is "
                             "loopback, which stops DNS-rebinding pages; any otherwise)")
@@ -91,7 +99,7 @@ def build_server(args: argparse.Namespace):
         raise InputError(f"{f'--max_batch {args.max_batch}' if args.max_batch > 1 else '--data_parallel'}: {exc}") \
             from None
     hosts = args.allowed_hosts or default_allowed_hosts(args.host)
-    return create_app(engine, limits, args.api_key, hosts)
+    return create_app(engine, limits, args.api_key, hosts, body_timeout=args.body_timeout)
 
 
 def log_access(enabled: bool) -> None:
@@ -108,19 +116,26 @@ def log_access(enabled: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from . import listen
 
-    app = build_server(args)
-    log_access(not args.no_access_log)
-    from ...parallel import launch
-
-    port = args.port + (launch.joined.rank if args.data_parallel else 0)  # data parallel: a port per rank
-    rank = f"rank {launch.joined.rank} " if args.data_parallel else ""
-    print(f"{rank}serving on http://{args.host}:{port}  (web chat at /, OpenAI API at /v1)", file=sys.stderr)
+    # data parallel: a port per rank; the rank is torchrun's RANK, known before the group is joined
+    rank = int(os.environ.get("RANK", "0")) if args.data_parallel else 0
+    sockets = listen.bind(args.host, args.port + rank)  # before the model loads: a port in use fails at once
     try:
-        uvicorn.run(app, host=args.host, port=port, log_level="warning")
+        app = build_server(args)
+        log_access(not args.no_access_log)
+        port = sockets[0].getsockname()[1]  # --port 0: the one the system chose
+        where = f"rank {rank} " if args.data_parallel else ""
+        print(f"{where}serving on http://{listen.address(args.host, port)}  (web chat at /, OpenAI API at /v1)",
+              file=sys.stderr)
+        try:
+            listen.server(app, header_timeout=args.header_timeout,
+                          shutdown_timeout=args.shutdown_timeout).run(sockets=sockets)
+        finally:
+            leave = getattr(app.state.engine, "leave_group", None)
+            if leave is not None:  # every rank leaves at one round of the group, before it is torn down
+                leave()
     finally:
-        leave = getattr(app.state.engine, "leave_group", None)
-        if leave is not None:  # every rank leaves at one round of the group, before it is torn down
-            leave()
+        for sock in sockets:
+            sock.close()
     return 0

@@ -10,13 +10,16 @@ An ASGI middleware, so every route is covered, including FastAPI's own (/openapi
   page may send `text/plain` or form bodies without asking the browser's CORS preflight; JSON it may not.
 - Size: a body over `max_body_bytes` is refused with 413, from Content-Length when there is one, while
   it is read otherwise, before it is held in memory whole.
+- Time: a body that stalls (no bytes for `body_timeout` seconds) gets 408. A body refused part way is
+  not read to its end: the response closes the connection (its unread rest would be taken for the next request).
 Refusals use the error body of the API the path belongs to, like every other error (errors.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Any, Callable
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -25,6 +28,8 @@ from .errors import ApiError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 OPEN_PATHS = ("/health", "/")  # the web page is static (it asks for the key itself); health checks carry no key
+BODY_TIMEOUT = 30.0  # seconds a request body may stall; headers have their own deadline (listen.py)
+CLOSE = (b"connection", b"close")
 
 
 def default_allowed_hosts(bind_host: str) -> list[str]:
@@ -51,10 +56,18 @@ class BodyTooLarge(ApiError):
                          code="body_too_large")
 
 
+class BodyTimeout(ApiError):
+    def __init__(self, seconds: float):
+        super().__init__(408, f"the request body stalled: no bytes arrived for {seconds:g} s (--body_timeout)",
+                         code="request_timeout")
+
+
 class Guard:
     def __init__(self, app: Any, *, api_key: str | None, allowed_hosts: list[str] | None, max_body_bytes: int,
-                 on_refusal: Callable[[str, int], None] = lambda path, status: None):
-        self.app, self.api_key, self.max_body_bytes, self.on_refusal = app, api_key, max_body_bytes, on_refusal
+                 body_timeout: float = BODY_TIMEOUT):
+        """Refusals are counted by the access log around it (access.py), like every other response."""
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.body_timeout = body_timeout
         self.allowed_hosts = None if not allowed_hosts or "*" in allowed_hosts else {h.lower() for h in allowed_hosts}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -63,10 +76,10 @@ class Guard:
         try:
             self.check(scope, Headers(scope=scope))
         except ApiError as refusal:
-            self.on_refusal(scope["path"], refusal.status)
             return await JSONResponse(refusal.body(scope["path"]), status_code=refusal.status)(scope, receive, send)
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            receive = self.limited(receive)
+            refused: list[ApiError] = []
+            receive, send = self.limited(receive, refused), closing(send, refused)
         await self.app(scope, receive, send)
 
     def check(self, scope, headers: Headers) -> None:
@@ -87,16 +100,36 @@ class Guard:
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
                 raise BodyTooLarge(self.max_body_bytes)
 
-    def limited(self, receive):
-        """`receive` that counts body bytes and stops a body that grows past the limit (chunked uploads)."""
-        seen = 0
+    def limited(self, receive, refused: list):
+        """`receive` that counts body bytes and stops a body that grows past the limit (chunked uploads) or
+        stalls; a refusal is noted in `refused`. Once the body is in, the app's receive (waiting for a
+        disconnect while it generates) has no deadline."""
+        seen, complete = 0, False
 
         async def wrapped():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                refused.append(BodyTimeout(self.body_timeout))
+                raise refused[-1] from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
+                    refused.append(BodyTooLarge(self.max_body_bytes))
+                    raise refused[-1]
             return message
         return wrapped
+
+
+def closing(send, refused: list):
+    """`send` that closes the connection after the response to a body refused part way."""
+    async def wrapped(message):
+        if message["type"] == "http.response.start" and refused and CLOSE not in message.get("headers", []):
+            message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+        await send(message)
+    return wrapped
