@@ -12,11 +12,12 @@ or by Python (top-level ops covering little of the window).
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
+
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
 
@@ -69,9 +70,9 @@ def report(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("traces", nargs="+", help="chrome traces (.json or .json.gz)")
-    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--top", type=int, default=20, help="names listed per category (by time)")
     args = parser.parse_args(argv)
     for path in args.traces:
         print(f"== {path}")
