@@ -3,14 +3,17 @@
     .venv/bin/python3 -m benchmarks.server_faults --out DIR [--concurrency 50] [--seed 0] [--cases NAME ...]
 
 Starts `vismmoe-kt serve --demo` (real model, real generation, CPU) on a free port and runs, in order:
-  bad-input   one request per hostile or malformed case; each must get its expected 4xx JSON error
-              and the server must answer a normal request afterwards
+  bad-input   one request per hostile or malformed case; each must get its expected status (a 4xx
+              with the JSON error body, or 200 where the input is valid: a 16-bit PNG, temperature
+              1e-38) and the server must answer a normal request afterwards
   load        N concurrent streaming requests of which every 10th client gives up after 0.3 s;
               status counts, latency p50/p95 of the answered ones, hung clients (none may hang)
   disconnect  N raw-socket clients that close at a seeded random moment (before sending the body's
               end, before the first byte, mid-stream, while queued); the server must then be idle
   heavy       an 8 MB text body, a 13000 x 13000 PNG header and a 2,000 px image while /health is
               polled: /health latency p50/p95/max during the heavy requests
+  junk        a soak of --junk requests (unknown paths, random model ids, refused bodies, %0a and ANSI
+              escapes in paths): the request metric's series stay bounded, RSS sampled along the way
   stalled-body     a POST that announces 100,000 bytes and sends 12: 408 and closed within --body_timeout
   stalled-headers  headers that never end, and a connection that sends nothing: closed within --header_timeout
   port-in-use      a second `serve` on the server's port: exit 2 with `error: cannot listen ...`, before loading
@@ -23,6 +26,7 @@ RSS of the server process before and after. Writes DIR/server_faults.json and pr
 from __future__ import annotations
 
 import base64
+import collections
 import concurrent.futures
 import io
 import json
@@ -34,6 +38,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -59,6 +64,13 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
+def png16_bytes(size: int = 64) -> bytes:
+    """A 16-bit greyscale PNG (PIL mode I;16) of mid-grey: 8-bit conversion used to make it white."""
+    buf = io.BytesIO()
+    Image.fromarray(np.full((size, size), 32896, dtype=np.uint16)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def png_header(width: int, height: int) -> bytes:
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -73,7 +85,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
-CASES = ["bad_input", "load", "disconnect", "heavy", "stalled_body", "stalled_headers", "port_in_use", "sigterm",
+CASES = ["bad_input", "load", "disconnect", "heavy", "junk", "stalled_body", "stalled_headers", "port_in_use", "sigterm",
          "sigterm_stalled"]
 CLIENT_TIMEOUT = 3.0  # the shared server's --header_timeout and --body_timeout: short, so the stalled cases are quick
 SERVE = [sys.executable, "-m", "vismmoe_kt.apps.cli", "serve", "--demo", "--cpu_infer", "1"]
@@ -87,7 +99,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [*SERVE, "--port", str(self.port), "--max_new_tokens", str(max_new_tokens), "--max_queue",
                    str(max_queue), *extra]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # the access log goes to a file: a pipe nobody reads fills after a few thousand lines and stalls the server
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
@@ -96,7 +110,8 @@ class Server:
             except httpx.HTTPError:
                 time.sleep(0.2)
             if self.process.poll() is not None:
-                raise SystemExit(f"the server exited: {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise SystemExit(f"the server exited: {self.log.read()[-2000:]}")
         raise SystemExit("the server did not start within 300 s")
 
     def rss_mib(self) -> float:
@@ -160,6 +175,15 @@ def bad_input_cases(image: str) -> list[tuple[str, str, bytes, str, int]]:
         ("Ollama chat without messages", "/api/chat", b'{}', "application/json", 400),
         ("over the context (5,000 characters)", "/v1/chat/completions", body({"messages": [{"role": "user", "content": "x" * 5000}]}),
          "application/json", 400),
+        ("role a list", "/v1/chat/completions", body({"messages": [{"role": ["user"], "content": "hi"}]}), "application/json", 400),
+        ("role a dict, Ollama", "/api/chat", body({"messages": [{"role": {"a": 1}, "content": "hi"}]}), "application/json", 400),
+        ("n = true", "/v1/chat/completions", body({"messages": [{"role": "user", "content": "hi"}], "n": True}), "application/json", 400),
+        ("1 x 100000 PNG", "/v1/chat/completions", body(msg({"type": "image_url", "image_url": {"url": data_url(png_bytes(1, 100000))}}, text)),
+         "application/json", 400),
+        ("temperature 1e-38 (greedy)", "/v1/chat/completions", body({"messages": [{"role": "user", "content": "hi"}],
+                                                                   "temperature": 1e-38, "max_tokens": 2}), "application/json", 200),
+        ("16-bit greyscale PNG", "/v1/chat/completions", body({**msg({"type": "image_url", "image_url": {"url": data_url(png16_bytes())}},
+                                                                   text), "max_tokens": 2}), "application/json", 200),
     ]
     return cases
 
@@ -168,10 +192,13 @@ def run_bad_input(server: Server, image: str) -> dict:
     rows = []
     for name, path, raw, content_type, expected in bad_input_cases(image):
         r = httpx.post(server.url + path, content=raw, headers={"content-type": content_type}, timeout=60)
-        try:  # OpenAI's error object, or Ollama's error string on /api/*
-            error = r.json()["error"]
-            contract = (isinstance(error, str) if path.startswith("/api/")
-                        else set(error) == {"message", "type", "param", "code"})
+        try:  # OpenAI's error object, or Ollama's error string on /api/*; a valid input's answer
+            if expected == 200:
+                contract = bool(r.json()["choices"])
+            else:
+                error = r.json()["error"]
+                contract = (isinstance(error, str) if path.startswith("/api/")
+                            else set(error) == {"message", "type", "param", "code"})
         except (ValueError, KeyError, TypeError):
             contract = False
         rows.append({"case": name, "status": r.status_code, "expected": expected, "error_contract": contract,
@@ -288,6 +315,33 @@ def run_heavy(server: Server) -> dict:
             "rss_mib_after": round(server.rss_mib(), 1)}
 
 
+def run_junk(server: Server, n: int, seed: int) -> dict:
+    """A soak of `n` junk requests (unknown paths, random model ids, refused methods and bodies) from one
+    keep-alive client: the metric series they may add stay bounded, RSS sampled every n / 10 requests."""
+    rng = random.Random(seed)
+
+    def series() -> int:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(1 for line in text.splitlines() if line.startswith("vismmoe_requests_total{"))
+    before, rss, statuses = series(), [round(server.rss_mib(), 1)], collections.Counter()
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for i in range(n):
+            junk = f"{rng.getrandbits(48):012x}"
+            kind = i % 3
+            if kind == 0:
+                r = client.get(f"/v1/models/{junk}")
+            elif kind == 1:
+                r = client.post(f"/x{junk}", content=b"{}", headers={"Content-Type": "text/plain"})
+            else:
+                r = client.get(f"/{junk}/%0a%1b[31m")
+            statuses[r.status_code] += 1
+            if (i + 1) % max(1, n // 10) == 0:
+                rss.append(round(server.rss_mib(), 1))
+    after = series()
+    return {"requests": n, "statuses": dict(statuses), "series_before": before, "series_after": after,
+            "rss_mib": rss, "serves_after": server.serves(), "ok": after - before <= 6 and server.serves()}
+
+
 def run_sigterm(server: Server) -> dict:
     body = {"messages": [{"role": "user", "content": "tell me a story"}], "stream": True, "max_tokens": 2000}
     thread = threading.Thread(target=stream_client, args=(server.url, body, 600), daemon=True)
@@ -377,7 +431,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for server_faults.json")
     parser.add_argument("--concurrency", type=int, default=50, help="concurrent streaming requests of the load phase")
     parser.add_argument("--disconnects", type=int, default=40, help="raw-socket clients of the disconnect phase")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the disconnect moments")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the disconnect moments and the junk paths")
+    parser.add_argument("--junk", type=int, default=10_000, help="junk requests of the soak (metric series, RSS)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES, metavar="CASE",
                         help=f"the parts to run: {' '.join(CASES)} (default: all)")
     args = parser.parse_args()
@@ -394,7 +449,8 @@ def main() -> int:
         steps = {"bad_input": lambda: run_bad_input(server, image),
                  "load": lambda: run_load(server, args.concurrency, image),
                  "disconnect": lambda: run_disconnects(server, args.disconnects, args.seed),
-                 "heavy": lambda: run_heavy(server), "stalled_body": lambda: run_stalled_body(server),
+                 "heavy": lambda: run_heavy(server), "junk": lambda: run_junk(server, args.junk, args.seed),
+                 "stalled_body": lambda: run_stalled_body(server),
                  "stalled_headers": lambda: run_stalled_headers(server),
                  "port_in_use": lambda: run_port_in_use(server)}
         for name in [c for c in CASES if c in steps and c in args.cases]:
@@ -432,6 +488,9 @@ ROWS = [  # (part, its row of the table from its result), for the parts that ran
                              f"left before theirs began or after it ended) |"),
     ("heavy", lambda h: "| heavy input | " + "; ".join(f"{x['case']}: {x['status']} in {x['seconds']} s" for x in h["requests"])
                         + f"; /health p50 {h['health_p50_s']} s, p95 {h['health_p95_s']} s, max {h['health_max_s']} s meanwhile |"),
+    ("junk", lambda j: f"| {j['requests']} junk requests (soak) | statuses {dict(sorted(j['statuses'].items()))}; "
+                       f"request series {j['series_before']} -> {j['series_after']}; RSS {j['rss_mib'][0]} -> "
+                       f"{j['rss_mib'][-1]} MiB (max {max(j['rss_mib'])}); serves after {j['serves_after']}: {verdict(j)} |"),
     ("stalled_body", lambda b: f"| stalled body | expected {b['expected']}; got {b['status']}, closed after "
                                f"{b['closed_after_s']} s; serves after {b['serves_after']}: {verdict(b)} |"),
     ("stalled_headers", lambda h: f"| stalled headers | expected {h['expected']}; " + "; ".join(
