@@ -113,12 +113,17 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
 """
 
 
+# the interpreter runs one program at a time: about 100-130 s each on an idle 2-core machine, so a
+# bound well above that (a loaded CI machine), not a timing assertion
+INTERPRETER_TIMEOUT = 900
+
+
 def test_kernels_match_the_twin_in_the_interpreter(interpreter):
-    interpreter(SCRIPT)
+    interpreter(SCRIPT, timeout=INTERPRETER_TIMEOUT)
 
 
 def test_every_load_form_matches_the_reference_in_the_interpreter(interpreter):
-    interpreter(LOAD_FORMS)
+    interpreter(LOAD_FORMS, timeout=INTERPRETER_TIMEOUT)
 
 
 def test_kernels_compile_for_hopper(hopper):

@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             listen.server(app, header_timeout=args.header_timeout,
                           shutdown_timeout=args.shutdown_timeout).run(sockets=sockets)
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on: a clean stop, as uvicorn.run has it
+            pass
         finally:
             leave = getattr(app.state.engine, "leave_group", None)
             if leave is not None:  # every rank leaves at one round of the group, before it is torn down
