@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.base import DecodeAttentionParts
+from .fused_ops import rms_norm
 from .slot_cache import SlotKVCache
 
 try:
@@ -106,12 +107,6 @@ def kernel_serves(qkv: torch.Tensor) -> bool:
     return qkv.is_cuda and tl is not None and qkv.dtype in KERNEL_DTYPES
 
 
-def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm over the last dim: fp32 statistics, rounded to the input dtype, then the weight."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -122,8 +117,8 @@ def heads_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """The heads kernel's twin: (query (R, Hq, D), key (R, Hkv, D), value (R, Hkv, D)), normed and rotated."""
     rows, d = qkv.shape[0], p.head_dim
     query, key, value = qkv.split([p.heads * d, p.kv_heads * d, p.kv_heads * d], dim=-1)
-    query = _head_norm(query.reshape(rows, p.heads, d), *p.query_norm)
-    key = _head_norm(key.reshape(rows, p.kv_heads, d), *p.key_norm)
+    query = rms_norm(p.query_norm[0], p.query_norm[1], query.reshape(rows, p.heads, d))
+    key = rms_norm(p.key_norm[0], p.key_norm[1], key.reshape(rows, p.kv_heads, d))
     cos, sin = cos[:, None], sin[:, None]
     query = query * cos + _rotate_half(query) * sin
     key = key * cos + _rotate_half(key) * sin
