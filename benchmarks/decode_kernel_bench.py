@@ -76,28 +76,32 @@ def timed(run, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+# the BF16 GEMVs' tiles: (rows per program, columns per loaded tile) up to whole rows (2048 columns: one load
+# per row, as the quantized kernels' "tile" form), at most 8192 elements per weight tile (more spills on sm_90)
+BF16_TILES = [(r, c) for r in (1, 2, 4, 8, 16) for c in (256, 512, 1024, 2048) if r * c <= 8192]
+
+
 def tune(x, ids, resident, no_land, pools, host, block_bytes) -> dict[str, list]:
     """Each kernel alone, every expert resident, per (rows, cols, warps): microseconds per layer."""
     out = {}
     for part, share in (("gate_up", 2 / 3), ("down", 1 / 3)):
         results = []
-        for rows in (4, 8, 16, 32):
-            for cols in (128, 256, 512):
-                for warps in (2, 4, 8):
-                    config = (rows, cols, warps)
+        for rows, cols in BF16_TILES:
+            for warps in (1, 2, 4, 8):
+                config = (rows, cols, warps)
 
-                    def run():
-                        for l in range(LAYERS):
-                            bf16_gemv.experts_where_they_lie(
-                                x, ids[l].view(-1), resident[l], no_land, pools, host.data_ptr(), host.shape[1], K,
-                                gate_up_config=config, down_config=config, parts=part)
-                    try:
-                        seconds = timed(run, repeats=10)
-                    except Exception as exc:  # a shape the compiler refuses (too many registers)
-                        results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
-                        continue
-                    results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
-                                    "gb_s": LAYERS * K * block_bytes * share / seconds / 1e9})
+                def run():
+                    for l in range(LAYERS):
+                        bf16_gemv.experts_where_they_lie(
+                            x, ids[l].view(-1), resident[l], no_land, pools, host.data_ptr(), host.shape[1], K,
+                            gate_up_config=config, down_config=config, parts=part)
+                try:
+                    seconds = timed(run, repeats=10)
+                except Exception as exc:  # a shape the compiler refuses (too many registers)
+                    results.append({"config": config, "error": str(exc).splitlines()[0][:120]})
+                    continue
+                results.append({"config": config, "us_per_layer": seconds / LAYERS * 1e6,
+                                "gb_s": LAYERS * K * block_bytes * share / seconds / 1e9})
         out[part] = sorted(results, key=lambda r: r.get("us_per_layer", float("inf")))
     return out
 

@@ -81,6 +81,7 @@
 #   bash scripts/device_session.sh compare DIR      the same decode_bench (COMPARE_CONFIGS: every expert resident, Q4_K slabs
 #                                                   at 16 GiB; --kernels) on the code in DIR (a `git archive` of an earlier
 #                                                   commit, carried, e.g. .scratch/before) and on this tree, one call: before/after
+#                                                   (COMPARE_TIMEOUT seconds a side, default 260)
 #   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
 #                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
 #   bash scripts/device_session.sh check bench 1    stages combine
@@ -267,7 +268,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              ref=$1; shift
              for side in "$ref" .; do
                name=$([[ $side == . ]] && echo after || echo before)
-               (cd "$side" && PYTHONPATH=. timeout 260 python3 -m benchmarks.decode_bench --out "$OUT/$name" --layers 48 \
+               (cd "$side" && PYTHONPATH=. timeout ${COMPARE_TIMEOUT:-260} python3 -m benchmarks.decode_bench --out "$OUT/$name" --layers 48 \
                   --reps 2 --image_size 448 --decode_tokens 32 --routing synthetic --kernels \
                   --configs ${COMPARE_CONFIGS:-"$RESIDENT" offload:expert_budget=16GiB,store_dtype=q4_k} | tee "$OUT/$name.txt") || true
                rm -f "$OUT/$name"/trace-*

@@ -172,7 +172,7 @@ def check_fused_step_kernels() -> dict:
     from vismmoe_kt.engine.slot_cache import SlotKVCache
 
     torch.manual_seed(0)
-    bf16, worst, same_experts = torch.bfloat16, 0.0, True
+    bf16, worst, same_experts, counters_reset = torch.bfloat16, 0.0, True, True
 
     def relative(got, want):  # normwise: an element-wise ratio would blow up where the rotary's two terms cancel
         return ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -197,6 +197,39 @@ def check_fused_step_kernels() -> dict:
         index = torch.tensor(slots, device="cuda")
         worst = max(worst, relative(got, query), relative(cache.keys[0][index, :, at], key),
                     relative(cache.values[0][index, :, at], value))
+    # heads + attention in one kernel (split over the context, merged by the last program), against the
+    # heads twin + SDPA: contexts of 0 to 824 positions, rows in slot order and gathered, twice (the
+    # counters must be back to zero for the second launch), the split count chosen and one split
+    from vismmoe_kt.engine.split_attention import attend_triton, workspace
+    p.scaling = d ** -0.5
+    for slots in ([0, 1, 2, 3], [3, 1]):
+        for splits in (None, 1):
+            cache = SlotKVCache(1, 4, kv, d, 1024, bf16, "cuda")
+            for slot, n in enumerate((3, 300, 824, 0)):
+                if n:
+                    cache.slot_view(slot).update(torch.randn(1, kv, n, d, device="cuda").to(bf16),
+                                                 torch.randn(1, kv, n, d, device="cuda").to(bf16), 0)
+            space = workspace(cache, heads, kv, d)
+            for _ in range(2):
+                cache.begin_decode(slots)
+                rows = len(slots)
+                qkv = torch.randn(rows, (heads + 2 * kv) * d, device="cuda").to(bf16)
+                angles = torch.rand(rows, d // 2, device="cuda") * 6
+                cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf16), torch.cat([angles.sin()] * 2, -1).to(bf16)
+                query, key, value = heads_torch(qkv, cos, sin, p)
+                twin = SlotKVCache(1, 4, kv, d, 1024, bf16, "cuda")
+                twin.keys[0].copy_(cache.keys[0]), twin.values[0].copy_(cache.values[0]), twin.lengths.copy_(cache.lengths)
+                twin.host_lengths = [list(cache.host_lengths[0])]
+                twin.begin_decode(slots)
+                keys, values = twin.update(key[:, :, None], value[:, :, None], 0)
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    query.view(rows, kv, heads // kv, d), keys, values, attn_mask=twin.decode_masks(bf16)[0],
+                    scale=p.scaling).reshape(rows, -1)
+                got = attend_triton(qkv, cos, sin, p, cache, space, splits=splits)
+                worst = max(worst, relative(got, want), relative(cache.keys[0], twin.keys[0]),
+                            relative(cache.values[0], twin.values[0]))
+                counters_reset &= int(space.counters.abs().sum()) == 0
+                cache.advance()
     x, r = torch.randn(8, 2048, device="cuda").to(bf16), torch.randn(8, 2048, device="cuda").to(bf16)
     w = (torch.rand(2048, device="cuda") + 0.5).to(bf16)
     total, normed = add_rms_norm(w, 1e-6, x, r)
@@ -208,8 +241,9 @@ def check_fused_step_kernels() -> dict:
     same_experts = bool(torch.equal(chosen.sort(-1).values, ids.sort(-1).values))
     worst = max(worst, relative(weights, torch.softmax(top, -1, dtype=torch.float).to(bf16)),
                 relative(every, torch.softmax(logits, -1, dtype=torch.float)))
-    return {"check": "fused decode-step kernels (attention heads, add + RMSNorm, router), BF16",
-            "normwise_relative_diff": worst, "same_experts": same_experts, "ok": worst <= 2 ** -8 and same_experts}
+    return {"check": "fused decode-step kernels (attention heads, heads + split attention, add + RMSNorm, router), BF16",
+            "normwise_relative_diff": worst, "same_experts": same_experts, "counters_reset": counters_reset,
+            "ok": worst <= 2 ** -8 and same_experts and counters_reset}
 
 
 def check_fp8_grouped() -> dict:

@@ -144,6 +144,52 @@ def test_the_kernels_match_their_twins_in_the_interpreter():
     run_in_triton_interpreter(SCRIPT)
 
 
+SPLIT_SCRIPT = r"""
+import torch
+import torch.nn.functional as F
+from types import SimpleNamespace
+from vismmoe_kt.engine.fused_attention import heads_torch
+from vismmoe_kt.engine.split_attention import attend_triton, workspace
+from vismmoe_kt.engine.slot_cache import SlotKVCache
+
+torch.manual_seed(0)
+d = 16
+for dtype in (torch.float32, torch.float16):
+    for heads, kv in ((4, 2), (6, 2)):  # G = 2 and 3: the head group padded to tl.dot's 16 rows
+        p = SimpleNamespace(heads=heads, kv_heads=kv, head_dim=d, layer_index=1, scaling=d ** -0.5,
+                            query_norm=((torch.rand(d) + 0.5).to(dtype), 1e-6), key_norm=((torch.rand(d) + 0.5).to(dtype), 1e-5))
+        # gathered rows and rows in slot order; one split, several, more splits than a short row has blocks
+        for slots, splits in (([2, 0], 1), ([2, 0], 4), ([0, 1, 2], 2), ([0, 1, 2], 8)):
+            caches = [SlotKVCache(2, 3, kv, d, 200, dtype, "cpu") for _ in range(2)]
+            prompts = [(s, torch.randn(1, kv, n, d).to(dtype), torch.randn(1, kv, n, d).to(dtype)) for s, n in ((0, 2), (2, 75))]
+            rows = len(slots)
+            qkv = torch.randn(rows, (heads + 2 * kv) * d).to(dtype)
+            angles = torch.rand(rows, d // 2) * 6
+            cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+            for cache in caches:
+                for slot, k, v in prompts:
+                    cache.slot_view(slot).update(k, v, 1)
+                cache.begin_decode(slots)  # slot 1 is empty: its row attends to its new token alone
+            query, key, value = heads_torch(qkv, cos, sin, p)
+            keys, values = caches[0].update(key[:, :, None], value[:, :, None], 1)
+            mask = caches[0].decode_masks(dtype)[1].float()
+            grouped = query.view(rows, kv, heads // kv, d).float()
+            want = F.scaled_dot_product_attention(grouped, keys.float(), values.float(), attn_mask=mask, scale=p.scaling)
+            space = workspace(caches[1], heads, kv, d)
+            got = attend_triton(qkv, cos, sin, p, caches[1], space, splits=splits)
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-3, atol=3e-3)
+            torch.testing.assert_close(got.float(), want.reshape(rows, -1), **tol)
+            for a, b in zip((caches[0].keys[1], caches[0].values[1]), (caches[1].keys[1], caches[1].values[1])):
+                torch.testing.assert_close(b, a, **tol)  # the new keys and values where the module writes them
+            assert int(space.counters.abs().sum()) == 0  # every merge reset its counter
+print("OK")
+"""
+
+
+def test_the_one_kernel_attention_matches_heads_and_sdpa_in_the_interpreter():
+    run_in_triton_interpreter(SPLIT_SCRIPT, timeout=900)
+
+
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter replaces the compiler")
 def test_the_fused_kernels_compile_for_hopper():
     pytest.importorskip("triton")
@@ -156,6 +202,17 @@ def test_the_fused_kernels_compile_for_hopper():
                         "pos_stride": "i32", "slots_ptr": "*i64", "lengths_ptr": "*i64",
                         "HQ": "constexpr", "HKV": "constexpr", "D": "constexpr"},
                        {"HQ": 32, "HKV": 4, "D": 128}, num_warps=1)
+    from vismmoe_kt.engine import split_attention
+    compile_for_hopper(split_attention._attend_kernel,
+                       {"qkv_ptr": "*bf16", "row_stride": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                        "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32",
+                        "k_cache": "*bf16", "v_cache": "*bf16", "slot_stride": "i32", "head_stride": "i32",
+                        "pos_stride": "i32", "slots_ptr": "*i64", "lengths_ptr": "*i64", "part_ptr": "*fp32",
+                        "stat_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
+                        "HQ": "constexpr", "HKV": "constexpr", "D": "constexpr", "G": "constexpr", "GP": "constexpr",
+                        "SPLITS": "constexpr", "MAXS": "constexpr", "BLOCK_N": "constexpr", "ITERS": "constexpr"},
+                       {"HQ": 32, "HKV": 4, "D": 128, "G": 8, "GP": 16, "SPLITS": 32, "MAXS": 64, "BLOCK_N": 32,
+                        "ITERS": 1}, num_warps=4)
     compile_for_hopper(fused_ops._add_rms_norm_kernel,
                        {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "total_ptr": "*bf16", "out_ptr": "*bf16",
                         "x_stride": "i32", "r_stride": "i32", "eps": "fp32", "N": "constexpr", "BLOCK": "constexpr"},

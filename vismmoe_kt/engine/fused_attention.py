@@ -15,6 +15,7 @@ writes, the attention, the output projection). Here it is four:
     attention  grouped SDPA over the cache's rows (decode_attention.py's layout: G query rows per
                key/value head, no repeated keys);
     output     the output projection.
+In BF16 and FP16 on the GPU, heads and attention are one kernel (split_attention.py): three launches.
 The values are transformers': the norm's statistics in fp32 and its result rounded to the input dtype
 before the weight, each product of the rotary embedding rounded to the dtype before the sum, as torch
 rounds each element-wise op. Without Triton, or off the GPU, the torch twin computes the same ops.
@@ -31,6 +32,7 @@ from torch import nn
 from ..models.base import DecodeAttentionParts
 from .fused_ops import rms_norm
 from .slot_cache import SlotKVCache
+from .split_attention import attend_triton, workspace
 
 try:
     import triton
@@ -39,6 +41,8 @@ except ImportError:  # CPU-only installs: the torch twin
     triton = tl = None
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the one-kernel attention's tensor-core dots would round fp32 to tf32: fp32 models keep heads + SDPA (exact)
+SPLIT_DTYPES = (torch.bfloat16, torch.float16)
 
 # a query projection -> the stacked ((Hq + 2 Hkv) D, H) weight whose views are its, the key's and the value's weights
 _STACKED: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
@@ -85,6 +89,11 @@ class FusedDecodeAttention:
         self.kernel_width = parts.head_dim & (parts.head_dim - 1) == 0
         self.qkv_weight = stacked_qkv_weight(parts)
         self.o_weight = parts.output.weight
+        # heads + attention in one kernel (split_attention.py) where it serves: its workspace is made now,
+        # before any graph is captured
+        self.space = workspace(cache, parts.heads, parts.kv_heads, parts.head_dim) \
+            if self.kernel_width and cache.device.type == "cuda" and tl is not None and cache.dtype in SPLIT_DTYPES \
+            and self.qkv_weight.dtype == cache.dtype else None
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
@@ -92,6 +101,9 @@ class FusedDecodeAttention:
         rows = hidden.shape[0]
         qkv = F.linear(hidden.view(rows, -1), self.qkv_weight)                      # (R, (Hq + 2 Hkv) D)
         cos, sin = cos.reshape(rows, p.head_dim), sin.reshape(rows, p.head_dim)
+        if self.space is not None and qkv.is_cuda:
+            out = attend_triton(qkv, cos, sin, p, cache, self.space)
+            return F.linear(out, self.o_weight).view(rows, 1, -1)
         if self.kernel_width and kernel_serves(qkv):
             query = heads_triton(qkv, cos, sin, p, cache)
             keys, values = cache.decode_view(p.layer_index)

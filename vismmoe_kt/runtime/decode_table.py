@@ -180,7 +180,7 @@ class DecodeTable:
         rows = probabilities.reshape(-1, probabilities.shape[-1])
         # one row is its own mean: no reduction kernel (a launch per offloaded layer of a single request's step)
         mean = rows[0].float() if rows.shape[0] == 1 else rows.float().mean(dim=0)
-        self.usage[row].mul_(keep).add_(mean, alpha=1.0 - keep)
+        self.usage[row].lerp_(mean, 1.0 - keep)  # keep * usage + (1 - keep) * mean in one kernel, not two
 
     def publish(self, row: int, ids: torch.Tensor, land: torch.Tensor) -> None:
         """After the experts were written to their landing slabs: point the table at them
