@@ -37,8 +37,8 @@ def sse_events(r: httpx.Response) -> list:
 # -- OpenAI on /v1/* ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
+    ("functions", [{"name": "f", "parameters": {}}]),  # the deprecated form of tools (test_server_tools.py)
+    ("function_call", "auto"),
     ("logprobs", True),
     ("response_format", {"type": "json_object"}),
     ("frequency_penalty", 0.5),
@@ -72,7 +72,7 @@ def test_parameters_at_their_off_value_and_user_are_accepted(served):
     """Some clients send the defaults explicitly: they ask for nothing this server lacks."""
     _, url, _, _ = served
     r = post(url, "/v1/chat/completions", chat_body("hi", max_tokens=2, frequency_penalty=0, presence_penalty=0.0,
-                                                    logprobs=False, tools=[], response_format={"type": "text"},
+                                                    logprobs=False, tools=[], functions=[], response_format={"type": "text"},
                                                     seed=None, n=1, user="someone"))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "alpha beta "[:len(r.json()["choices"][0]["message"]["content"])]
@@ -136,7 +136,8 @@ def test_a_known_model_is_retrieved(served):
      "'options.top_p' must be a number"),
     ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "options": {"stop": [1]}}, 400, "'options.stop'"),
     ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
-     "'tools' is not supported"),
+     "'tools[0].function' must be an object"),
+    ("/api/generate", {"prompt": "hi", "tools": [{"type": "function"}]}, 400, "'tools' is not supported by /api/generate"),
     ("/api/generate", {"prompt": "hi", "format": "json"}, 400, "'format' is not supported"),
     ("/api/chat", {"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}, 404, "model 'llama3' not found"),
     ("/api/generate", {"model": "llama3", "prompt": "hi"}, 404, "model 'llama3' not found"),

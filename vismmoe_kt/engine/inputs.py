@@ -15,9 +15,11 @@ def user_turn(text: str, images: int = 0) -> dict[str, Any]:
 
 
 def build_inputs(processor: Any, messages: Sequence[dict[str, Any]], images: Sequence[Any] = (),
-                 device: Any = None) -> Any:
-    """Processor outputs (input ids, pixel values, grids, ...) for a conversation, on `device` if given."""
-    prompt = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+                 device: Any = None, tools: Sequence[dict[str, Any]] | None = None) -> Any:
+    """Processor outputs (input ids, pixel values, grids, ...) for a conversation, on `device` if given;
+    `tools`: function definitions for a chat template that renders them (transformers' `tools=`)."""
+    extra = {"tools": list(tools)} if tools else {}
+    prompt = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
     inputs = processor(text=[prompt], images=list(images) or None, return_tensors="pt")
     return inputs.to(device) if device is not None else inputs
 

@@ -30,6 +30,7 @@ from .engine import Engine, Job, Usage
 from .errors import ApiError, http_error
 from .guard import BODY_TIMEOUT, Guard
 from .inputs import Limits, parse_chat, parse_json
+from .tool_calls import Call, split
 
 T = TypeVar("T")
 THREAD_PARSE_BYTES = 256 * 2**10  # bodies above this are parsed off the event loop
@@ -178,12 +179,34 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
         include_usage = (body.get("stream_options") or {}).get("include_usage") is True  # checked by parse_chat
         usage, created, rid = Usage(), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         request.state.usage = usage  # for the access log
+        reader = engine.tool_reader(chat)  # None: no tools offered, the text is the answer
 
         def respond(text: str) -> dict:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reader is not None:
+                content, found = split(reader.read(text))
+                if found:  # OpenAI's content is null beside calls when the model wrote nothing else
+                    message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in found]}
             return {"id": rid, "object": "chat.completion", "created": created, "model": engine.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": usage.finish_reason}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish()}],
                     "usage": usage_of(usage)}
+
+        def finish() -> str:
+            return "tool_calls" if reader is not None and reader.calls else usage.finish_reason
+
+        def deltas(events: list, index: int) -> list[dict]:
+            """The stream's deltas for a reader's events: text as content; a call as its id, type and name,
+            then its arguments (OpenAI's clients join a call's pieces by its index)."""
+            out = []
+            for event in events:
+                if isinstance(event, Call):
+                    out += [{"tool_calls": [{"index": index, "id": event.id, "type": "function",
+                                             "function": {"name": event.name, "arguments": ""}}]},
+                            {"tool_calls": [{"index": index, "function": {"arguments": event.arguments}}]}]
+                    index += 1
+                else:
+                    out.append({"content": event.text})
+            return out
 
         def chunk(delta: dict, finish: str | None = None) -> str:
             return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -192,15 +215,24 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
 
         async def events(first: str | None, job: Job, pieces):
             yield chunk({"role": "assistant", "content": ""})
-            if first is not None:
-                yield chunk({"content": first})
+
+            def read(piece: str | None, final: bool = False) -> list[dict]:
+                if reader is None:
+                    return [{"content": piece}] if piece is not None else []
+                calls = reader.calls
+                return deltas(reader.finish() if final else reader.feed(piece or ""), calls)
+            for delta in read(first):
+                yield chunk(delta)
             async for piece in pieces:
-                yield chunk({"content": piece})
+                for delta in read(piece):
+                    yield chunk(delta)
             await job.finished.wait()
             if job.error is not None:  # the stream has begun: the error goes in it, as vLLM does
                 yield "data: " + json.dumps(ApiError(500, f"generation failed: {job.error}", type_="internal_error").body()) + "\n\n"
             else:
-                yield chunk({}, usage.finish_reason)
+                for delta in read(None, final=True):  # what the reader held back: an unclosed call, a tail
+                    yield chunk(delta)
+                yield chunk({}, finish())
                 if include_usage:  # OpenAI's stream_options.include_usage: one last chunk, no choices, the usage
                     yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                  "model": engine.name, "choices": [], "usage": usage_of(usage)}) + "\n\n"

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
+from jinja2 import TemplateError
 from transformers import AsyncTextIteratorStreamer
 
 from ...engine.runner import PREFILL_BUDGET, Sampling
@@ -43,6 +44,8 @@ from .inputs import ChatRequest, ImageRef, Limits, decode_image
 from .metrics import ServerMetrics
 from .runners import ServedRequest, make_runner
 from .stops import StopMatcher
+from .tool_calls import ToolCallReader, syntax_for
+from .tools import ToolPrompt
 
 PREPARE_SLOTS = 2  # requests decoding images / tokenising at once (memory bound: images are decoded whole)
 
@@ -178,6 +181,9 @@ class Engine:
         # context * longest cannot fit the context whatever the tokenizer does with it.
         self.chars_per_token = max((len(t) for t in tokenizer.get_vocab() if t not in self.special_tokens), default=1)
         self.metrics = ServerMetrics(model)
+        # the family's tool-call syntax and how its prompts carry tools, chosen once (tools.py, tool_calls.py)
+        self.tool_syntax, native_tools = syntax_for(getattr(model.config, "model_type", ""))
+        self.tool_prompt = ToolPrompt(processor, native_tools)
         self._waiting = self._running = 0
         self._prepare_slots: asyncio.Semaphore | None = None
         self.slot_tokens: int | None = None  # the tokens a request may hold, when less than the context
@@ -238,9 +244,10 @@ class Engine:
 
     def _prepare(self, request: ChatRequest) -> Prepared:
         images = [decode_image(i, self.limits) if isinstance(i, ImageRef) else i for i in request.images]
+        messages, tools = self.tool_prompt.render(request.messages, request.tools)
         try:
-            inputs = build_inputs(self.processor, request.messages, images)
-        except (ValueError, TypeError, StopIteration) as exc:  # the processor's own checks (e.g. aspect ratio)
+            inputs = build_inputs(self.processor, messages, images, tools=tools)
+        except (ValueError, TypeError, StopIteration, TemplateError) as exc:  # the processor's and template's checks
             raise ApiError(400, f"the model's processor refused the input: {exc or type(exc).__name__}") from None
         length = int(inputs["input_ids"].shape[1])
         if length + 1 > self.context:
@@ -285,6 +292,12 @@ class Engine:
             usage.finish_reason = "length" if usage.completion_tokens >= job.limit and not job.matcher.stopped else "stop"
         self.metrics.finished(usage, job.first_piece, end, cancelled=job.cancel_flag.is_set() and not job.matcher.stopped)
         job.finished.set()
+
+    def tool_reader(self, request: ChatRequest) -> ToolCallReader | None:
+        """What reads the request's answer for tool calls; None when it offered no tools."""
+        if not request.tools:
+            return None
+        return ToolCallReader(self.tool_syntax, {t["function"]["name"] for t in request.tools}, request.max_tool_calls)
 
     def _sampling(self, request: ChatRequest) -> Sampling:
         temperature = request.temperature if request.temperature is not None else self.temperature

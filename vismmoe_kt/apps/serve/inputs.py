@@ -19,18 +19,18 @@ from typing import Any
 from ...errors import InputError
 from ..images import decode
 from .errors import ApiError
+from .tools import parse_assistant_calls, parse_tool_choice, parse_tools
 
 # The chat-completions fields this server implements. `user` only labels a request for the provider
 # (it changes no answer), so it is accepted as OpenAI accepts it.
 OPENAI_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
-                 "stream_options", "n", "user")
+                 "stream_options", "n", "user", "tools", "tool_choice", "parallel_tool_calls")
 # Fields it does not implement, accepted only at the value that means "off": some clients send the
-# defaults explicitly (frequency_penalty 0, logprobs false, tools []), which ask for nothing. Any
-# other value, and any field in neither list, is a 400 naming the field: silently ignoring `tools` or
-# `response_format` would hand back an answer the client did not ask for.
+# defaults explicitly (frequency_penalty 0, logprobs false, functions []), which ask for nothing. Any
+# other value, and any field in neither list, is a 400 naming the field: silently ignoring `logprobs`
+# or `response_format` would hand back an answer the client did not ask for.
 OPENAI_NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,), "top_logprobs": (0,),
-                  "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-                  "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+                  "logit_bias": ({},), "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
                   "store": (False,), "modalities": (["text"],)}
 # OpenAI's newer name for the system role (o1 and later): the chat template knows only "system"
 ROLE_ALIASES = {"developer": "system"}
@@ -72,11 +72,16 @@ class ChatRequest:
     top_p: float | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)  # those the prompt offers (tool_choice applied)
+    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
     def texts(self) -> list[tuple[str, str]]:
-        """(field, text) of every text part, for the engine's checks."""
-        return [(f"messages[{i}].content[{j}]", part["text"]) for i, message in enumerate(self.messages)
-                for j, part in enumerate(message["content"]) if part.get("type") == "text"]
+        """(field, text) of every text the prompt shows, for the engine's checks."""
+        texts = [(f"messages[{i}].content[{j}]", part["text"]) for i, message in enumerate(self.messages)
+                 for j, part in enumerate(message["content"]) if part.get("type") == "text"]
+        texts += [(f"messages[{i}].tool_calls[{k}]", json.dumps(call["function"], ensure_ascii=False))
+                  for i, message in enumerate(self.messages) for k, call in enumerate(message.get("tool_calls", ()))]
+        return texts + [(f"tools[{k}]", json.dumps(tool, ensure_ascii=False)) for k, tool in enumerate(self.tools)]
 
 
 def parse_json(raw: bytes) -> Any:
@@ -139,7 +144,8 @@ def local_image(url: str, limits: Limits, where: str) -> str:
 # A message's fields and the JSON types they may have, for both APIs; a field of another type is a 400
 # naming it, checked before any value is used (a list as a role is unhashable: a 500 deep in the parsing).
 MESSAGE_FIELDS = {"role": ((str,), "a string"), "name": ((str,), "a string"),
-                  "images": ((list,), "a list of base64-encoded images")}
+                  "images": ((list,), "a list of base64-encoded images"), "tool_call_id": ((str,), "a string"),
+                  "tool_calls": ((list,), "a list of tool calls"), "tool_name": ((str,), "a string")}
 CONTENT_TYPES = {str: "a string", list: "a list of parts"}
 
 
@@ -227,16 +233,26 @@ def _chat_request(body: dict, limits: Limits) -> ChatRequest:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     if _number(body, "n", 1, 1 << 20, integer=True) not in (None, 1):  # _number refuses `true` (not 1)
         raise ApiError(400, "'n' other than 1 is not supported", param="n")
+    tools = parse_tools(body.get("tools"))
+    for k, tool in enumerate(tools):  # names, descriptions and schemas reach the tokenizer too
+        checked_text(json.dumps(tool, ensure_ascii=False), f"tools[{k}]")
+    offered = parse_tool_choice(body.get("tool_choice"), tools).offered(tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
     out, images = [], []
     for i, message in enumerate(messages):
         check_message(message, i, content=(str, list))
         role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant",
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool",
                            param=f"messages[{i}].role")
+        extra = _tool_fields(message, role, i)
         content = message.get("content")
+        if content in (None, "") and extra.get("tool_calls"):  # an assistant turn that only called tools
+            content = []
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(parts, list) or not parts:
+        if not isinstance(parts, list) or not (parts or extra.get("tool_calls")):
             raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of parts",
                            param=f"messages[{i}].content")
         converted = []
@@ -245,12 +261,13 @@ def _chat_request(body: dict, limits: Limits) -> ChatRequest:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 converted.append({"type": "text", "text": checked_text(part["text"], where)})
-            elif kind == "image_url":
+            elif kind == "image_url" and role != "tool":
                 images.append(_image_url(part, where, limits, len(images)))
                 converted.append({"type": "image"})
             else:
-                raise ApiError(400, f"{where}: unsupported content part (text and image_url are)", param=where)
-        out.append({"role": role, "content": converted})
+                raise ApiError(400, f"{where}: unsupported content part (text and image_url are; text only in a "
+                                    f"tool result)", param=where)
+        out.append({"role": role, "content": converted, **extra})
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -261,13 +278,31 @@ def _chat_request(body: dict, limits: Limits) -> ChatRequest:
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
     return ChatRequest(out, images, max_tokens, _number(body, "temperature", 0, 2), _number(body, "top_p", 0, 1),
-                       stop, stream)
+                       stop, stream, offered, 1 if parallel is False else None)
+
+
+def _tool_fields(message: dict, role: str, i: int) -> dict[str, Any]:
+    """A tool result's `tool_call_id` (required), an assistant turn's `tool_calls`, checked."""
+    where = f"messages[{i}]"
+    if role == "tool":
+        if not message.get("tool_call_id"):
+            raise ApiError(400, f"'{where}.tool_call_id' is required in a message of role tool (the id of the call "
+                                f"it answers)", param=f"{where}.tool_call_id")
+        return {"tool_call_id": message["tool_call_id"]}
+    if message.get("tool_calls"):  # an empty list asks for nothing
+        if role != "assistant":
+            raise ApiError(400, f"'{where}.tool_calls' belongs in an assistant message", param=f"{where}.tool_calls")
+        calls = parse_assistant_calls(message["tool_calls"], f"{where}.tool_calls")
+        for k, call in enumerate(calls):
+            checked_text(json.dumps(call["function"], ensure_ascii=False), f"{where}.tool_calls[{k}]")
+        return {"tool_calls": calls}
+    return {}
 
 
 # Ollama request fields that ask for something this server does not do, with the value meaning "off".
 # Other top-level fields (keep_alive: the model stays loaded anyway) and other `options` (num_ctx,
 # top_k, ...) are ignored, as Ollama itself ignores options it does not know.
-OLLAMA_NEUTRAL = {"format": ("",), "tools": ([],), "suffix": ("",), "template": ("",), "context": ([],),
+OLLAMA_NEUTRAL = {"format": ("",), "suffix": ("",), "template": ("",), "context": ([],),
                   "raw": (False,), "think": (False,)}
 # Options this server ignores but Ollama types: a value of another type is an error there ("must be of type
 # integer"), so it is one here too, not a silently accepted `"seed": true`.
@@ -286,6 +321,9 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
         if body.get(key) is not None and not any(_same(body[key], n) for n in neutral):
             raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
     if generate:
+        if body.get("tools") not in (None, []):  # generate has no tools; chat's are checked as OpenAI's
+            raise ApiError(400, "'tools' is not supported by /api/generate (/api/chat takes them)", param="tools",
+                           code="unsupported_parameter")
         if not isinstance(body.get("prompt"), str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
         messages = [{"role": "user", "content": body["prompt"], "images": body.get("images")}]
@@ -308,7 +346,12 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
         if not isinstance(images, list) or not all(isinstance(img, str) for img in images):
             raise ApiError(400, f"'{where}' must be a list of base64-encoded images", param=where)
         parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in images]
-        converted.append({"role": m.get("role", "user"), "content": parts + [{"type": "text", "text": m["content"]}]})
+        message = {"role": m.get("role", "user"), "content": parts + [{"type": "text", "text": m["content"]}]}
+        if m.get("tool_calls"):
+            message["tool_calls"] = m["tool_calls"]
+        if message["role"] == "tool":  # Ollama names the function answered, not a call id
+            message["tool_call_id"] = m.get("tool_call_id") or m.get("tool_name") or "tool"
+        converted.append(message)
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object such as {\"temperature\": 0.7, \"num_predict\": 64}",
@@ -329,4 +372,5 @@ def parse_ollama(body: Any, limits: Limits, generate: bool) -> ChatRequest:
     values = {"max_tokens": _number({"n": num_predict}, "n", 1, 1 << 20, integer=True, where="options.num_predict"),
               "temperature": _number(options, "temperature", 0, 2, where="options.temperature"),
               "top_p": _number(options, "top_p", 0, 1, where="options.top_p")}
-    return _chat_request({"messages": converted, "stream": stream, "stop": stop, **values}, limits)
+    return _chat_request({"messages": converted, "stream": stream, "stop": stop, "tools": body.get("tools"), **values},
+                         limits)

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from .engine import Engine, Job, Usage
 from .errors import ApiError
 from .inputs import parse_ollama
+from .tool_calls import Call, split
 
 # The Ollama release whose API these routes follow; clients compare it with the version a feature needs.
 OLLAMA_API_VERSION = "0.6.0"
@@ -74,7 +75,7 @@ class ModelCard:
                 "details": self.details(), "modified_at": iso(self.loaded_at),
                 "model_info": {"general.architecture": self.family, "general.parameter_count": self.parameters,
                                f"{self.family}.context_length": self.context},
-                "capabilities": ["completion", "vision"]}
+                "capabilities": ["completion", "vision", "tools"]}
 
     def running(self) -> dict[str, Any]:
         return {**self.listed(), "expires_at": NEVER, "size_vram": self.size_vram, "context_length": self.context}
@@ -97,13 +98,16 @@ def add_routes(app: FastAPI, engine: Engine, body_of: Callable, run: Callable) -
         chat = parse_ollama(body, engine.limits, generate)
         usage = Usage()
         request.state.usage = usage  # for the access log
+        reader = engine.tool_reader(chat)  # None: no tools offered, the text is the answer
 
-        def line(piece: str, done: bool) -> dict:
+        def line(piece: str, done: bool, calls: list[Call] = ()) -> dict:
             out: dict[str, Any] = {"model": engine.name, "created_at": iso(time.time()), "done": done}
             if generate:
                 out["response"] = piece
             else:
                 out["message"] = {"role": "assistant", "content": piece}
+                if calls:  # Ollama's calls: the function's name and its arguments as an object
+                    out["message"]["tool_calls"] = [c.ollama() for c in calls]
             if done:
                 # load_duration: the model was loaded at start-up, so no request waits for a load
                 out.update(prompt_eval_count=usage.prompt_tokens, eval_count=usage.completion_tokens,
@@ -113,17 +117,35 @@ def add_routes(app: FastAPI, engine: Engine, body_of: Callable, run: Callable) -
                            done_reason=usage.finish_reason)
             return out
 
+        def whole(text: str) -> dict:
+            if reader is None:
+                return line(text, True)
+            content, calls = split(reader.read(text))
+            return line(content, True, calls)
+
+        def read(piece: str | None, final: bool = False) -> list[str]:
+            """NDJSON lines for a piece of text: itself, or what the tool-call reader makes of it (a call has a
+            line of its own, as Ollama streams them)."""
+            if reader is None:
+                return [json.dumps(line(piece, False)) + "\n"] if piece is not None else []
+            events = reader.finish() if final else reader.feed(piece or "")
+            return [json.dumps(line("", False, [e]) if isinstance(e, Call) else line(e.text, False)) + "\n"
+                    for e in events]
+
         async def lines(first: str | None, job: Job, pieces):
-            if first is not None:
-                yield json.dumps(line(first, False)) + "\n"
+            for out in read(first):
+                yield out
             async for piece in pieces:
-                yield json.dumps(line(piece, False)) + "\n"
+                for out in read(piece):
+                    yield out
             await job.finished.wait()
             if job.error is not None:
                 yield json.dumps({"error": f"generation failed: {job.error}"}) + "\n"
             else:
+                for out in read(None, final=True):
+                    yield out
                 yield json.dumps(line("", True)) + "\n"
-        return await run(request, chat, usage, lambda text: line(text, True), lines, "application/x-ndjson")
+        return await run(request, chat, usage, whole, lines, "application/x-ndjson")
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request):
