@@ -77,11 +77,9 @@ def save_checkpoint(out: Path, model, optimizer, step: int, curve: list, setting
 def pruned_accuracy(out: Path, keeps: list[float], prune_layer: int, per_type: int, size: int, device: str) -> dict:
     """Greedy-decoded held-out accuracy of the saved model under the VisMMOE rules, per keep ratio."""
     import vismmoe_kt
-    from vismmoe_kt.apps.evaluate import VqaItem, evaluate
+    from vismmoe_kt.apps.evaluate import evaluate, synthetic_items
 
-    items = [VqaItem(e.image, e.question.text, e.question.answer, e.question.type)
-             for t in scenes.QUESTION_TYPES for e in (scenes.make_example(scenes.SPLIT_SEEDS["val"], i, t, size)
-                                                       for i in range(per_type))]
+    items = synthetic_items("val", per_type * len(scenes.QUESTION_TYPES), task="scenes", size=size)
     results = {}
     for keep in [1.0] + keeps:
         model, processor = vismmoe_kt.load(out, RULES, keep_ratio=keep, prune_layer=prune_layer, progress=False,
@@ -152,6 +150,9 @@ def train(args) -> dict:
     out = Path(args.out)
     spec = ROUTING_SPECS[args.spec]
     size = image_size(spec)
+    if args.device.startswith("cuda"):  # deterministic kernels where torch has them (a warning names the others)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model, processor = build_routing_model(args.spec, args.seed)
     device = torch.device(args.device)
     model.to(device).train()

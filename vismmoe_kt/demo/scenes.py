@@ -119,13 +119,13 @@ def sample_scene(rng: np.random.Generator, size: int = IMAGE_SIZE) -> Scene:
 
 def background(kind: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> np.ndarray:
     """Low-saturation texture (no patch of it looks like a shape or a sign), mostly redundant by design."""
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)  # float32 throughout: data making feeds a GPU
     base, tint = rng.uniform(80, 160), rng.normal(0, 6, 3)
     if kind == "stripes":
         angle, period = rng.uniform(0, np.pi), rng.uniform(10, 40)
         grey = base + 25 * np.sign(np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * 2 * np.pi / period))
     elif kind == "noise":
-        grey = rng.normal(base, 20, (size, size))
+        grey = base + 20 * rng.standard_normal((size, size), dtype=np.float32)
     elif kind == "gradient":
         angle = rng.uniform(0, 2 * np.pi)
         grey = base + 50 * ((xx * np.cos(angle) + yy * np.sin(angle)) / size - 0.5)
@@ -134,7 +134,7 @@ def background(kind: str, rng: np.random.Generator, size: int = IMAGE_SIZE) -> n
         grey = base + 20 * (((xx // cell) + (yy // cell)) % 2 * 2 - 1)
     else:
         raise ValueError(f"unknown background {kind!r}; choose one of {', '.join(BACKGROUNDS)}")
-    pixels = grey[..., None] + tint + rng.normal(0, 4, (size, size, 3))
+    pixels = grey[..., None] + tint.astype(np.float32) + 4 * rng.standard_normal((size, size, 3), dtype=np.float32)
     return pixels.clip(0, 255).astype(np.uint8)
 
 
@@ -144,7 +144,9 @@ def render(scene: Scene, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Im
     for sign in scene.signs:
         draw.rectangle([sign.x - sign.half_width, sign.y - sign.half_height, sign.x + sign.half_width,
                         sign.y + sign.half_height], fill=(245, 240, 225))
-        draw.text((sign.x, sign.y), sign.text, fill=(20, 20, 20), font=_font(sign.font_size), anchor="mm")
+        font = _font(sign.font_size)
+        left, top, right, bottom = font.getbbox(sign.text)  # the inked box, centred on the plate
+        draw.text((sign.x - (left + right) / 2, sign.y - (top + bottom) / 2), sign.text, fill=(20, 20, 20), font=font)
     for shape in scene.shapes:
         draw_shape(draw, shape)
     return image
