@@ -1,8 +1,8 @@
 """Train the routing-study model: Qwen3-VL-MoE's architecture at 12 layers x 64 experts (top-8, hidden 512), from
 scratch, on the scenes task (vismmoe_kt.demo.scenes: crowded shapes, textured backgrounds, digits and words).
 
-    python scripts/train_routing_model.py --device cuda --out runs/routing --steps 3000 --batch 64 --workers 12
-    python scripts/train_routing_model.py --device cuda --out runs/routing --steps 3000 --batch 64 --workers 12 --resume
+    python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12
+    python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12 --resume
 
 Deterministic: step s trains on scenes s*batch .. (s+1)*batch-1 of the train split (seed 0), whatever the number
 of data workers, and the weights start from --seed; a checkpoint (weights, AdamW state, step, curve) is written
