@@ -25,7 +25,6 @@ with --plot, a PNG of the loss curve.
 """
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,8 @@ from vismmoe_kt.demo.vqa import (DESCRIBE_PROMPT, QUESTION_TYPES, SPLIT_SEEDS, d
 from vismmoe_kt.apps.plots import line_png
 from vismmoe_kt.demo.tiny import DEMO_SPEC, build_tiny_model
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+from vismmoe_kt.demo.training import Labeller, adamw, caption_conversation, qa_conversation, train_step, warmup_cosine
+from vismmoe_kt.demo.training import heldout_accuracy as shared_heldout_accuracy
 
 
 def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exist: int = 1):
@@ -49,59 +50,21 @@ def conversation(seed: int, index: int, describe_share: float = 0.25, extra_exis
     """
     rng, shapes, image = make_scene(seed, index)
     if rng.random() < describe_share:
-        return image, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": DESCRIBE_PROMPT}]},
-                       {"role": "assistant", "content": [{"type": "text", "text": describe(shapes)}]}]
+        return caption_conversation(image, DESCRIBE_PROMPT, describe(shapes))
     questions = questions_for_scene(shapes, rng) + [exist_question(shapes, rng) for _ in range(extra_exist)]
     unique = list({q.text: q for q in questions}.values())
-    order = rng.permutation(len(unique))
-    messages = []
-    for turn, i in enumerate(order):
-        content = ([{"type": "image"}] if turn == 0 else []) + [{"type": "text", "text": unique[i].text}]
-        messages.append({"role": "user", "content": content})
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": unique[i].answer}]})
-    return image, messages
+    return qa_conversation(image, unique, rng.permutation(len(unique)))
 
 
-def answer_mask(input_ids: torch.Tensor, prefix: list[int], end_id: int) -> torch.Tensor:
-    """True on the tokens of each assistant reply (after `<|im_start|>assistant\\n`, up to and with `<|im_end|>`)."""
-    mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, ids in enumerate(input_ids.tolist()):
-        i = 0
-        while i < len(ids):
-            if ids[i:i + len(prefix)] == prefix:
-                i += len(prefix)
-                while i < len(ids):
-                    mask[row, i] = True
-                    i += 1
-                    if ids[i - 1] == end_id:
-                        break
-            else:
-                i += 1
-    return mask
-
-
-def encode(processor, images, messages_list, add_generation_prompt=False):
-    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
-             for m in messages_list]
-    return processor(text=texts, images=images, return_tensors="pt", padding=True)
-
-
-class Batches(torch.utils.data.IterableDataset):
+class Batches(Labeller, torch.utils.data.IterableDataset):
     """Endless labelled batches of training conversations (made in a DataLoader worker, beside the training)."""
 
     def __init__(self, processor, batch_size: int, seed: int, first_scene: int = 0, describe_share: float = 0.25,
                  extra_exist: int = 1):
-        self.processor, self.batch_size, self.seed = processor, batch_size, seed
+        Labeller.__init__(self, processor)
+        self.batch_size, self.seed = batch_size, seed
         self.describe_share, self.extra_exist = describe_share, extra_exist
-        tokenizer = processor.tokenizer
-        self.prefix = tokenizer.encode("<|im_start|>assistant\n")
-        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.next_index = first_scene
-
-    def labelled(self, images, messages_list):
-        inputs = encode(self.processor, images, messages_list)
-        labels = inputs["input_ids"].masked_fill(~answer_mask(inputs["input_ids"], self.prefix, self.end_id), -100)
-        return inputs, labels
 
     def __iter__(self):
         while True:
@@ -119,26 +82,7 @@ def _offset_worker_scenes(worker: int) -> None:
 
 def heldout_accuracy(model, batches: Batches, per_type: int, seed: int, device=None) -> dict[str, float]:
     """Teacher-forced exact match of single-question examples (the eval format), per question type."""
-    model.eval()
-    correct = {t: 0 for t in QUESTION_TYPES}
-    with torch.no_grad():
-        for qtype in QUESTION_TYPES:
-            examples = [make_example(seed, i, qtype) for i in range(per_type)]
-            for start in range(0, per_type, 16):
-                chunk = examples[start:start + 16]
-                messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": e.question.text}]},
-                             {"role": "assistant", "content": [{"type": "text", "text": e.question.answer}]}]
-                            for e in chunk]
-                inputs, labels = batches.labelled([e.image for e in chunk], messages)
-                if device is not None:
-                    inputs, labels = inputs.to(device), labels.to(device)
-                logits = model(**inputs).logits
-                predicted = logits[:, :-1].argmax(-1)
-                target = labels[:, 1:]
-                wrong = ((predicted != target) & (target != -100)).any(dim=1)
-                correct[qtype] += int((~wrong).sum())
-    model.train()
-    return {t: correct[t] / per_type for t in QUESTION_TYPES}
+    return shared_heldout_accuracy(model, batches, make_example, QUESTION_TYPES, per_type, seed, device)
 
 
 def main():
@@ -176,18 +120,11 @@ def main():
     device = torch.device(args.device)
     model.to(device).train()
     batches = Batches(processor, args.batch, SPLIT_SEEDS["train"], args.first_scene, args.describe_share, args.extra_exist)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.98))
+    optimizer = adamw(model, args.lr)
 
     def lr_at(step: int) -> float:  # linear warm-up, then cosine to a tenth over --steps or --minutes, which ends first
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(args.steps - args.warmup, 1)
-        if args.minutes is not None:
-            progress = max(progress, (time.perf_counter() - start) / (60 * args.minutes))
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        progress = None if args.minutes is None else (time.perf_counter() - start) / (60 * args.minutes)
+        return warmup_cosine(step, args.lr, args.warmup, args.steps, progress)
 
     curve, evals = [], []
     # each worker makes its own scenes (worker_init_fn offsets its first index), so no two batches repeat
@@ -203,15 +140,8 @@ def main():
             break
         inputs, labels = next(stream)
         inputs, labels = inputs.to(device), labels.to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        output = model(**inputs, labels=labels, output_router_logits=True)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        aux = float(output.aux_loss.detach())
-        curve.append({"step": step + 1, "loss": float(output.loss.detach()), "aux_loss": aux,
+        loss, aux = train_step(model, optimizer, inputs, labels, lr_at(step))
+        curve.append({"step": step + 1, "loss": loss, "aux_loss": aux,
                       "seconds": round(time.perf_counter() - start, 1)})
         if (step + 1) % 20 == 0:
             recent = np.mean([c["loss"] for c in curve[-20:]])

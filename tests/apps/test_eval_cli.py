@@ -81,3 +81,17 @@ def test_bad_eval_input_is_a_clear_error(tmp_path, capsys, case, message):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(message, err), err
+
+
+def test_eval_scenes_task_asks_the_routing_models_questions(tmp_path, capsys):
+    """--task scenes: the scenes task's question types, cycled; a bad type names the scenes task's types."""
+    from vismmoe_kt.demo import scenes
+
+    out = tmp_path / "scenes.json"
+    assert main(["eval", "--demo", "--task", "scenes", "--split", "val", "--limit", "5", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["task"] == "scenes" and set(result["per_type"]) == set(scenes.QUESTION_TYPES)
+    assert result["items"][4]["question"] == scenes.make_example(1, 4, "read").question.text
+    capsys.readouterr()
+    assert main(["eval", "--demo", "--task", "scenes", "--types", "colour,shape"]) == 2
+    assert "unknown question type(s) shape; choose from exist, colour, count, position, read" in capsys.readouterr().err

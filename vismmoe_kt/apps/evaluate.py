@@ -1,7 +1,9 @@
 """Exact-match visual QA accuracy of a loaded model, per question type: `vismmoe-kt eval`.
 
-Two sources of items, one code path:
+Three sources of items, one code path:
   synthetic-vqa  the seeded shapes task of `vismmoe_kt.demo.vqa` (a split name or a seed);
+  scenes         the seeded scenes task of `vismmoe_kt.demo.scenes` (the routing-study model's: crowded
+                 scenes, signs to read; a split name or a seed);
   folder         a local benchmark in a simple POPE-like layout: DIR/questions.jsonl, one JSON object a line,
                  {"image": "images/0001.jpg", "question": "Is there a dog in the image?", "answer": "yes",
                   "type": "adversarial"}. POPE's own keys are accepted too ("text" for question, "label" for
@@ -39,21 +41,25 @@ class VqaItem:
     type: str
 
 
-def synthetic_items(split: str | int, limit: int, types: list[str] | None = None) -> list[VqaItem]:
-    """`limit` examples of a split; question types cycle (or only `types`), so each type gets a fair share."""
-    from ..demo.vqa import QUESTION_TYPES, make_example, split_seed
+def synthetic_items(split: str | int, limit: int, types: list[str] | None = None,
+                    task: str = "synthetic-vqa", size: int | None = None) -> list[VqaItem]:
+    """`limit` examples of a split of a seeded task (synthetic-vqa or scenes, pictures of `size` pixels, else the
+    task's); question types cycle (or only `types`), so each type gets a fair share."""
+    from ..demo import scenes, vqa
+    from ..demo.vqa import split_seed
 
+    generator = scenes if task == "scenes" else vqa
     try:
         seed = split_seed(split)
     except ValueError as exc:
         raise InputError(f"--split: {exc}") from None
-    types = types or list(QUESTION_TYPES)
-    unknown = [t for t in types if t not in QUESTION_TYPES]
+    types = types or list(generator.QUESTION_TYPES)
+    unknown = [t for t in types if t not in generator.QUESTION_TYPES]
     if unknown:
-        raise InputError(f"--types: unknown question type(s) {', '.join(unknown)}; choose from {', '.join(QUESTION_TYPES)}")
+        raise InputError(f"--types: unknown question type(s) {', '.join(unknown)}; choose from {', '.join(generator.QUESTION_TYPES)}")
     items = []
     for index in range(limit):
-        example = make_example(seed, index, types[index % len(types)])
+        example = generator.make_example(seed, index, types[index % len(types)], size or generator.IMAGE_SIZE)
         items.append(VqaItem(example.image, example.question.text, example.question.answer, example.question.type))
     return items
 
@@ -185,11 +191,12 @@ def evaluate(model: Any, processor: Any, items: list[VqaItem], max_new_tokens: i
 def add_parser(commands) -> None:
     evaluate = commands.add_parser("eval", help="exact-match visual QA accuracy per question type (JSON output)")
     add_model_flags(evaluate)
-    evaluate.add_argument("--task", choices=["synthetic-vqa", "folder"], default="synthetic-vqa",
-                          help="synthetic-vqa: the seeded shapes task; folder: --data DIR with questions.jsonl")
-    evaluate.add_argument("--split", default="test", help="synthetic-vqa split: train, val, test (held out) or a seed")
+    evaluate.add_argument("--task", choices=["synthetic-vqa", "scenes", "folder"], default="synthetic-vqa",
+                          help="synthetic-vqa: the seeded shapes task; scenes: the routing-study model's task; "
+                               "folder: --data DIR with questions.jsonl")
+    evaluate.add_argument("--split", default="test", help="synthetic-vqa / scenes split: train, val, test (held out) or a seed")
     evaluate.add_argument("--limit", type=int, help="ask at most N questions (synthetic-vqa default: 200)")
-    evaluate.add_argument("--types", help="synthetic-vqa question types, comma-separated (default: all, cycled)")
+    evaluate.add_argument("--types", help="synthetic-vqa / scenes question types, comma-separated (default: all, cycled)")
     evaluate.add_argument("--data", help="folder task: a directory with questions.jsonl and the images it names")
     evaluate.add_argument("--max_new_tokens", type=int, default=8, help="the longest answer, in tokens")
     evaluate.add_argument("--output", help="write the results (accuracy per type, every answer) to this JSON file")
@@ -203,10 +210,10 @@ def eval_items(args: argparse.Namespace) -> list:
             raise InputError("--task folder needs --data DIR (a directory with questions.jsonl)")
         return folder_items(args.data, args.limit)
     if args.data:
-        raise InputError("--data is for --task folder; --task synthetic-vqa makes its own images")
+        raise InputError(f"--data is for --task folder; --task {args.task} makes its own images")
     split = int(args.split) if args.split.lstrip("-").isdigit() else args.split
     types = [t.strip() for t in args.types.split(",")] if args.types else None
-    return synthetic_items(split, args.limit or 200, types)
+    return synthetic_items(split, args.limit or 200, types, args.task)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

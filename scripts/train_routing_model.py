@@ -1,0 +1,220 @@
+"""Train the routing-study model: Qwen3-VL-MoE's architecture at 12 layers x 64 experts (top-8, hidden 512), from
+scratch, on the scenes task (vismmoe_kt.demo.scenes: crowded shapes, textured backgrounds, digits and words).
+
+    python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12
+    python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12 --resume
+
+Deterministic: step s trains on scenes s*batch .. (s+1)*batch-1 of the train split (seed 0), whatever the number
+of data workers, and the weights start from --seed; a checkpoint (weights, AdamW state, step, curve) is written
+to OUT/checkpoint.pt every --checkpoint_every steps, and --resume continues from it with the same losses an
+uninterrupted run has. The loss is the answer tokens' cross-entropy plus the router's aux loss
+(vismmoe_kt.demo.training, shared with scripts/train_demo_model.py). Each sequence is one scene with one
+question of every type it allows plus an extra existence and count question, as turns of one chat, or (a
+--describe_share of them) its caption.
+
+At the end: held-out (val, seed 1) teacher-forced exact match per question type, and with --pruned_eval the
+greedy-decoded accuracy under optimize_rules/qwen3vl.yaml (affinity pruning of visual tokens after
+--prune_layer layers) at keep 1.0 and each --keep ratio; OUT is then a Hugging Face model directory
+(vismmoe_kt.demo.routing_model.load_routing_model, or vismmoe_kt.load with any rule file) with
+training.json (command, seconds, curve, accuracies).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+from vismmoe_kt.demo import scenes
+from vismmoe_kt.demo.routing_model import (CHECKPOINT_FILE, DEFAULT_SPEC, ROUTING_SPECS, build_routing_model,
+                                           image_size, read_spec, save_model_directory, write_spec)
+from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, qa_conversation,
+                                      train_step, warmup_cosine)
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "optimize_rules" / "qwen3vl.yaml"
+
+
+def conversation(seed: int, index: int, size: int, describe_share: float):
+    """Scene `index` of split `seed` as one multi-turn chat of its questions, or its caption; (image, messages)."""
+    rng, scene, image = scenes.make_scene(seed, index, size)
+    if rng.random() < describe_share:
+        return caption_conversation(image, scenes.DESCRIBE_PROMPT, scenes.describe(scene))
+    questions = scenes.questions_for_scene(scene, rng, size)
+    questions += [scenes.exist_question(scene, rng, size), scenes.count_question(scene, rng, size)]
+    unique = list({q.text: q for q in questions}.values())
+    return qa_conversation(image, unique, rng.permutation(len(unique)))
+
+
+class StepBatches(Labeller, torch.utils.data.Dataset):
+    """Batch `step` is a pure function of the step: what makes a resumed run the same run."""
+
+    def __init__(self, processor, batch: int, size: int, describe_share: float, seed: int = scenes.SPLIT_SEEDS["train"]):
+        Labeller.__init__(self, processor)
+        self.batch, self.size, self.describe_share, self.seed = batch, size, describe_share, seed
+
+    def __getitem__(self, step: int):
+        pairs = [conversation(self.seed, step * self.batch + i, self.size, self.describe_share) for i in range(self.batch)]
+        return self.labelled([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def scene_example(size: int):
+    return lambda seed, index, qtype: scenes.make_example(seed, index, qtype, size)
+
+
+def save_checkpoint(out: Path, model, optimizer, step: int, curve: list, settings: dict) -> None:
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "curve": curve,
+             "settings": settings, "torch_rng": torch.get_rng_state()}
+    partial = out / (CHECKPOINT_FILE + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, out / CHECKPOINT_FILE)  # atomic: a run killed while saving keeps the previous checkpoint
+
+
+def pruned_accuracy(out: Path, keeps: list[float], prune_layer: int, per_type: int, size: int, device: str) -> dict:
+    """Greedy-decoded held-out accuracy of the saved model under the VisMMOE rules, per keep ratio."""
+    import vismmoe_kt
+    from vismmoe_kt.apps.evaluate import evaluate, synthetic_items
+
+    items = synthetic_items("val", per_type * len(scenes.QUESTION_TYPES), task="scenes", size=size)
+    results = {}
+    for keep in [1.0] + keeps:
+        model, processor = vismmoe_kt.load(out, RULES, keep_ratio=keep, prune_layer=prune_layer, progress=False,
+                                           generate_device=device, prefill_device=device)
+        run = evaluate(model, processor, items, progress=False)
+        summary = scenes.score([(r["type"], r["reply"], r["answer"]) for r in run["items"]])
+        results[str(keep)] = {**summary, "experts_per_layer_prefill": run["experts_per_layer_prefill"]}
+        print(f"  keep {keep}: accuracy {summary['accuracy']:.3f} {summary['per_type']}", flush=True)
+        del model
+    return results
+
+
+def parse_args(argv=None):
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    parser.add_argument("--out", required=True, help="training directory: checkpoint.pt, then the model and training.json")
+    parser.add_argument("--spec", default=DEFAULT_SPEC, choices=sorted(ROUTING_SPECS), help="model size (routing-tiny: tests)")
+    parser.add_argument("--device", default="cpu", help="cuda or cpu")
+    parser.add_argument("--steps", type=int, default=3000, help="training steps in all (a resumed run counts the done ones)")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; cosine decay to a tenth)")
+    parser.add_argument("--warmup", type=int, default=200, help="linear warm-up steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--workers", type=int, default=2, help="processes making batches (0: in the training process)")
+    parser.add_argument("--checkpoint_every", type=int, default=200, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, step)")
+    parser.add_argument("--describe_share", type=float, default=0.2, help="share of sequences that are captions")
+    parser.add_argument("--eval_per_type", type=int, default=64, help="held-out questions per type at the end (0: none)")
+    parser.add_argument("--pruned_eval", action="store_true",
+                        help="also the greedy accuracy under optimize_rules/qwen3vl.yaml at keep 1.0 and each --keep")
+    parser.add_argument("--keep", default="0.7,0.5", help="visual-token keep ratios of --pruned_eval, comma-separated")
+    parser.add_argument("--prune_layer", type=int, default=2, help="layers before visual tokens are pruned (--pruned_eval)")
+    parser.add_argument("--no_progress", action="store_true", help="print a line every 50 steps instead of a progress bar")
+    args = parser.parse_args(argv)
+    for flag in ("steps", "batch", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0:
+        parser.error("--workers, --eval_per_type and --warmup cannot be negative")
+    if not 0.0 <= args.describe_share <= 1.0:
+        parser.error(f"--describe_share must be between 0 and 1, got {args.describe_share}")
+    try:
+        args.keep = [float(k) for k in args.keep.split(",") if k.strip()]
+    except ValueError:
+        parser.error(f"--keep: expected comma-separated numbers, got {args.keep!r}")
+    if any(not 0.0 < k <= 1.0 for k in args.keep):
+        parser.error(f"--keep ratios must be in (0, 1], got {args.keep}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu)")
+    checkpoint = Path(args.out) / CHECKPOINT_FILE
+    if args.resume and not checkpoint.is_file():
+        parser.error(f"--resume: no {checkpoint} to resume from")
+    if not args.resume and checkpoint.is_file():
+        parser.error(f"{checkpoint} exists: pass --resume to continue it, or choose another --out")
+    if args.resume and read_spec(args.out) != args.spec:
+        parser.error(f"--resume: {args.out} trains spec {read_spec(args.out)}, not --spec {args.spec}")
+    return args
+
+
+def train(args) -> dict:
+    """The training loop; returns the training record (also written to OUT/training.json)."""
+    from tqdm import tqdm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    spec = ROUTING_SPECS[args.spec]
+    size = image_size(spec)
+    if args.device.startswith("cuda"):  # deterministic kernels where torch has them (a warning names the others)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    model, processor = build_routing_model(args.spec, args.seed)
+    device = torch.device(args.device)
+    model.to(device).train()
+    optimizer = adamw(model, args.lr)
+    settings = {"spec": args.spec, "batch": args.batch, "seed": args.seed, "describe_share": args.describe_share}
+    first_step, curve, seconds_before = 0, [], 0.0
+    if args.resume:
+        state = torch.load(out / CHECKPOINT_FILE, map_location=device, weights_only=False)
+        if state["settings"] != settings:
+            raise SystemExit(f"--resume: the checkpoint was trained with {state['settings']}, not {settings}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        first_step, curve = state["step"], state["curve"]
+        seconds_before = curve[-1]["seconds"] if curve else 0.0
+        if first_step >= args.steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {first_step}, --steps {args.steps} asks for no more")
+    else:
+        torch.manual_seed(args.seed)
+        write_spec(out, args.spec)
+    batches = StepBatches(processor, args.batch, size, args.describe_share)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(first_step, args.steps),
+                                         num_workers=args.workers, prefetch_factor=4 if args.workers else None)
+    start = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=first_step, desc=f"Training {args.spec}", unit="step", disable=args.no_progress)
+    for step, (inputs, labels) in enumerate(loader, first_step):
+        lr = warmup_cosine(step, args.lr, args.warmup, args.steps)
+        loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr)
+        curve.append({"step": step + 1, "loss": round(loss, 5), "aux_loss": round(aux, 4), "lr": lr,
+                      "seconds": round(seconds_before + time.perf_counter() - start, 1)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", aux=f"{aux:.3f}", lr=f"{lr:.1e}")
+        if args.no_progress and (step + 1) % 50 == 0:
+            print(f"step {step + 1}/{args.steps}  loss {np.mean([c['loss'] for c in curve[-50:]]):.4f}  aux {aux:.3f}",
+                  flush=True)
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            save_checkpoint(out, model, optimizer, step + 1, curve, settings)
+    bar.close()
+    record = {"command": "python " + " ".join(sys.argv), "spec": args.spec, "steps": args.steps, "batch": args.batch,
+              "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "device": args.device, "workers": args.workers,
+              "describe_share": args.describe_share, "resumed_from": first_step if args.resume else None,
+              "seconds": curve[-1]["seconds"], "final_loss": float(np.mean([c["loss"] for c in curve[-50:]]))}
+    if args.eval_per_type:
+        accuracy = heldout_accuracy(model, batches, scene_example(size), scenes.QUESTION_TYPES, args.eval_per_type,
+                                    scenes.SPLIT_SEEDS["val"], device)
+        record["heldout"] = {"split_seed": scenes.SPLIT_SEEDS["val"], "per_type": args.eval_per_type,
+                             "teacher_forced": accuracy, "mean": float(np.mean(list(accuracy.values())))}
+        print(f"held-out (seed {scenes.SPLIT_SEEDS['val']}) teacher-forced accuracy: {accuracy}", flush=True)
+    save_model_directory(out, model, processor)
+    if args.pruned_eval and args.eval_per_type:
+        record["pruned"] = {"rules": "optimize_rules/qwen3vl.yaml", "prune_layer": args.prune_layer,
+                            "by_keep": pruned_accuracy(out, args.keep, args.prune_layer, args.eval_per_type, size,
+                                                       "cuda:0" if args.device.startswith("cuda") else "cpu")}
+    record["curve"] = curve
+    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"trained {args.steps} steps; final loss {record['final_loss']:.4f}; wrote {out}", flush=True)
+    return record
+
+
+def main(argv=None):
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The routing-study model and its training script at the tiny spec on the CPU: the spec builds and runs forward,
+training steps run and write a model directory, a checkpoint + --resume gives the uninterrupted run's losses,
+the model rebuilds from a training directory, bad arguments are clear errors."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vismmoe_kt.demo import scenes
+from vismmoe_kt.demo.routing_model import ROUTING_SPECS, build_routing_model, image_size, load_routing_model
+from vismmoe_kt.demo.training import Labeller, question_chat
+from vismmoe_kt.errors import LoadError
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_routing_model.py"
+TINY = ["--spec", "routing-tiny", "--batch", "2", "--workers", "0", "--warmup", "2", "--threads", "1", "--no_progress"]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_routing_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_default_spec_is_the_issues_size():
+    spec = ROUTING_SPECS["routing-12x64"]
+    assert (spec.layers, spec.experts, spec.top_k, spec.hidden, spec.family) == (12, 64, 8, 512, "qwen3_vl_moe")
+
+
+def test_the_tiny_spec_builds_and_answers_a_scene_forward():
+    model, processor = build_routing_model("routing-tiny")
+    example = scenes.make_example(1, 0, size=image_size(ROUTING_SPECS["routing-tiny"]))
+    inputs, labels = Labeller(processor).labelled([example.image], [question_chat(example.question.text, "yes")])
+    with torch.no_grad():
+        output = model(**inputs, labels=labels, output_router_logits=True)
+    assert output.logits.shape[:2] == inputs["input_ids"].shape
+    assert torch.isfinite(output.loss) and float(output.aux_loss) > 0
+    assert int((labels != -100).sum()) == len("yes") + 1  # the answer's bytes and <|im_end|>
+
+
+def losses(out: Path) -> list[float]:
+    return [c["loss"] for c in json.loads((out / "training.json").read_text())["curve"]]
+
+
+def test_checkpoint_and_resume_give_the_uninterrupted_losses(script, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    script.main(TINY + ["--out", str(whole), "--steps", "4", "--eval_per_type", "1"])
+    record = json.loads((whole / "training.json").read_text())
+    assert [c["step"] for c in record["curve"]] == [1, 2, 3, 4]
+    assert set(record["heldout"]["teacher_forced"]) == set(scenes.QUESTION_TYPES)
+    assert (whole / "config.json").is_file() and (whole / "model.safetensors").is_file()
+
+    script.main(TINY + ["--out", str(split), "--steps", "2", "--eval_per_type", "0"])
+    script.main(TINY + ["--out", str(split), "--steps", "4", "--eval_per_type", "0", "--resume"])
+    assert losses(split) == losses(whole)
+    assert json.loads((split / "training.json").read_text())["resumed_from"] == 2
+    a, _, name = load_routing_model(whole)
+    b, _, _ = load_routing_model(split, checkpoint=True)
+    assert name == "routing-tiny"
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--batch", "-1"], "--batch must be at least 1"),
+    (["--keep", "0.5,fast"], "--keep: expected comma-separated numbers"),
+    (["--keep", "1.5"], "--keep ratios must be in"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--resume"], "--resume: no"),
+])
+def test_bad_arguments_are_clear_errors(script, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        script.parse_args(TINY + ["--out", str(tmp_path / "run")] + flags)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_directory_without_training_is_a_clear_error(tmp_path):
+    with pytest.raises(LoadError, match="no spec.json"):
+        load_routing_model(tmp_path)
+    (tmp_path / "spec.json").write_text('{"spec": "routing-tiny"}')
+    with pytest.raises(LoadError, match="neither model.safetensors nor checkpoint.pt"):
+        load_routing_model(tmp_path)
+
+
+def test_pruned_evaluation_runs_the_vismmoe_rules_at_each_keep_ratio(script, tmp_path):
+    out = tmp_path / "run"
+    record = script.train(script.parse_args(TINY + ["--out", str(out), "--steps", "1", "--eval_per_type", "1",
+                                                    "--pruned_eval", "--keep", "0.5", "--prune_layer", "1"]))
+    by_keep = record["pruned"]["by_keep"]
+    assert list(by_keep) == ["1.0", "0.5"]
+    assert all(r["n"] == len(scenes.QUESTION_TYPES) and len(r["experts_per_layer_prefill"]) == 2 for r in by_keep.values())
