@@ -17,7 +17,8 @@ sets at consecutive layers, visual and text tokens apart); and the Hot Recall@(E
 lookahead predictor (vismmoe_kt/predictor), trained on --train-prompts unpruned prompts (train split)
 and evaluated on each compression's traces. The table's last column answers the question: affinity's
 distinct experts minus random's at the same keep and depth (negative: Algorithm 1 shrinks the working
-set beyond the token count). `fit.gain` in the JSON (the visual concentration gain of affinity at keep
+set beyond the token count). "none" has a row per depth: the same unpruned traces, averaged over the same
+layers as that depth's rows. `fit.gain` in the JSON (the visual concentration gain of affinity at keep
 0.5 and the first depth over none) is what benchmarks/affinity_whatif.py --fit-study turns into a
 synthetic affinity strength. Writes affinity_study.json and affinity_study.md under --out.
 """
@@ -114,24 +115,25 @@ def study(model, processor, requests: list[tuple[Any, str]], train_requests: lis
         raise SystemExit("the model has no VisDecoder: load it with a rule file that prunes (e.g. optimize_rules/qwen3vl.yaml)")
     work = Path(work or tempfile.mkdtemp(prefix="affinity-study-"))
     usable = [d for d in depths if 1 <= d < layers]
-    cases = [("none", 1.0, usable[0] if usable else 1)] + [(m, k, d) for d in usable for k in keeps for m in methods]
+    # no pruning once per depth: the same traces, its figures over the same layers as that depth's rows
+    cases = [(m, k, d) for d in usable for (m, k) in [("none", 1.0)] + [(m, k) for k in keeps for m in methods]]
 
     def traces(name: str, method: str, keep: float, depth: int, chosen) -> list[Path]:
         decoder.set_compression(compression=method, keep_ratio=keep, prune_layer=depth)
         return record_traces(model, processor, chosen, work / name, decode_tokens, progress=False)
 
     predictor, config = predictor_for(traces("train-none", "none", 1.0, 1, train_requests), epochs)
-    rows = []
+    rows, unpruned = [], None
     for method, keep, depth in cases:
-        paths = traces(f"{method}-{keep}-{depth}", method, keep, depth, requests)
+        if method == "none":
+            unpruned = unpruned or traces("none", "none", 1.0, 1, requests)
+        paths = unpruned if method == "none" else traces(f"{method}-{keep}-{depth}", method, keep, depth, requests)
         per_layer = condition_figures(paths, experts, top)
         data = samples_from_steps([s for p in paths for s in read_trace(p)], config)
-        first = depth if method != "none" else 0
         rows.append({"compression": method, "keep": keep, "depth": depth, "per_layer": per_layer,
                      "later": {f: mean_over(per_layer, f, depth) for f in FIGURES},
-                     "from_layer": first, f"hot_recall@{budget}": hot_recall(predictor, data, budget)})
-    none = rows[0]
-    for row in rows[1:]:  # the question: affinity against random at the same keep and depth
+                     f"hot_recall@{budget}": hot_recall(predictor, data, budget)})
+    for row in rows:  # the question: affinity against random at the same keep and depth
         if row["compression"] == "affinity":
             twin = next((r for r in rows if r["compression"] == "random" and r["keep"] == row["keep"]
                          and r["depth"] == row["depth"]), None)
@@ -140,8 +142,9 @@ def study(model, processor, requests: list[tuple[Any, str]], train_requests: lis
     fit_case = next((r for r in rows if r["compression"] == "affinity" and r["keep"] == 0.5), None)
     fit = None
     if fit_case is not None:
-        base = mean_over(none["per_layer"], "concentration_visual", fit_case["depth"])
-        fit = {"keep": 0.5, "depth": fit_case["depth"], "gain": fit_case["later"]["concentration_visual"] / base - 1}
+        none = next(r for r in rows if r["compression"] == "none" and r["depth"] == fit_case["depth"])
+        fit = {"keep": 0.5, "depth": fit_case["depth"],
+               "gain": fit_case["later"]["concentration_visual"] / none["later"]["concentration_visual"] - 1}
     return {"experts": experts, "layers": layers, "top": top, "budget": budget, "prompts": len(requests),
             "train_prompts": len(train_requests), "decode_tokens": decode_tokens,
             "depths_left_out": sorted(set(depths) - set(usable)), "rows": rows, "fit": fit}
@@ -152,7 +155,7 @@ def table(result: dict) -> tuple[list[str], list[list[Any]]]:
     header = ["compression", "keep", "depth", "distinct experts", f"top-{top} share", f"visual top-{top} share",
               "stability visual", "stability text", f"Hot Recall@{budget}", "affinity - random distinct"]
     cell = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
-    rows = [[r["compression"], r["keep"], r["depth"] if r["compression"] != "none" else "-",
+    rows = [[r["compression"], r["keep"], r["depth"],
              f"{r['later']['distinct']:.2f}", cell(r["later"]["concentration"]), cell(r["later"]["concentration_visual"]),
              cell(r["later"]["stability_visual"]), cell(r["later"]["stability_text"]),
              cell(r[f"hot_recall@{budget}"]),

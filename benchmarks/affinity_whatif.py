@@ -35,7 +35,7 @@ from benchmarks.affinity_metrics import Layer, concentration, cover, distinct
 from benchmarks.results import print_table, save_json
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.routing import SyntheticRouter, affinity_label, check_affinity_strength
-from vismmoe_kt.routing.affinity import survivor_mixing
+from vismmoe_kt.routing.affinity import Survivors
 from vismmoe_kt.vision.compression import select
 
 PAPER_GAIN = 0.32  # VisMMOE: +32% concentration on Qwen3-VL-30B-A3B
@@ -58,25 +58,22 @@ def route_prompt(seed: int, strength: float, layers: int, experts: int, top_k: i
 
 
 def survivors_of(seed: int, strength: float, layers: int, experts: int, top_k: int, visual: int, text: int):
-    """(ids, mask, reroute) of request `seed`: reroute(layer, kept positions, kept share) gives the survivors'
-    ids at that layer as the routing source gives them (their coherence raised by the share pruned)."""
+    """(ids, mask, reroute) of request `seed`: reroute(layer, kept positions) gives the survivors' ids at
+    that layer as the routing source gives them (their coherence raised by the share pruned)."""
     mask = prompt_mask(visual, text)
     router = SyntheticRouter(layers, experts, top_k, seed=seed, affinity=strength)
     routing = router.route(len(mask), mask.to(torch.uint8), "prefill")
-    mixing, vision = router.mixing_history().numpy(), mask.numpy()
+    survivors = Survivors(router, routing.hidden, mask)
 
-    def reroute(layer: int, kept: torch.Tensor, share: float) -> torch.Tensor:
-        if not strength:
-            return routing.ids[kept, layer]
-        boosted = torch.from_numpy(survivor_mixing(mixing[kept], vision[kept], strength, share))
-        return router.reroute(layer, routing.hidden[kept, layer], mask[kept].double(), boosted)[0]
+    def reroute(layer: int, kept: torch.Tensor) -> torch.Tensor:
+        return survivors.rows(layer, kept)[0] if strength else routing.ids[kept, layer]
     return routing.ids, mask, reroute
 
 
 def prune(ids: torch.Tensor, mask: torch.Tensor, method: str, keep: float, depth: int, experts: int,
           seed: int = 0, reroute=None) -> list[Layer]:
     """The prefill's layers as the VisDecoder leaves them: all positions before `depth`, the kept after
-    (their ids from `reroute(layer, kept, kept share)` when given: `survivors_of`)."""
+    (their ids from `reroute(layer, kept)` when given: `survivors_of`)."""
     positions = torch.arange(ids.shape[0])
     kept = positions
     if method != "none" and keep < 1:
@@ -90,8 +87,7 @@ def prune(ids: torch.Tensor, mask: torch.Tensor, method: str, keep: float, depth
         survive[visual[chosen]] = True
         kept = positions[survive]
         if reroute is not None:
-            share = len(chosen) / len(visual)
-            return [(ids[:, layer], positions) if layer < depth else (reroute(layer, kept, share), kept)
+            return [(ids[:, layer], positions) if layer < depth else (reroute(layer, kept), kept)
                     for layer in range(ids.shape[1])]
     return [(ids[:, layer], positions) if layer < depth else (ids[kept, layer], kept) for layer in range(ids.shape[1])]
 
@@ -198,8 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     ranks = numbers(args.ranks, "--ranks", int)
     if any(r < 1 or args.experts % r for r in ranks):
         parser.error(f"--ranks {args.ranks}: each must divide --experts {args.experts}")
-    if any(not 0 < k <= 1 for k in keeps) or any(not 1 <= d < args.layers for d in depths):
-        parser.error(f"--keeps must lie in (0, 1] and --depths in [1, {args.layers - 1}]")
+    if any(not 0 < k <= 1 for k in keeps) or any(d < 1 for d in depths):
+        parser.error("--keeps must lie in (0, 1] and --depths be at least 1")
+    left_out, depths = [d for d in depths if d >= args.layers], [d for d in depths if d < args.layers]
+    if not depths:
+        parser.error(f"--depths: none below --layers {args.layers} (a depth needs a layer after it)")
+    if left_out:
+        print(f"depths {left_out} left out: {args.layers} layers leave no layer after them")
     shape = {"layers": args.layers, "experts": args.experts, "top_k": args.top_k, "visual": args.visual, "text": args.text}
     rows = []
     for strength in strengths:

@@ -239,12 +239,6 @@ class SyntheticRouter:
         w = torch.as_tensor(mixing, dtype=torch.float64)[..., None]
         return (1 - w) * out + w * self._image_target[layer]
 
-    def reroute(self, layer: int, hidden: Any, modality: Any, mixing: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids int64 [T, k], weights float32 [T, k]) of layer `layer` for latent states hidden [T, D] with
-        affinity weights `mixing` [T]: a pruned prefill's survivors (affinity.survivor_mixing)."""
-        top, ids = self.logits(layer, hidden, modality, mixing).topk(self.top_k, dim=-1)
-        return ids, torch.softmax(top, dim=-1).float()
-
     def mixing_history(self) -> torch.Tensor:
         """float64 [T]: the affinity weight w_t every token routed so far was routed with (0: none)."""
         return torch.from_numpy(self._mixing[:self.tokens].copy())
