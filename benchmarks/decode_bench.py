@@ -441,7 +441,7 @@ def main() -> int:
                         help="one more request per configuration under torch.profiler: decode kernels by name and "
                              "stream, busy and idle device time per step (kernels.md and a trace-*.json.gz each)")
     parser.add_argument("--turns", type=int, default=1, help="also time a chat of this many turns (prompt seconds per turn)")
-    parser.add_argument("--routing", help="model | synthetic[:SEED] | trace:PATH (default: synthetic for the synthetic "
+    parser.add_argument("--routing", help="model | synthetic[:SEED][:affinity=A] | trace:PATH (default: synthetic for the synthetic "
                                           "model, model for --tiny)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="also decode N requests together, for each N given (batched generation): aggregate "

@@ -1,6 +1,6 @@
 """Routing sources on a loaded model: `model` changes nothing, a trace is replayed exactly (prefill and
 decode, lean path and transformers' loop), synthetic routing ignores the generated tokens, and a pruned
-prefill's later layers get the kept positions' rows."""
+prefill's later layers get the kept positions' rows (re-routed ones under the affinity what-if)."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from vismmoe_kt.demo.tiny import SPECS
 from vismmoe_kt.engine.generation import generate
 from vismmoe_kt.operators.source_router import install_routing
 from vismmoe_kt.errors import InputError
-from vismmoe_kt.routing import load_trace, save_trace, synthetic_trace
+from vismmoe_kt.routing import SyntheticRouter, load_trace, save_trace, synthetic_trace
+from vismmoe_kt.routing.affinity import Survivors
 from vismmoe_kt.runtime.offload import OffloadRuntime
 
 CPU = dict(generate_device="cpu", prefill_device="cpu", progress=False)
@@ -176,3 +177,32 @@ def test_rules_show_with_a_bad_routing_source_is_a_clear_error(capsys):
     assert main(["rules", "show", "--placement", "offload", "--demo", "--routing", "random"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "error: --routing 'random': expected model, synthetic" in err
+
+
+def test_the_affinity_what_if_reroutes_a_pruned_prefills_survivors(tiny_dir, image_inputs, seen):
+    """`synthetic:affinity=A`: the prefix routes the table's rows; a pruned prefill's survivors are re-routed
+    with their coherence raised by the share pruned (routing/affinity.py); the label names it."""
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl.yaml", expert_budget=2 * layer_bytes(SPEC), miss_policy="wait",
+                    **CPU)
+    source = install_routing(model, "synthetic:affinity=0.8")
+    assert source.spec == "synthetic:affinity=0.8" and source.affinity == 0.8
+    with torch.no_grad():
+        generate(model, image_inputs, 2)
+    context = model.vismmoe.context
+    keep, prune_at = context.pruning.keep, context.pruning.prune_at
+    prompt = image_inputs["input_ids"].shape[1]
+    table = source.history[0]["ids"]
+    visual = model.vismmoe.adapter.image_token_mask(model.config, image_inputs["input_ids"][0]).cpu()
+    router = SyntheticRouter(source.layers, source.experts, source.top_k, seed=0, affinity=0.8)
+    routing = router.route(prompt, visual.to(torch.uint8), "prefill")
+    assert torch.equal(routing.ids, table[:prompt])  # the table is the what-if router's
+    survivors = Survivors(router, routing.hidden, visual)
+    prefill = [(layer, rows) for layer, rows in seen if rows.shape[0] > 1]
+    changed = 0
+    for layer, rows in prefill:
+        if layer < prune_at:
+            assert torch.equal(rows, table[torch.arange(prompt), layer])
+        else:
+            assert torch.equal(rows, survivors.rows(layer, keep)[0])
+            changed += int((rows != table[keep, layer]).any(-1).sum())
+    assert prefill and changed > 0  # some survivors moved toward their image's experts

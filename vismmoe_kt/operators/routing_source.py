@@ -7,6 +7,8 @@ computes on the real weights, so timing stays real and only the choice of expert
 
     model           the router's own top-k (nothing is replaced; `record=True` keeps what it chose)
     synthetic[:S]   vismmoe_kt.routing's calibrated synthetic router, request i from seed S + i
+    synthetic[:S]:affinity=A   the same with the labelled visual-expert affinity what-if at strength A in
+                    [0, 1] (routing/affinity.py; each request's image its own preference): never a default
     trace:PATH      replay a recorded trace (vismmoe_kt.routing.load_trace formats), request by request
 
 Per request the source builds one table for every position of the request, prompt and decode
@@ -49,22 +51,48 @@ HISTORY = 64  # requests whose tables stay for the benchmark's Belady figures (a
 
 
 def parse_spec(spec: str) -> tuple[str, Any]:
-    """`model` | `synthetic` | `synthetic:SEED` | `trace:PATH` -> (mode, argument)."""
+    """`model` | `synthetic[:SEED][:affinity=A]` | `trace:PATH` -> (mode, argument: the seed, the path)."""
     mode, _, argument = spec.partition(":")
     if mode == "model" and not argument:
         return "model", None
     if mode == "synthetic":
-        if argument and not argument.lstrip("-").isdigit():
-            raise InputError(f"--routing {spec}: synthetic:SEED needs a whole number")
-        return "synthetic", int(argument or 0)
+        seed, _ = _synthetic_parts(spec)
+        return "synthetic", seed
     if mode == "trace" and argument:
         return "trace", argument
-    raise InputError(f"--routing {spec!r}: expected model, synthetic, synthetic:SEED or trace:PATH")
+    raise InputError(f"--routing {spec!r}: expected model, synthetic, synthetic:SEED or trace:PATH "
+                     f"(synthetic[:SEED] may end in :affinity=A, the labelled what-if)")
+
+
+def _synthetic_parts(spec: str) -> tuple[int, float]:
+    """(seed, affinity strength) of `synthetic[:SEED][:affinity=A]`."""
+    from ..routing import check_affinity_strength
+
+    seed, strength = 0, 0.0
+    parts = spec.split(":")[1:]
+    if parts and "=" not in parts[0]:
+        if not parts[0].lstrip("-").isdigit():
+            raise InputError(f"--routing {spec}: synthetic:SEED needs a whole number")
+        seed, parts = int(parts[0]), parts[1:]
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key != "affinity" or len(parts) > 1:
+            raise InputError(f"--routing {spec}: after synthetic[:SEED] only :affinity=A is known, got {part!r}")
+        try:
+            strength = check_affinity_strength(value)
+        except ValueError as exc:
+            raise InputError(f"--routing {spec}: {exc}") from None
+    return seed, strength
+
+
+def affinity_of(spec: str) -> float:
+    """The affinity what-if's strength a routing spec names (0: none, also for model and trace)."""
+    return _synthetic_parts(spec)[1] if spec.partition(":")[0] == "synthetic" else 0.0
 
 
 class RoutingSource:
     def __init__(self, mode: str, adapter: ModelAdapter, config: Any, context: LoadContext, seed: int = 0,
-                 trace: Any = None, record: bool = False):
+                 trace: Any = None, record: bool = False, affinity: float = 0.0):
         if mode not in MODES:
             raise InputError(f"routing {mode!r} is not one of: {', '.join(MODES)}")
         shape = adapter.moe_shape(config)
@@ -72,7 +100,13 @@ class RoutingSource:
         self.moe_layers = list(shape.moe_layers)
         self.layers, self.experts, self.top_k = len(self.moe_layers), shape.num_experts, shape.top_k
         self.seed, self.trace, self.record = seed, trace, record
-        self.spec = mode if mode != "synthetic" else f"synthetic:{seed}"  # as a rule names it (make_source: as given)
+        self.affinity = affinity  # the synthetic router's labelled what-if (0: off)
+        # with it, per slot (None: the single table) the request's pruned-prefill survivors (routing/affinity.py)
+        self._survivors: dict[Any, Any] = {}
+        self._made: Any = None  # the last table's Survivors, for the begin that takes it
+        self._pruned = False  # the last router call's positions were a pruned prefill's kept ones
+        self.spec = mode if mode != "synthetic" else f"synthetic:{seed}" + (f":affinity={affinity:g}" if affinity else "")
+        # (as a rule names it; make_source: as given)
         if trace is not None:
             if trace.layers != self.layers or trace.top_k != self.top_k or int(trace.ids.max()) >= self.experts:
                 raise InputError(f"the routing trace has {trace.layers} layers x top-{trace.top_k} (ids up to "
@@ -180,6 +214,8 @@ class RoutingSource:
             ids, weights, latents, probabilities = prepared[1]
         else:
             ids, weights, latents, probabilities = self._table(total, visual)
+        if self.affinity:
+            self._survivors[slot] = self._made
         if slot is not None:
             if self.slot_ids is None or not 0 <= slot < self.slot_ids.shape[0] - 1 or total > self.slot_ids.shape[1]:
                 raise ValueError(f"slot {slot} with {total} positions: the runner's tables are "
@@ -243,16 +279,23 @@ class RoutingSource:
         if self.mode == "synthetic":
             from ..routing import SyntheticRouter
 
-            router = SyntheticRouter(self.layers, self.experts, self.top_k, seed=self.seed + self.requests)
+            router = SyntheticRouter(self.layers, self.experts, self.top_k, seed=self.seed + self.requests,
+                                     affinity=self.affinity)
             prompt = router.route(len(visual), visual.to(torch.uint8), "prefill")
             rest = router.route(total - len(visual), None, "decode")
             hidden = torch.cat([prompt.hidden, rest.hidden])
             modality = torch.cat([visual.to(torch.float64), torch.zeros(total - len(visual), dtype=torch.float64)])
-            logits = torch.stack([router.logits(layer, hidden[:, layer], modality) for layer in range(self.layers)], 1)
+            mixing = router.mixing_history() if self.affinity else None
+            logits = torch.stack([router.logits(layer, hidden[:, layer], modality, mixing)
+                                  for layer in range(self.layers)], 1)
             ids, probabilities = torch.cat([prompt.ids, rest.ids]), torch.softmax(logits, dim=-1).float()
             # the router's weights are its top-k renormalised (Qwen3's); a family whose router weighs its
             # choice otherwise (DeepSeek's unnormalised top-k, GLM's scaling) gets its own from the adapter
             weights = self.adapter.routing_weights(self.config, probabilities, ids)
+            if self.affinity:
+                from ..routing.affinity import Survivors
+
+                self._made = Survivors(router, hidden, modality)
             return ids, torch.cat([prompt.weights, rest.weights]) if weights is None else weights, hidden, probabilities
         ids, weights = self._trace_rows(total)
         # a trace holds only the choices: each chosen expert gets its routing weight, the others none
@@ -355,6 +398,12 @@ class RoutingSource:
             self._recorded.setdefault(index, []).append(chosen.detach().cpu())
         if not self.replaces:
             return output
+        if self._pruned and self._rows is None and self._survivors.get(self._slot) is not None:  # the what-if
+            ids, probabilities, renormalised = self._survivors[self._slot].rows(index, positions)
+            weights = self.adapter.routing_weights(self.config, probabilities, ids)
+            dtype = (self.slot_weights if self._slot is not None else self.weights).dtype
+            weights = (renormalised if weights is None else weights).to(chosen.device, dtype)
+            return self.adapter.with_routing(output, weights, ids.to(chosen.device))
         if self._rows is not None:  # prompts prefilled together: each token its own slot's row
             slots, at = self._rows
             if primary is not None and primary.numel() == slots.numel():
@@ -378,7 +427,8 @@ class RoutingSource:
         expected = self._prompt - start if start < self._prompt else 1
         tokens = primary.numel() if primary is not None else rows  # the tokens the layer ran
         keep = self.context.pruning.keep
-        if tokens < expected and keep is not None and keep.numel() == tokens:  # a pruned prefill's later layers
+        self._pruned = tokens < expected and keep is not None and keep.numel() == tokens
+        if self._pruned:  # a pruned prefill's later layers
             positions = keep.to(device) + start
         else:
             positions = torch.arange(start, start + tokens, device=device)

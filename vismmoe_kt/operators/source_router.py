@@ -15,7 +15,7 @@ from ..core.context import LoadContext
 from ..errors import InputError
 from ..models import ModelAdapter
 from .base import BaseInjectedModule
-from .routing_source import RoutingSource, parse_spec
+from .routing_source import RoutingSource, affinity_of, parse_spec
 
 
 class SourceRouter(BaseInjectedModule):
@@ -53,7 +53,7 @@ def make_source(spec: str, adapter: ModelAdapter, config: Any, context: LoadCont
         except (TraceFormatError, OSError) as exc:
             raise InputError(f"--routing {spec}: {exc}") from None
     source = RoutingSource(mode, adapter, config, context, seed=argument if mode == "synthetic" else 0,
-                           trace=trace, record=record)
+                           trace=trace, record=record, affinity=affinity_of(spec))
     source.spec = spec
     return source
 

@@ -32,6 +32,9 @@ Determinism across call patterns: the noise is drawn in fixed blocks of BLOCK to
 own seed, and the arithmetic is float64, so routing T tokens at once or one at a time gives the same ids:
 a lazy runtime and an offline trace agree. `phase` is recorded but does not change the process: the
 published per-phase figure (vision prefill) is a property of vision tokens, which `modality` covers.
+
+`affinity` (default 0: off, the above bit for bit) adds the labelled visual-expert affinity what-if of
+affinity.py: visual tokens mix toward their image's own expert preference (image_seed, default the seed).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .affinity import GAIN, check_strength, image_preference, mixing_weights
 from .calibration import Knobs, resolve_knobs
 
 BLOCK = 64  # tokens per independently seeded block of noise
@@ -149,7 +153,7 @@ class SyntheticRouter:
     """
 
     def __init__(self, layers: int = 48, experts: int = 128, top_k: int = 8, seed: int = 0, corpus_seed: int = 0,
-                 calibration: Any = None, **knobs: Any):
+                 calibration: Any = None, affinity: float = 0.0, image_seed: int | None = None, **knobs: Any):
         for name, value in (("layers", layers), ("experts", experts), ("top_k", top_k)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -159,6 +163,10 @@ class SyntheticRouter:
             raise ValueError("seeds must be non-negative integers")
         self.layers, self.experts, self.top_k = int(layers), int(experts), int(top_k)
         self.seed, self.corpus_seed = int(seed), int(corpus_seed)
+        self.affinity = check_strength(affinity)
+        self.image_seed = self.seed if image_seed is None else int(image_seed)
+        if self.image_seed < 0:
+            raise ValueError("seeds must be non-negative integers")
         self.knobs: Knobs = resolve_knobs(self.layers, calibration, **knobs)
         k, L = self.knobs, self.layers  # noqa: N806
         # L layers, E experts, D latent dim
@@ -172,6 +180,9 @@ class SyntheticRouter:
         self._text_bias = torch.from_numpy(text * k.logit_scale)
         self._vision_shift = torch.from_numpy((vision - text) * k.logit_scale)  # added for vision tokens
         self._rho, self._rho_c = k.rho[:, None], np.sqrt(1.0 - k.rho ** 2)[:, None]
+        # the affinity what-if's target logits [L, E] (affinity.py), made only when it is on
+        self._image_target = torch.from_numpy(GAIN * k.logit_scale * image_preference(
+            self.image_seed, L, self.experts)) if self.affinity else None
         self._keep, self._mix = np.sqrt(k.coupling), np.sqrt(1.0 - k.coupling)
         self.tokens = 0  # tokens routed so far
         self._z: np.ndarray | None = None  # [L, D] the last token's innovation
@@ -181,6 +192,7 @@ class SyntheticRouter:
         self._weights = np.zeros((BLOCK, L, self.top_k), dtype=np.float32)
         self._modality = np.zeros(BLOCK, dtype=np.uint8)
         self._phase = np.zeros(BLOCK, dtype=np.uint8)
+        self._mixing = np.zeros(BLOCK, dtype=np.float64)  # the affinity weight w_t each token routed with
 
     @property
     def modality(self) -> np.ndarray:
@@ -216,11 +228,20 @@ class SyntheticRouter:
             h[:, layer] = self._keep[layer] * h[:, layer - 1] + self._mix[layer] * z[:, layer]
         return h
 
-    def logits(self, layer: int, hidden: Any, modality: Any = False) -> torch.Tensor:
-        """Layer `layer`'s router logits [..., E] (float64) for latent states hidden [..., D]."""
+    def logits(self, layer: int, hidden: Any, modality: Any = False, mixing: Any = None) -> torch.Tensor:
+        """Layer `layer`'s router logits [..., E] (float64) for latent states hidden [..., D]; `mixing`:
+        the tokens' affinity weights [...] (`mixing_history()`; None: the calibrated logits alone)."""
         h = torch.as_tensor(hidden, dtype=torch.float64)
         vision = torch.as_tensor(modality, dtype=torch.float64)[..., None]
-        return h @ self._scaled_weights[layer] + self._text_bias[layer] + vision * self._vision_shift[layer]
+        out = h @ self._scaled_weights[layer] + self._text_bias[layer] + vision * self._vision_shift[layer]
+        if mixing is None or self._image_target is None:
+            return out
+        w = torch.as_tensor(mixing, dtype=torch.float64)[..., None]
+        return (1 - w) * out + w * self._image_target[layer]
+
+    def mixing_history(self) -> torch.Tensor:
+        """float64 [T]: the affinity weight w_t every token routed so far was routed with (0: none)."""
+        return torch.from_numpy(self._mixing[:self.tokens].copy())
 
     def next_layer_logits(self, hidden: Any, layer: int, modality: Any = False) -> torch.Tensor:
         """Layer layer+1's router applied to layer `layer`'s hidden state [..., D]: the lookahead predictor.
@@ -247,10 +268,15 @@ class SyntheticRouter:
         logits = torch.baddbmm(self._text_bias[:, None, :], h, self._scaled_weights)     # [L, T, E]
         if vis.any():
             logits += torch.from_numpy(vis.astype(np.float64))[None, :, None] * self._vision_shift[:, None, :]
+        mixing = np.zeros(num_tokens)
+        if self._image_target is not None and vis.any():  # the what-if (affinity.py); skipped at strength 0
+            mixing = mixing_weights(self.affinity, self.seed, self.tokens, vis)
+            w = torch.from_numpy(mixing)[None, :, None]
+            logits = (1 - w) * logits + w * self._image_target[:, None, :]
         top, ids = logits.topk(self.top_k, dim=-1)                                      # [L, T, k], sorted
         ids = ids.transpose(0, 1).contiguous()                                          # [T, L, k]
         weights = torch.softmax(top, dim=-1).float().transpose(0, 1).contiguous()        # renormalised top-k
-        self._append(self.tokens, ids.numpy().astype(np.int16), weights.numpy(), vis, ph)
+        self._append(self.tokens, ids.numpy().astype(np.int16), weights.numpy(), vis, ph, mixing)
         self.tokens += num_tokens
         return Routing(ids, weights, torch.from_numpy(hidden))
 
@@ -262,17 +288,19 @@ class SyntheticRouter:
         """Route one generated token: ids [L, k]."""
         return self.route(1, modality, "decode").ids[0]
 
-    def _append(self, start: int, ids: np.ndarray, weights: np.ndarray, vis: np.ndarray, ph: np.ndarray) -> None:
+    def _append(self, start: int, ids: np.ndarray, weights: np.ndarray, vis: np.ndarray, ph: np.ndarray,
+                mixing: np.ndarray) -> None:
         end = start + len(ids)
         if end > len(self._ids):
             size = max(end, 2 * len(self._ids))
-            for name in ("_ids", "_weights", "_modality", "_phase"):
+            for name in ("_ids", "_weights", "_modality", "_phase", "_mixing"):
                 old = getattr(self, name)
                 new = np.zeros((size, *old.shape[1:]), dtype=old.dtype)
                 new[:start] = old[:start]
                 setattr(self, name, new)
         self._ids[start:end], self._weights[start:end] = ids, weights
         self._modality[start:end], self._phase[start:end] = vis, ph
+        self._mixing[start:end] = mixing
 
     def _ensure(self, token: int) -> None:
         if token < 0:
@@ -316,6 +344,7 @@ def synthetic_trace(num_tokens: int, layers: int = 48, experts: int = 128, top_k
     seed: the request (its hot set and noise); corpus_seed: the model and corpus (routers, skews).
     calibration: a calibration JSON path or dict (default: the packaged Qwen3-30B-A3B fit).
     knobs: overrides (rho, coupling, temperature, hot, hot_size, spread, skew, vision: a scalar or a
-    per-layer sequence; jump, dim, logit_scale: scalars)."""
+    per-layer sequence; jump, dim, logit_scale: scalars), and the labelled what-if `affinity` (a strength
+    in [0, 1], default 0: off) with its `image_seed` (affinity.py)."""
     return synthetic_routing(num_tokens, layers, experts, top_k, phase, modality, seed, corpus_seed, calibration,
                              **knobs)[0]
