@@ -11,9 +11,9 @@ Which one decode runs is chosen once (`eviction_choice`, from the plan's `evicti
 or for `auto` an EvictionTrial: over the first decode steps a StepTrial (step_trial.py, the hybrid's
 quota trial's mechanism) alternates runs of steps under each ranking, times them step start to step
 start (the boundary's ranking work between steps included: VisMMOE's costs about 2 ms a step on
-thousands of slabs), and keeps the faster for good; a tie (medians within TIE) keeps `lru`, the simpler. The ranking
-only decides which experts stay cached, never what a layer computes, so tokens are the same
-whichever runs.
+thousands of slabs), and keeps the faster for good; a tie (medians within TIE) keeps `lru`, the
+simpler. The ranking only decides which experts stay cached, never what a layer computes, so tokens
+are the same whichever runs.
 """
 
 from __future__ import annotations
