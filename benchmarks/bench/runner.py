@@ -164,7 +164,8 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     if delta is not None:
         row.update(offload_figures(delta, settings.repeats, settings.decode_tokens, runtime.store.block_bytes,
                                    settings.bandwidth))
-        row.update(pinned_layers=len(runtime.pinned), slabs=runtime.num_slabs)
+        row.update(pinned_layers=len(runtime.pinned), slabs=runtime.num_slabs,
+                   eviction=after["operators"]["VisExperts"].get("eviction"))  # which ranking ran and why
         if measured:  # the routing the measured repetitions replayed
             offloaded = [i for i, layer in enumerate(routing.moe_layers) if layer not in runtime.pinned]
             row["belady_hit_rate_decode"] = belady_decode(measured, settings.decode_tokens, offloaded, runtime.num_slabs)

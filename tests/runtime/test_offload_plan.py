@@ -76,8 +76,8 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
         assert plan.hybrid == (miss_policy != "wait")
         assert plan.table_decode is not None  # on the CPU, every valid combination decodes through the table
         assert plan.batch_table == (not plan.hybrid and not lookahead)
-        assert set(plan.why) == {"store", "slabs", "pinned", "decode", "batch"}
-        assert len(plan.describe()) == 6
+        assert set(plan.why) == {"store", "slabs", "pinned", "decode", "batch", "eviction"}
+        assert len(plan.describe()) == 7 and plan.eviction == "vismmoe"  # no `eviction` key: the policy's
     assert checked and refused
 
 

@@ -119,7 +119,10 @@ def _vis_experts(facts: PlacementFacts, placement: str) -> dict[str, Any]:
     kwargs = {**GPU, "expert_budget": facts.expert_budget, **OFFLOAD_STORE, **OFFLOAD_BATCH}
     if placement == "lru":
         return {**kwargs, "policy": "lru"}
-    return {**kwargs, **OFFLOAD_VISMMOE, **(HYBRID if placement in ("hybrid", "vismmoe") else {})}
+    # the default placement's eviction is `auto` (never slower than recency, eviction.py); offload and hybrid keep
+    # VisMMOE's ranking, the method as published (and what benchmarks compare)
+    eviction = {"eviction": "auto" if placement == "vismmoe" else "vismmoe"}
+    return {**kwargs, **OFFLOAD_VISMMOE, **eviction, **(HYBRID if placement in ("hybrid", "vismmoe") else {})}
 
 
 def _vision_experts(facts: PlacementFacts) -> list[dict]:

@@ -14,7 +14,8 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                     3. copies that finished since (prefetches issued during prefill) are published
                     4. landing reservations for the next step: per offloaded layer, its last misses
                        and prefetches plus SPARE slabs (at most the table's R), victims chosen by the
-                       cache policy and dropped from the table first
+                       cache's ranking and dropped from the table first; the ranking is the
+                       eviction choice's for this step (fixed, or `auto`'s trial: eviction.py)
                     5. hybrid mode: how many of a layer's misses the CPU computes, per miss count
                        (the cost model's split, kept while steps measure faster with it: QuotaTrial)
 
@@ -39,10 +40,12 @@ SPARE = 2  # landing slots beyond the layer's last miss count: room for a change
 
 class DecodeBoundary:
     def __init__(self, residency: Any, miss: Any = None, on_enter: Callable[[], None] = lambda: None,
-                 on_arm: Callable[[], None] = lambda: None):
+                 on_arm: Callable[[], None] = lambda: None, eviction: Any = None):
         """`miss`: the hybrid's MissPolicy (None without a CPU miss path); `on_enter`: decode starts;
-        `on_arm`: a table step is armed (before it) or over (after it): the runtime binds its executor again."""
+        `on_arm`: a table step is armed (before it) or over (after it): the runtime binds its executor again;
+        `eviction`: the ranking for each step (eviction.py: FixedEviction or EvictionTrial; None: the cache's)."""
         self.res, self.miss, self.on_enter, self.on_arm = residency, miss, on_enter, on_arm
+        self.eviction = eviction
         self.armed = False                         # between before_step and after_step
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
@@ -67,6 +70,8 @@ class DecodeBoundary:
                 if records is not None:
                     self._account(records)
             self._publish_finished_copies()
+            if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
+                rt.cache.ranking = self.eviction.for_step()
             self._reserve()
             offloaded = self._first_offloaded() if self.miss is not None else None
             # hybrid: the cost model's share of misses for the CPU. A nested step (the self-check of a
@@ -92,8 +97,7 @@ class DecodeBoundary:
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
             self._account(records)
-        if self.miss is not None:
-            self.miss.decode_interrupted()
+        self._interrupted()
         cache = self.res.cache
         for slabs in self.reserved.values():
             for slab in slabs:
@@ -105,11 +109,17 @@ class DecodeBoundary:
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
-        if self.miss is not None:
-            self.miss.decode_interrupted()
+        self._interrupted()
         self.reserved.clear()
         self.table.discard()
         self.stale = True
+
+    def _interrupted(self) -> None:
+        """Decode stops: the time to the next step is no step's (the trials must not count it)."""
+        if self.miss is not None:
+            self.miss.decode_interrupted()
+        if self.eviction is not None:
+            self.eviction.interrupt()
 
     def _enter(self) -> None:
         rt = self.res

@@ -20,6 +20,7 @@ from cpu_kernels.threads import leave_cores_to_workers
 
 from .decode_boundary import DecodeBoundary
 from .engine_queries import EngineQueries
+from .eviction import eviction_choice
 from .executors.batch_step import BatchStepExecutor
 from .executors.cpu_join import TableCpuJoin
 from .executors.placement import Placement, PlacementExecutor  # noqa: F401 (Placement: the placement's result)
@@ -107,6 +108,9 @@ class OffloadRuntime(EngineQueries):
     # --- executors, chosen once from the plan ------------------------------------------------------------
     def _build_executors(self) -> None:
         res, plan = self.residency, self.plan
+        if getattr(self.boundary.eviction, "eviction", None) != plan.eviction:  # a trial under way stays
+            self.boundary.eviction = eviction_choice(plan.eviction, plan.why["eviction"])
+            res.cache.ranking = self.boundary.eviction.current
         placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join) if plan.table_decode else None
@@ -282,9 +286,9 @@ class OffloadRuntime(EngineQueries):
         self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
 
     def router_sink(self) -> Any:
-        """`observe_router` where the eviction uses it (table decode with slabs to evict from, the
-        VisMMOE policy), else None: an all-resident step computes no extra softmax."""
-        used = self.table_enabled and self.num_slabs > 0 and self.settings.policy == "vismmoe"
+        """`observe_router` where the eviction may use it (table decode with slabs to evict from, the
+        VisMMOE ranking or `auto`'s trial of it), else None: an all-resident step computes no extra softmax."""
+        used = self.table_enabled and self.num_slabs > 0 and self.plan.eviction != "lru"
         return self.observe_router if used else None
 
     def prepare_lookahead(self) -> None:

@@ -66,6 +66,7 @@ class OffloadPlan:
     batch_pinned_kernels: bool  # expert-major on the Triton kernels (else its torch twin)
     batch_offloaded: str        # placement | table | quantized-expert-major (from QUANTIZED_MAJOR_MIN_TOKENS)
     batch_major_kernels: bool   # quantized expert-major on the Triton kernels
+    eviction: str = "vismmoe"   # the slab cache's ranking: lru | vismmoe | auto (a trial in table decode)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -88,7 +89,8 @@ class OffloadPlan:
                 f"{', lookahead predictor' if self.lookahead else ''}",
                 f"decode: {decode} ({self.why['decode']})",
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
-                f"({self.why['batch']})"]
+                f"({self.why['batch']})",
+                f"eviction: {self.eviction} ({self.why['eviction']})"]
 
 
 def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str]:
@@ -165,9 +167,27 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     else:
         batch_offloaded = "table"
     why["batch"] = f"batch_experts {settings.batch_experts}" + ("" if kernels else ", no Triton kernels")
+    eviction, why["eviction"] = _eviction(settings, num_slabs, offloaded * facts.num_experts, table_decode, device)
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        facts.lookahead, kernels, table_decode, batch_pinned, kernels and facts.expert_major_kernels,
-                       batch_offloaded, kernels and facts.quantized_major_kernels, why)
+                       batch_offloaded, kernels and facts.quantized_major_kernels, eviction, why)
+
+
+def _eviction(settings: OffloadSettings, num_slabs: int, offloaded_experts: int, table_decode: str | None,
+              device: torch.device) -> tuple[str, str]:
+    """The slab cache's ranking. `auto` is decided here where nothing can be measured or nothing differs;
+    else it stays `auto`, and table decode's first steps choose by timing them (eviction.py)."""
+    if settings.eviction is None:
+        return settings.policy, f"policy {settings.policy}"
+    if settings.eviction != "auto":
+        return settings.eviction, "given"
+    if num_slabs >= offloaded_experts:
+        return "lru", "auto: a slab for every offloaded expert, nothing to rank (a tie keeps the simpler)"
+    if table_decode is None:
+        return "vismmoe", "auto: no table decode, whose step boundary the trial times"
+    if device.type != "cuda":  # the trial weighs host work between device steps; a CPU step is all host work
+        return "vismmoe", "auto: no accelerator, a step's time is the cores' compute, not the ranking beside it"
+    return "auto", "auto: the first decode steps time lru against vismmoe and keep the faster, a tie lru"
 
 
 def _table_decode(settings: OffloadSettings, facts: PlanFacts, device: torch.device, hybrid: bool,

@@ -12,6 +12,7 @@ from typing import Any
 
 from .budget import BudgetError, parse_budget, parse_bytes
 from .cost_model import CostModel
+from .eviction import EVICTIONS
 from .offload_compat import check
 from .store import FORMATS
 
@@ -26,6 +27,10 @@ class OffloadSettings:
     expert_budget: Any                 # GPU memory for routed experts (pinned prefix + slabs): bytes, "24GiB", or a
                                        # share of the model's routed experts' bytes, "30%" (the runtime resolves it)
     policy: str = "vismmoe"            # vismmoe (pinned prefix + prefetch + safe eviction) | lru (the baseline)
+    # the slab cache's eviction ranking (eviction.py): vismmoe (VisMMOE's: Expired by the router's averages, then
+    # Speculative by priority) | lru (recency) | auto (table decode times both over its first steps and keeps
+    # the faster, a tie lru; a slab for every offloaded expert: lru) | None: the policy's own (as before the key)
+    eviction: str | None = None
     pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
     min_pinned_layers: int = 1         # L_semantic of Eq. 10
     min_cache_bytes: Any = None        # C_safe of Eq. 10; None: one layer of experts (prefill can always progress)
@@ -74,6 +79,8 @@ class OffloadSettings:
         put("expert_budget", parse_budget(self.expert_budget))
         if self.policy not in POLICIES:
             raise BudgetError(f"policy {self.policy!r} is not one of: {', '.join(POLICIES)}")
+        if self.eviction is not None and self.eviction not in EVICTIONS:
+            raise BudgetError(f"eviction {self.eviction!r} is not one of: {', '.join(EVICTIONS)}")
         put("pinned_layers", None if self.pinned_layers in (None, "auto") else int(self.pinned_layers))
         if self.policy == "lru":  # the baseline: the whole budget is an on-demand cache, no prefetch
             put("pinned_layers", 0)

@@ -53,6 +53,8 @@ def summary(runtime: Any) -> dict[str, Any]:
         "pinned_layers": len(runtime.pinned),
         "pinned_layers_reason": pinned_reason(runtime),
         "plan": runtime.plan.describe(),  # what the runtime chose and why (lines for --stats)
+        # the ranking decode runs and why: the rule's, or `auto`'s trial and its two medians (eviction.py)
+        "eviction": runtime.boundary.eviction.describe(),
         "slabs": runtime.num_slabs,
         "slab_format": "quantized" if runtime.quantized_slabs else "dequantized",  # resolved: dequantized (the model's dtype) | quantized (the store's blocks)
         "expert_budget": human_bytes(settings.expert_budget),

@@ -38,7 +38,8 @@ class Residency:
         self.pinned = set(self.moe_layers[:plan.pinned_depth])
         self.offloaded = [layer for layer in self.moe_layers if layer not in self.pinned]
         self.lock = threading.RLock()
-        self.cache = SlabCache(self.num_slabs, self.offloaded, self.settings.policy)
+        # the plan's ranking; `auto` starts with VisMMOE's until decode's trial sets one (eviction.py)
+        self.cache = SlabCache(self.num_slabs, self.offloaded, "vismmoe" if plan.eviction == "auto" else plan.eviction)
         self.banks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned layer -> (gate_up, down)
         self.pool: tuple[torch.Tensor, ...] | None = None  # slabs: gate_up (S, 2I, H), down (S, H, I); or blocks
         self.transfers: Transfers | None = None
@@ -169,8 +170,9 @@ class Residency:
             torch.cuda.synchronize(self.device)
             self.transfers.poll()
         counters = self.cache.counters
-        self.cache = SlabCache(self.num_slabs, self.cache.layer_order, self.settings.policy)
-        self.cache.counters = counters
+        ranking = self.cache.ranking  # the ranking in force stays (a fixed one, or what a trial chose)
+        self.cache = SlabCache(self.num_slabs, self.cache.layer_order, ranking.name)
+        self.cache.counters, self.cache.ranking = counters, ranking
         self.last_routed.clear()
         if self.transfers is not None:
             self.transfers.cache = self.cache

@@ -4,18 +4,20 @@ Pure host-side state and policy (no tensors, no streams), so it is tested exhaus
 The runtime tells it when a layer starts (with the experts that layer needs), when a copy is issued
 and completes, and when the layer ends; it answers lookups and picks eviction victims.
 
-Policies:
+Rankings (eviction.py: the cache holds one ranking object, `ranking`, and a swap is an assignment):
 - `vismmoe` (VisMMOE 3.4.2): victims are Expired experts first, then Speculative ones; among
   Expired the least recently used (decode reuses a layer's recent experts: ranking Expired experts
   by how soon their layer runs again, as this cache once did, evicted what the previous layer had
   just used and kept cold prefill leftovers), or, when `usage` is given (table decode: per layer,
   the average of the router's probabilities over decode tokens), the least favoured by the router,
   recency breaking ties (83.3% decode hits against recency's 81.5% in a simulation of synthetic
-  routing, benchmarks/eviction_study.py); among Speculative the lowest prefetch priority. A
-  prefetch may only evict an Expired expert or a Speculative one of lower priority than what it
-  brings in.
+  routing, benchmarks/eviction_study.py); among Speculative the lowest prefetch priority.
 - `lru`: the least recently used resident expert, whatever its layer (on-demand caching as in
   earlier MoE offloading work).
+Whatever the ranking, a prefetch (a priority given) is admitted only if the next victim is worth less
+than what it brings in: a Speculative victim's priority, an Expired one's router average (0 while
+none is known), must be below the prefetch's priority, else the prefetch (and every lower one after
+it) takes no slab. A prefetch never evicts a more probable expert.
 Never a victim: a slab whose copy is in flight, or whose expert the executing layer uses.
 Recency is kept in an ordered map updated on every use, so finding victims is one pass that stops
 at the first evictable slabs, with no sort by Python keys (Speculative ones, few, are sorted). Ranking
@@ -34,6 +36,8 @@ from enum import Enum
 from typing import Iterator
 
 import numpy as np
+
+from .eviction import RANKINGS
 
 Key = tuple[int, int]  # (layer, expert)
 VICTIMS_HEAD = 64  # victims ranked first by a partition (a decode step reserves a few dozen landing slabs)
@@ -61,7 +65,7 @@ class CacheCounters:
 class SlabCache:
     num_slabs: int
     layer_order: list[int]  # MoE layers in execution order (one step runs them in this order)
-    policy: str = "vismmoe"
+    policy: str = "vismmoe"  # the initial ranking's name (`ranking` is the live strategy)
     owner: list[Key | None] = field(init=False)
     state: list[SlabState] = field(init=False)
     where: dict[Key, int] = field(init=False, default_factory=dict)
@@ -78,8 +82,9 @@ class SlabCache:
     usage: dict | None = field(init=False, default=None)  # layer -> per expert router probability average
 
     def __post_init__(self) -> None:
-        if self.policy not in ("vismmoe", "lru"):
+        if self.policy not in RANKINGS:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose vismmoe or lru")
+        self.ranking = RANKINGS[self.policy]()
         self.owner = [None] * self.num_slabs
         self.state = [SlabState.FREE] * self.num_slabs
         # the same facts as arrays, for the vectorised ranking (`_set`, the one place that changes them)
@@ -248,24 +253,24 @@ class SlabCache:
         self._recency.move_to_end(slab)
 
     def _victims(self) -> Iterator[int]:
-        """Evictable slabs in the order they go: lru by recency; vismmoe Expired by recency, then
-        Speculative by priority. Lazy: assigning n slabs looks at about n of them."""
-        if self.policy == "vismmoe" and self.usage is not None:
-            yield from self._victims_by_usage()
-            return
+        """Evictable slabs in the order they go, as the ranking says. Lazy: assigning n slabs looks at about n."""
+        return self.ranking.victims(self)
+
+    def victims_by_recency(self, speculative_last: bool) -> Iterator[int]:
+        """Least recently used first; `speculative_last`: Expired ones so, then Speculative by priority."""
         speculative = []
         for slab in list(self._recency):
             cls = self.classify(slab)
-            if cls == "expired" or (cls == "speculative" and self.policy == "lru"):
+            if cls == "expired" or (cls == "speculative" and not speculative_last):
                 yield slab
             elif cls == "speculative":
                 speculative.append(slab)
         speculative.sort(key=self._priority_of)  # stable: equal priorities go least recent first
         yield from speculative
 
-    def _victims_by_usage(self) -> Iterator[int]:
+    def victims_by_usage(self) -> Iterator[int]:
         """Expired slabs by (the router's average for their expert, recency), then Speculative ones by
-        priority: the ranking `_victims` describes, over arrays (every Expired slab is ranked)."""
+        priority: RouterRanking's order once `usage` is known, over arrays (every Expired slab is ranked)."""
         order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
         layer, expert = self._slab_layer[order], self._slab_expert[order]
         evictable = self._slab_resident[order]  # in flight (copies, landing reservations) is Required
@@ -298,11 +303,18 @@ class SlabCache:
             cls = self.classify(slab)
             if cls not in ("expired", "speculative"):
                 continue  # became Required since (fetched for this layer)
-            if (for_priority is not None and self.policy == "vismmoe" and cls == "speculative"
-                    and self._priority_of(slab) >= for_priority):
-                return None  # never trade a more important speculative expert for a prefetch
+            if for_priority is not None and self.worth(slab) >= for_priority:
+                return None  # the admission rule: never trade a more probable expert for a prefetch
             return slab
         return None
+
+    def worth(self, slab: int) -> float:
+        """What keeping a held slab is worth to a prefetch that would evict it: a Speculative expert's
+        prefetch priority, an Expired one's router average (0 while no average is known)."""
+        if self.classify(slab) == "speculative":
+            return self._priority_of(slab)
+        layer, expert = self.owner[slab]
+        return float(self._usage_values(np.array([layer]), np.array([expert]))[0])
 
     def _usage_values(self, layer: np.ndarray, expert: np.ndarray) -> np.ndarray:
         """usage[layer][expert] for arrays of slabs' keys; 0 for layers without a row, or experts

@@ -57,6 +57,7 @@ class Transfers:
         self.cuda = self.device.type == "cuda"
         self.max_in_flight = max_in_flight
         self.events: dict[int, torch.cuda.Event] = {}     # slab -> copy done
+        self.urgent: set[int] = set()                     # slabs of urgent copies in flight: the link is busy
         self.read_done: dict[int, torch.cuda.Event] = {}  # slab -> compute that last read it is done
         self.queue: list[tuple[float, Key]] = []          # prefetch candidates, highest priority last
         self.counters = TransferCounters()
@@ -110,6 +111,8 @@ class Transfers:
             self.landed.append(slab)
             return
         stream = self.urgent_stream if urgent else self.stream
+        if urgent:
+            self.urgent.add(slab)
         if slab in self.read_done:
             stream.wait_event(self.read_done.pop(slab))
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,6 +129,7 @@ class Transfers:
         for slab, event in list(self.events.items()):
             if event.query():
                 del self.events[slab]
+                self.urgent.discard(slab)
                 self.cache.complete(slab)
                 self.landed.append(slab)
 
@@ -183,6 +187,7 @@ class Transfers:
                 done.record(stream)
             for slab, _ in pairs:
                 self.events[slab] = done
+                self.urgent.add(slab)
             self.counters.bytes_copied += len(pairs) * self.store.block_bytes_of(layer)
             self.counters.copies += len(pairs)
             self.counters.copy_events.append((begin, done, len(pairs)))
@@ -257,7 +262,11 @@ class Transfers:
         self.queue = sorted(((p, k) for k, p in items if k not in self.cache.where), key=lambda x: x[0])
 
     def _drain(self, limit: int) -> bool:
-        """Issue up to `limit` queued prefetches (lock held). False when the cache refuses more."""
+        """Issue up to `limit` queued prefetches (lock held). False when the cache refuses more. Only while
+        the link is idle: an urgent copy in flight is a layer waiting, and a prefetch beside it would
+        share the link's bandwidth with it (the worker tries again once a copy lands)."""
+        if self.urgent:
+            return True
         batch: list[tuple[float, Key]] = []
         while self.queue and len(batch) < limit:
             priority, key = self.queue.pop()

@@ -1,0 +1,89 @@
+"""StepTrial: of two ways to run a decode step, keep the one whose steps measure faster.
+
+The trial behind QuotaTrial (the hybrid's CPU share) and EvictionTrial (VisMMOE's ranking against
+recency). Called once at the start of every decode step, it alternates runs of RUN steps of each
+arm, times each step to the next one's start (every token is read back on the host, so a step has
+finished by then, and the time between steps, the boundary's host work, is in it), and after
+`samples` timed steps of each keeps the arm with the lower median: for `hold` steps, then it tries
+again (the routing and the cache move), or for good (`hold=None`). The first step of a run is not
+timed: it inherits the cache the other arm left (a step without the CPU lands its misses, an
+eviction order fills the cache its own way), which would credit or charge the wrong arm, and it may
+capture a graph. A tie keeps `simpler`, the arm with less machinery: medians within `tie` (a share of
+the slower) of each other. The clock is injected, so tests feed the steps' times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+SAMPLES = 8  # timed steps per arm in a trial
+RUN = 2      # steps per run of one arm; the first of each is not timed
+
+
+class StepTrial:
+    def __init__(self, simpler: int, samples: int = SAMPLES, hold: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter, tie: float = 0.0):
+        if samples < 1 or (hold is not None and hold < 1):
+            raise ValueError(f"a step trial needs samples >= 1 and hold >= 1 (or None), got {samples} and {hold}")
+        if simpler not in (0, 1):
+            raise ValueError(f"a step trial has arms 0 and 1, not {simpler}")
+        self.simpler, self.samples, self.hold, self.clock, self.tie = simpler, samples, hold, clock, tie
+        self.times: tuple[list[float], list[float]] = ([], [])
+        self.last: tuple[float, int, bool] | None = None  # (when the previous step started, its arm, timed)
+        self.run = 0                                # steps of the current run so far
+        self.choice: int | None = None              # the arm held, None while trying
+        self.held = 0
+        self.decisions: list[tuple[float, float, int]] = []  # (median of arm 0, median of arm 1, arm kept)
+
+    @property
+    def settled(self) -> bool:
+        """The choice is final (`hold=None`): the trial will never time a step again."""
+        return self.choice is not None and self.hold is None
+
+    def interrupt(self) -> None:
+        """Decode stopped (a prefill, an eager step, a reset): the time to the next step is not a step's."""
+        self.last = None
+
+    def skip(self) -> None:
+        """This step offers nothing to try (both arms would be the same step): time the last one, not this."""
+        self._time_last(self.clock())
+        self.last, self.run = None, 0
+
+    def arm(self) -> int:
+        """The arm for the step about to run (called once per step, at its start)."""
+        if self.settled:
+            return self.choice
+        now = self.clock()
+        self._time_last(now)
+        if self.choice is None and min(len(t) for t in self.times) >= self.samples:
+            first, second = (statistics.median(t) for t in self.times)
+            if abs(first - second) <= self.tie * max(first, second):
+                faster = self.simpler
+            else:
+                faster = 0 if first < second else 1
+            self.choice = faster
+            self.decisions.append((first, second, faster))
+            self.times, self.held = ([], []), 0
+        if self.choice is not None and self.hold is not None:
+            self.held += 1
+            if self.held > self.hold:  # try again: the routing and the cache have moved
+                self.choice = None
+        if self.choice is not None:
+            self.last, self.run = None, 0
+            return self.choice
+        previous = self.last[1] if self.last is not None else None
+        if previous is not None and 0 < self.run < RUN:  # the run goes on
+            arm, self.run = previous, self.run + 1
+        else:  # a new run, of the arm with fewer timings
+            arm = 0 if len(self.times[0]) <= len(self.times[1]) else 1
+            self.run = 1
+        self.last = (now, arm, self.run > 1)
+        return arm
+
+    def _time_last(self, now: float) -> None:
+        if self.last is not None and self.choice is None:
+            started, arm, timed = self.last
+            if timed:
+                self.times[arm].append(now - started)
