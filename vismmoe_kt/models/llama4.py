@@ -227,6 +227,7 @@ class Llama4PackedRopeAttention(Llama4TextAttention):
 # --- the adapter -----------------------------------------------------------------------------------------------
 class Llama4Adapter(OneDimensionalRope, TransformersLayout):
     model_types = ("llama4",)
+    llama_cpp_arch = "llama4"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Llama4ForConditionalGeneration
