@@ -248,3 +248,17 @@ def test_tied_embeddings_are_written_once_and_rebuilt_tied(tmp_path):
     assert "output.weight" not in read_metadata(text).shapes and "token_embd.weight" in read_metadata(text).shapes
     rebuilt = AutoConfig.from_pretrained(model_dir_from_gguf(text, mmproj))
     assert rebuilt.tie_word_embeddings and _differences(model.config.to_dict(), rebuilt.to_dict()) == []
+
+
+def test_a_tokenizer_the_vocabulary_keys_cannot_name_is_refused():
+    """Only Qwen2's byte-level split is written as `tokenizer.ggml.pre = qwen2`: another pre-tokenizer
+    (here GPT-2's plain byte level) would tokenize differently in llama.cpp, so the writer says so."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vismmoe_kt.demo.gguf_vocab import vocabulary_keys
+
+    backend = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    with pytest.raises(ValueError, match="not Qwen2's byte-level split"):
+        vocabulary_keys(PreTrainedTokenizerFast(tokenizer_object=backend), 3, None)

@@ -29,10 +29,14 @@ def vocabulary_keys(tokenizer: Any, vocab_size: int, chat_template: str | None,
     the eos, not in ALWAYS_ENDING) are written as its eot and eom ids, the two more it reads."""
     from gguf import Keys, TokenType
 
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"] if hasattr(tokenizer, "backend_tokenizer") else {}
+    backend = json.loads(tokenizer.backend_tokenizer.to_str()) if hasattr(tokenizer, "backend_tokenizer") else {}
+    model = backend.get("model") or {}
     if model.get("type") != "BPE":
         raise ValueError(f"{type(tokenizer).__name__}: only byte-level BPE tokenizers are written as a GGUF "
                          f"vocabulary (its model is {model.get('type', 'not a tokenizers one')})")
+    if _split_pattern(backend.get("pre_tokenizer")) != _qwen2_pattern():
+        raise ValueError(f"{type(tokenizer).__name__}: its pre-tokenizer is not Qwen2's byte-level split, the one "
+                         f"this writer names ({PRE_TOKENIZER!r}); llama.cpp names the others by their own tables")
     added = tokenizer.added_tokens_decoder
     if len(tokenizer) > vocab_size:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size {vocab_size}")
@@ -61,3 +65,18 @@ def vocabulary_keys(tokenizer: Any, vocab_size: int, chat_template: str | None,
     if chat_template:
         keys[Keys.Tokenizer.CHAT_TEMPLATE] = chat_template
     return keys
+
+
+def _split_pattern(pre: dict | None) -> str | None:
+    """The regex of a `tokenizers` pre-tokenizer's Split step (a Sequence's first such step)."""
+    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    for step in steps:
+        if step and step.get("type") == "Split":
+            return (step.get("pattern") or {}).get("Regex")
+    return None
+
+
+def _qwen2_pattern() -> str:
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    return PRETOKENIZE_REGEX
