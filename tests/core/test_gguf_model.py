@@ -115,6 +115,18 @@ def test_convert_demo_then_chat_from_the_two_files_gives_the_demos_answer(demo_p
     assert sorted(p.name for p in out.iterdir()) == files  # nothing written beside them
 
 
+def test_eval_from_the_two_files_replies_as_the_demo(demo_pair, tmp_path):
+    import json
+
+    out, _ = demo_pair
+    pair = ["--gguf_path", str(out / "demo-4x32-BF16.gguf"), "--mmproj_path", str(out / "mmproj-demo-4x32-F16.gguf")]
+    for name, source in (("demo", ["--demo"]), ("pair", pair)):
+        assert main(["eval", *source, "--limit", "4", "--output", str(tmp_path / f"{name}.json")]) == 0
+    replies = {name: [item["reply"] for item in json.loads((tmp_path / f"{name}.json").read_text())["items"]]
+               for name in ("demo", "pair")}
+    assert replies["pair"] == replies["demo"] and len(replies["demo"]) == 4
+
+
 def test_serve_from_the_two_files_answers_as_the_demo(demo_pair):
     import base64
 

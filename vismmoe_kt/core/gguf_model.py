@@ -183,17 +183,26 @@ def model_dir_from_gguf(gguf_path: str | Path, mmproj_path: str | Path | None) -
     processor = adapter.processor_from_gguf(pair.mmproj, tokenizer, template, family)
     from transformers import GenerationConfig
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-", dir=target.parent))
+    import shutil
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-", dir=target.parent))
+    except OSError as exc:
+        raise LoadError(f"cannot write the model's rebuilt directory under {target.parent} ({exc.strerror or exc}); "
+                        f"set VISMMOE_KT_CACHE to a writable folder") from None
     config.save_pretrained(str(staging))
     processor.save_pretrained(str(staging))
     pad = pair.text.get("tokenizer.ggml.padding_token_id")
     GenerationConfig(eos_token_id=end_token_ids(pair.text, tokenizer),
                      pad_token_id=int(pad) if pad is not None else None).save_pretrained(str(staging))
     (staging / ".complete").write_text("ok\n")
-    if target.exists():  # an interrupted earlier build
-        import shutil
-
-        shutil.rmtree(target)
-    os.replace(staging, target)
+    if target.exists() and not (target / ".complete").exists():  # an interrupted earlier build
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(staging, target)  # atomic: readers never see a half-written directory
+    except OSError:  # another process finished the same directory first: theirs is as good
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / ".complete").exists():
+            raise LoadError(f"cannot write the model's rebuilt directory {target}") from None
     return target
