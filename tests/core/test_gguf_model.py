@@ -150,20 +150,24 @@ def test_serve_from_the_two_files_answers_as_the_demo(demo_pair):
     assert answers[0] == answers[1] and answers[0].strip() == "1"
 
 
-def test_a_tiny_glm_pair_alone_is_the_hf_directorys_model(tmp_path):
-    """GLM-4.5V (llama.cpp's glm4moe + glm4v): the rebuilt config and processor, its end tokens (eos and
-    `<|user|>`, written as llama.cpp's eot), the router's correction bias read as exp_probs_b, the same
-    greedy tokens from an image prompt."""
+@pytest.mark.parametrize("name", ["tiny-glm-4x16", "tiny-llama4-6x16"])
+def test_a_tiny_glm_or_llama4_pair_alone_is_the_hf_directorys_model(name, tmp_path):
+    """GLM-4.5V (llama.cpp's glm4moe + glm4v: its end tokens eos and `<|user|>`, written as llama.cpp's eot;
+    the router's correction bias read as exp_probs_b) and Llama 4 (llama4 + llama4: the attention
+    temperature's keys, the projector's widths from its tensors): written from the loaded model (our
+    experts' layout, as `convert` writes), the rebuilt config and processor, the same greedy tokens from
+    an image prompt."""
     from transformers import AutoConfig
 
-    hf_dir = save_tiny_model(tmp_path / "hf", "tiny-glm-4x16", seed=0)
-    model, processor = build_tiny_model("tiny-glm-4x16", seed=0)
-    text, mmproj = _write_pair(model, processor, tmp_path)
-    rebuilt = model_dir_from_gguf(text, mmproj)
-    assert _differences(model.config.to_dict(), AutoConfig.from_pretrained(rebuilt).to_dict()) == []
+    hf_dir = save_tiny_model(tmp_path / "hf", name, seed=0)
     reference, want_processor = load(hf_dir, **CPU)
+    text, mmproj = _write_pair(reference, want_processor, tmp_path)
+    rebuilt = model_dir_from_gguf(text, mmproj)
+    want_config = build_tiny_model(name, seed=0)[0].config.to_dict()
+    assert _differences(want_config, AutoConfig.from_pretrained(rebuilt).to_dict()) == []
     alone, got_processor = load(rebuilt, gguf_path=text, mmproj_path=mmproj, **CPU)
-    assert alone.generation_config.eos_token_id == reference.generation_config.eos_token_id
+    ends = lambda ids: [ids] if isinstance(ids, int) else ids  # noqa: E731
+    assert ends(alone.generation_config.eos_token_id) == ends(reference.generation_config.eos_token_id)
     image = make_image(64, seed=2)
     want_inputs = build_inputs(want_processor, [user_turn("what is this?", 1)], [image])
     got_inputs = build_inputs(got_processor, [user_turn("what is this?", 1)], [image])
@@ -199,11 +203,11 @@ def test_what_a_pair_cannot_give_is_a_clear_error(qwen_pair, tmp_path):
     bare, bare_mmproj = _write_pair(model, processor, tmp_path / "novocab", with_vocab=False)
     with pytest.raises(LoadError, match=re.escape("tokenizer.ggml.model = 'no_vocab'")):
         model_dir_from_gguf(bare, bare_mmproj)
-    llama4, llama4_processor = build_tiny_model("tiny-llama4-6x16", seed=0)
-    (tmp_path / "llama4").mkdir()
-    with pytest.warns(UserWarning, match="no tensor has a GGUF name"):  # Llama 4's tensors are not mapped yet
-        pair = _write_pair(llama4, llama4_processor, tmp_path / "llama4")
-    with pytest.raises(LoadError, match=r"family llama4 \(llama.cpp's llama4\): rebuilding its config"):
+    kimi, kimi_processor = build_tiny_model("tiny-kimi-4x16", seed=0)
+    (tmp_path / "kimi").mkdir()
+    with pytest.warns(UserWarning, match="no tensor has a GGUF name"):  # Kimi's tensors are not mapped yet
+        pair = _write_pair(kimi, kimi_processor, tmp_path / "kimi")
+    with pytest.raises(LoadError, match=r"family kimi_k25 \(llama.cpp's deepseek2\): rebuilding its config"):
         model_dir_from_gguf(*pair)
     assert read_metadata(text).get("tokenizer.ggml.merges") == []  # a byte vocabulary: the key, empty
 
