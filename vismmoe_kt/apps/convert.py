@@ -67,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
     model, processor = load(model_dir, generate_device="cpu", prefill_device="cpu", progress=True)
     state = model.state_dict()
     family = "/".join(adapter.model_types)
-    if not any(adapter.gguf_names(name) for name in state) or not any(adapter.mmproj_source(name, config) for name in state):
+    mapped = any(adapter.gguf_names(name) for name in state) and any(adapter.mmproj_source(name, config) for name in state)
+    if not mapped:
         raise InputError(f"{model_dir}: family {family}: its tensors have no llama.cpp names here yet (text: "
-                         f"ModelAdapter.gguf_names, vision tower: mmproj_source); convert writes Qwen3-VL-MoE, GLM-4.5V and Llama 4")
+                         f"ModelAdapter.gguf_names, vision tower: mmproj_source); convert writes Qwen3-VL-MoE, "
+                         f"GLM-4.5V and Llama 4")
     text_file, mmproj_file = out / f"{stem}-{args.qtype}.gguf", out / f"mmproj-{stem}-{args.mmproj_qtype}.gguf"
     try:
         ends = model.generation_config.eos_token_id

@@ -13,8 +13,9 @@ files' metadata, as llama.cpp loads such a pair.
   the control tokens it always treats as ends, `<|endoftext|>`, `<|im_end|>`, ...).
 
 These are written once as an ordinary directory in the cache (keyed by the files' paths, sizes and
-times; named as the model file, which serve calls the model), which the loader then reads as it reads `--model_path` (the weights from the GGUF files), so
-serve, eval and the placements see a model directory as ever. A file without what a piece needs is a
+times; named as the model file, which serve calls the model), which the loader then reads as it reads
+`--model_path` (the weights from the GGUF files), so serve, eval and the placements see a model
+directory as ever. A file without what a piece needs is a
 LoadError that names the key or tensor missing and the family.
 """
 
