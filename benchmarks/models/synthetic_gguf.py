@@ -7,8 +7,10 @@ The weights are `SyntheticReader`'s (benchmarks/models/synthetic.py: same seed, 
 with `vismmoe_kt.load(DIR, rules, gguf_path=DIR)` is `load_synthetic`'s model up to the quantization:
 benchmarks compare a GGUF load against the BF16 synthetic model on equal terms. The experts are
 written in `qtype` (default Q4_K, the bulk of a Q4_K_M file), the other text matrices in `rest`
-(default Q8_0), norms in F32. llama.cpp keeps the vision tower in an mmproj file; here it stays in
-the directory's safetensors, which the GGUF reader falls back to.
+(default Q8_0), norms in F32, with llama.cpp's hyperparameters, the processor's vocabulary and chat
+template. The vision tower is written twice: in the directory's safetensors (which the GGUF reader falls
+back to) and as llama.cpp's mmproj file (`mmproj-model-F16.gguf`, with its clip.* keys), so the two GGUF
+files alone are the whole model too (`--gguf_path FILE --mmproj_path FILE`, no `--model_path`).
 
 Tensors are made on the GPU when there is one and quantized there (the store's torch quantizers),
 one at a time, and streamed to the file (vismmoe_kt/demo/gguf_export.write_planned): Qwen3-VL-30B-A3B's 48
@@ -26,7 +28,8 @@ import torch
 
 from vismmoe_kt.core.loader import _build_on_meta
 from vismmoe_kt.models import adapter_for
-from vismmoe_kt.demo.gguf_export import PlannedTensor, WRITABLE, llama_metadata, tensor_type, write_planned
+from vismmoe_kt.demo.gguf_export import (PlannedTensor, WRITABLE, export_mmproj, llama_metadata, tensor_type,
+                                         write_planned)
 from benchmarks.models.synthetic import SYNTHETIC_MODELS, SyntheticReader, synthetic_config
 from vismmoe_kt.demo.tiny import TinySpec, build_processor
 
@@ -78,9 +81,12 @@ def write_synthetic_checkpoint(out_dir: str | Path, config: Any, processor: Any,
                                          lambda n=model_name, i=i, k=len(gguf_names): _part(reader, n, i, k)))
     gguf_file = out / f"model-{qtype}.gguf"
     # llama.cpp's hyperparameters too, so llama-bench loads the same file (its routing: the random weights' own)
-    arch, metadata = llama_metadata(adapter, config)
+    arch, metadata = llama_metadata(adapter, config, processor)
     types = write_planned(planned, gguf_file, arch or "qwen3vlmoe", progress=progress, metadata=metadata)
-    info = {"seconds": time.perf_counter() - start, "gguf_file": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size,
+    mmproj_file = out / "mmproj-model-F16.gguf"
+    export_mmproj(beside, adapter, config, mmproj_file, "F16", processor=processor)
+    info = {"seconds": time.perf_counter() - start, "gguf_file": str(gguf_file), "mmproj_file": str(mmproj_file),
+            "gguf_bytes": gguf_file.stat().st_size,
             "safetensors_bytes": (out / "model.safetensors").stat().st_size, "qtype": qtype, "rest": rest,
             "seed": seed, "types": types}
     (out / "synthetic_gguf.json").write_text(json.dumps({k: v for k, v in info.items() if k != "types"}, indent=1))

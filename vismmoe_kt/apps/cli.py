@@ -1,7 +1,7 @@
 """`vismmoe-kt`: parse the command line and hand it to the command's module.
 
 Each command lives in its own module with `add_parser(commands)` and `run(args) -> int`: chat,
-calibrate, serve, eval, trace, rules. Errors a user can act on (`VismmoeError`) print `error: ...`
+calibrate, serve, eval, trace, rules, convert. Errors a user can act on (`VismmoeError`) print `error: ...`
 and exit with status 2; usage errors exit 2 through argparse.
 """
 
@@ -15,7 +15,7 @@ from ..errors import FollowerDone, PeerLostError, VismmoeError
 from .arguments import ALIAS_NOTE, FlagParser
 
 COMMANDS = {"chat": "chat", "calibrate": "calibrate", "serve": "serve.command", "eval": "evaluate",
-            "trace": "trace", "rules": "rules"}  # command -> module under vismmoe_kt.apps
+            "trace": "trace", "rules": "rules", "convert": "convert"}  # command -> module under vismmoe_kt.apps
 
 
 def command_module(name: str):

@@ -91,8 +91,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory (config, safetensors, processor)")
     group.add_argument("--demo", action="store_true", help="use the embedded demo model (tiny, trained on synthetic shapes VQA)")
-    group.add_argument("--gguf_path", help="read the weights from GGUF (a .gguf file or a directory of them); config, "
-                                           "tokenizer and processor still come from --model_path, as in KTransformers")
+    group.add_argument("--gguf_path", help="read the weights from GGUF (a .gguf file, the first of a split, or a "
+                                           "directory of them); config, tokenizer and processor come from --model_path "
+                                           "as in KTransformers, or without it from the GGUF's own metadata (with "
+                                           "--mmproj_path; `vismmoe-kt convert` writes such a pair)")
     group.add_argument("--mmproj_path", help="with --gguf_path: the vision tower from llama.cpp's mmproj GGUF file "
                                              "(default: the safetensors in --model_path)")
     rules = group.add_mutually_exclusive_group()
@@ -132,8 +134,15 @@ def resolve_model_path(args: argparse.Namespace) -> Path:
         print("demo model: a tiny model trained on synthetic shapes (try python -m vismmoe_kt.demo.pictures);"
               " it answers questions about coloured shapes, nothing else", file=sys.stderr)
         return demo_model_dir()
+    if not args.model_path and getattr(args, "gguf_path", None):  # a model from its GGUF files alone
+        from ..core.gguf_model import model_dir_from_gguf
+
+        # the directory rebuilt from the files' metadata stands for --model_path from here on (serve names
+        # the model after it)
+        args.model_path = str(model_dir_from_gguf(args.gguf_path, getattr(args, "mmproj_path", None)))
     if not args.model_path:
-        raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
+        raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory), --gguf_path FILE "
+                         "--mmproj_path FILE, or --demo")
     return Path(args.model_path)
 
 

@@ -130,6 +130,15 @@ class GgufCheckpointReader:
             self.on_tensor(name, tensor.numel() * tensor.element_size())
         return tensor
 
+    def load_buffer(self, name: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """A persistent buffer (e.g. GLM's fp32 router correction bias, llama.cpp's `exp_probs_b`) in the
+        dtype the model keeps it in, whatever dtype the weights are converted to."""
+        if self._sources(name) is None:
+            if self._fallback is not None and name in self._fallback:
+                return self._fallback.load_buffer(name, device, dtype)
+            return self.load_tensor(name, device)  # the error naming it
+        return torch.cat([self._dequantize(n) for n in self._sources(name)[0]]).to(dtype).to(device)
+
     def describe(self, name: str) -> str:
         sources = self._sources(name)
         if sources is None:

@@ -8,9 +8,11 @@ rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not 
 (llama.cpp puts it in an mmproj file: `export_mmproj`).
 
 Given the model's config, the files carry what llama.cpp reads before it loads one: the text file its
-architecture's hyperparameters (`ModelAdapter.gguf_metadata`, with the vocabulary's size and
+architecture's hyperparameters (`ModelAdapter.gguf_metadata`, with the vocabulary's size) and, given the
+processor too, its vocabulary and chat template (demo/gguf_vocab.py; without one,
 `tokenizer.ggml.model = no_vocab`), the mmproj file its `clip.*` keys (`ModelAdapter.mmproj_metadata`,
-which needs the processor too). A family llama.cpp has no architecture or projector for gets a
+which needs the processor too). Such a pair is a whole model: core/gguf_model.py loads it with no
+Hugging Face directory. A family llama.cpp has no architecture or projector for gets a
 warning that names it, and a file without those keys.
 
 The `gguf` package quantizes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it reads the K-quants but
@@ -37,31 +39,39 @@ WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"
 
 
 def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, qtype: str = "Q8_0",
-                arch: str | None = None, config: Any = None) -> dict[str, str]:
+                arch: str | None = None, config: Any = None, processor: Any = None,
+                progress: bool = False, end_ids: list[int] | None = None) -> dict[str, str]:
     """Write `state`'s GGUF-mapped tensors to `path`, with the family's llama.cpp hyperparameters where
     `config` is given (`llama_metadata`: the architecture is then the family's; without a config, `arch`,
-    qwen3vlmoe by default); returns GGUF name -> the type it was written in."""
+    qwen3vlmoe by default) and the processor's vocabulary and chat template where `processor` is given
+    too; returns GGUF name -> the type it was written in."""
     def parts():
+        seen = set()
         for name, tensor in state.items():
             names = adapter.gguf_names(name)
+            if names and tensor.data_ptr() in seen:  # tied (the output head is the embedding): once, as llama.cpp
+                continue
+            seen.add(tensor.data_ptr())
             if names:  # fused in the model (gate and up): split along dim 1
                 yield from zip(names, tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),))
-    family_arch, metadata = llama_metadata(adapter, config)
+    family_arch, metadata = llama_metadata(adapter, config, processor, end_ids)
     if arch is not None and family_arch is not None and arch != family_arch:
         raise ValueError(f"arch={arch!r}, but llama.cpp calls {_family(adapter)} {family_arch!r}")
-    written = _write(parts(), path, qtype, family_arch or arch or "qwen3vlmoe", metadata)
+    written = _write(parts(), path, qtype, family_arch or arch or "qwen3vlmoe", metadata, progress)
     if not written:
         warnings.warn(f"{_family(adapter)}: no tensor has a GGUF name (ModelAdapter.gguf_names); {path} holds "
                       "no tensors", stacklevel=2)
     return written
 
 
-def llama_metadata(adapter: Any, config: Any) -> tuple[str | None, dict[str, Any]]:
+def llama_metadata(adapter: Any, config: Any, processor: Any = None,
+                   end_ids: list[int] | None = None) -> tuple[str | None, dict[str, Any]]:
     """(llama.cpp's architecture, the keys it needs to load a family's GGUF: `ModelAdapter.gguf_metadata`,
     with the vocabulary's size) for `config`; (None, {}) without one, or with a warning naming the family
-    where llama.cpp has no architecture for it. No vocabulary is written (`tokenizer.ggml.model =
-    no_vocab`, with `<arch>.vocab_size`): llama-bench runs on such a file; a server needs the tokenizer's
-    keys too."""
+    where llama.cpp has no architecture for it. The vocabulary and chat template come from `processor`
+    (its tokenizer: demo/gguf_vocab.py; `end_ids`, the generation config's end tokens, default the text
+    config's eos ids); without one none is written (`tokenizer.ggml.model = no_vocab`,
+    with `<arch>.vocab_size`): llama-bench runs on such a file; a server needs the tokenizer's keys too."""
     if config is None:
         return None, {}
     from gguf import Keys
@@ -72,8 +82,17 @@ def llama_metadata(adapter: Any, config: Any) -> tuple[str | None, dict[str, Any
                       "carries tensors only, which llama.cpp cannot load", stacklevel=3)
         return None, {}
     arch, keys = found
-    vocab = Keys.LLM.VOCAB_SIZE.format(arch=arch)
-    return arch, {vocab: int(adapter.text_config(config).vocab_size), **keys, Keys.Tokenizer.MODEL: "no_vocab"}
+    vocab_size = int(adapter.text_config(config).vocab_size)
+    if processor is None:
+        vocabulary = {Keys.Tokenizer.MODEL: "no_vocab"}
+    else:
+        from .gguf_vocab import vocabulary_keys
+
+        tokenizer = getattr(processor, "tokenizer", processor)
+        template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+        ends = end_ids if end_ids is not None else getattr(adapter.text_config(config), "eos_token_id", None)
+        vocabulary = vocabulary_keys(tokenizer, vocab_size, template, [ends] if isinstance(ends, int) else ends)
+    return arch, {Keys.LLM.VOCAB_SIZE.format(arch=arch): vocab_size, **keys, **vocabulary}
 
 
 def mmproj_llama_metadata(adapter: Any, config: Any, processor: Any) -> dict[str, Any]:
@@ -91,7 +110,7 @@ def mmproj_llama_metadata(adapter: Any, config: Any, processor: Any) -> dict[str
         warnings.warn(f"{_family(adapter)}: llama.cpp has no mmproj projector for this family; the mmproj file "
                       "carries no clip.* metadata", stacklevel=3)
         return {}
-    return {Keys.General.TYPE: GGUFType.MMPROJ, **keys}
+    return {Keys.General.TYPE: GGUFType.MMPROJ, **{key: value for key, value in keys.items() if value is not None}}
 
 
 def _family(adapter: Any) -> str:
@@ -99,7 +118,7 @@ def _family(adapter: Any) -> str:
 
 
 def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, path: str | Path,
-                  qtype: str = "F16", processor: Any = None) -> dict[str, str]:
+                  qtype: str = "F16", processor: Any = None, progress: bool = False) -> dict[str, str]:
     """Write `state`'s vision tower as an mmproj GGUF under llama.cpp's names (`ModelAdapter.mmproj_source`,
     a 3-D convolution split into its 2-D slices as llama.cpp's converter does), with llama.cpp's `clip.*`
     keys from the config and `processor` (`mmproj_llama_metadata`). Matrices whose rows divide into
@@ -110,19 +129,20 @@ def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, pat
             if source is not None:
                 values = tensor.float()
                 yield from zip(source.names, values.unbind(source.stack_dim) if source.stack_dim is not None else (values,))
-    written = _write(parts(), path, qtype, "clip", mmproj_llama_metadata(adapter, config, processor))
+    written = _write(parts(), path, qtype, "clip", mmproj_llama_metadata(adapter, config, processor), progress)
     if not written:
         warnings.warn(f"{_family(adapter)}: no vision tensor has an mmproj name (ModelAdapter.mmproj_source); "
                       f"{path} holds no tensors", stacklevel=2)
     return written
 
 
-def _write(parts, path: str | Path, qtype: str, arch: str, metadata: dict[str, Any] | None = None) -> dict[str, str]:
+def _write(parts, path: str | Path, qtype: str, arch: str, metadata: dict[str, Any] | None = None,
+           progress: bool = False) -> dict[str, str]:
     """(GGUF name, float tensor) pairs to a GGUF file: 2-D and larger whose rows divide into `qtype`'s
     blocks in `qtype`, the rest in F32."""
     planned = [PlannedTensor(name, tuple(part.shape), tensor_type(tuple(part.shape), qtype), lambda part=part: part)
                for name, part in parts]
-    return write_planned(planned, path, arch, metadata=metadata)
+    return write_planned(planned, path, arch, progress=progress, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -174,7 +194,7 @@ def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, pro
     from gguf import GGMLQuantizationType
     from tqdm import tqdm
 
-    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer = _writer_class()(str(path), arch=arch)
     for key, value in (metadata or {}).items():
         _add_value(writer, key, value)
     for t in planned:
@@ -198,10 +218,32 @@ def write_planned(planned: list[PlannedTensor], path: str | Path, arch: str, pro
     return {t.name: t.kind for t in planned}
 
 
+def _writer_class():
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        """The gguf package's writer, with empty arrays: the format has them and llama.cpp's BPE loader
+        needs `tokenizer.ggml.merges` present, which a byte vocabulary (no merges) leaves empty; the
+        package refuses to write one."""
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+    return Writer
+
+
 def _add_value(writer: Any, key: str, value: Any) -> None:
     """One metadata key in llama.cpp's types: bools as bool, ints as uint32, floats as float32, strings,
-    and lists as arrays of bools, int32 or float32 (by their elements)."""
-    if isinstance(value, bool):
+    lists as arrays of bools, int32, float32 or strings (by their elements), an empty list as an empty
+    array of strings (the merges of a vocabulary without any)."""
+    from gguf import GGUFValueType
+
+    if isinstance(value, list) and not value:
+        writer.add_key_value(key, [], GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
@@ -214,4 +256,4 @@ def _add_value(writer: Any, key: str, value: Any) -> None:
             isinstance(v, int) and not isinstance(v, bool) for v in value) else float
         writer.add_array(key, [kind(v) for v in value])
     else:
-        raise ValueError(f"GGUF metadata {key}: {value!r} is not a bool, int, float, string or non-empty list of them")
+        raise ValueError(f"GGUF metadata {key}: {value!r} is not a bool, int, float, string or list of them")

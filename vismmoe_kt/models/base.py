@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import LoadError
+
 _LAYER_INDEX = re.compile(r"(?:layers|blk)\.(\d+)\.")  # Hugging Face's and GGUF's (KTransformers') names
 
 
@@ -118,6 +120,26 @@ class ModelAdapter:
         tower's sizes, the processor's pixel normalisation) for the model's config; None for a family
         llama.cpp has no projector for (the writer says so)."""
         return None
+
+    #: llama.cpp's architecture name (a GGUF's `general.architecture`), what `gguf_metadata` writes
+    llama_cpp_arch: str | None = None
+
+    def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
+        """The model's config rebuilt from a GGUF pair's metadata (core/gguf_model.py's GgufMetadata of the
+        text file and the mmproj file: the inverse of `gguf_metadata` and `mmproj_metadata`, with what only
+        tensor shapes and the tokenizer's special tokens say); a LoadError for a family not yet rebuilt."""
+        raise LoadError(self._not_rebuilt(text, "its config"))
+
+    def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
+        """The family's processor from the mmproj's `clip.*` keys (the image processor's parameters), the
+        tokenizer and the chat template; a LoadError for a family not yet rebuilt."""
+        raise LoadError(self._not_rebuilt(mmproj, "its processor"))
+
+    def _not_rebuilt(self, meta: Any, what: str) -> str:
+        family = "/".join(self.model_types)
+        return (f"{getattr(meta, 'path', 'the GGUF')}: family {family} (llama.cpp's {self.llama_cpp_arch}): "
+                f"rebuilding {what} from GGUF metadata alone is not supported yet; pass --model_path DIR with "
+                f"its config, tokenizer and processor (the weights still come from --gguf_path)")
 
     def experts_key(self, layer: int) -> str | None:
         """The module name of decoder layer `layer`'s routed experts (whose `expert_tensors` a checkpoint

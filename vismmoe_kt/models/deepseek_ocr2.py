@@ -74,6 +74,7 @@ class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
 
 class DeepseekOcr2Adapter(OneDimensionalRope, DeepseekMoeConfig, TransformersLayout):
     model_types = ("deepseek_ocr2",)
+    llama_cpp_arch = "deepseek2-ocr"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import DeepseekOcr2ForConditionalGeneration

@@ -83,6 +83,7 @@ class ErnieImageTextProcessor(Ernie4_5_VLMoeProcessor):
 
 class Ernie45VLMoeAdapter(MropeVision, TransformersLayout):
     model_types = ("ernie4_5_vl_moe",)
+    llama_cpp_arch = "ernie4_5-moe"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Ernie4_5_VLMoeForConditionalGeneration

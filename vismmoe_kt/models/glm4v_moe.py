@@ -25,7 +25,8 @@ from torch import nn
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from .base import ModelAdapter
+from . import glm4v_moe_gguf
+from .base import MmprojSource, ModelAdapter
 from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, deepseek_moe_keys, partial_rotary, rope_sections
 from .transformers_layout import (DeepseekMoeConfig, MropeVision, SigmoidRouting, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
@@ -72,6 +73,7 @@ class Glm4vImageTextProcessor(Glm4vProcessor):
 
 class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("glm4v_moe",)
+    llama_cpp_arch = "glm4moe"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Glm4vMoeForConditionalGeneration
@@ -83,6 +85,18 @@ class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, Transforme
 
         tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, Glm4vImageProcessorPil)
         return Glm4vImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
+
+    def gguf_names(self, name: str) -> tuple[str, ...] | None:
+        return glm4v_moe_gguf.gguf_names(name)
+
+    def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
+        return glm4v_moe_gguf.mmproj_source(name, config.vision_config.depth)
+
+    def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
+        return glm4v_moe_gguf.config_from_gguf(text, mmproj, tokenizer)
+
+    def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
+        return glm4v_moe_gguf.processor_from_gguf(mmproj, tokenizer, chat_template, Glm4vImageTextProcessor)
 
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
         """llama.cpp's `glm4moe` (its converter's Glm4MoeModel, which takes Glm4vMoeForConditionalGeneration;
@@ -98,7 +112,7 @@ class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, Transforme
 
     def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
         """llama.cpp's `glm4v` projector (its converter's Glm4VVisionModel): the tower's activation as
-        use_silu / use_gelu, its RMS epsilon."""
+        use_silu / use_gelu, its RMS epsilon, the merge size and the processor's pixel bounds."""
         from gguf import Keys
 
         vision, clip = config.vision_config, Keys.ClipVision
@@ -106,8 +120,11 @@ class Glm4vMoeAdapter(MropeVision, DeepseekMoeConfig, SigmoidRouting, Transforme
                      feed_forward_length=vision.intermediate_size, block_count=vision.depth, head_count=vision.num_heads)
         act = str(vision.hidden_act).lower()
         activation = {"gelu": {clip.USE_GELU: True}, "silu": {clip.USE_SILU: True}}.get(act, {})
+        pixels = getattr(getattr(processor, "image_processor", processor), "size", None) or {}
         return clip_keys("glm4v", sizes, processor, config.text_config.hidden_size) | activation | {
-            clip.Attention.LAYERNORM_EPS: float(getattr(vision, "rms_norm_eps", 1e-5))}
+            clip.Attention.LAYERNORM_EPS: float(getattr(vision, "rms_norm_eps", 1e-5)),
+            clip.SPATIAL_MERGE_SIZE: vision.spatial_merge_size,
+            clip.IMAGE_MIN_PIXELS: pixels.get("shortest_edge"), clip.IMAGE_MAX_PIXELS: pixels.get("longest_edge")}
 
     # --- vision and positions ----------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:

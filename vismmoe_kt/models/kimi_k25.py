@@ -142,6 +142,7 @@ class KimiK25ImageTextProcessor(Kimi_K25Processor):
 
 class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("kimi_k25",)
+    llama_cpp_arch = "deepseek2"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Kimi_K25ForConditionalGeneration

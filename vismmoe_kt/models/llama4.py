@@ -43,6 +43,7 @@ from torch import nn
 from transformers.models.llama4.modeling_llama4 import Llama4TextAttention, Llama4TextExperts, Llama4TextMLP
 
 from ..errors import InputError, LoadError
+from . import llama4_gguf
 from .base import MoEShape
 from .glm4v_moe import hand_text_model_image_mask
 from .llama4_images import Llama4ImageProcessorPil, Llama4ImageTextProcessor
@@ -227,6 +228,7 @@ class Llama4PackedRopeAttention(Llama4TextAttention):
 # --- the adapter -----------------------------------------------------------------------------------------------
 class Llama4Adapter(OneDimensionalRope, TransformersLayout):
     model_types = ("llama4",)
+    llama_cpp_arch = "llama4"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Llama4ForConditionalGeneration
@@ -279,10 +281,23 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
         return MoEShape(int(text.num_local_experts), int(text.num_experts_per_tok), int(text.hidden_size),
                         int(text.intermediate_size), tuple(self.moe_layers_from_config(config)))
 
+    def gguf_names(self, name: str) -> tuple[str, ...] | None:
+        return llama4_gguf.gguf_names(name)
+
+    def mmproj_source(self, name: str, config: Any) -> Any:
+        return llama4_gguf.mmproj_source(name, config.vision_config.num_hidden_layers)
+
+    def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
+        return llama4_gguf.config_from_gguf(text, mmproj, tokenizer)
+
+    def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
+        return llama4_gguf.processor_from_gguf(mmproj, tokenizer, chat_template)
+
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
         """llama.cpp's `llama4` (its converter's Llama4Model; what its loader requires: the RMS epsilon,
         the experts' width, the MoE interval): the dense MLPs' width as feed_forward_length, rotary over
-        whole heads, the chunk of the chunked layers as the sliding window (0: every layer full)."""
+        whole heads, the chunk of the chunked layers as the sliding window (0: every layer full), the
+        attention temperature tuning's floor and scale (where the config tunes it)."""
         from gguf import Keys
 
         text, arch, llm = config.text_config, "llama4", Keys.LLM
@@ -291,11 +306,13 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
             llm.FEED_FORWARD_LENGTH: text.intermediate_size_mlp, llm.EXPERT_FEED_FORWARD_LENGTH: text.intermediate_size,
             llm.EXPERT_COUNT: text.num_local_experts, llm.EXPERT_USED_COUNT: text.num_experts_per_tok,
             llm.INTERLEAVE_MOE_LAYER_STEP: text.interleave_moe_layer_step, Keys.Rope.DIMENSION_COUNT: text.head_dim,
-            Keys.Attention.SLIDING_WINDOW: int(text.attention_chunk_size or 0) if chunked else 0})
+            Keys.Attention.SLIDING_WINDOW: int(text.attention_chunk_size or 0) if chunked else 0,
+            Keys.Attention.TEMPERATURE_LENGTH: int(text.floor_scale) if text.attn_temperature_tuning else None,
+            Keys.Attention.TEMPERATURE_SCALE: float(text.attn_scale) if text.attn_temperature_tuning else None})
 
     def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
         """llama.cpp's `llama4` projector (its converter's Llama4VisionModel): GELU, the tower's norm
-        epsilon, the pixel shuffle as the projector's scale factor."""
+        epsilon, the pixel shuffle as the projector's scale factor, the processor's tile count."""
         from gguf import Keys
 
         vision, clip = config.vision_config, Keys.ClipVision
@@ -304,7 +321,8 @@ class Llama4Adapter(OneDimensionalRope, TransformersLayout):
                      head_count=vision.num_attention_heads)
         return clip_keys("llama4", sizes, processor, config.text_config.hidden_size) | {
             clip.USE_GELU: True, clip.Attention.LAYERNORM_EPS: float(vision.norm_eps),
-            clip.Projector.SCALE_FACTOR: int(round(1.0 / vision.pixel_shuffle_ratio))}
+            clip.Projector.SCALE_FACTOR: int(round(1.0 / vision.pixel_shuffle_ratio)),
+            clip.PREPROC_MAX_TILES: getattr(getattr(processor, "image_processor", processor), "max_patches", None)}
 
     def context_length(self, config: Any) -> int:
         """At most `attention_chunk_size`: within one chunk Llama 4's chunked attention is plain causal attention,

@@ -12,6 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# control tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's list): the
+# writer names other end tokens as the eot/eom ids, the GGUF-alone loader stops at these and those
+ALWAYS_ENDING = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+                 "</s>", "<|end_of_text|>", "<|return|>", "<|call|>")
+
 
 def arch_keys(arch: str, values: dict[str, Any]) -> dict[str, Any]:
     """`gguf.Keys` templates ("{arch}.context_length") -> values, as full key names for `arch`; a None
@@ -124,3 +129,9 @@ def deepseek_moe_keys(text: Any, arch: str, moe_layers: list[int], sigmoid: bool
         llm.EXPERT_WEIGHTS_NORM: bool(getattr(text, "norm_topk_prob", False)),
         llm.EXPERT_GROUP_COUNT: groups, llm.EXPERT_GROUP_USED_COUNT: getattr(text, "topk_group", None) if groups else None,
         llm.EXPERT_GATING_FUNC: int(ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX)})
+
+
+def stored_float(value: Any) -> float:
+    """A float GGUF keeps as float32, back as the decimal it was written from (1e-06, not 9.99999997e-07):
+    float32 holds about 7 significant digits, so a config's value comes back equal."""
+    return float(f"{float(value):.7g}")

@@ -20,8 +20,10 @@ from torch import nn
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from ..errors import LoadError
 from .base import DecodeAttentionParts, MmprojSource, MoEShape
-from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections
+from .llama_cpp_keys import (arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections,
+                             stored_float)
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 
@@ -99,6 +101,7 @@ def _read_chat_template(model_dir: Path, tokenizer: Any) -> str | None:
 
 class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
     model_types = ("qwen3_vl_moe",)
+    llama_cpp_arch = "qwen3vlmoe"
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Qwen3VLMoeForConditionalGeneration
@@ -146,10 +149,75 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         sizes = dict(image_size=image_size_from_positions(vision.num_position_embeddings, vision.patch_size),
                      patch_size=vision.patch_size, embedding_length=vision.hidden_size,
                      feed_forward_length=vision.intermediate_size, block_count=vision.depth, head_count=vision.num_heads)
+        pixels = getattr(getattr(processor, "image_processor", processor), "size", None) or {}
         return clip_keys("qwen3vl_merger", sizes, processor, config.text_config.hidden_size) | {
+            clip.IMAGE_MIN_PIXELS: pixels.get("shortest_edge"), clip.IMAGE_MAX_PIXELS: pixels.get("longest_edge"),
             clip.USE_GELU: True, clip.SPATIAL_MERGE_SIZE: vision.spatial_merge_size,
             clip.Attention.LAYERNORM_EPS: float(config.text_config.rms_norm_eps),
             clip.IS_DEEPSTACK_LAYERS: [i in deepstack for i in range(vision.depth)]}
+
+    def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
+        """The inverse of `gguf_metadata` and `mmproj_metadata`. What llama.cpp does not write comes from
+        the tensors (the vocabulary from the embedding, tied embeddings where there is no `output.weight`,
+        the learned positions' count, the patch embedding's time slices) and the tokenizer (the special
+        tokens' ids); Qwen3-VL's fixed choices (interleaved M-RoPE, every layer MoE) are its own."""
+        from transformers import Qwen3VLMoeConfig
+
+        arch, family = self.llama_cpp_arch, "qwen3_vl_moe (llama.cpp's qwen3vlmoe)"
+        need = lambda meta, key: meta.need(key.format(arch=arch), family)  # noqa: E731
+        vocab = text.get(f"{arch}.vocab_size") or text.shape("token_embd.weight", family)[0]
+        head_dim = need(text, "{arch}.attention.key_length")
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+        missing = [name for name, index in ids.items() if index is None or index == tokenizer.unk_token_id]
+        if missing:
+            raise LoadError(f"{text.path}: {family}: the vocabulary lacks the vision tokens of {', '.join(missing)}")
+        sections = [int(v) for v in need(text, "{arch}.rope.dimension_sections")][:3]
+        tie = "output.weight" not in text.shapes
+        eos, pad = text.get("tokenizer.ggml.eos_token_id"), text.get("tokenizer.ggml.padding_token_id")
+        text_config = dict(
+            vocab_size=int(vocab), hidden_size=need(text, "{arch}.embedding_length"),
+            intermediate_size=need(text, "{arch}.feed_forward_length"), num_hidden_layers=need(text, "{arch}.block_count"),
+            num_attention_heads=need(text, "{arch}.attention.head_count"),
+            num_key_value_heads=need(text, "{arch}.attention.head_count_kv"), head_dim=head_dim,
+            moe_intermediate_size=need(text, "{arch}.expert_feed_forward_length"),
+            num_experts=need(text, "{arch}.expert_count"), num_experts_per_tok=need(text, "{arch}.expert_used_count"),
+            max_position_embeddings=need(text, "{arch}.context_length"),
+            rms_norm_eps=stored_float(need(text, "{arch}.attention.layer_norm_rms_epsilon")), tie_word_embeddings=tie,
+            rope_parameters={"rope_type": "default", "rope_theta": stored_float(need(text, "{arch}.rope.freq_base")),
+                             "mrope_section": sections, "mrope_interleaved": True},
+            eos_token_id=None if eos is None else int(eos), pad_token_id=None if pad is None else int(pad))
+        clip = "clip.vision."
+        patch = int(need(mmproj, clip + "patch_size"))
+        positions = mmproj.shapes.get("v.position_embd.weight")
+        image_size = int(need(mmproj, clip + "image_size"))
+        flags = list(need(mmproj, clip + "is_deepstack_layers"))
+        vision = dict(
+            depth=need(mmproj, clip + "block_count"), hidden_size=need(mmproj, clip + "embedding_length"),
+            intermediate_size=need(mmproj, clip + "feed_forward_length"),
+            num_heads=need(mmproj, clip + "attention.head_count"), out_hidden_size=need(mmproj, clip + "projection_dim"),
+            patch_size=patch, spatial_merge_size=need(mmproj, clip + "spatial_merge_size"),
+            temporal_patch_size=2 if "v.patch_embd.weight.1" in mmproj.shapes else 1,
+            num_position_embeddings=positions[0] if positions else (image_size // patch) ** 2,
+            deepstack_visual_indexes=[i for i, flag in enumerate(flags) if flag])
+        return Qwen3VLMoeConfig(text_config=text_config, vision_config=vision, tie_word_embeddings=tie, **ids)
+
+    def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
+        """Qwen2-VL's PIL image processor from the `clip.*` keys: patch and merge sizes, the pixel
+        normalisation, the pixel bounds (Qwen3-VL's own, 65536 to 16777216, where the file has none)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        clip = "clip.vision."
+        image_processor = Qwen2VLImageProcessorPil(
+            patch_size=int(mmproj.need(clip + "patch_size", family)),
+            merge_size=int(mmproj.need(clip + "spatial_merge_size", family)),
+            temporal_patch_size=2 if "v.patch_embd.weight.1" in mmproj.shapes else 1,
+            image_mean=[stored_float(v) for v in mmproj.need(clip + "image_mean", family)],
+            image_std=[stored_float(v) for v in mmproj.need(clip + "image_std", family)],
+            size={"shortest_edge": int(mmproj.get(clip + "image_min_pixels", 65536)),
+                  "longest_edge": int(mmproj.get(clip + "image_max_pixels", 16777216))})
+        return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=chat_template)
 
     def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
         """llama.cpp's names for the vision tower (its converter's Qwen3VLVisionModel): the blocks,

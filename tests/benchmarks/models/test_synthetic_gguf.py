@@ -68,3 +68,17 @@ def test_a_type_the_writer_cannot_write_is_refused_before_anything_is_written(tm
     with pytest.raises(ValueError, match="Q6_K"):
         write_synthetic_checkpoint(tmp_path / "x", config, processor, qtype="Q6_K", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_two_gguf_files_alone_are_the_same_model(written):
+    """The vocabulary, chat template and mmproj the writer adds: with no HF directory, the logits are the
+    directory load's (the same GGUF text weights; the tower F16 in the mmproj, float32 beside)."""
+    from vismmoe_kt.core.gguf_model import model_dir_from_gguf
+
+    out, info, config, processor, inputs = written
+    rebuilt = model_dir_from_gguf(info["gguf_file"], info["mmproj_file"])
+    model, alone = load(rebuilt, RULES, gguf_path=info["gguf_file"], mmproj_path=info["mmproj_file"], **CPU)
+    beside, _ = load(out, RULES, gguf_path=out, **CPU)
+    assert alone.tokenizer("what is here?")["input_ids"] == processor.tokenizer("what is here?")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, beside(**inputs).logits)  # text only: the tower unused
