@@ -55,7 +55,7 @@ def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, A
     return {"config": config.name, "description": config.description, "budget": budget, "image_size": size,
             "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
             "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
-            "peak_gpu_load_bytes": None, "host_rss_bytes": None, "decode_graphs": None, "pinned_layers": None, "slabs": None, "placement": None, "cpu_backend": None, "decode_profile": None,
+            "peak_gpu_load_bytes": None, "host_rss_bytes": None, "decode_graphs": None, "pinned_layers": None, "slabs": None, "eviction": None, "placement": None, "cpu_backend": None, "decode_profile": None,
             "concurrency": None,
             **dict.fromkeys(FIGURE_KEYS)}
 
