@@ -88,7 +88,7 @@ def test_overrides_replace_rule_kwargs(tiny_dir):
     model, _ = load(tiny_dir, offload, progress=False, pinned_layers=2, **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
     assert len(runtime.pinned) == 2  # the override replaced the rule's "auto"
-    with pytest.raises(RuleError, match=r"override 'pinned_layer' is not a kwarg of any rule; known kwargs: batch_experts, batch_table_pairs, compression, expert_budget, pinned_layers"):
+    with pytest.raises(RuleError, match=r"override 'pinned_layer' is not a kwarg of any rule; known kwargs: batch_experts, batch_table_pairs, compression, eviction, expert_budget, pinned_layers"):
         load(tiny_dir, offload, progress=False, pinned_layer=2, **CPU)
 
 

@@ -172,7 +172,7 @@ def test_decode_bench_bad_model_flags_are_clear_errors(args, message, tmp_path, 
 
 @pytest.mark.parametrize("spec, message", [
     ("offload:expert_budgt=30%", "--configs offload:expert_budgt=30%: override 'expert_budgt' is not a kwarg of any "
-                                 "rule; known kwargs: batch_experts, batch_table_pairs, compression, expert_budget"),
+                                 "rule; known kwargs: batch_experts, batch_table_pairs, compression, eviction, expert_budget"),
     ("lru:pinned_layers=2", "override 'pinned_layers' is not a kwarg of any rule"),  # lru pins nothing
     ("lean:30%", "unknown configuration 'lean': hf, a placement (vismmoe, gpu, offload"),
     ("offload:graphs=sometimes", "graphs 'sometimes' is not one of: auto, cuda, replay, off"),
