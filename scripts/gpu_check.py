@@ -178,6 +178,11 @@ def check_fused_step_kernels() -> dict:
         return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
     heads, kv, d = 32, 4, 128
+
+    def step_inputs(rows):  # a decode step's stacked projection output and its rotary, random, BF16
+        qkv = torch.randn(rows, (heads + 2 * kv) * d, device="cuda").to(bf16)
+        angles = torch.rand(rows, d // 2, device="cuda") * 6
+        return qkv, torch.cat([angles.cos()] * 2, -1).to(bf16), torch.cat([angles.sin()] * 2, -1).to(bf16)
     p = SimpleNamespace(heads=heads, kv_heads=kv, head_dim=d, layer_index=0,
                         query_norm=((torch.rand(d, device="cuda") + 0.5).to(bf16), 1e-6),
                         key_norm=((torch.rand(d, device="cuda") + 0.5).to(bf16), 1e-6))
@@ -188,9 +193,7 @@ def check_fused_step_kernels() -> dict:
                                          torch.randn(1, kv, 3 + slot, d, device="cuda").to(bf16), 0)
         cache.begin_decode(slots)
         rows = len(slots)
-        qkv = torch.randn(rows, (heads + 2 * kv) * d, device="cuda").to(bf16)
-        angles = torch.rand(rows, d // 2, device="cuda") * 6
-        cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf16), torch.cat([angles.sin()] * 2, -1).to(bf16)
+        qkv, cos, sin = step_inputs(rows)
         query, key, value = heads_torch(qkv, cos, sin, p)
         got = heads_triton(qkv, cos, sin, p, cache)
         at = torch.tensor([3 + s for s in slots], device="cuda")
@@ -213,9 +216,7 @@ def check_fused_step_kernels() -> dict:
             for _ in range(2):
                 cache.begin_decode(slots)
                 rows = len(slots)
-                qkv = torch.randn(rows, (heads + 2 * kv) * d, device="cuda").to(bf16)
-                angles = torch.rand(rows, d // 2, device="cuda") * 6
-                cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf16), torch.cat([angles.sin()] * 2, -1).to(bf16)
+                qkv, cos, sin = step_inputs(rows)
                 query, key, value = heads_torch(qkv, cos, sin, p)
                 twin = SlotKVCache(1, 4, kv, d, 1024, bf16, "cuda")
                 twin.keys[0].copy_(cache.keys[0]), twin.values[0].copy_(cache.values[0]), twin.lengths.copy_(cache.lengths)

@@ -11,11 +11,11 @@ time (`v.patch_embd.weight`, `.weight.1`), as for Qwen3-VL.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from ..errors import LoadError
 from .base import MmprojSource
+from .gguf_tensor_names import name_map, text_tensor_names
 from .llama_cpp_keys import stored_float
 
 _TEXT = "model.language_model."
@@ -27,26 +27,10 @@ ARCH, FAMILY = "glm4moe", "glm4v_moe (llama.cpp's glm4moe)"
 CLIP = "clip.vision."
 
 
-@functools.lru_cache(maxsize=8)
-def _name_map(kind: str, depth: int):
-    import gguf
-
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE if kind == "text" else gguf.MODEL_ARCH.MMPROJ, depth)
-
-
 def gguf_names(name: str, layers: int = 256) -> tuple[str, ...] | None:
     """llama.cpp's names of a text tensor (None for the vision tower, which goes to the mmproj file)."""
-    if name == "lm_head.weight":
-        return ("output.weight",)
-    if not name.startswith(_TEXT):
-        return None
-    rest = name[len(_TEXT):]
-    parts = rest.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in _EXPERTS:
-        return tuple(f"blk.{parts[1]}.{suffix}" for suffix in _EXPERTS[parts[2]])
-    stem, _, suffix = rest.rpartition(".")
-    mapped = _name_map("text", layers).get_name("model." + stem)
-    return (f"{mapped}.{suffix}",) if mapped else None
+    return text_tensor_names(name, prefix=_TEXT, experts=_EXPERTS, layers=layers,
+                             lm_head="lm_head.weight", arch="GLM4_MOE")
 
 
 def mmproj_source(name: str, depth: int) -> MmprojSource | None:
@@ -56,7 +40,7 @@ def mmproj_source(name: str, depth: int) -> MmprojSource | None:
     if rest == "patch_embed.proj.weight":
         return MmprojSource(("v.patch_embd.weight", "v.patch_embd.weight.1"), stack_dim=2)
     stem, _, suffix = rest.rpartition(".")
-    mapped = _name_map("mmproj", depth).get_name("visual." + stem)
+    mapped = name_map("MMPROJ", depth).get_name("visual." + stem)
     return MmprojSource((f"{mapped}.{suffix}",)) if mapped else None
 
 

@@ -14,11 +14,11 @@ experts, as llama.cpp decides). The projector's widths come from its tensors' sh
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from ..errors import LoadError
 from .base import MmprojSource
+from .gguf_tensor_names import name_map, text_tensor_names
 from .llama_cpp_keys import stored_float
 
 _TEXT = "language_model.model."
@@ -30,25 +30,10 @@ CLIP = "clip.vision."
 NO_ROPE_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for Llama 4
 
 
-@functools.lru_cache(maxsize=8)
-def _name_map(kind: str, depth: int):
-    import gguf
-
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4 if kind == "text" else gguf.MODEL_ARCH.MMPROJ, depth)
-
-
 def gguf_names(name: str, layers: int = 256) -> tuple[str, ...] | None:
-    if name == "language_model.lm_head.weight":
-        return ("output.weight",)
-    if not name.startswith(_TEXT):
-        return None
-    rest = name[len(_TEXT):]
-    parts = rest.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in _EXPERTS:
-        return tuple(f"blk.{parts[1]}.{suffix}" for suffix in _EXPERTS[parts[2]])
-    stem, _, suffix = rest.rpartition(".")
-    mapped = _name_map("text", layers).get_name("model." + stem)
-    return (f"{mapped}.{suffix}",) if mapped else None
+    """llama.cpp's names of a text tensor (None for the vision tower, which goes to the mmproj file)."""
+    return text_tensor_names(name, prefix=_TEXT, experts=_EXPERTS, layers=layers,
+                             lm_head="language_model.lm_head.weight", arch="LLAMA4")
 
 
 def mmproj_source(name: str, depth: int) -> MmprojSource | None:
@@ -57,10 +42,10 @@ def mmproj_source(name: str, depth: int) -> MmprojSource | None:
     if name == "vision_model.vision_adapter.mlp.fc2.weight":
         return MmprojSource(("mm.model.mlp.2.weight",))
     if "." not in name.removeprefix("vision_model."):  # class_embedding, positional_embedding_vlm: no suffix
-        mapped = _name_map("mmproj", depth).get_name(name)
+        mapped = name_map("MMPROJ", depth).get_name(name)
         return MmprojSource((mapped,)) if mapped else None
     stem, _, suffix = name.rpartition(".")
-    mapped = _name_map("mmproj", depth).get_name(stem)
+    mapped = name_map("MMPROJ", depth).get_name(stem)
     return MmprojSource((f"{mapped}.{suffix}",)) if mapped else None
 
 

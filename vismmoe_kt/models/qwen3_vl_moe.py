@@ -10,7 +10,6 @@ Checkpoints on the hub store the fused experts transposed ((E, H, 2I) and (E, I,
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
 from .base import DecodeAttentionParts, MmprojSource, MoEShape
+from .gguf_tensor_names import name_map
 from .llama_cpp_keys import (arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections,
                              stored_float)
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
@@ -42,14 +42,6 @@ _GGUF_LAYER = {
     "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
     "mlp.experts.down_proj": ("ffn_down_exps.weight",),
 }
-
-
-@functools.lru_cache(maxsize=4)
-def _mmproj_name_map(depth: int):
-    """The gguf package's HF -> GGUF name map for vision towers of `depth` blocks (slow to build: once)."""
-    import gguf
-
-    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, depth)
 
 
 def vision_attention_received(attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -247,7 +239,7 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         if rest == "patch_embed.proj.weight":
             patch = names[kinds.V_ENC_EMBD_PATCH]
             return MmprojSource((f"{patch}.weight", f"{patch}.weight.1"), stack_dim=2)
-        mapped = _mmproj_name_map(vision.depth).get_name("visual." + rest, try_suffixes=(".weight", ".bias"))
+        mapped = name_map("MMPROJ", vision.depth).get_name("visual." + rest, try_suffixes=(".weight", ".bias"))
         return MmprojSource((mapped,)) if mapped else None
 
     def load_processor(self, model_dir: Path) -> Qwen3VLImageTextProcessor:
