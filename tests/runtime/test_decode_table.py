@@ -196,6 +196,7 @@ def test_decode_misses_land_and_then_hit():
         runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
     runtime.after_step()
     runtime.before_step()
+    runtime.after_step()  # step 2 was quiet (hits only): the host accounts it once step 3 is launched
     counters = [runtime.counters["decode"][layer] for layer in LAYERS]
     assert [(c.hits, c.misses) for c in counters] == [(0 + 2, 2)] * 4  # step 1: 2 misses; step 2: 2 hits
     assert runtime.copy_counters["decode"].bytes_host_reads == 4 * 2 * runtime.store.block_bytes
@@ -278,3 +279,40 @@ def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
     assert sum(c.hits for c in runtime.counters["decode"].values()) > hits  # decode ran through the table
     assert after["decode_evictions"] == before["decode_evictions"]
     assert after["bytes_host_reads_decode"] == before["bytes_host_reads_decode"]
+
+
+@pytest.mark.parametrize("policy, slabs", [("lru", E), ("vismmoe", 2 * E)])  # vismmoe: a pinned first layer (no records)
+def test_a_quiet_steps_accounting_waits_for_the_next_step_and_changes_nothing(policy, slabs):
+    """A step whose pairs all hit and where nothing landed leaves the reservations as they were: the
+    next step runs on them (no reservation written between), and the host accounts the quiet step
+    after the next one is launched (its upkeep beside the device's work). Outputs, counters, the
+    cache's contents and recency equal a runtime that accounts every step before the next."""
+    def run(defer):
+        runtime, weights = make_runtime(3, slabs, policy)
+        if not defer:
+            runtime.table.quiet_records = lambda rows: None
+        reserves, reserve = [], runtime.table.reserve
+        runtime.table.reserve = lambda landing: (reserves.append(landing), reserve(landing))[1]
+        rng, gen, outputs = random.Random(3), torch.Generator().manual_seed(3), []
+        with torch.no_grad():
+            for step in range(16):
+                runtime.before_step()
+                check_table(runtime)
+                ids = torch.tensor([rng.sample(range(E), K)]) if step % 4 == 0 else torch.tensor([[1, 5]])
+                for layer in LAYERS:
+                    hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
+                    out = runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+                    torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+                    outputs.append(out)
+                runtime.after_step()
+            with runtime.lock:
+                runtime.boundary.leave()
+        counters = [(layer, c.calls, c.hits, c.misses, c.late) for layer, c in sorted(runtime.counters["decode"].items())]
+        cache = runtime.cache
+        return outputs, counters, dict(cache.where), list(cache.last_use), len(reserves)
+
+    deferred, each_step = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(deferred[0], each_step[0]))
+    assert deferred[1:4] == each_step[1:4]
+    assert sum(c[3] for c in deferred[1]) > 0 and sum(c[2] for c in deferred[1]) > 0  # steps missed and hit
+    assert deferred[4] < each_step[4]  # quiet steps ran on the reservations they found

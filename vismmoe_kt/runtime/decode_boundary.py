@@ -50,6 +50,7 @@ class DecodeBoundary:
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
+        self.deferred = None                       # a quiet step's records, accounted once the next step is launched
         self._names = itertools.count()
 
     @property
@@ -63,16 +64,26 @@ class DecodeBoundary:
             nested = self.armed
             if nested:  # a step ran without its `after` (the graph self-check nests a second
                 self.table.readback()  # step inside the first): read what it did before moving on
+            quiet = None
             if self.stale:
                 self._enter()
             else:
-                records = self.table.collect()
-                if records is not None:
-                    self._account(records)
+                # a quiet last step (every pair a hit, nothing landed) left the reservations as they were:
+                # this step runs on them, and that step is accounted in `after_step`, while this one computes
+                quiet = None if nested or self.miss is not None else self.table.quiet_records(self._offloaded_rows())
+                if quiet is None:
+                    self._account_deferred()
+                    records = self.table.collect()
+                    if records is not None:
+                        self._account(records)
+                else:
+                    self._account_deferred()  # at most one step waits: the order of the accounts is the steps'
+                    self.deferred = quiet
             self._publish_finished_copies()
             if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
                 rt.cache.ranking = self.eviction.for_step()
-            self._reserve()
+            if quiet is None:
+                self._reserve()
             offloaded = self._first_offloaded() if self.miss is not None else None
             # hybrid: the cost model's share of misses for the CPU. A nested step (the self-check of a
             # capture) keeps the quota its capture ran with: it must compute the same step
@@ -80,6 +91,10 @@ class DecodeBoundary:
                 self.table.set_cpu_quota(self.miss.decode_quota(rt.store, offloaded, rt.device))
             self.armed = True
             self.on_arm()
+
+    def _offloaded_rows(self) -> list[int]:
+        rt = self.res
+        return [row for row, layer in enumerate(rt.moe_layers) if layer not in rt.pinned]
 
     def _first_offloaded(self) -> int | None:
         rt = self.res
@@ -89,11 +104,19 @@ class DecodeBoundary:
         self.armed = False
         self.on_arm()
         self.table.readback()
+        with self.res.lock:  # the step is on its way on the device: the host's bookkeeping of the one before
+            self._account_deferred()
+
+    def _account_deferred(self) -> None:
+        if self.deferred is not None:
+            records, self.deferred = self.deferred, None
+            self._account(records.readback())
 
     # --- leaving and entering ----------------------------------------------------------------------
     def leave(self) -> None:
         """Something other than a table step is about to use the cache (prefill, an eager decode, a
         reset): give the landing reservations back; the table is rebuilt when decode resumes (lock held)."""
+        self._account_deferred()
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
             self._account(records)
@@ -112,6 +135,7 @@ class DecodeBoundary:
         self._interrupted()
         self.reserved.clear()
         self.table.discard()
+        self.deferred = None  # records of slabs that are gone
         self.stale = True
 
     def _interrupted(self) -> None:

@@ -65,6 +65,18 @@ class StepReadback:
     usage: "np.ndarray"            # (L, E): per row, per expert, the averaged router probability
 
 
+@dataclass
+class QuietRecords:
+    """A quiet step's records (DecodeTable.quiet_records), as taken: tensors until they are accounted."""
+    routed: torch.Tensor
+    read: torch.Tensor
+    owner: torch.Tensor
+    usage: "np.ndarray"
+
+    def readback(self) -> StepReadback:
+        return StepReadback(self.routed.tolist(), self.read.tolist(), self.owner.tolist(), self.usage)
+
+
 class DecodeTable:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device,
                  landing_slots: int | None = None):
@@ -243,6 +255,26 @@ class DecodeTable:
             routed, read = (t[:, :self._read_pairs].tolist() for t in self._batch_host)
         usage = self._host[3].numpy().copy()  # (L, E) array: the cache ranks with numpy (the buffer is reused)
         return StepReadback(routed, read, owner, usage)
+
+    def quiet_records(self, rows: list[int]) -> "QuietRecords | None":
+        """The last step's records, taken without converting them, if that step changed nothing the next
+        step's reservations depend on: every pair of the table's `rows` read from a slab (no host read,
+        no CPU pair) and nothing landed there. Else None, and they stay pending for `collect`. A quiet step claimed none of its
+        landing slots, so the next step can run on the same reservations while the host accounts this
+        one (DecodeBoundary defers it: the host's upkeep off the critical path)."""
+        if not self._pending:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        read = self._batch_host[1][:, :self._read_pairs] if self._read_pairs else self._host[1]
+        # numpy on the page-locked copies: host work, no torch op a sync watcher would take for a device read.
+        # Only the table's `rows` (the offloaded layers): a pinned layer reads its bank and records nothing
+        if (read.numpy()[rows] < 0).any() or (self._host[2].numpy()[rows, :self.landing_slots] >= 0).any():
+            return None
+        self._pending = False
+        routed = self._batch_host[0][:, :self._read_pairs] if self._read_pairs else self._host[0]
+        # copies: the page-locked buffers take the next step's records while these wait to be accounted
+        return QuietRecords(routed.clone(), read.clone(), self._host[2].clone(), self._host[3].numpy().copy())
 
     def discard(self) -> None:
         self._pending = False
