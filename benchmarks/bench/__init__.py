@@ -195,6 +195,10 @@ def build_parser():
                     "Configurations: " + ", ".join(CONFIGS) + ". benchmarks/bench/configs.py says what each is.")
     group = bench.add_argument_group("model")
     group.add_argument("--model_path", help="local Hugging Face model directory")
+    group.add_argument("--gguf_path", help="the weights from GGUF (a .gguf file, the first of a split, or a directory "
+                                           "of them); without --model_path, config, tokenizer and processor from its "
+                                           "metadata too (with --mmproj_path), as `vismmoe-kt chat`")
+    group.add_argument("--mmproj_path", help="with --gguf_path: the vision tower from llama.cpp's mmproj GGUF file")
     group.add_argument("--demo", action="store_true", help="the embedded demo model (tiny, trained on synthetic shapes; CPU-sized)")
     group.add_argument("--synthetic", choices=sorted(SYNTHETIC_MODELS), metavar="NAME",
                        help="a full-size model with random weights built in host memory (nothing downloaded): "

@@ -1,5 +1,6 @@
-"""Where the benchmarked model comes from: a model directory, the demo model, or a synthetic
-full-size model built in host memory (`--layers N` of its layers)."""
+"""Where the benchmarked model comes from: a model directory, the demo model, a model's GGUF files (with a
+model directory, or alone: `--gguf_path FILE --mmproj_path FILE`, the directory rebuilt from their metadata as
+`vismmoe-kt chat` does), or a synthetic full-size model built in host memory (`--layers N` of its layers)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class ModelSource:
     demo: bool = False
     dtype: str | None = None
     narrow: bool = False             # synthetic only: the family's layout at CPU-sized widths
+    gguf_path: Path | None = None    # the weights from GGUF (core/gguf_checkpoint.py)
+    mmproj_path: Path | None = None  # with gguf_path: the vision tower from llama.cpp's mmproj file
 
     def describe(self) -> str:
         if self.synthetic:
@@ -31,6 +34,8 @@ class ModelSource:
             from vismmoe_kt.demo.tiny import DEMO_SPEC
 
             return f"demo model {DEMO_SPEC}, trained on the synthetic shapes task (tiny)"
+        if self.gguf_path:
+            return f"{self.gguf_path}" + (f" + {self.mmproj_path}" if self.mmproj_path else "")
         return str(self.model_path)
 
     @property
@@ -59,7 +64,8 @@ class ModelSource:
 
         from vismmoe_kt.core.loader import load
 
-        return load(self.model_path, rules, dtype=self.dtype, progress=progress, **overrides)
+        files = {name: getattr(self, name) for name in ("gguf_path", "mmproj_path") if getattr(self, name)}
+        return load(self.model_path, rules, dtype=self.dtype, progress=progress, **files, **overrides)
 
     def expert_bytes(self) -> int | None:
         """The routed experts' bytes of a synthetic model (what a budget such as 30% is a share of); None
@@ -73,12 +79,17 @@ class ModelSource:
 
 
 def model_source(args) -> ModelSource:
-    """The one model the flags name (--model_path, --demo or --synthetic)."""
+    """The one model the flags name (--model_path, --demo, --synthetic, or --gguf_path with --mmproj_path)."""
+    gguf, mmproj = getattr(args, "gguf_path", None), getattr(args, "mmproj_path", None)
     chosen = [flag for flag, given in (("--model_path", args.model_path), ("--demo", args.demo),
                                        ("--synthetic", args.synthetic)) if given]
-    if len(chosen) != 1:
-        raise InputError("give exactly one of --model_path DIR, --demo or --synthetic NAME"
-                         + (f" (got {' and '.join(chosen)})" if chosen else ""))
+    if mmproj and not gguf:
+        raise InputError("--mmproj_path goes with --gguf_path (the model's GGUF file)")
+    if gguf and (args.demo or args.synthetic):
+        raise InputError(f"--gguf_path goes with --model_path DIR or alone, not with {' and '.join(chosen)}")
+    if len(chosen) != 1 and not (gguf and not chosen):
+        raise InputError("give exactly one of --model_path DIR, --demo, --synthetic NAME or --gguf_path FILE "
+                         "--mmproj_path FILE" + (f" (got {' and '.join(chosen)})" if chosen else ""))
     for flag, given in (("--layers", args.layers is not None), ("--narrow", args.narrow)):
         if given and not args.synthetic:
             raise InputError(f"{flag} applies to --synthetic models only")
@@ -96,7 +107,12 @@ def model_source(args) -> ModelSource:
         from vismmoe_kt.demo.tiny import demo_model_dir
 
         return ModelSource(model_path=demo_model_dir(), demo=True, dtype=args.dtype)
+    files = dict(gguf_path=Path(gguf) if gguf else None, mmproj_path=Path(mmproj) if mmproj else None)
+    if gguf and not args.model_path:  # a model from its GGUF files alone: the directory their metadata rebuilds
+        from vismmoe_kt.core.gguf_model import model_dir_from_gguf
+
+        return ModelSource(model_path=model_dir_from_gguf(gguf, mmproj), dtype=args.dtype, **files)
     path = Path(args.model_path)
     if not (path / "config.json").is_file():
         raise InputError(f"--model_path {path}: not a Hugging Face model directory (no config.json)")
-    return ModelSource(model_path=path, dtype=args.dtype)
+    return ModelSource(model_path=path, dtype=args.dtype, **files)

@@ -189,10 +189,6 @@ def test_convert_refuses_bad_input_clearly(tmp_path, capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'Q3_XS'" in capsys.readouterr().err
     assert main(["convert", "--out", str(tmp_path / "o")]) == 2
     assert "no model" in capsys.readouterr().err
-    ernie = save_tiny_model(tmp_path / "ernie", "tiny-ernie-4x16", seed=0)
-    assert main(["convert", "--model_path", str(ernie), "--out", str(tmp_path / "o")]) == 2
-    assert "family ernie4_5_vl_moe: its tensors have no llama.cpp names here yet" in capsys.readouterr().err
-    assert not any((tmp_path / "o").glob("*.gguf"))
 
 
 def test_what_a_pair_cannot_give_is_a_clear_error(qwen_pair, tmp_path):
@@ -203,13 +199,40 @@ def test_what_a_pair_cannot_give_is_a_clear_error(qwen_pair, tmp_path):
     bare, bare_mmproj = _write_pair(model, processor, tmp_path / "novocab", with_vocab=False)
     with pytest.raises(LoadError, match=re.escape("tokenizer.ggml.model = 'no_vocab'")):
         model_dir_from_gguf(bare, bare_mmproj)
-    kimi, kimi_processor = build_tiny_model("tiny-kimi-4x16", seed=0)
-    (tmp_path / "kimi").mkdir()
-    with pytest.warns(UserWarning, match="no tensor has a GGUF name"):  # Kimi's tensors are not mapped yet
-        pair = _write_pair(kimi, kimi_processor, tmp_path / "kimi")
-    with pytest.raises(LoadError, match=r"family kimi_k25 \(llama.cpp's deepseek2\): rebuilding its config"):
-        model_dir_from_gguf(*pair)
     assert read_metadata(text).get("tokenizer.ggml.merges") == []  # a byte vocabulary: the key, empty
+
+
+# what llama.cpp (or this project) lacks for each family whose pair cannot be its model
+GAPS = {"tiny-ernie-4x16": ("ernie4_5_vl_moe", "llama.cpp has no mmproj projector for ERNIE-4.5-VL"),
+        "tiny-dsocr2-4x16": ("deepseek_ocr2", "no mmproj projector for DeepSeek-OCR-2: its one DeepSeek-OCR "
+                                              "projector, deepseekocr"),
+        "tiny-kimi-4x16": ("kimi_k25", "llama.cpp has both (text architecture deepseek2, mmproj projector kimik25")}
+
+
+@pytest.mark.parametrize("name", sorted(GAPS))
+def test_a_family_llama_cpp_cannot_hold_is_named_by_convert_and_chat(name, tmp_path, capsys):
+    """ERNIE-4.5-VL (no projector in llama.cpp), DeepSeek-OCR-2 (no projector for its tower), Kimi K2.5 (llama.cpp
+    has both; its tensors are not mapped here): `convert` refuses before writing anything, and `chat` on a
+    pair written with the family's architecture says what is lacking, naming the llama.cpp checked, as an
+    error line, not a traceback."""
+    from vismmoe_kt.models.llama_cpp_keys import LLAMA_CPP_CHECKED
+
+    model_type, lacking = GAPS[name]
+    hf_dir = save_tiny_model(tmp_path / "hf", name, seed=0)
+    assert main(["convert", "--model_path", str(hf_dir), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"family {model_type}: llama.cpp has" in err and lacking in err and LLAMA_CPP_CHECKED in err
+    assert "--model_path DIR" in err
+    assert not (tmp_path / "o").exists()
+    model, processor = build_tiny_model(name, seed=0)
+    (tmp_path / "pair").mkdir()
+    with pytest.warns(UserWarning):  # the writer says what the files lack (no tensor names, or no projector)
+        text, mmproj = _write_pair(model, processor, tmp_path / "pair")
+    assert main(["chat", "--gguf_path", str(text), "--mmproj_path", str(mmproj), "--prompt", "hi",
+                 "--max_new_tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert f"stands for {model_type} here; llama.cpp has" in err and lacking in err and LLAMA_CPP_CHECKED in err
 
 
 def test_the_cli_names_a_missing_mmproj_and_an_unknown_architecture(qwen_pair, tmp_path, capsys):

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise InputError("no model: pass --model_path DIR (a local Hugging Face model directory) or --demo")
     config, adapter = read_model_config(model_dir)  # a missing or unsupported model fails before --out is made
+    if adapter.llama_cpp_gap:  # a family llama.cpp's files cannot hold (or not from here yet), before any work
+        raise InputError(f"{model_dir}: family {'/'.join(adapter.model_types)}: {adapter.llama_cpp_gap}")
     out = _writable_dir(args.out)
     model, processor = load(model_dir, generate_device="cpu", prefill_device="cpu", progress=True)
     state = model.state_dict()

@@ -16,7 +16,9 @@ These are written once as an ordinary directory in the cache (keyed by the files
 times; named as the model file, which serve calls the model), which the loader then reads as it reads
 `--model_path` (the weights from the GGUF files), so serve, eval and the placements see a model
 directory as ever. A file without what a piece needs is a
-LoadError that names the key or tensor missing and the family.
+LoadError that names the key or tensor missing and the family; a family whose pair cannot be its model
+(`ModelAdapter.llama_cpp_gap`: ERNIE-4.5-VL, DeepSeek-OCR-2, Kimi K2.5) one that says what llama.cpp, or
+this project, lacks for it.
 """
 
 from __future__ import annotations
@@ -170,6 +172,10 @@ def model_dir_from_gguf(gguf_path: str | Path, mmproj_path: str | Path | None) -
     pair = read_pair(gguf_path, mmproj_path)
     adapter = adapter_for_arch(pair)
     family = f"{'/'.join(adapter.model_types)} (llama.cpp's {adapter.llama_cpp_arch})"
+    if adapter.llama_cpp_gap:  # a family whose pair cannot be its model: say what llama.cpp or we lack
+        raise LoadError(f"--gguf_path {gguf_path} without --model_path: general.architecture = "
+                        f"{adapter.llama_cpp_arch!r} stands for {'/'.join(adapter.model_types)} here; "
+                        f"{adapter.llama_cpp_gap}")
     if pair.mmproj is None:
         raise LoadError(f"--gguf_path {gguf_path} without --model_path: {family} needs its vision tower's file "
                         f"too (--mmproj_path FILE, llama.cpp's mmproj GGUF), whose clip.* keys give the vision config")

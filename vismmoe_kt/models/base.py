@@ -123,6 +123,9 @@ class ModelAdapter:
 
     #: llama.cpp's architecture name (a GGUF's `general.architecture`), what `gguf_metadata` writes
     llama_cpp_arch: str | None = None
+    #: why a GGUF pair cannot hold this family (what llama.cpp has no architecture or projector for, or what
+    #: is not mapped here yet), said by `vismmoe-kt convert` and the GGUF-alone loader; None where it can
+    llama_cpp_gap: str | None = None
 
     def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
         """The model's config rebuilt from a GGUF pair's metadata (core/gguf_model.py's GgufMetadata of the

@@ -29,7 +29,7 @@ from transformers.models.deepseek_ocr2.processing_deepseek_ocr2 import (Deepseek
 from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
 from .glm4v_moe import hand_text_model_image_mask
-from .llama_cpp_keys import arch_keys, common_text_keys, deepseek_moe_keys
+from .llama_cpp_keys import LLAMA_CPP_CHECKED, arch_keys, common_text_keys, deepseek_moe_keys
 from .qwen3_vl_moe import _read_chat_template
 
 # the model's names -> the published checkpoint's (what `save_pretrained` writes too): the reverse of
@@ -75,6 +75,10 @@ class DeepseekOcr2ImageTextProcessor(DeepseekOcr2Processor):
 class DeepseekOcr2Adapter(OneDimensionalRope, DeepseekMoeConfig, TransformersLayout):
     model_types = ("deepseek_ocr2",)
     llama_cpp_arch = "deepseek2-ocr"
+    llama_cpp_gap = (f"llama.cpp has the text architecture deepseek2-ocr, but no mmproj projector for DeepSeek-OCR-2: "
+                     f"its one DeepSeek-OCR projector, deepseekocr, is the first DeepSeek-OCR's SAM + CLIP-L tower, "
+                     f"not OCR-2's SAM + Qwen2 encoder with learned queries (as of {LLAMA_CPP_CHECKED}); load "
+                     f"DeepSeek-OCR-2 with --model_path DIR")
 
     def model_class(self) -> type[nn.Module]:
         from transformers import DeepseekOcr2ForConditionalGeneration

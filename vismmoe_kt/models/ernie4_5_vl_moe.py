@@ -36,7 +36,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from .base import VISION_SET, MoEShape
 from .glm4v_moe import hand_text_model_image_mask
-from .llama_cpp_keys import arch_keys, common_text_keys, moe_layer_step
+from .llama_cpp_keys import LLAMA_CPP_CHECKED, arch_keys, common_text_keys, moe_layer_step
 from .qwen3_vl_moe import _read_chat_template, vision_attention_received
 from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_token_attention,
                                  pretrained_tokenizer_and_image_processor)
@@ -84,6 +84,9 @@ class ErnieImageTextProcessor(Ernie4_5_VLMoeProcessor):
 class Ernie45VLMoeAdapter(MropeVision, TransformersLayout):
     model_types = ("ernie4_5_vl_moe",)
     llama_cpp_arch = "ernie4_5-moe"
+    llama_cpp_gap = (f"llama.cpp has no mmproj projector for ERNIE-4.5-VL (no ERNIE entry among its clip projector "
+                     f"types), and its text architecture ernie4_5-moe is ERNIE-4.5's text-only MoE, without the "
+                     f"vision experts or M-RoPE (as of {LLAMA_CPP_CHECKED}); load ERNIE-4.5-VL with --model_path DIR")
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Ernie4_5_VLMoeForConditionalGeneration

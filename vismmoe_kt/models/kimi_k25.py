@@ -37,7 +37,8 @@ from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
 from transformers.processing_utils import ImagesKwargs, ProcessorMixin
 
 from .glm4v_moe import hand_text_model_image_mask
-from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, deepseek_moe_keys, rope_parameters
+from .llama_cpp_keys import (LLAMA_CPP_CHECKED, arch_keys, clip_keys, common_text_keys, deepseek_moe_keys,
+                             rope_parameters)
 from .qwen3_vl_moe import _read_chat_template
 from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, SigmoidRouting, TransformersLayout,
                                  pretrained_tokenizer_and_image_processor)
@@ -143,6 +144,10 @@ class KimiK25ImageTextProcessor(Kimi_K25Processor):
 class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("kimi_k25",)
     llama_cpp_arch = "deepseek2"
+    llama_cpp_gap = (f"llama.cpp has both (text architecture deepseek2, mmproj projector kimik25, as of "
+                     f"{LLAMA_CPP_CHECKED}), but this project does not map Kimi K2.5's tensors to llama.cpp's names "
+                     f"yet (MLA's attn_kv_a_mqa / attn_k_b / attn_v_b, MoonViT's fused attn_qkv) nor rebuild its "
+                     f"config from them; load Kimi K2.5 with --model_path DIR")
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Kimi_K25ForConditionalGeneration

@@ -12,6 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# the llama.cpp whose architectures and mmproj projector types the families' GGUF support was checked against
+# (gguf-py/gguf/constants.py MODEL_ARCH and VisionProjectorType, tools/mtmd/clip-impl.h PROJECTOR_TYPE_NAMES,
+# convert_hf_to_gguf.py); the gguf package this project writes with (0.19.0) has the same names
+LLAMA_CPP_CHECKED = "ggml-org/llama.cpp 0024aa7, read 2026-12-03; gguf 0.19.0"
+
 # control tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's list): the
 # writer names other end tokens as the eot/eom ids, the GGUF-alone loader stops at these and those
 ALWAYS_ENDING = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",

@@ -136,7 +136,7 @@ def test_bad_input_gives_a_clear_error(args, message, capsys):
 
 def test_bench_needs_exactly_one_model(capsys):
     assert main(["--decode-tokens", "2"]) == 2
-    assert "give exactly one of --model_path DIR, --demo or --synthetic NAME" in capsys.readouterr().err
+    assert "give exactly one of --model_path DIR, --demo, --synthetic NAME or --gguf_path FILE" in capsys.readouterr().err
 
 
 def test_accelerate_baseline_caps_the_gpu_by_whole_blocks(reference):
@@ -167,3 +167,30 @@ def test_a_budget_below_the_minimum_is_a_skipped_row_with_the_runtimes_reason(ca
     assert rc == 0
     assert re.search(r"\| lru \| 4MiB \| 64 \(\d+, \d+\) \|", out)  # one layer of slabs fits: it runs
     assert "| vismmoe-base | 4MiB | 64 (-) |" in out and "skipped: expert budget 4.0 MiB is too small" in out
+
+
+@pytest.mark.slow
+def test_the_demos_gguf_pair_alone_is_benchmarked_as_the_demo(tmp_path, monkeypatch, capsys):
+    """`vismmoe-kt convert --demo`, then `bench --gguf_path FILE --mmproj_path FILE` with no --model_path: the
+    model rebuilt from the two files' metadata runs the configuration, on the demo's prompt."""
+    from vismmoe_kt.apps.cli import main as cli
+
+    monkeypatch.setenv("VISMMOE_KT_CACHE", str(tmp_path / "cache"))
+    assert cli(["convert", "--demo", "--out", str(tmp_path / "files")]) == 0
+    text, mmproj = tmp_path / "files" / "demo-4x32-BF16.gguf", tmp_path / "files" / "mmproj-demo-4x32-F16.gguf"
+    run = ["--configs", "lru", "--budgets", "5MiB", "--image-sizes", "64", "--decode-tokens", "2", "--warmup", "0",
+           "--repeats", "1", "--cpu_infer", "2"]
+    rows = {}
+    for name, source in (("demo", ["--demo"]), ("pair", ["--gguf_path", str(text), "--mmproj_path", str(mmproj)])):
+        assert main([*source, *run, "--output", str(tmp_path / name)]) == 0
+        result = json.loads((tmp_path / name / "bench.json").read_text())
+        rows[name] = result["rows"][0]
+    assert result["meta"]["model"] == f"{text} + {mmproj}"
+    assert rows["pair"]["status"] == "ok" and rows["pair"]["decode_tok_s"]["median"] > 0
+    assert (rows["pair"]["prompt_tokens"], rows["pair"]["visual_tokens"]) == (rows["demo"]["prompt_tokens"],
+                                                                              rows["demo"]["visual_tokens"])
+    capsys.readouterr()
+    assert main(["--mmproj_path", str(mmproj), *run]) == 2
+    assert "--mmproj_path goes with --gguf_path" in capsys.readouterr().err
+    assert main(["--demo", "--gguf_path", str(text), *run]) == 2
+    assert "--gguf_path goes with --model_path DIR or alone, not with --demo" in capsys.readouterr().err
