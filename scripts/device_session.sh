@@ -93,7 +93,9 @@
 #                                                   step that no longer fits the call is left to the next call. To $OUT:
 #                                                   training.json, routing_train.txt, affinity_study.json/.md/.txt,
 #                                                   affinity_traces.tar.gz (the traces unpruned and at keep 0.5)
-#                                                   (ROUTING_STEPS 1500, ROUTING_BATCH 64, ROUTING_WORKERS 14 override)
+#                                                   (ROUTING_STEPS 1500, ROUTING_BATCH 64, ROUTING_WORKERS 14 override;
+#                                                   a smoke run of the whole path in about a minute: ROUTING_SPEC=routing-tiny
+#                                                   ROUTING_STEPS=20 ROUTING_DIR=/tmp/routing-smoke)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
@@ -317,7 +319,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              dir=${ROUTING_DIR:-/tmp/routing} t0=$SECONDS
              export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing is downloaded: the model is built in code
              if [[ ! -f $dir/training.json ]]; then
-               args=(--device cuda --out "$dir" --spec routing-12x64 --steps "${ROUTING_STEPS:-1500}"
+               args=(--device cuda --out "$dir" --spec "${ROUTING_SPEC:-routing-12x64}" --steps "${ROUTING_STEPS:-1500}"
                      --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" --checkpoint_every 500
                      --no_progress --stop_after "${ROUTING_TRAIN_SECONDS:-330}" --eval_per_type 64 --pruned_eval
                      --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2)
