@@ -1,13 +1,18 @@
 """Visual-expert affinity on a trained model: does Algorithm 1 shrink the working set beyond what the
 token count alone does?
 
-    python -m benchmarks.affinity_study --out DIR [--model DIR --rules FILE] [--prompts 8] [--train-prompts 8]
-        [--keeps 0.3,0.5,0.7] [--depths 1,2,3,4] [--methods affinity,saliency,random] [--decode-tokens 4]
+    python -m benchmarks.affinity_study --out DIR [--model DIR --rules FILE] [--task demo|scenes] [--device cpu|cuda]
+        [--prompts 8] [--train-prompts 8] [--keeps 0.3,0.5,0.7] [--depths 1,2,3,4] [--methods affinity,saliency,random]
+        [--decode-tokens 4]
 
 The model: the embedded trained demo model by default (vismmoe_kt/demo: 4 layers x 32 experts), or any
 model directory --model names, loaded with --rules (a rule file with the VisDecoder, default
-optimize_rules/qwen3vl.yaml); `study()` takes any loaded model, processor and (image, prompt) requests,
-so a larger trained model plugs in. Prompts: held-out demo VQA questions (split seed 2) by default.
+optimize_rules/qwen3vl.yaml) on --device; `study()` takes any loaded model, processor and (image, prompt)
+requests, so a larger trained model plugs in. Prompts (--task): demo, held-out demo VQA questions (split seed
+2); scenes, held-out questions of the scenes task the routing-study model trains on (scripts/train_routing_model.py:
+it trains on split 0 and reports accuracy on split 1; the study measures split 2), its question types cycled, the
+pictures at the side the model's spec.json names (vismmoe_kt/demo/routing_model.py). The predictor learns from
+the train split (seed 0) of the same task.
 For every compression (none; each of --methods at each --keeps and pinned prefix depth --depths, the
 VisDecoder's prune_layer; depths the model has no layer after are left out) it records each prompt's
 routing (`vismmoe-kt calibrate`'s trace recorder: a prefill and --decode-tokens decode steps) and gives,
@@ -20,13 +25,19 @@ distinct experts minus random's at the same keep and depth (negative: Algorithm 
 set beyond the token count). "none" has a row per depth: the same unpruned traces, averaged over the same
 layers as that depth's rows. `fit.gain` in the JSON (the visual concentration gain of affinity at keep
 0.5 and the first depth over none) is what benchmarks/affinity_whatif.py --fit-study turns into a
-synthetic affinity strength. Writes affinity_study.json and affinity_study.md under --out.
+synthetic affinity strength. Writes affinity_study.json and affinity_study.md under --out, the traces
+under --out/traces (--keep-traces; else removed at the end).
+
+Cost: (1 + depths x keeps x methods) x --prompts + --train-prompts requests, each a prefill and
+--decode-tokens steps through transformers' generate loop (the defaults: 37 x 8 + 8 = 304).
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +56,32 @@ METHODS = ("affinity", "saliency", "random")
 FIGURES = ("distinct", "concentration", "concentration_visual", "stability_visual", "stability_text")
 
 
+TASKS = ("demo", "scenes")
+
+
 def demo_requests(count: int, split: str = "test") -> list[tuple[Any, str]]:
     """(image, question) of the demo VQA split's first `count` examples."""
     from vismmoe_kt.demo.vqa import make_example, split_seed
 
     return [(e.image, e.question.text) for e in (make_example(split_seed(split), i) for i in range(count))]
+
+
+def scenes_requests(count: int, split: str = "test", size: int | None = None) -> list[tuple[Any, str]]:
+    """(image, question) of the scenes task's split: its first `count` examples, question types cycled."""
+    from vismmoe_kt.demo import scenes
+
+    seed = scenes.split_seed(split)
+    return [(e.image, e.question.text) for e in
+            (scenes.make_example(seed, i, size=size or scenes.IMAGE_SIZE) for i in range(count))]
+
+
+def scenes_size(model_dir: str | None) -> int | None:
+    """The picture side a routing-study model was trained on (its training directory's spec.json), else None."""
+    from vismmoe_kt.demo.routing_model import SPEC_FILE, image_size, read_spec, routing_spec
+
+    if model_dir is None or not (Path(model_dir) / SPEC_FILE).is_file():
+        return None
+    return image_size(routing_spec(read_spec(model_dir)))
 
 
 def prefill_layers(path: Path) -> tuple[list[Layer], torch.Tensor]:
@@ -71,6 +103,7 @@ def add_visual_concentration(rows: list[dict], layers: list[Layer], modality: to
 
     for row, (ids, positions) in zip(rows, layers):
         row["concentration_visual"] = concentration(ids[modality[positions]], experts, top)
+        row["visual_tokens"] = int(modality[positions].sum())  # what reached the layer: pruning lowers it
 
 
 def condition_figures(paths: list[Path], experts: int, top: int) -> list[dict]:
@@ -164,42 +197,71 @@ def table(result: dict) -> tuple[list[str], list[list[Any]]]:
     return header, rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def requests_for(task: str, model_dir: str | None, prompts: int, train_prompts: int):
+    """The measured (held-out, test split) and the predictor's (train split) requests of --task."""
+    if task == "demo":
+        return demo_requests(prompts), demo_requests(train_prompts, "train")
+    size = scenes_size(model_dir)
+    return scenes_requests(prompts, "test", size), scenes_requests(train_prompts, "train", size)
+
+
+def parse_args(argv: list[str] | None):
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for affinity_study.json and affinity_study.md")
     parser.add_argument("--model", help="a model directory (default: the embedded trained demo model)")
     parser.add_argument("--rules", default="optimize_rules/qwen3vl.yaml", help="rule file (needs the VisDecoder)")
-    parser.add_argument("--prompts", type=int, default=8, help="held-out demo prompts measured")
+    parser.add_argument("--task", choices=TASKS, default="demo",
+                        help="demo: demo VQA prompts | scenes: the routing-study model's task (needs --model)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N): where the model runs")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts measured (test split)")
     parser.add_argument("--train-prompts", type=int, default=8, help="unpruned train-split prompts the predictor learns")
     parser.add_argument("--methods", default=",".join(METHODS), help="compressions besides none")
     parser.add_argument("--keeps", default="0.3,0.5,0.7", help="keep ratios")
     parser.add_argument("--depths", default="1,2,3,4", help="pinned prefix depths (prune_layer)")
     parser.add_argument("--decode-tokens", type=int, default=4, help="decode steps recorded per prompt")
     parser.add_argument("--epochs", type=int, default=6, help="predictor training epochs")
+    parser.add_argument("--keep-traces", action="store_true", help="leave the recorded traces under OUT/traces")
     args = parser.parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
-    if set(methods) - set(METHODS):
-        parser.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; known: {', '.join(METHODS)}")
+    args.methods = [m for m in args.methods.split(",") if m]
+    if set(args.methods) - set(METHODS):
+        parser.error(f"--methods: unknown {sorted(set(args.methods) - set(METHODS))}; known: {', '.join(METHODS)}")
     try:
-        keeps = [float(k) for k in args.keeps.split(",")]
-        depths = [int(d) for d in args.depths.split(",")]
+        args.keeps = [float(k) for k in args.keeps.split(",")]
+        args.depths = [int(d) for d in args.depths.split(",")]
     except ValueError:
         parser.error("--keeps and --depths take comma-separated numbers")
-    if any(not 0 < k < 1 for k in keeps) or args.prompts < 1 or args.train_prompts < 1:
+    if any(not 0 < k < 1 for k in args.keeps) or args.prompts < 1 or args.train_prompts < 1:
         parser.error("--keeps must lie in (0, 1); --prompts and --train-prompts at least 1")
+    if args.task == "scenes" and not args.model:
+        parser.error("--task scenes needs --model DIR (a model trained on scenes: scripts/train_routing_model.py)")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from vismmoe_kt import load
     from vismmoe_kt.demo.tiny import demo_model_dir
 
+    start = time.perf_counter()
     name = args.model or "the embedded trained demo model"
-    model, processor = load(args.model or demo_model_dir(), args.rules, generate_device="cpu", prefill_device="cpu",
+    device = "cuda:0" if args.device == "cuda" else args.device
+    model, processor = load(args.model or demo_model_dir(), args.rules, generate_device=device, prefill_device=device,
                             progress=False)
-    result = study(model, processor, demo_requests(args.prompts), demo_requests(args.train_prompts, "train"),
-                   methods=methods, keeps=keeps, depths=depths, decode_tokens=args.decode_tokens, epochs=args.epochs,
-                   work=Path(args.out) / "traces")
-    result.update(model=name, rules=args.rules, routing="the model's own (trained)")
+    requests, train_requests = requests_for(args.task, args.model, args.prompts, args.train_prompts)
+    work = Path(args.out) / "traces"
+    result = study(model, processor, requests, train_requests, methods=args.methods, keeps=args.keeps,
+                   depths=args.depths, decode_tokens=args.decode_tokens, epochs=args.epochs, work=work)
+    if not args.keep_traces:
+        shutil.rmtree(work, ignore_errors=True)
+    result.update(model=name, rules=args.rules, task=args.task, device=args.device, routing="the model's own (trained)",
+                  seconds=round(time.perf_counter() - start, 1))
     header, rows = table(result)
     title = (f"# Affinity study: {name}, {result['layers']} MoE layers x {result['experts']} experts, "
-             f"{result['prompts']} prompts (figures: mean over the layers after the prefix)")
+             f"{result['prompts']} {args.task} prompts (figures: mean over the layers after the prefix)")
     print(title)
     print_table(header, rows)
     lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -208,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"\nvisual concentration gain of affinity (keep 0.5, depth {result['fit']['depth']}) over none: "
                      f"{result['fit']['gain']:+.1%} (benchmarks/affinity_whatif.py --fit-study turns it into a strength)")
         print(lines[-1])
+    print(f"study took {result['seconds']} s on {args.device}", flush=True)
     save_json(args.out, "affinity_study.json", result)
     (Path(args.out) / "affinity_study.md").write_text("\n".join(lines) + "\n")
     return 0

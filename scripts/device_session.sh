@@ -84,6 +84,18 @@
 #                                                   (COMPARE_TIMEOUT seconds a side, default 260)
 #   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
 #                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
+#   bash scripts/device_session.sh routing          #46: trains the routing-study model (routing-12x64) in /tmp/routing (on
+#                                                   the machine's disk, outside $OUT), stopping after ROUTING_TRAIN_SECONDS
+#                                                   (330) of training with a checkpoint; call it again (the machine still
+#                                                   held) and it resumes. Once trained: held-out accuracy (teacher-forced,
+#                                                   and greedy under qwen3vl.yaml at keep 1.0, 0.7, 0.5), then the affinity
+#                                                   study on the model with scenes prompts (ROUTING_STUDY_PROMPTS, 8); a
+#                                                   step that no longer fits the call is left to the next call. To $OUT:
+#                                                   training.json, routing_train.txt, affinity_study.json/.md/.txt,
+#                                                   affinity_traces.tar.gz (the traces unpruned and at keep 0.5)
+#                                                   (ROUTING_STEPS 1500, ROUTING_BATCH 64, ROUTING_WORKERS 14 override;
+#                                                   a smoke run of the whole path in about a minute: ROUTING_SPEC=routing-tiny
+#                                                   ROUTING_STEPS=20 ROUTING_DIR=/tmp/routing-smoke)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
@@ -303,6 +315,42 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                 --output "$OUT/ablation-$budget-a" 2>"$OUT/ablation-$budget-a.err" | tee "$OUT/ablation-$budget-a.txt" || true
               timeout $((585 - (SECONDS - t0))) python3 -m benchmarks.bench "${args[@]}" --configs vismmoe+predict \
                 vismmoe-full --output "$OUT/ablation-$budget-b" 2>"$OUT/ablation-$budget-b.err" | tee "$OUT/ablation-$budget-b.txt" ;;
+    routing) shift  # #46: train (resumable across calls), evaluate, then the affinity study, in one call's 585 s
+             dir=${ROUTING_DIR:-/tmp/routing} t0=$SECONDS
+             export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing is downloaded: the model is built in code
+             if [[ ! -f $dir/training.json ]]; then
+               args=(--device cuda --out "$dir" --spec "${ROUTING_SPEC:-routing-12x64}" --steps "${ROUTING_STEPS:-1500}"
+                     --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" --checkpoint_every 500
+                     --no_progress --stop_after "${ROUTING_TRAIN_SECONDS:-330}" --eval_per_type 64 --pruned_eval
+                     --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2)
+               [[ -f $dir/checkpoint.pt ]] && args+=(--resume)
+               rc=0
+               timeout $((570 - (SECONDS - t0))) python3 scripts/train_routing_model.py "${args[@]}" 2>&1 \
+                 | tee -a "$OUT/routing_train.txt" || rc=$?
+               case $rc in
+                 0) ;;
+                 3) echo "routing: training stopped at its time limit (checkpoint in $dir): run the stage again" ;;
+                 124) echo "routing: cut by the call's limit (the last checkpoint in $dir): run the stage again" ;;
+                 *) echo "routing: training failed (status $rc)" >&2; exit "$rc" ;;
+               esac
+             fi
+             [[ -f $dir/training.json ]] && cp "$dir/training.json" "$OUT/"
+             left=$((585 - (SECONDS - t0)))
+             if [[ -f $dir/training.json && ! -f $dir/study/affinity_study.json && $left -ge 150 ]]; then
+               timeout "$left" python3 -m benchmarks.affinity_study --task scenes --model "$dir" --device cuda \
+                 --out "$dir/study" --prompts "${ROUTING_STUDY_PROMPTS:-8}" --train-prompts 8 --keeps 0.3,0.5,0.7 \
+                 --depths 1,2,3,4 --keep-traces 2>&1 | tee "$OUT/affinity_study.txt" \
+                 || echo "routing: the study did not finish (run the stage again)"
+             elif [[ -f $dir/training.json && ! -f $dir/study/affinity_study.json ]]; then
+               echo "routing: ${left} s left, too few for the study: run the stage again"
+             fi
+             if [[ -f $dir/study/affinity_study.json ]]; then
+               cp "$dir"/study/affinity_study.{json,md} "$OUT/"
+               # the traces without pruning and at keep 0.5 (about 60 kB a request compressed; all of them would
+               # pass the 16 MiB a returned file may have)
+               (cd "$dir/study" && tar czf "$OUT/affinity_traces.tar.gz" traces/none traces/train-none traces/*-0.5-*)
+               ls -l "$OUT/affinity_traces.tar.gz"
+             fi ;;
     fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
           python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
           timeout 500 python3 -m benchmarks.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \
@@ -311,6 +359,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, compare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

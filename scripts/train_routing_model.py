@@ -3,18 +3,22 @@ scratch, on the scenes task (vismmoe_kt.demo.scenes: crowded shapes, textured ba
 
     python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12
     python scripts/train_routing_model.py --device cuda --out out/routing --steps 3000 --batch 64 --workers 12 --resume
+    ... --stop_after 330      # checkpoint and stop after 330 s of training (exit status 3); --resume continues
 
 Deterministic: step s trains on scenes s*batch .. (s+1)*batch-1 of the train split (seed 0), whatever the number
 of data workers, and the weights start from --seed; a checkpoint (weights, AdamW state, step, curve) is written
 to OUT/checkpoint.pt every --checkpoint_every steps, and --resume continues from it with the same losses an
-uninterrupted run has. The loss is the answer tokens' cross-entropy plus the router's aux loss
+uninterrupted run has (--stop_after stops at a step boundary with a checkpoint, for runs cut into calls of
+limited length; resuming a checkpoint of the last step goes straight to the evaluation). On a GPU float32
+matrix products use TF32 (deterministic still). The loss is the answer tokens' cross-entropy plus the router's aux loss
 (vismmoe_kt.demo.training, shared with scripts/train_demo_model.py). Each sequence is one scene with one
 question of every type it allows plus an extra existence and count question, as turns of one chat, or (a
 --describe_share of them) its caption.
 
 At the end: held-out (val, seed 1) teacher-forced exact match per question type, and with --pruned_eval the
 greedy-decoded accuracy under optimize_rules/qwen3vl.yaml (affinity pruning of visual tokens after
---prune_layer layers) at keep 1.0 and each --keep ratio; OUT is then a Hugging Face model directory
+--prune_layer layers) at keep 1.0 and each --keep ratio (--pruned_per_type questions a type: each one a decode at
+batch size 1); OUT is then a Hugging Face model directory
 (vismmoe_kt.demo.routing_model.load_routing_model, or vismmoe_kt.load with any rule file) with
 training.json (command, seconds, curve, accuracies).
 """
@@ -112,13 +116,19 @@ def parse_args(argv=None):
                         help="also the greedy accuracy under optimize_rules/qwen3vl.yaml at keep 1.0 and each --keep")
     parser.add_argument("--keep", default="0.7,0.5", help="visual-token keep ratios of --pruned_eval, comma-separated")
     parser.add_argument("--prune_layer", type=int, default=2, help="layers before visual tokens are pruned (--pruned_eval)")
+    parser.add_argument("--pruned_per_type", type=int, default=None,
+                        help="held-out questions per type of --pruned_eval (default: --eval_per_type)")
+    parser.add_argument("--stop_after", type=float, default=None,
+                        help="seconds of training in this run: then a checkpoint and exit status 3 (--resume continues)")
     parser.add_argument("--no_progress", action="store_true", help="print a line every 50 steps instead of a progress bar")
     args = parser.parse_args(argv)
     for flag in ("steps", "batch", "checkpoint_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0:
-        parser.error("--workers, --eval_per_type and --warmup cannot be negative")
+    if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0 or (args.pruned_per_type or 0) < 0:
+        parser.error("--workers, --eval_per_type, --pruned_per_type and --warmup cannot be negative")
+    if args.stop_after is not None and args.stop_after <= 0:
+        parser.error(f"--stop_after must be positive, got {args.stop_after}")
     if not 0.0 <= args.describe_share <= 1.0:
         parser.error(f"--describe_share must be between 0 and 1, got {args.describe_share}")
     try:
@@ -153,6 +163,8 @@ def train(args) -> dict:
     if args.device.startswith("cuda"):  # deterministic kernels where torch has them (a warning names the others)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 products: several times fp32's rate, still deterministic
+        torch.backends.cudnn.allow_tf32 = True
     model, processor = build_routing_model(args.spec, args.seed)
     device = torch.device(args.device)
     model.to(device).train()
@@ -168,33 +180,55 @@ def train(args) -> dict:
         torch.set_rng_state(state["torch_rng"])
         first_step, curve = state["step"], state["curve"]
         seconds_before = curve[-1]["seconds"] if curve else 0.0
-        if first_step >= args.steps:
-            raise SystemExit(f"--resume: the checkpoint is at step {first_step}, --steps {args.steps} asks for no more")
+        if first_step > args.steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {first_step}, past --steps {args.steps}")
+        if first_step == args.steps:
+            print(f"the checkpoint is at the last step ({first_step}): evaluating", flush=True)
     else:
         torch.manual_seed(args.seed)
         write_spec(out, args.spec)
+    experts = getattr(model.config.text_config, "_experts_implementation", None)
+    print(f"{args.spec} on {args.device}: steps {first_step}..{args.steps} of batch {args.batch}, {args.workers} data "
+          f"workers, transformers' experts implementation {experts!r}", flush=True)
     batches = StepBatches(processor, args.batch, size, args.describe_share)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(first_step, args.steps),
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None)
     start = time.perf_counter()
+    stopped, waited, ready = False, 0.0, start  # waited: seconds the GPU step waited for the data workers
     bar = tqdm(total=args.steps, initial=first_step, desc=f"Training {args.spec}", unit="step", disable=args.no_progress)
     for step, (inputs, labels) in enumerate(loader, first_step):
+        waited += time.perf_counter() - ready
         lr = warmup_cosine(step, args.lr, args.warmup, args.steps)
         loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr)
         curve.append({"step": step + 1, "loss": round(loss, 5), "aux_loss": round(aux, 4), "lr": lr,
                       "seconds": round(seconds_before + time.perf_counter() - start, 1)})
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", aux=f"{aux:.3f}", lr=f"{lr:.1e}")
+        done, elapsed = step + 1 - first_step, time.perf_counter() - start
+        rate = f"{done / elapsed:.2f} steps/s, {waited / elapsed:.0%} of it waiting for data"
         if args.no_progress and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{args.steps}  loss {np.mean([c['loss'] for c in curve[-50:]]):.4f}  aux {aux:.3f}",
-                  flush=True)
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            print(f"step {step + 1}/{args.steps}  loss {np.mean([c['loss'] for c in curve[-50:]]):.4f}  aux {aux:.3f}  "
+                  f"{rate}", flush=True)
+        elif done in (5, 20):  # the rate early (the first steps include the workers' start and CUDA's warm-up)
+            print(f"step {step + 1}: {rate} (this run's {done} steps)", flush=True)
+        stopped = args.stop_after is not None and time.perf_counter() - start >= args.stop_after and step + 1 < args.steps
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps or stopped:
             save_checkpoint(out, model, optimizer, step + 1, curve, settings)
+        if stopped:
+            break
+        ready = time.perf_counter()
     bar.close()
+    if stopped:
+        del loader  # the workers stop before the exit
+        print(f"--stop_after {args.stop_after}: stopped at step {curve[-1]['step']} of {args.steps} ({rate}); "
+              "checkpoint written, --resume continues", flush=True)
+        raise SystemExit(3)
     record = {"command": "python " + " ".join(sys.argv), "spec": args.spec, "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "device": args.device, "workers": args.workers,
               "describe_share": args.describe_share, "resumed_from": first_step if args.resume else None,
-              "seconds": curve[-1]["seconds"], "final_loss": float(np.mean([c["loss"] for c in curve[-50:]]))}
+              "seconds": curve[-1]["seconds"], "final_loss": float(np.mean([c["loss"] for c in curve[-50:]])),
+              "steps_per_second": round(len(curve) / curve[-1]["seconds"], 3) if curve[-1]["seconds"] else None,
+              "data_wait_share": round(waited / (time.perf_counter() - start), 3) if len(curve) > first_step else None}
     if args.eval_per_type:
         accuracy = heldout_accuracy(model, batches, scene_example(size), scenes.QUESTION_TYPES, args.eval_per_type,
                                     scenes.SPLIT_SEEDS["val"], device)
@@ -204,7 +238,9 @@ def train(args) -> dict:
     save_model_directory(out, model, processor)
     if args.pruned_eval and args.eval_per_type:
         record["pruned"] = {"rules": "optimize_rules/qwen3vl.yaml", "prune_layer": args.prune_layer,
-                            "by_keep": pruned_accuracy(out, args.keep, args.prune_layer, args.eval_per_type, size,
+                            "per_type": args.pruned_per_type or args.eval_per_type,
+                            "by_keep": pruned_accuracy(out, args.keep, args.prune_layer,
+                                                       args.pruned_per_type or args.eval_per_type, size,
                                                        "cuda:0" if args.device.startswith("cuda") else "cpu")}
     record["curve"] = curve
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")

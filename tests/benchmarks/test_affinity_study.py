@@ -81,3 +81,52 @@ def test_the_study_on_the_demo_model(tmp_path):
     assert "distinct_minus_random" in affinity and result["fit"] is None  # no keep 0.5 case
     header, rows = table(result)
     assert header[-1] == "affinity - random distinct" and rows[1][-1].endswith(("(yes)", "(no)"))
+
+
+def test_the_study_on_a_trained_routing_model_with_scenes_prompts(tmp_path):
+    """The command line on a routing-study model (routing-tiny, one training step): held-out scenes prompts at the
+    spec's picture side, every row in the JSON, and pruning lowering the visual tokens that reach the later layers."""
+    import importlib.util
+    from pathlib import Path
+
+    from benchmarks import affinity_study
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_routing_model.py"
+    spec = importlib.util.spec_from_file_location("train_routing_model", script)
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    model_dir, out = tmp_path / "routing", tmp_path / "study"
+    trainer.main(["--spec", "routing-tiny", "--out", str(model_dir), "--steps", "1", "--batch", "1", "--workers", "0",
+                  "--threads", "1", "--eval_per_type", "0", "--no_progress"])
+    assert affinity_study.scenes_size(str(model_dir)) == 128
+    image, prompt = affinity_study.scenes_requests(1, size=128)[0]
+    assert image.size == (128, 128) and prompt.endswith("?")
+    assert affinity_study.main(["--task", "scenes", "--model", str(model_dir), "--out", str(out), "--prompts", "2",
+                                "--train-prompts", "1", "--methods", "affinity,random", "--keeps", "0.5",
+                                "--depths", "1", "--decode-tokens", "1", "--epochs", "1"]) == 0
+    result = json.loads((out / "affinity_study.json").read_text())
+    assert result["task"] == "scenes" and result["prompts"] == 2 and result["layers"] == 2 and result["experts"] == 8
+    assert [(r["compression"], r["keep"], r["depth"]) for r in result["rows"]] == [
+        ("none", 1.0, 1), ("affinity", 0.5, 1), ("random", 0.5, 1)]
+    none, affinity, random = result["rows"]
+    visual = none["per_layer"][1]["visual_tokens"]  # 128 px: 8 x 8 patches of 16, merged 2 x 2: 16 visual tokens
+    assert visual == 16 and none["per_layer"][0]["visual_tokens"] == visual
+    for row in (affinity, random):  # the prefix layer sees every token, the later one the kept half
+        assert row["per_layer"][0]["visual_tokens"] == visual and row["per_layer"][1]["visual_tokens"] == visual // 2
+        assert row["per_layer"][1]["tokens"] == none["per_layer"][1]["tokens"] - visual // 2
+    assert result["fit"]["keep"] == 0.5 and math.isfinite(result["fit"]["gain"])
+    assert not (out / "traces").exists()  # removed without --keep-traces
+    assert "| affinity | 0.5 | 1 |" in (out / "affinity_study.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "scenes"], "--task scenes needs --model DIR"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--keeps", "1.5"], "--keeps must lie in (0, 1)"),
+])
+def test_bad_study_arguments_are_clear_errors(tmp_path, capsys, flags, message):
+    from benchmarks import affinity_study
+
+    with pytest.raises(SystemExit) as stop:
+        affinity_study.parse_args(["--out", str(tmp_path)] + flags)
+    assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -64,6 +64,19 @@ def test_checkpoint_and_resume_give_the_uninterrupted_losses(script, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_stop_after_checkpoints_and_a_resume_at_the_last_step_evaluates(script, tmp_path, capsys):
+    out = tmp_path / "cut"
+    with pytest.raises(SystemExit) as stop:  # any positive limit has passed after the first step
+        script.main(TINY + ["--out", str(out), "--steps", "3", "--eval_per_type", "0", "--stop_after", "1e-9"])
+    assert stop.value.code == 3 and "stopped at step 1 of 3" in capsys.readouterr().out
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 1 and not (out / "training.json").exists()
+    script.main(TINY + ["--out", str(out), "--steps", "1", "--eval_per_type", "1", "--resume"])
+    assert "the checkpoint is at the last step (1): evaluating" in capsys.readouterr().out
+    record = json.loads((out / "training.json").read_text())
+    assert [c["step"] for c in record["curve"]] == [1] and record["resumed_from"] == 1
+    assert set(record["heldout"]["teacher_forced"]) == set(scenes.QUESTION_TYPES) and (out / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--batch", "-1"], "--batch must be at least 1"),
@@ -71,6 +84,8 @@ def test_checkpoint_and_resume_give_the_uninterrupted_losses(script, tmp_path):
     (["--keep", "1.5"], "--keep ratios must be in"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--resume"], "--resume: no"),
+    (["--stop_after", "0"], "--stop_after must be positive"),
+    (["--pruned_per_type", "-1"], "--pruned_per_type and --warmup cannot be negative"),
 ])
 def test_bad_arguments_are_clear_errors(script, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:
@@ -90,7 +105,10 @@ def test_a_directory_without_training_is_a_clear_error(tmp_path):
 def test_pruned_evaluation_runs_the_vismmoe_rules_at_each_keep_ratio(script, tmp_path):
     out = tmp_path / "run"
     record = script.train(script.parse_args(TINY + ["--out", str(out), "--steps", "1", "--eval_per_type", "1",
-                                                    "--pruned_eval", "--keep", "0.5", "--prune_layer", "1"]))
+                                                    "--pruned_eval", "--keep", "0.5", "--prune_layer", "1",
+                                                    "--pruned_per_type", "2"]))
     by_keep = record["pruned"]["by_keep"]
     assert list(by_keep) == ["1.0", "0.5"]
-    assert all(r["n"] == len(scenes.QUESTION_TYPES) and len(r["experts_per_layer_prefill"]) == 2 for r in by_keep.values())
+    assert record["pruned"]["per_type"] == 2  # --pruned_per_type, not --eval_per_type's 1
+    assert all(r["n"] == 2 * len(scenes.QUESTION_TYPES) and len(r["experts_per_layer_prefill"]) == 2
+               for r in by_keep.values())
