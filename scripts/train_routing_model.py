@@ -177,7 +177,7 @@ def train(args) -> dict:
             raise SystemExit(f"--resume: the checkpoint was trained with {state['settings']}, not {settings}")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())  # map_location moved it to the device
         first_step, curve = state["step"], state["curve"]
         seconds_before = curve[-1]["seconds"] if curve else 0.0
         if first_step > args.steps:

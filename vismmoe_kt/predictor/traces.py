@@ -80,8 +80,8 @@ class TraceRecorder:
             embeds = self._visual_embeds
             if kept is not None and visual_mask.any():
                 visual_positions = torch.nonzero(visual_mask, as_tuple=True)[0]
-                kept_visual = torch.isin(visual_positions, kept.cpu())
-                embeds = embeds[kept_visual[: embeds.shape[0]]]
+                kept_visual = torch.isin(visual_positions, kept.to(visual_positions.device))
+                embeds = embeds[kept_visual[: embeds.shape[0]].to(embeds.device)]
             visual = embeds.mean(dim=0)
         tensors["visual"] = visual.half().contiguous()
         phases = ["prefill"] + ["decode"] * (len(self.steps) - 1)
