@@ -152,7 +152,7 @@ def test_each_familys_gguf_carries_llama_cpps_keys_from_its_config(name, tmp_pat
             export_gguf(model.state_dict(), adapter, path, "F16", config=model.config)
     else:
         written = export_gguf(model.state_dict(), adapter, path, "F16", config=model.config)
-        assert "blk.0.attn_q.weight" in written
+        assert ("blk.0.attn_q_b.weight" if arch == "deepseek2" else "blk.0.attn_q.weight") in written  # MLA: low-rank
     fields = read_fields(path)
     assert fields["general.architecture"][0] == arch and fields["tokenizer.ggml.model"][0] == "no_vocab"
     for key in REQUIRED_ALL + REQUIRED[arch]:
@@ -188,19 +188,17 @@ def test_qwen_mmproj_carries_llama_cpps_clip_keys(tmp_path):
 @pytest.mark.parametrize("name,projector", [("tiny-glm-4x16", "glm4v"), ("tiny-llama4-6x16", "llama4"),
                                             ("tiny-kimi-4x16", "kimik25")])
 def test_other_projectors_clip_keys(name, projector, tmp_path):
-    """GLM-4.5V, Llama 4 and Kimi K2.5 have llama.cpp projectors: their clip keys from the config (GLM's and
-    Llama 4's towers under llama.cpp's mmproj names; Kimi's is not mapped yet, which the writer says)."""
-    import contextlib
-
+    """GLM-4.5V, Llama 4 and Kimi K2.5 have llama.cpp projectors: their clip keys from the config, their towers
+    under llama.cpp's mmproj names."""
     model, processor = tiny(name)
     config, vision = model.config, model.config.vision_config
     mapped = {"glm4v": {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.model.fc.weight", "v.blk.0.attn_qkv.weight"},
-              "llama4": {"v.patch_embd.weight", "v.class_embd", "mm.model.mlp.2.weight", "v.blk.0.attn_q.weight"}}.get(projector)
-    with contextlib.nullcontext() if mapped else \
-            pytest.warns(UserWarning, match=rf"{config.model_type}: no vision tensor has an mmproj name"):
-        written = export_mmproj(model.state_dict(), adapter_for(config.model_type), config, tmp_path / "mm.gguf",
-                                processor=processor)
-    assert not mapped or mapped <= set(written)
+              "llama4": {"v.patch_embd.weight", "v.class_embd", "mm.model.mlp.2.weight", "v.blk.0.attn_q.weight"},
+              "kimik25": {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.0.attn_qkv.weight", "mm.input_norm.weight",
+                          "mm.1.weight", "mm.2.weight", "v.post_ln.weight"}}[projector]
+    written = export_mmproj(model.state_dict(), adapter_for(config.model_type), config, tmp_path / "mm.gguf",
+                            processor=processor)
+    assert mapped <= set(written)
     fields = read_fields(tmp_path / "mm.gguf")
     images = processor.image_processor
     common = {"projector_type": projector, "has_vision_encoder": True, "vision.patch_size": vision.patch_size,

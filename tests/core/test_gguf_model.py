@@ -150,13 +150,14 @@ def test_serve_from_the_two_files_answers_as_the_demo(demo_pair):
     assert answers[0] == answers[1] and answers[0].strip() == "1"
 
 
-@pytest.mark.parametrize("name", ["tiny-glm-4x16", "tiny-llama4-6x16"])
-def test_a_tiny_glm_or_llama4_pair_alone_is_the_hf_directorys_model(name, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-glm-4x16", "tiny-llama4-6x16", "tiny-kimi-4x16"])
+def test_a_tiny_glm_llama4_or_kimi_pair_alone_is_the_hf_directorys_model(name, tmp_path):
     """GLM-4.5V (llama.cpp's glm4moe + glm4v: its end tokens eos and `<|user|>`, written as llama.cpp's eot;
-    the router's correction bias read as exp_probs_b) and Llama 4 (llama4 + llama4: the attention
-    temperature's keys, the projector's widths from its tensors): written from the loaded model (our
-    experts' layout, as `convert` writes), the rebuilt config and processor, the same greedy tokens from
-    an image prompt."""
+    the router's correction bias read as exp_probs_b), Llama 4 (llama4 + llama4: the attention
+    temperature's keys, the projector's widths from its tensors) and Kimi K2.5 (deepseek2 + kimik25: MLA's
+    kv_b_proj back from attn_k_b / attn_v_b, MoonViT's q, k, v from the permuted attn_qkv): written from
+    the loaded model (our experts' layout, as `convert` writes), the rebuilt config and processor, the
+    same greedy tokens from an image prompt."""
     from transformers import AutoConfig
 
     hf_dir = save_tiny_model(tmp_path / "hf", name, seed=0)
@@ -205,14 +206,13 @@ def test_what_a_pair_cannot_give_is_a_clear_error(qwen_pair, tmp_path):
 # what llama.cpp (or this project) lacks for each family whose pair cannot be its model
 GAPS = {"tiny-ernie-4x16": ("ernie4_5_vl_moe", "llama.cpp has no mmproj projector for ERNIE-4.5-VL"),
         "tiny-dsocr2-4x16": ("deepseek_ocr2", "no mmproj projector for DeepSeek-OCR-2: its one DeepSeek-OCR "
-                                              "projector, deepseekocr"),
-        "tiny-kimi-4x16": ("kimi_k25", "llama.cpp has both (text architecture deepseek2, mmproj projector kimik25")}
+                                              "projector, deepseekocr")}
 
 
 @pytest.mark.parametrize("name", sorted(GAPS))
 def test_a_family_llama_cpp_cannot_hold_is_named_by_convert_and_chat(name, tmp_path, capsys):
-    """ERNIE-4.5-VL (no projector in llama.cpp), DeepSeek-OCR-2 (no projector for its tower), Kimi K2.5 (llama.cpp
-    has both; its tensors are not mapped here): `convert` refuses before writing anything, and `chat` on a
+    """ERNIE-4.5-VL (no projector in llama.cpp), DeepSeek-OCR-2 (no projector for its tower): `convert`
+    refuses before writing anything, and `chat` on a
     pair written with the family's architecture says what is lacking, naming the llama.cpp checked, as an
     error line, not a traceback."""
     from vismmoe_kt.models.llama_cpp_keys import LLAMA_CPP_CHECKED

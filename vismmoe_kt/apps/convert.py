@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if not mapped:
         raise InputError(f"{model_dir}: family {family}: its tensors have no llama.cpp names here yet (text: "
                          f"ModelAdapter.gguf_names, vision tower: mmproj_source); convert writes Qwen3-VL-MoE, "
-                         f"GLM-4.5V and Llama 4")
+                         f"GLM-4.5V, Llama 4 and Kimi K2.5")
     text_file, mmproj_file = out / f"{stem}-{args.qtype}.gguf", out / f"mmproj-{stem}-{args.mmproj_qtype}.gguf"
     try:
         ends = model.generation_config.eos_token_id

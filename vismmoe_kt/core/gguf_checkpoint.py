@@ -4,7 +4,9 @@ run with `--gguf_path`), the rest from the Hugging Face directory beside them.
 As in KTransformers, config, tokenizer and processor come from the HF directory (`--model_path`)
 and the weights from GGUF. The model family's adapter names the GGUF tensors behind each of the
 model's tensors (`ModelAdapter.gguf_names`: llama.cpp's `blk.N.attn_q.weight`, the experts'
-`ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, concatenated where the model fuses them).
+`ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, concatenated where the model fuses them; where
+llama.cpp's converter split a tensor otherwise, transposed or permuted it, the family's inverse,
+`ModelAdapter.from_gguf`, e.g. MLA's `attn_k_b` / `attn_v_b` back into `kv_b_proj`).
 The vision tower, which llama.cpp writes to a separate mmproj file, comes from that file when one is
 given (`--mmproj_path`; `ModelAdapter.mmproj_source` names its tensors as llama.cpp's converter
 does), else from safetensors in the HF directory; a tensor found in neither stops loading with an
@@ -55,7 +57,8 @@ def gguf_files(path: str | Path) -> list[Path]:
 class GgufCheckpointReader:
     def __init__(self, model_dir: str | Path, gguf_path: str | Path, gguf_names: Callable[[str], tuple[str, ...] | None],
                  dtype: torch.dtype | None = None, layout_fix: LayoutFix | None = None, default_device: str = "cpu",
-                 mmproj_path: str | Path | None = None, mmproj_source: Callable[[str], Any] | None = None):
+                 mmproj_path: str | Path | None = None, mmproj_source: Callable[[str], Any] | None = None,
+                 from_gguf: Callable[[str, list[torch.Tensor]], torch.Tensor | None] | None = None):
         try:
             from gguf import GGUFReader
         except ImportError:
@@ -71,6 +74,7 @@ class GgufCheckpointReader:
         self.gguf_names = gguf_names
         self.mmproj_source = mmproj_source
         self.mmproj_path = mmproj_path
+        self.from_gguf = from_gguf  # the family's inverse where llama.cpp split or permuted a tensor (ModelAdapter)
         self._tensors: dict[str, tuple[Path, Any]] = {}
         self.files = gguf_files(gguf_path)
         if mmproj_path is not None:
@@ -118,17 +122,23 @@ class GgufCheckpointReader:
                             f"{self.model_dir} has no safetensors holding it")
         sources, stack_dim = sources
         parts = [self._dequantize(gguf_name) for gguf_name in sources]
-        if len(parts) == 1:
-            tensor = parts[0]
-        else:  # fused in the model: concatenated along dim 1, or slices stacked back (a 3-D convolution)
-            if stack_dim is not None and len({p.shape for p in parts}) > 1:
-                raise LoadError(f"{self.describe(name)}: its slices have different shapes "
-                                f"{', '.join(str(tuple(p.shape)) for p in parts)}")
-            tensor = torch.cat(parts, dim=1) if stack_dim is None else torch.stack(parts, dim=stack_dim)
+        # llama.cpp wrote it split and transposed, or permuted: the family's inverse; else the plain join
+        tensor = self.from_gguf(name, parts) if self.from_gguf is not None else None
+        if tensor is None:
+            tensor = self._joined(name, parts, stack_dim)
         tensor = tensor.to(self.dtype).to(device)
         if self.on_tensor is not None:
             self.on_tensor(name, tensor.numel() * tensor.element_size())
         return tensor
+
+    def _joined(self, name: str, parts: list[torch.Tensor], stack_dim: int | None) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        # fused in the model: concatenated along dim 1, or slices stacked back (a 3-D convolution)
+        if stack_dim is not None and len({p.shape for p in parts}) > 1:
+            raise LoadError(f"{self.describe(name)}: its slices have different shapes "
+                            f"{', '.join(str(tuple(p.shape)) for p in parts)}")
+        return torch.cat(parts, dim=1) if stack_dim is None else torch.stack(parts, dim=stack_dim)
 
     def load_buffer(self, name: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """A persistent buffer (e.g. GLM's fp32 router correction bias, llama.cpp's `exp_probs_b`) in the

@@ -17,7 +17,7 @@ times; named as the model file, which serve calls the model), which the loader t
 `--model_path` (the weights from the GGUF files), so serve, eval and the placements see a model
 directory as ever. A file without what a piece needs is a
 LoadError that names the key or tensor missing and the family; a family whose pair cannot be its model
-(`ModelAdapter.llama_cpp_gap`: ERNIE-4.5-VL, DeepSeek-OCR-2, Kimi K2.5) one that says what llama.cpp, or
+(`ModelAdapter.llama_cpp_gap`: ERNIE-4.5-VL, DeepSeek-OCR-2) one that says what llama.cpp, or
 this project, lacks for it.
 """
 

@@ -161,7 +161,8 @@ def load(
         reader = GgufCheckpointReader(model_dir, gguf_path, adapter.gguf_names, dtype=parse_dtype(dtype),
                                       layout_fix=layout_fix, default_device=device,
                                       mmproj_path=mmproj_path,
-                                      mmproj_source=lambda name: adapter.mmproj_source(name, config))
+                                      mmproj_source=lambda name: adapter.mmproj_source(name, config),
+                                      from_gguf=lambda name, parts: adapter.from_gguf(name, parts, config))
     else:
         reader = CheckpointReader(model_dir, dtype=parse_dtype(dtype), layout_fix=layout_fix,
                                   default_device=device,

@@ -2,7 +2,9 @@
 vision tower as llama.cpp's separate mmproj file (`export_mmproj`).
 
 Each tensor the family's adapter maps to GGUF (`ModelAdapter.gguf_names`) is written under
-llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (gate and up experts).
+llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (gate and up experts),
+or as the family writes it where llama.cpp's converter does more (`ModelAdapter.gguf_parts`: MLA's
+`kv_b_proj` split into `attn_k_b` transposed and `attn_v_b`, a fused and permuted `attn_qkv`).
 2-D and 3-D weights whose rows divide into the type's blocks are written in `qtype`; the rest (norms,
 rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written there
 (llama.cpp puts it in an mmproj file: `export_mmproj`).
@@ -52,7 +54,10 @@ def export_gguf(state: dict[str, torch.Tensor], adapter: Any, path: str | Path, 
             if names and tensor.data_ptr() in seen:  # tied (the output head is the embedding): once, as llama.cpp
                 continue
             seen.add(tensor.data_ptr())
-            if names:  # fused in the model (gate and up): split along dim 1
+            custom = adapter.gguf_parts(name, state, config) if names else None
+            if custom is not None:  # split otherwise, transposed, permuted, or fused with its neighbours
+                yield from zip(names, custom)
+            elif names:  # fused in the model (gate and up): split along dim 1
                 yield from zip(names, tensor.float().chunk(len(names), dim=1) if len(names) > 1 else (tensor.float(),))
     family_arch, metadata = llama_metadata(adapter, config, processor, end_ids)
     if arch is not None and family_arch is not None and arch != family_arch:
@@ -126,7 +131,10 @@ def export_mmproj(state: dict[str, torch.Tensor], adapter: Any, config: Any, pat
     def parts():
         for name, tensor in state.items():
             source = adapter.mmproj_source(name, config)
-            if source is not None:
+            custom = adapter.gguf_parts(name, state, config) if source is not None else None
+            if custom is not None:  # permuted, or fused with its neighbours (written once, with the first)
+                yield from zip(source.names, custom)
+            elif source is not None:
                 values = tensor.float()
                 yield from zip(source.names, values.unbind(source.stack_dim) if source.stack_dim is not None else (values,))
     written = _write(parts(), path, qtype, "clip", mmproj_llama_metadata(adapter, config, processor), progress)

@@ -109,6 +109,18 @@ class ModelAdapter:
         tower, which llama.cpp keeps in a separate mmproj file)."""
         return None
 
+    def gguf_parts(self, name: str, state: dict[str, torch.Tensor], config: Any) -> list[torch.Tensor] | None:
+        """The values of the GGUF tensors (one per name of `gguf_names`, or of `mmproj_source`) that the
+        model's tensor `name` is written as, where llama.cpp's converter does more than split it along dim 1
+        (splits and transposes it, permutes it, fuses it with its neighbours in `state`); [] where it is
+        written as part of another tensor's; None for the plain split."""
+        return None
+
+    def from_gguf(self, name: str, parts: list[torch.Tensor], config: Any) -> torch.Tensor | None:
+        """The model's tensor `name` from its GGUF tensors (dequantized, in `gguf_names` / `mmproj_source`
+        order) where `gguf_parts` wrote them otherwise than split along dim 1: its inverse; None for the rest."""
+        return None
+
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
         """(llama.cpp's architecture name, its `<arch>.*` keys by full name: the hyperparameters llama.cpp
         reads from a GGUF before it loads one) for the model's config (models/llama_cpp_keys.py builds

@@ -36,9 +36,9 @@ from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_S
 from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
 from transformers.processing_utils import ImagesKwargs, ProcessorMixin
 
+from . import kimi_k25_gguf
 from .glm4v_moe import hand_text_model_image_mask
-from .llama_cpp_keys import (LLAMA_CPP_CHECKED, arch_keys, clip_keys, common_text_keys, deepseek_moe_keys,
-                             rope_parameters)
+from .llama_cpp_keys import arch_keys, clip_keys, common_text_keys, deepseek_moe_keys, rope_parameters
 from .qwen3_vl_moe import _read_chat_template
 from .transformers_layout import (DeepseekMoeConfig, OneDimensionalRope, SigmoidRouting, TransformersLayout,
                                  pretrained_tokenizer_and_image_processor)
@@ -141,13 +141,13 @@ class KimiK25ImageTextProcessor(Kimi_K25Processor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, TransformersLayout):
     model_types = ("kimi_k25",)
     llama_cpp_arch = "deepseek2"
-    llama_cpp_gap = (f"llama.cpp has both (text architecture deepseek2, mmproj projector kimik25, as of "
-                     f"{LLAMA_CPP_CHECKED}), but this project does not map Kimi K2.5's tensors to llama.cpp's names "
-                     f"yet (MLA's attn_kv_a_mqa / attn_k_b / attn_v_b, MoonViT's fused attn_qkv) nor rebuild its "
-                     f"config from them; load Kimi K2.5 with --model_path DIR")
 
     def model_class(self) -> type[nn.Module]:
         from transformers import Kimi_K25ForConditionalGeneration
@@ -181,6 +181,24 @@ class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, Tran
         tokenizer, image_processor = pretrained_tokenizer_and_image_processor(model_dir, KimiK25ImageProcessorPil)
         return KimiK25ImageTextProcessor(image_processor, tokenizer, chat_template=_read_chat_template(model_dir, tokenizer))
 
+    def gguf_names(self, name: str) -> tuple[str, ...] | None:
+        return kimi_k25_gguf.gguf_names(name)
+
+    def mmproj_source(self, name: str, config: Any) -> Any:
+        return kimi_k25_gguf.mmproj_source(name, self.checkpoint_name(name, config), config.vision_config.num_hidden_layers)
+
+    def gguf_parts(self, name: str, state: dict[str, torch.Tensor], config: Any) -> list[torch.Tensor] | None:
+        return kimi_k25_gguf.gguf_parts(name, state, config)
+
+    def from_gguf(self, name: str, parts: list[torch.Tensor], config: Any) -> torch.Tensor | None:
+        return kimi_k25_gguf.from_gguf(name, parts, config)
+
+    def config_from_gguf(self, text: Any, mmproj: Any, tokenizer: Any) -> Any:
+        return kimi_k25_gguf.config_from_gguf(text, mmproj, tokenizer)
+
+    def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
+        return kimi_k25_gguf.processor_from_gguf(mmproj, tokenizer, chat_template)
+
     def gguf_metadata(self, config: Any) -> tuple[str, dict[str, Any]] | None:
         """llama.cpp's `deepseek2` (its converter's DeepseekV2Model, which takes KimiK25ForConditionalGeneration;
         what its loader requires): MLA written as llama.cpp runs it, one KV head whose key is the latent
@@ -198,7 +216,11 @@ class KimiK25Adapter(OneDimensionalRope, DeepseekMoeConfig, SigmoidRouting, Tran
                 attention.KEY_LENGTH_MLA: text.qk_nope_head_dim + text.qk_rope_head_dim,
                 attention.VALUE_LENGTH_MLA: text.v_head_dim, Keys.Rope.DIMENSION_COUNT: text.qk_rope_head_dim,
                 # llama.cpp's converter writes a tenth of mscale_all_dim here and its loader undoes it
-                Keys.Rope.SCALING_YARN_LOG_MUL: 0.1 * rope["mscale_all_dim"] if rope.get("mscale_all_dim") else None})
+                Keys.Rope.SCALING_YARN_LOG_MUL: 0.1 * rope["mscale_all_dim"] if rope.get("mscale_all_dim") else None,
+                # YaRN's betas, which its TextModel base writes where the rope parameters have them
+                **({Keys.Rope.SCALING_YARN_BETA_FAST: _float(rope.get("beta_fast")),
+                    Keys.Rope.SCALING_YARN_BETA_SLOW: _float(rope.get("beta_slow"))}
+                   if rope.get("rope_type", rope.get("type")) == "yarn" else {})})
 
     def mmproj_metadata(self, config: Any, processor: Any) -> dict[str, Any] | None:
         """llama.cpp's `kimik25` projector (its converter's KimiK25Model): the image side its learned
