@@ -322,7 +322,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                args=(--device cuda --out "$dir" --spec "${ROUTING_SPEC:-routing-12x64}" --steps "${ROUTING_STEPS:-1500}"
                      --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" --checkpoint_every 500
                      --no_progress --stop_after "${ROUTING_TRAIN_SECONDS:-330}" --eval_per_type 64 --pruned_eval
-                     --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2)
+                     --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2
+                     ${ROUTING_BF16:+--bf16})  # ROUTING_BF16=1: the forward under BF16 autocast
                [[ -f $dir/checkpoint.pt ]] && args+=(--resume)
                rc=0
                timeout $((570 - (SECONDS - t0))) python3 scripts/train_routing_model.py "${args[@]}" 2>&1 \

@@ -109,6 +109,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--workers", type=int, default=2, help="processes making batches (0: in the training process)")
     parser.add_argument("--checkpoint_every", type=int, default=200, help="steps between checkpoints")
+    parser.add_argument("--bf16", action="store_true",
+                        help="the forward under bfloat16 autocast (float32 weights and optimizer): on a GPU the experts' "
+                             "grouped GEMMs run in BF16 instead of float32's one product per expert")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, step)")
     parser.add_argument("--describe_share", type=float, default=0.2, help="share of sequences that are captions")
     parser.add_argument("--eval_per_type", type=int, default=64, help="held-out questions per type at the end (0: none)")
@@ -170,6 +173,8 @@ def train(args) -> dict:
     model.to(device).train()
     optimizer = adamw(model, args.lr)
     settings = {"spec": args.spec, "batch": args.batch, "seed": args.seed, "describe_share": args.describe_share}
+    if args.bf16:  # another run's numerics: a checkpoint of one does not resume the other
+        settings["autocast"] = "bfloat16"
     first_step, curve, seconds_before = 0, [], 0.0
     if args.resume:
         state = torch.load(out / CHECKPOINT_FILE, map_location=device, weights_only=False)
@@ -199,7 +204,8 @@ def train(args) -> dict:
     for step, (inputs, labels) in enumerate(loader, first_step):
         waited += time.perf_counter() - ready
         lr = warmup_cosine(step, args.lr, args.warmup, args.steps)
-        loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr)
+        loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr,
+                               torch.bfloat16 if args.bf16 else None)
         curve.append({"step": step + 1, "loss": round(loss, 5), "aux_loss": round(aux, 4), "lr": lr,
                       "seconds": round(seconds_before + time.perf_counter() - start, 1)})
         bar.update(1)
@@ -225,7 +231,8 @@ def train(args) -> dict:
         raise SystemExit(3)
     record = {"command": "python " + " ".join(sys.argv), "spec": args.spec, "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "device": args.device, "workers": args.workers,
-              "describe_share": args.describe_share, "resumed_from": first_step if args.resume else None,
+              "describe_share": args.describe_share, "autocast": "bfloat16" if args.bf16 else None,
+              "resumed_from": first_step if args.resume else None,
               "seconds": curve[-1]["seconds"], "final_loss": float(np.mean([c["loss"] for c in curve[-50:]])),
               "steps_per_second": round(len(curve) / curve[-1]["seconds"], 3) if curve[-1]["seconds"] else None,
               "data_wait_share": round(waited / (time.perf_counter() - start), 3) if len(curve) > first_step else None}

@@ -112,3 +112,15 @@ def test_pruned_evaluation_runs_the_vismmoe_rules_at_each_keep_ratio(script, tmp
     assert record["pruned"]["per_type"] == 2  # --pruned_per_type, not --eval_per_type's 1
     assert all(r["n"] == 2 * len(scenes.QUESTION_TYPES) and len(r["experts_per_layer_prefill"]) == 2
                for r in by_keep.values())
+
+
+def test_bf16_autocast_trains_and_a_float32_checkpoint_does_not_resume_it(script, tmp_path, capsys):
+    out = tmp_path / "bf16"
+    script.main(TINY + ["--out", str(out), "--steps", "2", "--eval_per_type", "0", "--bf16"])
+    record = json.loads((out / "training.json").read_text())
+    assert record["autocast"] == "bfloat16" and all(torch.isfinite(torch.tensor(losses(out))))
+    fp32 = tmp_path / "fp32"
+    script.main(TINY + ["--out", str(fp32), "--steps", "2", "--eval_per_type", "0"])
+    assert losses(fp32) != losses(out)  # the products ran in another precision
+    with pytest.raises(SystemExit, match="trained with"):
+        script.main(TINY + ["--out", str(fp32), "--steps", "3", "--eval_per_type", "0", "--resume", "--bf16"])

@@ -89,12 +89,15 @@ def warmup_cosine(step: int, lr: float, warmup: int, steps: int, progress: float
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def train_step(model, optimizer, inputs, labels, lr: float) -> tuple[float, float]:
+def train_step(model, optimizer, inputs, labels, lr: float, autocast: torch.dtype | None = None) -> tuple[float, float]:
     """One AdamW step on the answer-token loss plus the router's weighted aux loss (as the architecture computes
-    it, `output_router_logits`); gradients clipped to norm 1. Returns (loss, unweighted aux loss)."""
+    it, `output_router_logits`); gradients clipped to norm 1. `autocast`: the forward's products in that dtype
+    (torch.autocast; the weights and the optimizer stay float32). Returns (loss, unweighted aux loss)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    output = model(**inputs, labels=labels, output_router_logits=True)
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        output = model(**inputs, labels=labels, output_router_logits=True)
     optimizer.zero_grad(set_to_none=True)
     output.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
