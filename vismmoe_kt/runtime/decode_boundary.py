@@ -51,6 +51,7 @@ class DecodeBoundary:
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
+        self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
         self._names = itertools.count()
 
     @property
@@ -70,15 +71,14 @@ class DecodeBoundary:
             else:
                 # a quiet last step (every pair a hit, nothing landed) left the reservations as they were:
                 # this step runs on them, and that step is accounted in `after_step`, while this one computes
-                quiet = None if nested or self.miss is not None else self.table.quiet_records(self._offloaded_rows())
-                if quiet is None:
-                    self._account_deferred()
+                quiet = None if nested or self.miss is not None else self.table.quiet_records(self.offloaded_rows)
+                self._account_deferred()  # at most one step waits: the accounts keep the steps' order
+                if quiet is not None:
+                    self.deferred = quiet
+                else:
                     records = self.table.collect()
                     if records is not None:
                         self._account(records)
-                else:
-                    self._account_deferred()  # at most one step waits: the order of the accounts is the steps'
-                    self.deferred = quiet
             self._publish_finished_copies()
             if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
                 rt.cache.ranking = self.eviction.for_step()
@@ -91,10 +91,6 @@ class DecodeBoundary:
                 self.table.set_cpu_quota(self.miss.decode_quota(rt.store, offloaded, rt.device))
             self.armed = True
             self.on_arm()
-
-    def _offloaded_rows(self) -> list[int]:
-        rt = self.res
-        return [row for row, layer in enumerate(rt.moe_layers) if layer not in rt.pinned]
 
     def _first_offloaded(self) -> int | None:
         rt = self.res

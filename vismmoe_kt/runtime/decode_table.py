@@ -247,32 +247,35 @@ class DecodeTable:
         """The last step's records (waits for its copy, normally long done), or None if none is pending."""
         if not self._pending:
             return None
-        if self._event is not None:
-            self._event.synchronize()
+        routed, read = self._waited_records()
         self._pending = False
-        routed, read, owner = (t.tolist() for t in self._host[:3])
-        if self._read_pairs:  # a batched step: every token's pairs, in token order
-            routed, read = (t[:, :self._read_pairs].tolist() for t in self._batch_host)
+        routed, read, owner = routed.tolist(), read.tolist(), self._host[2].tolist()
         usage = self._host[3].numpy().copy()  # (L, E) array: the cache ranks with numpy (the buffer is reused)
         return StepReadback(routed, read, owner, usage)
+
+    def _waited_records(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending step's (routed, read) on the host, once its copy is done: a batched step's every
+        token's pairs in token order, else the single step's rows (views of the page-locked buffers)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if self._read_pairs:
+            return tuple(t[:, :self._read_pairs] for t in self._batch_host)
+        return self._host[0], self._host[1]
 
     def quiet_records(self, rows: list[int]) -> "QuietRecords | None":
         """The last step's records, taken without converting them, if that step changed nothing the next
         step's reservations depend on: every pair of the table's `rows` read from a slab (no host read,
-        no CPU pair) and nothing landed there. Else None, and they stay pending for `collect`. A quiet step claimed none of its
-        landing slots, so the next step can run on the same reservations while the host accounts this
-        one (DecodeBoundary defers it: the host's upkeep off the critical path)."""
+        no CPU pair) and nothing landed there. Else None, and they stay pending for `collect`. A quiet
+        step claimed none of its landing slots, so the next step can run on the same reservations while
+        the host accounts this one (DecodeBoundary defers it: the host's upkeep off the critical path)."""
         if not self._pending:
             return None
-        if self._event is not None:
-            self._event.synchronize()
-        read = self._batch_host[1][:, :self._read_pairs] if self._read_pairs else self._host[1]
+        routed, read = self._waited_records()
         # numpy on the page-locked copies: host work, no torch op a sync watcher would take for a device read.
         # Only the table's `rows` (the offloaded layers): a pinned layer reads its bank and records nothing
         if (read.numpy()[rows] < 0).any() or (self._host[2].numpy()[rows, :self.landing_slots] >= 0).any():
             return None
         self._pending = False
-        routed = self._batch_host[0][:, :self._read_pairs] if self._read_pairs else self._host[0]
         # copies: the page-locked buffers take the next step's records while these wait to be accounted
         return QuietRecords(routed.clone(), read.clone(), self._host[2].clone(), self._host[3].numpy().copy())
 
