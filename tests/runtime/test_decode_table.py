@@ -204,23 +204,39 @@ def test_decode_misses_land_and_then_hit():
     assert all((layer, e) in runtime.cache.where for layer in LAYERS for e in (1, 5))
 
 
+STORE_MEMORY = r"""
+import psutil, torch
+from vismmoe_kt.runtime.offload import OffloadRuntime
+from vismmoe_kt.runtime.offload_settings import OffloadSettings
+process = psutil.Process()
+e, h, i = 8, 1024, 1024  # 12 MiB blocks, 96 MiB layers: well above malloc's mmap threshold
+settings = OffloadSettings(expert_budget=3 * e * 3 * i * h * 4, policy="lru")
+runtime = OffloadRuntime(settings, [0, 1, 2], e, h, i, torch.float32, "cpu", top_k=2)
+start = process.memory_info().rss
+for layer in (0, 1, 2):
+    runtime.load_layer(layer, torch.ones(e, 2 * i, h), torch.ones(e, h, i))
+store = runtime.store.nbytes
+assert store == 3 * e * 3 * i * h * 4 and all(t.untyped_storage().nbytes() == store // 3
+                                               for t in runtime.store.layers.values())
+grown = process.memory_info().rss - start
+assert grown > 0.9 * store, (grown, store)
+runtime.close()
+assert runtime.store.layers == {}
+left = process.memory_info().rss - start
+assert left < 0.1 * store, (left, store)
+print("ok")
+"""
+
+
 def test_store_memory_is_exact_and_returns_after_close():
-    """The host store takes exactly its blocks (no rounding) and gives them back on close."""
-    psutil = pytest.importorskip("psutil")
-    process = psutil.Process()
-    e, h, i = 8, 1024, 1024  # 12 MiB blocks, 96 MiB layers: well above malloc's mmap threshold
-    settings = OffloadSettings(expert_budget=3 * e * 3 * i * h * 4, policy="lru")
-    runtime = OffloadRuntime(settings, [0, 1, 2], e, h, i, torch.float32, "cpu", top_k=2)
-    start = process.memory_info().rss
-    for layer in (0, 1, 2):
-        runtime.load_layer(layer, torch.ones(e, 2 * i, h), torch.ones(e, h, i))
-    store = runtime.store.nbytes
-    assert store == 3 * e * 3 * i * h * 4 and all(t.untyped_storage().nbytes() == store // 3
-                                                   for t in runtime.store.layers.values())
-    assert process.memory_info().rss - start > 0.9 * store
-    runtime.close()
-    assert runtime.store.layers == {}
-    assert process.memory_info().rss - start < 0.1 * store
+    """The host store takes exactly its blocks (no rounding) and gives them back on close. In a process of its
+    own: the resident memory of one that ran other tests depends on what their allocations left behind."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("psutil")
+    done = subprocess.run([sys.executable, "-c", STORE_MEMORY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_kernels_serve_silu_gating_only():
