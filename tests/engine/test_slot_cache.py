@@ -149,3 +149,17 @@ def test_a_step_over_slots_0_to_b_returns_views_and_others_gathered_copies():
         assert keys.data_ptr() != cache.keys[0].data_ptr()
         assert keys[:len(slots), 0, 0, 0].tolist() == [float(s) for s in slots]
         cache.abandon_step()
+
+
+def test_retract_takes_the_last_decode_step_back_in_every_layer():
+    cache = SlotKVCache(3, 2, 1, 4, 16, torch.float32, "cpu")
+    cache.keep(1, [0, 0, 0])
+    for _ in range(2):
+        cache.begin_decode([1])
+        cache.advance()
+    cache.retract([1])
+    assert [lengths[1] for lengths in cache.host_lengths] == [1, 1, 1]
+    assert cache.lengths[:, 1].tolist() == [1, 1, 1] and cache.lengths[:, 0].tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="no decoded position"):
+        cache.retract([0])
+    assert [lengths[0] for lengths in cache.host_lengths] == [0, 0, 0]  # nothing half done

@@ -17,6 +17,8 @@ Members, by who calls them:
     decode_capturable, batch_capturable
                                  whether a layer's (batched) decode forward is device work only; the
                                  expert operators answer the engine's capture question with these
+    steps_chainable              a decode step may be queued before the host has read the one before
+                                 it: the step hooks keep no host state that a step's results change
     batch_needs_exact_rows       a step of several rows looks each row's experts up in the decode
                                  table: no padding rows
     offloaded_layers             the MoE layers not pinned on the GPU, in order (prefill's pruning
@@ -46,6 +48,8 @@ class ExpertRuntime(Protocol):
     def decode_capturable(self, layer: int) -> bool: ...
 
     def batch_capturable(self, layer: int) -> bool: ...
+
+    def steps_chainable(self) -> bool: ...
 
     def batch_needs_exact_rows(self) -> bool: ...
 

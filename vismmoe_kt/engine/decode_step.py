@@ -410,6 +410,15 @@ class DecodeStep:
         self.counters.graphed_steps += self.segments is not None
         return logits[:b]
 
+    def chainable(self, sequences: int) -> bool:
+        """Whether a step of these many rows may be launched before the host has read the step before it
+        (engine/steps_ahead.py): every piece device work only, and nothing between steps on the host that
+        a step's results change (no expert-runtime upkeep, no expert-parallel group to announce it to)."""
+        runtime = self.context.offload_runtime
+        if self.context.ep_step_hooks or (runtime is not None and not runtime.steps_chainable()):
+            return False
+        return all(p.capturable if sequences == 1 else p.batch_capturable for p in self.pieces)
+
     # --- profile ------------------------------------------------------------------------------------
     def _profiled_step(self) -> torch.Tensor:
         """Eager, each piece timed to its end (a device sync after each: slower, for the breakdown)."""

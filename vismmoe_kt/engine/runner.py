@@ -11,7 +11,8 @@ slot of a SlotKVCache (slot_cache.py), and every running sequence then gets one 
 whole batch, so an expert that several rows route to is fetched once per step. A single request is a
 step of one row, through the same step and the same CUDA graphs. Requests join when a slot is free and
 leave when they finish, between steps. Greedy rows give the tokens the request gets alone, whatever ran
-beside it.
+beside it. Where every row is greedy, the next step is launched from the device's argmax before the
+host reads this one's tokens, and taken back if a row stops (steps_ahead.py).
 
 Prompts are prefilled whole, or `prefill_chunk` tokens per step; fresh whole prompts waiting together (up
 to `prefill_budget` tokens) run as one right-padded forward, their images through one vision-tower call
@@ -34,8 +35,9 @@ from .decoding import Decoding, decode_engine
 from .prefill_group import family_per_token_inputs, group_inputs, groupable, padding_token
 from .prompt_history import ImageKeys, SlotHistory, image_keys, may_continue, reusable_prefix
 from .sampling import Sampling, continuation, eos_ids, sample
-from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status
+from .scheduler import BlockPool, PrefillChunk, Scheduler, SchedulerError, Sequence, Status, StepPlan
 from .slot_cache import SlotKVCache
+from .steps_ahead import LaunchedStep, TokenReads
 
 PREFILL_BUDGET = 8192  # prompt tokens prefilled together in one step (vLLM's default max_num_batched_tokens)
 REQUEST_KEYS = itertools.count()
@@ -110,6 +112,11 @@ class ModelRunner:
         self.held: dict[int, SlotHistory] = {}
         self.reuses = self.reused_tokens = 0
         self._deltas: tuple[tuple[int, ...], torch.Tensor] | None = None  # the decode rows' M-RoPE deltas
+        # greedy steps launched one ahead of the host's read (steps_ahead.py); False: each step waits for the last
+        self.chain_steps = True
+        self.token_reads = TokenReads(max_batch, weight.device)
+        self._ahead: LaunchedStep | None = None  # the step queued for the next plan's rows
+        self.steps_ahead = self.steps_retracted = 0
 
     @property
     def idle(self) -> bool:
@@ -121,7 +128,8 @@ class ModelRunner:
         return {**self.step_fn.stats(), "prefill_chunk": self.prefill_chunk, "prefill_pieces": self.prefill_pieces,
                 "prefill_pieces_beside_decode": self.pieces_beside_decode, "prefill_groups": self.prefill_groups,
                 "grouped_prompts": self.grouped_prompts, "reused_prefixes": self.reuses,
-                "reused_tokens": self.reused_tokens}
+                "reused_tokens": self.reused_tokens, "steps_ahead": self.steps_ahead,
+                "steps_retracted": self.steps_retracted}
 
     def add(self, request: BatchRequest) -> Sequence:
         prompt = request.inputs["input_ids"]
@@ -171,6 +179,9 @@ class ModelRunner:
     def step(self) -> tuple[int, list[BatchRequest]]:
         """Run one plan: (the decode step's batch size, the requests that ended in it, cancelled ones too)."""
         plan = self.scheduler.plan()
+        if self._ahead is not None and (plan.prefills or self._ahead.ids != tuple(
+                s.id for s in sorted(plan.decode, key=lambda s: s.kv_blocks[0]))):
+            self._retract_ahead()  # the plan changed (a prompt to prefill, a cancel) before any prefill runs
         sampled: dict[int, int] = {}
         if plan.prefills:
             self.prefill_pieces += 1
@@ -184,11 +195,12 @@ class ModelRunner:
         if plan.decode:
             decode = sorted(plan.decode, key=lambda s: s.kv_blocks[0])  # rows in slot order: the cache's views
             requests = [self.requests[s.id] for s in decode]
-            last = torch.tensor([s.generated[-1] for s in decode])  # on the host: one copy into the step's buffer
-            logits = self.step_fn([s.kv_blocks[0] for s in decode], last, self._rope_deltas(decode, requests))
-            greedy = logits.argmax(dim=-1).tolist()  # one device read for every greedy row
+            step = self._ahead if self._ahead is not None else self._launch(decode, requests)
+            self._ahead = self._launch(decode, requests, step.tokens) if self._may_chain(plan, decode, requests) \
+                else None
+            greedy = step.greedy()  # one device read for every greedy row (the step ahead stays queued)
             for row, (sequence, request) in enumerate(zip(decode, requests)):
-                sampled[sequence.id] = sample(logits[row:row + 1], request.sampling) \
+                sampled[sequence.id] = sample(step.logits[row:row + 1], request.sampling) \
                     if request.sampling.do_sample else greedy[row]
         for sequence_id, token in sampled.items():
             request = self.requests[sequence_id]
@@ -197,12 +209,40 @@ class ModelRunner:
             if request.on_token is not None and request.on_token(token):
                 request.sequence.stop_requested = True  # the caller's stop: this token is its last
         self.scheduler.finish_step(plan, sampled)
+        if self._ahead is not None and any(self.requests[i].sequence.done for i in self._ahead.ids):
+            self._retract_ahead()  # a row stopped: the step launched ahead was a step too many
         ended = [r for r in self.requests.values() if r.sequence.done]
         for request in ended:
             del self.requests[request.sequence.id]
             self._parts.pop(request.sequence.id, None)
             self._keep_history(request)
         return len(plan.decode), ended
+
+    def _launch(self, decode: list[Sequence], requests: list[BatchRequest],
+                tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """The decode step of these rows queued on the device, from `tokens` on the device (a step launched
+        ahead) or else each sequence's last token from the host (one copy into the step's buffer)."""
+        if tokens is None:
+            tokens = torch.tensor([s.generated[-1] for s in decode])
+        else:
+            self.steps_ahead += 1
+        slots = [s.kv_blocks[0] for s in decode]
+        logits = self.step_fn(slots, tokens, self._rope_deltas(decode, requests))
+        return self.token_reads.launched(tuple(s.id for s in decode), slots, logits)
+
+    def _may_chain(self, plan: StepPlan, decode: list[Sequence], requests: list[BatchRequest]) -> bool:
+        """Whether to launch the next step before reading this one (steps_ahead.py): every row greedy and
+        due another token after this one, nothing to prefill next, and a step the engine can chain."""
+        scheduler = self.scheduler
+        return self.chain_steps and not plan.prefills and not (scheduler.waiting and scheduler.pool.free) \
+            and all(not r.sampling.do_sample for r in requests) \
+            and all(len(s.generated) + 1 < s.max_new_tokens and not s.cancel_requested for s in decode) \
+            and self.step_fn.chainable(len(decode))
+
+    def _retract_ahead(self) -> None:
+        self.cache.retract(self._ahead.slots)
+        self._ahead = None
+        self.steps_retracted += 1
 
     def _rope_deltas(self, decode: list[Sequence], requests: list[BatchRequest]) -> torch.Tensor:
         """The decode rows' M-RoPE deltas on the device, made again only when the rows change."""

@@ -198,6 +198,17 @@ class SlotKVCache:
         their sequences fail with it and release their slots)."""
         self.active, self._active_host = None, []
 
+    def retract(self, slots: list[int]) -> None:
+        """Take back the last decode step of these slots (a step launched ahead that a stop made one too
+        many, engine/steps_ahead.py): each layer's length one position back. The key and value it wrote
+        lie past the length, and the next step there writes over them."""
+        if any(lengths[s] < 1 for lengths in self.host_lengths for s in slots):
+            raise ValueError(f"slots {slots} have no decoded position to take back")
+        for lengths in self.host_lengths:
+            for s in slots:
+                lengths[s] -= 1
+        self.lengths[:, torch.tensor(slots, device=self.device)] -= 1
+
     def advance_on_host(self) -> None:
         for lengths in self.host_lengths:
             for s in self._active_host:

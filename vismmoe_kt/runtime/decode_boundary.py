@@ -61,6 +61,13 @@ class DecodeBoundary:
     # --- the hooks ---------------------------------------------------------------------------------
     def before_step(self) -> None:
         rt = self.res
+        if not self.offloaded_rows:  # every layer pinned: nothing to account, reserve or land, only the table to arm
+            if self.stale:         # (and no read of the step before: the engine may queue steps back to back)
+                with rt.lock:
+                    self._enter()
+            self.armed = True
+            self.on_arm()
+            return
         with rt.lock:
             nested = self.armed
             if nested:  # a step ran without its `after` (the graph self-check nests a second
@@ -99,6 +106,8 @@ class DecodeBoundary:
     def after_step(self) -> None:
         self.armed = False
         self.on_arm()
+        if not self.offloaded_rows:
+            return
         self.table.readback()
         with self.res.lock:  # the step is on its way on the device: the host's bookkeeping of the one before
             self._account_deferred()

@@ -20,6 +20,13 @@ class EngineQueries:
     visual_summary: torch.Tensor | None
     batch_table: bool  # OffloadRuntime's property
 
+    def steps_chainable(self) -> bool:
+        """A decode step may be queued before the host reads the one before it. The step hooks still run
+        in the steps' order (the table's upkeep before a step reads the records of the one before, which
+        waits for that step alone, never for the step's tokens), so the cache sees the same steps; a step
+        the engine takes back (a row stopped) stays in the counters and what it landed stays resident."""
+        return True
+
     def batch_needs_exact_rows(self) -> bool:
         """A batched step runs as exactly its rows, no padding: offloaded layers look each row's experts
         up in the table, and a padding row would fetch experts nobody asked for."""
