@@ -332,3 +332,50 @@ def test_a_quiet_steps_accounting_waits_for_the_next_step_and_changes_nothing(po
     assert deferred[1:4] == each_step[1:4]
     assert sum(c[3] for c in deferred[1]) > 0 and sum(c[2] for c in deferred[1]) > 0  # steps missed and hit
     assert deferred[4] < each_step[4]  # quiet steps ran on the reservations they found
+
+
+@pytest.mark.parametrize("decode_cpu", [True, False])
+def test_a_plan_that_leaves_the_cpu_to_prefill_decodes_its_misses_over_the_host_reads(monkeypatch, decode_cpu):
+    """miss_policy cpu: prefill's misses go to the CPU backend either way; decode's go there only where the plan's
+    decode has a CPU share (a backend that cannot run inside a CUDA stream has none: forced here, on the CPU
+    device, through the plan). Without it no decode step calls the backend, the quota stays zero, the step is the
+    variant without the CPU's calls, and its misses are read from the host store; outputs are the reference's."""
+    from dataclasses import replace
+
+    from vismmoe_kt.runtime import offload
+
+    resolve = offload.resolve_plan
+    monkeypatch.setattr(offload, "resolve_plan", lambda *args: (lambda plan: replace(
+        plan, decode_cpu=plan.decode_cpu and decode_cpu))(resolve(*args)))
+    torch.manual_seed(0)
+    runtime = OffloadRuntime(OffloadSettings(expert_budget=2 * E * 3 * I * H * 4, policy="lru", miss_policy="cpu"),
+                             LAYERS, E, H, I, torch.float32, "cpu", top_k=K)
+    weights = {layer: (torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4) for layer in LAYERS}
+    for layer in LAYERS:
+        runtime.load_layer(layer, *weights[layer])
+    assert runtime.enable_table(torch.nn.SiLU()) and runtime.plan.decode_cpu == decode_cpu
+    calls = []
+    submit = runtime.cpu.submit
+    runtime.cpu.submit = lambda layer, *args: (calls.append((runtime.phase, layer)), submit(layer, *args))[1]
+    rng, act, variants = random.Random(0), torch.nn.SiLU(), set()
+    with torch.no_grad():
+        for tokens in (3, 1, 1, 1, 3, 1):  # a prefill, decode steps, another prefill, a decode step
+            if tokens == 1:
+                runtime.before_step()
+                variants.add(runtime.graph_variant())  # what the step's capture is filed under
+            for layer in LAYERS:
+                hidden = torch.randn(tokens, H)
+                ids, w = torch.tensor([rng.sample(range(E), K) for _ in range(tokens)]), torch.rand(tokens, K)
+                out = runtime.run_layer(layer, hidden, ids, w, act)
+                torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+            if tokens == 1:
+                runtime.after_step()
+        runtime.before_step()  # the boundary accounts the last step
+        runtime.after_step()
+    decode = list(runtime.counters["decode"].values())
+    assert any(phase == "prefill" for phase, _ in calls) and sum(c.cpu for c in runtime.counters["prefill"].values())
+    assert any(phase == "decode" for phase, _ in calls) == decode_cpu
+    assert (sum(c.cpu for c in decode) > 0) == decode_cpu and (sum(c.misses for c in decode) > 0) != decode_cpu
+    assert (runtime.copy_counters["decode"].bytes_host_reads > 0) != decode_cpu
+    assert (runtime.boundary.miss is not None) == decode_cpu and any(runtime.table.cpu_quota.tolist()) == decode_cpu
+    assert variants == {decode_cpu}

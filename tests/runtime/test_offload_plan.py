@@ -73,7 +73,7 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
             assert quantized_store and miss_policy == "wait" and not lookahead and tiles
         elif slab_format == "auto":
             assert not (quantized_store and miss_policy == "wait" and not lookahead and tiles)
-        assert plan.hybrid == (miss_policy != "wait")
+        assert plan.hybrid == (miss_policy != "wait") and plan.decode_cpu == plan.hybrid  # on the CPU: decode's too
         assert plan.table_decode is not None  # on the CPU, every valid combination decodes through the table
         assert plan.batch_table == (not plan.hybrid and not lookahead)
         assert set(plan.why) == {"store", "slabs", "pinned", "decode", "batch", "eviction"}
@@ -139,3 +139,52 @@ def test_the_runtime_summary_carries_the_plan_and_stats_print_it():
     entry = {"count": 3, "pinned_layers": 1, "slabs": runtime.num_slabs, "fetches": 0, "evictions": 0, "plan": plan}
     text = format_stats({"torch_threads": 1, "operators": {"VisExperts": entry}})
     assert "offload plan:\n    store: q8_0 (given)" in text and "plan=" not in text
+
+
+def hybrid_plan(device, cpu_streams, cpu_backend="torch"):
+    """The default rule file's hybrid (miss_policy auto, eviction auto) with the activation known: one pinned
+    layer, four slabs for the two offloaded layers' eight experts."""
+    layer = 4 * 3 * 256 * 256 * 2
+    settings = OffloadSettings(expert_budget=2 * layer, pinned_layers=1, miss_policy="auto", cpu_backend=cpu_backend,
+                               eviction="auto")
+    facts = PlanFacts(3, 4, 256, 256, 2, torch.bfloat16, table_kernels=True, expert_major_kernels=True,
+                      quantized_major_kernels=True, cpu_streams=cpu_streams)
+    plan = resolve_plan(settings, facts, device)
+    assert plan.num_slabs == 4 and plan.pinned_depth == 1
+    return plan
+
+
+def test_a_cpu_backend_that_cannot_run_in_a_cuda_stream_serves_prefill_and_decode_fetches_through_the_table():
+    """cpu_backend torch on CUDA: the hybrid stays for prefill; decode reads through the table (one graph a
+    step) with its misses over PCIe, as under wait, so `eviction: auto` reaches its trial and a batched step's
+    offloaded layers take the table."""
+    plan = hybrid_plan("cuda", cpu_streams=False)
+    assert plan.hybrid and not plan.decode_cpu  # prefill's misses may go to the CPU, decode's not
+    assert plan.table_decode == "slabs" and plan.table_kernels
+    assert "misses in decode go over PCIe" in plan.why["decode"] and "cannot run inside a CUDA stream" in \
+        plan.why["decode"] and "it serves prefill" in plan.why["decode"]
+    assert plan.eviction == "auto" and "time lru against vismmoe" in plan.why["eviction"]
+    assert plan.batch_offloaded == "table" and plan.batch_table
+    lines = plan.describe()
+    assert lines[3] == "misses: hybrid, auto in prefill, fetched in decode"
+    assert lines[4].startswith("decode: table (slabs, Triton kernels)") and "over PCIe" in lines[4]
+
+
+@pytest.mark.parametrize("device, cpu_streams", [("cuda", True), ("cpu", False), ("cpu", True)])
+def test_a_cpu_backend_that_runs_inside_the_step_keeps_decodes_cpu_share(device, cpu_streams):
+    """kt-kernel's in-stream calls on CUDA, and any backend on the CPU device: decode's misses may go to the CPU
+    inside the table step, as before (the batched step's offloaded layers on the placement path)."""
+    plan = hybrid_plan(device, cpu_streams, "kt-kernel" if cpu_streams else "torch")
+    assert plan.hybrid and plan.decode_cpu and plan.table_decode == "slabs"
+    assert "PCIe" not in plan.why["decode"] and plan.batch_offloaded == "placement"
+    assert plan.eviction == ("auto" if device == "cuda" else "vismmoe")
+    assert plan.describe()[3] == "misses: hybrid, auto"
+
+
+def test_without_table_decode_the_placement_paths_decode_keeps_the_cpu():
+    """No Triton kernels on CUDA: decode on the placement path, whose misses the hybrid still splits."""
+    layer = 4 * 3 * 256 * 256 * 2
+    settings = OffloadSettings(expert_budget=2 * layer, pinned_layers=1, miss_policy="auto", eviction="auto")
+    plan = resolve_plan(settings, PlanFacts(3, 4, 256, 256, 2, torch.bfloat16, table_kernels=False), "cuda")
+    assert plan.table_decode is None and plan.hybrid and plan.decode_cpu and plan.batch_offloaded == "placement"
+    assert "PCIe" not in plan.why["decode"] and plan.eviction == "vismmoe"

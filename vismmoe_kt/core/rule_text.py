@@ -78,8 +78,9 @@ def _description(facts: PlacementFacts, placement: str) -> str:
               "layer needs that are not on the GPU, a split by a cost model measured at start-up: fetch some, run the "
               "others' tokens on the CPU backend, the copies and the CPU work overlapping each other and the GPU's "
               "hits. cpu_backend torch reads the page-locked expert store in place (no second host copy of the "
-              "experts) but waits on the host, so on a GPU decode leaves the one-graph table step; kt-kernel keeps "
-              "its own copy (cpu_dtype int8: half the store's size) and runs inside the step: --set "
+              "experts) but waits on the host, so on a GPU it serves prefill and decode's misses go over PCIe (the "
+              "one-graph table step, as under miss_policy wait); kt-kernel keeps its own copy (cpu_dtype int8: half "
+              "the store's size) and runs inside the step, in decode too: --set "
               f"cpu_backend=kt-kernel --set cpu_dtype=int8. expert_budget is all GPU memory for the {experts}: "
               f"{facts.budget_note}.{vision_runtime}")
     if placement == "gpu":

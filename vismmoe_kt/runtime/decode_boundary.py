@@ -16,7 +16,8 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                        and prefetches plus SPARE slabs (at most the table's R), victims chosen by the
                        cache's ranking and dropped from the table first; the ranking is the
                        eviction choice's for this step (fixed, or `auto`'s trial: eviction.py)
-                    5. hybrid mode: how many of a layer's misses the CPU computes, per miss count
+                    5. hybrid mode (where decode has a CPU share: offload_plan._decode_cpu): how many
+                       of a layer's misses the CPU computes, per miss count
                        (the cost model's split, kept while steps measure faster with it: QuotaTrial)
 
 It talks to the Residency (the cache, the table, the transfers, the counters) and, through the
@@ -41,7 +42,8 @@ SPARE = 2  # landing slots beyond the layer's last miss count: room for a change
 class DecodeBoundary:
     def __init__(self, residency: Any, miss: Any = None, on_enter: Callable[[], None] = lambda: None,
                  on_arm: Callable[[], None] = lambda: None, eviction: Any = None):
-        """`miss`: the hybrid's MissPolicy (None without a CPU miss path); `on_enter`: decode starts;
+        """`miss`: the hybrid's MissPolicy (None where decode has no CPU share: miss_policy wait, or a CPU
+        backend that cannot run inside the step, which then serves prefill only); `on_enter`: decode starts;
         `on_arm`: a table step is armed (before it) or over (after it): the runtime binds its executor again;
         `eviction`: the ranking for each step (eviction.py: FixedEviction or EvictionTrial; None: the cache's)."""
         self.res, self.miss, self.on_enter, self.on_arm = residency, miss, on_enter, on_arm

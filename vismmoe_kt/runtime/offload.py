@@ -87,8 +87,8 @@ class OffloadRuntime(EngineQueries):
         self.visual_summary: torch.Tensor | None = None  # h_v, set by the text model's forward at each image prefill
         # the prefetch policies' `prefetch(items)`: nothing to fill without slabs
         self.prefetch = self._queue_prefetch if res.num_slabs else _ignore_prefetch
-        self.boundary = DecodeBoundary(res, self.miss if self.cpu is not None else None, self.prepare_lookahead,
-                                       self._armed)
+        # its miss policy: the plan's for decode (_build_executors)
+        self.boundary = DecodeBoundary(res, None, self.prepare_lookahead, self._armed)
         self.step_lookahead = StepLookahead(res, lookahead) if lookahead is not None else None
         self.cpu_join = TableCpuJoin(res, self.cpu) if self.cpu is not None else None
         self._batch = False         # inside a decode step of several rows
@@ -111,9 +111,12 @@ class OffloadRuntime(EngineQueries):
         if getattr(self.boundary.eviction, "eviction", None) != plan.eviction:  # a trial under way stays
             self.boundary.eviction = eviction_choice(plan.eviction, plan.why["eviction"])
             res.cache.ranking = self.boundary.eviction.current
+        # decode's CPU share (the boundary's quota, the table step's join) only where the plan's decode has one;
+        # the placement path (prefill) keeps the miss policy either way
+        self.boundary.miss = self.miss if plan.decode_cpu else None
         placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
-                                  self.cpu_join) if plan.table_decode else None
+                                  self.cpu_join if plan.decode_cpu else None) if plan.table_decode else None
         eager_batch = BatchStepExecutor(res, plan, placement)
         self._arm_table = table.bind_step if table else _nothing  # the CPU pairs' layers, or those without
         self._executors = {(False, False): placement, (False, True): table or placement,
@@ -207,8 +210,8 @@ class OffloadRuntime(EngineQueries):
         """What a captured decode step depends on beyond its tensors (read after `before_step`):
         whether the hybrid mode's CPU calls are in it. A layer's CPU call costs two host functions and
         four small copies even when it has no CPU pairs, so while the cost model sends no miss to the
-        CPU the step is one captured without them."""
-        return self.table_enabled and self.cpu is not None and self.table.cpu_active
+        CPU the step is one captured without them (always, where the plan's decode leaves the CPU to prefill)."""
+        return self.table_enabled and self.plan.decode_cpu and self.table.cpu_active
 
     def decode_capturable(self, layer: int) -> bool:
         """Whether this layer's decode forward is device work only (a CUDA graph can hold it): every

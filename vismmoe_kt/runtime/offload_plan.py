@@ -2,12 +2,13 @@
 
 The runtime (offload.py) builds what the plan says and nothing else decides a mode afterwards: the
 store's format, the slabs' format and count, the pinned depth, the decode executor (table decode and
-its variant, or the placement path), the batched step's executors and the hybrid CPU path. Facts are
+its variant, or the placement path), the batched step's executors and where the hybrid CPU path serves
+(prefill, and decode only where the backend's calls can run inside the table step). Facts are
 what the settings cannot say: the model's shapes, the checkpoint's expert format (a GGUF's, where the
 operator reads one), whether a lookahead predictor runs in decode, and, once the operator knows the
 activation (`enable_table`), whether the Triton kernels serve this dtype and activation on this device
-and whether the hybrid's CPU backend can run inside a CUDA stream. Given those, the function is pure
-(its pinned-depth choice is logged). Options that cannot go together: offload_compat.py.
+and whether the hybrid's CPU backend can run inside a CUDA stream (if not, decode leaves it to prefill).
+Given those, the function is pure (its pinned-depth choice is logged). Options that cannot go together: offload_compat.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class OffloadPlan:
     layer_bytes: int            # one pinned layer's bytes (the model's dtype)
     depth: DepthChoice          # the pinned prefix and why
     num_slabs: int
-    hybrid: bool                # misses may go to the CPU backend (miss_policy cpu or auto)
+    hybrid: bool                # prefill's misses may go to the CPU backend (miss_policy cpu or auto)
+    decode_cpu: bool            # decode's too: hybrid, and table decode's CPU calls run inside its step (any backend
+                                # on the CPU, kt-kernel's in-stream calls on CUDA), or no table decode (the placement
+                                # path's). False: table decode reads its misses over PCIe, as under wait
     lookahead: bool
     table_kernels: bool         # the Triton kernels run the decode and batched executors (CUDA)
     table_decode: str | None    # a lean decode step's executor: slabs | dequantize-into-slabs | quantized-slabs;
@@ -82,11 +86,12 @@ class OffloadPlan:
         slabs = "quantized" if self.quantized_slabs else "dequantized"
         decode = f"table ({self.table_decode}{', Triton kernels' if self.table_kernels else ''})" \
             if self.table_decode else "placement path"
+        misses = "fetched (wait)" if not self.hybrid else f"hybrid, {self.settings.miss_policy}" + \
+            ("" if self.decode_cpu else " in prefill, fetched in decode")
         return [f"store: {self.store_format} ({self.why['store']})",
                 f"slabs: {self.num_slabs} {slabs} of {human_bytes(self.slab_bytes)} ({self.why['slabs']})",
                 f"pinned: {self.pinned_depth} layer(s) ({self.why['pinned']})",
-                f"misses: {'hybrid, ' + self.settings.miss_policy if self.hybrid else 'fetched (wait)'}"
-                f"{', lookahead predictor' if self.lookahead else ''}",
+                f"misses: {misses}{', lookahead predictor' if self.lookahead else ''}",
                 f"decode: {decode} ({self.why['decode']})",
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
                 f"({self.why['batch']})",
@@ -157,10 +162,11 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     hybrid = settings.miss_policy != "wait"
     why = {"store": store_why, "slabs": slabs_why, "pinned": depth.reason}
     kernels = device.type == "cuda" and bool(facts.table_kernels)
-    table_decode = _table_decode(settings, facts, device, hybrid, quantized_slabs, quantized_store, kernels, why)
+    table_decode = _table_decode(settings, facts, device, quantized_slabs, quantized_store, kernels, why)
+    decode_cpu = _decode_cpu(settings, facts, device, hybrid, table_decode, why)
     batch_pinned = {"auto": "table-then-expert-major" if kernels else "grouped-gemm",
                     "table": "table" if kernels else "grouped-gemm"}.get(settings.batch_experts, settings.batch_experts)
-    if table_decode is None or hybrid or facts.lookahead:  # both run per token: the placement path serves them
+    if table_decode is None or decode_cpu or facts.lookahead:  # both run per token: the placement path serves them
         batch_offloaded = "placement"
     elif quantized_slabs and settings.batch_experts in ("auto", "expert-major"):
         batch_offloaded = "quantized-expert-major"
@@ -169,8 +175,9 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     why["batch"] = f"batch_experts {settings.batch_experts}" + ("" if kernels else ", no Triton kernels")
     eviction, why["eviction"] = _eviction(settings, num_slabs, offloaded * facts.num_experts, table_decode, device)
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
-                       facts.lookahead, kernels, table_decode, batch_pinned, kernels and facts.expert_major_kernels,
-                       batch_offloaded, kernels and facts.quantized_major_kernels, eviction, why)
+                       decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
+                       kernels and facts.expert_major_kernels, batch_offloaded,
+                       kernels and facts.quantized_major_kernels, eviction, why)
 
 
 def _eviction(settings: OffloadSettings, num_slabs: int, offloaded_experts: int, table_decode: str | None,
@@ -190,23 +197,36 @@ def _eviction(settings: OffloadSettings, num_slabs: int, offloaded_experts: int,
     return "auto", "auto: the first decode steps time lru against vismmoe and keep the faster, a tie lru"
 
 
-def _table_decode(settings: OffloadSettings, facts: PlanFacts, device: torch.device, hybrid: bool,
-                  quantized_slabs: bool, quantized_store: bool, kernels: bool, why: dict[str, str]) -> str | None:
-    """Lean decode reads experts through the table where it can: the hybrid CPU path only where its
-    calls can run inside the step (kt-kernel's in-stream calls on CUDA, any backend on the CPU), not a
-    prefetch policy with per-layer host logic unless a device lookahead stands in for it in decode, and
-    on CUDA only where the Triton kernels serve the dtype and activation."""
+def _table_decode(settings: OffloadSettings, facts: PlanFacts, device: torch.device, quantized_slabs: bool,
+                  quantized_store: bool, kernels: bool, why: dict[str, str]) -> str | None:
+    """Lean decode reads experts through the table where it can: not a prefetch policy with per-layer
+    host logic unless a device lookahead stands in for it in decode, and on CUDA only where the Triton
+    kernels serve the dtype and activation. The hybrid's CPU backend never refuses it (_decode_cpu)."""
     on_cuda = device.type == "cuda"
     reasons = [reason for reason, fails in (
         ("not enabled (no activation known yet)", facts.table_kernels is None),
         ("the prefetch policy has host work per layer", not (facts.prefetch_capturable or facts.lookahead)),
-        ("the CPU backend cannot run inside a CUDA stream", hybrid and on_cuda and not facts.cpu_streams),
         ("no Triton kernels for this dtype and activation", on_cuda and not kernels)) if fails]
     if reasons:
         why["decode"] = "; ".join(reasons)
         return None
     why["decode"] = "each layer reads its experts where they lie: one graph per step"
     return "quantized-slabs" if quantized_slabs else "dequantize-into-slabs" if quantized_store else "slabs"
+
+
+def _decode_cpu(settings: OffloadSettings, facts: PlanFacts, device: torch.device, hybrid: bool,
+                table_decode: str | None, why: dict[str, str]) -> bool:
+    """Whether decode's misses may go to the hybrid's CPU backend. A table step holds the CPU's calls only
+    where they run inside it (on the CPU, or kt-kernel's in-stream calls on CUDA). A backend that waits
+    on the host (torch) would take decode off the one-graph step onto per-layer host reads, to save
+    misses that PCIe reads faster than the CPU computes them even inside the step (BENCHMARKS.md,
+    hybrid mode): there decode fetches as under wait and the backend serves prefill. Without table
+    decode the placement path's decode keeps the hybrid's split."""
+    if not hybrid or table_decode is None or device.type != "cuda" or facts.cpu_streams:
+        return hybrid
+    why["decode"] += (f"; misses in decode go over PCIe: the CPU backend (cpu_backend {settings.cpu_backend}) "
+                      "cannot run inside a CUDA stream; it serves prefill")
+    return False
 
 
 def built_backend_check(plan: OffloadPlan, backend_name: str | None) -> None:
