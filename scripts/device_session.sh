@@ -82,6 +82,9 @@
 #                                                   at 16 GiB; --kernels) on the code in DIR (a `git archive` of an earlier
 #                                                   commit, carried, e.g. .scratch/before) and on this tree, one call: before/after
 #                                                   (COMPARE_TIMEOUT seconds a side, default 260)
+#   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
+#                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
+#                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
 #   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
 #                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
 #   bash scripts/device_session.sh routing          #46: trains the routing-study model (routing-12x64) in /tmp/routing (on
@@ -285,6 +288,17 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                   --configs ${COMPARE_CONFIGS:-"$RESIDENT" offload:expert_budget=16GiB,store_dtype=q4_k} | tee "$OUT/$name.txt") || true
                rm -f "$OUT/$name"/trace-*
              done ;;
+    defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
+              for px in "${@:-448}"; do
+                [[ $px =~ ^[0-9]+$ ]] || break
+                shift || true
+                timeout ${DEFAULTS_TIMEOUT:-280} python3 -m benchmarks.decode_bench --out "$OUT/defaults$px" --layers 48 \
+                  --reps 2 --image_size "$px" --decode_tokens ${DEFAULTS_TOKENS:-128} --routing synthetic \
+                  --configs ${DEFAULTS_CONFIGS:-vismmoe:expert_budget=16GiB lru:expert_budget=16GiB \
+                    vismmoe:expert_budget=32GiB lru:expert_budget=32GiB vismmoe:expert_budget=6GiB,store_dtype=q4_k \
+                    lru:expert_budget=6GiB,store_dtype=q4_k} | tee "$OUT/defaults$px.txt" || true
+                rows_up "$OUT/defaults$px"
+              done ;;
     hosttrace) shift
                timeout 240 python3 -m benchmarks.decode_bench --out "$OUT/hosttrace" --layers 48 --reps 1 --image_size 448 \
                  --decode_tokens 16 --routing synthetic --kernels --configs "$RESIDENT" | tee "$OUT/hosttrace.txt" || true

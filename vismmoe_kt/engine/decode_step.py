@@ -411,9 +411,8 @@ class DecodeStep:
         return logits[:b]
 
     def chainable(self, sequences: int) -> bool:
-        """Whether a step of these many rows may be launched before the host has read the step before it
-        (engine/steps_ahead.py): every piece device work only, and nothing between steps on the host that
-        a step's results change (no expert-runtime upkeep, no expert-parallel group to announce it to)."""
+        """Whether a step of these many rows may be queued before the host reads the one before it
+        (steps_ahead.py): every piece device work only, no expert-parallel group to tell of steps."""
         runtime = self.context.offload_runtime
         if self.context.ep_step_hooks or (runtime is not None and not runtime.steps_chainable()):
             return False
