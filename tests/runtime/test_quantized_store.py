@@ -152,7 +152,7 @@ def test_what_the_q8_store_cannot_do_yet_is_a_clear_error(case, tmp_path):
     model_dir, _, _ = case
     with pytest.raises(RuleError, match="store_dtype q8_0 with the hybrid mode needs cpu_backend: kt-kernel"):
         load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q8_0",
-             keep_ratio=1.0, **CPU)
+             miss_policy="cpu", keep_ratio=1.0, **CPU)  # auto fetches them instead (test_offload_plan.py)
     with pytest.raises(RuleError, match="store_dtype 'q4' is not one of: auto, model, q8_0, q4_0, q4_k, q5_k"):
         load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=2 * LAYER_BYTES, store_dtype="q4", **CPU)
     odd = save_tiny_model(tmp_path / "odd", "tiny-4x16", seed=0)  # intermediate 48: not whole Q8_0 blocks

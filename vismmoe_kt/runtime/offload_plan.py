@@ -86,7 +86,7 @@ class OffloadPlan:
         slabs = "quantized" if self.quantized_slabs else "dequantized"
         decode = f"table ({self.table_decode}{', Triton kernels' if self.table_kernels else ''})" \
             if self.table_decode else "placement path"
-        misses = "fetched (wait)" if not self.hybrid else f"hybrid, {self.settings.miss_policy}" + \
+        misses = f"fetched (wait{', ' + self.why['misses'] if self.why.get('misses') else ''})" if not self.hybrid else f"hybrid, {self.settings.miss_policy}" + \
             ("" if self.decode_cpu else " in prefill, fetched in decode")
         return [f"store: {self.store_format} ({self.why['store']})",
                 f"slabs: {self.num_slabs} {slabs} of {human_bytes(self.slab_bytes)} ({self.why['slabs']})",
@@ -132,6 +132,9 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     layer_bytes = facts.num_experts * sizing.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
     budget = resolve_budget(settings.expert_budget, facts.moe_layers * layer_bytes)  # a share ("30%") -> bytes
     quantized_store, tiles = sizing.quantized, facts.hidden % 256 == 0 and facts.inter % 256 == 0
+    misses_why = _auto_misses(settings, quantized_store)
+    if misses_why:
+        settings = replace(settings, miss_policy="wait")
     check({"slab_format": settings.slab_format, "store_dtype": settings.store_dtype,  # as given (auto stays auto)
            "miss_policy": settings.miss_policy, "cpu_dtype": settings.cpu_dtype, "cpu_backend": settings.cpu_backend,
            "store": "quantized" if quantized_store else "model", "store_format": store_format,
@@ -160,7 +163,7 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
             f"{n_pinned} pinned layer(s); at least one layer's {facts.num_experts} experts must fit "
             f"(minimum {human_bytes(n_pinned * layer_bytes + layer_bytes)})")
     hybrid = settings.miss_policy != "wait"
-    why = {"store": store_why, "slabs": slabs_why, "pinned": depth.reason}
+    why = {"store": store_why, "slabs": slabs_why, "pinned": depth.reason, "misses": misses_why}
     kernels = device.type == "cuda" and bool(facts.table_kernels)
     table_decode = _table_decode(settings, facts, device, quantized_slabs, quantized_store, kernels, why)
     decode_cpu = _decode_cpu(settings, facts, device, hybrid, table_decode, why)
@@ -178,6 +181,16 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, why)
+
+
+def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:
+    """Why `miss_policy: auto` fetches every miss (empty: it does not): the torch CPU backend computes on
+    the store's blocks in place, and a quantized store's blocks are quantized bytes. A GGUF's Q4_K experts
+    under the default rules then run as under wait instead of stopping; `cpu` asked for stays an error
+    (offload_compat.py), as does kt-kernel's own choice of the backend."""
+    if settings.miss_policy == "auto" and quantized_store and settings.cpu_backend == "torch":
+        return "auto: the torch CPU backend cannot compute on a quantized store's blocks (cpu_backend kt-kernel can)"
+    return ""
 
 
 def _eviction(settings: OffloadSettings, num_slabs: int, offloaded_experts: int, table_decode: str | None,
