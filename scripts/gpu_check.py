@@ -330,7 +330,38 @@ def check_stores(out: str | None) -> int:
                "decode_store_bytes": misses, "lean": {k: v for k, v in lean.items() if k.startswith("decode_")}}
         results.append(row)
         print(json.dumps(row), flush=True)
+    ok &= check_settled(model_dir, spec, layer, image, results)
     return finish(results, ok, out)
+
+
+def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
+    """Q4_K slabs for every offloaded expert, all landed: decode starts settled (its steps read the slabs
+    straight from the table, the GEMVs looking each pair's slab up themselves); greedy tokens equal the
+    CPU twin's, nothing read from the host."""
+    block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt="q4_k").block_bytes
+    runs = {}
+    for device in ("cpu", "cuda:0"):
+        model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, store_dtype="q4_k",
+                                slab_format="quantized", expert_budget=layer + (2 * spec.experts + 2) * block,
+                                pinned_layers=1, generate_device=device, prefill_device=device)
+        runtime = model.vismmoe.context.offload_runtime
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
+        with torch.inference_mode():
+            generate(model, inputs, 8)
+            with runtime.lock:  # whatever the first answer did not route to
+                runtime.boundary.leave()
+                runtime.transfers.fetch([(l, e) for l in runtime.offloaded_layers() for e in range(runtime.num_experts)
+                                         if (l, e) not in runtime.cache.where])
+            runtime.transfers.wait_for(range(runtime.num_slabs))
+            reads = runtime.summary()["bytes_host_reads_decode"]
+            tokens = generate(model, inputs, 8).cpu()
+        runs[device] = tokens, runtime.table.settled, runtime.summary()["bytes_host_reads_decode"] - reads
+    (cpu_tokens, _, _), (tokens, settled, reads) = runs["cpu"], runs["cuda:0"]
+    row = {"store": "q4_k", "slabs": "quantized, every offloaded expert (settled)", "settled": settled,
+           "greedy_tokens_equal": torch.equal(tokens, cpu_tokens), "decode_host_read_bytes": reads}
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    return settled and row["greedy_tokens_equal"] and reads == 0
 
 
 def finish(results: list[dict], ok: bool, out: str | None) -> int:

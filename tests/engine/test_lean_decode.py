@@ -631,7 +631,7 @@ def test_a_measured_quota_alternates_captured_variants_and_each_replays_what_it_
     stats = engine.stats()
     assert stats["segments_captured"] == 2 and stats["check_failures"] == 0 and stats["graphed_steps"] == stats["steps"]
     assert len(asked) == stats["steps"]  # once per step: the self-checks' nested steps do not ask again
-    assert set(KeyedReplay.seen) == {True, False}  # both variants replayed, each under its own key
+    assert set(KeyedReplay.seen) == {"cpu pairs", ""}  # both variants replayed, each under its own key
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -660,3 +660,48 @@ def test_lookahead_stride_runs_the_predictor_at_every_sth_layer(case, tmp_path, 
         load(model_dir, "optimize_rules/qwen3vl-offload.yaml", prefetch_stride=3, **kwargs)
     with pytest.raises(RuleError, match="prefetch_stride must be a whole number >= 1"):
         load(model_dir, "optimize_rules/qwen3vl-offload.yaml", prefetch_stride=0, **kwargs)
+
+
+def test_a_budget_for_every_expert_fills_the_slabs_and_decodes_settled_in_its_own_graph(case):
+    """A budget that holds every offloaded expert: the plan fills the slabs, so as decode first starts the
+    experts no prompt routed to are copied in (once), and decode is settled from its first step: its steps
+    (a graph of their own: no lookup, staging or records) give the reference's tokens, count every pair a
+    hit and read nothing from the host."""
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(5), pinned_layers=1,
+                    graphs="replay", **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    offloaded = runtime.offloaded_layers()
+    assert offloaded and runtime.num_slabs >= len(offloaded) * runtime.num_experts
+    assert runtime.plan.fill_slabs and any(line.startswith("fill: ") for line in runtime.plan.describe())
+    variants = []
+    before = runtime.before_step
+    runtime.before_step = lambda: (before(), variants.append(runtime.graph_variant()))[0]
+    with torch.no_grad():
+        for run in range(2):  # the first run fills; the second finds nothing cold
+            hits = sum(c.hits for c in runtime.counters["decode"].values())
+            tokens = generate(model, inputs, TOKENS)
+            assert torch.equal(tokens, expected)
+            assert variants and set(variants) == {"settled"}
+            assert len(runtime.cache.where) == len(offloaded) * runtime.num_experts
+            # every pair of every step a hit (the capture's self-check runs its step a second time, counted too)
+            counted = sum(c.hits for c in runtime.counters["decode"].values()) - hits
+            assert counted % (len(offloaded) * runtime.top_k) == 0
+            assert counted >= len(variants) * len(offloaded) * runtime.top_k
+            variants.clear()
+    assert sum(c.misses + c.late for c in runtime.counters["decode"].values()) == 0
+    assert runtime.summary()["bytes_host_reads_decode"] == 0 and runtime.summary()["decode_settled"]
+    stats = decoder_of(model).stats()
+    assert stats["decode_check_failures"] == 0 and stats["decode_check_max_difference"] == 0.0
+
+
+def test_a_budget_short_of_every_expert_does_not_fill(case):
+    """One slab short of every offloaded expert: nothing is filled, decode's misses read the host as before."""
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2.5), pinned_layers=1,
+                    graphs="replay", **CPU)
+    runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+    assert runtime.num_slabs < len(runtime.offloaded_layers()) * runtime.num_experts and not runtime.plan.fill_slabs
+    with torch.no_grad():
+        assert torch.equal(generate(model, inputs, TOKENS), expected)
+    assert not runtime.summary()["decode_settled"]

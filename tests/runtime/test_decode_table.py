@@ -378,4 +378,57 @@ def test_a_plan_that_leaves_the_cpu_to_prefill_decodes_its_misses_over_the_host_
     assert (sum(c.cpu for c in decode) > 0) == decode_cpu and (sum(c.misses for c in decode) > 0) != decode_cpu
     assert (runtime.copy_counters["decode"].bytes_host_reads > 0) != decode_cpu
     assert (runtime.boundary.miss is not None) == decode_cpu and any(runtime.table.cpu_quota.tolist()) == decode_cpu
-    assert variants == {decode_cpu}
+    assert variants == {"cpu pairs" if decode_cpu else ""}
+
+
+@pytest.mark.parametrize("cold,fill", [(0, True), (1, True), (1, False)])
+def test_a_settled_table_skips_the_upkeep_and_counts_the_same(cold, fill):
+    """Every offloaded expert in a resident slab as decode starts: no step can miss, so the boundary
+    neither reads a step's records back nor writes reservations between steps (the engine may queue steps
+    back to back), and the counters equal the upkeep's. One expert still cold: the plan's fill copies it in
+    as decode starts (a slab for every expert); without the fill the upkeep runs as before."""
+    def run(settle):
+        runtime, weights = make_runtime(5, len(LAYERS) * E, "lru")
+        assert runtime.plan.fill_slabs
+        runtime.boundary.fill = fill
+        keys = [(layer, e) for layer in LAYERS for e in range(E)][cold:]
+        with runtime.lock:
+            runtime.transfers.fetch(keys)
+        runtime.transfers.wait_for(range(runtime.num_slabs))
+        if not settle:  # the same steps through the upkeep
+            enter = runtime.boundary._enter
+            def unsettled():
+                enter()
+                runtime.boundary.settled = runtime.table.settled = False
+            runtime.boundary._enter = unsettled
+        calls = {"readback": 0, "reserve": 0}
+        for name in calls:
+            original = getattr(runtime.table, name)
+            setattr(runtime.table, name, lambda *a, _o=original, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _o(*a))[1])
+        rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for _ in range(12):
+                runtime.before_step()
+                ids = torch.tensor([rng.sample(range(E), K)])
+                for layer in LAYERS:
+                    hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
+                    out = runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+                    torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+                runtime.after_step()
+            settled = runtime.boundary.settled  # until decode leaves (a prefill, a reset)
+            with runtime.lock:
+                runtime.boundary.leave()
+        assert not runtime.boundary.settled
+        counters = [(c.calls, c.hits, c.misses) for _, c in sorted(runtime.counters["decode"].items())]
+        return settled, counters, calls, runtime.summary()["decode_evictions"], len(runtime.cache.where)
+
+    settled, counters, calls, evictions, resident = run(True)
+    _, upkeep_counters, upkeep_calls, _, _ = run(False)
+    assert evictions == 0
+    if not fill:  # the cold expert makes the table unsettled: the upkeep reads and reserves every step
+        assert not settled and calls == upkeep_calls and calls["readback"] == 12
+        return
+    assert settled and resident == len(LAYERS) * E  # the cold expert was filled in
+    assert calls == {"readback": 0, "reserve": 1}  # the entry's empty reservations, nothing after
+    assert upkeep_calls["readback"] == 12 and upkeep_calls["reserve"] >= 1
+    assert counters == upkeep_counters == [(12, 12 * K, 0)] * len(LAYERS)

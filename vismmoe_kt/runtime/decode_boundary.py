@@ -20,6 +20,13 @@ step). Around each step the engine calls the runtime's step hooks, which land he
                        of a layer's misses the CPU computes, per miss count
                        (the cost model's split, kept while steps measure faster with it: QuotaTrial)
 
+A settled table (every layer pinned, or every offloaded expert in a resident slab as decode starts: a
+budget that holds them all, Q4_K slabs on a large GPU) has nothing to account, reserve or land: no step
+can miss. Its steps skip the upkeep and the wait for the step before (the engine queues them back to
+back) and count their pairs as hits; it settles again at each decode start. Where the plan's slabs hold
+every offloaded expert (`fill`), the ones no prompt has routed to yet are copied in as decode first
+starts, once, so that decode settles from its first step instead of missing each on its first use.
+
 It talks to the Residency (the cache, the table, the transfers, the counters) and, through the
 runtime, to three things: the hybrid's MissPolicy (its decode quota), what starts with decode (the
 lookahead's per-request state) and who serves the step once it is armed (the runtime swaps its
@@ -52,7 +59,9 @@ class DecodeBoundary:
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
+        self.settled = False                       # no step can miss or land until decode starts again
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
+        self.fill = False                          # the plan's fill_slabs: copy cold experts in as decode starts
         self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
         self._names = itertools.count()
 
@@ -63,31 +72,31 @@ class DecodeBoundary:
     # --- the hooks ---------------------------------------------------------------------------------
     def before_step(self) -> None:
         rt = self.res
-        if not self.offloaded_rows:  # every layer pinned: nothing to account, reserve or land, only the table to arm
-            if self.stale:         # (and no read of the step before: the engine may queue steps back to back)
+        if self.settled and not self.stale:  # nothing to account, reserve or land; no read of the step before
+            if self.armed:  # the graph self-check nests a second step inside the first, which has no `after`
                 with rt.lock:
-                    self._enter()
-            self.armed = True
-            self.on_arm()
+                    self._count_settled_step()
+            self._arm()
             return
         with rt.lock:
+            if self.stale:
+                self._enter()
+                if self.settled:
+                    self._arm()
+                    return
             nested = self.armed
             if nested:  # a step ran without its `after` (the graph self-check nests a second
                 self.table.readback()  # step inside the first): read what it did before moving on
-            quiet = None
-            if self.stale:
-                self._enter()
+            # a quiet last step (every pair a hit, nothing landed) left the reservations as they were:
+            # this step runs on them, and that step is accounted in `after_step`, while this one computes
+            quiet = None if nested or self.miss is not None else self.table.quiet_records(self.offloaded_rows)
+            self._account_deferred()  # at most one step waits: the accounts keep the steps' order
+            if quiet is not None:
+                self.deferred = quiet
             else:
-                # a quiet last step (every pair a hit, nothing landed) left the reservations as they were:
-                # this step runs on them, and that step is accounted in `after_step`, while this one computes
-                quiet = None if nested or self.miss is not None else self.table.quiet_records(self.offloaded_rows)
-                self._account_deferred()  # at most one step waits: the accounts keep the steps' order
-                if quiet is not None:
-                    self.deferred = quiet
-                else:
-                    records = self.table.collect()
-                    if records is not None:
-                        self._account(records)
+                records = self.table.collect()  # None right after decode started
+                if records is not None:
+                    self._account(records)
             self._publish_finished_copies()
             if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
                 rt.cache.ranking = self.eviction.for_step()
@@ -98,8 +107,11 @@ class DecodeBoundary:
             # capture) keeps the quota its capture ran with: it must compute the same step
             if offloaded is not None and not nested:
                 self.table.set_cpu_quota(self.miss.decode_quota(rt.store, offloaded, rt.device))
-            self.armed = True
-            self.on_arm()
+            self._arm()
+
+    def _arm(self) -> None:
+        self.armed = True
+        self.on_arm()
 
     def _first_offloaded(self) -> int | None:
         rt = self.res
@@ -108,7 +120,9 @@ class DecodeBoundary:
     def after_step(self) -> None:
         self.armed = False
         self.on_arm()
-        if not self.offloaded_rows:
+        if self.settled:
+            with self.res.lock:  # the counters' dict: a server's stats may read it meanwhile
+                self._count_settled_step()
             return
         self.table.readback()
         with self.res.lock:  # the step is on its way on the device: the host's bookkeeping of the one before
@@ -123,6 +137,7 @@ class DecodeBoundary:
     def leave(self) -> None:
         """Something other than a table step is about to use the cache (prefill, an eager decode, a
         reset): give the landing reservations back; the table is rebuilt when decode resumes (lock held)."""
+        self.settled = self.table.settled = False  # settles again as decode resumes, if nothing was evicted
         self._account_deferred()
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
@@ -139,6 +154,7 @@ class DecodeBoundary:
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
+        self.settled = self.table.settled = False  # settles again as decode resumes, if nothing was evicted
         self._interrupted()
         self.reserved.clear()
         self.table.discard()
@@ -158,6 +174,8 @@ class DecodeBoundary:
             rt.transfers.drop_queue()
             rt.transfers.poll()
             rt.transfers.landed.clear()
+            if self.fill:
+                self._fill_cold()
         rt.switch_phase("decode")
         rows = []
         for layer in rt.moe_layers:
@@ -176,6 +194,36 @@ class DecodeBoundary:
         rt.cache.usage = None
         self.on_enter()
         self.stale = False
+        self.settled = self.table.settled = all(slot >= 0 for row in self.offloaded_rows for slot in rows[row])
+        if self.settled:
+            self.table.reserve([[] for _ in rows])  # no landing slots: nothing can miss
+            if self.miss is not None:  # nor go to the CPU: the step is the one captured without its calls
+                self.table.set_cpu_quota([0] * (rt.top_k + 1))
+
+    def _fill_cold(self) -> None:
+        """Copy every offloaded expert that has no slab into a free one and wait for the copies (counted
+        with the phase before decode: loading, not a step's misses). Only the first decode start finds any:
+        with a slab for every expert nothing is evicted afterwards."""
+        rt = self.res
+        cold = [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
+        if not cold or rt.cache.free_slabs < len(cold):  # landing reservations still out: settle at a later start
+            return
+        rt.transfers.fetch(cold)
+        rt.cache.in_use.clear()  # `fetch` marks its slabs as the executing layer's; no layer executes here
+        for event in list(rt.transfers.events.values()):
+            event.synchronize()
+        rt.transfers.poll()
+        rt.transfers.landed.clear()
+
+    def _count_settled_step(self) -> None:
+        """A settled step's counters without its records: every pair of each offloaded layer a hit (the
+        cache's recency and ranking are not kept: with every expert resident, nothing is evicted)."""
+        counters = self.res.counters["decode"]
+        pairs = self.table.batch_pairs or self.res.top_k
+        for layer in self.res.offloaded:
+            layer_counters = counters.setdefault(layer, LayerCounters())
+            layer_counters.calls += 1
+            layer_counters.hits += pairs
 
     # --- records -----------------------------------------------------------------------------------
     def _account(self, records) -> None:

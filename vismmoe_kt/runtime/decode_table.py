@@ -104,6 +104,9 @@ class DecodeTable:
         self.batch_read: torch.Tensor | None = None
         self._batch_host: list[torch.Tensor] = []
         self.batch_pairs = 0  # pairs per layer the step under way records there (0: a single token's step)
+        # every offloaded expert in a resident slab as decode started (DecodeBoundary): no step can miss, so
+        # the steps read their slabs straight from `slots` and record nothing
+        self.settled = False
 
     def enable_batch(self, rows: int) -> None:
         """Record buffers for batched steps of up to `rows` tokens (made once: captured steps write them)."""

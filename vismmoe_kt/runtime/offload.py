@@ -114,6 +114,7 @@ class OffloadRuntime(EngineQueries):
         # decode's CPU share (the boundary's quota, the table step's join) only where the plan's decode has one;
         # the placement path (prefill) keeps the miss policy either way
         self.boundary.miss = self.miss if plan.decode_cpu else None
+        self.boundary.fill = plan.fill_slabs
         placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join if plan.decode_cpu else None) if plan.table_decode else None
@@ -206,12 +207,18 @@ class OffloadRuntime(EngineQueries):
     def after_step(self) -> None:
         self._hooks[1]()
 
-    def graph_variant(self) -> bool:
-        """What a captured decode step depends on beyond its tensors (read after `before_step`):
-        whether the hybrid mode's CPU calls are in it. A layer's CPU call costs two host functions and
-        four small copies even when it has no CPU pairs, so while the cost model sends no miss to the
-        CPU the step is one captured without them (always, where the plan's decode leaves the CPU to prefill)."""
-        return self.table_enabled and self.plan.decode_cpu and self.table.cpu_active
+    def graph_variant(self) -> str:
+        """What a captured decode step depends on beyond its tensors (read after `before_step`): "cpu
+        pairs" where the hybrid mode's CPU calls are in it, "settled" where its layers read a settled
+        table (no lookup, staging or records: decode_boundary.py), else "". A layer's CPU call costs two
+        host functions and four small copies even when it has no CPU pairs, so while the cost model sends
+        no miss to the CPU the step is one captured without them (always, where the plan's decode leaves
+        the CPU to prefill)."""
+        if not self.table_enabled:
+            return ""
+        if self.table.settled:
+            return "settled"
+        return "cpu pairs" if self.plan.decode_cpu and self.table.cpu_active else ""
 
     def decode_capturable(self, layer: int) -> bool:
         """Whether this layer's decode forward is device work only (a CUDA graph can hold it): every

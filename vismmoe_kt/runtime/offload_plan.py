@@ -71,6 +71,8 @@ class OffloadPlan:
     batch_offloaded: str        # placement | table | quantized-expert-major (from QUANTIZED_MAJOR_MIN_TOKENS)
     batch_major_kernels: bool   # quantized expert-major on the Triton kernels
     eviction: str = "vismmoe"   # the slab cache's ranking: lru | vismmoe | auto (a trial in table decode)
+    fill_slabs: bool = False    # a slab for every offloaded expert: the cold ones are copied in as table decode
+                                # first starts, so its steps find every expert resident (DecodeBoundary)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -95,7 +97,8 @@ class OffloadPlan:
                 f"decode: {decode} ({self.why['decode']})",
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
                 f"({self.why['batch']})",
-                f"eviction: {self.eviction} ({self.why['eviction']})"]
+                f"eviction: {self.eviction} ({self.why['eviction']})"] + \
+            ([f"fill: every offloaded expert as decode first starts ({self.why['fill']})"] if self.fill_slabs else [])
 
 
 def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str]:
@@ -177,10 +180,15 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
         batch_offloaded = "table"
     why["batch"] = f"batch_experts {settings.batch_experts}" + ("" if kernels else ", no Triton kernels")
     eviction, why["eviction"] = _eviction(settings, num_slabs, offloaded * facts.num_experts, table_decode, device)
+    # a budget that holds every offloaded expert: loading the ones no prompt has routed to yet costs one copy
+    # each, once (as a static split loads its layers), and then no decode step can miss (a settled table)
+    fill = table_decode is not None and offloaded > 0 and num_slabs >= offloaded * facts.num_experts
+    if fill:
+        why["fill"] = f"{num_slabs} slabs hold all {offloaded * facts.num_experts} offloaded experts"
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
-                       kernels and facts.quantized_major_kernels, eviction, why)
+                       kernels and facts.quantized_major_kernels, eviction, fill, why)
 
 
 def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:

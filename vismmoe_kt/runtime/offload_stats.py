@@ -56,6 +56,8 @@ def summary(runtime: Any) -> dict[str, Any]:
         # the ranking decode runs and why: the rule's, or `auto`'s trial and its two medians (eviction.py)
         "eviction": runtime.boundary.eviction.describe(),
         "slabs": runtime.num_slabs,
+        # every offloaded expert in a resident slab as the last decode started: its steps had no upkeep between them
+        "decode_settled": bool(getattr(runtime.table, "settled", False)),
         "slab_format": "quantized" if runtime.quantized_slabs else "dequantized",  # resolved: dequantized (the model's dtype) | quantized (the store's blocks)
         "expert_budget": human_bytes(settings.expert_budget),
         "miss_policy": settings.miss_policy,

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..kernels import table_ops
+from ..kernels import quantized_gemv, table_ops
 from ..residency import Residency
 from ..table_experts import combine, fetch_dequantized, pair_outputs, quantized_slab_outputs
 
@@ -39,11 +39,17 @@ class TableStepExecutor:
                                                   for layer in res.moe_layers}
         self._with_cpu = {layer: pinned if layer in res.pinned else self._offloaded_with_cpu
                           for layer in res.moe_layers} if cpu_join is not None else self._without_cpu
+        # a settled table (every offloaded expert in a resident slab): the slabs read straight from the table,
+        # nothing claimed, recorded, staged or looked ahead
+        settled = self._settled_quantized if variant == "quantized-slabs" and kernel else self._settled
+        self._settled_layers = {layer: self._pinned if layer in res.pinned else settled for layer in res.moe_layers}
         self.by_layer = self._without_cpu
 
     def bind_step(self) -> None:
-        """A step is armed (its CPU quota set): the layers' table for it, CPU pairs joining or not."""
-        self.by_layer = self._with_cpu if self.res.table.cpu_active else self._without_cpu
+        """A step is armed (its CPU quota set): the layers' table for it, settled, CPU pairs joining or not."""
+        table = self.res.table
+        self.by_layer = self._settled_layers if table.settled else self._with_cpu if table.cpu_active \
+            else self._without_cpu
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   act: Any) -> torch.Tensor:
@@ -86,6 +92,26 @@ class TableStepExecutor:
         on_cpu = self.cpu_join.begin(layer, hidden, ids, slots, top_k_weights)
         return self._gpu_pairs(layer, hidden, row, ids, slots, land, top_k_weights, act, top_k_index.shape[1]) \
             + on_cpu()
+
+    def _settled(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 act: Any, offset: int | None) -> torch.Tensor:
+        """Every pair hits: its slab from the table row, no landing (the variant's read stages nothing)."""
+        table, ids = self.res.table, top_k_index.reshape(-1)
+        slots = table.slots[self.res.index[layer]].index_select(0, ids)
+        land = table.no_landing if ids.numel() == table.top_k else torch.full_like(ids, -1)
+        y = self._read(layer, hidden, ids, slots, land, act, top_k_index.shape[1])
+        return combine(y, top_k_weights, hidden.dtype, self.kernel)
+
+    def _settled_quantized(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, act: Any, offset: int | None) -> torch.Tensor:
+        """`_settled` on quantized slabs: the GEMVs read each pair's slab from the table row themselves
+        (three launches a layer, as a pinned layer's)."""
+        res = self.res
+        store = res.store
+        y = quantized_gemv.quantized_experts(hidden, top_k_index.reshape(-1), res.pool[0], store.fmt,
+                                             store.down_format(layer), store.inter, store.hidden,
+                                             top_k_index.shape[1], table_row=res.table.slots[res.index[layer]])
+        return combine(y, top_k_weights, hidden.dtype, self.kernel)
 
     def _looked_up(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                    offset: int | None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
