@@ -350,6 +350,10 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "decode_kernel_bench_quantized.json").write_text(json.dumps(out, indent=2))
         print(json.dumps(out, indent=2))
+        for fmt, row in out["quantized_slabs"].items():  # last: each format's three fastest configurations
+            best = [f"{r['config']} {r['us_per_layer']:.1f} us ({r['gb_s']:.0f} GB/s)" for r in row["results"][:3]
+                    if "us_per_layer" in r]
+            print(f"{fmt}: tuned {row['tuned']}, error {row['relative_error_vs_dequantized']:.2e}; " + ", ".join(best))
         return 0
     if args.batch:
         out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

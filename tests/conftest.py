@@ -138,11 +138,14 @@ def run_in_triton_interpreter(script: str, timeout: int = 300) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
-def compile_for_hopper(kernel, signature: dict, constants: dict, **options):
-    """Triton's front end and ptxas on `kernel` for sm_90 (what the interpreter does not check)."""
+def compile_for_hopper(kernel, signature: dict, constants: dict, aligned: tuple[str, ...] = (), **options):
+    """Triton's front end and ptxas on `kernel` for sm_90 (what the interpreter does not check). `aligned`:
+    arguments to compile as a launch specializes them (a pointer 16-byte aligned, an integer a multiple of
+    16), so the PTX shows the loads a launch gets."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs or None),
                           target=GPUTarget("cuda", 90, 32), options=options or None)

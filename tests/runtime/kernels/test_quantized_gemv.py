@@ -110,6 +110,12 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
         with tuning.overridden(q4_k_word_loads=word_loads):
             got = quantized_gemv.quantized_experts(x, ids, pool, fmt, down_fmt or fmt, QI, QH, QK, config)
         torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {word_loads} {config}: {m}")
+    # a settled table's read: the pairs' experts, each one's slab from the layer's table row (here reversed)
+    table_row = torch.arange(QE - 1, -1, -1)
+    reversed_pool = pool.flip(0).contiguous()  # slab QE - 1 - e holds expert e
+    got = quantized_gemv.quantized_experts(x, ids, reversed_pool, fmt, down_fmt or fmt, QI, QH, QK, (16, 1, "tile"),
+                                           table_row=table_row)
+    torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} by expert: {m}")
 """
 
 
@@ -142,19 +148,45 @@ def test_kernels_compile_for_hopper(hopper):
                                                  "staging_ptr": "*i32", "host_addr": "i64", "block_words": "i64",
                                                  "row_words": "i64", "CHUNK": "constexpr"},
                    {"CHUNK": block_staging.STAGE_CHUNK})
-    quantized = {"slots_ptr": "*i64", "pool_addr": "i64", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr",
-                 "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr", "LOADS": "constexpr",
-                 "SB_TILE": "constexpr"}
+    quantized = {"slots_ptr": "*i64", "table_ptr": "*i64", "pool_ptr": "*u8", "slab_bytes": "i64", "H": "constexpr",
+                 "I": "constexpr", "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr",
+                 "LOADS": "constexpr", "SB_TILE": "constexpr", "BY_EXPERT": "constexpr"}
     H, I = hopper.shapes["H"], hopper.shapes["I"]
     for fmt in [*quantized_gemv.TILE_KINDS, "q4_k words"]:  # every format the quantized slabs hold, at Qwen3-VL-30B-A3B's shapes
         kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
         rows, warps, tuned_form = hopper.tuned["quantized_gemv"][fmt.split()[0]]
-        for form in quantized_gemv.LOAD_FORMS:  # each at the H200's tuned rows and warps
+        # each form at the H200's tuned rows and warps; the tuned form also reading the slabs through the table row
+        for form, by_expert in [(form, False) for form in quantized_gemv.LOAD_FORMS] + [(tuned_form, True)]:
             tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]],
-                    "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form]}
+                    "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form], "BY_EXPERT": by_expert}
             hopper.compile(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr",
                                                               **quantized},
                            {**tile, "TOP_K": 8, "SB_TILE": hopper.triton.next_power_of_2(H // 256)}, num_warps=warps)
             hopper.compile(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64",
                                                            **quantized},
                            {**tile, "SB_TILE": hopper.triton.next_power_of_2(I // 256)}, num_warps=warps)
+
+
+def test_the_q4_k_gemvs_read_their_slabs_in_16_byte_loads(hopper):
+    """The slabs come in as a pointer (the pool tensor), not an integer address: compiled as a launch
+    specializes it (16-byte aligned, the slab bytes a multiple of 16), the Q4_K quant words of a
+    super-block are read in 16-byte vector loads, none word by word (an address cast from an integer
+    hides its alignment: 32 scalar loads a thread where 8 vector loads do)."""
+    import re
+
+    from vismmoe_kt.runtime.kernels import block_decode, quantized_gemv
+
+    H, I = hopper.shapes["H"], hopper.shapes["I"]
+    rows, warps, form = hopper.tuned["quantized_gemv"]["q4_k"]
+    signature = {"x_ptr": "*bf16", "slots_ptr": "*i64", "table_ptr": "*i64", "h_ptr": "*fp32", "pool_ptr": "*u8",
+                 "slab_bytes": "i64", "TOP_K": "constexpr", "H": "constexpr", "I": "constexpr", "KIND": "constexpr",
+                 "SB_BYTES": "constexpr", "BLOCK_ROWS": "constexpr", "LOADS": "constexpr", "SB_TILE": "constexpr",
+                 "BY_EXPERT": "constexpr"}
+    constants = {"TOP_K": 8, "H": H, "I": I, "KIND": 44, "SB_BYTES": block_decode.TILE_BYTES["q4_k"],
+                 "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form], "BY_EXPERT": False,
+                 "SB_TILE": hopper.triton.next_power_of_2(H // 256)}
+    compiled = hopper.compile(quantized_gemv._gate_up_q_kernel, signature, constants, num_warps=warps,
+                              aligned=("x_ptr", "h_ptr", "pool_ptr", "slab_bytes"))
+    loads = re.findall(r"ld\.global((?:\.v\d)?)\.b(\d+)", compiled.asm["ptx"])
+    assert ("", "32") not in loads, "quant words loaded one by one"
+    assert sum(1 for vector, bits in loads if vector == ".v4" and bits == "32") >= 4

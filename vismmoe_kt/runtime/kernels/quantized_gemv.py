@@ -179,15 +179,25 @@ if tl is not None:
         return first, second
 
     @triton.jit
-    def _gate_up_q_kernel(x_ptr, slots_ptr, h_ptr, pool_addr, slab_bytes, TOP_K: tl.constexpr, H: tl.constexpr,
-                          I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          LOADS: tl.constexpr, SB_TILE: tl.constexpr):
+    def _slot(slots_ptr, table_ptr, pair, BY_EXPERT: tl.constexpr):
+        """The pair's slab: `slots_ptr` holds it, or with BY_EXPERT the pair's expert, whose slab the
+        layer's table row at `table_ptr` holds (a settled table: no lookup launch before the GEMVs)."""
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        if BY_EXPERT:
+            slot = tl.load(table_ptr + slot).to(tl.int64)
+        return slot
+
+    @triton.jit
+    def _gate_up_q_kernel(x_ptr, slots_ptr, table_ptr, h_ptr, pool_ptr, slab_bytes, TOP_K: tl.constexpr,
+                          H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr,
+                          BLOCK_ROWS: tl.constexpr, LOADS: tl.constexpr, SB_TILE: tl.constexpr,
+                          BY_EXPERT: tl.constexpr):
         """`_gate_up_kernel` for quantized slabs: each pair's weights decoded from its slab's blocks as
         they are read (every pair reads a slab: misses were staged into theirs)."""
         pair = tl.program_id(0)
         row0 = tl.program_id(1) * BLOCK_ROWS
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        base = pool_addr + tl.maximum(slot, 0) * slab_bytes
+        slot = _slot(slots_ptr, table_ptr, pair, BY_EXPERT)
+        base = pool_ptr + tl.maximum(slot, 0) * slab_bytes
         gate, up = _rows_dots(base, row0, I, slot >= 0, x_ptr + pair // TOP_K * H, I * (H // 256) * SB_BYTES,
                               H // 256, KIND, SB_BYTES, LOADS, SB_TILE, True, BLOCK_ROWS)
         rows = row0 + tl.arange(0, BLOCK_ROWS)
@@ -195,14 +205,14 @@ if tl is not None:
         tl.store(h_ptr + pair * I + rows, h, mask=rows < I)
 
     @triton.jit
-    def _down_q_kernel(h_ptr, slots_ptr, y_ptr, pool_addr, slab_bytes, part_bytes, H: tl.constexpr,
+    def _down_q_kernel(h_ptr, slots_ptr, table_ptr, y_ptr, pool_ptr, slab_bytes, part_bytes, H: tl.constexpr,
                        I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       LOADS: tl.constexpr, SB_TILE: tl.constexpr):
+                       LOADS: tl.constexpr, SB_TILE: tl.constexpr, BY_EXPERT: tl.constexpr):
         """`_down_kernel` for quantized slabs (the down part starts `part_bytes` into the slab)."""
         pair = tl.program_id(0)
         row0 = tl.program_id(1) * BLOCK_ROWS
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        base = pool_addr + tl.maximum(slot, 0) * slab_bytes + part_bytes
+        slot = _slot(slots_ptr, table_ptr, pair, BY_EXPERT)
+        base = pool_ptr + tl.maximum(slot, 0) * slab_bytes + part_bytes
         acc, _ = _rows_dots(base, row0, H, slot >= 0, h_ptr + pair * I, 0, I // 256, KIND, SB_BYTES, LOADS, SB_TILE,
                             False, BLOCK_ROWS)
         rows = row0 + tl.arange(0, BLOCK_ROWS)
@@ -215,12 +225,14 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, fmt: str, down_fmt: str, inter: int,
-                      hidden: int, top_k: int, config: tuple | None = None) -> torch.Tensor:
+                      hidden: int, top_k: int, config: tuple | None = None,
+                      table_row: torch.Tensor | None = None) -> torch.Tensor:
     """(P, H) fp32 expert outputs, unweighted, each pair's weights decoded from its quantized slab (a row
     of `pool`, uint8 (S, slab bytes): gate and up rows, then down rows, in `fmt` / `down_fmt` blocks;
     every slot >= 0). H and I must be multiples of 256 (whole 256-weight tiles in every format).
-    `config` (rows per program, warps[, load form: LOAD_FORMS, default "loop"]; default: the device's
-    tuned one per format) is for the tuning benchmark."""
+    `table_row` (int64, one slab per expert): `slots` are the pairs' experts, their slabs read from it
+    inside the kernels. `config` (rows per program, warps[, load form: LOAD_FORMS, default "loop"];
+    default: the device's tuned one per format) is for the tuning benchmark."""
     tuned = tuning.get("quantized_gemv", x.device)
     rows_up, warps_up, loads_up = _launch(config or tuned[fmt])
     rows_down, warps_down, loads_down = _launch(config or tuned[down_fmt])
@@ -228,14 +240,16 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
+    by_expert = table_row is not None
+    table = table_row if by_expert else slots
     _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
-        x.contiguous(), slots, h, pool.data_ptr(), pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
+        x.contiguous(), slots, table, h, pool, pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
         KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, LOADS=loads_up,
-        SB_TILE=triton.next_power_of_2(hidden // 256), num_warps=warps_up)
+        SB_TILE=triton.next_power_of_2(hidden // 256), BY_EXPERT=by_expert, num_warps=warps_up)
     _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
-        h, slots, y, pool.data_ptr(), pool.shape[1], part_bytes, H=hidden, I=inter, KIND=_kind(down_fmt, x.device),
-        SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, LOADS=loads_down,
-        SB_TILE=triton.next_power_of_2(inter // 256), num_warps=warps_down)
+        h, slots, table, y, pool, pool.shape[1], part_bytes, H=hidden, I=inter,
+        KIND=_kind(down_fmt, x.device), SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, LOADS=loads_down,
+        SB_TILE=triton.next_power_of_2(inter // 256), BY_EXPERT=by_expert, num_warps=warps_down)
     return y
 
 
