@@ -112,7 +112,9 @@ QUANTIZED_FORMATS = ("q8_0", "q4_0", "q4_k", "q4_k:bytes", "q5_k")  # q4_k:bytes
 # kernels take 5-15 s each; (16, 4) unrolled spills)
 QUANTIZED_SWEEP = ([(r, w, "loop") for r, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4))]
                    + [(r, w, "unrolled") for r, w in ((4, 1), (8, 2), (8, 4), (16, 8), (32, 8))]
-                   + [(r, w, "tile") for r, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8))])
+                   + [(r, w, "tile") for r, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8))]
+                   + [(r, w, "shared") for r, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8),
+                                                    (32, 8))])  # Q4_K only
 
 
 def quantized_rows(device, x, sweep: bool, formats=QUANTIZED_FORMATS) -> dict[str, dict]:
@@ -145,7 +147,7 @@ def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
 
     tuned = kernel_tuning.get("quantized_gemv", device)[fmt]
     results = []
-    for config in QUANTIZED_SWEEP if sweep else [tuned]:
+    for config in [c for c in QUANTIZED_SWEEP if quantized_gemv.form_reads(c, fmt)] if sweep else [tuned]:
         def run():
             for l in range(LAYERS):
                 quantized_gemv.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)

@@ -83,7 +83,7 @@
 #                                                   commit, carried, e.g. .scratch/before) and on this tree, one call: before/after
 #                                                   (COMPARE_TIMEOUT seconds a side, default 260)
 #   bash scripts/device_session.sh kqcompare DIR    the quantized slabs' GEMVs alone (decode_kernel_bench --quantized): DIR's code
-#                                                   (a `git archive`, carried) at its tuned shapes, then this tree's with
+#                                                   (a `git archive`, carried; - for none) at its tuned shapes, then this tree's with
 #                                                   --tune; each format's fastest (KQ_FORMATS: q4_k,q4_k:bytes,q8_0,q5_k)
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
@@ -294,11 +294,11 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     kqcompare) shift  # the quantized slabs' GEMVs alone: DIR's code at its tuned shapes, then this tree's sweep
                ref=$1; shift
                formats=${KQ_FORMATS:-q4_k,q4_k:bytes,q8_0,q5_k}
-               (cd "$ref" && PYTHONPATH=. timeout ${KQ_TIMEOUT:-150} python3 -m benchmarks.decode_kernel_bench \
+               [[ $ref == - ]] || (cd "$ref" && PYTHONPATH=. timeout ${KQ_TIMEOUT:-150} python3 -m benchmarks.decode_kernel_bench \
                   --out "$OUT/kq-before" --quantized --formats "$formats" > "$OUT/kq-before.txt") || true
                PYTHONPATH=. timeout ${KQ_TUNE_TIMEOUT:-400} python3 -m benchmarks.decode_kernel_bench --out "$OUT/kq-after" \
                  --quantized --tune --formats "$formats" > "$OUT/kq-after.txt" || true
-               grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
+               [[ $ref == - ]] || grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
                tail -n 8 "$OUT/kq-after.txt" ;;
     defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
               for px in "${@:-448}"; do

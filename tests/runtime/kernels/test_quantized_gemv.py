@@ -106,7 +106,8 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
     pool[:, :store.block_bytes_of(0)] = store.layers[0]                      # slab e holds expert e
     want = dequantized_reference(store, ids, x, QK)
     close = dict(rtol=2e-4, atol=2e-6 * want.abs().max().item())
-    for config in ((32, 1, "loop"), (32, 1, "unrolled"), (16, 1, "tile")):
+    shared = [(16, 1, "shared"), (2, 1, "shared")] if fmt == "q4_k" and down_fmt is None else []  # Q4_K only
+    for config in ((32, 1, "loop"), (32, 1, "unrolled"), (16, 1, "tile"), *shared):
         with tuning.overridden(q4_k_word_loads=word_loads):
             got = quantized_gemv.quantized_experts(x, ids, pool, fmt, down_fmt or fmt, QI, QH, QK, config)
         torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {word_loads} {config}: {m}")
@@ -156,7 +157,8 @@ def test_kernels_compile_for_hopper(hopper):
         kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
         rows, warps, tuned_form = hopper.tuned["quantized_gemv"][fmt.split()[0]]
         # each form at the H200's tuned rows and warps; the tuned form also reading the slabs through the table row
-        for form, by_expert in [(form, False) for form in quantized_gemv.LOAD_FORMS] + [(tuned_form, True)]:
+        forms = [form for form in quantized_gemv.LOAD_FORMS if quantized_gemv.form_reads((rows, warps, form), fmt[:4])]
+        for form, by_expert in [(form, False) for form in forms] + [(tuned_form, True)]:
             tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]],
                     "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form], "BY_EXPERT": by_expert}
             hopper.compile(quantized_gemv._gate_up_q_kernel, {"x_ptr": "*bf16", "h_ptr": "*fp32", "TOP_K": "constexpr",
@@ -190,3 +192,16 @@ def test_the_q4_k_gemvs_read_their_slabs_in_16_byte_loads(hopper):
     loads = re.findall(r"ld\.global((?:\.v\d)?)\.b(\d+)", compiled.asm["ptx"])
     assert ("", "32") not in loads, "quant words loaded one by one"
     assert sum(1 for vector, bits in loads if vector == ".v4" and bits == "32") >= 4
+
+
+def test_the_shared_form_reads_q4_k_only():
+    """A tuning that names the shared form for another format stops with the reason, before any launch."""
+    import pytest
+    import torch
+
+    from vismmoe_kt.runtime.kernels import quantized_gemv
+
+    x, pairs, pool = torch.zeros(1, 256), torch.zeros(8, dtype=torch.long), torch.zeros(8, 1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="shared load form reads Q4_K only, not q8_0"):
+        quantized_gemv.quantized_experts(x, pairs, pool, "q8_0", "q8_0", 256, 256, 8, (4, 1, "shared"))
+    assert quantized_gemv.form_reads((4, 1, "shared"), "q4_k") and quantized_gemv.form_reads((4, 1), "q8_0")

@@ -15,6 +15,12 @@ How a program walks its rows' super-blocks (`_rows_dots`, LOAD_FORMS):
     loop       one super-block of every row a step: few loads in flight per program
     unrolled   the same steps unrolled, so the compiler may issue every step's loads up front
     tile       every super-block of the rows as one tile (rows x super-blocks flattened), decoded at once
+    shared     Q4_K only (`_q4k_shared_rows`): the rows' super-blocks as one (rows, super-blocks, words)
+               tile, the inputs loaded once for every row (the tile form loads them per row)
+
+The pool comes in as a pointer (a tensor), not an integer address: Triton then knows it is 16-byte
+aligned (and a launch specializes the slab bytes as a multiple of 16), so it reads blocks in 16-byte
+loads; from an address cast to a pointer it read them one word or byte at a time.
 
 The rows per program, warps and load form are tuned per format and device (tuning.py, key
 quantized_gemv), and whether Q4_K reads words (q4_k_word_loads).
@@ -31,7 +37,7 @@ from .triton_support import tl, triton
 # each format's code path in `_dot` (Q4_K read by words is 44: `_kind`)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
 # how a program walks its rows' super-blocks (the kernels' LOADS; the third value of a quantized_gemv tuning)
-LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2}
+LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2, "shared": 3}
 
 if tl is not None:
     from .block_decode import _q6k_weights, _scales_mins
@@ -96,6 +102,75 @@ if tl is not None:
         return tl.sum(terms, axis=1)
 
     @triton.jit
+    def _q4k_byte(word, k):
+        """Byte k (a tensor of 0..3, broadcast against `word`) of little-endian 32-bit words."""
+        return (word >> (8 * k)) & 0xFF
+
+    @triton.jit
+    def _q4k_shared_rows(at, x_row, ok, up_bytes, R: tl.constexpr, SBS: tl.constexpr, SB_TILE: tl.constexpr,
+                         UP: tl.constexpr):
+        """Whole Q4_K rows at `at` (R, 1) (each row's first super-block; SBS of them, SB_TILE a power of two
+        >= SBS, the padding masked) dotted with the SBS * 256 inputs at `x_row`, and with UP the rows
+        `up_bytes` further: two (R,) floats. Every row's super-blocks are one (R, SB_TILE, ...) tile read in
+        16-byte loads (the header's 4 words: d and dmin, 12 scale bytes; the 32 quant words), and the
+        inputs are loaded once for all the program's rows: word w of group j = w // 8 holds weights
+        4 (w % 8) + b of sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)."""
+        sb = tl.arange(0, SB_TILE)
+        w = tl.arange(0, 32)
+        b = tl.arange(0, 4)
+        k = tl.arange(0, 4)  # the header's words; the groups j of sub-blocks
+        sb_ok = sb < SBS
+        # the inputs, (1, SB_TILE, 32, 4): low nibbles' and high nibbles' (32 further)
+        x_at = x_row + (tl.minimum(sb, SBS - 1) * 256)[None, :, None, None] \
+            + ((w // 8) * 64 + (w % 8) * 4)[None, None, :, None] + b[None, None, None, :]
+        x_low = tl.load(x_at).to(tl.float32)
+        x_high = tl.load(x_at + 32).to(tl.float32)
+        # each sub-block's input sum, (1, SB_TILE, 4) per group j: sub-blocks 2j and 2j + 1
+        sum_low = tl.sum(tl.reshape(tl.sum(x_low, axis=3), 1, SB_TILE, 4, 8), axis=3)
+        sum_high = tl.sum(tl.reshape(tl.sum(x_high, axis=3), 1, SB_TILE, 4, 8), axis=3)
+        mask = ok[:, :, None] & sb_ok[None, :, None]                                     # (R, SB_TILE, 1)
+        blocks = (at[:, :, None] + (sb * 144)[None, :, None]).to(tl.pointer_type(tl.int32), bitcast=True)
+        first = _q4k_shared_part(blocks, mask, x_low, x_high, sum_low, sum_high, w, k, R, SB_TILE)
+        second = first * 0.0
+        if UP:
+            up = (at[:, :, None] + up_bytes + (sb * 144)[None, :, None]).to(tl.pointer_type(tl.int32), bitcast=True)
+            second = _q4k_shared_part(up, mask, x_low, x_high, sum_low, sum_high, w, k, R, SB_TILE)
+        return first, second
+
+    @triton.jit
+    def _q4k_scale_min(w0, w1, w2, s):
+        """Sub-blocks `s`' 6-bit scales and minimums from the 12 scale bytes as 3 words: s < 4 reads bytes
+        s and s + 4, else the values split between bytes s + 4 and s - 4 (q4k.py's `_scales_and_mins`)."""
+        k = s % 4
+        a, b, c = _q4k_byte(w0, k), _q4k_byte(w1, k), _q4k_byte(w2, k)
+        scale = tl.where(s < 4, a & 63, (c & 0xF) | ((a >> 6) << 4))
+        minimum = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return scale.to(tl.float32), minimum.to(tl.float32)
+
+    @triton.jit
+    def _q4k_shared_part(words_at, mask, x_low, x_high, sum_low, sum_high, w, k, R: tl.constexpr,
+                         S: tl.constexpr):
+        """`_q4k_shared_rows` for one matrix: `words_at` (R, S, 1) int32 pointers to the super-blocks."""
+        head = tl.load(words_at + k[None, None, :], mask=mask, other=0)                # (R, SB_TILE, 4) words
+        quants = tl.load(words_at + 4 + w[None, None, :], mask=mask, other=0)         # (R, SB_TILE, 32)
+        d_bits = tl.sum(tl.where(k == 0, head, 0), axis=2)                             # (R, SB_TILE)
+        w0 = tl.sum(tl.where(k == 1, head, 0), axis=2)[:, :, None]                     # scale bytes 0-3
+        w1 = tl.sum(tl.where(k == 2, head, 0), axis=2)[:, :, None]                     # 4-7
+        w2 = tl.sum(tl.where(k == 3, head, 0), axis=2)[:, :, None]                     # 8-11
+        d = (d_bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((d_bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale_even, min_even = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :])          # (R, SB_TILE, 4)
+        scale_odd, min_odd = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :] + 1)
+        shifted = quants[:, :, :, None] >> (8 * k)[None, None, None, :]                  # (R, SB_TILE, 32, 4)
+        low = (shifted & 0xF).to(tl.float32)
+        high = ((shifted >> 4) & 0xF).to(tl.float32)
+        dot_low = tl.sum(tl.reshape(tl.sum(low * x_low, axis=3), R, S, 4, 8), axis=3)   # (R, SB_TILE, 4)
+        dot_high = tl.sum(tl.reshape(tl.sum(high * x_high, axis=3), R, S, 4, 8), axis=3)
+        scaled = tl.sum(scale_even * dot_low + scale_odd * dot_high, axis=2)
+        offsets = tl.sum(min_even * sum_low + min_odd * sum_high, axis=2)
+        return tl.sum(d * scaled - dmin * offsets, axis=1)
+
+    @triton.jit
     def _q8_dot(at, xs, ok, Q4: tl.constexpr):
         """Eight Q8_0 blocks (34 bytes: an fp16 scale, 32 int8) or, with Q4, Q4_0 blocks (18: the scale, 16
         bytes of nibbles, weight l the low nibble of byte l < 16, else the high nibble of byte l - 16,
@@ -152,11 +227,18 @@ if tl is not None:
         and with UP the rows `up_bytes` further (the up rows) too: two (BLOCK_ROWS,) floats, the second
         zero without UP. LOADS (LOAD_FORMS): 0 a loop over the super-blocks, 1 the loop unrolled, 2 all
         (rows x SB_TILE super-blocks, SBS rounded up to a power of two, the padding masked) as one tile:
-        the loop's step waits on its loads, so a program has one step's bytes in flight at a time."""
+        the loop's step waits on its loads, so a program has one step's bytes in flight at a time; 3
+        (Q4_K) the tile with the inputs shared by the rows."""
         ROW_BYTES: tl.constexpr = SBS * SB_BYTES
         first = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         second = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        if LOADS == 2:  # virtual row v: row v // SB_TILE's super-block v % SB_TILE, with its own inputs
+        if LOADS == 3:  # Q4_K only: the rows' super-blocks as one tile, the inputs loaded once for every row
+            tl.static_assert(KIND == 4 or KIND == 44, "the shared form reads Q4_K only")
+            rows = row0 + tl.arange(0, BLOCK_ROWS)
+            ok = ((rows < n_rows) & slot_ok)[:, None]
+            first, second = _q4k_shared_rows(base + rows[:, None].to(tl.int64) * ROW_BYTES, x_row, ok, up_bytes,
+                                             BLOCK_ROWS, SBS, SB_TILE, UP)
+        elif LOADS == 2:  # virtual row v: row v // SB_TILE's super-block v % SB_TILE, with its own inputs
             v = tl.arange(0, BLOCK_ROWS * SB_TILE)
             rows, sb = row0 + v // SB_TILE, v % SB_TILE
             ok = ((rows < n_rows) & (sb < SBS) & slot_ok)[:, None]
@@ -234,8 +316,8 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     inside the kernels. `config` (rows per program, warps[, load form: LOAD_FORMS, default "loop"];
     default: the device's tuned one per format) is for the tuning benchmark."""
     tuned = tuning.get("quantized_gemv", x.device)
-    rows_up, warps_up, loads_up = _launch(config or tuned[fmt])
-    rows_down, warps_down, loads_down = _launch(config or tuned[down_fmt])
+    rows_up, warps_up, loads_up = _launch(config or tuned[fmt], fmt)
+    rows_down, warps_down, loads_down = _launch(config or tuned[down_fmt], down_fmt)
     pairs = slots.numel()
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -253,8 +335,15 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     return y
 
 
-def _launch(config: tuple) -> tuple[int, int, int]:
-    """(rows per program, warps, LOADS) of a quantized_gemv tuning: (rows, warps[, load form])."""
+def form_reads(config: tuple, fmt: str) -> bool:
+    """Whether a quantized_gemv tuning's load form reads `fmt` (the shared form reads Q4_K only)."""
+    return (*config, "loop")[2] != "shared" or fmt == "q4_k"
+
+
+def _launch(config: tuple, fmt: str) -> tuple[int, int, int]:
+    """(rows per program, warps, LOADS) of a quantized_gemv tuning for `fmt`: (rows, warps[, load form])."""
+    if not form_reads(config, fmt):
+        raise ValueError(f"quantized_gemv's shared load form reads Q4_K only, not {fmt} (config {config})")
     rows, warps, form = (*config, "loop")[:3]
     return rows, warps, LOAD_FORMS[form]
 

@@ -10,8 +10,10 @@ Keys (lists in the file, tuples here):
   bf16_gemv          gate_up, down: (output rows per program, input elements per loaded tile, warps)
   quantized_gemv     per format: (output rows per program, warps, load form) of the quantized slabs'
                      GEMVs; the form (quantized_gemv.LOAD_FORMS) is how a program walks its rows'
-                     super-blocks: "loop" a step at a time, "unrolled", or "tile" all at once
-  q4_k_word_loads    Q4_K's GEMVs read the quant bytes as 32-bit words (else byte by byte)
+                     super-blocks: "loop" a step at a time, "unrolled", "tile" all at once, or (Q4_K)
+                     "shared": all at once with the inputs loaded once for every row
+  q4_k_word_loads    Q4_K's tile and loop forms read the quant bytes as 32-bit words (else byte by byte;
+                     the shared form always reads words)
   expert_major       gate_up, down: (output columns per program, input elements per loop step, warps,
                      pipeline stages)
   quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
