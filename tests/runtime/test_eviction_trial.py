@@ -157,6 +157,20 @@ def test_tokens_are_the_same_whichever_ranking_runs_and_the_choice_is_reported()
     assert make_runtime("lru").router_sink() is None  # recency alone: no router averages computed
 
 
+def test_no_router_averages_where_nothing_can_be_evicted():
+    """Slabs for every offloaded expert (the plan fills them): VisMMOE's ranking never chooses a victim,
+    so decode computes no router probabilities for it; one slab short, it does."""
+    def runtime_with(slabs):
+        settings = OffloadSettings(expert_budget=(E + slabs) * BLOCK, pinned_layers=1, eviction="vismmoe")
+        runtime = OffloadRuntime(settings, LAYERS, E, H, I, torch.float32, "cpu", top_k=K)
+        assert runtime.enable_table(torch.nn.SiLU())
+        return runtime
+    every = (len(LAYERS) - 1) * E
+    full, short = runtime_with(every), runtime_with(every - 1)
+    assert full.plan.fill_slabs and full.router_sink() is None
+    assert not short.plan.fill_slabs and short.router_sink() is not None
+
+
 # --- prefetch admission (item 5) ----------------------------------------------------------------------
 
 def expired_cache(ranking: str) -> SlabCache:
