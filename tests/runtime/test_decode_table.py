@@ -432,3 +432,22 @@ def test_a_settled_table_skips_the_upkeep_and_counts_the_same(cold, fill):
     assert calls == {"readback": 0, "reserve": 1}  # the entry's empty reservations, nothing after
     assert upkeep_calls["readback"] == 12 and upkeep_calls["reserve"] >= 1
     assert counters == upkeep_counters == [(12, 12 * K, 0)] * len(LAYERS)
+
+
+def test_a_fill_waits_for_every_copy_and_refuses_more_experts_than_free_slabs():
+    """`Transfers.fill` (copies that land late here): when it returns, every expert it was given is resident
+    in its slab with the store's bytes; asked for more experts than free slabs, it says so and takes none."""
+    runtime, weights = make_runtime(3, len(LAYERS) * E, "lru")
+    keys = [(layer, e) for layer in LAYERS[:2] for e in range(E)]
+    with runtime.lock:
+        runtime.transfers.fill(keys)
+    for layer, e in keys:
+        slab = runtime.cache.where[(layer, e)]
+        assert runtime.cache.state[slab] is SlabState.RESIDENT
+        assert torch.equal(runtime.pool[0][slab], weights[layer][0][e]) and torch.equal(runtime.pool[1][slab], weights[layer][1][e])
+    free = runtime.cache.free_slabs
+    rest = [(layer, e) for layer in LAYERS[2:] for e in range(E)] + [(LAYERS[0], E)]  # one more than the free slabs
+    assert len(rest) == free + 1
+    with runtime.lock, pytest.raises(RuntimeError, match=f"fill: {free + 1} experts but {free} free slabs"):
+        runtime.transfers.fill(rest)
+    assert runtime.cache.free_slabs == free

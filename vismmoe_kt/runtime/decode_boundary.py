@@ -206,14 +206,9 @@ class DecodeBoundary:
         with a slab for every expert nothing is evicted afterwards."""
         rt = self.res
         cold = [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
-        if not cold or rt.cache.free_slabs < len(cold):  # landing reservations still out: settle at a later start
-            return
-        rt.transfers.fetch(cold)
-        rt.cache.in_use.clear()  # `fetch` marks its slabs as the executing layer's; no layer executes here
-        for event in list(rt.transfers.events.values()):
-            event.synchronize()
-        rt.transfers.poll()
-        rt.transfers.landed.clear()
+        if cold and rt.cache.free_slabs >= len(cold):  # else landing reservations are still out: a later start
+            rt.transfers.fill(cold)
+            rt.transfers.landed.clear()
 
     def _count_settled_step(self) -> None:
         """A settled step's counters without its records: every pair of each offloaded layer a hit (the

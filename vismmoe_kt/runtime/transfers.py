@@ -145,14 +145,29 @@ class Transfers:
             missing = [k for k, s in zip(keys, slabs) if s is None]
             got = iter(self.cache.assign_many(missing, urgent=True))
             slabs = [s if s is not None else next(got) for s in slabs]
+        self._copy_urgently(slabs, keys)
+        for slab in slabs:
+            self.cache.use(slab)
+        return slabs
+
+    def fill(self, keys: list[Key]) -> None:
+        """Copy experts that have no slab into free slabs and wait until each is resident: a budget that
+        holds every offloaded expert loads the ones no prompt has routed to yet, once (decode_boundary.py)."""
+        if self.cache.free_slabs < len(keys):
+            raise RuntimeError(f"fill: {len(keys)} experts but {self.cache.free_slabs} free slabs")
+        slabs = self.cache.assign_many(keys, urgent=True)
+        self._copy_urgently(slabs, keys)
+        for slab in slabs:
+            if slab in self.events:
+                self.events[slab].synchronize()
+        self.poll()
+
+    def _copy_urgently(self, slabs: list[int], keys: list[Key]) -> None:
         if self._dequantizes_on_device():
             self._fetch_dequantized(slabs, keys)
         else:
             for key, slab in zip(keys, slabs):
                 self._copy(slab, key, urgent=True)
-        for slab in slabs:
-            self.cache.use(slab)
-        return slabs
 
     def _dequantizes_on_device(self) -> bool:
         """A quantized store on CUDA with the Triton kernels: a fetch moves each layer's blocks in one
