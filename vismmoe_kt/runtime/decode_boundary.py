@@ -79,14 +79,14 @@ class DecodeBoundary:
             self._arm()
             return
         with rt.lock:
+            nested = self.armed
+            if nested:  # a step ran without its `after` (the graph self-check nests a second
+                self.table.readback()  # step inside the first): read what it did before moving on
             if self.stale:
                 self._enter()
                 if self.settled:
                     self._arm()
                     return
-            nested = self.armed
-            if nested:  # a step ran without its `after` (the graph self-check nests a second
-                self.table.readback()  # step inside the first): read what it did before moving on
             # a quiet last step (every pair a hit, nothing landed) left the reservations as they were:
             # this step runs on them, and that step is accounted in `after_step`, while this one computes
             quiet = None if nested or self.miss is not None else self.table.quiet_records(self.offloaded_rows)
@@ -201,12 +201,13 @@ class DecodeBoundary:
                 self.table.set_cpu_quota([0] * (rt.top_k + 1))
 
     def _fill_cold(self) -> None:
-        """Copy every offloaded expert that has no slab into a free one and wait for the copies (counted
-        with the phase before decode: loading, not a step's misses). Only the first decode start finds any:
-        with a slab for every expert nothing is evicted afterwards."""
+        """Copy every offloaded expert that has no slab into a free one and wait for every copy in flight,
+        prefill's too, so that the table is built from resident slabs (counted with the phase before
+        decode: loading, not a step's misses). Only the first decode start finds cold experts: with a slab
+        for every expert nothing is evicted afterwards."""
         rt = self.res
         cold = [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
-        if cold and rt.cache.free_slabs >= len(cold):  # else landing reservations are still out: a later start
+        if len(cold) <= rt.cache.free_slabs:  # else landing reservations are still out: a later start
             rt.transfers.fill(cold)
             rt.transfers.landed.clear()
 

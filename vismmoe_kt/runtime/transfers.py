@@ -151,15 +151,15 @@ class Transfers:
         return slabs
 
     def fill(self, keys: list[Key]) -> None:
-        """Copy experts that have no slab into free slabs and wait until each is resident: a budget that
-        holds every offloaded expert loads the ones no prompt has routed to yet, once (decode_boundary.py)."""
+        """Copy experts that have no slab into free slabs, then wait until every copy in flight (these and
+        any before them) has landed: a budget that holds every offloaded expert loads the ones no prompt
+        has routed to yet, once, and decode starts with every slab resident (decode_boundary.py)."""
         if self.cache.free_slabs < len(keys):
             raise RuntimeError(f"fill: {len(keys)} experts but {self.cache.free_slabs} free slabs")
-        slabs = self.cache.assign_many(keys, urgent=True)
-        self._copy_urgently(slabs, keys)
-        for slab in slabs:
-            if slab in self.events:
-                self.events[slab].synchronize()
+        if keys:
+            self._copy_urgently(self.cache.assign_many(keys, urgent=True), keys)
+        for event in list(self.events.values()):
+            event.synchronize()
         self.poll()
 
     def _copy_urgently(self, slabs: list[int], keys: list[Key]) -> None:

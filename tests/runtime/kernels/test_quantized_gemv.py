@@ -114,9 +114,10 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
     # a settled table's read: the pairs' experts, each one's slab from the layer's table row (here reversed)
     table_row = torch.arange(QE - 1, -1, -1)
     reversed_pool = pool.flip(0).contiguous()  # slab QE - 1 - e holds expert e
-    got = quantized_gemv.quantized_experts(x, ids, reversed_pool, fmt, down_fmt or fmt, QI, QH, QK, (16, 1, "tile"),
-                                           table_row=table_row)
-    torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} by expert: {m}")
+    for config in ((16, 1, "tile"), *shared):  # the shared form is the H200's for Q4_K: a settled step runs it
+        got = quantized_gemv.quantized_experts(x, ids, reversed_pool, fmt, down_fmt or fmt, QI, QH, QK, config,
+                                               table_row=table_row)
+        torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {config} by expert: {m}")
 """
 
 
