@@ -20,6 +20,7 @@ from pathlib import Path
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+PROJECT = "vismmoe_kt/"  # a Python frame of this project's code (with PROFILE_STACKS=1 the trace has them)
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -57,7 +58,40 @@ def prefill_summary(events: list[dict], top: int = 20) -> dict:
             covered += e["dur"] / 1e3
             edge = e["ts"] + e["dur"]
     return {"window_ms": window_ms, "categories": categories, "top_level_ms": covered,
-            "top_level_share": covered / window_ms if window_ms else 0.0}
+            "top_level_share": covered / window_ms if window_ms else 0.0,
+            "waits": waits_by_op(host, [e for e in events if e.get("cat") == "python_function" and e["ts"] < end])}
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def waits_by_op(host: list[dict], python: list[dict] = ()) -> list[dict]:
+    """The host's waits and copies (WAITS) by the innermost op that issued them, and by that op's outermost
+    enclosing op (what the model's code called), or, where the trace has Python frames, the innermost
+    frame of this project's code: where a prefill reads the device back."""
+    ops = sorted((e for e in host if e["cat"] == "cpu_op"), key=lambda e: e["ts"])
+    counts: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0.0])
+    for call in (e for e in host if e["cat"] == "cuda_runtime" and e["name"] in WAITS):
+        around = [op for op in ops if op["ts"] <= call["ts"] and op["ts"] + op["dur"] >= call["ts"] + call["dur"]
+                  and op.get("tid") == call.get("tid")]
+        inner = min(around, key=lambda op: op["dur"])["name"] if around else "(no op)"
+        outer = max(around, key=lambda op: op["dur"])["name"] if around else "(no op)"
+        # with Python frames in the trace (PROFILE_STACKS=1): the innermost frame of this project's code
+        frames = [f for f in python if f["ts"] <= call["ts"] and f["ts"] + f["dur"] >= call["ts"] + call["dur"]
+                  and PROJECT in f["name"]]
+        if frames:
+            outer = min(frames, key=lambda f: f["dur"])["name"].split(PROJECT, 1)[1]
+            # and the innermost library frame beneath it (a model's own code, e.g. transformers')
+            below = [f for f in python if f["ts"] <= call["ts"] and f["ts"] + f["dur"] >= call["ts"] + call["dur"]
+                     and ".py(" in f["name"] and "torch/" not in f["name"] and PROJECT not in f["name"]]
+            if below:
+                outer += " > " + min(below, key=lambda f: f["dur"])["name"].rsplit("/", 1)[-1]
+        entry = counts[(call["name"], inner, outer)]
+        entry[0] += 1
+        entry[1] += call["dur"] / 1e3
+    rows = sorted(counts.items(), key=lambda kv: -kv[1][0])
+    return [{"call": c, "op": inner[:60], "outermost": outer[:60], "count": n, "ms": ms}
+            for (c, inner, outer), (n, ms) in rows]
 
 
 def report(summary: dict) -> str:
@@ -66,6 +100,9 @@ def report(summary: dict) -> str:
     for cat, part in summary["categories"].items():
         lines.append(f"{cat}: {part['total_ms']:.1f} ms in {part['calls']} calls")
         lines += [f"  {t['ms']:8.2f} ms {t['calls']:6d}  {t['name']}" for t in part["top"]]
+    lines.append("waits and copies by the op that issued them (innermost / outermost):")
+    lines += [f"  {w['count']:5d} {w['ms']:7.2f} ms  {w['call']}  {w['op']} / {w['outermost']}"
+              for w in summary.get("waits", [])[:25]]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ before the first replay are the prompt's prefill, summarized the same way as one
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -101,7 +102,8 @@ def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    # PROFILE_STACKS=1: Python frames in the trace too (host_trace.py names the code behind each wait)
+    with profile(activities=activities, with_stack=os.environ.get("PROFILE_STACKS") == "1") as prof:
         steps = run()
     events = prof.profiler.kineto_results.events()
     kernels = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns()) for e in events

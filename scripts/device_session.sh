@@ -85,11 +85,15 @@
 #   bash scripts/device_session.sh kqcompare DIR    the quantized slabs' GEMVs alone (decode_kernel_bench --quantized): DIR's code
 #                                                   (a `git archive`, carried; - for none) at its tuned shapes, then this tree's with
 #                                                   --tune; each format's fastest (KQ_FORMATS: q4_k,q4_k:bytes,q8_0,q5_k)
+#   bash scripts/device_session.sh prefillk         a prompt's routed experts on Q4_K slabs at 236, 512 and 824 tokens, kernels
+#                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
 #   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
 #                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
+#                                                   (HOSTTRACE_CONFIGS: another configuration; PROFILE_STACKS=1: Python
+#                                                   frames in the trace, each wait named by the code that issued it)
 #   bash scripts/device_session.sh routing          #46: trains the routing-study model (routing-12x64) in /tmp/routing (on
 #                                                   the machine's disk, outside $OUT), stopping after ROUTING_TRAIN_SECONDS
 #                                                   (330) of training with a checkpoint; call it again (the machine still
@@ -300,6 +304,9 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                  --quantized --tune --formats "$formats" > "$OUT/kq-after.txt" || true
                [[ $ref == - ]] || grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
                tail -n 8 "$OUT/kq-after.txt" ;;
+    prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept)
+              timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
+                ${PK_TUNE:+--tune} | tee "$OUT/prefillk.txt" || true ;;
     defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
               for px in "${@:-448}"; do
                 [[ $px =~ ^[0-9]+$ ]] || break
@@ -313,7 +320,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               done ;;
     hosttrace) shift
                timeout 240 python3 -m benchmarks.decode_bench --out "$OUT/hosttrace" --layers 48 --reps 1 --image_size 448 \
-                 --decode_tokens 16 --routing synthetic --kernels --configs "$RESIDENT" | tee "$OUT/hosttrace.txt" || true
+                 --decode_tokens 16 --routing synthetic --kernels --configs ${HOSTTRACE_CONFIGS:-"$RESIDENT"} \
+                 | tee "$OUT/hosttrace.txt" || true
                python3 -m benchmarks.host_trace "$OUT"/hosttrace/trace-*.json.gz | tee "$OUT/host_trace.txt"
                rm -f "$OUT"/hosttrace/trace-* ;;
     family) shift  # #24: bench rows for a non-Qwen family (its own rule files: benchmarks/bench/configs.py RULE_FILES)
@@ -386,6 +394,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

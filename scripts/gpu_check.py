@@ -335,9 +335,10 @@ def check_stores(out: str | None) -> int:
 
 
 def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
-    """Q4_K slabs for every offloaded expert, filled as decode first starts: decode is settled (its steps
-    read the slabs straight from the table, the GEMVs looking each pair's slab up themselves); greedy
-    tokens equal the CPU twin's, nothing read from the host in the second answer."""
+    """Q4_K slabs for every offloaded expert, filled as the first prompt starts: its offloaded layers read
+    their experts through the row maps (the expert-major kernels; no routing read back), decode is settled
+    (its steps read the slabs straight from the table, the GEMVs looking each pair's slab up themselves);
+    greedy tokens equal the CPU twin's, nothing read from the host in the second answer."""
     block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt="q4_k").block_bytes
     runs = {}
     for device in ("cpu", "cuda:0"):
@@ -351,13 +352,16 @@ def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict])
             generate(model, inputs, 8)
             reads = runtime.summary()["bytes_host_reads_decode"]
             tokens = generate(model, inputs, 8).cpu()
-        runs[device] = tokens, runtime.table.settled, runtime.summary()["bytes_host_reads_decode"] - reads
-    (cpu_tokens, _, _), (tokens, settled, reads) = runs["cpu"], runs["cuda:0"]
+        runs[device] = (tokens, runtime.table.settled, runtime.summary()["bytes_host_reads_decode"] - reads,
+                        runtime.plan.prefill, runtime.summary()["host_reads"])
+    (cpu_tokens, *_), (tokens, settled, reads, prefill, routing_reads) = runs["cpu"], runs["cuda:0"]
+    # the prompts' offloaded layers on the filled slabs: the expert-major kernels here, the torch twin on the CPU
     row = {"store": "q4_k", "slabs": "quantized, every offloaded expert (settled)", "settled": settled,
-           "greedy_tokens_equal": torch.equal(tokens, cpu_tokens), "decode_host_read_bytes": reads}
+           "greedy_tokens_equal": torch.equal(tokens, cpu_tokens), "decode_host_read_bytes": reads,
+           "prefill": prefill, "routing_reads": routing_reads}
     results.append(row)
     print(json.dumps(row), flush=True)
-    return settled and row["greedy_tokens_equal"] and reads == 0
+    return settled and row["greedy_tokens_equal"] and reads == 0 and prefill == "filled-slabs" and routing_reads == 0
 
 
 def finish(results: list[dict], ok: bool, out: str | None) -> int:

@@ -34,6 +34,27 @@ def test_the_prefill_window_ends_at_the_first_graph_launch(tmp_path):
     assert main([str(path)]) == 0
 
 
+def test_waits_are_told_by_the_op_that_issued_them(tmp_path):
+    """A sync inside aten::item inside aten::linear counts for both (innermost / outermost); one outside
+    every op for none; a kernel launch is no wait."""
+    events = [event("cpu_op", "aten::linear", 0, 400), event("cpu_op", "aten::item", 100, 100),
+              event("cuda_runtime", "cudaStreamSynchronize", 120, 50), event("cuda_runtime", "cudaLaunchKernel", 20, 5),
+              event("cuda_runtime", "cudaMemcpyAsync", 500, 10), event("cuda_runtime", "cudaStreamSynchronize", 130, 20)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    waits = prefill_summary(load_events(path))["waits"]
+    assert [(w["call"], w["op"], w["outermost"], w["count"]) for w in waits] == [
+        ("cudaStreamSynchronize", "aten::item", "aten::linear", 2), ("cudaMemcpyAsync", "(no op)", "(no op)", 1)]
+    assert waits[0]["ms"] == pytest.approx(0.07)
+    # with Python frames (PROFILE_STACKS=1): the innermost frame of the project's code names the wait
+    frames = [event("python_function", "/x/vismmoe_kt/engine/a.py(3): outer", 0, 450),
+              event("python_function", "/x/vismmoe_kt/runtime/b.py(9): reads", 110, 80),
+              event("python_function", "/x/torch/nn/f.py(1): inner", 115, 60)]
+    path.write_text(json.dumps({"traceEvents": events + frames}))
+    waits = prefill_summary(load_events(path))["waits"]
+    assert (waits[0]["op"], waits[0]["outermost"], waits[0]["count"]) == ("aten::item", "runtime/b.py(9): reads", 2)
+
+
 def test_it_reads_a_cpu_runs_trace(tmp_path):
     out = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--tiny", "tiny-6x64",

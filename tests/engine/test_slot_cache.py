@@ -163,3 +163,30 @@ def test_retract_takes_the_last_decode_step_back_in_every_layer():
     with pytest.raises(ValueError, match="no decoded position"):
         cache.retract([0])
     assert [lengths[0] for lengths in cache.host_lengths] == [0, 0, 0]  # nothing half done
+
+
+def test_a_prefill_writes_each_layers_length_without_a_copy_from_the_host():
+    """A prompt's layer writes its keys and its length (on the device, for the decode steps) by kernels
+    alone: assigning the Python int copied a host scalar to the device and waited, once a layer (on the
+    H200 a 236-token prompt's 48 waits kept the host from running ahead of the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func.__name__, [a.device.type if isinstance(a, torch.Tensor) else None for a in args],
+                               [a.dim() if isinstance(a, torch.Tensor) else None for a in args]))
+            return func(*args, **(kwargs or {}))
+
+    cache = SlotKVCache(layers=2, slots=3, kv_heads=2, head_dim=4, capacity=16, dtype=torch.float32, device="cpu")
+    view = cache.slot_view(1)
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    with Ops() as ops:
+        view.update(keys, values, 1)
+    assert cache.lengths[1, 1].item() == 5 and cache.host_lengths[1][1] == 5 and cache.lengths[0, 1].item() == 0
+    assert torch.equal(cache.keys[1][1, :, :5], keys[0])
+    scalar_copies = [c for c in ops.calls if c[0].startswith("copy_") and c[2][1] == 0]
+    assert not scalar_copies and any(c[0].startswith("fill_") for c in ops.calls)

@@ -297,6 +297,52 @@ def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
     assert after["bytes_host_reads_decode"] == before["bytes_host_reads_decode"]
 
 
+def test_a_prompt_on_filled_quantized_slabs_reads_no_routing_on_the_host(tmp_path):
+    """Q4_K slabs with a slab for every offloaded expert: the first prompt copies every expert in (once) and
+    its offloaded layers read their experts through the row maps, with no device->host read; the tokens are
+    those of the same Q4_K store one slab short of every expert (the placement path: a read per layer).
+    A reset empties the slabs; the next prompt fills them again."""
+    from vismmoe_kt import load
+    from vismmoe_kt.demo.tiny import SPECS, build_tiny_model, save_tiny_model
+    from vismmoe_kt.engine.generation import generate
+    from vismmoe_kt.operators.vis_experts import VisExperts
+
+    spec = SPECS["tiny-3x32"]
+    model_dir = save_tiny_model(tmp_path / "m", spec, seed=0)
+    _, processor = build_tiny_model(spec, seed=0)
+    layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
+    block = 3 * spec.hidden * spec.moe_intermediate // 256 * 144  # a Q4_K expert
+    prompt = processor(text=["<|im_start|>user\nwhat is this about<|im_end|>\n<|im_start|>assistant\n"],
+                       return_tensors="pt")
+    runs = {}
+    for slabs in (64, 63):
+        model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=layer + slabs * block,
+                        store_dtype="q4_k", slab_format="quantized", graphs="off", pinned_layers=1,
+                        generate_device="cpu", prefill_device="cpu", progress=False)
+        runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+        assert runtime.num_slabs == slabs
+        reads = []
+        to_host = runtime.residency.to_host
+        runtime.residency.to_host = lambda *t: (reads.append(len(t)), to_host(*t))[1]
+        with torch.no_grad():
+            tokens = generate(model, dict(prompt), 8, min_new_tokens=8)
+        runs[slabs] = (runtime, tokens, len(reads), model)
+    filled, placed = runs[64][0], runs[63][0]
+    assert filled.plan.prefill == "filled-slabs" and placed.plan.prefill == "placement"
+    assert "prefill: filled-slabs" in " ".join(filled.plan.describe())
+    assert torch.equal(runs[64][1], runs[63][1])
+    assert runs[64][2] == 0 and runs[63][2] > 0  # the placement path read each offloaded layer's routing
+    offloaded = filled.offloaded_layers()
+    assert len(filled.cache.where) == len(offloaded) * filled.num_experts  # every expert in, by the first prompt
+    assert filled.summary()["prefill_fetches"] == len(offloaded) * filled.num_experts
+    assert filled.summary()["bytes_host_reads_decode"] == 0 and filled.summary()["decode_settled"]
+    with torch.no_grad():
+        filled.reset_cache()
+        assert not filled.cache.where
+        assert torch.equal(generate(runs[64][3], dict(prompt), 8, min_new_tokens=8), runs[64][1])
+    assert len(filled.cache.where) == len(offloaded) * filled.num_experts
+
+
 @pytest.mark.parametrize("policy, slabs", [("lru", E), ("vismmoe", 2 * E)])  # vismmoe: a pinned first layer (no records)
 def test_a_quiet_steps_accounting_waits_for_the_next_step_and_changes_nothing(policy, slabs):
     """A step whose pairs all hit and where nothing landed leaves the reservations as they were: the

@@ -81,9 +81,12 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
         assert plan.hybrid == (miss_policy != "wait") and plan.decode_cpu == plan.hybrid  # on the CPU: decode's too
         assert plan.table_decode is not None  # on the CPU, every valid combination decodes through the table
         assert plan.batch_table == (not plan.hybrid and not lookahead)
-        assert set(plan.why) == {"store", "slabs", "pinned", "misses", "decode", "batch", "eviction"}
+        assert set(plan.why) - {"fill"} == {"store", "slabs", "pinned", "misses", "decode", "batch", "eviction", "prefill"}
         assert bool(plan.why["misses"]) == (asked != miss_policy) and plan.settings.miss_policy == miss_policy
-        assert len(plan.describe()) == 7 and plan.eviction == "vismmoe"  # no `eviction` key: the policy's
+        # a prompt skips placement only where every offloaded expert has a quantized slab
+        assert (plan.prefill == "filled-slabs") == (plan.fill_slabs and plan.quantized_slabs)
+        assert not plan.prefill_kernels  # the CPU: the torch twin
+        assert len(plan.describe()) == 8 + plan.fill_slabs and plan.eviction == "vismmoe"  # no `eviction` key: the policy's
     assert checked and refused
 
 

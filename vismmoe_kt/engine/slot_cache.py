@@ -236,7 +236,8 @@ class SlotView:
         cache.keys[layer_idx][slot, :, start:end] = key_states[0]
         cache.values[layer_idx][slot, :, start:end] = value_states[0]
         cache.host_lengths[layer_idx][slot] = end
-        cache.lengths[layer_idx, slot] = end
+        # a fill kernel: assigning the int would copy it from host memory and wait, once a layer
+        cache.lengths[layer_idx, slot].fill_(end)
         return cache.keys[layer_idx][slot:slot + 1, :, :end], cache.values[layer_idx][slot:slot + 1, :, :end]
 
 

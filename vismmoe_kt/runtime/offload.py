@@ -138,6 +138,7 @@ class OffloadRuntime(EngineQueries):
         self.facts = replace(self.facts, **facts)
         self.plan = resolve_plan(self._given, self.facts, self.device)
         self.settings = self.residency.settings = self.plan.settings
+        self.residency.plan = self.plan  # the sizes stay; the executors read its choices
         self._build_executors()
 
     @property
@@ -331,6 +332,7 @@ class OffloadRuntime(EngineQueries):
         with self.lock:
             self.residency.reset_cache()
             self.boundary.forget()  # the new cache holds no reservations
+            self._build_executors()  # filled slabs: the next prompt fills them again
 
     def close(self) -> None:
         """Stop the copy worker and give back the host store and the GPU banks (unload)."""

@@ -73,6 +73,9 @@ class OffloadPlan:
     eviction: str = "vismmoe"   # the slab cache's ranking: lru | vismmoe | auto (a trial in table decode)
     fill_slabs: bool = False    # a slab for every offloaded expert: the cold ones are copied in as table decode
                                 # first starts, so its steps find every expert resident (DecodeBoundary)
+    prefill: str = "placement"  # a prompt's offloaded layers: placement (routing read on the host, slabs placed) |
+                                # filled-slabs (every expert in a quantized slab: read through the row maps)
+    prefill_kernels: bool = False  # filled-slabs on the Triton kernels (else the torch twin)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -98,7 +101,8 @@ class OffloadPlan:
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
                 f"({self.why['batch']})",
                 f"eviction: {self.eviction} ({self.why['eviction']})"] + \
-            ([f"fill: every offloaded expert as decode first starts ({self.why['fill']})"] if self.fill_slabs else [])
+            ([f"fill: every offloaded expert as the first prompt or decode starts ({self.why['fill']})"]
+             if self.fill_slabs else []) + [f"prefill: {self.prefill} ({self.why['prefill']})"]
 
 
 def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str]:
@@ -185,10 +189,16 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     fill = table_decode is not None and offloaded > 0 and num_slabs >= offloaded * facts.num_experts
     if fill:
         why["fill"] = f"{num_slabs} slabs hold all {offloaded * facts.num_experts} offloaded experts"
+    # filled quantized slabs: nothing to place, so a prompt's layers need no routing on the host
+    prefill = "filled-slabs" if fill and quantized_slabs else "placement"
+    why["prefill"] = "every offloaded expert in a quantized slab" if fill and quantized_slabs else \
+        ("the slabs are not quantized" if fill else "not every offloaded expert has a slab" if offloaded else
+         "every layer pinned")
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
-                       kernels and facts.quantized_major_kernels, eviction, fill, why)
+                       kernels and facts.quantized_major_kernels, eviction, fill, prefill,
+                       kernels and facts.quantized_major_kernels, why)
 
 
 def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:

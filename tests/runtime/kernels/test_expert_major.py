@@ -28,6 +28,20 @@ def test_each_experts_pairs_fill_blocks_of_their_own_in_pair_order():
         assert torch.equal(ids[lanes], owner) and block_pairs.shape == (24, BLOCK_M)
 
 
+def test_the_blocks_in_use_fit_the_grid_the_kernels_launch():
+    """The quantized kernels launch min(P, P // M + E) programs a column tile, not P: every block in use
+    must come before that, whatever the routing and the block size (a prompt's blocks of 64 pairs)."""
+    generator = torch.Generator().manual_seed(1)
+    for experts, pairs, block in ((9, 24, 2), (128, 1888, 64), (128, 6592, 64), (16, 40, 16), (4, 400, 128)):
+        for skew in (False, True):
+            weights = torch.arange(experts, 0, -1).float() ** (3 if skew else 0)
+            ids = torch.multinomial(weights, pairs, replacement=True, generator=generator)
+            block_expert, _ = expert_blocks(ids, experts, block)
+            used = int(torch.nonzero(block_expert >= 0).max()) + 1
+            assert used <= min(pairs, pairs // block + experts), (experts, pairs, block, skew)
+            assert int((block_expert >= 0).sum()) == used  # contiguous from block 0
+
+
 def test_the_twin_gives_grouped_gemms_pair_outputs():
     torch.manual_seed(0)
     E, H, I, T, K = 7, 48, 24, 5, 3

@@ -47,6 +47,9 @@ for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", N
     # float16 weights and intermediate: a few thousandths of the largest output
     torch.testing.assert_close(got, ref, rtol=0, atol=4e-3 * scale)
     torch.testing.assert_close(twin, ref, rtol=0, atol=4e-3 * scale)
+    if fmt == "q4_k" and down_fmt is None:  # a prompt's blocks (filled prefill): every pair of an expert in one
+        wide = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, fmt, I, E, block_m=32)
+        torch.testing.assert_close(wide, ref, rtol=0, atol=4e-3 * scale)
 
 # the table's lookup of several tokens in one launch (a program per token) against the twin's token
 # after token, then each token's landings published by the combine
@@ -88,15 +91,15 @@ def test_kernels_compile_for_hopper(hopper, fmt):
     from vismmoe_kt.runtime.kernels import expert_major as em
     from vismmoe_kt.runtime.kernels import quantized_major as qm
 
-    blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_addr": "i64",
-              "slab_bytes": "i64",
-              "staging_addr": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr", "KIND": "constexpr",
-              "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*u8",
+              "slab_bytes": "i64", "staging_offset": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr",
+              "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     shapes = {**hopper.shapes, "BLOCK_M": em.BLOCK_M, "KIND": qm.TILE_KINDS[fmt], "SB_BYTES": qm.TILE_BYTES[fmt]}
     tuned = hopper.tuned["quantized_major"]
     n, warps, stages = tuned["gate_up"]
-    hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr", **blocks},
-                   {**shapes, "TOP_K": 8, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+    hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
+                                          "DOWN_KIND": "constexpr", **blocks},
+                   {**shapes, "TOP_K": 8, "BLOCK_N": n, "DOWN_KIND": shapes["KIND"]}, num_warps=warps, num_stages=stages)
     n, warps, stages = tuned["down"]
     hopper.compile(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
                    {**shapes, "BLOCK_N": n, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES[fmt]},
@@ -105,3 +108,45 @@ def test_kernels_compile_for_hopper(hopper, fmt):
                                       "staging_ptr": "*i32", "host_addr": "i64", "block_words": "i32",
                                       "pool_words": "i32", "staging_words": "i32", "CHUNK": "constexpr"},
                    {"CHUNK": qm.STAGE_CHUNK})
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_q4_k_expert_major_kernels_read_their_slabs_in_16_byte_loads(hopper, block_m):
+    """The slabs come in as the pool's pointer (the staging rows as an offset from it), so a launch knows
+    their alignment: compiled as a launch specializes it, each super-block's Q4_K quant words are read in
+    16-byte vector loads, none word by word (block M 16: a batched step; 64: a prompt on filled slabs)."""
+    import re
+
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+
+    signature = {"x_ptr": "*bf16", "expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64",
+                 "h_ptr": "*bf16", "pool_ptr": "*u8", "slab_bytes": "i64", "staging_offset": "i64",
+                 "staging_bytes": "i64", "TOP_K": "constexpr", "H": "constexpr", "I": "constexpr", "KIND": "constexpr",
+                 "DOWN_KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    n, warps, stages = hopper.tuned["quantized_prefill"]["gate_up"]
+    constants = {**hopper.shapes, "TOP_K": 8, "KIND": qm.TILE_KINDS["q4_k"], "DOWN_KIND": qm.TILE_KINDS["q4_k"],
+                 "SB_BYTES": qm.TILE_BYTES["q4_k"], "BLOCK_M": block_m, "BLOCK_N": n}
+    compiled = hopper.compile(qm._gate_up_q_blocks, signature, constants, num_warps=warps, num_stages=stages,
+                              aligned=("x_ptr", "h_ptr", "pool_ptr", "slab_bytes", "staging_offset", "staging_bytes"))
+    loads = re.findall(r"ld\.global((?:\.v\d)?)\.b(\d+)", compiled.asm["ptx"])
+    assert ("", "32") not in loads, "quant words loaded one by one"
+    assert sum(1 for vector, bits in loads if vector == ".v4" and bits == "32") >= 8
+    # the token rows come in the tile's order (in_tile_order): read in runs, not one BF16 element at a time
+    assert sum(1 for vector, bits in loads if vector == "" and bits == "16") <= 4
+
+
+def test_the_token_rows_go_in_the_tiles_column_order():
+    """in_tile_order reorders each 256 columns as the format's tiles unpack their weights (tile_columns),
+    by a transpose (no index tensor: a captured step may call it); formats unpacked in order are left as
+    they are."""
+    import torch
+
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+
+    x = torch.randn(3, 512)
+    for fmt in ("q4_k", "q4_0", "q8_0", "q5_k"):
+        columns = qm.tile_columns(fmt)
+        want = x if columns is None else x.view(3, 2, 256)[:, :, columns].reshape(3, 512)
+        assert torch.equal(qm.in_tile_order(x, fmt), want), fmt
+        if columns is not None:
+            assert sorted(columns.tolist()) == list(range(256)) and not torch.equal(columns, torch.arange(256))

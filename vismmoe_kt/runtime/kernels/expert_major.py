@@ -61,15 +61,15 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> 
 MAX_PLAN_PAIRS = 256  # the plan kernel compares every pair with every other in one program
 
 
-def block_plan(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """`expert_blocks` of (P,) ids on the device: one Triton program (up to MAX_PLAN_PAIRS pairs), else torch."""
     pairs = ids.numel()
     if pairs > MAX_PLAN_PAIRS:
-        return expert_blocks(ids, num_experts)
+        return expert_blocks(ids, num_experts, block)
     block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
-    block_pairs = torch.full((pairs, BLOCK_M), -1, dtype=torch.long, device=ids.device)
+    block_pairs = torch.full((pairs, block), -1, dtype=torch.long, device=ids.device)
     _blocks_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
-                         BLOCK_M=BLOCK_M, num_warps=4)
+                         BLOCK_M=block, num_warps=4)
     return block_expert, block_pairs
 
 

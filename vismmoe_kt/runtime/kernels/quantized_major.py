@@ -20,8 +20,9 @@ Each step of a program decodes an (N, 256) tile: per row, one k-quant super-bloc
 blocks. The decoded weights are rounded to the activations' dtype for the tensor cores (BF16 on
 the GPU), as a dequantized bank would hold them. Q4_K and Q4_0 pack two weights per byte; the tile
 keeps them in the order they come out of the bytes (each byte's low and high nibble side by side),
-and the token rows are read in that same column order (`_tile_columns`), so nothing is shuffled
-in registers.
+so nothing is shuffled in registers; the token rows come in that same column order (`in_tile_order`,
+one gather a layer before the first kernel, and the first kernel stores h in the down format's), so a
+block's rows are read in contiguous 16-byte runs rather than element by element.
 
 A block reads its expert at its first pair: the slab holding it, or for a miss the landing slab its
 block was staged into, or without one that pair's staging row (`stage_misses` copies each miss's
@@ -64,33 +65,61 @@ def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, poo
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                             pool: torch.Tensor, staging: torch.Tensor, fmt: str, down_fmt: str, inter: int,
                             num_experts: int, gate_up_tiles: tuple[int, int, int] | None = None,
-                            down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                            down_tiles: tuple[int, int, int] | None = None, block_m: int = BLOCK_M) -> torch.Tensor:
     """(P, H) fp32 unweighted pair outputs of T tokens' K experts each (`top_k_index` (T, K)), every
     pair's expert read from quantized slab `slots[p]` of `pool` (uint8 (S, slab bytes)), or, a miss
     (slot < 0), from its landing slab `land[p]`, or, without one, from row p of `staging`; SiLU-gated.
     H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages) per kernel (default: the
-    device's tuned ones)."""
+    device's tuned ones); `block_m`: pairs per block (a prompt's many tokens per expert: larger blocks
+    decode each expert fewer times)."""
     tokens, top_k = top_k_index.shape
     hidden_size = hidden.shape[1]
     ids = top_k_index.reshape(-1)
     pairs = ids.numel()
-    block_expert, block_pairs = block_plan(ids, num_experts)
-    x = hidden.contiguous()
+    block_expert, block_pairs = block_plan(ids, num_experts, block_m)
+    # the blocks in use come first: an expert of c pairs takes ceil(c / M) <= c / M + 1 of them
+    blocks = min(pairs, pairs // block_m + num_experts)
+    x = in_tile_order(hidden, fmt)  # h comes out of the first kernel in the down format's tile order
     h = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    rows = (pool.data_ptr(), pool.shape[1], staging.data_ptr(), staging.shape[1])
+    # staging as an offset from the pool: the kernels read both through the pool's pointer (its alignment known)
+    rows = (pool, pool.shape[1], staging.data_ptr() - pool.data_ptr(), staging.shape[1])
     tuned = tuning.get("quantized_major", hidden.device)
     n, warps, stages = gate_up_tiles or tuned["gate_up"]
-    _gate_up_q_blocks[(pairs, triton.cdiv(inter, n))](
+    _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
         x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter, KIND=TILE_KINDS[fmt],
-        SB_BYTES=TILE_BYTES[fmt], BLOCK_M=BLOCK_M, BLOCK_N=n, num_warps=warps, num_stages=stages)
+        DOWN_KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
+        num_stages=stages)
     n, warps, stages = down_tiles or tuned["down"]
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
-    _down_q_blocks[(pairs, triton.cdiv(hidden_size, n))](
+    _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
         h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=BLOCK_M, BLOCK_N=n, num_warps=warps,
+        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
         num_stages=stages)
     return y
+
+
+def tile_columns(fmt: str) -> torch.Tensor | None:
+    """(256,) the input column each weight of a decoded tile row multiplies, in the order the format's
+    bytes unpack them (`_tile`); None: in order."""
+    k = torch.arange(256)
+    if fmt == "q4_k":   # (group j of 64, lane l, nibble n) <- weight 64 j + 32 n + l
+        return 64 * (k // 64) + 32 * (k % 2) + (k % 64) // 2
+    if fmt == "q4_0":   # (block b of 32, byte l, nibble n) <- weight 32 b + 16 n + l
+        return 32 * (k // 32) + 16 * (k % 2) + (k % 32) // 2
+    return None
+
+
+def in_tile_order(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(T, C) rows with each 256 columns in the order `fmt`'s tiles unpack their weights: the kernels
+    then read a block's token rows as contiguous runs (16-byte loads) where they gathered each element."""
+    # a transpose, not a gather: no index tensor to copy to the device (a batched step is captured)
+    tokens, width = x.shape
+    if fmt == "q4_k":   # column 64 j + 32 n + l to place 64 j + 2 l + n
+        return x.reshape(tokens, width // 64, 2, 32).transpose(-1, -2).reshape(tokens, width)
+    if fmt == "q4_0":   # column 32 b + 16 n + l to place 32 b + 2 l + n
+        return x.reshape(tokens, width // 32, 2, 16).transpose(-1, -2).reshape(tokens, width)
+    return x.contiguous()
 
 
 def experts_by_pair_blocks(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
@@ -120,21 +149,21 @@ if tl is not None:
     from .expert_major import _block
 
     @triton.jit
-    def _tile_columns(KIND: tl.constexpr):
-        """(256,): the input column each weight of a `_tile` row multiplies, in the order it unpacks them."""
-        k = tl.arange(0, 256)
-        if KIND == 4 or KIND == 44:  # Q4_K: (group j of 64, lane l, nibble n) <- weight 64 j + 32 n + l
-            cols = 64 * (k // 64) + 32 * (k % 2) + (k % 64) // 2
-        elif KIND == 40:             # Q4_0: (block b of 32, byte l, nibble n) <- weight 32 b + 16 n + l
-            cols = 32 * (k // 32) + 16 * (k % 2) + (k % 32) // 2
-        else:                        # in order
-            cols = k
-        return cols
+    def _tile_position(cols, KIND: tl.constexpr):
+        """Where column `cols` of a row goes in KIND's tile order (`tile_columns`' inverse, per 256)."""
+        r = cols % 256
+        if KIND == 4 or KIND == 44:  # weight 64 j + 32 n + l -> 64 j + 2 l + n
+            at = 64 * (r // 64) + 2 * (r % 32) + (r % 64) // 32
+        elif KIND == 40:             # weight 32 b + 16 n + l -> 32 b + 2 l + n
+            at = 32 * (r // 32) + 2 * (r % 16) + (r % 32) // 16
+        else:
+            at = r
+        return cols - r + at
 
     @triton.jit
     def _tile(at, ok, KIND: tl.constexpr, R: tl.constexpr):
         """(R, 256) fp32: 256 weights of each of R rows from the blocks at `at` (R, 1) in format KIND,
-        in `_tile_columns` order."""
+        in `tile_columns` order."""
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
         if KIND == 4 or KIND == 44:  # Q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 quant bytes
             j = tl.arange(0, 4)
@@ -195,54 +224,58 @@ if tl is not None:
         tl.store(dst + offsets, tl.load(src + offsets, mask=inside), mask=inside)
 
     @triton.jit
-    def _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes,
+    def _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
                    BLOCK_M: tl.constexpr):
-        """The address of this program's block's expert, at its first pair: the slab holding it, the
-        landing slab it was staged into, or that pair's staging row."""
+        """A pointer to this program's block's expert, at its first pair: the slab holding it, the
+        landing slab it was staged into, or that pair's staging row (`staging_offset` bytes from the pool)."""
         first = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M)
         slab = tl.load(slots_ptr + first)
         slab = tl.where(slab >= 0, slab, tl.load(land_ptr + first))
-        return tl.where(slab >= 0, pool_addr + slab * slab_bytes, staging_addr + first * staging_bytes)
+        return pool_ptr + tl.where(slab >= 0, slab * slab_bytes, staging_offset + first * staging_bytes)
 
     @triton.jit
-    def _gate_up_q_blocks(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_addr, slab_bytes, staging_addr,
-                          staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
-                          SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _gate_up_q_blocks(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_ptr, slab_bytes,
+                          staging_offset, staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                          KIND: tl.constexpr, DOWN_KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes, BLOCK_M)
+            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
+                              BLOCK_M)
             ROW_BYTES: tl.constexpr = H // 256 * SB_BYTES
             token = tl.where(ok, pair // TOP_K, 0).to(tl.int64)
-            columns = _tile_columns(KIND)
+            lanes = tl.arange(0, 256)  # x comes in KIND's tile order (in_tile_order)
             w_ok = col_ok[:, None]
             gate_at = base + cols[:, None].to(tl.int64) * ROW_BYTES     # (N, 1): gate rows, then up rows I on
             up_at = gate_at + I * ROW_BYTES
             gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for sb in range(0, H // 256):
-                x = tl.load(x_ptr + token[:, None] * H + sb * 256 + columns[None, :], mask=ok[:, None], other=0.0)
+                x = tl.load(x_ptr + token[:, None] * H + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
                 w = _tile(gate_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
                 gate = tl.dot(x, tl.trans(w), gate)
                 w = _tile(up_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
                 up = tl.dot(x, tl.trans(w), up)
             h = gate * tl.sigmoid(gate) * up
-            tl.store(h_ptr + pair[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
-                     mask=ok[:, None] & col_ok[None, :])
+            # in the down format's tile order, which the second kernel reads as contiguous runs
+            tl.store(h_ptr + pair[:, None].to(tl.int64) * I + _tile_position(cols, DOWN_KIND)[None, :],
+                     h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _down_q_blocks(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_addr, slab_bytes, staging_addr,
-                       staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
+    def _down_q_blocks(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_ptr, slab_bytes,
+                       staging_offset, staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
                        SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_addr, slab_bytes, staging_addr, staging_bytes, BLOCK_M)
+            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
+                              BLOCK_M)
             ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
             row = tl.where(ok, pair, 0).to(tl.int64)
-            columns = _tile_columns(KIND)
+            lanes = tl.arange(0, 256)  # h is in KIND's tile order (the first kernel stored it so)
             w_at = base + PART_BYTES + cols[:, None].to(tl.int64) * ROW_BYTES
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for sb in range(0, I // 256):
-                hx = tl.load(h_ptr + row[:, None] * I + sb * 256 + columns[None, :], mask=ok[:, None], other=0.0)
+                hx = tl.load(h_ptr + row[:, None] * I + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
                 w = _tile(w_at + sb * SB_BYTES, col_ok[:, None], KIND, BLOCK_N).to(h_ptr.dtype.element_ty)
                 acc = tl.dot(hx, tl.trans(w), acc)
             tl.store(y_ptr + row[:, None] * H + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])

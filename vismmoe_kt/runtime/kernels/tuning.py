@@ -17,6 +17,8 @@ Keys (lists in the file, tuples here):
   expert_major       gate_up, down: (output columns per program, input elements per loop step, warps,
                      pipeline stages)
   quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
+  quantized_prefill  the same kernels for a prompt's layers on filled slabs: block_m (pairs per block: a
+                     prompt has many tokens per expert) and gate_up, down as quantized_major's
   prefetch_programs  programs of the lookahead prefetch's copy: few, so the layers computing
                      meanwhile keep the GPU
 """

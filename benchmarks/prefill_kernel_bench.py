@@ -1,0 +1,136 @@
+"""A prompt's routed experts on Q4_K slabs (Qwen3-VL-30B-A3B shapes, BF16 activations, K = 8): the kernels.
+
+    PYTHONPATH=. python3 -m benchmarks.prefill_kernel_bench --out DIR [--tune]
+
+T tokens (236: a 448 px picture's prompt, 512, 824: an 896 px one), each with K distinct random experts
+of E = 128 per layer (seeded), LAYERS layers each with its own slabs (every expert resident, as with a
+slab for every expert). Rows, each the median of CUDA-event timings of a captured graph of LAYERS layers:
+
+  dequantize + grouped GEMM   the placement path's compute: every expert of the layer decoded from its
+                              slab into a bank of BF16 (kernels.dequantize), then transformers' grouped GEMM
+  expert-major, block M       kernels.quantized_major: each routed expert decoded once per block of M of its
+                              pairs and multiplied on tensor cores, straight from the slabs (filled prefill)
+  BF16 grouped GEMM           the same pairs over a resident BF16 bank (a pinned layer): for scale
+
+Each with its error against grouped GEMM on the dequantized weights. `--tune`: the expert-major kernels'
+(block M, columns per program, warps, stages) at T = 512, fastest first (tuning.json's quantized_prefill).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode_kernel_bench import timed
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+from vismmoe_kt.runtime.expert_compute import bank_experts
+from vismmoe_kt.runtime.kernels import dequantize, quantized_major
+from vismmoe_kt.runtime.kernels import tuning as kernel_tuning
+from vismmoe_kt.runtime.store import ExpertStore
+from vismmoe_kt.runtime.table_experts import combine
+
+E, H, I, K = 128, 2048, 768, 8
+LAYERS = 8
+TOKENS = (236, 512, 824)
+FMT = "q4_k"
+
+
+def routing(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, H, generator=generator).to(device, torch.bfloat16)
+    w = torch.rand(tokens, K, generator=generator).to(device)
+    ids = [torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)]).to(device)
+           for _ in range(LAYERS)]
+    return x, w, ids
+
+
+def main() -> int:
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for prefill_kernel_bench.json")
+    parser.add_argument("--tune", action="store_true", help="sweep the expert-major kernels' tiles at T = 512")
+    args = parser.parse_args()
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=FMT)
+    pools = []
+    for layer in range(LAYERS):  # quantized on the GPU, a layer at a time; slab e holds expert e
+        store.fill_layer(layer, torch.randn(E, 2 * I, H, device=device) / 50, torch.randn(E, H, I, device=device) / 50)
+        pools.append(store.layers.pop(layer).to(device))
+    bank = (torch.empty(E, 2 * I, H, device=device, dtype=torch.bfloat16),
+            torch.empty(E, H, I, device=device, dtype=torch.bfloat16))
+    resident = [store.dequantized(pool, 0) for pool in pools[:2]]  # BF16 banks (two: the rest reuse them)
+    identity = torch.arange(E, device=device)
+    ones = torch.ones(E, dtype=torch.int8, device=device)
+    act = torch.nn.SiLU()
+    rows, sweep = [], []
+    for tokens in TOKENS:
+        x, w, ids = routing(tokens, device)
+        no_land = torch.full((tokens * K,), -1, dtype=torch.long, device=device)
+
+        def dequantized_grouped():
+            out = []
+            for layer in range(LAYERS):
+                dequantize.fetch_q8(identity, ones, identity, bank, pools[layer].data_ptr(), pools[layer].shape[1],
+                                    I, H, fmt=FMT, staged=True)
+                out.append(bank_experts(x, ids[layer], w, identity, *bank, act))
+            return out
+
+        def major(block_m=None, gate_up_tiles=None, down_tiles=None):
+            tuned = kernel_tuning.get("quantized_prefill", device)
+
+            def run():
+                return [combine(quantized_major.experts_quantized_major(
+                    x, ids[layer], ids[layer].reshape(-1), no_land, pools[layer], pools[layer], FMT, FMT, I, E,
+                    gate_up_tiles or tuned["gate_up"], down_tiles or tuned["down"],
+                    block_m=block_m or tuned["block_m"]), w, x.dtype, True) for layer in range(LAYERS)]
+            return run
+
+        def bf16_grouped():
+            return [bank_experts(x, ids[layer], w, identity, *resident[layer % 2], act) for layer in range(LAYERS)]
+
+        want = bank_experts(x, ids[0], w, identity, *resident[0], act).float()
+        runs = [("dequantize + grouped GEMM", dequantized_grouped)]
+        runs += [(f"expert-major, block M {m}", major(m)) for m in (16, 32, 64, 128)]
+        runs += [("BF16 grouped GEMM (resident bank)", bf16_grouped)]
+        for name, run in runs:
+            error = float((run()[0].float() - want).norm() / want.norm())
+            seconds = timed(run, repeats=10)
+            rows.append({"tokens": tokens, "kernel": name, "us_per_layer": seconds / LAYERS * 1e6,
+                         "relative_error": error})
+            print(f"T={tokens:4d} {name:36s} {seconds / LAYERS * 1e6:8.1f} us a layer  error {error:.1e}", flush=True)
+    write(args.out, device, rows, sweep)
+    if args.tune:  # after every row, so a timeout leaves them all
+        x, w, ids = routing(512, device)
+        no_land = torch.full((512 * K,), -1, dtype=torch.long, device=device)
+        for block_m, n, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (1,)):
+            for part in ("gate_up", "down"):
+                tiles = {f"{part}_tiles": (n, warps, stages)}
+                try:
+                    seconds = timed(major(block_m, **tiles), repeats=5)
+                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
+                    sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages), "error": str(exc)[:200]})
+                    continue
+                sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages),
+                              "us_per_layer": seconds / LAYERS * 1e6})
+                print(f"tune {part} M={block_m} {(n, warps, stages)} {seconds / LAYERS * 1e6:.1f} us", flush=True)
+        sweep.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
+        for part in ("gate_up", "down"):
+            best = [r for r in sweep if r["part"] == part][:4]
+            print(part, [(r["block_m"], r["tiles"], round(r.get("us_per_layer", 0), 1)) for r in best], flush=True)
+    write(args.out, device, rows, sweep)
+    return 0
+
+
+def write(out_dir: str, device, rows: list, sweep: list) -> None:
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "tuned": kernel_tuning.get("quantized_prefill", device), "rows": rows, "tuning": sweep}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "prefill_kernel_bench.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
