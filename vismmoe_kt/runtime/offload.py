@@ -115,7 +115,7 @@ class OffloadRuntime(EngineQueries):
         # the placement path (prefill) keeps the miss policy either way
         self.boundary.miss = self.miss if plan.decode_cpu else None
         self.boundary.fill = plan.fill_slabs
-        placement = PlacementExecutor(res, self, self.boundary, self.miss)
+        self._placement = placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join if plan.decode_cpu else None) if plan.table_decode else None
         eager_batch = BatchStepExecutor(res, plan, placement)
@@ -332,7 +332,7 @@ class OffloadRuntime(EngineQueries):
         with self.lock:
             self.residency.reset_cache()
             self.boundary.forget()  # the new cache holds no reservations
-            self._build_executors()  # filled slabs: the next prompt fills them again
+            self._placement.unfill()  # filled slabs: the next prompt fills them again
 
     def close(self) -> None:
         """Stop the copy worker and give back the host store and the GPU banks (unload)."""

@@ -100,9 +100,10 @@ class OffloadPlan:
                 f"decode: {decode} ({self.why['decode']})",
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
                 f"({self.why['batch']})",
+                f"prefill: {self.prefill} ({self.why['prefill']})",
                 f"eviction: {self.eviction} ({self.why['eviction']})"] + \
             ([f"fill: every offloaded expert as the first prompt or decode starts ({self.why['fill']})"]
-             if self.fill_slabs else []) + [f"prefill: {self.prefill} ({self.why['prefill']})"]
+             if self.fill_slabs else [])
 
 
 def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str]:

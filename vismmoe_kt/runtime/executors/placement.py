@@ -2,8 +2,7 @@
 
     route (done by the model) -> need: which experts the tokens chose  [the one device->host sync]
       -> place: hit / late prefetch (wait on its event) / miss: fetch, or the CPU (MissPolicy)
-      -> prefetch: a prompt streams the next offloaded layer's experts in; decode asks the policy handed
-                   in for the coming layers' experts (prefetch.py)
+      -> prefetch: the policy handed in queues the coming layers' experts (prefetch.py)
       -> compute: grouped GEMM over the bank rows (+ the CPU's share) -> release the slabs
 
 A pinned layer computes from its bank. The plan fixes, at construction, how an offloaded layer's
@@ -13,7 +12,6 @@ and whether the routing's host read carries the CPU's inputs too (the hybrid mod
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,8 +22,8 @@ import torch
 from ..kernels import dequantize
 from ..expert_compute import bank_experts, row_chunks
 from ..offload_stats import LayerCounters
-from .filled_prefill import FilledPrefill
 from ..residency import Residency
+from .filled_prefill import FilledPrefill
 
 
 @dataclass
@@ -42,25 +40,20 @@ class PlacementExecutor:
         self.cpu = miss.cpu
         self._compute = self._from_decoded_bank if res.quantized_slabs else self._from_pool
         self._cpu_inputs = self._with_cpu_inputs if self.cpu is not None else self._routing_only
-        # without slabs the prefetch policy has nothing to fill; the copies' rates feed only `auto`'s cost model.
-        # A prompt's next offloaded layer streams in whole while this one computes (miss_policy wait: the
-        # hybrid's prefill weighs its misses against the CPU instead)
-        after = self._policy_after_layer if res.num_slabs else _no_prefetch
-        streams = res.num_slabs and not res.plan.hybrid
-        self._prefetch_for = {"decode": after, "prefill": self._stream_next_layer if streams else after}
-        offloaded = [layer for layer in res.moe_layers if layer not in res.pinned]
-        self._next_offloaded = {layer: next((o for o in offloaded if o > layer), None) for layer in res.moe_layers}
-        # tokens from which a layer's K-of-E routing leaves under a tenth of its experts unused (E (1 - K/E)^T)
-        self._stream_tokens = math.ceil(math.log(0.1) / math.log(1 - res.top_k / res.num_experts)) \
-            if res.top_k < res.num_experts else 1
+        # without slabs the prefetch policy has nothing to fill; the copies' rates feed only `auto`'s cost model
+        self._prefetch_after = self._policy_after_layer if res.num_slabs else _no_prefetch
         self._observe_copies = miss.observed_copies if miss.mode == "auto" else _no_observation
         self._decode_into_bank = self._decode_on_device \
             if res.device.type == "cuda" and dequantize.available(res.store.dtype) else self._decode_on_host
         # filled quantized slabs: the first prompt fills them, then its offloaded layers read the row maps
         self.filled = FilledPrefill(res, res.plan.prefill_kernels) if res.plan.prefill == "filled-slabs" else None
+        self.by_layer: dict[int, Callable] = {layer: self._pinned for layer in res.pinned}
+        self.unfill()
+
+    def unfill(self) -> None:
+        """The offloaded layers' path before any fill (and again after a cache reset emptied the slabs)."""
         offloaded = self._offloaded if self.filled is None else self._fill_first
-        self.by_layer: dict[int, Callable] = {layer: self._pinned if layer in res.pinned else offloaded
-                                              for layer in res.moe_layers}
+        self.by_layer.update({layer: offloaded for layer in self.res.offloaded})
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   act: Any, batched: bool = False) -> torch.Tensor:
@@ -80,7 +73,7 @@ class PlacementExecutor:
 
     def _pinned(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
-        self._prefetch_for[phase](layer, hidden)
+        self._prefetch_after(layer, hidden)
         return bank_experts(hidden, top_k_index, top_k_weights, self.res.identity, *self.res.banks[layer], act)
 
     def _fill_first(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -105,7 +98,7 @@ class PlacementExecutor:
         experts, pairs = torch.unique(host[0], return_counts=True)  # on the host: no further sync
         pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
         placement = self._place(layer, pairs_of, counters)
-        self._prefetch_for[phase](layer, hidden)
+        self._prefetch_after(layer, hidden)
         if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
             res.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
         task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
@@ -135,17 +128,6 @@ class PlacementExecutor:
     def _policy_after_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """The coming layers' experts, as the prefetch policy sees them."""
         self.owner.policy.after_layer(self.owner, layer, hidden)
-
-    def _stream_next_layer(self, layer: int, hidden: torch.Tensor) -> None:
-        """A prompt: every expert of the next offloaded layer that has no slab, queued behind this layer's own
-        fetches (the transfer worker issues prefetches while no urgent copy is in flight), so the link works
-        while this layer computes. A prompt of T tokens routes to nearly every expert of a layer once
-        T >= `_stream_tokens`; a shorter one (a chat's short turn) gets the policy's guess instead."""
-        following = self._next_offloaded[layer]
-        if hidden.shape[0] < self._stream_tokens:
-            self._policy_after_layer(layer, hidden)
-        elif following is not None:
-            self.owner.prefetch([((following, e), 1.0) for e in range(self.res.num_experts)])
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
