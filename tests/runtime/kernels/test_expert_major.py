@@ -78,6 +78,14 @@ for pairs, experts in ((1, 4), (7, 3), (64, 128), (40, 2), (128, 128), (200, 9))
     ids = torch.randint(0, experts, (pairs,), generator=generator)
     for got, want in zip(em.block_plan(ids, experts), em.expert_blocks(ids, experts)):
         assert torch.equal(got, want), (pairs, experts, got, want)
+# a prompt's pairs, beyond one program's comparisons: the chunked plan, blocks of 16 and of 32 (a chunk
+# boundary inside an expert's run, an expert with no pair, one with many, 128 experts like Qwen3-VL's)
+for pairs, experts, block in ((257, 5, 16), (600, 128, 32), (520, 3, 32), (300, 130, 16)):
+    weights = torch.arange(experts, 0, -1).float() ** 2
+    weights[1] = 0                                                 # expert 1 never routed to
+    ids = torch.multinomial(weights, pairs, replacement=True, generator=generator)
+    for got, want in zip(em.block_plan(ids, experts, block), em.expert_blocks(ids, experts, block)):
+        assert torch.equal(got, want), (pairs, experts, block)
 """
 
 
@@ -98,6 +106,10 @@ def test_kernels_compile_for_hopper(hopper):
     n, k, warps, stages = tuned["down"]
     hopper.compile(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
                    {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+    hopper.compile(em._blocks_chunked_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
+                                               "P": "i32", "E": "constexpr", "EP": "constexpr", "CHUNK": "constexpr",
+                                               "CHUNKS": "constexpr", "BLOCK_M": "constexpr"},
+                   {"E": 128, "EP": 128, "CHUNK": em.PLAN_CHUNK, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=8, num_stages=1)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
         hopper.compile(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
                                            "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},

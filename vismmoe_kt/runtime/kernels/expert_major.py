@@ -17,8 +17,9 @@ multiplies it with the block's M token rows by `tl.dot` (tensor cores, fp32 accu
 `expert_blocks` builds the blocks on the device with fixed shapes (at most P blocks: an expert with
 c pairs takes ceil(c / M) <= c of them), so the step stays capturable in a CUDA graph; on the GPU one
 Triton program does it (`_blocks_kernel`: each pair's rank among its expert's pairs and its expert's
-first block, from P x P comparisons), where the torch version takes some fifteen small kernels a layer,
-each a launch gap in the step. No atomics:
+first block, from P x P comparisons; for a prompt's thousands of pairs `_blocks_chunked_kernel`, the same
+plan from per-expert counts over chunks of pairs), where the torch version takes some fifteen small
+kernels a layer, each a launch gap in the step. No atomics:
 each pair's output row is written by exactly one program per tile, and the caller combines the K rows
 of each token in a fixed order, so results are deterministic. `expert_blocks` and the torch twin
 `experts_by_block` run anywhere (the CPU tests); the kernels need Triton (or its interpreter). Their
@@ -59,15 +60,23 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> 
 
 
 MAX_PLAN_PAIRS = 256  # the plan kernel compares every pair with every other in one program
+PLAN_CHUNK = 256      # beyond that (a prompt's pairs), one program walks the pairs a chunk at a time
 
 
 def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """`expert_blocks` of (P,) ids on the device: one Triton program (up to MAX_PLAN_PAIRS pairs), else torch."""
+    """`expert_blocks` of (P,) ids on the device, in one Triton program: every pair against every other up to
+    MAX_PLAN_PAIRS pairs; beyond, a counting pass and a placing pass over chunks of PLAN_CHUNK pairs (three
+    launches where the torch version takes some fifteen, each a gap of the host in a prompt's layer)."""
     pairs = ids.numel()
-    if pairs > MAX_PLAN_PAIRS:
-        return expert_blocks(ids, num_experts, block)
     block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
     block_pairs = torch.full((pairs, block), -1, dtype=torch.long, device=ids.device)
+    if pairs > MAX_PLAN_PAIRS:
+        # the chunks' count rounded up to a power of two (the excess masked): a compile per power, not per length
+        _blocks_chunked_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, pairs, E=num_experts,
+                                     EP=triton.next_power_of_2(num_experts), CHUNK=PLAN_CHUNK,
+                                     CHUNKS=triton.next_power_of_2(triton.cdiv(pairs, PLAN_CHUNK)), BLOCK_M=block,
+                                     num_warps=8)
+        return block_expert, block_pairs
     _blocks_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
                          BLOCK_M=block, num_warps=4)
     return block_expert, block_pairs
@@ -133,6 +142,35 @@ if tl is not None:
         block = tl.sum(tl.where(lower, blocks[None, :], 0), axis=1) + rank // BLOCK_M
         tl.store(pairs_ptr + block * BLOCK_M + rank % BLOCK_M, i.to(tl.int64), mask=valid)
         tl.store(expert_ptr + block, e, mask=valid)
+
+    @triton.jit
+    def _blocks_chunked_kernel(ids_ptr, expert_ptr, pairs_ptr, P, E: tl.constexpr, EP: tl.constexpr,
+                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """expert_blocks for many pairs in one program: first each expert's pairs counted (its blocks, and
+        its first block after those of the smaller ids), then each chunk's pairs placed: a pair's rank among
+        its expert's pairs is the count in the chunks before plus its place in its own chunk (a running sum
+        down the chunk's one-hot rows)."""
+        experts = tl.arange(0, EP)
+        lanes = tl.arange(0, CHUNK)
+        counts = tl.zeros([EP], dtype=tl.int32)
+        for chunk in range(0, CHUNKS):
+            start = chunk * CHUNK
+            e = tl.load(ids_ptr + start + lanes, mask=start + lanes < P, other=-1)
+            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        first_block = tl.cumsum(blocks, axis=0) - blocks
+        seen = tl.zeros([EP], dtype=tl.int32)
+        for chunk in range(0, CHUNKS):
+            pair = chunk * CHUNK + lanes
+            valid = pair < P
+            e = tl.load(ids_ptr + pair, mask=valid, other=-1)
+            onehot = ((e[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)  # (CHUNK, EP)
+            within = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1   # earlier pairs of its expert here
+            rank = tl.sum(onehot * seen[None, :], axis=1) + within
+            block = tl.sum(onehot * first_block[None, :], axis=1) + rank // BLOCK_M
+            tl.store(pairs_ptr + block.to(tl.int64) * BLOCK_M + rank % BLOCK_M, pair.to(tl.int64), mask=valid)
+            tl.store(expert_ptr + block, e.to(tl.int64), mask=valid)
+            seen += tl.sum(onehot, axis=0)
 
     @triton.jit
     def _block(expert_ptr, pairs_ptr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
