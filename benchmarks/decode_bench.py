@@ -116,7 +116,7 @@ from PIL import Image
 from vismmoe_kt import load
 from benchmarks.bench.bandwidth import measure_copy_bandwidth
 from benchmarks.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency, percentile
-from benchmarks.bench.inputs import make_request
+from benchmarks.bench.inputs import make_request, text_request
 from benchmarks.bench.timing import profile_decode, timed_generate
 from benchmarks.kernel_timeline import profile_kernels, profile_run
 from vismmoe_kt.engine.runner import PREFILL_BUDGET
@@ -272,7 +272,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         model, processor = load_model(args, config)
     except VismmoeError as exc:  # a value the operators refuse: their message, no traceback
         raise SystemExit(f"--configs {spec}: {exc}") from None
-    inputs = make_request(processor, args.image_size, args.device)
+    inputs = text_request(processor, args.text_tokens, args.device) if args.text_tokens \
+        else make_request(processor, args.image_size, args.device)
     # warm-up of the measured length: the same cache capacity, so the capture happens here, not in a rep
     timed_generate(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
@@ -364,6 +365,7 @@ def run_isolated(config: Configuration, args, reference: torch.Tensor | None) ->
                "--decode_tokens", str(args.decode_tokens), "--reps", str(args.reps), "--turns", str(args.turns),
                "--routing", args.routing, "--child"]
     command += ["--tiny", args.tiny] if args.tiny else []
+    command += ["--text_tokens", str(args.text_tokens)] if args.text_tokens else []
     command += ["--layers", str(args.layers)] if args.layers is not None else []
     command += ["--narrow"] if args.narrow else []
     command += ["--concurrency", *map(str, args.concurrency)]
@@ -434,6 +436,9 @@ def main() -> int:
     parser.add_argument("--tiny", help="a tiny random model (e.g. tiny-6x64) instead of the synthetic full-size one")
     parser.add_argument("--device", default="cuda:0", help="where the model runs")
     parser.add_argument("--image_size", type=int, default=448, help="square image size of each request, in pixels")
+    parser.add_argument("--text_tokens", type=int, default=0,
+                        help="a text-only prompt of this many tokens instead of the picture (--image_size): what "
+                             "llama.cpp's pp N measures; batch 1 only")
     parser.add_argument("--decode_tokens", type=int, default=32, help="decoded tokens timed per request")
     parser.add_argument("--reps", type=int, default=3, help="timed requests per configuration (median reported)")
     parser.add_argument("--profile", action="store_true", help="also time each lean decode piece per layer")
@@ -474,6 +479,9 @@ def main() -> int:
         parser.error(f"--narrow: {args.model} has no narrow variant")
     if args.tiny and args.tiny not in SPECS:
         parser.error(f"--tiny {args.tiny!r}: unknown tiny model; choose one of {', '.join(SPECS)}")
+    if args.text_tokens < 0 or (args.text_tokens and (args.concurrency != [1] or args.turns > 1)):
+        parser.error("--text_tokens must be a count >= 0, and goes with batch-1 requests only (no --concurrency, "
+                     "no --turns)")
     try:  # every configuration checked before the first loads
         configs = [parse_configuration(spec, family_of(args)) for spec in args.configs]
     except VismmoeError as exc:
@@ -533,7 +541,8 @@ def main() -> int:
                                    f"{args.layers or total_layers(args.model)} of {total_layers(args.model)} layers, "
                                    f"{args.dtype}"),
             "family": family_of(args),
-            "image_size": args.image_size, "decode_tokens": args.decode_tokens, "reps": args.reps,
+            "image_size": None if args.text_tokens else args.image_size, "text_tokens": args.text_tokens or None,
+            "decode_tokens": args.decode_tokens, "reps": args.reps,
             "copy_gb_s": bandwidth, "date": time.strftime("%Y-%m-%d"),
             "routing": args.routing + (" (the random weights' own, near-uniform routing)" if args.routing == "model" else "")}
     out = Path(args.out)

@@ -36,7 +36,8 @@
 #                                                   first if missing): our Q4_K configurations from the file (resident,
 #                                                   VisMMOE and lru at 6 GiB, VisMMOE at 12 GiB; PEER_CONFIGS overrides)
 #                                                   and llama-bench at each one's -ncmoe split, 0 and 48; the binary
-#                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it)
+#                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it); PEER_TEXT=512:
+#                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it)
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
@@ -230,7 +231,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           # what is left of the stage's 570 s; llama-bench gets at most 200 of it (5 splits, pp and tg, 2 depths)
           left=$(( 570 - (SECONDS - t0) ))
           timeout "$left" python3 -m benchmarks.decode_bench --out "$OUT/peer$px" --layers 48 --reps 3 \
-            --image-size "$px" --decode-tokens 32 --routing synthetic \
+            --image-size "$px" ${PEER_TEXT:+--text_tokens "$PEER_TEXT"} --decode-tokens 32 --routing synthetic \
             --configs ${PEER_CONFIGS:-"offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" \
               "offload:expert_budget=6GiB,gguf_path=$GGUF_DIR" "lru:expert_budget=6GiB,gguf_path=$GGUF_DIR" \
               "offload:expert_budget=12GiB,gguf_path=$GGUF_DIR"} \

@@ -18,6 +18,30 @@ def make_request(processor, size: int, device: torch.device | str) -> dict:
     return build_inputs(processor, [user_turn(PROMPT, 1)], [image], device)
 
 
+def text_request(processor, tokens: int, device: torch.device | str) -> dict:
+    """Processor outputs for a text-only prompt of at most `tokens` tokens (the template included), the longest
+    such: seeded words, the same every run. What llama.cpp's `pp N` measures, without a picture's vision tower."""
+    words = np.random.default_rng(tokens).choice(FILLER, size=4 * tokens)
+
+    def request(count: int) -> dict:
+        return build_inputs(processor, [user_turn(" ".join(words[:count]), 0)], [], device)
+
+    low, high = 0, len(words)  # the most words whose prompt still fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        if request(middle)["input_ids"].shape[1] <= tokens:
+            low = middle
+        else:
+            high = middle - 1
+    if low == 0:
+        raise ValueError(f"a text prompt of {tokens} tokens: the chat template alone takes more")
+    return request(low)
+
+
+FILLER = ("the", "red", "square", "left", "of", "a", "small", "blue", "circle", "above", "three", "green", "lines",
+          "and", "one", "word", "reads", "seven", "near", "corner", "picture", "shows", "two", "large", "shapes")
+
+
 def count_tokens(request: dict, image_token_id: int) -> tuple[int, int]:
     """(prompt tokens, visual tokens among them)."""
     ids = request["input_ids"][0]

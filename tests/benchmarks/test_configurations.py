@@ -5,6 +5,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks.configurations import parse_configuration
 from vismmoe_kt.core.placements import placement_rules
@@ -97,3 +98,31 @@ def test_a_bad_configuration_stops_decode_bench_before_the_tiny_model_is_made(tm
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "override 'batch_expert' is not a kwarg of any rule" in err
     assert "Traceback" not in err
+
+
+def test_a_text_prompt_is_the_longest_that_fits_and_has_no_picture():
+    """`decode_bench --text_tokens N`: a text-only prompt of at most N tokens, one more word over N (what
+    llama.cpp's pp N compares with), seeded: the same every run."""
+    from benchmarks.bench.inputs import text_request
+    from vismmoe_kt.demo.tiny import build_tiny_model
+
+    _, processor = build_tiny_model("tiny-4x16", seed=0)
+    for tokens in (64, 200):
+        request = text_request(processor, tokens, "cpu")
+        length = request["input_ids"].shape[1]
+        assert tokens - 8 <= length <= tokens and "pixel_values" not in request
+        assert torch.equal(text_request(processor, tokens, "cpu")["input_ids"], request["input_ids"])
+    with pytest.raises(ValueError, match="the chat template alone takes more"):
+        text_request(processor, 3, "cpu")
+
+
+def test_a_text_prompt_goes_with_single_requests_only(tmp_path, monkeypatch, capsys):
+    from benchmarks import decode_bench
+
+    monkeypatch.setattr(sys, "argv", ["decode_bench", "--out", str(tmp_path), "--device", "cpu", "--tiny", "tiny-4x16",
+                                      "--configs", "hf", "--text_tokens", "64", "--concurrency", "1", "4"])
+    monkeypatch.setattr(decode_bench, "save_tiny_model", lambda *a, **k: pytest.fail("the model was made"))
+    with pytest.raises(SystemExit) as exit_:
+        decode_bench.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--text_tokens must be a count >= 0, and goes with batch-1 requests only" in err
