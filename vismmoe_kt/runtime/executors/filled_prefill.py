@@ -50,9 +50,9 @@ class FilledPrefill:
     def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             act: Any) -> torch.Tensor:
         res = self.res
-        slots = res.row_map[res.index[layer]][top_k_index].reshape(-1)
-        pool, store = res.pool[0], res.store
+        pool, store, row_map = res.pool[0], res.store, res.row_map[res.index[layer]]
         if self.use_kernels:
+            slots = row_map[top_k_index].reshape(-1)  # each pair's slab
             if self.no_land is None or self.no_land.numel() < slots.numel():
                 self.no_land = torch.full((slots.numel(),), -1, dtype=torch.long, device=slots.device)
             no_land = self.no_land[:slots.numel()]
@@ -61,7 +61,7 @@ class FilledPrefill:
                 hidden, top_k_index, slots, no_land, pool, pool, store.fmt, store.down_format(layer), res.inter,
                 res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
         else:  # the same blocks, each expert's weights from its slab by the store's dequantization
-            gate_up, down = store.dequantized(pool[res.row_map[res.index[layer]], :store.block_bytes_of(layer)], layer)
+            gate_up, down = store.dequantized(pool[row_map, :store.block_bytes_of(layer)], layer)
             block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), res.num_experts)
             x = hidden.to(gate_up.dtype)
             y = expert_major.experts_by_block(x, top_k_index.shape[1], block_expert, block_pairs, gate_up, down, act)
