@@ -445,7 +445,7 @@ def test_a_settled_table_skips_the_upkeep_and_counts_the_same(cold, fill):
             enter = runtime.boundary._enter
             def unsettled():
                 enter()
-                runtime.boundary.settled = runtime.table.settled = False
+                runtime.table.settled = False
             runtime.boundary._enter = unsettled
         calls = {"readback": 0, "reserve": 0}
         for name in calls:

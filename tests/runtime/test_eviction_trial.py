@@ -89,6 +89,11 @@ def test_the_plan_resolves_eviction_and_says_why():
     assert every.eviction == "lru" and "nothing to rank" in every.why["eviction"]
     with pytest.raises(BudgetError, match="eviction 'fifo' is not one of: auto, lru, vismmoe"):
         OffloadSettings(expert_budget="1GiB", eviction="fifo")
+    # on the CPU `auto` is VisMMOE's before the table is enabled (no table decode) and after (no accelerator):
+    # the runtime's stats give the reason of the plan in force, as the plan's lines do
+    runtime = make_runtime("auto")
+    assert runtime.plan.eviction == "vismmoe" and "no accelerator" in runtime.plan.why["eviction"]
+    assert runtime.summary()["eviction"] == f"vismmoe ({runtime.plan.why['eviction']})"
 
 
 def make_runtime(eviction: str, seed: int = 0) -> OffloadRuntime:

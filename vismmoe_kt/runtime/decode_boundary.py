@@ -59,7 +59,6 @@ class DecodeBoundary:
         self.reserved: dict[int, list[int]] = {}   # row -> its landing slabs (placeholders in the cache)
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
-        self.settled = False                       # no step can miss or land until decode starts again
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
         self.fill = False                          # the plan's fill_slabs: copy cold experts in as decode starts
         self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
@@ -68,6 +67,11 @@ class DecodeBoundary:
     @property
     def table(self):
         return self.res.table
+
+    @property
+    def settled(self) -> bool:
+        """No step can miss or land until decode starts again: the table's own flag (one truth for both)."""
+        return self.table is not None and self.table.settled
 
     # --- the hooks ---------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -137,7 +141,7 @@ class DecodeBoundary:
     def leave(self) -> None:
         """Something other than a table step is about to use the cache (prefill, an eager decode, a
         reset): give the landing reservations back; the table is rebuilt when decode resumes (lock held)."""
-        self.settled = self.table.settled = False  # settles again as decode resumes, if nothing was evicted
+        self.table.settled = False  # settles again as decode resumes, if nothing was evicted
         self._account_deferred()
         records = self.table.collect()
         if records is not None:  # the last step before this: count it, keep what landed
@@ -154,7 +158,7 @@ class DecodeBoundary:
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
-        self.settled = self.table.settled = False  # settles again as decode resumes, if nothing was evicted
+        self.table.settled = False  # settles again as decode resumes, if nothing was evicted
         self._interrupted()
         self.reserved.clear()
         self.table.discard()
@@ -194,7 +198,7 @@ class DecodeBoundary:
         rt.cache.usage = None
         self.on_enter()
         self.stale = False
-        self.settled = self.table.settled = all(slot >= 0 for row in self.offloaded_rows for slot in rows[row])
+        self.table.settled = all(slot >= 0 for row in self.offloaded_rows for slot in rows[row])
         if self.settled:
             self.table.reserve([[] for _ in rows])  # no landing slots: nothing can miss
             if self.miss is not None:  # nor go to the CPU: the step is the one captured without its calls
@@ -206,7 +210,8 @@ class DecodeBoundary:
         decode: loading, not a step's misses). Only the first decode start finds cold experts: with a slab
         for every expert nothing is evicted afterwards."""
         rt = self.res
-        cold = [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
+        cold = [] if len(rt.cache.where) >= len(rt.offloaded) * rt.num_experts else \
+            [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
         if len(cold) <= rt.cache.free_slabs:  # else landing reservations are still out: a later start
             rt.transfers.fill(cold)
             rt.transfers.landed.clear()

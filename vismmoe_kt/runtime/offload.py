@@ -20,7 +20,7 @@ from cpu_kernels.threads import leave_cores_to_workers
 
 from .decode_boundary import DecodeBoundary
 from .engine_queries import EngineQueries
-from .eviction import eviction_choice
+from .eviction import FixedEviction, eviction_choice
 from .executors.batch_step import BatchStepExecutor
 from .executors.cpu_join import TableCpuJoin
 from .executors.placement import Placement, PlacementExecutor  # noqa: F401 (Placement: the placement's result)
@@ -108,9 +108,12 @@ class OffloadRuntime(EngineQueries):
     # --- executors, chosen once from the plan ------------------------------------------------------------
     def _build_executors(self) -> None:
         res, plan = self.residency, self.plan
-        if getattr(self.boundary.eviction, "eviction", None) != plan.eviction:  # a trial under way stays
+        current = self.boundary.eviction
+        if getattr(current, "eviction", None) != plan.eviction:  # a trial under way stays
             self.boundary.eviction = eviction_choice(plan.eviction, plan.why["eviction"])
             res.cache.ranking = self.boundary.eviction.current
+        elif isinstance(current, FixedEviction):  # the same ranking, for the plan's reason now (what --stats says)
+            current.reason = plan.why["eviction"]
         # decode's CPU share (the boundary's quota, the table step's join) only where the plan's decode has one;
         # the placement path (prefill) keeps the miss policy either way
         self.boundary.miss = self.miss if plan.decode_cpu else None
