@@ -210,8 +210,7 @@ class DecodeBoundary:
         decode: loading, not a step's misses). Only the first decode start finds cold experts: with a slab
         for every expert nothing is evicted afterwards."""
         rt = self.res
-        cold = [] if len(rt.cache.where) >= len(rt.offloaded) * rt.num_experts else \
-            [(layer, e) for layer in rt.offloaded for e in range(rt.num_experts) if (layer, e) not in rt.cache.where]
+        cold = rt.cold_experts()
         if len(cold) <= rt.cache.free_slabs:  # else landing reservations are still out: a later start
             rt.transfers.fill(cold)
             rt.transfers.landed.clear()

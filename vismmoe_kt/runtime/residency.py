@@ -134,6 +134,12 @@ class Residency:
         self.loaded.add(layer)
 
     # --- per layer ----------------------------------------------------------------------------------
+    def cold_experts(self) -> list[tuple[int, int]]:
+        """The offloaded experts no slab holds (none, without a look at each, once the cache holds them all)."""
+        if len(self.cache.where) >= len(self.offloaded) * self.num_experts:
+            return []
+        return [(layer, e) for layer in self.offloaded for e in range(self.num_experts) if (layer, e) not in self.cache.where]
+
     def row_of(self, layer: int) -> int:
         return self.index[layer]
 

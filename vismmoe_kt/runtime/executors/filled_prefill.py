@@ -34,14 +34,12 @@ from ..table_experts import combine
 class FilledPrefill:
     def __init__(self, res: Residency, use_kernels: bool):
         self.res, self.use_kernels = res, use_kernels
-        self.no_land: torch.Tensor | None = None  # (P,) -1: no pair lands anywhere (nothing can miss)
 
     def fill(self) -> None:
         """Every offloaded expert into a slab (those already in one stay), waited for, and the row maps set
         (lock held: the caller's)."""
         res = self.res
-        cold = [(layer, e) for layer in res.offloaded for e in range(res.num_experts) if (layer, e) not in res.cache.where]
-        res.transfers.fill(cold)
+        res.transfers.fill(res.cold_experts())
         res.transfers.landed.clear()  # published to a decode table when decode first starts
         for layer in res.offloaded:
             res.upload_rows(layer, list(range(res.num_experts)),
@@ -53,12 +51,11 @@ class FilledPrefill:
         pool, store, row_map = res.pool[0], res.store, res.row_map[res.index[layer]]
         if self.use_kernels:
             slots = row_map[top_k_index].reshape(-1)  # each pair's slab
-            if self.no_land is None or self.no_land.numel() < slots.numel():
-                self.no_land = torch.full((slots.numel(),), -1, dtype=torch.long, device=slots.device)
-            no_land = self.no_land[:slots.numel()]
             tuned = tuning.get("quantized_prefill", hidden.device)
+            # every pair has a slab, so no landing slab or staging row is ever taken: the slots and the pool
+            # stand in for both
             y = quantized_major.experts_quantized_major(
-                hidden, top_k_index, slots, no_land, pool, pool, store.fmt, store.down_format(layer), res.inter,
+                hidden, top_k_index, slots, slots, pool, pool, store.fmt, store.down_format(layer), res.inter,
                 res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
         else:  # the same blocks, each expert's weights from its slab by the store's dequantization
             gate_up, down = store.dequantized(pool[row_map, :store.block_bytes_of(layer)], layer)
