@@ -11,13 +11,16 @@ prefetches random (layer, expert) pairs into landing slots (claims racing the la
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vismmoe_kt.runtime.budget import BudgetError
 from vismmoe_kt.runtime.offload import OffloadRuntime
+from vismmoe_kt.runtime.offload_plan import PlanFacts, resolve_plan
 from vismmoe_kt.runtime.offload_settings import OffloadSettings
 from vismmoe_kt.runtime.slab_cache import SlabState
 from vismmoe_kt.runtime.store import block_views
@@ -90,11 +93,11 @@ class RandomLookahead:
         pass
 
 
-def make_runtime(seed, slabs, policy, lookahead=False):
+def make_runtime(seed, slabs, policy, lookahead=False, reservations="before-step"):
     torch.manual_seed(seed)
     block = 3 * I * H * 4
     settings = OffloadSettings(expert_budget=(E + slabs) * block, policy=policy, pinned_layers=1 if policy == "vismmoe" else 0,
-                               prefetch_window=2)
+                               prefetch_window=2, reservations=reservations)
     runtime = OffloadRuntime(settings, LAYERS, E, H, I, torch.float32, "cpu", top_k=K,
                              lookahead=RandomLookahead(seed) if lookahead else None)
     weights = {}
@@ -123,8 +126,16 @@ def reference(weights, hidden, ids, w):
 def check_table(runtime, settled=True):
     """settled: at a boundary, where the host knows what landed; right after a step it does not yet
     (the device table already points at what landed in it, which the data check still covers)."""
-    cache, table = runtime.cache, runtime.table.slots
-    reserved = {s for slabs in runtime.boundary.reserved.values() for s in slabs}
+    cache, table, boundary = runtime.cache, runtime.table.slots, runtime.boundary
+    # the landings the next step writes: its reservations, or with reservations ahead, once it is armed, the
+    # last queued set; the sets of queued steps before it hold what those steps landed, unknown to the host yet
+    sets = list(boundary.launched)
+    writing = sets.pop() if boundary.ahead and boundary.armed and sets else boundary.reserved
+    reserved = {s for slabs in writing.values() for s in slabs}
+    unaccounted = {s for landing in sets for slabs in landing.values() for s in slabs}
+    every_set = [slab for landing in [*boundary.launched, boundary.reserved, boundary.spare]
+                 for slabs in landing.values() for slab in slabs]
+    assert len(every_set) == len(set(every_set)), "two landing sets share a slab"
     for row, layer in enumerate(runtime.moe_layers):
         if layer in runtime.pinned:
             assert table[row, :E].tolist() == list(range(E))
@@ -136,6 +147,7 @@ def check_table(runtime, settled=True):
                 continue
             if settled:
                 assert slab not in reserved, f"the table points at landing reservation {slab}"
+            if settled and slab not in unaccounted:
                 assert cache.owner[slab] == (layer, expert) and cache.state[slab] is SlabState.RESIDENT
             assert torch.equal(runtime.pool[0][slab], gate_up[expert]), f"slab {slab} does not hold {(layer, expert)}"
             assert torch.equal(runtime.pool[1][slab], down[expert])
@@ -150,9 +162,10 @@ def route(rng, tokens, favourites):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10_000), slabs=st.integers(E, 2 * E), policy=st.sampled_from(["vismmoe", "lru"]),
        ops=st.lists(st.sampled_from(["decode", "decode", "decode", "prefill", "prefetch", "poll"]), min_size=5, max_size=30),
-       lookahead=st.booleans())
-def test_table_never_points_at_a_slab_being_written(seed, slabs, policy, ops, lookahead):
-    runtime, weights = make_runtime(seed, slabs, policy, lookahead)
+       lookahead=st.booleans(), ahead=st.booleans())
+def test_table_never_points_at_a_slab_being_written(seed, slabs, policy, ops, lookahead, ahead):
+    runtime, weights = make_runtime(seed, slabs, policy, lookahead, "ahead" if ahead else "before-step")
+    assert runtime.boundary.ahead == (ahead and not lookahead)
     rng = random.Random(seed)
     favourites = rng.sample(range(E), 4)
     act = torch.nn.SiLU()
@@ -350,7 +363,7 @@ def test_a_quiet_steps_accounting_waits_for_the_next_step_and_changes_nothing(po
     after the next one is launched (its upkeep beside the device's work). Outputs, counters, the
     cache's contents and recency equal a runtime that accounts every step before the next."""
     def run(defer):
-        runtime, weights = make_runtime(3, slabs, policy)
+        runtime, weights = make_runtime(3, slabs, policy)  # before-step (ahead needs no quiet steps)
         if not defer:
             runtime.table.quiet_records = lambda rows: None
         reserves, reserve = [], runtime.table.reserve
@@ -497,3 +510,74 @@ def test_a_fill_waits_for_every_copy_and_refuses_more_experts_than_free_slabs():
     with runtime.lock, pytest.raises(RuntimeError, match=f"fill: {free + 1} experts but {free} free slabs"):
         runtime.transfers.fill(rest)
     assert runtime.cache.free_slabs == free
+
+
+def test_reservations_ahead_queue_each_step_without_the_records_of_the_one_before():
+    """reservations ahead: a step's landings were reserved in the `after` of the step before it, so its
+    `before` reads no records (the device runs step after step while the host accounts t - 1 and reserves
+    t + 1, disjoint from t's set: check_table). Outputs are the reference's; every pair is counted once,
+    as a hit, a miss or a late read; a decode left midway gives back both sets' placeholders."""
+    def run(reservations):
+        runtime, weights = make_runtime(5, E + 3, "lru", reservations=reservations)
+        reads = []
+        collect = runtime.table.collect
+        def counted():  # which hook read a step's records
+            records = collect()
+            if records is not None:
+                reads.append(phase[0])
+            return records
+        runtime.table.collect = counted
+        phase, rng, gen, outputs = ["before"], random.Random(5), torch.Generator().manual_seed(5), []
+        with torch.no_grad():
+            for step in range(20):
+                phase[0] = "before"
+                runtime.before_step()
+                check_table(runtime)
+                ids = torch.tensor([rng.sample(range(E), K)]) if step % 3 else torch.tensor([[1, 5]])
+                for layer in LAYERS:
+                    hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
+                    out = runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+                    torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+                    outputs.append(out)
+                phase[0] = "after"
+                runtime.after_step()
+            phase[0] = "leave"
+            with runtime.lock:
+                runtime.boundary.leave()
+        runtime.cache.check_invariants()
+        assert not [key for key in runtime.cache.where if key[1] < 0], "a landing reservation outlived the decode"
+        counters = runtime.counters["decode"].values()
+        assert sum(c.calls for c in counters) == 20 * len(LAYERS)
+        assert sum(c.hits + c.misses + c.late for c in counters) == 20 * len(LAYERS) * K
+        return runtime, outputs, reads, sum(c.misses for c in counters)
+
+    ahead, outputs, reads, misses = run("ahead")
+    assert ahead.plan.reservations == "ahead" and ahead.boundary.ahead
+    # each step's records are read behind the next step's launch; the last step's by `leave`
+    assert reads == ["after"] * 19 + ["leave"]
+    before, before_outputs, before_reads, before_misses = run("before-step")
+    assert not before.boundary.ahead and before_reads.count("before") > 10
+    assert all(torch.equal(a, b) for a, b in zip(outputs, before_outputs))
+    assert misses > 0 and before_misses > 0
+
+
+def test_the_plan_says_when_reservations_go_ahead():
+    facts = PlanFacts(len(LAYERS), E, H, I, K, torch.float32, table_kernels=True)
+    block = 3 * I * H * 4
+
+    def plan(**kwargs):
+        return resolve_plan(OffloadSettings(expert_budget=(E + 2 * E) * block, **kwargs), facts, "cpu")
+
+    default = plan()
+    assert default.reservations == "before-step" and "reservations: before-step (given)" in default.describe()
+    ahead = plan(reservations="ahead")
+    assert ahead.reservations == "ahead" and ahead.why["reservations"].startswith("given")
+    hybrid = plan(miss_policy="cpu", reservations="ahead")  # on the CPU device decode has a CPU share
+    assert hybrid.reservations == "before-step" and "CPU share" in hybrid.why["reservations"]
+    ahead_settings = OffloadSettings(expert_budget=3 * E * block, reservations="ahead")
+    lookahead = resolve_plan(ahead_settings, replace(facts, lookahead=True), "cpu")
+    assert lookahead.reservations == "before-step" and "lookahead" in lookahead.why["reservations"]
+    untabled = resolve_plan(ahead_settings, replace(facts, table_kernels=None), "cpu")
+    assert untabled.reservations == "before-step" and not any("reservations" in line for line in untabled.describe())
+    with pytest.raises(BudgetError, match="reservations 'later' is not one of: before-step, ahead"):
+        OffloadSettings(expert_budget="1GiB", reservations="later")

@@ -62,7 +62,7 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
         try:
             settings = OffloadSettings(expert_budget=10**9, store_dtype=store_dtype, slab_format=slab_format,
                                        miss_policy=asked, cpu_backend=cpu_backend, cpu_dtype=cpu_dtype,
-                                       predictor="p.pt" if lookahead else None)
+                                       predictor="p.pt" if lookahead else None, reservations="ahead")
             plan = resolve_plan(settings, facts, "cpu")
         except BudgetError as error:
             assert want is not None and want in str(error), (store_dtype, slab_format, miss_policy, cpu_backend,
@@ -81,12 +81,15 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
         assert plan.hybrid == (miss_policy != "wait") and plan.decode_cpu == plan.hybrid  # on the CPU: decode's too
         assert plan.table_decode is not None  # on the CPU, every valid combination decodes through the table
         assert plan.batch_table == (not plan.hybrid and not lookahead)
-        assert set(plan.why) - {"fill"} == {"store", "slabs", "pinned", "misses", "decode", "batch", "eviction", "prefill"}
+        assert set(plan.why) - {"fill"} == {"store", "slabs", "pinned", "misses", "decode", "batch", "eviction", "prefill",
+                                            "reservations"}
+        # landings reserved a step ahead (asked for) wherever decode's host work between steps needs no step's records
+        assert (plan.reservations == "ahead") == (not plan.decode_cpu and not lookahead)
         assert bool(plan.why["misses"]) == (asked != miss_policy) and plan.settings.miss_policy == miss_policy
         # a prompt skips placement only where every offloaded expert has a quantized slab
         assert (plan.prefill == "filled-slabs") == (plan.fill_slabs and plan.quantized_slabs)
         assert not plan.prefill_kernels  # the CPU: the torch twin
-        assert len(plan.describe()) == 8 + plan.fill_slabs and plan.eviction == "vismmoe"  # no `eviction` key: the policy's
+        assert len(plan.describe()) == 9 + plan.fill_slabs and plan.eviction == "vismmoe"  # no `eviction` key: the policy's
     assert checked and refused
 
 

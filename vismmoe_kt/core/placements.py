@@ -44,6 +44,7 @@ CPU = {"generate_device": "cpu", "prefill_device": "cpu"}
 # each operator's kwargs as the rule files set them (the operators' settings dataclasses hold the defaults)
 OFFLOAD_STORE = {"store_dtype": "auto", "slab_format": "auto"}
 OFFLOAD_BATCH = {"batch_experts": "auto", "batch_table_pairs": 32}  # in the files so that `--set` can change them
+OFFLOAD_DECODE = {"reservations": "before-step"}
 OFFLOAD_VISMMOE = {"policy": "vismmoe", "pinned_layers": "auto", "predictor": None, "prefetch_topk": 20,
                    "prefetch_min_probability": 0.7, "prefetch_stride": 1}
 HYBRID = {"miss_policy": "auto", "cpu_backend": "torch", "cpu_dtype": "auto", "cost_model": None}
@@ -116,7 +117,7 @@ def _everything_else() -> dict:
 
 
 def _vis_experts(facts: PlacementFacts, placement: str) -> dict[str, Any]:
-    kwargs = {**GPU, "expert_budget": facts.expert_budget, **OFFLOAD_STORE, **OFFLOAD_BATCH}
+    kwargs = {**GPU, "expert_budget": facts.expert_budget, **OFFLOAD_STORE, **OFFLOAD_BATCH, **OFFLOAD_DECODE}
     if placement == "lru":
         return {**kwargs, "policy": "lru"}
     # the default placement's eviction is `auto` (never slower than recency, eviction.py); offload and hybrid keep

@@ -25,6 +25,8 @@ KWARG_NOTES = {
                                    "dequantized | quantized",
     ("VisExperts", "batch_experts"): "a batched step's pinned layers: auto (the table kernel up to batch_table_pairs "
                                      "pairs, then expert-major) | table | grouped-gemm | expert-major",
+    ("VisExperts", "reservations"): "each decode step's landing slabs reserved after the step before's records | "
+                                    "ahead: while the step before runs (decode without a CPU share or a predictor)",
     ("VisExperts", "eviction"): "auto: decode's first steps time lru against vismmoe, keep the faster | vismmoe | lru",
     ("VisExperts", "predictor"): "a predictor.pt from `vismmoe-kt calibrate`; null: prefetch by routing history",
     ("SourceRouter", "routing"): "synthetic[:SEED] | trace:PATH replace the routers' choice; model keeps it",

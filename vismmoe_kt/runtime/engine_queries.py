@@ -23,8 +23,9 @@ class EngineQueries:
     def steps_chainable(self) -> bool:
         """A decode step may be queued before the host reads the one before it. The step hooks still run
         in the steps' order (the table's upkeep before a step reads the records of the one before, which
-        waits for that step alone, never for the step's tokens), so the cache sees the same steps; a step
-        the engine takes back (a row stopped) stays in the counters and what it landed stays resident."""
+        waits for that step alone, never for the step's tokens; with reservations ahead it waits for
+        nothing), so the cache sees the same steps; a step the engine takes back (a row stopped) stays in
+        the counters and what it landed stays resident."""
         return True
 
     def batch_needs_exact_rows(self) -> bool:

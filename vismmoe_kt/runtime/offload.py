@@ -118,6 +118,7 @@ class OffloadRuntime(EngineQueries):
         # the placement path (prefill) keeps the miss policy either way
         self.boundary.miss = self.miss if plan.decode_cpu else None
         self.boundary.fill = plan.fill_slabs
+        self.boundary.set_reservations(plan.reservations == "ahead")
         self._placement = placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join if plan.decode_cpu else None) if plan.table_decode else None

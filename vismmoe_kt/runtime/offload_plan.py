@@ -76,6 +76,8 @@ class OffloadPlan:
     prefill: str = "placement"  # a prompt's offloaded layers: placement (routing read on the host, slabs placed) |
                                 # filled-slabs (every expert in a quantized slab: read through the row maps)
     prefill_kernels: bool = False  # filled-slabs on the Triton kernels (else the torch twin)
+    reservations: str = "before-step"  # table decode's landing slabs: ahead (reserved while the step before runs) |
+                                       # before-step (after the records of the step before: the step waits for them)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -97,7 +99,8 @@ class OffloadPlan:
                 f"slabs: {self.num_slabs} {slabs} of {human_bytes(self.slab_bytes)} ({self.why['slabs']})",
                 f"pinned: {self.pinned_depth} layer(s) ({self.why['pinned']})",
                 f"misses: {misses}{', lookahead predictor' if self.lookahead else ''}",
-                f"decode: {decode} ({self.why['decode']})",
+                f"decode: {decode} ({self.why['decode']})"] + \
+            ([f"reservations: {self.reservations} ({self.why['reservations']})"] if self.table_decode else []) + [
                 f"batched step: pinned layers {self.batch_pinned}, offloaded layers {self.batch_offloaded} "
                 f"({self.why['batch']})",
                 f"prefill: {self.prefill} ({self.why['prefill']})",
@@ -195,11 +198,12 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     why["prefill"] = "every offloaded expert in a quantized slab" if fill and quantized_slabs else \
         ("the slabs are not quantized" if fill else "not every offloaded expert has a slab" if offloaded else
          "every layer pinned")
+    reservations, why["reservations"] = _reservations(settings, table_decode, decode_cpu, facts.lookahead)
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, fill, prefill,
-                       kernels and facts.quantized_major_kernels, why)
+                       kernels and facts.quantized_major_kernels, reservations, why)
 
 
 def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:
@@ -210,6 +214,25 @@ def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:
     if settings.miss_policy == "auto" and quantized_store and settings.cpu_backend == "torch":
         return "auto: the torch CPU backend cannot compute on a quantized store's blocks (cpu_backend kt-kernel can)"
     return ""
+
+
+def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cpu: bool,
+                  lookahead: bool) -> tuple[str, str]:
+    """When table decode reserves each step's landing slabs. Ahead: while step t runs, the host accounts step
+    t - 1 and reserves step t + 1's slabs (disjoint from t's), so step t + 1 is queued without waiting for
+    t's records; the cost is a second landing set held and reservations one step older. Before-step (also
+    where ahead was asked for and cannot be) stays where a step's own host work depends on the step before:
+    the hybrid's CPU quota per miss count, and the lookahead predictor's per-request state."""
+    blockers = [why for why, holds in (("decode has a CPU share, whose quota follows each step's misses", decode_cpu),
+                                       ("the lookahead predictor prefetches into the landing slots", lookahead))
+                if holds]
+    if settings.reservations == "before-step":
+        return "before-step", "given"
+    if table_decode is None:
+        return "before-step", "no table decode"
+    if blockers:  # the plan says why `ahead` could not be (--stats)
+        return "before-step", f"ahead asked for, but {'; '.join(blockers)}"
+    return "ahead", "given: the host accounts a step and reserves the next one's landings while the device runs"
 
 
 def _eviction(settings: OffloadSettings, num_slabs: int, offloaded_experts: int, table_decode: str | None,

@@ -20,6 +20,7 @@ POLICIES = ("vismmoe", "lru")
 MISS_POLICIES = ("wait", "cpu", "auto")
 SLAB_FORMATS = ("auto", "dequantized", "quantized")
 BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
+RESERVATIONS = ("before-step", "ahead")  # when table decode reserves a step's landing slabs
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class OffloadSettings:
     # Speculative by priority) | lru (recency) | auto (table decode times both over its first steps and keeps
     # the faster, a tie lru; a slab for every offloaded expert: lru) | None: the policy's own (as before the key)
     eviction: str | None = None
+    # table decode's landing reservations (decode_boundary.py): ahead (a step's landing slabs are reserved while
+    # the step before it runs, from the records of the one before that, so the next step is queued without
+    # waiting for the host's upkeep; where decode has no CPU share and no lookahead, else before-step) |
+    # before-step (each step's after the records of the one before it)
+    reservations: str = "before-step"
     pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
     min_pinned_layers: int = 1         # L_semantic of Eq. 10
     min_cache_bytes: Any = None        # C_safe of Eq. 10; None: one layer of experts (prefill can always progress)
@@ -81,6 +87,8 @@ class OffloadSettings:
             raise BudgetError(f"policy {self.policy!r} is not one of: {', '.join(POLICIES)}")
         if self.eviction is not None and self.eviction not in EVICTIONS:
             raise BudgetError(f"eviction {self.eviction!r} is not one of: {', '.join(EVICTIONS)}")
+        if self.reservations not in RESERVATIONS:
+            raise BudgetError(f"reservations {self.reservations!r} is not one of: {', '.join(RESERVATIONS)}")
         put("pinned_layers", None if self.pinned_layers in (None, "auto") else int(self.pinned_layers))
         if self.policy == "lru":  # the baseline: the whole budget is an on-demand cache, no prefetch
             put("pinned_layers", 0)
