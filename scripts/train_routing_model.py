@@ -43,9 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "optimize_rules" / "qwen3vl.yaml"
 
 
-def conversation(seed: int, index: int, size: int, describe_share: float):
-    """Scene `index` of split `seed` as one multi-turn chat of its questions, or its caption; (image, messages)."""
-    rng, scene, image = scenes.make_scene(seed, index, size)
+def conversation(seed: int, index: int, size: int, describe_share: float, simple: bool = False):
+    """Scene `index` of split `seed` as one multi-turn chat of its questions, or its caption; (image, messages).
+    `simple`: the curriculum's scene (scenes.sample_scene)."""
+    rng, scene, image = scenes.make_scene(seed, index, size, simple)
     if rng.random() < describe_share:
         return caption_conversation(image, scenes.DESCRIBE_PROMPT, scenes.describe(scene))
     questions = scenes.questions_for_scene(scene, rng, size)
@@ -57,12 +58,16 @@ def conversation(seed: int, index: int, size: int, describe_share: float):
 class StepBatches(Labeller, torch.utils.data.Dataset):
     """Batch `step` is a pure function of the step: what makes a resumed run the same run."""
 
-    def __init__(self, processor, batch: int, size: int, describe_share: float, seed: int = scenes.SPLIT_SEEDS["train"]):
+    def __init__(self, processor, batch: int, size: int, describe_share: float, seed: int = scenes.SPLIT_SEEDS["train"],
+                 simple_steps: int = 0):
         Labeller.__init__(self, processor)
         self.batch, self.size, self.describe_share, self.seed = batch, size, describe_share, seed
+        self.simple_steps = simple_steps
 
     def __getitem__(self, step: int):
-        pairs = [conversation(self.seed, step * self.batch + i, self.size, self.describe_share) for i in range(self.batch)]
+        simple = step < self.simple_steps
+        pairs = [conversation(self.seed, step * self.batch + i, self.size, self.describe_share, simple)
+                 for i in range(self.batch)]
         return self.labelled([p[0] for p in pairs], [p[1] for p in pairs])
 
 
@@ -114,6 +119,8 @@ def parse_args(argv=None):
                              "grouped GEMMs run in BF16 instead of float32's one product per expert")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, step)")
     parser.add_argument("--describe_share", type=float, default=0.2, help="share of sequences that are captions")
+    parser.add_argument("--simple_steps", type=int, default=0,
+                        help="a curriculum: the first this many steps train on simple scenes (1-3 shapes, the digit only)")
     parser.add_argument("--eval_per_type", type=int, default=64, help="held-out questions per type at the end (0: none)")
     parser.add_argument("--pruned_eval", action="store_true",
                         help="also the greedy accuracy under optimize_rules/qwen3vl.yaml at keep 1.0 and each --keep")
@@ -128,8 +135,9 @@ def parse_args(argv=None):
     for flag in ("steps", "batch", "checkpoint_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0 or (args.pruned_per_type or 0) < 0:
-        parser.error("--workers, --eval_per_type, --pruned_per_type and --warmup cannot be negative")
+    if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0 or (args.pruned_per_type or 0) < 0 \
+            or args.simple_steps < 0:
+        parser.error("--workers, --eval_per_type, --pruned_per_type, --warmup and --simple_steps cannot be negative")
     if args.stop_after is not None and args.stop_after <= 0:
         parser.error(f"--stop_after must be positive, got {args.stop_after}")
     if not 0.0 <= args.describe_share <= 1.0:
@@ -173,6 +181,8 @@ def train(args) -> dict:
     model.to(device).train()
     optimizer = adamw(model, args.lr)
     settings = {"spec": args.spec, "batch": args.batch, "seed": args.seed, "describe_share": args.describe_share}
+    if args.simple_steps:  # another run's data: a checkpoint of one does not resume the other
+        settings["simple_steps"] = args.simple_steps
     if args.bf16:  # another run's numerics: a checkpoint of one does not resume the other
         settings["autocast"] = "bfloat16"
     first_step, curve, seconds_before = 0, [], 0.0
@@ -195,7 +205,7 @@ def train(args) -> dict:
     experts = getattr(model.config.text_config, "_experts_implementation", None)
     print(f"{args.spec} on {args.device}: steps {first_step}..{args.steps} of batch {args.batch}, {args.workers} data "
           f"workers, transformers' experts implementation {experts!r}", flush=True)
-    batches = StepBatches(processor, args.batch, size, args.describe_share)
+    batches = StepBatches(processor, args.batch, size, args.describe_share, simple_steps=args.simple_steps)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(first_step, args.steps),
                                          num_workers=args.workers, prefetch_factor=4 if args.workers else None)
     start = time.perf_counter()
@@ -231,7 +241,8 @@ def train(args) -> dict:
         raise SystemExit(3)
     record = {"command": "python " + " ".join(sys.argv), "spec": args.spec, "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "device": args.device, "workers": args.workers,
-              "describe_share": args.describe_share, "autocast": "bfloat16" if args.bf16 else None,
+              "describe_share": args.describe_share, "simple_steps": args.simple_steps,
+              "autocast": "bfloat16" if args.bf16 else None,
               "resumed_from": first_step if args.resume else None,
               "seconds": curve[-1]["seconds"], "final_loss": float(np.mean([c["loss"] for c in curve[-50:]])),
               "steps_per_second": round(len(curve) / curve[-1]["seconds"], 3) if curve[-1]["seconds"] else None,

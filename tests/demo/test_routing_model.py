@@ -85,7 +85,8 @@ def test_stop_after_checkpoints_and_a_resume_at_the_last_step_evaluates(script, 
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--resume"], "--resume: no"),
     (["--stop_after", "0"], "--stop_after must be positive"),
-    (["--pruned_per_type", "-1"], "--pruned_per_type and --warmup cannot be negative"),
+    (["--pruned_per_type", "-1"], "--pruned_per_type, --warmup and --simple_steps cannot be negative"),
+    (["--simple_steps", "-5"], "--pruned_per_type, --warmup and --simple_steps cannot be negative"),
 ])
 def test_bad_arguments_are_clear_errors(script, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:

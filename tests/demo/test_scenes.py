@@ -127,3 +127,18 @@ def test_unknown_question_type_and_background_are_clear_errors():
         scenes.make_example(0, 0, "colours")
     with pytest.raises(ValueError, match="unknown background"):
         scenes.background("plaid", np.random.default_rng(0))
+
+
+def test_a_curriculums_simple_scenes_hold_fewer_things_and_the_default_ones_are_unchanged():
+    """`simple` (train_routing_model --simple_steps): 1-3 shapes and the digit's sign alone; the default draw is
+    the same generator's as before the option, so splits and checkpoints keep their scenes."""
+    simple = [scenes.make_scene(0, i, SIZE, simple=True)[1] for i in range(40)]
+    assert all(1 <= len(s.shapes) <= 3 and [sign.kind for sign in s.signs] in (["digit"], []) for s in simple)
+    assert {len(s.shapes) for s in simple} == {1, 2, 3}
+    full = [scenes.make_scene(0, i, SIZE)[1] for i in range(40)]
+    assert max(len(s.shapes) for s in full) > 3 and any(len(s.signs) == 2 for s in full)
+    assert all(scenes.make_scene(0, i, SIZE, simple=False)[1] == full[i] for i in range(5))
+    for scene in simple[:10]:  # every question a simple scene asks is answered by the scene alone
+        rng = np.random.default_rng(0)
+        for question in scenes.questions_for_scene(scene, rng, SIZE):
+            assert rederive(scene, question.text) == scenes.normalise(question.answer), question

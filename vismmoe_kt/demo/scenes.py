@@ -92,11 +92,13 @@ def _place(rng: np.random.Generator, half_w: int, half_h: int, size: int, boxes:
     return None
 
 
-def sample_scene(rng: np.random.Generator, size: int = IMAGE_SIZE) -> Scene:
+def sample_scene(rng: np.random.Generator, size: int = IMAGE_SIZE, simple: bool = False) -> Scene:
+    """A scene; `simple`: a training curriculum's first scenes, 1-3 shapes and the digit's sign only (a model
+    from scratch finds what the image says about a question more easily among fewer things)."""
     boxes: list[tuple[int, int, int, int]] = []
     signs = []
     texts = [("digit", str(int(rng.integers(10))))]
-    if rng.random() < 0.5:
+    if not simple and rng.random() < 0.5:
         texts.append(("word", WORDS[int(rng.integers(len(WORDS)))]))
     for kind, text in texts:
         font_size = int(rng.integers(size // 11, size // 8))
@@ -107,7 +109,7 @@ def sample_scene(rng: np.random.Generator, size: int = IMAGE_SIZE) -> Scene:
             boxes.append((*spot, half_w, half_h))
             signs.append(Sign(kind, text, spot[0], spot[1], half_w, half_h, font_size))
     shapes = []
-    for _ in range(int(rng.integers(3, 9))):
+    for _ in range(int(rng.integers(1, 4) if simple else rng.integers(3, 9))):
         kind, colour = KINDS[int(rng.integers(len(KINDS)))], list(COLOURS)[int(rng.integers(len(COLOURS)))]
         radius = int(size // 22 if rng.random() < 0.5 else size // 13) + int(rng.integers(0, 4))
         spot = _place(rng, radius, radius, size, boxes)
@@ -152,10 +154,11 @@ def render(scene: Scene, rng: np.random.Generator, size: int = IMAGE_SIZE) -> Im
     return image
 
 
-def make_scene(seed: int, index: int, size: int = IMAGE_SIZE) -> tuple[np.random.Generator, Scene, Image.Image]:
-    """Scene `index` of split `seed`, and the generator its questions are drawn from next."""
+def make_scene(seed: int, index: int, size: int = IMAGE_SIZE,
+               simple: bool = False) -> tuple[np.random.Generator, Scene, Image.Image]:
+    """Scene `index` of split `seed` (`simple`: sample_scene's), and the generator its questions are drawn from next."""
     rng = np.random.default_rng([seed, index, 46])  # 46: not the shapes task's stream for the same (seed, index)
-    scene = sample_scene(rng, size)
+    scene = sample_scene(rng, size, simple)
     return rng, scene, render(scene, rng, size)
 
 
