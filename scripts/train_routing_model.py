@@ -36,8 +36,8 @@ from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.demo import scenes
 from vismmoe_kt.demo.routing_model import (CHECKPOINT_FILE, DEFAULT_SPEC, ROUTING_SPECS, build_routing_model,
                                            image_size, read_spec, save_model_directory, write_spec)
-from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, qa_conversation,
-                                      train_step, warmup_cosine)
+from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, image_dependence,
+                                      qa_conversation, train_step, warmup_cosine)
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "optimize_rules" / "qwen3vl.yaml"
@@ -122,6 +122,9 @@ def parse_args(argv=None):
     parser.add_argument("--simple_steps", type=int, default=0,
                         help="a curriculum: the first this many steps train on simple scenes (1-3 shapes, the digit only)")
     parser.add_argument("--eval_per_type", type=int, default=64, help="held-out questions per type at the end (0: none)")
+    parser.add_argument("--watch_per_type", type=int, default=16,
+                        help="at each checkpoint, held-out questions per type answered with their own picture and "
+                             "another scene's: the loss gained by the right picture (0: not watched)")
     parser.add_argument("--pruned_eval", action="store_true",
                         help="also the greedy accuracy under optimize_rules/qwen3vl.yaml at keep 1.0 and each --keep")
     parser.add_argument("--keep", default="0.7,0.5", help="visual-token keep ratios of --pruned_eval, comma-separated")
@@ -136,8 +139,9 @@ def parse_args(argv=None):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0 or (args.pruned_per_type or 0) < 0 \
-            or args.simple_steps < 0:
-        parser.error("--workers, --eval_per_type, --pruned_per_type, --warmup and --simple_steps cannot be negative")
+            or args.simple_steps < 0 or args.watch_per_type < 0:
+        parser.error("--workers, --eval_per_type, --pruned_per_type, --warmup, --simple_steps and --watch_per_type "
+                     "cannot be negative")
     if args.stop_after is not None and args.stop_after <= 0:
         parser.error(f"--stop_after must be positive, got {args.stop_after}")
     if not 0.0 <= args.describe_share <= 1.0:
@@ -229,6 +233,12 @@ def train(args) -> dict:
             print(f"step {step + 1}: {rate} (this run's {done} steps)", flush=True)
         stopped = args.stop_after is not None and time.perf_counter() - start >= args.stop_after and step + 1 < args.steps
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps or stopped:
+            if args.watch_per_type:  # the loss alone cannot tell answers from the picture from the priors
+                watched = image_dependence(model, batches, scene_example(size), scenes.QUESTION_TYPES,
+                                           args.watch_per_type, scenes.SPLIT_SEEDS["val"], device)
+                curve[-1]["image_gain"] = {t: v["gain"] for t, v in watched.items()}
+                print(f"step {step + 1}: held-out loss gained by the right picture "
+                      f"{json.dumps(curve[-1]['image_gain'])}", flush=True)
             save_checkpoint(out, model, optimizer, step + 1, curve, settings)
         if stopped:
             break
@@ -251,7 +261,10 @@ def train(args) -> dict:
         accuracy = heldout_accuracy(model, batches, scene_example(size), scenes.QUESTION_TYPES, args.eval_per_type,
                                     scenes.SPLIT_SEEDS["val"], device)
         record["heldout"] = {"split_seed": scenes.SPLIT_SEEDS["val"], "per_type": args.eval_per_type,
-                             "teacher_forced": accuracy, "mean": float(np.mean(list(accuracy.values())))}
+                             "teacher_forced": accuracy, "mean": float(np.mean(list(accuracy.values()))),
+                             "image_dependence": image_dependence(model, batches, scene_example(size),
+                                                                  scenes.QUESTION_TYPES, args.eval_per_type,
+                                                                  scenes.SPLIT_SEEDS["val"], device)}
         print(f"held-out (seed {scenes.SPLIT_SEEDS['val']}) teacher-forced accuracy: {accuracy}", flush=True)
     save_model_directory(out, model, processor)
     if args.pruned_eval and args.eval_per_type:

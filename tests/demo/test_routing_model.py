@@ -52,6 +52,8 @@ def test_checkpoint_and_resume_give_the_uninterrupted_losses(script, tmp_path):
     record = json.loads((whole / "training.json").read_text())
     assert [c["step"] for c in record["curve"]] == [1, 2, 3, 4]
     assert set(record["heldout"]["teacher_forced"]) == set(scenes.QUESTION_TYPES)
+    # the picture's worth, watched at the checkpoint (the last step's) and measured at the end
+    assert set(record["curve"][-1]["image_gain"]) == set(record["heldout"]["image_dependence"]) == set(scenes.QUESTION_TYPES)
     assert (whole / "config.json").is_file() and (whole / "model.safetensors").is_file()
 
     script.main(TINY + ["--out", str(split), "--steps", "2", "--eval_per_type", "0"])
@@ -85,8 +87,9 @@ def test_stop_after_checkpoints_and_a_resume_at_the_last_step_evaluates(script, 
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--resume"], "--resume: no"),
     (["--stop_after", "0"], "--stop_after must be positive"),
-    (["--pruned_per_type", "-1"], "--pruned_per_type, --warmup and --simple_steps cannot be negative"),
-    (["--simple_steps", "-5"], "--pruned_per_type, --warmup and --simple_steps cannot be negative"),
+    (["--pruned_per_type", "-1"], "--warmup, --simple_steps and --watch_per_type"),
+    (["--simple_steps", "-5"], "--warmup, --simple_steps and --watch_per_type"),
+    (["--watch_per_type", "-1"], "--warmup, --simple_steps and --watch_per_type"),
 ])
 def test_bad_arguments_are_clear_errors(script, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:
@@ -125,3 +128,19 @@ def test_bf16_autocast_trains_and_a_float32_checkpoint_does_not_resume_it(script
     assert losses(fp32) != losses(out)  # the products ran in another precision
     with pytest.raises(SystemExit, match="trained with"):
         script.main(TINY + ["--out", str(fp32), "--steps", "3", "--eval_per_type", "0", "--resume", "--bf16"])
+
+
+def test_image_dependence_tells_answers_from_the_picture_from_answers_from_priors():
+    """The trained demo model reads colours off its pictures: another scene's picture costs it loss on colour
+    questions. With one question a type the other picture is its own: no gain, exactly."""
+    from vismmoe_kt import load
+    from vismmoe_kt.demo import vqa
+    from vismmoe_kt.demo.tiny import demo_model_dir
+    from vismmoe_kt.demo.training import Labeller, image_dependence
+
+    model, processor = load(demo_model_dir(), None, generate_device="cpu", prefill_device="cpu", progress=False)
+    labeller = Labeller(processor)
+    watched = image_dependence(model, labeller, vqa.make_example, ["colour"], 8, vqa.SPLIT_SEEDS["val"])
+    assert watched["colour"]["gain"] > 0.2 and watched["colour"]["other"] > watched["colour"]["own"]
+    alone = image_dependence(model, labeller, vqa.make_example, ["colour"], 1, vqa.SPLIT_SEEDS["val"])
+    assert alone["colour"]["gain"] == 0.0

@@ -105,6 +105,33 @@ def train_step(model, optimizer, inputs, labels, lr: float, autocast: torch.dtyp
     return float(output.loss.detach()), float(output.aux_loss.detach())
 
 
+def image_dependence(model, labeller: Labeller, make_example: Callable, question_types, per_type: int, seed: int,
+                     device=None, chunk: int = 16) -> dict[str, dict[str, float]]:
+    """Whether the answers use the picture: per question type, the held-out answer tokens' mean loss with each
+    question's own picture and with the next example's (another scene), and the gain (other - own). A model
+    answering from its priors alone gains nothing, however low its loss; accuracy at chance says the same only
+    after many questions."""
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for qtype in question_types:
+            examples = [make_example(seed, i, qtype) for i in range(per_type)]
+            chats = [question_chat(e.question.text, e.question.answer) for e in examples]
+            losses = []
+            for shift in (0, 1):  # each question with its own picture, then with the next example's
+                images = [examples[(i + shift) % per_type].image for i in range(per_type)]
+                total = 0.0
+                for start in range(0, per_type, chunk):
+                    inputs, labels = labeller.labelled(images[start:start + chunk], chats[start:start + chunk])
+                    if device is not None:
+                        inputs, labels = inputs.to(device), labels.to(device)
+                    total += float(model(**inputs, labels=labels).loss) * len(chats[start:start + chunk])
+                losses.append(total / per_type)
+            out[qtype] = {"own": round(losses[0], 4), "other": round(losses[1], 4), "gain": round(losses[1] - losses[0], 4)}
+    model.train()
+    return out
+
+
 def heldout_accuracy(model, labeller: Labeller, make_example: Callable, question_types, per_type: int, seed: int,
                      device=None, chunk: int = 16) -> dict[str, float]:
     """Teacher-forced exact match of single-question examples `make_example(seed, i, type)`, per question type."""
