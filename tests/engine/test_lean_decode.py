@@ -116,6 +116,28 @@ def run_steps(model, inputs, steps):
     return engine, watched
 
 
+def test_reservations_ahead_through_the_graph_self_check_keep_the_tokens(case, monkeypatch):
+    """Landings reserved a step ahead, with misses (two layers' budget) and the graph self-check's nested
+    step (replay): the nested `before` accounts every queued step first (`_flush`), and the tokens are the
+    reference's."""
+    from vismmoe_kt.runtime.decode_boundary import DecodeBoundary
+
+    model_dir, inputs, expected = case
+    flushes = []
+    flush = DecodeBoundary._flush
+    monkeypatch.setattr(DecodeBoundary, "_flush", lambda self: (flushes.append(1), flush(self))[1])
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(2), graphs="replay",
+                    reservations="ahead", **CPU)
+    runtime = model.vismmoe.context.offload_runtime
+    with torch.no_grad():
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    assert runtime.plan.reservations == "ahead" and flushes  # the self-check nested a step at least once
+    assert runtime.summary()["decode_fetches"] > 0  # steps missed and landed
+    stats = decoder_of(model).stats()
+    assert stats["decode_graphed_steps"] == stats["decode_steps"] and stats["decode_check_failures"] == 0
+
+
 def test_resident_step_neither_syncs_nor_grows(case):
     model_dir, inputs, _ = case
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="off", **CPU)

@@ -151,6 +151,10 @@ def check_table(runtime, settled=True):
                 assert cache.owner[slab] == (layer, expert) and cache.state[slab] is SlabState.RESIDENT
             assert torch.equal(runtime.pool[0][slab], gate_up[expert]), f"slab {slab} does not hold {(layer, expert)}"
             assert torch.equal(runtime.pool[1][slab], down[expert])
+    for slab, key in enumerate(cache.owner):  # what the host believes each resident slab holds, it holds
+        if key is not None and key[1] >= 0 and cache.state[slab] is SlabState.RESIDENT:
+            gate_up, _ = block_views(runtime.store.layers[key[0]], I, H)
+            assert torch.equal(runtime.pool[0][slab], gate_up[key[1]]), f"slab {slab} is not {key}"
     cache.check_invariants()
 
 
@@ -581,3 +585,27 @@ def test_the_plan_says_when_reservations_go_ahead():
     assert untabled.reservations == "before-step" and not any("reservations" in line for line in untabled.describe())
     with pytest.raises(BudgetError, match="reservations 'later' is not one of: before-step, ahead"):
         OffloadSettings(expert_budget="1GiB", reservations="later")
+
+
+def test_a_decode_left_midway_ahead_keeps_nothing_reserved_and_can_change_order():
+    """leave() between a step's `before` and `after` (ahead): the step is accounted there, so its `after`
+    neither reads it back again nor reserves a set for a table about to be rebuilt; the order can then
+    change and a prefill follow without an expert recorded in a slab twice."""
+    runtime, weights = make_runtime(25, E + 3, "lru", reservations="ahead")
+    act = torch.nn.SiLU()
+    with torch.no_grad():
+        for _ in range(3):
+            runtime.begin_step(1)
+            for layer in LAYERS:
+                runtime.run_layer(layer, torch.randn(1, H), torch.tensor([[0, 4]]), torch.rand(1, K), act)
+            if _ == 2:
+                with runtime.lock:
+                    runtime.boundary.leave()
+            runtime.end_step()
+        assert runtime.boundary.stale and not runtime.table._pending
+        assert not [key for key in runtime.cache.where if key[1] < 0], "a reservation outlived the decode"
+        runtime.boundary.set_reservations(False)
+        hidden, ids, w = torch.randn(3, H), torch.tensor([[0, 4]] * 3), torch.rand(3, K)
+        out = runtime.run_layer(LAYERS[1], hidden, ids, w, act)  # a prefill on the placement path
+    torch.testing.assert_close(out, reference(weights[LAYERS[1]], hidden, ids, w), rtol=1e-5, atol=1e-5)
+    check_table(runtime, settled=False)

@@ -97,6 +97,8 @@ class DecodeBoundary:
         if ahead != self.ahead and self.table is not None and not self.stale:
             with self.res.lock:
                 self.leave()
+        if ahead != self.ahead:
+            self.launched.clear()  # (a left decode's are accounted: nothing of the old order carries over)
         self.ahead = ahead
 
     # --- the hooks ---------------------------------------------------------------------------------
@@ -149,8 +151,10 @@ class DecodeBoundary:
             self._arm()
 
     def _launch_on_reserved(self) -> None:
-        """Ahead: the step runs on the landings after_step wrote after the step before it; nothing to wait for."""
-        if self.eviction is not None:  # the trial times the steps by these calls; the ranking serves the next reserve
+        """Ahead: the step runs on the landings after_step wrote after the step before it; nothing to wait for.
+        The ranking `auto`'s trial picks here chooses the next step's victims (after_step's reserve): of a
+        trial's run of two steps under one ranking only the second is timed, whose reservations it chose."""
+        if self.eviction is not None:
             self.res.cache.ranking = self.eviction.for_step()
         self.launched.append(self.reserved)
         self.reserved = {}
@@ -170,6 +174,8 @@ class DecodeBoundary:
         if self.settled:
             with self.res.lock:  # the counters' dict: a server's stats may read it meanwhile
                 self._count_settled_step()
+            return
+        if self.ahead and self.stale:  # left mid-step (leave or forget): accounted there, decode starts afresh
             return
         if self.ahead:
             with self.res.lock:  # the step is on its way: account the one before it, reserve the one after it
