@@ -49,3 +49,34 @@ def test_on_the_cpu_norms_keep_their_own_forward_and_the_torch_path_matches():
     assert fuse_norms([norm], lambda n: (n.weight, n.eps)) == 0 and "forward" not in vars(norm)
     x = torch.randn(4, 16)
     torch.testing.assert_close(rms_norm(norm.weight, 1e-6, x), norm(x), rtol=1e-5, atol=1e-5)
+
+
+def test_every_norm_a_prompt_runs_is_one_the_gpu_fuses(monkeypatch):
+    """A prompt's layers are transformers' modules: each layer's input and post-attention RMSNorms, its
+    attention's query and key ones and the final one are listed for the fused forward, and each is an
+    RMSNorm the adapter gives parameters for (so on a GPU every one becomes one kernel). Forced as on a
+    GPU here, a prompt's output is the unfused one's."""
+    from vismmoe_kt.demo.tiny import SPECS, build_tiny_model
+    from vismmoe_kt.engine import fused_ops
+    from vismmoe_kt.engine.decoding import text_norms
+    from vismmoe_kt.models import adapter_for
+
+    spec = SPECS["tiny-4x16"]
+    model, _ = build_tiny_model(spec, seed=0)
+    adapter = adapter_for(model.config.model_type)
+    text = model.model.language_model
+    norms = list(text_norms(adapter, text))
+    assert len(norms) == 4 * spec.layers + 1 and len({id(n) for n in norms}) == len(norms)
+    assert all(adapter.rms_norm_params(n) is not None for n in norms)
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        before = text(input_ids=ids).last_hidden_state
+        monkeypatch.setattr(fused_ops, "tl", object())  # as where Triton runs: every norm takes the fused forward
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(fused_ops, "_rms_norm_triton", lambda w, eps, x: w * torch.nn.functional.rms_norm(
+            x.float(), (x.shape[-1],), eps=eps).to(x.dtype))
+        assert fuse_norms(norms, adapter.rms_norm_params) == len(norms)
+        monkeypatch.undo()
+        after = text(input_ids=ids).last_hidden_state
+    assert all("forward" in vars(n) for n in norms)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)

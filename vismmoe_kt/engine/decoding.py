@@ -33,6 +33,16 @@ CAPACITY_STEP = 256  # single-request slots grow in these steps
 COUNTERS = ("steps", "graphed_steps", "segments_captured", "capture_failures", "check_failures", "check_retries")
 
 
+def text_norms(adapter: ModelAdapter, text: nn.Module):
+    """The text model's norms a forward runs as modules: each layer's input and post-attention norms, its
+    attention's query and key norms (where it has them), and the final norm."""
+    for layer in adapter.layers_of(text):
+        yield adapter.input_norm(layer)
+        yield adapter.post_attention_norm(layer)
+        yield from adapter.attention_norms(adapter.attention(layer))
+    yield adapter.final_norm(text)
+
+
 class Decoding:
     def __init__(self, model: Any, text: nn.Module, adapter: ModelAdapter, output_head: nn.Module, context: LoadContext):
         self.model, self.text, self.adapter, self.output_head, self.context = model, text, adapter, output_head, context
@@ -42,9 +52,10 @@ class Decoding:
         self.retired: list[dict] = []            # the counters of single-request runners replaced by larger ones
         self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
         use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
-        # the attention's query/key RMSNorms in one kernel each on the GPU (7 launches fewer per norm: ~670 per step)
-        fuse_norms([norm for layer in adapter.layers_of(text) for norm in adapter.attention_norms(adapter.attention(layer))],
-                   adapter.rms_norm_params)
+        # every RMSNorm a prompt runs as a module in one kernel each on the GPU: the attention's query/key ones
+        # (7 launches fewer per norm: ~670 per decode step) and the layers' two and the final one, which the decode
+        # step fuses itself but a prompt's layers run as transformers' modules (about 480 launches fewer a prompt)
+        fuse_norms(list(text_norms(adapter, text)), adapter.rms_norm_params)
 
     def make_step(self, cache: SlotKVCache) -> DecodeStep:
         step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)
