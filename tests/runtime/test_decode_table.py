@@ -609,3 +609,28 @@ def test_a_decode_left_midway_ahead_keeps_nothing_reserved_and_can_change_order(
         out = runtime.run_layer(LAYERS[1], hidden, ids, w, act)  # a prefill on the placement path
     torch.testing.assert_close(out, reference(weights[LAYERS[1]], hidden, ids, w), rtol=1e-5, atol=1e-5)
     check_table(runtime, settled=False)
+
+
+@pytest.mark.parametrize("reservations", ["before-step", "ahead"])
+def test_a_stopped_decode_gives_unused_reservations_back_to_their_experts(reservations):
+    """A landing reservation that nothing landed in still holds the bytes of the expert it was taken from:
+    when decode stops, that slab holds that expert again (unless the expert landed elsewhere since) instead
+    of being freed, and what the host believes each slab holds, it holds."""
+    runtime, weights = make_runtime(7, E + 4, "lru", reservations=reservations)
+    rng, act = random.Random(7), torch.nn.SiLU()
+    with torch.no_grad():
+        for _ in range(6):
+            runtime.before_step()
+            ids = torch.tensor([rng.sample(range(E), K)])
+            for layer in LAYERS:
+                runtime.run_layer(layer, torch.randn(1, H), ids, torch.rand(1, K), act)
+            runtime.after_step()
+        cache = runtime.cache
+        held = {key for key in cache.where if key[1] >= 0}
+        taken = dict(runtime.boundary.evicted)  # reservations' slabs -> the experts they displaced
+        with runtime.lock:
+            runtime.boundary.leave()
+    assert taken and not [key for key in cache.where if key[1] < 0]
+    back = {key for slab, key in taken.items() if cache.owner[slab] == key}
+    assert back and set(cache.where) >= held | back  # (the last step's landings are accounted by leave too)
+    check_table(runtime, settled=False)

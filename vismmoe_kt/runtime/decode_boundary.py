@@ -75,6 +75,9 @@ class DecodeBoundary:
         self.ahead = False
         self.launched: deque[dict[int, list[int]]] = deque()
         self.spare: dict[int, list[int]] = {}
+        # slab -> the expert a reservation evicted from it: a reservation nothing landed in still holds that
+        # expert's bytes, so a decode that stops gives the slab back to it (`leave`) instead of freeing it
+        self.evicted: dict[int, tuple[int, int]] = {}
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
@@ -225,10 +228,16 @@ class DecodeBoundary:
         cache = self.res.cache
         for slabs in itertools.chain(self.reserved.values(), self.spare.values()):
             for slab in slabs:
-                if cache.owner[slab] is not None and cache.owner[slab][1] < 0:
+                if cache.owner[slab] is None or cache.owner[slab][1] >= 0:
+                    continue
+                key = self.evicted.pop(slab, None)
+                if key is not None and key not in cache.where:
+                    cache.restore(slab, key)  # (the table is rebuilt from the cache as decode resumes)
+                else:
                     cache.release(slab)
         self.reserved.clear()
         self.spare.clear()
+        self.evicted.clear()
         self.table.discard()
         self.stale = True
 
@@ -239,6 +248,7 @@ class DecodeBoundary:
         self.reserved.clear()
         self.spare.clear()
         self.launched.clear()
+        self.evicted.clear()
         self.table.discard()
         self.deferred = None  # records of slabs that are gone
         self.stale = True
@@ -330,6 +340,7 @@ class DecodeBoundary:
             for slot, owner in enumerate(records.owner[row][:len(slabs)]):
                 if owner >= 0:  # owner E + e: a lookahead prefetch of e
                     cache.land(slabs[slot], (layer, owner % experts), prefetched=owner >= experts)
+                    self.evicted.pop(slabs[slot], None)  # written over
                     prefetched += owner >= experts
             copies.bytes_host_reads += (misses + prefetched) * rt.store.block_bytes_of(layer)
             self.last_misses[row] = misses + prefetched
@@ -385,6 +396,7 @@ class DecodeBoundary:
             slabs = cache.assign_many(keys, urgent=True, count=False)
             victims = [(rt.row_of(before[s][0]), before[s][1], NOT_RESIDENT) for s in slabs
                        if s is not None and before[s] is not None]
+            self.evicted.update((s, before[s]) for s in slabs if s is not None and before[s] is not None)
             self.table.set_entries(victims)  # dropped from the table before anything overwrites them
             for key, slab in zip(keys, slabs):
                 if slab is not None:

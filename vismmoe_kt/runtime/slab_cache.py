@@ -215,6 +215,20 @@ class SlabCache:
         self._recency.pop(slab, None)
         self._free.append(slab)
 
+    def restore(self, slab: int, key: Key) -> None:
+        """An unused landing reservation goes back to the expert it was taken from, whose bytes no step has
+        written over (nothing landed in it): resident again, the least recently used."""
+        placeholder = self.owner[slab]
+        if placeholder is None or placeholder[1] >= 0:
+            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
+        if key in self.where:
+            raise RuntimeError(f"expert {key} cannot return to slab {slab}: slab {self.where[key]} holds it")
+        del self.where[placeholder]
+        self._set(slab, key, SlabState.RESIDENT)
+        self.where[key] = slab
+        self._recency[slab] = None
+        self._recency.move_to_end(slab, last=False)
+
     @property
     def free_slabs(self) -> int:
         """Slabs holding nothing: no expert, no landing reservation."""
