@@ -120,7 +120,7 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, step)")
     parser.add_argument("--describe_share", type=float, default=0.2, help="share of sequences that are captions")
     parser.add_argument("--simple_steps", type=int, default=0,
-                        help="a curriculum: the first this many steps train on simple scenes (1-3 shapes, the digit only)")
+                        help="a curriculum: the first this many steps train on simple scenes (1-3 large shapes, no sign)")
     parser.add_argument("--eval_per_type", type=int, default=64, help="held-out questions per type at the end (0: none)")
     parser.add_argument("--watch_per_type", type=int, default=16,
                         help="at each checkpoint, held-out questions per type answered with their own picture and "

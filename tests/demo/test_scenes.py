@@ -130,10 +130,11 @@ def test_unknown_question_type_and_background_are_clear_errors():
 
 
 def test_a_curriculums_simple_scenes_hold_fewer_things_and_the_default_ones_are_unchanged():
-    """`simple` (train_routing_model --simple_steps): 1-3 shapes and the digit's sign alone; the default draw is
-    the same generator's as before the option, so splits and checkpoints keep their scenes."""
+    """`simple` (train_routing_model --simple_steps): 1-3 large shapes and no sign; the default draw is the same
+    generator's as before the option, so splits and checkpoints keep their scenes."""
     simple = [scenes.make_scene(0, i, SIZE, simple=True)[1] for i in range(40)]
-    assert all(1 <= len(s.shapes) <= 3 and [sign.kind for sign in s.signs] in (["digit"], []) for s in simple)
+    assert all(1 <= len(s.shapes) <= 3 and not s.signs for s in simple)
+    assert min(shape.radius for s in simple for shape in s.shapes) >= SIZE // 9
     assert {len(s.shapes) for s in simple} == {1, 2, 3}
     full = [scenes.make_scene(0, i, SIZE)[1] for i in range(40)]
     assert max(len(s.shapes) for s in full) > 3 and any(len(s.signs) == 2 for s in full)
