@@ -189,12 +189,9 @@ class SlabCache:
     def land(self, slab: int, key: Key, prefetched: bool = False) -> None:
         """The reservation in `slab` now holds `key` (read through on a miss, or `prefetched` ahead
         of use: counted as a prefetch, used or wasted like one)."""
-        placeholder = self.owner[slab]
-        if placeholder is None or placeholder[1] >= 0 or self.state[slab] is not SlabState.IN_FLIGHT:
-            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
         if key in self.where:
             raise RuntimeError(f"expert {key} landed in slab {slab} but already has slab {self.where[key]}")
-        del self.where[placeholder]
+        self._drop_reservation(slab)
         self._set(slab, key, SlabState.RESIDENT)
         self.where[key] = slab
         self._tick += 1
@@ -207,10 +204,7 @@ class SlabCache:
 
     def release(self, slab: int) -> None:
         """Free an unused landing reservation."""
-        placeholder = self.owner[slab]
-        if placeholder is None or placeholder[1] >= 0:
-            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
-        del self.where[placeholder]
+        self._drop_reservation(slab)
         self._set(slab, None, SlabState.FREE)
         self._recency.pop(slab, None)
         self._free.append(slab)
@@ -218,16 +212,20 @@ class SlabCache:
     def restore(self, slab: int, key: Key) -> None:
         """An unused landing reservation goes back to the expert it was taken from, whose bytes no step has
         written over (nothing landed in it): resident again, the least recently used."""
-        placeholder = self.owner[slab]
-        if placeholder is None or placeholder[1] >= 0:
-            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
         if key in self.where:
             raise RuntimeError(f"expert {key} cannot return to slab {slab}: slab {self.where[key]} holds it")
-        del self.where[placeholder]
+        self._drop_reservation(slab)
         self._set(slab, key, SlabState.RESIDENT)
         self.where[key] = slab
         self._recency[slab] = None
         self._recency.move_to_end(slab, last=False)
+
+    def _drop_reservation(self, slab: int) -> None:
+        """The placeholder key of landing reservation `slab` leaves the map (land, release, restore)."""
+        placeholder = self.owner[slab]
+        if placeholder is None or placeholder[1] >= 0 or self.state[slab] is not SlabState.IN_FLIGHT:
+            raise RuntimeError(f"slab {slab} is not a landing reservation ({placeholder})")
+        del self.where[placeholder]
 
     @property
     def free_slabs(self) -> int:
