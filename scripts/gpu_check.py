@@ -163,7 +163,7 @@ def check_fused_norm() -> dict:
 def check_fused_step_kernels() -> dict:
     """The decode step's other fused kernels in BF16 on the GPU against their torch twins at
     Qwen3-VL-30B-A3B's shapes: the attention's heads kernel (norms, rotary, the cache write; rows in
-    slot order and gathered), the residual add + RMSNorm, the router's top-k softmax (the same experts).
+    slot order and gathered, and a prompt's rows), the residual add + RMSNorm, the router's top-k softmax (the same experts).
     The twins reduce in another order, so a value may round one BF16 step apart: within 2^-8 normwise."""
     from types import SimpleNamespace
 
@@ -200,6 +200,18 @@ def check_fused_step_kernels() -> dict:
         index = torch.tensor(slots, device="cuda")
         worst = max(worst, relative(got, query), relative(cache.keys[0][index, :, at], key),
                     relative(cache.values[0][index, :, at], value))
+    # the heads kernel over a prompt's rows (engine/prompt_attention.py): a prompt into an empty slot, then its
+    # continuation, the query in sdpa's layout and the keys and values at the slot's next positions
+    from vismmoe_kt.engine.fused_attention import prompt_heads_triton
+    cache = SlotKVCache(1, 4, kv, d, 1024, bf16, "cuda")
+    for start, rows in ((0, 236), (236, 100)):
+        qkv, cos, sin = step_inputs(rows)
+        query, key, value = heads_torch(qkv, cos, sin, p)
+        got = prompt_heads_triton(qkv, cos, sin, p, cache.keys[0][2], cache.values[0][2], start)
+        written = slice(start, start + rows)
+        worst = max(worst, relative(got[0], query.transpose(0, 1)),
+                    relative(cache.keys[0][2, :, written], key.transpose(0, 1)),
+                    relative(cache.values[0][2, :, written], value.transpose(0, 1)))
     # heads + attention in one kernel (split over the context, merged by the last program), against the
     # heads twin + SDPA: contexts of 0 to 824 positions, rows in slot order and gathered, twice (the
     # counters must be back to zero for the second launch), the split count chosen and one split

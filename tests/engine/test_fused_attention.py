@@ -195,13 +195,15 @@ def test_the_fused_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     from vismmoe_kt.engine import fused_attention, fused_ops
 
-    compile_for_hopper(fused_attention._heads_kernel,
-                       {"qkv_ptr": "*bf16", "row_stride": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
-                        "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32", "q_ptr": "*bf16",
-                        "k_cache": "*bf16", "v_cache": "*bf16", "slot_stride": "i32", "head_stride": "i32",
-                        "pos_stride": "i32", "slots_ptr": "*i64", "lengths_ptr": "*i64",
-                        "HQ": "constexpr", "HKV": "constexpr", "D": "constexpr"},
-                       {"HQ": 32, "HKV": 4, "D": 128}, num_warps=1)
+    for prompt in (False, True):  # a decode step's rows, a prompt's (engine/prompt_attention.py)
+        compile_for_hopper(fused_attention._heads_kernel,
+                           {"qkv_ptr": "*bf16", "row_stride": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                            "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps_q": "fp32", "eps_k": "fp32", "q_ptr": "*bf16",
+                            "q_row_stride": "i32", "q_head_stride": "i32",
+                            "k_cache": "*bf16", "v_cache": "*bf16", "slot_stride": "i32", "head_stride": "i32",
+                            "pos_stride": "i32", "slots_ptr": "*i64", "lengths_ptr": "*i64", "first_position": "i32",
+                            "HQ": "constexpr", "HKV": "constexpr", "D": "constexpr", "PROMPT": "constexpr"},
+                           {"HQ": 32, "HKV": 4, "D": 128, "PROMPT": prompt}, num_warps=1)
     from vismmoe_kt.engine import split_attention
     compile_for_hopper(split_attention._attend_kernel,
                        {"qkv_ptr": "*bf16", "row_stride": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",

@@ -16,6 +16,8 @@ writes, the attention, the output projection). Here it is four:
                key/value head, no repeated keys);
     output     the output projection.
 In BF16 and FP16 on the GPU, heads and attention are one kernel (split_attention.py): three launches.
+The heads kernel has a prompt form too (`prompt_heads_triton`, for prompt_attention.py): a prompt's rows of
+one sequence, its keys and values at consecutive positions of the slot.
 The values are transformers': the norm's statistics in fp32 and its result rounded to the input dtype
 before the weight, each product of the rotary embedding rounded to the dtype before the sum, as torch
 rounds each element-wise op. Without Triton, or off the GPU, the torch twin computes the same ops.
@@ -146,8 +148,24 @@ def heads_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: Dec
     _heads_kernel[(rows, p.heads + 2 * p.kv_heads)](
         qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
         p.query_norm[1], p.key_norm[1],
-        query, keys, values, keys.stride(0), keys.stride(1), keys.stride(2), cache.active,
-        cache.lengths[p.layer_index], HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, num_warps=1)
+        query, p.heads * p.head_dim, p.head_dim, keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
+        cache.active, cache.lengths[p.layer_index], 0, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=False,
+        num_warps=1)
+    return query
+
+
+def prompt_heads_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: DecodeAttentionParts,
+                        keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """The heads kernel over a prompt's T rows of one sequence: the query (1, Hq, T, D) out, in the layout
+    sdpa reads, and row t's key and value written at position start + t of `keys` / `values` (one slot's
+    (Hkv, C, D) buffers)."""
+    rows = qkv.shape[0]
+    query = torch.empty(1, p.heads, rows, p.head_dim, dtype=qkv.dtype, device=qkv.device)
+    _heads_kernel[(rows, p.heads + 2 * p.kv_heads)](
+        qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
+        p.query_norm[1], p.key_norm[1],
+        query, p.head_dim, rows * p.head_dim, keys, values, 0, keys.stride(0), keys.stride(1),
+        qkv, qkv, start, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=True, num_warps=1)
     return query
 
 
@@ -157,20 +175,26 @@ if tl is not None:
         """transformers' RMSNorm of one head's values, given the head's 1 / rms: rounded, then the weight."""
         return (w.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
 
-    @triton.jit
-    def _heads_kernel(qkv_ptr, row_stride, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps_q, eps_k, q_ptr, k_cache, v_cache,
-                      slot_stride, head_stride, pos_stride, slots_ptr, lengths_ptr,
-                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    @triton.jit(do_not_specialize=["first_position"])
+    def _heads_kernel(qkv_ptr, row_stride, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps_q, eps_k, q_ptr, q_row_stride,
+                      q_head_stride, k_cache, v_cache, slot_stride, head_stride, pos_stride, slots_ptr, lengths_ptr,
+                      first_position, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PROMPT: tl.constexpr):
         """A program per (row, head): heads 0..Hq-1 of the stacked projection are queries, then Hkv keys,
         then Hkv values. Queries and keys: RMSNorm, then x * cos + rotate_half(x) * sin; the query is
-        written to q_ptr, the key (and the value as it is) at the row's slot and position in the cache."""
+        written to q_ptr (at the row's and head's strides), the key (and the value as it is) into the cache:
+        a decode step's row at its slot's length (slots_ptr, lengths_ptr), a PROMPT's row t (one sequence,
+        the caches its slot's buffers) at first_position + t."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, D)
         at = qkv_ptr + row * row_stride + head * D
         x = tl.load(at + d)
-        slot = tl.load(slots_ptr + row)
-        position = tl.load(lengths_ptr + slot)
+        if PROMPT:
+            slot = 0
+            position = first_position + row
+        else:
+            slot = tl.load(slots_ptr + row)
+            position = tl.load(lengths_ptr + slot)
         if head < HQ + HKV:
             is_query = head < HQ
             partner = (d + D // 2) % D                                   # rotate_half reads the other half
@@ -186,7 +210,7 @@ if tl is not None:
             out = ((normed.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
                    + (rotated * sin).to(x.dtype).to(tl.float32)).to(x.dtype)
             if is_query:
-                tl.store(q_ptr + (row * HQ + head) * D + d, out)
+                tl.store(q_ptr + row * q_row_stride + head * q_head_stride + d, out)
             else:
                 tl.store(k_cache + slot * slot_stride + (head - HQ) * head_stride + position * pos_stride + d, out)
         else:

@@ -228,16 +228,29 @@ class SlotView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.claim(layer_idx, key_states.shape[2])
         cache, slot = self.cache, self.slot
-        start = cache.host_lengths[layer_idx][slot]
-        end = start + key_states.shape[2]
-        if end > cache.capacity:
-            raise CacheFullError(f"slot {slot}, layer {layer_idx} needs {end} positions, the cache holds {cache.capacity}")
         cache.keys[layer_idx][slot, :, start:end] = key_states[0]
         cache.values[layer_idx][slot, :, start:end] = value_states[0]
+        return self.filled(layer_idx)
+
+    def claim(self, layer_idx: int, count: int) -> tuple[int, int]:
+        """The positions [start, end) the next `count` keys of the layer go to, counted as written (the
+        caller writes them before anything reads the cache: engine/prompt_attention.py writes in a kernel)."""
+        cache, slot = self.cache, self.slot
+        start = cache.host_lengths[layer_idx][slot]
+        end = start + count
+        if end > cache.capacity:
+            raise CacheFullError(f"slot {slot}, layer {layer_idx} needs {end} positions, the cache holds {cache.capacity}")
         cache.host_lengths[layer_idx][slot] = end
         # a fill kernel: assigning the int would copy it from host memory and wait, once a layer
         cache.lengths[layer_idx, slot].fill_(end)
+        return start, end
+
+    def filled(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values of the layer so far, (1, Hkv, length, D) views."""
+        cache, slot = self.cache, self.slot
+        end = cache.host_lengths[layer_idx][slot]
         return cache.keys[layer_idx][slot:slot + 1, :, :end], cache.values[layer_idx][slot:slot + 1, :, :end]
 
 

@@ -1,0 +1,93 @@
+"""A prompt's attention in four kernels: the decode step's fused attention (fused_attention.py) for the
+prefill of one sequence, which runs transformers' attention modules.
+
+Shapes: T prompt rows, H hidden, Hq query heads, Hkv key/value heads, D head dim.
+
+With every expert on the GPU a prompt is bound by the host launching kernels (about 5100 for 236 tokens
+over 48 layers, 105 ms for 45 ms of device work on an H200), and transformers' Qwen3 attention is about
+19 of a layer's: three projections, two per-head norms, ten element-wise ops of the rotary embedding,
+two cache writes, the attention, a copy and the output projection. Here, where the module writes one
+sequence into our slot cache (`SlotView`: a single request's prompt, or a chunk of it):
+    qkv        one GEMM over the stacked query/key/value weights (the modules' weights are views of it);
+    heads      fused_attention's heads kernel over the T rows: each query and key head's RMSNorm and rotary
+               embedding, the query written in sdpa's (1, Hq, T, D) layout, the key and value into the
+               slot at positions start..start+T-1;
+    attention  sdpa over the slot's keys so far, as transformers calls it (grouped heads, causal, or the
+               mask it was given for a continued prompt);
+    output     the output projection.
+Every other call (a batch of prompts, a decode step through the module, attentions output) runs the
+module's own forward. The values are the module's, each op rounded as torch rounds it (the heads
+kernel's contract); `install` does it only where the kernel serves (CUDA, Triton, a power-of-two head
+dim), since on the CPU the module's own ops are what the twin would run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.base import DecodeAttentionParts
+from .decode_attention import NAME as GROUPED_SDPA, grouped_decode_attention
+from .fused_attention import KERNEL_DTYPES, fusable, heads_torch, prompt_heads_triton, stacked_qkv_weight, tl
+from .slot_cache import SlotView
+
+
+class PromptAttention:
+    """A replacement forward for one attention module: `(hidden_states (1, T, H), position_embeddings,
+    attention_mask, past_key_values, **kwargs)` -> (output (1, T, H), None), the module's contract.
+    `kernel` False runs the heads kernel's torch twin (the CPU's tests)."""
+
+    def __init__(self, module: nn.Module, parts: DecodeAttentionParts, kernel: bool = True):
+        if not fusable(parts):
+            raise ValueError("these attention parts do not fit the fused attention (fusable() says why not)")
+        self.module, self.parts, self.kernel = module, parts, kernel
+        self.own_forward = module.forward  # the module's forward: every call this one does not serve
+        self.qkv_weight = stacked_qkv_weight(parts)
+        self.served = 0
+
+    def serves(self, hidden: torch.Tensor, past: Any, kwargs: dict) -> bool:
+        return type(past) is SlotView and hidden.dim() == 3 and hidden.shape[0] == 1 \
+            and not kwargs.get("output_attentions") and (not self.kernel or hidden.is_cuda)
+
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None, past_key_values: Any = None, **kwargs: Any):
+        if not self.serves(hidden_states, past_key_values, kwargs):
+            return self.own_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        p, rows = self.parts, hidden_states.shape[1]
+        qkv = F.linear(hidden_states[0], self.qkv_weight)                              # (T, (Hq + 2 Hkv) D)
+        cos, sin = (t.reshape(rows, p.head_dim) for t in position_embeddings)
+        start, _ = past_key_values.claim(p.layer_index, rows)
+        slot, cache = past_key_values.slot, past_key_values.cache
+        if self.kernel:
+            query = prompt_heads_triton(qkv, cos, sin, p, cache.keys[p.layer_index][slot],
+                                        cache.values[p.layer_index][slot], start)
+        else:
+            query, key, value = heads_torch(qkv, cos, sin, p)
+            cache.keys[p.layer_index][slot, :, start:start + rows] = key.transpose(0, 1)
+            cache.values[p.layer_index][slot, :, start:start + rows] = value.transpose(0, 1)
+            query = query.transpose(0, 1)[None]
+        keys, values = past_key_values.filled(p.layer_index)
+        out, _ = grouped_decode_attention(self.module, query, keys, values, attention_mask, scaling=p.scaling,
+                                          **kwargs)                                     # (1, T, Hq, D)
+        self.served += 1
+        return F.linear(out.reshape(1, rows, -1), p.output.weight), None
+
+
+def install(adapter: Any, text: nn.Module) -> int:
+    """Give each of the text model's attentions that the kernel serves the prompt forward; the count."""
+    installed = 0
+    for layer in adapter.layers_of(text):
+        module = adapter.attention(layer)
+        parts = adapter.decode_attention_parts(module)
+        if not fusable(parts) or tl is None or "forward" in vars(module) \
+                or getattr(module.config, "_attn_implementation", None) not in ("sdpa", GROUPED_SDPA):
+            continue  # eager or flash attention asked for: the module's own
+        weight = parts.query.weight
+        if not weight.is_cuda or weight.dtype not in KERNEL_DTYPES or parts.head_dim & (parts.head_dim - 1):
+            continue
+        module.forward = PromptAttention(module, parts)
+        installed += 1
+    return installed
