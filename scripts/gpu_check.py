@@ -65,6 +65,8 @@ def main() -> int:
     print(json.dumps(fused))
     fused_step = check_fused_step_kernels()
     print(json.dumps(fused_step))
+    prompt_attention = check_prompt_attention()
+    print(json.dumps(prompt_attention))
     fp8 = check_fp8_grouped()
     print(json.dumps(fp8))
     if args.fp8:
@@ -139,7 +141,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
-    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"]
+    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -158,6 +160,61 @@ def check_fused_norm() -> dict:
         got = rms_norm(weight, 1e-6, x)
         worst = max(worst, ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item())
     return {"check": "fused RMSNorm, BF16", "max_relative_diff": worst, "ok": worst <= 2 ** -7}
+
+
+def check_prompt_attention() -> dict:
+    """A prompt's attention as installed on the GPU (engine/prompt_attention.py: the heads kernel, sdpa, the
+    projections) against transformers' module in BF16, each writing its own slot cache: a prompt into an
+    empty slot, then its continuation under the causal mask over what is cached. Within 2^-7 normwise (the
+    stacked projection and the kernel round as the module's ops do; sdpa may pick another kernel)."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (Qwen3VLMoeTextAttention,
+                                                                        Qwen3VLMoeTextRotaryEmbedding)
+
+    from vismmoe_kt.engine.prompt_attention import install
+    from vismmoe_kt.engine.slot_cache import SlotKVCache
+    from vismmoe_kt.engine.text_forward import causal_mask
+    from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    config = Qwen3VLMoeTextConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                  num_hidden_layers=2, rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20]})
+    config._attn_implementation = "sdpa"
+    modules = []
+    for _ in range(2):  # the module, and the same weights with the prompt forward
+        torch.manual_seed(0)
+        attn = Qwen3VLMoeTextAttention(config, layer_idx=1).to("cuda", bf16).eval()
+        with torch.no_grad():
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+        modules.append(attn)
+
+    class OneLayer(Qwen3VLMoeAdapter):
+        def layers_of(self, text):
+            return [text]
+
+        def attention(self, layer):
+            return layer
+    installed = install(OneLayer(), modules[1])
+    rotary = Qwen3VLMoeTextRotaryEmbedding(config).to("cuda")
+    caches = [SlotKVCache(2, 3, 2, 128, 1024, bf16, "cuda") for _ in range(2)]
+    worst = 0.0
+    with torch.no_grad():
+        for start, rows in ((0, 236), (236, 100)):
+            hidden = torch.randn(1, rows, 512, device="cuda").to(bf16)
+            positions = torch.arange(start, start + rows, device="cuda").view(1, 1, -1).expand(3, 1, -1)
+            embeddings = rotary(hidden, positions)
+            mask = causal_mask(rows, start, bf16, hidden.device, implicit_causal=True)
+            outs = [attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=mask,
+                         past_key_values=cache.slot_view(2))[0] for attn, cache in zip(modules, caches)]
+            worst = max(worst, ((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()).item())
+    for a, b in zip((caches[0].keys[1], caches[0].values[1]), (caches[1].keys[1], caches[1].values[1])):
+        worst = max(worst, ((b.float() - a.float()).norm() / a.float().norm()).item())
+    served = getattr(modules[1].forward, "served", 0)
+    return {"check": "prompt attention (installed) vs the module, BF16", "installed": installed, "served": served,
+            "max_relative_diff": worst, "lengths_equal": caches[1].host_lengths == caches[0].host_lengths,
+            "ok": installed == 1 and served == 2 and worst <= 2 ** -7 and caches[1].host_lengths == caches[0].host_lengths}
 
 
 def check_fused_step_kernels() -> dict:

@@ -6,7 +6,7 @@ compiles it for Hopper); a model whose prompts run on it decodes the same tokens
 import pytest
 import torch
 
-from vismmoe_kt.engine.prompt_attention import PromptAttention, install
+from vismmoe_kt.engine.prompt_attention import PromptAttention, eligible, install
 from vismmoe_kt.engine.slot_cache import SlotKVCache
 from vismmoe_kt.engine.text_forward import causal_mask
 from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -38,9 +38,10 @@ def test_the_prompt_attention_equals_the_module_and_writes_the_same_cache():
         hidden, embeddings = prompt_inputs(rotary, start, length, seed)
         mask = causal_mask(length, start, hidden.dtype, hidden.device, implicit_causal=True)
         assert (mask is None) == (start == 0)
-        want = attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=mask,
-                    past_key_values=caches[0].slot_view(2))[0]
-        got, weights = fused(hidden, embeddings, mask, caches[1].slot_view(2))
+        with torch.no_grad():  # inference, as the runtime prefills
+            want = attn(hidden_states=hidden, position_embeddings=embeddings, attention_mask=mask,
+                        past_key_values=caches[0].slot_view(2))[0]
+            got, weights = fused(hidden, embeddings, mask, caches[1].slot_view(2))
         assert weights is None and got.shape == want.shape == (1, length, 64)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert fused.served == 2
@@ -60,11 +61,46 @@ def test_calls_the_prompt_attention_does_not_serve_go_to_the_module():
     batch = torch.cat([hidden, hidden])
     batch_embeddings = tuple(torch.cat([t, t]) for t in embeddings)
     caches = [SlotKVCache(2, SLOTS, 2, 16, CAPACITY, torch.float32, "cpu") for _ in range(2)]
-    # two prompts prefilled together (a rows view), and a prompt asking for its attention weights
-    want = attn(batch, batch_embeddings, None, caches[0].rows_view([0, 1], [4, 4]))[0]
-    got = fused(batch, batch_embeddings, None, caches[1].rows_view([0, 1], [4, 4]))[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    fused(hidden, embeddings, None, caches[1].slot_view(2), output_attentions=True)
+    # two prompts prefilled together (a rows view), a prompt asking for its attention weights, one with
+    # gradients (the kernel has no backward) and one in training mode (the module's dropout)
+    with torch.no_grad():
+        want = attn(batch, batch_embeddings, None, caches[0].rows_view([0, 1], [4, 4]))[0]
+        got = fused(batch, batch_embeddings, None, caches[1].rows_view([0, 1], [4, 4]))[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        fused(hidden, embeddings, None, caches[1].slot_view(2), output_attentions=True)
+    out = fused(hidden, embeddings, None, caches[1].slot_view(1))[0]
+    assert out.requires_grad and out.grad_fn is not None
+    attn.train()
+    with torch.no_grad():
+        fused(hidden, embeddings, None, caches[1].slot_view(0))
+    assert fused.served == 0
+    attn.eval()
+    with torch.no_grad():
+        fused(hidden, embeddings, None, caches[1].slot_view(0))
+    assert fused.served == 1
+
+
+def test_a_failed_prompt_attention_gives_its_positions_back():
+    attn, config = attention_layer(seed=5)
+    fused = PromptAttention(attn, Qwen3VLMoeAdapter().decode_attention_parts(attn), kernel=False)
+    cache = SlotKVCache(2, SLOTS, 2, 16, CAPACITY, torch.float32, "cpu")
+    hidden, embeddings = prompt_inputs(rotary_of(config), 0, 6, 6)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        fused(hidden, embeddings, torch.zeros(1, 1, 6, 5), cache.slot_view(1))  # a mask of the wrong width
+    assert cache.host_lengths[1][1] == 0 and int(cache.lengths[1, 1]) == 0
+    with torch.no_grad():
+        fused(hidden, embeddings, None, cache.slot_view(1))
+    assert cache.host_lengths[1][1] == 6 and int(cache.lengths[1, 1]) == 6
+
+
+def test_a_cache_made_for_another_attention_goes_to_the_module():
+    attn, config = attention_layer(seed=7)
+    fused = PromptAttention(attn, Qwen3VLMoeAdapter().decode_attention_parts(attn), kernel=False)
+    hidden, embeddings = prompt_inputs(rotary_of(config), 0, 3, 8)
+    for cache in (SlotKVCache(2, SLOTS, 2, 16, CAPACITY, torch.float64, "cpu"),     # another dtype
+                  SlotKVCache(2, SLOTS, 2, 16, CAPACITY, torch.float32, "cpu", value_dim=8)):  # other value widths
+        with torch.no_grad(), pytest.raises(RuntimeError):
+            fused(hidden, embeddings, None, cache.slot_view(0))  # the module's own forward refuses it
     assert fused.served == 0
 
 
@@ -78,9 +114,14 @@ def test_install_leaves_attentions_on_the_cpu_and_other_implementations_alone():
         def attention(self, layer):
             return layer
 
+    parts = Qwen3VLMoeAdapter().decode_attention_parts(attn)
+    assert eligible(attn, parts)
     assert install(Adapter(), attn) == 0 and "forward" not in vars(attn)  # CPU weights: the module's own ops
     attn.config._attn_implementation = "eager"
-    assert install(Adapter(), attn) == 0
+    assert not eligible(attn, parts)
+    attn.config._attn_implementation = "sdpa"
+    biased, _ = attention_layer(bias=True)
+    assert not eligible(biased, Qwen3VLMoeAdapter().decode_attention_parts(biased))
     with pytest.raises(ValueError, match="fusable"):
         PromptAttention(attn, None)
 

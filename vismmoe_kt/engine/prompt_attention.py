@@ -49,8 +49,15 @@ class PromptAttention:
         self.served = 0
 
     def serves(self, hidden: torch.Tensor, past: Any, kwargs: dict) -> bool:
-        return type(past) is SlotView and hidden.dim() == 3 and hidden.shape[0] == 1 \
-            and not kwargs.get("output_attentions") and (not self.kernel or hidden.is_cuda)
+        """An inference prompt of one sequence into a slot cache made for this attention; else the module."""
+        if type(past) is not SlotView or hidden.dim() != 3 or hidden.shape[0] != 1 or kwargs.get("output_attentions") \
+                or self.module.training or torch.is_grad_enabled() or not eligible(self.module, self.parts):
+            return False  # training (dropout, gradients: the kernel has no backward) and other calls
+        cache, p = past.cache, self.parts
+        keys, values = cache.keys[p.layer_index], cache.values[p.layer_index]
+        return cache.dtype == self.qkv_weight.dtype and cache.device == self.qkv_weight.device \
+            and keys.shape[-1] == values.shape[-1] == p.head_dim and keys.stride() == values.stride() \
+            and (not self.kernel or hidden.is_cuda)
 
     def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor | None, past_key_values: Any = None, **kwargs: Any):
@@ -60,20 +67,41 @@ class PromptAttention:
         qkv = F.linear(hidden_states[0], self.qkv_weight)                              # (T, (Hq + 2 Hkv) D)
         cos, sin = (t.reshape(rows, p.head_dim) for t in position_embeddings)
         start, _ = past_key_values.claim(p.layer_index, rows)
-        slot, cache = past_key_values.slot, past_key_values.cache
-        if self.kernel:
-            query = prompt_heads_triton(qkv, cos, sin, p, cache.keys[p.layer_index][slot],
-                                        cache.values[p.layer_index][slot], start)
-        else:
-            query, key, value = heads_torch(qkv, cos, sin, p)
-            cache.keys[p.layer_index][slot, :, start:start + rows] = key.transpose(0, 1)
-            cache.values[p.layer_index][slot, :, start:start + rows] = value.transpose(0, 1)
-            query = query.transpose(0, 1)[None]
-        keys, values = past_key_values.filled(p.layer_index)
-        out, _ = grouped_decode_attention(self.module, query, keys, values, attention_mask, scaling=p.scaling,
-                                          **kwargs)                                     # (1, T, Hq, D)
+        try:
+            query = self._heads(qkv, cos, sin, past_key_values, start)
+            keys, values = past_key_values.filled(p.layer_index)
+            out, _ = grouped_decode_attention(self.module, query, keys, values, attention_mask, scaling=p.scaling,
+                                              **kwargs)                                 # (1, T, Hq, D)
+        except BaseException:
+            past_key_values.rewind(p.layer_index, start)  # the positions were not written: not the slot's
+            raise
         self.served += 1
         return F.linear(out.reshape(1, rows, -1), p.output.weight), None
+
+    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: SlotView,
+               start: int) -> torch.Tensor:
+        """The query (1, Hq, T, D), normed and rotated; the keys and values written at start..start+T-1."""
+        p, cache, slot, rows = self.parts, past.cache, past.slot, qkv.shape[0]
+        keys, values = cache.keys[p.layer_index][slot], cache.values[p.layer_index][slot]
+        if self.kernel:
+            return prompt_heads_triton(qkv, cos, sin, p, keys, values, start)
+        query, key, value = heads_torch(qkv, cos, sin, p)
+        keys[:, start:start + rows] = key.transpose(0, 1)
+        values[:, start:start + rows] = value.transpose(0, 1)
+        return query.transpose(0, 1)[None]
+
+
+def eligible(module: nn.Module, parts: DecodeAttentionParts | None) -> bool:
+    """Whether the prompt forward computes what this module would: parts the fused attention takes, and
+    sdpa the attention asked for (eager or flash attention keep the module's own)."""
+    return fusable(parts) and getattr(module.config, "_attn_implementation", None) in ("sdpa", GROUPED_SDPA)
+
+
+def kernel_serves(parts: DecodeAttentionParts) -> bool:
+    """Whether the heads kernel runs these weights: on a CUDA device with Triton, a power-of-two head dim."""
+    weight = parts.query.weight
+    return tl is not None and weight.is_cuda and weight.dtype in KERNEL_DTYPES \
+        and parts.head_dim & (parts.head_dim - 1) == 0
 
 
 def install(adapter: Any, text: nn.Module) -> int:
@@ -82,11 +110,7 @@ def install(adapter: Any, text: nn.Module) -> int:
     for layer in adapter.layers_of(text):
         module = adapter.attention(layer)
         parts = adapter.decode_attention_parts(module)
-        if not fusable(parts) or tl is None or "forward" in vars(module) \
-                or getattr(module.config, "_attn_implementation", None) not in ("sdpa", GROUPED_SDPA):
-            continue  # eager or flash attention asked for: the module's own
-        weight = parts.query.weight
-        if not weight.is_cuda or weight.dtype not in KERNEL_DTYPES or parts.head_dim & (parts.head_dim - 1):
+        if "forward" in vars(module) or not eligible(module, parts) or not kernel_serves(parts):
             continue
         module.forward = PromptAttention(module, parts)
         installed += 1

@@ -228,24 +228,37 @@ class SlotView:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.claim(layer_idx, key_states.shape[2])
+        start, end = self._span(layer_idx, key_states.shape[2])
         cache, slot = self.cache, self.slot
         cache.keys[layer_idx][slot, :, start:end] = key_states[0]
         cache.values[layer_idx][slot, :, start:end] = value_states[0]
+        self._set_length(layer_idx, end)
         return self.filled(layer_idx)
+
+    def _span(self, layer_idx: int, count: int) -> tuple[int, int]:
+        start = self.cache.host_lengths[layer_idx][self.slot]
+        end = start + count
+        if end > self.cache.capacity:
+            raise CacheFullError(f"slot {self.slot}, layer {layer_idx} needs {end} positions, "
+                                 f"the cache holds {self.cache.capacity}")
+        return start, end
+
+    def _set_length(self, layer_idx: int, length: int) -> None:
+        self.cache.host_lengths[layer_idx][self.slot] = length
+        # a fill kernel: assigning the int would copy it from host memory and wait, once a layer
+        self.cache.lengths[layer_idx, self.slot].fill_(length)
 
     def claim(self, layer_idx: int, count: int) -> tuple[int, int]:
         """The positions [start, end) the next `count` keys of the layer go to, counted as written (the
-        caller writes them before anything reads the cache: engine/prompt_attention.py writes in a kernel)."""
-        cache, slot = self.cache, self.slot
-        start = cache.host_lengths[layer_idx][slot]
-        end = start + count
-        if end > cache.capacity:
-            raise CacheFullError(f"slot {slot}, layer {layer_idx} needs {end} positions, the cache holds {cache.capacity}")
-        cache.host_lengths[layer_idx][slot] = end
-        # a fill kernel: assigning the int would copy it from host memory and wait, once a layer
-        cache.lengths[layer_idx, slot].fill_(end)
+        caller writes them before anything reads the cache: engine/prompt_attention.py writes in a kernel;
+        `rewind(layer_idx, start)` gives them back if the writing fails)."""
+        start, end = self._span(layer_idx, count)
+        self._set_length(layer_idx, end)
         return start, end
+
+    def rewind(self, layer_idx: int, length: int) -> None:
+        """The layer's length back to `length` (positions claimed and not written)."""
+        self._set_length(layer_idx, length)
 
     def filled(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's keys and values of the layer so far, (1, Hkv, length, D) views."""
