@@ -98,6 +98,14 @@ def test_a_pruned_prefill_routes_the_kept_positions(tiny_dir, image_inputs, seen
         positions = keep if layer >= prune_at else torch.arange(image_inputs["input_ids"].shape[1])
         assert torch.equal(rows, table[positions, layer])
 
+    # the prefix routing Algorithm 1 selects from is the source's choice, not the replaced router's own
+    text_forward = next(m.text_forward for m in model.modules() if hasattr(m, "text_forward"))
+    assert sorted(text_forward._routes) == list(range(prune_at))
+    for layer in range(prune_at):
+        got = text_forward._routes[layer]
+        want = table[:got.shape[0], layer].to(got.device)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
 
 def test_bad_routing_specs_are_clear_errors(tiny_dir, tmp_path):
     model, _ = offload(tiny_dir)

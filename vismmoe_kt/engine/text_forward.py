@@ -78,10 +78,22 @@ class TextForward:
         self._recording = False
         self._llm_saliency: torch.Tensor | None = None
         context.pruning.active = settings.active
+        self._hooked: dict[int, tuple[nn.Module, Any]] = {}  # layer -> (the router hooked, the hook's handle)
+        self._hook_routers()
+
+    def _hook_routers(self) -> None:
+        """Hook each layer's router as it is now (where visual tokens are routed). Checked again before each
+        pruned prefill: a routing source put on the loaded model (the benchmarks' install_routing) replaces the
+        routers with operators that call the old module and then replace its choice, and the prefix's routing
+        must be the choice the experts get, not the replaced router's own."""
         for index, layer in enumerate(self.layers):
-            router = adapter.visual_router(layer) or adapter.router(layer)  # where visual tokens are routed
-            if router is not None:
-                router.register_forward_hook(self._route_hook(index))
+            router = self.adapter.visual_router(layer) or self.adapter.router(layer)
+            hooked = self._hooked.get(index)
+            if router is None or (hooked is not None and hooked[0] is router):
+                continue
+            if hooked is not None:
+                hooked[1].remove()
+            self._hooked[index] = (router, router.register_forward_hook(self._route_hook(index)))
 
     # --- prefix routing ------------------------------------------------------------------------
     def _route_hook(self, index: int):
@@ -187,6 +199,8 @@ class TextForward:
         cos, sin = adapter.rotary(text, hidden, position_ids)
         prune_at = self._prune_at() if prune else None
         self._routes.clear()
+        if prune:
+            self._hook_routers()
         self._recording = prune
         self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and self._visual_routers \
             else None
