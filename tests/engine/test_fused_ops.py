@@ -80,3 +80,28 @@ def test_every_norm_a_prompt_runs_is_one_the_gpu_fuses(monkeypatch):
         after = text(input_ids=ids).last_hidden_state
     assert all("forward" in vars(n) for n in norms)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_router_forward_returns_what_transformers_router_does():
+    """A prompt's routers on the GPU (fuse_routers): the GEMM and the route kernel, whose torch twin runs here;
+    the module's (logits, weights, ids) with the same values, and the CPU keeps the module's own forward."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
+
+    from vismmoe_kt.engine.fused_ops import fuse_routers, routed_output
+    from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+
+    torch.manual_seed(0)
+    router = Qwen3VLMoeTextTopKRouter(Qwen3VLMoeTextConfig(hidden_size=32, num_experts=24, num_experts_per_tok=6))
+    torch.nn.init.normal_(router.weight)
+    adapter = Qwen3VLMoeAdapter()
+    weight, top_k = adapter.fused_router(router)
+    hidden = torch.randn(1, 9, 32)
+    with torch.no_grad():
+        want_logits, want_weights, want_ids = router(hidden)
+        got_logits, got_weights, got_ids = routed_output(adapter, weight, top_k, hidden)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    assert torch.equal(got_ids, want_ids) and got_ids.dtype == want_ids.dtype
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=1e-7)
+    assert got_weights.dtype == want_weights.dtype and torch.allclose(got_weights.sum(-1), torch.ones(9))
+    assert fuse_routers([router, None], adapter) == 0 and "forward" not in vars(router)  # CPU weights

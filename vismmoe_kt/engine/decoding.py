@@ -23,7 +23,7 @@ from ..core.context import LoadContext, context_of_model
 from ..models import ModelAdapter, adapter_for
 from .decode_attention import use_grouped_decode_attention
 from .decode_step import DecodeStep
-from .fused_ops import fuse_norms
+from .fused_ops import fuse_norms, fuse_routers
 from .prompt_attention import install as fuse_prompt_attention
 from .slot_cache import SlotKVCache
 
@@ -57,8 +57,10 @@ class Decoding:
         # (7 launches fewer per norm: ~670 per decode step) and the layers' two and the final one, which the decode
         # step fuses itself but a prompt's layers run as transformers' modules (about 480 launches fewer a prompt)
         fuse_norms(list(text_norms(adapter, text)), adapter.rms_norm_params)
-        # and a prompt's attention in four kernels a layer, not about nineteen (prompt_attention.py)
+        # and a prompt's attention in four kernels a layer, not about nineteen (prompt_attention.py), its routers
+        # in two, not seven
         fuse_prompt_attention(adapter, text)
+        fuse_routers([adapter.router(layer) for layer in adapter.layers_of(text)], adapter)
 
     def make_step(self, cache: SlotKVCache) -> DecodeStep:
         step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)

@@ -1,4 +1,4 @@
-"""Fewer-launch equivalents of the text model's small ops, for the decode step.
+"""Fewer-launch equivalents of the text model's small ops, for the decode step (and a prompt's modules).
 
 At batch 1 a decode step is mostly small kernels, so the launches count: transformers' RMSNorm is
 six element-wise kernels (cast, square, mean, rsqrt, scale, cast) before the weight, and its router
@@ -107,11 +107,40 @@ def fuse_norms(norms: Any, params: Any) -> int:
     return changed
 
 
+def fuse_routers(routers: Any, adapter: Any) -> int:
+    """Give each of `routers` that `adapter.fused_router` describes (softmax -> top-k -> renormalise over a
+    linear layer) a forward of two kernels, its GEMM and the route kernel, on the GPU; the count changed.
+    A prompt runs the routers as modules (the decode step fuses its own), and transformers' top-k router is
+    seven kernels: the GEMM, a softmax over every expert, the top-k's two, a sum, a division and a cast.
+    The module's output as the adapter builds it, the same values (see `route`)."""
+    changed = 0
+    for router in routers:
+        found = adapter.fused_router(router) if router is not None else None
+        if found is None or not found[0].is_cuda or tl is None or "forward" in vars(router) \
+                or found[0].shape[0] > MAX_TRITON_WIDTH:
+            continue
+        router.forward = lambda x, router=router, k=found[1]: routed_output(adapter, router.weight, k, x)
+        changed += 1
+    return changed
+
+
+def routed_output(adapter: Any, weight: torch.Tensor, top_k: int, hidden: torch.Tensor) -> Any:
+    """A fused router's forward: `adapter.router_output(logits, weights, ids)` of hidden (..., H)."""
+    logits = F.linear(hidden.reshape(-1, weight.shape[1]), weight)
+    weights, ids = route_logits(logits, top_k)
+    return adapter.router_output(logits, weights, ids)
+
+
 def route(weight: torch.Tensor, top_k: int, hidden: torch.Tensor, probabilities: bool = False) -> tuple[torch.Tensor, ...]:
     """(weights, expert ids), both (T, K), of a softmax -> top-k -> renormalise router over `weight`;
     with `probabilities`, also the softmax over every expert (T, E), fp32. On the GPU the top-k and the
     softmaxes after the logits' GEMV are one kernel."""
-    logits = F.linear(hidden, weight)
+    return route_logits(F.linear(hidden, weight), top_k, probabilities)
+
+
+def route_logits(logits: torch.Tensor, top_k: int, probabilities: bool = False) -> tuple[torch.Tensor, ...]:
+    """`route` after the GEMV: (weights, expert ids) of the (T, E) logits, with `probabilities` also the
+    softmax over every expert."""
     if logits.is_cuda and tl is not None and logits.dim() == 2 and logits.shape[-1] <= MAX_TRITON_WIDTH:
         return _route_triton(logits, top_k, probabilities)
     top, chosen = torch.topk(logits, top_k, dim=-1)

@@ -297,6 +297,11 @@ class ModelAdapter:
         the chosen probabilities renormalised to sum to 1 (Qwen3's top-k, which that router gives already)."""
         return None
 
+    def router_output(self, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        """What a router that `fused_router` describes returns, from its (T, E) logits and (T, K) choice: the
+        fused forward a prompt's routers get on the GPU (engine/fused_ops.py `fuse_routers`) returns it."""
+        raise NotImplementedError
+
     def fused_router(self, router: nn.Module) -> tuple[torch.Tensor, int] | None:
         """(weight (E, H), top_k) when the router is softmax -> top-k -> renormalise over a linear
         layer, which the decode step computes in fewer kernels; None for any other router."""

@@ -110,6 +110,9 @@ class TransformersLayout(ModelAdapter):
         logits, scores, _ = router_output
         return logits, weights.to(scores.dtype), ids
 
+    def router_output(self, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+        return logits, weights, ids
+
     def rms_norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
         if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
             return norm.weight, float(norm.variance_epsilon)
