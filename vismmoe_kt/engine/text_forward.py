@@ -205,6 +205,7 @@ class TextForward:
         self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and self._visual_routers \
             else None
         keep = full = None
+        visual_rows = self._visual_rows(visual_pos_masks, deepstack_visual_embeds)
         masks: dict[tuple[int, int], torch.Tensor | None] = {}
         implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL
         for index, layer in enumerate(self.layers):
@@ -222,6 +223,7 @@ class TextForward:
                     order = torch.cumsum(visual_pos_masks[0].long(), 0)[keep][kept_visual] - 1
                     deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
+                visual_rows = self._visual_rows(visual_pos_masks, deepstack_visual_embeds)
                 context.token_is_visual = visual_pos_masks.reshape(-1)
                 if modality is not None:  # the kept tokens' modalities, for the layers' expert sets
                     modality = kwargs[self._modality] = modality[:, keep]
@@ -238,7 +240,7 @@ class TextForward:
             hidden = layer(hidden, attention_mask=masks[shape], position_ids=text_positions,
                            past_key_values=past_key_values, position_embeddings=(cos, sin), **kwargs)
             if deepstack_visual_embeds is not None and index < len(deepstack_visual_embeds):
-                hidden = adapter.add_deepstack(text, hidden, visual_pos_masks, deepstack_visual_embeds[index])
+                hidden = adapter.add_deepstack(text, hidden, visual_rows, deepstack_visual_embeds[index])
         self._recording = False
         self._modality_rows = None
         norm = adapter.final_norm(text)
@@ -248,6 +250,14 @@ class TextForward:
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    @staticmethod
+    def _visual_rows(visual_pos_masks: torch.Tensor | None, deepstack: list | None) -> torch.Tensor | None:
+        """The visual rows of the flattened hidden states, where DeepStack features are added (once a prompt,
+        and again for the kept tokens)."""
+        if deepstack is None or visual_pos_masks is None:
+            return None
+        return torch.nonzero(visual_pos_masks.reshape(-1), as_tuple=True)[0]
 
     def _positions_for_text_model(self, text_positions, position_ids):
         """Positions in the form the wrapped transformers text model takes: (B, T) for 1-D RoPE, else the

@@ -361,9 +361,11 @@ class ModelAdapter:
         """Wire what the family's model does not hand our operators itself, once the rules are applied
         (the loader calls this). Qwen3-VL's model passes its text model `visual_pos_masks`: nothing to do."""
 
-    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
+    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_rows: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:
-        """Add a layer's DeepStack vision features to the visual rows of `hidden` (Qwen3-VL)."""
+        """Add a layer's DeepStack vision features (N, H) to the visual rows of `hidden` (Qwen3-VL): `visual_rows`
+        (N,) index hidden.reshape(-1, H), found once a prompt (a boolean mask would wait for the device at
+        every layer that adds them)."""
         return hidden
 
     # --- attention read for visual-token saliency ----------------------------------------------

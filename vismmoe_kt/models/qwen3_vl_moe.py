@@ -282,9 +282,13 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
 
-    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_mask: torch.Tensor,
+    def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_rows: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:
-        return text._deepstack_process(hidden, visual_mask, embeds)
+        # transformers' _deepstack_process by row index: a copy, the visual rows plus the features
+        out = hidden.clone()
+        flat = out.view(-1, out.shape[-1])
+        flat[visual_rows] = flat[visual_rows] + embeds.to(out.device, out.dtype)
+        return out
 
     # --- attention read for visual-token saliency ---------------------------------------------
     def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
