@@ -67,6 +67,8 @@ def main() -> int:
     print(json.dumps(fused_step))
     prompt_attention = check_prompt_attention()
     print(json.dumps(prompt_attention))
+    prompt_router = check_prompt_router()
+    print(json.dumps(prompt_router))
     fp8 = check_fp8_grouped()
     print(json.dumps(fp8))
     if args.fp8:
@@ -141,7 +143,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
-    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"]
+    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"] and prompt_router["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -215,6 +217,38 @@ def check_prompt_attention() -> dict:
     return {"check": "prompt attention (installed) vs the module, BF16", "installed": installed, "served": served,
             "max_relative_diff": worst, "lengths_equal": caches[1].host_lengths == caches[0].host_lengths,
             "ok": installed == 1 and served == 2 and worst <= 2 ** -7 and caches[1].host_lengths == caches[0].host_lengths}
+
+
+def check_prompt_router() -> dict:
+    """A prompt's fused router (fuse_routers) against transformers' Qwen3-VL-MoE router in BF16 at Qwen3-VL-30B-A3B's
+    shapes (2048 hidden, 128 experts, top 8), 824 tokens: the same logits, the same experts wherever the k-th and
+    (k+1)-th logits differ, the weights within one BF16 step of each other."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
+
+    from vismmoe_kt.engine.fused_ops import fuse_routers
+    from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+
+    torch.manual_seed(0)
+    config = Qwen3VLMoeTextConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    routers = [Qwen3VLMoeTextTopKRouter(config).to("cuda", torch.bfloat16).eval() for _ in range(2)]
+    with torch.no_grad():
+        routers[0].weight.normal_(0, 0.02)
+        routers[1].weight.copy_(routers[0].weight)
+    fused = fuse_routers([routers[1]], Qwen3VLMoeAdapter())
+    hidden = torch.randn(824, 2048, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        (want_logits, want_weights, want_ids), (logits, weights, ids) = routers[0](hidden), routers[1](hidden)
+    top = torch.topk(want_logits.float(), 9, dim=-1).values
+    clear = top[:, 7] > top[:, 8]  # rows whose choice no tie decides
+    same_experts = bool((ids.sort(-1).values == want_ids.sort(-1).values).all(-1)[clear].all())
+    order = ids.argsort(-1), want_ids.argsort(-1)
+    step = (weights.gather(-1, order[0]).float() - want_weights.gather(-1, order[1]).float()).abs() \
+        / want_weights.float().abs().clamp_min(1e-30)
+    worst = float(step[clear].max())
+    return {"check": "prompt router (fused) vs the module, BF16", "fused": fused, "logits_equal": torch.equal(logits, want_logits),
+            "same_experts": same_experts, "rows_decided_by_ties": int((~clear).sum()), "max_relative_weight_diff": worst,
+            "ok": fused == 1 and torch.equal(logits, want_logits) and same_experts and worst <= 2 ** -7}
 
 
 def check_fused_step_kernels() -> dict:

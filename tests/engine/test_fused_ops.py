@@ -96,10 +96,12 @@ def test_the_fused_router_forward_returns_what_transformers_router_does():
     torch.nn.init.normal_(router.weight)
     adapter = Qwen3VLMoeAdapter()
     weight, top_k = adapter.fused_router(router)
+    assert weight is router.weight
     hidden = torch.randn(1, 9, 32)
     with torch.no_grad():
         want_logits, want_weights, want_ids = router(hidden)
-        got_logits, got_weights, got_ids = routed_output(adapter, weight, top_k, hidden)
+        got_logits, got_weights, got_ids = routed_output(adapter, router, top_k, hidden)
+    assert routed_output(adapter, router, top_k, hidden)[1].grad_fn is not None  # gradients: the module's own
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
     assert torch.equal(got_ids, want_ids) and got_ids.dtype == want_ids.dtype
     torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=1e-7)

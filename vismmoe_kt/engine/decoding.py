@@ -25,6 +25,7 @@ from .decode_attention import use_grouped_decode_attention
 from .decode_step import DecodeStep
 from .fused_ops import fuse_norms, fuse_routers
 from .prompt_attention import install as fuse_prompt_attention
+from .vision_attention import install as fuse_vision_attention
 from .slot_cache import SlotKVCache
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class Decoding:
         # in two, not seven
         fuse_prompt_attention(adapter, text)
         fuse_routers([adapter.router(layer) for layer in adapter.layers_of(text)], adapter)
+        # the vision encoder's attention: the images' lengths read once a prompt, not once a block (a device wait
+        # each), the rotary embedding in half the launches (vision_attention.py; every device)
+        fuse_vision_attention(adapter, model)
 
     def make_step(self, cache: SlotKVCache) -> DecodeStep:
         step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)

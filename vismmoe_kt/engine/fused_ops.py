@@ -102,9 +102,17 @@ def fuse_norms(norms: Any, params: Any) -> int:
         if found is None or not found[0].is_cuda or tl is None or "forward" in vars(norm):
             continue
         eps = found[1]
-        norm.forward = lambda x, norm=norm: rms_norm(norm.weight, eps, x)  # the module's weight, as it is now
+        norm.forward = lambda x, norm=norm, eps=eps: fused_norm(norm, eps, x)
         changed += 1
     return changed
+
+
+def fused_norm(norm: torch.nn.Module, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """A fused norm's forward with the module's weight as it is now; training and gradients get the module's own
+    (the kernel has no backward)."""
+    if norm.training or torch.is_grad_enabled():
+        return type(norm).forward(norm, x)
+    return rms_norm(norm.weight, eps, x)
 
 
 def fuse_routers(routers: Any, adapter: Any) -> int:
@@ -112,20 +120,28 @@ def fuse_routers(routers: Any, adapter: Any) -> int:
     linear layer) a forward of two kernels, its GEMM and the route kernel, on the GPU; the count changed.
     A prompt runs the routers as modules (the decode step fuses its own), and transformers' top-k router is
     seven kernels: the GEMM, a softmax over every expert, the top-k's two, a sum, a division and a cast.
-    The module's output as the adapter builds it, the same values (see `route`)."""
+    The module's output as the adapter builds it, the decode step's values (see `route`: equal to the module's
+    up to rounding, and among equal logits the lowest index first)."""
     changed = 0
     for router in routers:
+        # an operator on the router (a routing source's) calls the module it replaced: that one is fused
+        while router is not None and isinstance(getattr(router, "orig_module", None), torch.nn.Module):
+            router = router.orig_module
         found = adapter.fused_router(router) if router is not None else None
         if found is None or not found[0].is_cuda or tl is None or "forward" in vars(router) \
                 or found[0].shape[0] > MAX_TRITON_WIDTH:
             continue
-        router.forward = lambda x, router=router, k=found[1]: routed_output(adapter, router.weight, k, x)
+        router.forward = lambda x, router=router, k=found[1]: routed_output(adapter, router, k, x)
         changed += 1
     return changed
 
 
-def routed_output(adapter: Any, weight: torch.Tensor, top_k: int, hidden: torch.Tensor) -> Any:
-    """A fused router's forward: `adapter.router_output(logits, weights, ids)` of hidden (..., H)."""
+def routed_output(adapter: Any, router: torch.nn.Module, top_k: int, hidden: torch.Tensor) -> Any:
+    """A fused router's forward: `adapter.router_output(logits, weights, ids)` of hidden (..., H); training and
+    gradients get the module's own (the kernel has no backward)."""
+    if router.training or torch.is_grad_enabled():
+        return type(router).forward(router, hidden)
+    weight = router.weight
     logits = F.linear(hidden.reshape(-1, weight.shape[1]), weight)
     weights, ids = route_logits(logits, top_k)
     return adapter.router_output(logits, weights, ids)
@@ -174,7 +190,8 @@ if tl is not None:
         top = tl.full([KBLOCK], float("-inf"), tl.float32)
         for k in tl.static_range(K):
             largest = tl.max(remaining, axis=0)
-            index = tl.min(tl.where(remaining == largest, cols, BLOCK), axis=0)
+            # (a NaN row matches nothing: its ids stay in range, E - 1, and its weights NaN)
+            index = tl.minimum(tl.min(tl.where(remaining == largest, cols, BLOCK), axis=0), E - 1)
             tl.store(chosen_ptr + row * K + k, index.to(tl.int64))
             top = tl.where(ks == k, largest, top)
             remaining = tl.where(cols == index, float("-inf"), remaining)

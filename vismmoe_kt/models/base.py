@@ -58,6 +58,20 @@ class DecodeAttentionParts:
 
 
 @dataclass(frozen=True)
+class VisionAttentionParts:
+    """A vision encoder attention a prompt may run in fewer kernels (engine/vision_attention.py): one
+    query/key/value projection (rows: the queries', keys' and values' heads in turn), rotary embedding by
+    halves in fp32 with the (cos, sin) the tower hands every block, attention inside each image
+    (cu_seqlens), the output projection."""
+
+    projection: nn.Linear
+    output: nn.Linear
+    heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass(frozen=True)
 class MoEShape:
     """What the offload runtime and the CPU backends need to know of a model's experts."""
 
@@ -332,6 +346,11 @@ class ModelAdapter:
     def vision_last_attention(self, vision_tower: nn.Module) -> nn.Module:
         """The attention of the vision encoder's last block (the saliency source)."""
         raise NotImplementedError
+
+    def vision_attention_parts(self, attn: nn.Module) -> VisionAttentionParts | None:
+        """The parts of a vision attention engine/vision_attention.py runs (any module may be asked); None: the
+        module's own forward."""
+        return None
 
     def image_token_id(self, config: Any) -> int | None:
         return None

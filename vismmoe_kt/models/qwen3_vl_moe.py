@@ -20,7 +20,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from ..errors import LoadError
-from .base import DecodeAttentionParts, MmprojSource, MoEShape
+from .base import DecodeAttentionParts, MmprojSource, MoEShape, VisionAttentionParts
 from .gguf_tensor_names import name_map
 from .llama_cpp_keys import (arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections,
                              stored_float)
@@ -287,8 +287,17 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         # transformers' _deepstack_process by row index: a copy, the visual rows plus the features
         out = hidden.clone()
         flat = out.view(-1, out.shape[-1])
-        flat[visual_rows] = flat[visual_rows] + embeds.to(out.device, out.dtype)
+        rows = visual_rows.to(out.device)
+        flat[rows] = flat[rows] + embeds.to(out.device, out.dtype)
         return out
+
+    def vision_attention_parts(self, attn: nn.Module) -> VisionAttentionParts | None:
+        # Qwen3-VL's: a biased qkv projection, rotary by halves in fp32 (apply_rotary_pos_emb_vision)
+        if type(attn).__name__ != "Qwen3VLMoeVisionAttention" or type(attn.qkv) is not nn.Linear \
+                or type(attn.proj) is not nn.Linear:
+            return None
+        return VisionAttentionParts(attn.qkv, attn.proj, heads=int(attn.num_heads), head_dim=int(attn.head_dim),
+                                    scaling=float(attn.scaling))
 
     # --- attention read for visual-token saliency ---------------------------------------------
     def attention_received(self, attn: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tensor,
