@@ -25,7 +25,7 @@ ROUTING_SPECS: dict[str, TinySpec] = {
     "routing-12x64": TinySpec(layers=12, experts=64, top_k=8, hidden=512, moe_intermediate=128, heads=8, kv_heads=4,
                               head_dim=64, vision_depth=4, vision_hidden=256, vision_heads=4,
                               max_image_pixels=320 * 320),
-    # the architecture at widths two CPU cores train at about 0.6 steps of 16 a second: a recipe is tried here
+    # the architecture at widths two CPU cores train at about 0.85 steps of 16 a second: a recipe is tried here
     # before GPU time is spent on it (benchmarks/results/2026-12-04, the CPU recipe checks)
     "routing-small": TinySpec(layers=4, experts=16, top_k=4, hidden=128, moe_intermediate=64, heads=4, kv_heads=2,
                               head_dim=32, vision_depth=2, vision_hidden=128, vision_heads=4,
