@@ -115,7 +115,8 @@
 #                                                   training.json, routing_train.txt, affinity_study.json/.md/.txt,
 #                                                   affinity_traces.tar.gz (the traces unpruned and at keep 0.5)
 #                                                   (ROUTING_STEPS 1500, ROUTING_BATCH 64, ROUTING_WORKERS 14 override;
-#                                                   ROUTING_ARGS adds the recipe's flags, e.g. "--lr 3e-3 --simple_steps 500";
+#                                                   ROUTING_ARGS: the recipe's flags, by default "--lr 3e-3
+#                                                   --describe_share 0.25 --simple_steps 500";
 #                                                   a smoke run of the whole path in about a minute: ROUTING_SPEC=routing-tiny
 #                                                   ROUTING_STEPS=20 ROUTING_DIR=/tmp/routing-smoke)
 #   bash scripts/device_session.sh check bench 1    stages combine
@@ -410,8 +411,9 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                      --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" --checkpoint_every 500
                      --no_progress --stop_after "${ROUTING_TRAIN_SECONDS:-330}" --eval_per_type 64 --pruned_eval
                      --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2
-                     ${ROUTING_BF16:+--bf16} ${ROUTING_ARGS:-})  # ROUTING_BF16=1: BF16 autocast; ROUTING_ARGS: the
-               # recipe's flags, the same in every call of a run (e.g. "--lr 3e-3 --describe_share 0.25 --simple_steps 500")
+                     ${ROUTING_BF16:+--bf16} ${ROUTING_ARGS---lr 3e-3 --describe_share 0.25 --simple_steps 500})
+               # ROUTING_BF16=1: BF16 autocast; ROUTING_ARGS: the recipe's flags, the same in every call of a run (unset:
+               # the recipe the CPU runs of 2026-12-04/05 found, 32,000 simple scenes first; set empty: none)
                [[ -f $dir/checkpoint.pt ]] && args+=(--resume)
                rc=0
                timeout $((570 - (SECONDS - t0))) python3 scripts/train_routing_model.py "${args[@]}" 2>&1 \
