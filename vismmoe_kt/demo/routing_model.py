@@ -30,6 +30,11 @@ ROUTING_SPECS: dict[str, TinySpec] = {
     "routing-small": TinySpec(layers=4, experts=16, top_k=4, hidden=128, moe_intermediate=64, heads=4, kv_heads=2,
                               head_dim=32, vision_depth=2, vision_hidden=128, vision_heads=4,
                               max_image_pixels=320 * 320),
+    # routing-small's per-token expert work spread over 64 experts, top-8 (the study's routing shape at 4 layers):
+    # enough experts that a working set can shrink, trainable on a CPU (resumable across sessions)
+    "routing-small-64": TinySpec(layers=4, experts=64, top_k=8, hidden=128, moe_intermediate=32, heads=4, kv_heads=2,
+                                 head_dim=32, vision_depth=2, vision_hidden=128, vision_heads=4,
+                                 max_image_pixels=320 * 320),
     # the same architecture at toy widths, for tests on a CPU (seconds a step)
     "routing-tiny": TinySpec(layers=2, experts=8, top_k=2, hidden=64, moe_intermediate=48, vision_depth=1,
                              vision_hidden=32, max_image_pixels=128 * 128),
