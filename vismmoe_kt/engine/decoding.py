@@ -45,6 +45,21 @@ def text_norms(adapter: ModelAdapter, text: nn.Module):
     yield adapter.final_norm(text)
 
 
+def fewer_prompt_launches(model: Any, text: nn.Module, adapter: ModelAdapter) -> None:
+    """A prompt runs the model's layers as transformers' modules, and with every expert on the GPU it is bound
+    by the host launching kernels: give the modules forwards of fewer launches and device waits, the same values
+    (each falls back to the module's own where it does not serve)."""
+    # every RMSNorm in one kernel on the GPU: the attention's query/key ones (7 launches fewer per norm: ~670 per
+    # decode step) and the layers' two and the final one, which the decode step fuses itself (~480 a prompt)
+    fuse_norms(list(text_norms(adapter, text)), adapter.rms_norm_params)
+    # the attention in four kernels a layer, not about nineteen (prompt_attention.py), the routers in two, not seven
+    fuse_prompt_attention(adapter, text)
+    fuse_routers([adapter.router(layer) for layer in adapter.layers_of(text)], adapter)
+    # the vision encoder's attention: the images' lengths read once a prompt, not once a block (a device wait
+    # each), the rotary embedding in half the launches (vision_attention.py; every device)
+    fuse_vision_attention(adapter, model)
+
+
 class Decoding:
     def __init__(self, model: Any, text: nn.Module, adapter: ModelAdapter, output_head: nn.Module, context: LoadContext):
         self.model, self.text, self.adapter, self.output_head, self.context = model, text, adapter, output_head, context
@@ -54,17 +69,7 @@ class Decoding:
         self.retired: list[dict] = []            # the counters of single-request runners replaced by larger ones
         self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
         use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
-        # every RMSNorm a prompt runs as a module in one kernel each on the GPU: the attention's query/key ones
-        # (7 launches fewer per norm: ~670 per decode step) and the layers' two and the final one, which the decode
-        # step fuses itself but a prompt's layers run as transformers' modules (about 480 launches fewer a prompt)
-        fuse_norms(list(text_norms(adapter, text)), adapter.rms_norm_params)
-        # and a prompt's attention in four kernels a layer, not about nineteen (prompt_attention.py), its routers
-        # in two, not seven
-        fuse_prompt_attention(adapter, text)
-        fuse_routers([adapter.router(layer) for layer in adapter.layers_of(text)], adapter)
-        # the vision encoder's attention: the images' lengths read once a prompt, not once a block (a device wait
-        # each), the rotary embedding in half the launches (vision_attention.py; every device)
-        fuse_vision_attention(adapter, model)
+        fewer_prompt_launches(model, text, adapter)
 
     def make_step(self, cache: SlotKVCache) -> DecodeStep:
         step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)

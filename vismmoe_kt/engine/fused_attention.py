@@ -1,4 +1,5 @@
-"""A decode step's attention in four kernels, for attentions the adapter describes (DecodeAttentionParts).
+"""A decode step's attention in four kernels, for attentions the adapter describes (DecodeAttentionParts);
+its heads kernel serves a prompt's attention too (prompt_attention.py).
 
 Shapes: R rows, H hidden, Hq query heads, Hkv key/value heads, G = Hq / Hkv, D head dim, span the
 positions the step attends to.
