@@ -115,7 +115,8 @@ def model_worker(rank, world, port, name, model_dir, out_dir, overrides=None, ex
 
     family = FAMILIES[name]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # bounded, and long enough for a rank to wait out the other's model load on a busy machine (60 s was not)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
     rules = yaml.safe_load(open(f"optimize_rules/{family.rules}-ep.yaml"))
     experts = next(rule for rule in rules if rule["match"]["name"].endswith("experts$"))

@@ -33,7 +33,8 @@ def reference_moe(hidden, index, weights, gate_up, down):
 
 def init(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # bounded, and long enough for a rank to wait out the other's model load on a busy machine (60 s was not)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     torch.set_num_threads(1)
 
 
