@@ -122,7 +122,7 @@ def kernel_serves(qkv: torch.Tensor) -> bool:
     return qkv.is_cuda and tl is not None and qkv.dtype in KERNEL_DTYPES
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -135,8 +135,8 @@ def heads_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     query = rms_norm(p.query_norm[0], p.query_norm[1], query.reshape(rows, p.heads, d))
     key = rms_norm(p.key_norm[0], p.key_norm[1], key.reshape(rows, p.kv_heads, d))
     cos, sin = cos[:, None], sin[:, None]
-    query = query * cos + _rotate_half(query) * sin
-    key = key * cos + _rotate_half(key) * sin
+    query = query * cos + rotate_half(query) * sin
+    key = key * cos + rotate_half(key) * sin
     return query, key, value.reshape(rows, p.kv_heads, d)
 
 

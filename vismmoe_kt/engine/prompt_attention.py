@@ -51,7 +51,7 @@ class PromptAttention:
     def serves(self, hidden: torch.Tensor, past: Any, kwargs: dict) -> bool:
         """An inference prompt of one sequence into a slot cache made for this attention; else the module."""
         if type(past) is not SlotView or hidden.dim() != 3 or hidden.shape[0] != 1 or kwargs.get("output_attentions") \
-                or self.module.training or torch.is_grad_enabled() or not eligible(self.module, self.parts):
+                or self.module.training or torch.is_grad_enabled() or not asks_for_sdpa(self.module):
             return False  # training (dropout, gradients: the kernel has no backward) and other calls
         cache, p = past.cache, self.parts
         keys, values = cache.keys[p.layer_index], cache.values[p.layer_index]
@@ -94,7 +94,13 @@ class PromptAttention:
 def eligible(module: nn.Module, parts: DecodeAttentionParts | None) -> bool:
     """Whether the prompt forward computes what this module would: parts the fused attention takes, and
     sdpa the attention asked for (eager or flash attention keep the module's own)."""
-    return fusable(parts) and getattr(module.config, "_attn_implementation", None) in ("sdpa", GROUPED_SDPA)
+    return fusable(parts) and asks_for_sdpa(module)
+
+
+def asks_for_sdpa(module: nn.Module) -> bool:
+    """The attention implementation the module's config names now (per call: it can be switched after install;
+    the parts' own fit holds from install on, and a cache that no longer fits them is checked apart)."""
+    return getattr(module.config, "_attn_implementation", None) in ("sdpa", GROUPED_SDPA)
 
 
 def kernel_serves(parts: DecodeAttentionParts) -> bool:

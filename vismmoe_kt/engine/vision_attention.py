@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..models.base import VisionAttentionParts
+from .fused_attention import rotate_half
 
 
 class ImageLengths:
@@ -88,9 +89,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     dtype, x = x.dtype, x.to(torch.float32, memory_format=torch.contiguous_format)
     shape = (1, cos.shape[0], 1, cos.shape[-1])
     cos, sin = cos.reshape(shape).float(), sin.reshape(shape).float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return ((x * cos) + (rotated * sin)).to(dtype)
+    return ((x * cos) + (rotate_half(x) * sin)).to(dtype)
 
 
 def install(adapter: Any, model: nn.Module) -> int:
