@@ -327,7 +327,11 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
                          "quantized_gb_s": distinct * store.block_bytes * LAYERS / seconds / 1e9,
                          "relative_error_vs_dequantized_grouped": error})
         if sweep and tokens == 8:
-            tuning = sweep_tiles(major, itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)))
+            # whole super-blocks a step, and (Q4_K) quarters of them, which leave registers for wider tiles
+            tiles = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)))
+            if fmt == "q4_k":
+                tiles += list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (64,)))
+            tuning = sweep_tiles(major, tiles)
     return {"quantized_rows": rows, "quantized_tuning": tuning}
 
 

@@ -12,8 +12,9 @@ slab for every expert). Rows, each the median of CUDA-event timings of a capture
                               pairs and multiplied on tensor cores, straight from the slabs (filled prefill)
   BF16 grouped GEMM           the same pairs over a resident BF16 bank (a pinned layer): for scale
 
-Each with its error against grouped GEMM on the dequantized weights. `--tune`: the expert-major kernels'
-(block M, columns per program, warps, stages) at T = 512, fastest first (tuning.json's quantized_prefill).
+Each with its error against grouped GEMM on the dequantized weights; "quarter steps": the kernels decoding a
+quarter super-block a step. `--tune`: the expert-major kernels' (block M, columns per program, warps, stages,
+piece) at T = 512, fastest first (tuning.json's quantized_prefill).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main() -> int:
         want = bank_experts(x, ids[0], w, identity, *resident[0], act).float()
         runs = [("dequantize + grouped GEMM", dequantized_grouped)]
         runs += [(f"expert-major, block M {m}", major(m)) for m in (16, 32, 64, 128)]
+        # a quarter super-block a kernel step (fewer registers: two pipeline stages fit)
+        runs += [(f"expert-major, block M {m}, quarter steps", major(m, (64, 4, 2, 64), (128, 4, 2, 64)))
+                 for m in (32, 64)]
         runs += [("BF16 grouped GEMM (resident bank)", bf16_grouped)]
         for name, run in runs:
             error = float((run()[0].float() - want).norm() / want.norm())
@@ -106,17 +110,21 @@ def main() -> int:
     if args.tune:  # after every row, so a timeout leaves them all
         x, w, ids = routing(512, device)
         no_land = torch.full((512 * K,), -1, dtype=torch.long, device=device)
-        for block_m, n, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (1,)):
+        # whole super-blocks a step (pipelining them spills), or quarters of them with 1-3 stages
+        shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))]
+        shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 3))]
+        for block_m, n, warps, stages, piece in shapes:
             for part in ("gate_up", "down"):
-                tiles = {f"{part}_tiles": (n, warps, stages)}
+                tiles = {f"{part}_tiles": (n, warps, stages, piece)}
                 try:
                     seconds = timed(major(block_m, **tiles), repeats=5)
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
-                    sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages), "error": str(exc)[:200]})
+                    sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
+                                  "error": str(exc)[:200]})
                     continue
-                sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages),
+                sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
                               "us_per_layer": seconds / LAYERS * 1e6})
-                print(f"tune {part} M={block_m} {(n, warps, stages)} {seconds / LAYERS * 1e6:.1f} us", flush=True)
+                print(f"tune {part} M={block_m} {(n, warps, stages, piece)} {seconds / LAYERS * 1e6:.1f} us", flush=True)
         sweep.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
         for part in ("gate_up", "down"):
             best = [r for r in sweep if r["part"] == part][:4]

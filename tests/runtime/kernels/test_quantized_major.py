@@ -50,6 +50,10 @@ for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", N
     if fmt == "q4_k" and down_fmt is None:  # a prompt's blocks (filled prefill): every pair of an expert in one
         wide = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, fmt, I, E, block_m=32)
         torch.testing.assert_close(wide, ref, rtol=0, atol=4e-3 * scale)
+        # a quarter super-block a step (piece 64): the same weights decoded in four pieces
+        quarters = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, fmt, I, E,
+                                              (32, 4, 1, 64), (64, 4, 1, 64), block_m=32)
+        torch.testing.assert_close(quarters, wide, rtol=0, atol=1e-3 * scale)
 
 # the table's lookup of several tokens in one launch (a program per token) against the twin's token
 # after token, then each token's landings published by the combine
@@ -150,3 +154,36 @@ def test_the_token_rows_go_in_the_tiles_column_order():
         assert torch.equal(qm.in_tile_order(x, fmt), want), fmt
         if columns is not None:
             assert sorted(columns.tolist()) == list(range(256)) and not torch.equal(columns, torch.arange(256))
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_the_q4_k_quarter_step_kernels_compile_for_hopper_with_vector_loads(hopper, stages):
+    """A quarter super-block a step (piece 64), pipelined or not: compiled for sm_90, each quarter's 32 quant
+    bytes and the rows' inputs read in 16-byte loads (pipelined: 16-byte asynchronous copies), none word by
+    word or element by element."""
+    import re
+
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+
+    blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*u8",
+              "slab_bytes": "i64", "staging_offset": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr",
+              "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+              "PIECE": "constexpr"}
+    shapes = {**hopper.shapes, "BLOCK_M": 32, "BLOCK_N": 64, "KIND": qm.TILE_KINDS["q4_k"],
+              "SB_BYTES": qm.TILE_BYTES["q4_k"], "PIECE": 64}
+    aligned = ("pool_ptr", "slab_bytes", "staging_offset", "staging_bytes")
+    kernels = [hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
+                                                     "DOWN_KIND": "constexpr", **blocks},
+                              {**shapes, "TOP_K": 8, "DOWN_KIND": shapes["KIND"]}, num_warps=4, num_stages=stages,
+                              aligned=("x_ptr", "h_ptr", *aligned)),
+               hopper.compile(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
+                              {**shapes, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES["q4_k"]},
+                              num_warps=4, num_stages=stages, aligned=("h_ptr", "y_ptr", *aligned))]
+    for compiled in kernels:
+        ptx = compiled.asm["ptx"]
+        loads = re.findall(r"ld\.global((?:\.v\d)?)\.b(\d+)", ptx)
+        assert ("", "32") not in loads, "quant words loaded one by one"
+        # d and dmin of each tile are 16-bit: a handful; the inputs element by element would be dozens
+        assert loads.count(("", "16")) <= 4
+        wide = loads.count((".v4", "32")) if stages == 1 else len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
+        assert wide >= 3

@@ -64,13 +64,13 @@ def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, poo
 
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                             pool: torch.Tensor, staging: torch.Tensor, fmt: str, down_fmt: str, inter: int,
-                            num_experts: int, gate_up_tiles: tuple[int, int, int] | None = None,
-                            down_tiles: tuple[int, int, int] | None = None, block_m: int = BLOCK_M) -> torch.Tensor:
+                            num_experts: int, gate_up_tiles: tuple[int, ...] | None = None,
+                            down_tiles: tuple[int, ...] | None = None, block_m: int = BLOCK_M) -> torch.Tensor:
     """(P, H) fp32 unweighted pair outputs of T tokens' K experts each (`top_k_index` (T, K)), every
     pair's expert read from quantized slab `slots[p]` of `pool` (uint8 (S, slab bytes)), or, a miss
     (slot < 0), from its landing slab `land[p]`, or, without one, from row p of `staging`; SiLU-gated.
-    H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages) per kernel (default: the
-    device's tuned ones); `block_m`: pairs per block (a prompt's many tokens per expert: larger blocks
+    H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages[, piece]) per kernel (`tile_form`;
+    default: the device's tuned ones); `block_m`: pairs per block (a prompt's many tokens per expert: larger blocks
     decode each expert fewer times)."""
     tokens, top_k = top_k_index.shape
     hidden_size = hidden.shape[1]
@@ -79,24 +79,54 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     block_expert, block_pairs = block_plan(ids, num_experts, block_m)
     # the blocks in use come first: an expert of c pairs takes ceil(c / M) <= c / M + 1 of them
     blocks = min(pairs, pairs // block_m + num_experts)
-    x = in_tile_order(hidden, fmt)  # h comes out of the first kernel in the down format's tile order
+    gate_up_form, down_form = tile_form(gate_up_tiles or tuned_tiles(hidden.device, "gate_up")), \
+        tile_form(down_tiles or tuned_tiles(hidden.device, "down"))
+    # each kernel reads its rows in the order its steps unpack the weights (quarter steps: in order); the
+    # first kernel stores h in the second's
+    x = in_tile_order(hidden, None if quarter_steps(fmt, gate_up_form) else fmt)
+    h_order = IN_ORDER if quarter_steps(down_fmt, down_form) else TILE_KINDS[down_fmt]
     h = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     # staging as an offset from the pool: the kernels read both through the pool's pointer (its alignment known)
     rows = (pool, pool.shape[1], staging.data_ptr() - pool.data_ptr(), staging.shape[1])
-    tuned = tuning.get("quantized_major", hidden.device)
-    n, warps, stages = gate_up_tiles or tuned["gate_up"]
+    n, warps, stages, piece = gate_up_form
     _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
         x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter, KIND=TILE_KINDS[fmt],
-        DOWN_KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
-        num_stages=stages)
-    n, warps, stages = down_tiles or tuned["down"]
+        DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
+        num_warps=warps, num_stages=stages)
+    n, warps, stages, piece = down_form
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
     _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
         h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
-        num_stages=stages)
+        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
+        num_warps=warps, num_stages=stages)
     return y
+
+
+IN_ORDER = 0  # a kernel's `_tile_position` code for columns in order
+
+
+def tuned_tiles(device: torch.device, part: str) -> tuple[int, ...]:
+    return tuning.get("quantized_major", device)[part]
+
+
+PIECES = (256, 64)  # input columns a kernel step decodes per row: a super-block, or (Q4_K) a quarter of one
+
+
+def tile_form(tiles: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(BLOCK_N, warps, stages, piece) of a tuned tile: three values, or four with the piece (default 256). A
+    Q4_K step of 64 columns holds a quarter of a whole super-block's decoded weights in registers, which
+    leaves room for more rows and pipeline stages; the other formats always decode whole super-blocks."""
+    n, warps, stages, *rest = tiles
+    piece = rest[0] if rest else 256
+    if piece not in PIECES:
+        raise ValueError(f"a tile's piece of {piece} columns: the kernels decode {' or '.join(map(str, PIECES))}")
+    return n, warps, stages, piece
+
+
+def quarter_steps(fmt: str, form: tuple[int, int, int, int]) -> bool:
+    """Whether a kernel of this tile form decodes `fmt` a quarter super-block a step (reading its rows in order)."""
+    return fmt == "q4_k" and form[3] == 64
 
 
 def tile_columns(fmt: str) -> torch.Tensor | None:
@@ -110,9 +140,10 @@ def tile_columns(fmt: str) -> torch.Tensor | None:
     return None
 
 
-def in_tile_order(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def in_tile_order(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     """(T, C) rows with each 256 columns in the order `fmt`'s tiles unpack their weights: the kernels
-    then read a block's token rows as contiguous runs (16-byte loads) where they gathered each element."""
+    then read a block's token rows as contiguous runs (16-byte loads) where they gathered each element
+    (None: in order, contiguous)."""
     # a transpose, not a gather: no index tensor to copy to the device (a batched step is captured)
     tokens, width = x.shape
     if fmt == "q4_k":   # column 64 j + 32 n + l to place 64 j + 2 l + n
@@ -211,6 +242,28 @@ if tl is not None:
         return weights
 
     @triton.jit
+    def _q4k_quarter(at, ok, j, R: tl.constexpr):
+        """(R, 32), (R, 32) fp32: sub-blocks 2 j and 2 j + 1 (weights 64 j .. 64 j + 31 and the next 32, in
+        order) of R rows' Q4_K super-blocks at `at` (R, 1): the low and high nibbles of the same 32 bytes."""
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        scale, minimum = _scales_mins(at8, 2 * j + tl.arange(0, 2), ok)                 # (R, 2)
+        first = tl.arange(0, 2)[None, :] == 0
+        scale_low = tl.sum(tl.where(first, scale, 0.0), axis=1)[:, None]
+        scale_high = tl.sum(tl.where(first, 0.0, scale), axis=1)[:, None]
+        min_low = tl.sum(tl.where(first, minimum, 0.0), axis=1)[:, None]
+        min_high = tl.sum(tl.where(first, 0.0, minimum), axis=1)[:, None]
+        w = tl.arange(0, 8)
+        b = tl.arange(0, 4)
+        words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True) + (8 * j + w)[None, :],
+                        mask=ok, other=0)                                                # (R, 8): 32 quant bytes
+        quants = tl.reshape((words[:, :, None] >> (8 * b)[None, None, :]) & 0xFF, [R, 32])
+        low = d * scale_low * (quants & 0xF).to(tl.float32) - dmin * min_low
+        high = d * scale_high * (quants >> 4).to(tl.float32) - dmin * min_high
+        return low, high
+
+    @triton.jit
     def _stage_kernel(ids_ptr, slots_ptr, land_ptr, pool_ptr, staging_ptr, host_addr, block_words, pool_words,
                       staging_words, CHUNK: tl.constexpr):
         """stage_misses: program (pair, chunk of words)."""
@@ -237,7 +290,7 @@ if tl is not None:
     def _gate_up_q_blocks(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_ptr, slab_bytes,
                           staging_offset, staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                           KIND: tl.constexpr, DOWN_KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PIECE: tl.constexpr = 256):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
         if expert >= 0:
             base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
@@ -250,12 +303,25 @@ if tl is not None:
             up_at = gate_at + I * ROW_BYTES
             gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for sb in range(0, H // 256):
-                x = tl.load(x_ptr + token[:, None] * H + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
-                w = _tile(gate_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
-                gate = tl.dot(x, tl.trans(w), gate)
-                w = _tile(up_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
-                up = tl.dot(x, tl.trans(w), up)
+            if KIND == 44 and PIECE == 64:  # a quarter super-block a step: a quarter of the registers
+                half = tl.arange(0, 32)       # x comes in order (in_tile_order leaves it for quarter steps)
+                for k in range(0, H // 64):
+                    at = token[:, None] * H + k * 64 + half[None, :]
+                    x_low = tl.load(x_ptr + at, mask=ok[:, None], other=0.0)
+                    x_high = tl.load(x_ptr + at + 32, mask=ok[:, None], other=0.0)
+                    low, high = _q4k_quarter(gate_at + (k // 4) * SB_BYTES, w_ok, k % 4, BLOCK_N)
+                    gate = tl.dot(x_low, tl.trans(low.to(x_ptr.dtype.element_ty)), gate)
+                    gate = tl.dot(x_high, tl.trans(high.to(x_ptr.dtype.element_ty)), gate)
+                    low, high = _q4k_quarter(up_at + (k // 4) * SB_BYTES, w_ok, k % 4, BLOCK_N)
+                    up = tl.dot(x_low, tl.trans(low.to(x_ptr.dtype.element_ty)), up)
+                    up = tl.dot(x_high, tl.trans(high.to(x_ptr.dtype.element_ty)), up)
+            else:
+                for sb in range(0, H // 256):
+                    x = tl.load(x_ptr + token[:, None] * H + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
+                    w = _tile(gate_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
+                    gate = tl.dot(x, tl.trans(w), gate)
+                    w = _tile(up_at + sb * SB_BYTES, w_ok, KIND, BLOCK_N).to(x_ptr.dtype.element_ty)
+                    up = tl.dot(x, tl.trans(w), up)
             h = gate * tl.sigmoid(gate) * up
             # in the down format's tile order, which the second kernel reads as contiguous runs
             tl.store(h_ptr + pair[:, None].to(tl.int64) * I + _tile_position(cols, DOWN_KIND)[None, :],
@@ -264,7 +330,8 @@ if tl is not None:
     @triton.jit
     def _down_q_blocks(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_ptr, slab_bytes,
                        staging_offset, staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr,
-                       SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PIECE: tl.constexpr = 256):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
         if expert >= 0:
             base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
@@ -274,8 +341,18 @@ if tl is not None:
             lanes = tl.arange(0, 256)  # h is in KIND's tile order (the first kernel stored it so)
             w_at = base + PART_BYTES + cols[:, None].to(tl.int64) * ROW_BYTES
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for sb in range(0, I // 256):
-                hx = tl.load(h_ptr + row[:, None] * I + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
-                w = _tile(w_at + sb * SB_BYTES, col_ok[:, None], KIND, BLOCK_N).to(h_ptr.dtype.element_ty)
-                acc = tl.dot(hx, tl.trans(w), acc)
+            if KIND == 44 and PIECE == 64:  # h in order (the first kernel stored it so)
+                half = tl.arange(0, 32)
+                for k in range(0, I // 64):
+                    at = row[:, None] * I + k * 64 + half[None, :]
+                    low, high = _q4k_quarter(w_at + (k // 4) * SB_BYTES, col_ok[:, None], k % 4, BLOCK_N)
+                    acc = tl.dot(tl.load(h_ptr + at, mask=ok[:, None], other=0.0),
+                                 tl.trans(low.to(h_ptr.dtype.element_ty)), acc)
+                    acc = tl.dot(tl.load(h_ptr + at + 32, mask=ok[:, None], other=0.0),
+                                 tl.trans(high.to(h_ptr.dtype.element_ty)), acc)
+            else:
+                for sb in range(0, I // 256):
+                    hx = tl.load(h_ptr + row[:, None] * I + sb * 256 + lanes[None, :], mask=ok[:, None], other=0.0)
+                    w = _tile(w_at + sb * SB_BYTES, col_ok[:, None], KIND, BLOCK_N).to(h_ptr.dtype.element_ty)
+                    acc = tl.dot(hx, tl.trans(w), acc)
             tl.store(y_ptr + row[:, None] * H + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
