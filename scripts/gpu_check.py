@@ -14,7 +14,8 @@ they need a torchrun launch.
 `--stores`: instead, the host store in each quantized format (Q8_0, Q4_0, Q4_K, Q5_K) read by the
 GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to the `gguf` package's
 dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
-then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts).
+then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts); then
+in BF16 the streamed prefill on quantized slabs computed in place by the expert-major kernels.
 
 `--gpu-prefill`: instead, the KTransformers-style rule's layerwise GPU prefill (gpu_prefill_tokens): a tiny fp32
 model's prompt with each layer's experts copied from a host copy (model dtype, Q8_0, Q4_K) a layer ahead and
@@ -434,7 +435,34 @@ def check_stores(out: str | None) -> int:
         results.append(row)
         print(json.dumps(row), flush=True)
     ok &= check_settled(model_dir, spec, layer, image, results)
+    ok &= check_streamed(model_dir, spec, layer, image, results)
     return finish(results, ok, out)
+
+
+def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
+    """BF16, Q4_K slabs for 40 of the offloaded layers' 64 experts: the prompt streams each next offloaded layer
+    in while the one before computes, and its offloaded layers compute from the slabs in place (the quantized
+    expert-major kernels, no bank decoded); its logits against the CPU twin's (BF16 rounding apart)."""
+    block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt="q4_k").block_bytes
+    runs = {}
+    for device in ("cpu", "cuda:0"):
+        model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, dtype="bfloat16",
+                                store_dtype="q4_k", slab_format="quantized", expert_budget=layer // 2 + 40 * block,
+                                pinned_layers=1, generate_device=device, prefill_device=device)
+        runtime = model.vismmoe.context.offload_runtime
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
+        with torch.inference_mode():
+            logits = model(**inputs).logits.float().cpu()
+        summary = runtime.summary()
+        runs[device] = logits, runtime.plan, summary["prefill_prefetches"], summary["prefill_fetches"]
+    (cpu_logits, *_), (logits, plan, prefetches, misses) = runs["cpu"], runs["cuda:0"]
+    error = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
+    row = {"store": "q4_k", "slabs": "quantized, 40 of 64 (streamed prefill, BF16)", "prefill": plan.prefill,
+           "prefill_kernels": plan.prefill_kernels, "relative_logit_error_vs_cpu": error,
+           "prefill_prefetches": prefetches, "prefill_fetches": misses}
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    return plan.prefill == "streamed" and plan.prefill_kernels and error <= 3e-2 and prefetches > 0
 
 
 def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:

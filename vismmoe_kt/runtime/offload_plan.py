@@ -74,8 +74,11 @@ class OffloadPlan:
     fill_slabs: bool = False    # a slab for every offloaded expert: the cold ones are copied in as table decode
                                 # first starts, so its steps find every expert resident (DecodeBoundary)
     prefill: str = "placement"  # a prompt's offloaded layers: placement (routing read on the host, slabs placed) |
-                                # filled-slabs (every expert in a quantized slab: read through the row maps)
-    prefill_kernels: bool = False  # filled-slabs on the Triton kernels (else the torch twin)
+                                # streamed (placement, and a long prompt's next offloaded layer copied in while
+                                # this one computes) | filled-slabs (every expert in a quantized slab: read
+                                # through the row maps)
+    prefill_kernels: bool = False  # quantized slabs computed from in place by the Triton kernels (else decoded
+                                   # into a bank of one layer, or the torch twin)
     reservations: str = "before-step"  # table decode's landing slabs: ahead (reserved while the step before runs) |
                                        # before-step (after the records of the step before: the step waits for them)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
@@ -193,17 +196,29 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     fill = table_decode is not None and offloaded > 0 and num_slabs >= offloaded * facts.num_experts
     if fill:
         why["fill"] = f"{num_slabs} slabs hold all {offloaded * facts.num_experts} offloaded experts"
-    # filled quantized slabs: nothing to place, so a prompt's layers need no routing on the host
-    prefill = "filled-slabs" if fill and quantized_slabs else "placement"
-    why["prefill"] = "every offloaded expert in a quantized slab" if fill and quantized_slabs else \
-        ("the slabs are not quantized" if fill else "not every offloaded expert has a slab" if offloaded else
-         "every layer pinned")
+    prefill, why["prefill"] = _prefill(fill, quantized_slabs, offloaded, hybrid)
     reservations, why["reservations"] = _reservations(settings, table_decode, decode_cpu, facts.lookahead)
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, fill, prefill,
                        kernels and facts.quantized_major_kernels, reservations, why)
+
+
+def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, hybrid: bool) -> tuple[str, str]:
+    """How a prompt's offloaded layers get their experts. Filled quantized slabs: nothing to place, so no routing
+    on the host. Else placement, streamed where nothing else decides a miss's place: a long prompt routes to
+    nearly every expert of a layer, so the next offloaded layer's missing experts can cross the link while this
+    one computes (the hybrid's misses are the CPU's to take, by its quota)."""
+    if fill and quantized_slabs:
+        return "filled-slabs", "every offloaded expert in a quantized slab"
+    if not offloaded:
+        return "placement", "every layer pinned"
+    if fill:
+        return "placement", "every offloaded expert has a slab, but the slabs are not quantized"
+    if hybrid:
+        return "placement", "not every offloaded expert has a slab; the hybrid's CPU takes misses by its quota"
+    return "streamed", "not every offloaded expert has a slab: a long prompt's next layer is copied in a layer ahead"
 
 
 def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:

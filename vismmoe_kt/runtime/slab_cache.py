@@ -242,6 +242,12 @@ class SlabCache:
     def set_priorities(self, priorities: dict[Key, float]) -> None:
         self.priority = dict(priorities)
 
+    def spend_priorities(self, keys: list[Key]) -> None:
+        """Forget these prefetches' priorities: guesses about a layer that has now run, which would otherwise
+        outrank later prefetches in the admission rule until a new list replaced them."""
+        for key in keys:
+            self.priority.pop(key, None)
+
     # --- policy ---------------------------------------------------------------------------
     def classify(self, slab: int) -> str:
         if self.state[slab] is SlabState.FREE:

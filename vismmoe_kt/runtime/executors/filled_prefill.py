@@ -47,19 +47,27 @@ class FilledPrefill:
 
     def run(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             act: Any) -> torch.Tensor:
-        res = self.res
-        pool, store, row_map = res.pool[0], res.store, res.row_map[res.index[layer]]
-        if self.use_kernels:
-            slots = row_map[top_k_index].reshape(-1)  # each pair's slab
-            tuned = tuning.get("quantized_prefill", hidden.device)
-            # every pair has a slab, so no landing slab or staging row is ever taken: the slots and the pool
-            # stand in for both
-            y = quantized_major.experts_quantized_major(
-                hidden, top_k_index, slots, slots, pool, pool, store.fmt, store.down_format(layer), res.inter,
-                res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
-        else:  # the same blocks, each expert's weights from its slab by the store's dequantization
-            gate_up, down = store.dequantized(pool[row_map, :store.block_bytes_of(layer)], layer)
-            block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), res.num_experts)
-            x = hidden.to(gate_up.dtype)
-            y = expert_major.experts_by_block(x, top_k_index.shape[1], block_expert, block_pairs, gate_up, down, act)
-        return combine(y, top_k_weights, hidden.dtype, self.use_kernels)
+        return experts_from_slabs(self.res, self.use_kernels, layer, hidden, top_k_index, top_k_weights, act)
+
+
+def experts_from_slabs(res: Residency, use_kernels: bool, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
+    """A layer's routed experts computed from the quantized slabs its row map names (every pair's expert must
+    have one): the expert-major kernels on the device, else the same blocks from the store's dequantization."""
+    pool, store, row_map = res.pool[0], res.store, res.row_map[res.index[layer]]
+    if use_kernels:
+        slots = row_map[top_k_index].reshape(-1)  # each pair's slab
+        # a prompt's many tokens per expert take the prompt's tiles; a few rows, the batched step's
+        tuned = tuning.get("quantized_prefill", hidden.device) if hidden.shape[0] > 1 else \
+            {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M}
+        # every pair has a slab, so no landing slab or staging row is ever taken: the slots and the pool
+        # stand in for both
+        y = quantized_major.experts_quantized_major(
+            hidden, top_k_index, slots, slots, pool, pool, store.fmt, store.down_format(layer), res.inter,
+            res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
+    else:  # the same blocks, each expert's weights from its slab by the store's dequantization
+        gate_up, down = store.dequantized(pool[row_map, :store.block_bytes_of(layer)], layer)
+        block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), res.num_experts)
+        x = hidden.to(gate_up.dtype)
+        y = expert_major.experts_by_block(x, top_k_index.shape[1], block_expert, block_pairs, gate_up, down, act)
+    return combine(y, top_k_weights, hidden.dtype, use_kernels)
