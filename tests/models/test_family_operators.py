@@ -134,6 +134,9 @@ def model_worker(rank, world, port, name, model_dir, out_dir, overrides=None, ex
     local = sum(m.local_experts.numel() for m in model.modules() if hasattr(m, "local_experts"))
     stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
     torch.save({"diff": diff, "error": error, "local": local, "stats": stats}, os.path.join(out_dir, f"rank{rank}.pt"))
+    # both ranks done before either tears gloo down (rank 0 hosts the store): under load, a rank torn down while
+    # the other still ran aborted twice in full-suite runs (SIGABRT, "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
