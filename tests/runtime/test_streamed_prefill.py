@@ -73,6 +73,10 @@ def test_a_short_prompt_is_placed_layer_by_layer():
     assert runtime.residency.cache_counters["prefill"].prefetches == 0
 
 
-def test_the_hybrid_keeps_its_misses_for_the_cpu():
+def test_miss_policy_cpu_keeps_every_miss_for_the_cpu_and_auto_streams():
     runtime, _ = make_runtime(slabs=3 * E, miss_policy="cpu")
     assert runtime.plan.prefill == "placement" and "CPU" in runtime.plan.why["prefill"]
+    runtime, weights = make_runtime(slabs=3 * E, miss_policy="auto")
+    assert runtime.plan.hybrid and runtime.plan.prefill == "streamed"
+    prompt(runtime, weights, tokens=32, seed=4)
+    assert [misses for misses, _ in prefill_counts(runtime)] == [0, 0, 0]

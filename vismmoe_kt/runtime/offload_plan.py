@@ -196,7 +196,7 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     fill = table_decode is not None and offloaded > 0 and num_slabs >= offloaded * facts.num_experts
     if fill:
         why["fill"] = f"{num_slabs} slabs hold all {offloaded * facts.num_experts} offloaded experts"
-    prefill, why["prefill"] = _prefill(fill, quantized_slabs, offloaded, hybrid)
+    prefill, why["prefill"] = _prefill(fill, quantized_slabs, offloaded, settings.miss_policy)
     reservations, why["reservations"] = _reservations(settings, table_decode, decode_cpu, facts.lookahead)
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
@@ -205,19 +205,20 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
                        kernels and facts.quantized_major_kernels, reservations, why)
 
 
-def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, hybrid: bool) -> tuple[str, str]:
+def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, miss_policy: str) -> tuple[str, str]:
     """How a prompt's offloaded layers get their experts. Filled quantized slabs: nothing to place, so no routing
-    on the host. Else placement, streamed where nothing else decides a miss's place: a long prompt routes to
-    nearly every expert of a layer, so the next offloaded layer's missing experts can cross the link while this
-    one computes (the hybrid's misses are the CPU's to take, by its quota)."""
+    on the host. Else placement, streamed unless every miss is the CPU's (miss_policy cpu): a long prompt routes
+    to nearly every expert of a layer, so the next offloaded layer's missing experts can cross the link while
+    this one computes, at no cost to the prompt, where a CPU share of a layer is on that layer's critical path
+    (under auto the cost model still splits what streaming left missing)."""
     if fill and quantized_slabs:
         return "filled-slabs", "every offloaded expert in a quantized slab"
     if not offloaded:
         return "placement", "every layer pinned"
     if fill:
         return "placement", "every offloaded expert has a slab, but the slabs are not quantized"
-    if hybrid:
-        return "placement", "not every offloaded expert has a slab; the hybrid's CPU takes misses by its quota"
+    if miss_policy == "cpu":
+        return "placement", "not every offloaded expert has a slab; miss_policy cpu gives every miss to the CPU"
     return "streamed", "not every offloaded expert has a slab: a long prompt's next layer is copied in a layer ahead"
 
 
