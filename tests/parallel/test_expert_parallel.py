@@ -100,7 +100,13 @@ def model_worker(rank, world, port, model_dir, out_dir, overrides=None):
     from vismmoe_kt.core.stats import collect_stats
 
     stats = collect_stats(model)["operators"]["ExpertParallelExperts"]
-    torch.save({"diff": diff, "local": local, "pending": pending, "stats": stats, "placed": placed}, os.path.join(out_dir, f"rank{rank}.pt"))
+    from vismmoe_kt.parallel.replication import moves_under_way, wait_for_moves
+
+    under_way = moves_under_way()
+    wait_for_moves()  # as the launch's finish does: no exchange in flight when the group goes
+    torch.save({"diff": diff, "local": local, "pending": pending, "stats": stats, "placed": placed,
+                "under_way": (under_way, moves_under_way())}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -128,6 +134,7 @@ def test_eplb_mode_re_places_experts_and_stays_exact(tiny_dir, tmp_path, overlap
         assert result["placed"]  # the fixed exchange's tables moved with the experts
         assert result["stats"]["eplb_moves"] == 4 * 2  # 4 layers, a move after each of the 2 steps
         assert result["pending"] == (4 if overlapped else 0)  # overlapped: the second step's moves still under way
+        assert result["under_way"] == ((4, 0) if overlapped else (0, 0))  # ... until waited for before teardown
 
 
 def test_realb_on_real_ranks_reports_the_groups_plan(tiny_dir, tmp_path):

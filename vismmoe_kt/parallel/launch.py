@@ -193,6 +193,9 @@ def finish() -> None:
         current_leader.stop()
         current_leader = None
     if dist.is_available() and dist.is_initialized():
+        from .replication import wait_for_moves
+
+        wait_for_moves()  # Async EPLB's last moves: no collective in flight when the group goes
         dist.destroy_process_group()
 
 

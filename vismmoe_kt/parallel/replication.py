@@ -40,6 +40,8 @@ class PendingMove:
     def finish(self) -> dict[int, torch.Tensor]:
         if self.work is not None:
             self.work.wait()
+        if self in _UNDER_WAY:
+            _UNDER_WAY.remove(self)
         mine, offset = dict(self.kept), 0
         for per_rank in self.receives:
             for expert in per_rank:
@@ -71,7 +73,29 @@ def start_move(weights: dict[int, torch.Tensor], old: list[list[int]], new: list
     work = dist.all_to_all_single(recv, send, [len(r) * size for r in receives], [len(s) * size for s in sends],
                                   group=group, async_op=async_op)
     kept = {e: weights[e] for e in weights if rank in new[e]}
-    return PendingMove(kept, receives, recv, send, size, work if async_op else None)
+    move = PendingMove(kept, receives, recv, send, size, work if async_op else None)
+    if async_op:
+        _UNDER_WAY.append(move)
+    return move
+
+
+# moves started asynchronously and not yet finished, on this rank
+_UNDER_WAY: list[PendingMove] = []
+
+
+def moves_under_way() -> int:
+    return len(_UNDER_WAY)
+
+
+def wait_for_moves() -> None:
+    """Wait for every exchange still under way on this rank (their weights land in the receive buffers; a
+    later step adopts them as before). Before the process group goes: torn down under a collective in
+    flight, gloo aborts the process ("terminate called without an active exception"). Every rank starts
+    the same moves at the same step, so each waits for its own and no rank waits on a collective alone."""
+    for move in list(_UNDER_WAY):
+        if move.work is not None:
+            move.work.wait()
+    _UNDER_WAY.clear()
 
 
 def move_weights(weights: dict[int, torch.Tensor], old: list[list[int]], new: list[list[int]], group=None) -> dict[int, torch.Tensor]:
