@@ -62,6 +62,28 @@ def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, poo
         staging.shape[1] // 4, CHUNK=STAGE_CHUNK)
 
 
+IN_ORDER = 0  # a kernel's `_tile_position` code for columns in order
+
+
+PIECES = (256, 64)  # input columns a kernel step decodes per row: a super-block, or (Q4_K) a quarter of one
+
+
+def tile_form(tiles: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(BLOCK_N, warps, stages, piece) of a tuned tile: three values, or four with the piece (default 256). A
+    Q4_K step of 64 columns holds a quarter of a whole super-block's decoded weights in registers, which
+    leaves room for more rows and pipeline stages; the other formats always decode whole super-blocks."""
+    n, warps, stages, *rest = tiles
+    piece = rest[0] if rest else 256
+    if piece not in PIECES:
+        raise ValueError(f"a tile's piece of {piece} columns: the kernels decode {' or '.join(map(str, PIECES))}")
+    return n, warps, stages, piece
+
+
+def quarter_steps(fmt: str, form: tuple[int, int, int, int]) -> bool:
+    """Whether a kernel of this tile form decodes `fmt` a quarter super-block a step (reading its rows in order)."""
+    return fmt == "q4_k" and form[3] == 64
+
+
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
                             pool: torch.Tensor, staging: torch.Tensor, fmt: str, down_fmt: str, inter: int,
                             num_experts: int, gate_up_tiles: tuple[int, ...] | None = None,
@@ -79,8 +101,8 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     block_expert, block_pairs = block_plan(ids, num_experts, block_m)
     # the blocks in use come first: an expert of c pairs takes ceil(c / M) <= c / M + 1 of them
     blocks = min(pairs, pairs // block_m + num_experts)
-    gate_up_form, down_form = tile_form(gate_up_tiles or tuned_tiles(hidden.device, "gate_up")), \
-        tile_form(down_tiles or tuned_tiles(hidden.device, "down"))
+    tuned = tuning.get("quantized_major", hidden.device)
+    gate_up_form, down_form = tile_form(gate_up_tiles or tuned["gate_up"]), tile_form(down_tiles or tuned["down"])
     # each kernel reads its rows in the order its steps unpack the weights (quarter steps: in order); the
     # first kernel stores h in the second's
     x = in_tile_order(hidden, None if quarter_steps(fmt, gate_up_form) else fmt)
@@ -101,32 +123,6 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
         KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
         num_warps=warps, num_stages=stages)
     return y
-
-
-IN_ORDER = 0  # a kernel's `_tile_position` code for columns in order
-
-
-def tuned_tiles(device: torch.device, part: str) -> tuple[int, ...]:
-    return tuning.get("quantized_major", device)[part]
-
-
-PIECES = (256, 64)  # input columns a kernel step decodes per row: a super-block, or (Q4_K) a quarter of one
-
-
-def tile_form(tiles: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(BLOCK_N, warps, stages, piece) of a tuned tile: three values, or four with the piece (default 256). A
-    Q4_K step of 64 columns holds a quarter of a whole super-block's decoded weights in registers, which
-    leaves room for more rows and pipeline stages; the other formats always decode whole super-blocks."""
-    n, warps, stages, *rest = tiles
-    piece = rest[0] if rest else 256
-    if piece not in PIECES:
-        raise ValueError(f"a tile's piece of {piece} columns: the kernels decode {' or '.join(map(str, PIECES))}")
-    return n, warps, stages, piece
-
-
-def quarter_steps(fmt: str, form: tuple[int, int, int, int]) -> bool:
-    """Whether a kernel of this tile form decodes `fmt` a quarter super-block a step (reading its rows in order)."""
-    return fmt == "q4_k" and form[3] == 64
 
 
 def tile_columns(fmt: str) -> torch.Tensor | None:
