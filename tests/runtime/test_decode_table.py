@@ -57,12 +57,13 @@ class LateTransfers(Transfers):
         super().__init__(*args, **kwargs)
         self.rng = rng
 
-    def _copy(self, slab, key, urgent):
-        self.counters.bytes_copied += self.store.block_bytes
-        self.counters.copies += 1
-        self.pool[0][slab].fill_(float("nan"))  # the slab is being written: garbage until the copy lands
-        self.pool[1][slab].fill_(float("nan"))
-        self.events[slab] = LateCopy(self, slab, key, self.rng)
+    def _copy_batch(self, slabs, keys, urgent):
+        for slab, key in zip(slabs, keys):  # each copy of a batch lands on its own (as late as the batch, or sooner)
+            self.counters.bytes_copied += self.store.block_bytes
+            self.counters.copies += 1
+            self.pool[0][slab].fill_(float("nan"))  # the slab is being written: garbage until the copy lands
+            self.pool[1][slab].fill_(float("nan"))
+            self.events[slab] = LateCopy(self, slab, key, self.rng)
 
     def wait_for(self, slabs):  # the placement path's compute waits for the copies it needs
         for slab in slabs:

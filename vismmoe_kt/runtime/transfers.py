@@ -3,9 +3,12 @@
 On CUDA there are two copy streams. A host worker thread drains the prefetch queue (a priority list
 of logical experts, replaced whenever the runtime learns more) onto the transfer stream, keeping at
 most `max_in_flight` copies outstanding so that a newer list takes effect quickly. Urgent fetches
-(a needed expert that was not queued) go on a high-priority stream, ahead of the queue. Each copy
-records one event; the compute stream waits only on the events of the experts it needs now. A copy
-into a slab first waits on the compute that last read the slab, so eviction never races a kernel.
+(a needed expert that was not queued) go on a high-priority stream, ahead of the queue. A long prompt's
+next layer (`stream`) goes on the transfer stream at once, whatever is in flight. Copies issued together
+are one batch: one stream context, consecutive experts into consecutive quantized slabs as one copy, and
+one event, which stands for each slab of the batch; the compute stream waits only on the events of the
+experts it needs now. A copy into a slab first waits on the compute that last read the slab, so eviction
+never races a kernel.
 
 On the CPU (tests, or a machine without a GPU) copies are synchronous and the queue is drained at
 once, so the same runtime logic runs everywhere.
@@ -89,45 +92,72 @@ class Transfers:
         gate_up, down = self.store.dequantized(block, layer)
         return gate_up[0], down[0]
 
-    def _copy(self, slab: int, key: Key, urgent: bool) -> None:
-        if len(self.pool) == 1:  # quantized slabs: the block's bytes as they are
-            nbytes = self.store.block_bytes_of(key[0])
-            targets = (self.pool[0][slab, :nbytes],)
-        else:
-            targets = (self.pool[0][slab], self.pool[1][slab])
-        self.counters.bytes_copied += self.store.block_bytes_of(key[0])
-        self.counters.copies += 1
+    def _copy_batch(self, slabs: list[int], keys: list[Key], urgent: bool) -> None:
+        """Copies of `keys` into `slabs`, issued together: on CUDA in one stream context, timed as one and
+        done at one event (each slab's copy is done when the batch is), consecutive experts of a quantized
+        layer into consecutive slabs as one copy (`copy_runs`). Why: issued one by one, each copy made two
+        timing events, a stream context and views in Python, up to 128 times for a prompt's layer, while a
+        Q4_K expert crosses the link in about 50 us (docs/design.md, Transfers)."""
+        if not slabs:
+            return
+        for key in keys:
+            self.counters.bytes_copied += self.store.block_bytes_of(key[0])
+        self.counters.copies += len(slabs)
         if not self.cuda:
             start = time.perf_counter()
-            sources = self._sources(key)
-            for dst, src in zip(targets, sources):
+            for dst, src in self._copies(slabs, keys):
                 dst.copy_(src)
             elapsed = time.perf_counter() - start
             self.counters.copy_seconds += elapsed
-            self.counters.copies_timed += 1
+            self.counters.copies_timed += len(slabs)
             if urgent:  # synchronous: compute waits for the whole copy
                 self.counters.stall_seconds += elapsed
-            self.cache.complete(slab)
-            self.landed.append(slab)
+            for slab in slabs:
+                self.cache.complete(slab)
+                self.landed.append(slab)
             return
         stream = self.urgent_stream if urgent else self.stream
         if urgent:
-            self.urgent.add(slab)
-        if slab in self.read_done:
-            stream.wait_event(self.read_done.pop(slab))
+            self.urgent.update(slabs)
+        # a copy into a slab first waits for the compute that last read it (one event may stand for many slabs)
+        for event in _distinct(self.read_done.pop(s) for s in slabs if s in self.read_done):
+            stream.wait_event(event)
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             begin.record(stream)
-            for dst, src in zip(targets, self._sources(key, self.device)):
+            for dst, src in self._copies(slabs, keys, self.device):
                 dst.copy_(src, non_blocking=True)
             done.record(stream)
-        self.events[slab] = done
-        self.counters.copy_events.append((begin, done))
+        for slab in slabs:
+            self.events[slab] = done
+        self.counters.copy_events.append((begin, done, len(slabs)))
+
+    def _copies(self, slabs: list[int], keys: list[Key], device: torch.device | None = None):
+        """(target, source) pairs that copy `keys` into `slabs`: quantized slabs by runs of consecutive experts
+        into consecutive slabs where a slab is exactly a block (else a block at a time), the model's dtype part
+        by part, a quantized store into slabs of the model's dtype block by block (dequantized on `device`)."""
+        if len(self.pool) == 1:  # quantized slabs: the blocks' bytes as they are
+            pool = self.pool[0]
+            for layer, expert, slab, count in copy_runs(slabs, keys):
+                nbytes = self.store.block_bytes_of(layer)
+                if count > 1 and nbytes != pool.shape[1]:  # a strided target: one block at a time
+                    for i in range(count):
+                        yield pool[slab + i, :nbytes], self.store.layers[layer][expert + i]
+                elif count > 1:
+                    yield pool[slab:slab + count], self.store.layers[layer][expert:expert + count]
+                else:
+                    yield pool[slab, :nbytes], self.store.layers[layer][expert]
+            return
+        for slab, key in zip(slabs, keys):
+            yield from zip((self.pool[0][slab], self.pool[1][slab]), self._sources(key, device))
 
     def poll(self) -> None:
-        """Mark finished copies resident."""
+        """Mark finished copies resident (a batch's event asked once)."""
+        finished: dict[int, bool] = {}
         for slab, event in list(self.events.items()):
-            if event.query():
+            if id(event) not in finished:
+                finished[id(event)] = event.query()
+            if finished[id(event)]:
                 del self.events[slab]
                 self.urgent.discard(slab)
                 self.cache.complete(slab)
@@ -166,8 +196,7 @@ class Transfers:
         if self._dequantizes_on_device():
             self._fetch_dequantized(slabs, keys)
         else:
-            for key, slab in zip(keys, slabs):
-                self._copy(slab, key, urgent=True)
+            self._copy_batch(slabs, keys, urgent=True)
 
     def _dequantizes_on_device(self) -> bool:
         """A quantized store on CUDA with the Triton kernels: a fetch moves each layer's blocks in one
@@ -209,7 +238,7 @@ class Transfers:
 
     def wait_for(self, slabs: list[int]) -> None:
         """Make the current (compute) stream wait for these slabs' copies, timing the wait."""
-        pending = [self.events[s] for s in slabs if s in self.events]
+        pending = _distinct(self.events[s] for s in slabs if s in self.events)
         if not pending:
             return
         compute = torch.cuda.current_stream(self.device)
@@ -238,6 +267,20 @@ class Transfers:
                 self._wake.notify()
             else:
                 self._drain(limit=len(self.queue))
+
+    def stream(self, keys: list[Key], priority: float) -> int:
+        """Copy those of `keys` that have no slab now, as one batch on the prefetch stream, whatever else is in
+        flight, and drop the prefetch queue's guesses: a long prompt's next offloaded layer, needed once the
+        layer computing now is done (streamed prefill, executors/placement.py). Through the queue the worker
+        issued them `max_in_flight` at a time and waited for each group, leaving the link idle between
+        groups. `priority` is the prefetch priority the cache admits them with. Returns how many were issued."""
+        with self.lock:
+            self.queue.clear()
+            missing = [key for key in keys if key not in self.cache.where]
+            slabs = self.cache.assign_many(missing, [priority] * len(missing))
+            taken = [(slab, key) for slab, key in zip(slabs, missing) if slab is not None]
+            self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
+            return len(taken)
 
     def prefetch_later(self, values: torch.Tensor, flat: torch.Tensor, to_items) -> None:
         """Queue a priority list still on the GPU: copy it to page-locked host buffers asynchronously and
@@ -290,9 +333,8 @@ class Transfers:
         if not batch:
             return True
         slabs = self.cache.assign_many([k for _, k in batch], [p for p, _ in batch])
-        for (priority, key), slab in zip(batch, slabs):
-            if slab is not None:
-                self._copy(slab, key, urgent=False)
+        taken = [(slab, key) for (_, key), slab in zip(batch, slabs) if slab is not None]
+        self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
         if None in slabs:
             self.queue.clear()  # lower priorities cannot take a slab either
             return False
@@ -320,3 +362,25 @@ class Transfers:
                 self._stop = True
                 self._wake.notify()
             self._worker.join(timeout=5)
+
+
+def copy_runs(slabs: list[int], keys: list[Key]) -> list[tuple[int, int, int, int]]:
+    """(layer, first expert, first slab, count) runs that cover the copies of `keys` into `slabs`: consecutive
+    experts of one layer going into consecutive slabs make one run (a prompt's first fill takes free slabs in
+    order, so a whole layer is often one), in the order of `keys` otherwise."""
+    runs: list[list[int]] = []
+    for slab, (layer, expert) in zip(slabs, keys):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == layer and last[1] + last[3] == expert and last[2] + last[3] == slab:
+            last[3] += 1
+        else:
+            runs.append([layer, expert, slab, 1])
+    return [tuple(run) for run in runs]
+
+
+def _distinct(events) -> list:
+    """The distinct events among `events` (a batch's one event stands for each of its slabs), in order."""
+    seen: dict[int, object] = {}
+    for event in events:
+        seen.setdefault(id(event), event)
+    return list(seen.values())

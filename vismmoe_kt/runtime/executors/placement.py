@@ -14,11 +14,11 @@ carries the CPU's inputs too (the hybrid mode).
 Streamed prefill (`plan.prefill == "streamed"`): a prompt of T tokens with K experts each routes to an
 expected 1 - (1 - K/E)^T of a layer's E experts: nearly all of them in a long prompt (236 tokens, 8 of
 128: all but 1e-7 of them). So after a layer is placed, the next offloaded layer's experts without a slab
-are queued for the copy stream at once, before that layer's routing is known: they cross the link while
-this layer computes and the next one's attention runs, and its placement then finds them landed or in
-flight. Why: placed layer by layer, each layer's copies started only after its routing's host read and
-ended before its compute, so the link idled through every compute and every read (0.65 s for a 236-token
-prompt at 6 GiB of Q4_K slabs, about 11 GB of misses: some 0.2 s of link time).
+are issued to the copy stream at once, in one batch (Transfers.stream), before that layer's routing is
+known: they cross the link while this layer computes and the next one's attention runs, and its placement
+then finds them landed or in flight. Why: placed layer by layer, each layer's copies started only after
+its routing's host read and ended before its compute, so the link idled through every compute and every
+read (0.65 s for a 236-token prompt at 6 GiB of Q4_K slabs, about 11 GB of misses: some 0.2 s of link time).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class PlacementExecutor:
             self._policy_after_layer(layer, hidden)
             return
         keys = self._streamed[ahead] = [(ahead, e) for e in range(res.num_experts)]
-        res.transfers.prefetch([(key, STREAM_PRIORITY) for key in keys])
+        res.transfers.stream(keys, STREAM_PRIORITY)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
