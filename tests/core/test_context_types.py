@@ -124,4 +124,12 @@ def test_the_check_sees_what_an_implementation_lacks():
     assert "graph_variant: missing" in wrong and "router_sink: a method in the protocol, not here" in wrong
     assert any(w.startswith("prepare_steps: parameter max_rows") for w in wrong)
     assert "begin_step: extra parameters without defaults ['extra']" in wrong
-    assert incompatibilities(SaliencySource, SaliencyRecorder) == ["enabled: missing"]  # set in __init__ only
+
+    class InitOnly:  # a data member set in __init__ only: seen on an instance, not on the class
+        def __init__(self):
+            self.enabled = False
+
+        def take(self): ...
+
+    assert incompatibilities(SaliencySource, InitOnly) == ["enabled: missing"]
+    assert incompatibilities(SaliencySource, InitOnly, InitOnly()) == []

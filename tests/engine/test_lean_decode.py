@@ -60,6 +60,16 @@ def test_lean_tokens_equal_the_reference(case, layers, graphs):
         # offloaded or not, the step is one segment: experts are read through the slab table
         assert stats["decode_segments_captured"] == 1
         assert stats["decode_eager_pieces_per_step"] == 0
+        # the picture's vision tower: captured for its size at the first prompt, replayed at the next
+        assert stats["decode_vision_graph_captures"] == 1 and stats["decode_vision_graph_replays"] == 0
+        # another picture of that size (its own prompt: nothing of the first is reused) through the replay
+        other = {**inputs, "pixel_values": inputs["pixel_values"].flip(0)}
+        with torch.no_grad():
+            want = generate(load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(layers),
+                                 graphs="off", **CPU)[0], other, TOKENS)
+            assert torch.equal(generate(model, other, TOKENS), want)
+        stats = decoder_of(model).stats()
+        assert stats["decode_vision_graph_replays"] == 1 and stats["decode_vision_graph_check_failures"] == 0
 
 
 def test_lean_path_follows_pruned_layers(case):

@@ -26,6 +26,7 @@ from .decode_step import DecodeStep
 from .fused_ops import fuse_norms, fuse_routers
 from .prompt_attention import install as fuse_prompt_attention
 from .vision_attention import install as fuse_vision_attention
+from .vision_graph import install as replay_vision_tower
 from .slot_cache import SlotKVCache
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class Decoding:
         self.profiling = False  # time every piece (eager, a device sync after each): `profile()`
         use_grouped_decode_attention(text.config)  # decode steps' masked attention without repeating K/V heads
         fewer_prompt_launches(model, text, adapter)
+        # a picture's vision tower as one graph per picture size, where decode steps are graphed (vision_graph.py)
+        self.vision = replay_vision_tower(adapter, model, self.graphs)
 
     def make_step(self, cache: SlotKVCache) -> DecodeStep:
         step = DecodeStep(self.text, self.adapter, self.output_head, cache, self.context, self.graphs, self.graph_pool)
@@ -132,6 +135,8 @@ class Decoding:
             out["check_max_difference"] = max(out["check_max_difference"], old["check_max_difference"])
         out["cache_capacity"] = self.single.capacity
         out["cache_bytes"] = self.single.cache.nbytes()
+        if self.vision is not None:  # the vision tower's replays (vision_graph.py)
+            out.update({f"vision_graph_{key}": value for key, value in self.vision.stats().items()})
         return out
 
 

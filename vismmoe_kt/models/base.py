@@ -352,6 +352,16 @@ class ModelAdapter:
         module's own forward."""
         return None
 
+    def vision_tower_replayable(self) -> bool:
+        """Whether the vision tower's forward takes `(pixels, grid_thw, **kwargs)` and the tensors it makes from the
+        grid alone precomputed (`vision_graph_inputs`), so engine/vision_graph.py may replay it per grid."""
+        return False
+
+    def vision_graph_inputs(self, vision_tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any] | None:
+        """The keyword arguments that hand the tower's forward what it would compute from `grid_thw` alone (so it
+        runs device work only); None where this family's tower cannot take them."""
+        return None
+
     def image_token_id(self, config: Any) -> int | None:
         return None
 

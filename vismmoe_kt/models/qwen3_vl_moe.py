@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import vision_utils
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
@@ -290,6 +291,22 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
         rows = visual_rows.to(out.device)
         flat[rows] = flat[rows] + embeds.to(out.device, out.dtype)
         return out
+
+    def vision_tower_replayable(self) -> bool:
+        return True
+
+    def vision_graph_inputs(self, vision_tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any] | None:
+        # what Qwen3VLMoeVisionModel.forward computes from the grid, by transformers' own helpers (vision_utils),
+        # under the names its forward takes them precomputed
+        tower = vision_tower
+        if type(tower).__name__ != "Qwen3VLMoeVisionModel":
+            return None
+        indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_thw, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+        cu_seqlens, max_seqlen = vision_utils.get_vision_attention_seqlens(grid_thw, tower.config)
+        return {"interp_indices": indices, "interp_weights": weights, "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
+                "position_ids": vision_utils.get_vision_position_ids(grid_thw, tower.spatial_merge_size)}
 
     def vision_attention_parts(self, attn: nn.Module) -> VisionAttentionParts | None:
         # Qwen3-VL's: a biased qkv projection, rotary by halves in fp32 (apply_rotary_pos_emb_vision)

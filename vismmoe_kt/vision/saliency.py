@@ -24,14 +24,25 @@ class SaliencyRecorder:
     math (the model adapter's `attention_received`)."""
 
     def __init__(self, attn: nn.Module, merge: int, received: Callable[..., torch.Tensor]):
-        self.merge, self.received = merge, received
-        self.enabled = False
+        self.attn, self.merge, self.received = attn, merge, received
         self._value: torch.Tensor | None = None
-        self._handle = attn.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._handle is not None
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """The hook sits on the attention only while enabled: a hook inside the tower keeps the tower from being
+        replayed as a CUDA graph (engine/vision_graph.py), since a replay would not run it."""
+        if on and self._handle is None:
+            self._handle = self.attn.register_forward_pre_hook(self._hook, with_kwargs=True)
+        elif not on and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def _hook(self, attn: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
         hidden = args[0] if args else kwargs["hidden_states"]
         cu = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
         pos = kwargs.get("position_embeddings")
@@ -44,4 +55,4 @@ class SaliencyRecorder:
         return value
 
     def remove(self) -> None:
-        self._handle.remove()
+        self.enabled = False

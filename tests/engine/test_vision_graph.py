@@ -1,0 +1,163 @@
+"""The vision tower replayed per picture size (engine/vision_graph.py), through the CPU twin of a CUDA graph
+(graphs: replay): the tower's own outputs to the bit for every picture, a capture per grid checked against the
+eager run, the calls and the grids it leaves eager and why, outputs that a later picture does not overwrite."""
+
+import pytest
+import torch
+from torch.utils import _pytree
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+from vismmoe_kt.engine import vision_graph
+from vismmoe_kt.engine.graphs import ReplayCapture
+from vismmoe_kt.engine.vision_graph import MAX_GRIDS, GraphedVisionTower
+from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+from vismmoe_kt.vision.saliency import SaliencyRecorder
+
+PATCH = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+
+
+def tower(seed=0):
+    config = Qwen3VLMoeVisionConfig(hidden_size=64, num_heads=4, depth=3, intermediate_size=96, out_hidden_size=48,
+                                    num_position_embeddings=64, deepstack_visual_indexes=[0, 1], patch_size=4,
+                                    temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen3VLMoeVisionModel(config).eval()
+
+
+def picture(grid, seed):
+    """(pixels, grid_thw) of images with these (t, h, w) patch grids, packed."""
+    patches = sum(t * h * w for t, h, w in grid)
+    return torch.randn(patches, PATCH, generator=torch.Generator().manual_seed(seed)), torch.tensor(grid)
+
+
+def leaves(output):
+    return _pytree.tree_flatten(output)[0]
+
+
+def assert_same(got, want):
+    assert type(got) is type(want)
+    assert len(leaves(got)) == len(leaves(want)) == 4  # last hidden state, merged tokens, two deepstack features
+    for g, w in zip(leaves(got), leaves(want)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def graphed(model, backend=ReplayCapture):
+    replayed = GraphedVisionTower(model, Qwen3VLMoeAdapter(), backend)
+    own = model.forward
+    model.forward = replayed
+    return replayed, own
+
+
+def test_each_picture_gets_the_towers_own_outputs_and_a_grid_is_captured_once():
+    model = tower()
+    replayed, own = graphed(model)
+    with torch.no_grad():
+        grids = [[[1, 4, 6]], [[1, 4, 6]], [[1, 4, 6]], [[1, 2, 2], [1, 4, 4]], [[1, 2, 2], [1, 4, 4]]]
+        for seed, grid in enumerate(grids):  # one size, then two images packed
+            pixels, grid_thw = picture(grid, seed)
+            assert_same(model(pixels, grid_thw=grid_thw, return_dict=True),
+                        own(pixels, grid_thw=grid_thw, return_dict=True))
+    stats = replayed.stats()
+    assert stats["captures"] == 2 and stats["grids"] == 2     # one per picture size
+    assert stats["replays"] == 3 and stats["eager_calls"] == 2  # each grid's first picture runs eagerly
+    assert stats["check_failures"] == stats["capture_failures"] == 0 and "reason_eager" not in stats
+
+
+def test_a_replays_outputs_are_its_own_not_the_graphs_buffers():
+    model = tower()
+    replayed, own = graphed(model)
+    with torch.no_grad():
+        model(*picture([[1, 4, 6]], 0)[:1], grid_thw=torch.tensor([[1, 4, 6]]), return_dict=True)  # the capture
+        first_pixels, grid_thw = picture([[1, 4, 6]], 1)
+        first = model(first_pixels, grid_thw=grid_thw, return_dict=True)
+        kept = [t.clone() for t in leaves(first)]
+        model(picture([[1, 4, 6]], 2)[0], grid_thw=grid_thw, return_dict=True)  # the next replay writes the buffers
+    assert replayed.counters.replays == 2
+    for now, then in zip(leaves(first), kept):
+        torch.testing.assert_close(now, then, rtol=0, atol=0)
+
+
+def test_calls_a_replay_cannot_stand_for_run_the_tower_itself():
+    model = tower()
+    replayed, own = graphed(model)
+    pixels, grid_thw = picture([[1, 4, 6]], 0)
+    with torch.no_grad():
+        model(pixels, grid_thw=grid_thw, return_dict=True)
+        # the saliency recorder's hook inside the tower, while compression asks for saliency: a replay would skip it
+        recorder = SaliencyRecorder(model.blocks[-1].attn, 2, Qwen3VLMoeAdapter().attention_received)
+        recorder.enabled = True
+        model(pixels, grid_thw=grid_thw, return_dict=True)
+        assert recorder.take() is not None and replayed.counters.replays == 0
+        recorder.enabled = False  # the hook leaves with it
+        model(pixels, grid_thw=grid_thw, return_dict=True)
+        assert replayed.counters.replays == 1 and recorder.take() is None
+        out = model(pixels, grid_thw=grid_thw, return_dict=True, output_hidden_states=True)  # more than the output
+        assert out.hidden_states is not None and replayed.counters.replays == 1
+    model(pixels, grid_thw=grid_thw, return_dict=True)  # gradients on
+    assert replayed.counters.replays == 1 and replayed.counters.eager_calls == 4
+
+
+class WrongReplay(ReplayCapture):
+    """A capture whose replays write something else than the segment computes."""
+    def capture(self, run):
+        replay, outputs = super().capture(run)
+
+        def wrong():
+            replay()
+            outputs[1].add_(1.0)
+        return wrong, outputs
+
+
+class BrokenCapture(ReplayCapture):
+    def capture(self, run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("backend,counter,reason", [
+    (WrongReplay, "check_failures", "differed from the eager tower"),
+    (BrokenCapture, "capture_failures", "capture failed: RuntimeError")])
+def test_a_grid_whose_capture_fails_or_differs_stays_eager_and_says_why(backend, counter, reason):
+    model = tower()
+    replayed, own = graphed(model, backend)
+    with torch.no_grad():
+        for seed in range(3):
+            pixels, grid_thw = picture([[1, 4, 6]], seed)
+            assert_same(model(pixels, grid_thw=grid_thw, return_dict=True),
+                        own(pixels, grid_thw=grid_thw, return_dict=True))
+    stats = replayed.stats()
+    assert stats[counter] == 1 and reason in stats["reason_eager"]
+    assert stats["replays"] == 0 and stats["eager_calls"] == 3 and stats["grids"] == 0
+
+
+def test_at_most_max_grids_are_kept_the_oldest_going_first():
+    model = tower()
+    replayed, _ = graphed(model)
+    sizes = [[[1, 2, 2 * (i + 1)]] for i in range(MAX_GRIDS + 1)]
+    with torch.no_grad():
+        for seed, grid in enumerate(sizes):
+            model(*picture(grid, seed)[:1], grid_thw=torch.tensor(grid), return_dict=True)
+        assert replayed.stats()["grids"] == MAX_GRIDS
+        model(*picture(sizes[0], 9)[:1], grid_thw=torch.tensor(sizes[0]), return_dict=True)  # captured again
+    assert replayed.counters.captures == MAX_GRIDS + 2 and replayed.counters.replays == 0
+
+
+def test_install_needs_graphs_and_a_family_whose_tower_takes_its_grid_tensors():
+    class NoGrids(Qwen3VLMoeAdapter):
+        def vision_tower_replayable(self):
+            return False
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.visual = tower()
+
+    assert vision_graph.install(Qwen3VLMoeAdapter(), Model(), "off") is None
+    assert vision_graph.install(Qwen3VLMoeAdapter(), Model(), "auto") is None  # auto on the CPU: no graphs
+    assert vision_graph.install(NoGrids(), Model(), "replay") is None
+    model = Model()
+    installed = vision_graph.install(Qwen3VLMoeAdapter(), model, "replay")
+    assert installed is not None and model.model.visual.forward is installed
+    assert vision_graph.install(Qwen3VLMoeAdapter(), model, "replay") is None  # not twice
