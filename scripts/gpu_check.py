@@ -506,9 +506,11 @@ def check_stores(out: str | None) -> int:
 
 
 def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
-    """BF16, Q4_K slabs for 40 of the offloaded layers' 64 experts: the prompt streams each next offloaded layer
-    in while the one before computes, and its offloaded layers compute from the slabs in place (the quantized
-    expert-major kernels, no bank decoded); its logits against the CPU twin's (BF16 rounding apart)."""
+    """BF16, Q4_K slabs for 40 of the two offloaded layers' 64 experts: the prompt streams each next offloaded
+    layer in while the one before computes (the first, whole, while the pinned layer computes: computed from its
+    slabs unread; the second, which the slabs cannot hold beside the first, placed after its routing's read),
+    each offloaded layer computed from the slabs in place (the quantized expert-major kernels, no bank decoded);
+    its logits against the CPU twin's (BF16 rounding apart)."""
     block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt="q4_k").block_bytes
     runs = {}
     for device in ("cpu", "cuda:0"):
@@ -520,15 +522,16 @@ def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]
         with torch.inference_mode():
             logits = model(**inputs).logits.float().cpu()
         summary = runtime.summary()
-        runs[device] = logits, runtime.plan, summary["prefill_prefetches"], summary["prefill_fetches"]
-    (cpu_logits, *_), (logits, plan, prefetches, misses) = runs["cpu"], runs["cuda:0"]
+        runs[device] = logits, runtime.plan, summary["prefill_prefetches"], summary["prefill_fetches"], \
+            runtime.host_reads
+    (cpu_logits, *_), (logits, plan, prefetches, misses, reads) = runs["cpu"], runs["cuda:0"]
     error = ((logits - cpu_logits).norm() / cpu_logits.norm()).item()
     row = {"store": "q4_k", "slabs": "quantized, 40 of 64 (streamed prefill, BF16)", "prefill": plan.prefill,
            "prefill_kernels": plan.prefill_kernels, "relative_logit_error_vs_cpu": error,
-           "prefill_prefetches": prefetches, "prefill_fetches": misses}
+           "prefill_prefetches": prefetches, "prefill_fetches": misses, "prefill_host_reads": reads}
     results.append(row)
     print(json.dumps(row), flush=True)
-    return plan.prefill == "streamed" and plan.prefill_kernels and error <= 3e-2 and prefetches > 0
+    return plan.prefill == "streamed" and plan.prefill_kernels and error <= 3e-2 and prefetches > 0 and reads == 1
 
 
 def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:

@@ -4,8 +4,11 @@ landed (here, on the CPU, copies land at once). A short prompt, or decode, leave
 charge. Outputs equal the experts computed from the host store either way."""
 import torch
 
+from vismmoe_kt.runtime.eviction import CycleRanking
 from vismmoe_kt.runtime.offload import OffloadRuntime
 from vismmoe_kt.runtime.offload_settings import OffloadSettings
+from vismmoe_kt.runtime.slab_cache import SlabCache
+from vismmoe_kt.runtime.store import ExpertStore
 
 E, H, I, K = 8, 16, 8, 2
 LAYERS = [0, 1, 2, 3]
@@ -31,15 +34,15 @@ def reference(weights, hidden, ids, w):
     return torch.einsum("tk,tkh->th", w, torch.einsum("tkhi,tki->tkh", down[ids], torch.nn.functional.silu(gate) * up))
 
 
-def prompt(runtime, weights, tokens, seed):
+def prompt(runtime, weights, tokens, seed, h=H, atol=1e-5):
     generator = torch.Generator().manual_seed(seed)
     act = torch.nn.SiLU()
     for layer in LAYERS:
-        hidden = torch.randn(tokens, H, generator=generator)
+        hidden = torch.randn(tokens, h, generator=generator)
         ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
         w = torch.rand(tokens, K, generator=generator)
         out = runtime.run_layer(layer, hidden, ids, w, act)
-        torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-4, atol=atol)
 
 
 def prefill_counts(runtime):
@@ -59,10 +62,18 @@ def test_a_long_prompt_finds_every_offloaded_layer_but_the_first_already_copied(
     assert all(hits == E for _, hits in counts), counts
     streamed = runtime.residency.cache_counters["prefill"].prefetches
     assert streamed == 3 * E  # every offloaded expert once (the slabs were empty)
-    # a second prompt: the slabs hold the last three layers, the first layer's copies evict the second's, which
-    # come back ahead of it (the streamed priorities of the first prompt, spent, do not block them)
+    # the last layer's stream evicted the layer that had just run (layer 1: it runs again last), so the slabs
+    # hold layers 0, 2 and 3
+    cache = runtime.residency.cache
+    assert sorted({layer for layer, _ in cache.where}) == [0, 2, 3]
+    # a second prompt: layers 0 and 2 stay, 1 and 3 cycle through the third layer's slabs (by recency every
+    # layer would be copied again: the first prompt's oldest, layer 0, would go first); the streamed priorities
+    # of the first prompt, spent, do not block the copies
+    copies = runtime.transfers.counters.copies
     prompt(runtime, weights, tokens=32, seed=2)
     assert [misses for misses, _ in prefill_counts(runtime)] == [0, 0, 0]
+    assert runtime.residency.counters["prefill"][0].misses == E  # the first prompt's only: layer 0 stayed
+    assert runtime.transfers.counters.copies - copies == 2 * E
 
 
 def test_a_short_prompt_is_placed_layer_by_layer():
@@ -80,3 +91,48 @@ def test_miss_policy_cpu_keeps_every_miss_for_the_cpu_and_auto_streams():
     assert runtime.plan.hybrid and runtime.plan.prefill == "streamed"
     prompt(runtime, weights, tokens=32, seed=4)
     assert [misses for misses, _ in prefill_counts(runtime)] == [0, 0, 0]
+
+
+def test_a_streamed_layers_victims_are_the_slabs_whose_layer_runs_again_last():
+    cache = SlabCache(8, LAYERS, "lru")
+    for slab, key in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]):
+        assert cache.assign(key, urgent=True) == slab
+        cache.complete(slab)
+    cache.begin_layer(1, [0])  # layer 1 runs, using its expert 0 (slab 2)
+    order = list(cache.victims_by_cycle())
+    # from layer 1: layer 0 runs again last (3 layers on), then 3, then 2, then 1's unused slab; slab 2 is in use
+    assert [cache.owner[slab][0] for slab in order] == [0, 0, 3, 3, 2, 2, 1]
+    assert 2 not in order
+    # the admission rule still holds: a stream never evicts a slab worth as much as itself
+    cache.priority[(0, 0)] = cache.priority[(0, 1)] = 2.0  # (say, streamed and not run yet)
+    assert cache.assign_many([(1, 2)], [2.0], ranking=CycleRanking()) == [None]
+
+
+def test_quantized_slabs_compute_a_streamed_layer_without_reading_its_routing():
+    """Q8_0 store and slabs: every offloaded layer of a long prompt is streamed whole (the first as it starts,
+    each later one while the one before computes) and computes from its slabs through the row map, its routing
+    unread, equal to the store's experts."""
+    h = i = 256  # whole 256-weight tiles
+    block = ExpertStore(E, h, i, torch.float32, False, "q8_0").block_bytes
+    # three layers' worth of quantized slabs: fewer than every offloaded expert
+    settings = OffloadSettings(expert_budget=3 * E * block, policy="lru", pinned_layers=0, prefetch_window=1,
+                               store_dtype="q8_0", slab_format="quantized")
+    runtime = OffloadRuntime(settings, LAYERS, E, h, i, torch.float32, "cpu", top_k=K)
+    generator = torch.Generator().manual_seed(0)
+    for layer in LAYERS:
+        runtime.load_layer(layer, torch.randn(E, 2 * i, h, generator=generator) / 4,
+                           torch.randn(E, h, i, generator=generator) / 4)
+    assert runtime.plan.quantized_slabs and runtime.plan.prefill == "streamed" and runtime.num_slabs == 3 * E
+    assert "unread" in runtime.plan.why["prefill"]
+    store, res = runtime.store, runtime.residency
+    weights = {layer: store.dequantized(store.layers[layer], layer) for layer in LAYERS}
+    for seed in (1, 2):
+        reads = res.host_reads
+        prompt(runtime, weights, tokens=32, seed=seed, h=h, atol=2e-4)  # sums of 256 products, in another order
+        assert res.host_reads == reads  # the first offloaded layer too: streamed as it starts
+    counters = res.counters["prefill"]
+    assert all(counters[layer].hits + counters[layer].late == 2 * E for layer in LAYERS)  # all E, twice
+    # a short prompt does not stream: each layer is placed after its read
+    reads = res.host_reads
+    prompt(runtime, weights, tokens=2, seed=3, h=h, atol=2e-4)
+    assert res.host_reads - reads == len(LAYERS)

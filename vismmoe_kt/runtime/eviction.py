@@ -1,9 +1,11 @@
 """Eviction rankings, the slab cache's swappable strategy, and the choice of one for decode.
 
-A ranking orders the cache's evictable slabs (slab_cache.py holds the state and both orders):
+A ranking orders the cache's evictable slabs (slab_cache.py holds the state and the orders):
 - `RecencyRanking` ("lru"): the least recently used first, whatever its class.
 - `RouterRanking` ("vismmoe", VisMMOE 3.4.2): Expired slabs first, by the router's averaged
   probability once table decode gives it (else by recency), then Speculative ones by priority.
+- `CycleRanking`: the slab whose layer runs again last first; only for a long prompt's streamed layers
+  (Transfers.stream), whatever ranking decode runs.
 The cache holds one ranking object and asks it for victims; choosing another is assigning another
 (`cache.ranking = ...`), never a mode flag tested per layer.
 
@@ -40,6 +42,19 @@ class RouterRanking:
         if cache.usage is not None:  # table decode's router averages (set once a step)
             return cache.victims_by_usage()
         return cache.victims_by_recency(speculative_last=True)
+
+
+class CycleRanking:
+    """A long prompt's streamed layers (Transfers.stream): the slab whose layer runs again last goes first.
+    A prompt runs the layers in a fixed cycle, one after another, and the next prompt in the same order, so
+    the layer that has just run is the one needed furthest ahead: Belady's choice. By recency the cache would
+    instead evict the layer the next prompt needs first, and a budget of n layers' slabs would copy every
+    layer in again at every prompt; this way it keeps a fixed set and cycles the rest through the remaining
+    slabs, as a static split by layer does."""
+    name = "cycle"
+
+    def victims(self, cache: Any) -> Iterator[int]:
+        return cache.victims_by_cycle()
 
 
 # steps whose medians differ by at most this share of the slower are a tie, which keeps lru: a smaller gap is

@@ -219,7 +219,8 @@ def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, miss_policy: str
         return "placement", "every offloaded expert has a slab, but the slabs are not quantized"
     if miss_policy == "cpu":
         return "placement", "not every offloaded expert has a slab; miss_policy cpu gives every miss to the CPU"
-    return "streamed", "not every offloaded expert has a slab: a long prompt's next layer is copied in a layer ahead"
+    unread = ", and a layer it covered computed from its quantized slabs unread" if quantized_slabs else ""
+    return "streamed", f"not every offloaded expert has a slab: a long prompt's next layer is copied in a layer ahead{unread}"
 
 
 def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:

@@ -14,6 +14,9 @@ Rankings (eviction.py: the cache holds one ranking object, `ranking`, and a swap
   routing, benchmarks/eviction_study.py); among Speculative the lowest prefetch priority.
 - `lru`: the least recently used resident expert, whatever its layer (on-demand caching as in
   earlier MoE offloading work).
+- a long prompt's streamed layers (eviction.CycleRanking, passed to `assign_many`): the slab whose layer
+  runs again last, whatever the cache's ranking: a prompt's layers run in a fixed cycle, where that ranking,
+  unlike decode's reuse of recent experts, is Belady's.
 Whatever the ranking, a prefetch (a priority given) is admitted only if the next victim is worth less
 than what it brings in: a Speculative victim's priority, an Expired one's router average (0 while
 none is known), must be below the prefetch's priority, else the prefetch (and every lower one after
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -94,6 +97,8 @@ class SlabCache:
         self.last_use = [0] * self.num_slabs
         self._usage_of: tuple | None = None  # (the `usage` dict, its (rows + 1, E) table, each layer's row)
         self._position = {layer: i for i, layer in enumerate(self.layer_order)}
+        self._position_of = np.zeros(max(self.layer_order, default=0) + 1, dtype=np.int64)  # the same, by array
+        self._position_of[list(self.layer_order)] = np.arange(len(self.layer_order))
         self._free = list(range(self.num_slabs - 1, -1, -1))  # pop() gives slab 0 first
 
     # --- layer lifecycle ------------------------------------------------------------------
@@ -142,10 +147,11 @@ class SlabCache:
         return self.assign_many([key], None if priority is None else [priority], urgent)[0]
 
     def assign_many(self, keys: list[Key], priorities: list[float] | None = None, urgent: bool = False,
-                    count: bool = True) -> list[int | None]:
+                    count: bool = True, ranking: Any = None) -> list[int | None]:
         """Slabs for several experts at once (one ranking pass). Prefetches come in priority order and
         stop at the first that may not evict anything; urgent fetches take any non-Required victim.
-        `count=False`: landing reservations (see `land`), counted when something lands."""
+        `count=False`: landing reservations (see `land`), counted when something lands. `ranking`: whose
+        victims (default: the cache's own `ranking`)."""
         out: list[int | None] = []
         victims: Iterator[int] | None = None
         for i, key in enumerate(keys):
@@ -155,7 +161,7 @@ class SlabCache:
             slab = self._free.pop() if self._free else None
             if slab is None:
                 if victims is None:
-                    victims = self._victims()
+                    victims = (ranking or self.ranking).victims(self)
                 slab = self._next_victim(victims, None if urgent else priority)
                 if slab is None:
                     out.extend([None] * (len(keys) - i))
@@ -315,6 +321,20 @@ class SlabCache:
         speculative = order[evictable & ~ran].tolist()
         speculative.sort(key=self._priority_of)  # stable: equal priorities go least recent first
         yield from speculative
+
+    def victims_by_cycle(self) -> Iterator[int]:
+        """Evictable slabs (resident, not used by the executing layer) whose layer runs again last first, in the
+        cycle of `layer_order` from the executing layer (or the last one run); least recent first among equals."""
+        order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
+        evictable = self._slab_resident[order]
+        if self.in_use:
+            busy = np.zeros(self.num_slabs, dtype=bool)
+            busy[list(self.in_use)] = True
+            evictable &= ~busy[order]
+        order = order[evictable]
+        here = self._position[self.executing] if self.executing is not None else self._frontier
+        distance = (self._position_of[self._slab_layer[order]] - here) % len(self.layer_order)
+        yield from order[np.argsort(-distance, kind="stable")].tolist()
 
     def _next_victim(self, victims: Iterator[int], for_priority: float | None) -> int | None:
         for slab in victims:

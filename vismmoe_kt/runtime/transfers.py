@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .eviction import CycleRanking
 from .slab_cache import Key, SlabCache
 from .store import ExpertStore
 
@@ -50,6 +51,9 @@ class TransferCounters:
                 else:
                     pending.append((start, end, *copies))
             setattr(self, attr, pending)
+
+
+STREAMED_VICTIMS = CycleRanking()  # a streamed layer's victims (stream)
 
 
 class Transfers:
@@ -273,11 +277,12 @@ class Transfers:
         flight, and drop the prefetch queue's guesses: a long prompt's next offloaded layer, needed once the
         layer computing now is done (streamed prefill, executors/placement.py). Through the queue the worker
         issued them `max_in_flight` at a time and waited for each group, leaving the link idle between
-        groups. `priority` is the prefetch priority the cache admits them with. Returns how many were issued."""
+        groups. `priority` is the prefetch priority the cache admits them with; the victims are the slabs whose
+        layer runs again last (eviction.CycleRanking), not the cache's ranking. Returns how many were issued."""
         with self.lock:
             self.queue.clear()
             missing = [key for key in keys if key not in self.cache.where]
-            slabs = self.cache.assign_many(missing, [priority] * len(missing))
+            slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=STREAMED_VICTIMS)
             taken = [(slab, key) for slab, key in zip(slabs, missing) if slab is not None]
             self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
             return len(taken)

@@ -78,6 +78,8 @@ class PlacementExecutor:
     def unfill(self) -> None:
         """The offloaded layers' path before any fill (and again after a cache reset emptied the slabs)."""
         offloaded = self._offloaded if self.filled is None else self._fill_first
+        if self.filled is None and self.res.plan.prefill == "streamed" and self.res.quantized_slabs:
+            offloaded = self._streamed_or_placed  # a streamed layer computes from its slabs in place, unread
         self.by_layer.update({layer: offloaded for layer in self.res.offloaded})
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -142,6 +144,41 @@ class PlacementExecutor:
             res.cache.end_layer(layer)
         return out
 
+    def _streamed_or_placed(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
+        """Quantized slabs under streamed prefill: a layer whose every expert the stream gave a slab (resident or
+        on its way) needs no routing read. Its row map names all of them, the compute stream waits for their
+        copies, and the expert-major kernels read whichever experts the tokens chose, so the host queues the
+        layer and goes on to the next one while the device works: the prompt's layers overlap their copies
+        instead of stopping at each layer's read. Anything else (decode, a short prompt, a layer the stream
+        could not cover) is placed after its read. A long prompt's first offloaded layer, which no layer before
+        it streamed, is streamed as it starts: its copies are not overlapped, but it is not read either."""
+        res = self.res
+        experts = list(range(res.num_experts))
+        if phase == "prefill" and layer not in self._streamed and self._long_prompt(hidden.shape[0]):
+            self._stream(layer)  # the prompt's first offloaded layer: nothing before it streamed it
+        with res.lock:
+            streamed = phase == "prefill" and layer in self._streamed and \
+                all((layer, e) in res.cache.where for e in experts)
+            if streamed:
+                res.transfers.poll()
+                placed = res.cache.begin_layer(layer, experts)
+                res.cache.spend_priorities(self._streamed.pop(layer))
+                # every expert of the layer counts: its routing is not read, so which it used is not known
+                counters.hits += len(placed["hit"])
+                counters.late += len(placed["late"])
+                slabs = [res.cache.where[(layer, e)] for e in experts]
+                res.transfers.wait_for(slabs)
+                res.upload_rows(layer, experts, slabs)
+        if not streamed:
+            return self._offloaded(layer, hidden, top_k_index, top_k_weights, act, phase, counters)
+        self._prefetch_after(layer, hidden)
+        out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act)
+        with res.lock:
+            res.transfers.release(slabs)
+            res.cache.end_layer(layer)
+        return out
+
     @staticmethod
     def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
         return (top_k_index,)
@@ -157,15 +194,21 @@ class PlacementExecutor:
     def _stream_or_policy(self, layer: int, hidden: torch.Tensor) -> None:
         """A long prompt: the next offloaded layer's experts, queued in place of the policy's guesses
         (which, for a prompt, are none: its history is a decode step's). Else the policy's."""
-        res = self.res
         ahead = self._next_offloaded[layer]
-        tokens = hidden.shape[0]
-        if res.phase != "prefill" or ahead is None or \
-                1 - (1 - res.top_k / res.num_experts) ** tokens < STREAM_COVERAGE:
+        if self.res.phase != "prefill" or ahead is None or not self._long_prompt(hidden.shape[0]):
             self._policy_after_layer(layer, hidden)
             return
-        keys = self._streamed[ahead] = [(ahead, e) for e in range(res.num_experts)]
-        res.transfers.stream(keys, STREAM_PRIORITY)
+        self._stream(ahead)
+
+    def _long_prompt(self, tokens: int) -> bool:
+        """Whether a prompt of this many tokens is expected to reach most of a layer's experts."""
+        res = self.res
+        return 1 - (1 - res.top_k / res.num_experts) ** tokens >= STREAM_COVERAGE
+
+    def _stream(self, layer: int) -> None:
+        """Every expert of `layer` without a slab to the copy stream now, at the streamed priority."""
+        keys = self._streamed[layer] = [(layer, e) for e in range(self.res.num_experts)]
+        self.res.transfers.stream(keys, STREAM_PRIORITY)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
