@@ -101,6 +101,11 @@
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
+#   bash scripts/device_session.sh whatif [PX BUDGET STRENGTH]  #46's sensitivity curve, one point a call: lru, VisMMOE
+#                                                   without compression (offload) and with it (vismmoe: keep 0.5) at
+#                                                   PX (1344) and BUDGET (16GiB), 128 decoded tokens, routing
+#                                                   synthetic:affinity=STRENGTH (0.283: the paper's +32%; 0: the
+#                                                   calibrated router) (WHATIF_CONFIGS, WHATIF_TOKENS override)
 #   bash scripts/device_session.sh hosttrace        one resident request profiled; its prefill's host time by runtime call and
 #                                                   op (benchmarks/host_trace.py), its decode's gaps of the host per step
 #                                                   (HOSTTRACE_CONFIGS: another configuration; PROFILE_STACKS=1: Python
@@ -372,6 +377,16 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                     lru:expert_budget=6GiB,store_dtype=q4_k} | tee "$OUT/defaults$px.txt" || true
                 rows_up "$OUT/defaults$px"
               done ;;
+    whatif) shift  # #46: the affinity what-if in the bench, end to end: lru, VisMMOE without and with compression
+            px=${1:-1344}; budget=${2:-16GiB}; strength=${3:-0.283}
+            shift $(( $# < 3 ? $# : 3 ))
+            routing=synthetic
+            [[ $strength == 0 ]] || routing="synthetic:affinity=$strength"  # 0: the calibrated router itself
+            timeout ${WHATIF_TIMEOUT:-570} python3 -m benchmarks.decode_bench --out "$OUT/whatif-$px-$budget-$strength" \
+              --layers 48 --reps 2 --image_size "$px" --decode_tokens ${WHATIF_TOKENS:-128} --routing "$routing" \
+              --configs ${WHATIF_CONFIGS:-lru:expert_budget=$budget offload:expert_budget=$budget \
+                vismmoe:expert_budget=$budget} | tee "$OUT/whatif-$px-$budget-$strength.txt" || true
+            rows_up "$OUT/whatif-$px-$budget-$strength" ;;
     hosttrace) shift
                timeout 240 python3 -m benchmarks.decode_bench --out "$OUT/hosttrace" --layers 48 --reps 1 --image_size 448 \
                  --decode_tokens 16 --routing synthetic --kernels --configs ${HOSTTRACE_CONFIGS:-"$RESIDENT"} \
