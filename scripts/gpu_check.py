@@ -263,6 +263,7 @@ def check_vision_graph() -> dict:
             grid = torch.tensor([[1, side, side]], device="cuda")
             runs = {}
             for name, forward in (("eager", own), ("graphed", tower)):
+                _scribble()  # a replay reading memory it does not hold would read this
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 runs[name] = forward(pixels, grid_thw=grid, return_dict=True)
@@ -278,6 +279,13 @@ def check_vision_graph() -> dict:
     return {"check": "vision tower replayed per picture size vs its own forward, BF16", **stats,
             "max_difference_at_scale": worst, "eager_ms": [round(s * 1e3, 2) for s in seconds["eager"]],
             "graphed_ms": [round(s * 1e3, 2) for s in seconds["graphed"]], "ok": bool(ok)}
+
+
+def _scribble() -> None:
+    """Device memory of many small sizes taken from the allocator, filled with garbage and given back: a graph
+    that reads tensors it does not hold (freed after its capture) then reads garbage, which the check sees."""
+    junk = [torch.full((n,), -7, dtype=torch.int64, device="cuda") for n in (4, 64, 1024, 16384) for _ in range(64)]
+    del junk
 
 
 def _leaves(output) -> list:

@@ -2,6 +2,9 @@
 (graphs: replay): the tower's own outputs to the bit for every picture, a capture per grid checked against the
 eager run, the calls and the grids it leaves eager and why, outputs that a later picture does not overwrite."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.utils import _pytree
@@ -143,6 +146,34 @@ def test_at_most_max_grids_are_kept_the_oldest_going_first():
     assert replayed.counters.captures == MAX_GRIDS + 2 and replayed.counters.replays == 0
 
 
+class FrozenCapture:
+    """Like a CUDA graph, keeps nothing of the run it captured: the outputs of one run, a replay that calls nothing."""
+    def capture(self, run):
+        outputs = tuple(t.clone() for t in run())
+        return (lambda: None), outputs
+
+
+def test_a_grids_tensors_live_as_long_as_its_graph():
+    """A CUDA graph reads the grid's tensors by address: they must outlive the capture, held by the grid."""
+    model = tower()
+    adapter = Qwen3VLMoeAdapter()
+    made = []
+
+    class Recording(Qwen3VLMoeAdapter):
+        def vision_graph_inputs(self, vision_tower, grid_thw):
+            inputs = adapter.vision_graph_inputs(vision_tower, grid_thw)
+            made.extend(weakref.ref(t) for t in inputs.values() if isinstance(t, torch.Tensor))
+            return inputs
+
+    replayed = GraphedVisionTower(model, Recording(), FrozenCapture)
+    model.forward = replayed
+    with torch.no_grad():
+        model(*picture([[1, 4, 6]], 0)[:1], grid_thw=torch.tensor([[1, 4, 6]]), return_dict=True)
+    gc.collect()
+    assert replayed.stats()["grids"] == 1 and len(made) == 4
+    assert all(ref() is not None for ref in made)
+
+
 def test_install_needs_graphs_and_a_family_whose_tower_takes_its_grid_tensors():
     class NoGrids(Qwen3VLMoeAdapter):
         def vision_tower_replayable(self):
@@ -161,3 +192,24 @@ def test_install_needs_graphs_and_a_family_whose_tower_takes_its_grid_tensors():
     installed = vision_graph.install(Qwen3VLMoeAdapter(), model, "replay")
     assert installed is not None and model.model.visual.forward is installed
     assert vision_graph.install(Qwen3VLMoeAdapter(), model, "replay") is None  # not twice
+
+    class Wrapper(torch.nn.Module):  # an operator a rule put around the tower, passing every call through
+        is_injected_operator = True
+
+        def __init__(self, orig_module):
+            super().__init__()
+            self.orig_module = orig_module
+
+        def forward(self, *args, **kwargs):
+            return self.orig_module(*args, **kwargs)
+
+    model = Model()
+    inner = model.model.visual
+    model.model.visual = Wrapper(inner)
+    installed = vision_graph.install(Qwen3VLMoeAdapter(), model, "replay")
+    assert installed is not None and inner.forward is installed  # the tower inside, whose grid tensors it knows
+    with torch.no_grad():
+        for seed in range(2):
+            pixels, grid_thw = picture([[1, 4, 6]], seed)
+            model.model.visual(pixels, grid_thw=grid_thw, return_dict=True)
+    assert installed.stats()["replays"] == 1

@@ -2,6 +2,7 @@
 copy stream as soon as a layer is placed, before its routing is known, so its placement finds the experts
 landed (here, on the CPU, copies land at once). A short prompt, or decode, leaves the prefetch policy in
 charge. Outputs equal the experts computed from the host store either way."""
+import pytest
 import torch
 
 from vismmoe_kt.runtime.eviction import CycleRanking
@@ -100,21 +101,22 @@ def test_a_streamed_layers_victims_are_the_slabs_whose_layer_runs_again_last():
         cache.complete(slab)
     cache.begin_layer(1, [0])  # layer 1 runs, using its expert 0 (slab 2)
     order = list(cache.victims_by_cycle())
-    # from layer 1: layer 0 runs again last (3 layers on), then 3, then 2, then 1's unused slab; slab 2 is in use
-    assert [cache.owner[slab][0] for slab in order] == [0, 0, 3, 3, 2, 2, 1]
+    # layer 1 itself runs again last (a whole cycle on): its unused slab first; then 0, 3, and 2 (next) last;
+    # slab 2 is in use
+    assert [cache.owner[slab][0] for slab in order] == [1, 0, 0, 3, 3, 2, 2]
     assert 2 not in order
     # the admission rule still holds: a stream never evicts a slab worth as much as itself
-    cache.priority[(0, 0)] = cache.priority[(0, 1)] = 2.0  # (say, streamed and not run yet)
+    cache.priority[(1, 1)] = 2.0  # (say, streamed for a layer that has not run yet)
     assert cache.assign_many([(1, 2)], [2.0], ranking=CycleRanking()) == [None]
+    cache.end_layer(1)  # with no layer running, from the last one run: 1 again last, then 0, 3, 2
+    assert [cache.owner[slab][0] for slab in cache.victims_by_cycle()] == [1, 1, 0, 0, 3, 3, 2, 2]
 
 
-def test_quantized_slabs_compute_a_streamed_layer_without_reading_its_routing():
-    """Q8_0 store and slabs: every offloaded layer of a long prompt is streamed whole (the first as it starts,
-    each later one while the one before computes) and computes from its slabs through the row map, its routing
-    unread, equal to the store's experts."""
+def quantized_runtime():
+    """(runtime, the store's experts per layer, hidden size): Q8_0 store and slabs, three layers' worth of slabs
+    for the four offloaded layers."""
     h = i = 256  # whole 256-weight tiles
     block = ExpertStore(E, h, i, torch.float32, False, "q8_0").block_bytes
-    # three layers' worth of quantized slabs: fewer than every offloaded expert
     settings = OffloadSettings(expert_budget=3 * E * block, policy="lru", pinned_layers=0, prefetch_window=1,
                                store_dtype="q8_0", slab_format="quantized")
     runtime = OffloadRuntime(settings, LAYERS, E, h, i, torch.float32, "cpu", top_k=K)
@@ -122,10 +124,18 @@ def test_quantized_slabs_compute_a_streamed_layer_without_reading_its_routing():
     for layer in LAYERS:
         runtime.load_layer(layer, torch.randn(E, 2 * i, h, generator=generator) / 4,
                            torch.randn(E, h, i, generator=generator) / 4)
+    store = runtime.store
+    return runtime, {layer: store.dequantized(store.layers[layer], layer) for layer in LAYERS}, h
+
+
+def test_quantized_slabs_compute_a_streamed_layer_without_reading_its_routing():
+    """Q8_0 store and slabs: every offloaded layer of a long prompt is streamed whole (the first as it starts,
+    each later one while the one before computes) and computes from its slabs through the row map, its routing
+    unread, equal to the store's experts."""
+    runtime, weights, h = quantized_runtime()
     assert runtime.plan.quantized_slabs and runtime.plan.prefill == "streamed" and runtime.num_slabs == 3 * E
     assert "unread" in runtime.plan.why["prefill"]
-    store, res = runtime.store, runtime.residency
-    weights = {layer: store.dequantized(store.layers[layer], layer) for layer in LAYERS}
+    res = runtime.residency
     for seed in (1, 2):
         reads = res.host_reads
         prompt(runtime, weights, tokens=32, seed=seed, h=h, atol=2e-4)  # sums of 256 products, in another order
@@ -136,3 +146,34 @@ def test_quantized_slabs_compute_a_streamed_layer_without_reading_its_routing():
     reads = res.host_reads
     prompt(runtime, weights, tokens=2, seed=3, h=h, atol=2e-4)
     assert res.host_reads - reads == len(LAYERS)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_layer_that_raises_leaves_the_cache_ready_for_the_next_prompt(quantized, monkeypatch):
+    """The compute of a layer fails mid-prompt (say, out of memory): the error reaches the caller, the cache is in
+    no layer, the prompt's streams are dropped with their priorities, and the next prompt runs and is right."""
+    from vismmoe_kt.runtime.executors import placement
+
+    if quantized:
+        runtime, weights, h = quantized_runtime()
+        target, name = placement, "experts_from_slabs"
+    else:
+        (runtime, weights), h = make_runtime(slabs=3 * E), H
+        target, name = placement.PlacementExecutor, "_compute_on_gpu"
+    real, calls = getattr(target, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second offloaded layer
+            raise RuntimeError("CUDA out of memory (a test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prompt(runtime, weights, tokens=32, seed=1, h=h, atol=2e-4)
+    cache = runtime.residency.cache
+    assert cache.executing is None and not cache.in_use
+    assert not any(p >= 2.0 for p in cache.priority.values())  # no streamed priority left to block copies
+    cache.check_invariants()
+    prompt(runtime, weights, tokens=32, seed=2, h=h, atol=2e-4)  # the next prompt (the failure no longer fires)
+    assert cache.executing is None

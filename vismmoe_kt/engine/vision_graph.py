@@ -60,6 +60,10 @@ class _Grid:
     replay: Callable[[], None]
     outputs: State              # the tensor leaves the graph writes, in the eager output's order
     spec: Any                   # how the leaves make the tower's output again (torch pytree)
+    # the grid's tensors the graph reads (made outside its pool): held as long as the graph, or the allocator
+    # would hand their memory to whatever runs next and a replay would read that
+    inputs: dict[str, Any]
+    grid_thw: torch.Tensor
 
 
 class GraphedVisionTower:
@@ -133,7 +137,7 @@ class GraphedVisionTower:
             self.counters.check_failures += 1
             self.counters.reason_eager = failure
             return eager
-        self.grids[key] = _Grid(pixels, replay, outputs, spec)
+        self.grids[key] = _Grid(pixels, replay, outputs, spec, inputs, grid_thw)
         return eager
 
     def stats(self) -> dict[str, Any]:
@@ -173,6 +177,9 @@ def install(adapter: ModelAdapter, model: nn.Module, mode: str) -> GraphedVision
     if mode == "off" or not adapter.vision_tower_replayable():
         return None
     tower = adapter.vision_tower(model)
+    # an operator that wraps the tower (a rule's VisionSaliency, which passes every call through): the tower inside
+    while getattr(tower, "is_injected_operator", False) and isinstance(getattr(tower, "orig_module", None), nn.Module):
+        tower = tower.orig_module
     if "forward" in vars(tower):  # something replaced it already
         return None
     device = next(tower.parameters()).device

@@ -324,7 +324,8 @@ class SlabCache:
 
     def victims_by_cycle(self) -> Iterator[int]:
         """Evictable slabs (resident, not used by the executing layer) whose layer runs again last first, in the
-        cycle of `layer_order` from the executing layer (or the last one run); least recent first among equals."""
+        cycle of `layer_order` from the executing layer (or the last one run), which itself runs again last of all
+        (its slabs the layer does not use go first); least recent first among equals."""
         order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
         evictable = self._slab_resident[order]
         if self.in_use:
@@ -333,7 +334,8 @@ class SlabCache:
             evictable &= ~busy[order]
         order = order[evictable]
         here = self._position[self.executing] if self.executing is not None else self._frontier
-        distance = (self._position_of[self._slab_layer[order]] - here) % len(self.layer_order)
+        # layers until the slab's layer runs again: the one after `here` is 0 away, `here` itself a whole cycle
+        distance = (self._position_of[self._slab_layer[order]] - here - 1) % len(self.layer_order)
         yield from order[np.argsort(-distance, kind="stable")].tolist()
 
     def _next_victim(self, victims: Iterator[int], for_priority: float | None) -> int | None:

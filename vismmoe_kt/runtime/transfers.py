@@ -280,7 +280,7 @@ class Transfers:
         groups. `priority` is the prefetch priority the cache admits them with; the victims are the slabs whose
         layer runs again last (eviction.CycleRanking), not the cache's ranking. Returns how many were issued."""
         with self.lock:
-            self.queue.clear()
+            self.drop_queue()
             missing = [key for key in keys if key not in self.cache.where]
             slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=STREAMED_VICTIMS)
             taken = [(slab, key) for slab, key in zip(slabs, missing) if slab is not None]

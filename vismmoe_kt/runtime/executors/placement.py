@@ -77,6 +77,7 @@ class PlacementExecutor:
 
     def unfill(self) -> None:
         """The offloaded layers' path before any fill (and again after a cache reset emptied the slabs)."""
+        self._streamed.clear()  # the slabs they were streamed into are gone
         offloaded = self._offloaded if self.filled is None else self._fill_first
         if self.filled is None and self.res.plan.prefill == "streamed" and self.res.quantized_slabs:
             offloaded = self._streamed_or_placed  # a streamed layer computes from its slabs in place, unread
@@ -124,21 +125,25 @@ class PlacementExecutor:
         host = res.to_host(*self._cpu_inputs(top_k_index, hidden, top_k_weights))
         experts, pairs = torch.unique(host[0], return_counts=True)  # on the host: no further sync
         pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
-        placement = self._place(layer, pairs_of, counters)
-        self._prefetch_after(layer, hidden)
-        if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
-            res.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
-        task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
-        out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
-            if placement.on_gpu else None
-        if task is not None:
-            start = time.perf_counter()
-            cpu_out = task.wait().to(hidden.device, non_blocking=True)
-            waited = time.perf_counter() - start
-            counters.cpu_seconds += waited
-            if not placement.on_gpu:  # nothing overlapped the wait: it is the CPU's own time
-                self.miss.observed_cpu(len(placement.on_cpu), sum(pairs_of[e] for e in placement.on_cpu), waited)
-            out = cpu_out if out is None else out + cpu_out
+        try:
+            placement = self._place(layer, pairs_of, counters)
+            self._prefetch_after(layer, hidden)
+            if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
+                res.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
+            task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
+            out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
+                if placement.on_gpu else None
+            if task is not None:
+                start = time.perf_counter()
+                cpu_out = task.wait().to(hidden.device, non_blocking=True)
+                waited = time.perf_counter() - start
+                counters.cpu_seconds += waited
+                if not placement.on_gpu:  # nothing overlapped the wait: it is the CPU's own time
+                    self.miss.observed_cpu(len(placement.on_cpu), sum(pairs_of[e] for e in placement.on_cpu), waited)
+                out = cpu_out if out is None else out + cpu_out
+        except BaseException:
+            self._abandon(layer)
+            raise
         with res.lock:
             res.transfers.release(placement.slabs)
             res.cache.end_layer(layer)
@@ -172,12 +177,29 @@ class PlacementExecutor:
                 res.upload_rows(layer, experts, slabs)
         if not streamed:
             return self._offloaded(layer, hidden, top_k_index, top_k_weights, act, phase, counters)
-        self._prefetch_after(layer, hidden)
-        out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act)
+        try:
+            self._prefetch_after(layer, hidden)
+            out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act)
+        except BaseException:
+            self._abandon(layer)
+            raise
         with res.lock:
             res.transfers.release(slabs)
             res.cache.end_layer(layer)
         return out
+
+    def _abandon(self, layer: int) -> None:
+        """A layer call that raised: the cache leaves the layer (else every later layer would be refused as
+        starting inside it), later copies into its slabs wait for whatever compute was already queued on them,
+        and what a prompt streamed ahead is dropped with its priorities (they would block the next prompt's)."""
+        res = self.res
+        with res.lock:
+            if res.cache.executing == layer:
+                res.transfers.release(sorted(res.cache.in_use))
+                res.cache.end_layer(layer)
+            for keys in self._streamed.values():
+                res.cache.spend_priorities(keys)
+            self._streamed.clear()
 
     @staticmethod
     def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
