@@ -5,7 +5,7 @@ charge. Outputs equal the experts computed from the host store either way."""
 import pytest
 import torch
 
-from vismmoe_kt.runtime.eviction import CycleRanking
+from vismmoe_kt.runtime.eviction import CycleRanking, RecencyRanking
 from vismmoe_kt.runtime.offload import OffloadRuntime
 from vismmoe_kt.runtime.offload_settings import OffloadSettings
 from vismmoe_kt.runtime.slab_cache import SlabCache
@@ -75,6 +75,13 @@ def test_a_long_prompt_finds_every_offloaded_layer_but_the_first_already_copied(
     assert [misses for misses, _ in prefill_counts(runtime)] == [0, 0, 0]
     assert runtime.residency.counters["prefill"][0].misses == E  # the first prompt's only: layer 0 stayed
     assert runtime.transfers.counters.copies - copies == 2 * E
+    # the same prompts with the cache's own ranking (recency) for the streams: every layer copied at every prompt
+    runtime, weights = make_runtime(slabs=3 * E)
+    runtime.transfers.stream_victims = RecencyRanking()
+    prompt(runtime, weights, tokens=32, seed=1)
+    copies = runtime.transfers.counters.copies
+    prompt(runtime, weights, tokens=32, seed=2)
+    assert runtime.transfers.counters.copies - copies == 4 * E
 
 
 def test_a_short_prompt_is_placed_layer_by_layer():

@@ -53,9 +53,6 @@ class TransferCounters:
             setattr(self, attr, pending)
 
 
-STREAMED_VICTIMS = CycleRanking()  # a streamed layer's victims (stream)
-
-
 class Transfers:
     def __init__(self, store: ExpertStore, pool: tuple[torch.Tensor, torch.Tensor], cache: SlabCache,
                  lock: threading.RLock, max_in_flight: int = 16):
@@ -75,6 +72,7 @@ class Transfers:
         self._pending_list = None  # (event, values, indices, n, to_items) waiting for the worker
         self._worker = None
         self.landed: list[int] = []  # slabs whose copies completed since the decode boundary last looked
+        self.stream_victims = CycleRanking()  # whose slabs a streamed layer takes (`stream`)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.urgent_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -282,7 +280,7 @@ class Transfers:
         with self.lock:
             self.drop_queue()
             missing = [key for key in keys if key not in self.cache.where]
-            slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=STREAMED_VICTIMS)
+            slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=self.stream_victims)
             taken = [(slab, key) for slab, key in zip(slabs, missing) if slab is not None]
             self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
             return len(taken)
