@@ -19,12 +19,12 @@ time is the part a GPU machine's host would spend (scaled by its faster cores). 
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import proxy
 from benchmarks.results import print_table, save_json
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
@@ -83,12 +83,8 @@ def measure(model_dir: Path, rules: str, slabs: int, mode: str, decode_tokens: i
 
 def parse_args(argv=None):
     p = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    p.add_argument("--rules", nargs="+", default=["optimize_rules/qwen3vl-lru.yaml", "optimize_rules/qwen3vl-offload.yaml"],
-                   help="rule files to run (each with both reservation orders)")
-    p.add_argument("--slabs", type=int, default=2427, help="the expert budget in experts (slabs) of the proxy")
+    proxy.add_arguments(p, "each with both reservation orders", "boundary_upkeep.json")
     p.add_argument("--decode_tokens", type=int, default=48, help="decoded tokens per run")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default=None, help="directory for boundary_upkeep.json")
     args = p.parse_args(argv)
     if args.slabs < 128 or args.decode_tokens < 8:
         p.error("--slabs must be at least one layer's 128 experts and --decode_tokens at least 8")
@@ -97,14 +93,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
-
-    torch.set_num_threads(args.threads)
-    spec = SPECS["proxy-48x128"]
-    expert_bytes = 3 * spec.moe_intermediate * spec.hidden * 4  # fp32
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_model(Path(tmp) / "proxy", "proxy-48x128", seed=0)
+    with proxy.saved_proxy(args.threads) as (model_dir, expert_bytes):
         for rules in args.rules:
             for mode in MODES:
                 rows.append(measure(model_dir, rules, args.slabs, mode, args.decode_tokens, expert_bytes))

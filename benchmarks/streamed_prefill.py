@@ -21,11 +21,11 @@ measurement on the GPU.
 from __future__ import annotations
 
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks import proxy
 from benchmarks.results import print_table, save_json
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
@@ -73,13 +73,9 @@ def measure(model_dir: Path, rules: str, slabs: int, victims: str, prompts: int,
 
 def parse_args(argv=None):
     p = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    p.add_argument("--rules", nargs="+", default=["optimize_rules/qwen3vl-lru.yaml", "optimize_rules/qwen3vl-offload.yaml"],
-                   help="rule files to run (each with both choices of victims)")
-    p.add_argument("--slabs", type=int, default=2427, help="the expert budget in experts (slabs) of the proxy")
+    proxy.add_arguments(p, "each with both choices of victims", "streamed_prefill.json")
     p.add_argument("--prompts", type=int, default=5, help="image prompts per run, one after another")
     p.add_argument("--image_size", type=int, default=448, help="the pictures' side in pixels")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default=None, help="directory for streamed_prefill.json")
     args = p.parse_args(argv)
     if args.slabs < 128 or args.prompts < 2:
         p.error("--slabs must be at least one layer's 128 experts and --prompts at least 2")
@@ -88,15 +84,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vismmoe_kt.demo.tiny import SPECS, save_tiny_model
-
-    torch.set_num_threads(args.threads)
-    spec = SPECS["proxy-48x128"]
-    expert_bytes = 3 * spec.moe_intermediate * spec.hidden * 4  # fp32
     q4k = q4k_expert_bytes()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_model(Path(tmp) / "proxy", "proxy-48x128", seed=0)
+    with proxy.saved_proxy(args.threads) as (model_dir, expert_bytes):
         for rules in args.rules:
             for victims in VICTIMS:
                 row = measure(model_dir, rules, args.slabs, victims, args.prompts, args.image_size, expert_bytes)
