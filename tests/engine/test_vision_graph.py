@@ -82,6 +82,18 @@ def test_a_replays_outputs_are_its_own_not_the_graphs_buffers():
         torch.testing.assert_close(now, then, rtol=0, atol=0)
 
 
+def test_a_size_captured_under_inference_mode_replays_under_no_grad_and_back():
+    model = tower()
+    replayed, own = graphed(model)
+    for seed, mode in enumerate((torch.inference_mode, torch.no_grad, torch.inference_mode)):
+        pixels, grid_thw = picture([[1, 4, 6]], seed)
+        with mode():
+            got = model(pixels, grid_thw=grid_thw, return_dict=True)
+        with torch.no_grad():
+            assert_same(got, own(pixels, grid_thw=grid_thw, return_dict=True))
+    assert replayed.counters.replays == 2
+
+
 def test_calls_a_replay_cannot_stand_for_run_the_tower_itself():
     model = tower()
     replayed, own = graphed(model)

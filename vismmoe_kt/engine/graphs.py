@@ -52,7 +52,9 @@ class ReplayCapture:
 
     def capture(self, run: Callable[[], State]) -> tuple[Callable[[], None], State]:
         with _warming_up():  # the caller replays at once: these values are overwritten
-            outputs = tuple(t.clone() for t in run())  # fixed output tensors, like a graph's pool
+            fresh = run()
+        with torch.inference_mode(False):  # fixed output tensors, like a graph's pool, written by every replay
+            outputs = tuple(t.clone() for t in fresh)  # whether or not it runs in inference mode
 
         def replay() -> None:
             for fixed, fresh in zip(outputs, run()):

@@ -116,7 +116,8 @@ class GraphedVisionTower:
         if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             self.counters.reason_eager = "the tower's output holds more than tensors"
             return eager
-        pixels = hidden_states.clone()
+        with torch.inference_mode(False):  # a buffer later pictures copy into under no_grad or inference mode alike
+            pixels = hidden_states.clone()
 
         def run() -> State:
             # the helpers pop what they take: a fresh dict each run
