@@ -245,9 +245,15 @@ def demo_model_dir() -> Path:
     try:
         save_demo_model(staging)
         (staging / ".complete").write_text("ok\n")
+        if (target / ".complete").exists():  # another process (a rank beside this one) finished it meanwhile
+            return target
         if target.exists():  # an interrupted earlier build: replace it
             shutil.rmtree(target)
-        os.replace(staging, target)  # atomic: readers never see a half-written model
+        try:
+            os.replace(staging, target)  # atomic: readers never see a half-written model
+        except OSError:  # another process put its build there between the check and the move: it is the same
+            if not (target / ".complete").exists():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
