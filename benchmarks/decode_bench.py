@@ -278,6 +278,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
     timed_generate(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
+    # what the measured requests' prompts copied into slabs, and the routing reads the placement path made
+    prompt_before = (runtime.summary()["bytes_copied_prefill"], runtime.host_reads) if runtime else None
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
     prefill, decode, gaps, tokens = [], [], [], None
     for _ in range(args.reps):
@@ -319,6 +321,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
     if runtime is not None:
         summary = runtime.summary()
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
+        row.update(prefill_gb_copied=(summary["bytes_copied_prefill"] - prompt_before[0]) / args.reps / 1e9,
+                   routing_reads_per_request=(runtime.host_reads - prompt_before[1]) / args.reps)
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
                    decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
@@ -571,6 +575,12 @@ def main() -> int:
               f"({r['decode_tok_s_min']:.2f}-{r['decode_tok_s_max']:.2f}) | {gap} | {speedup} | {agree} | {per_token} | {hits} "
               f"| {precision} | {cpu_share} | {bound} | {graphed} | {peak} | {r['host_rss_gib']:.1f} GiB |")
     for r in rows:
+        if r.get("prefill_gb_copied") is not None:
+            vision = r.get("lean", {})
+            replayed = f", the vision tower replayed {vision['vision_graph_replays']} times" \
+                if "vision_graph_replays" in vision else ""
+            print(f"{r['config']}: a prompt copied {r['prefill_gb_copied']:.2f} GB into slabs; "
+                  f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}")
         if r.get("prefill_cpu_expert_s"):
             print(f"{r['config']}: a prefill's {r['prefill_s_median']:.3f} s: vision tower {r['prefill_vision_s']:.3f} s, "
                   f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "

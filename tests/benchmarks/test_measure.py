@@ -62,6 +62,7 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
         result = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out),
                                  *common, *extra], capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
+        assert "offload:expert_budget=4MiB: a prompt copied" in result.stdout  # the prompt's copies and reads
         runs[name] = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
     assert (tmp_path / "isolated" / "isolated" / "offload_expert_budget=4MiB" / "tokens.pt").exists()
     assert not (tmp_path / "inline" / "isolated").exists()
@@ -69,7 +70,12 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
         inline, isolated = runs["inline"][config], runs["isolated"][config]
         assert isolated["tokens_agreeing_with_hf"] == inline["tokens_agreeing_with_hf"]
         assert isolated.get("decode_hit_rate") == inline.get("decode_hit_rate")
-    assert runs["isolated"]["offload:expert_budget=4MiB"]["tokens_agreeing_with_hf"] is not None
+        assert isolated.get("prefill_gb_copied") == inline.get("prefill_gb_copied")
+    offload = runs["isolated"]["offload:expert_budget=4MiB"]
+    assert offload["tokens_agreeing_with_hf"] is not None
+    # 4 MiB holds every expert of tiny-4x16, in since the warm-up request: the measured prompts copy nothing and
+    # read no routing back
+    assert offload["prefill_gb_copied"] == 0 and offload["routing_reads_per_request"] == 0
 
 
 def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
