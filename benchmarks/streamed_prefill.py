@@ -3,7 +3,8 @@ top-8, toy widths: `proxy-48x128`), routing synthetic (request i from seed i), f
 victims:
 
     cycle     the slab whose layer runs again last (eviction.CycleRanking: the runtime's)
-    recency   the cache's least recently used (what the streams took before)
+    cache     the cache's own ranking, as the streams took their victims before (lru: least recently used;
+              vismmoe: Expired slabs by recency, then Speculative ones)
 
     python -m benchmarks.streamed_prefill [--rules optimize_rules/qwen3vl-lru.yaml ...] [--slabs 2427]
         [--prompts 5] [--image_size 448] [--out DIR]
@@ -29,7 +30,7 @@ from benchmarks import proxy
 from benchmarks.results import print_table, save_json
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
-VICTIMS = ("cycle", "recency")
+VICTIMS = ("cycle", "cache")
 LINK_BYTES_PER_S = 53e9  # the H200 machine's page-locked host-to-device copies (BENCHMARKS.md, Machines)
 
 
@@ -47,13 +48,13 @@ def measure(model_dir: Path, rules: str, slabs: int, victims: str, prompts: int,
     from vismmoe_kt.engine.generation import generate
     from vismmoe_kt.engine.inputs import build_inputs, user_turn
     from vismmoe_kt.operators.source_router import install_routing
-    from vismmoe_kt.runtime.eviction import CycleRanking, RecencyRanking
+    from vismmoe_kt.runtime.eviction import CycleRanking
 
     model, processor = load(str(model_dir), rules, expert_budget=slabs * expert_bytes, generate_device="cpu",
                             prefill_device="cpu", progress=False)
     install_routing(model, "synthetic:0")
     runtime = model.vismmoe.context.offload_runtime
-    runtime.transfers.stream_victims = CycleRanking() if victims == "cycle" else RecencyRanking()
+    runtime.transfers.stream_victims = CycleRanking() if victims == "cycle" else None  # None: the cache's ranking
     copies, reads = [], []
     for index in range(prompts):
         inputs = build_inputs(processor, [user_turn("Describe the image.", 1)],

@@ -1,38 +1,53 @@
 """The demo model assembled into the cache by several processes at once (expert-parallel ranks start together):
-each gets the finished model, whichever process's build lands first."""
-import os
+one builds it, under a lock, and the others wait and get the finished model; no finished model is removed under
+a reader, and no staging directory is left behind."""
+import fcntl
+import threading
 
 from vismmoe_kt.demo import tiny
 
 
-def test_a_build_that_loses_the_race_to_another_process_returns_the_winners(tmp_path, monkeypatch):
+def test_builders_at_once_build_it_once(tmp_path, monkeypatch):
     monkeypatch.setenv("VISMMOE_KT_CACHE", str(tmp_path))
-    monkeypatch.setattr(tiny, "save_demo_model", lambda out: (out / "model.safetensors").write_text("weights"))
-    real_replace = os.replace
+    builds, started = [], threading.Barrier(4)
 
-    def other_process_first(src, dst):  # another rank's build lands between this one's check and its move
-        os.makedirs(dst)
-        (tiny.Path(dst) / "model.safetensors").write_text("weights")
-        (tiny.Path(dst) / ".complete").write_text("ok\n")
-        real_replace(src, dst)  # a directory onto a non-empty one: OSError (ENOTEMPTY)
-
-    monkeypatch.setattr(tiny.os, "replace", other_process_first)
-    target = tiny.demo_model_dir()
-    assert (target / ".complete").exists() and (target / "model.safetensors").read_text() == "weights"
-    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no staging directory left behind
-
-
-def test_a_build_that_finds_the_model_finished_meanwhile_keeps_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("VISMMOE_KT_CACHE", str(tmp_path))
-
-    def build(out):  # while this process builds, another one finishes the target
-        (out / "model.safetensors").write_text("mine")
-        target = tmp_path / "models" / out.name.partition(".staging-")[0]
-        target.mkdir()
-        (target / "model.safetensors").write_text("theirs")
-        (target / ".complete").write_text("ok\n")
+    def build(out):
+        builds.append(out)
+        (out / "model.safetensors").write_text("weights")
 
     monkeypatch.setattr(tiny, "save_demo_model", build)
-    target = tiny.demo_model_dir()
-    assert (target / "model.safetensors").read_text() == "theirs"  # the finished model is not removed under readers
-    assert [p.name for p in target.parent.iterdir()] == [target.name]
+    results = []
+
+    def rank():
+        started.wait(timeout=10)
+        results.append(tiny.demo_model_dir())
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(builds) == 1 and len(set(results)) == 1 and len(results) == 4
+    target = results[0]
+    assert (target / ".complete").exists() and (target / "model.safetensors").read_text() == "weights"
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, f"{target.name}.lock"])
+
+
+def test_a_builder_waiting_for_the_lock_finds_the_model_finished_and_keeps_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VISMMOE_KT_CACHE", str(tmp_path))
+    builds = []
+    monkeypatch.setattr(tiny, "save_demo_model", lambda out: builds.append(out))
+    target = tiny.cache_root() / "models" / f"{tiny.DEMO_SPEC}-{tiny.demo_weights_digest()}-v{tiny.FORMAT_VERSION}"
+    target.parent.mkdir(parents=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:  # another process is building
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = []
+        waiting = threading.Thread(target=lambda: results.append(tiny.demo_model_dir()))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and not results  # it waits for the lock
+        target.mkdir()  # the other process finishes
+        (target / "model.safetensors").write_text("theirs")
+        (target / ".complete").write_text("ok\n")
+    waiting.join(timeout=30)
+    assert results == [target] and not builds and (target / "model.safetensors").read_text() == "theirs"

@@ -3,6 +3,7 @@ consecutive slabs as one copy, the rest block by block; every slab of a batch ho
 bytes and is resident once the batch is done. A long prompt's next layer (`stream`) is one such batch."""
 import threading
 
+import pytest
 import torch
 
 from vismmoe_kt.runtime.slab_cache import SlabCache, SlabState
@@ -74,3 +75,53 @@ def test_streaming_a_layer_copies_what_has_no_slab_and_drops_the_queued_guesses(
     issued = transfers.stream([(0, e) for e in range(E)], priority=2.0)
     assert issued == 12 - E
     assert sum(1 for e in range(E) if (0, e) in cache.where) == 12 - E
+
+
+def test_a_batch_that_fails_part_way_leaves_no_slab_waiting_for_a_copy(monkeypatch):
+    """An error while a batch is issued (out of memory dequantizing, an interrupt): none of its slabs may be taken
+    for landed or in flight later (a layer would compute from bytes never written); they hold nothing."""
+    transfers, store, pool, cache = quantized_transfers(slabs=12)
+    keys = [(0, e) for e in range(4)]
+    slabs = cache.assign_many(keys, urgent=True)
+    real = transfers._copies
+
+    def failing(slabs, keys, device=None):
+        iterator = real(slabs, keys, device)
+        yield next(iterator)
+        raise MemoryError("out of memory (a test)")
+
+    monkeypatch.setattr(transfers, "_copies", failing)
+    with pytest.raises(MemoryError):
+        transfers._copy_batch(slabs, keys, urgent=True)
+    assert not any(key in cache.where for key in keys) and cache.free_slabs == 12 and not transfers.landed
+    cache.check_invariants()
+    monkeypatch.setattr(transfers, "_copies", real)
+    transfers.fetch(keys)  # and they are fetched again, whole
+    assert_holds(transfers, store, pool, cache, keys, 0)
+
+
+def test_a_fetch_the_cache_cannot_serve_gives_back_the_slabs_it_took():
+    transfers, store, pool, cache = quantized_transfers(slabs=3)
+    cache.begin_layer(0, [])
+    transfers.fetch([(0, 0), (0, 1)])  # both used by the running layer
+    with pytest.raises(RuntimeError, match="no slab to give up"):
+        transfers.fetch([(0, 2), (0, 3)])  # the free slab for the first, none for the second
+    assert (0, 2) not in cache.where and cache.free_slabs == 1
+    cache.check_invariants()
+
+
+def test_a_priority_list_dropped_while_the_worker_reads_it_back_stays_dropped():
+    transfers, store, pool, cache = quantized_transfers(slabs=4)
+
+    class Ready:
+        def synchronize(self):
+            pass
+
+    def to_items(values, index):
+        transfers.drop_queue()  # a stream (or decode leaving) while the worker waited without the lock
+        return [((0, 1), 0.9)]
+
+    transfers._pending_list = (Ready(), torch.zeros(1), torch.zeros(1, dtype=torch.long), 1, to_items)
+    with transfers.lock:
+        transfers._take_pending_list()
+    assert transfers.queue == []

@@ -108,15 +108,15 @@ def test_a_streamed_layers_victims_are_the_slabs_whose_layer_runs_again_last():
         cache.complete(slab)
     cache.begin_layer(1, [0])  # layer 1 runs, using its expert 0 (slab 2)
     order = list(cache.victims_by_cycle())
-    # layer 1 itself runs again last (a whole cycle on): its unused slab first; then 0, 3, and 2 (next) last;
-    # slab 2 is in use
-    assert [cache.owner[slab][0] for slab in order] == [1, 0, 0, 3, 3, 2, 2]
+    # layer 1 itself runs again last (a whole cycle on): its unused slab first; then 0 and 3; never layer 2, the
+    # next (what a stream from here brings in); slab 2 is in use
+    assert [cache.owner[slab][0] for slab in order] == [1, 0, 0, 3, 3]
     assert 2 not in order
     # the admission rule still holds: a stream never evicts a slab worth as much as itself
     cache.priority[(1, 1)] = 2.0  # (say, streamed for a layer that has not run yet)
     assert cache.assign_many([(1, 2)], [2.0], ranking=CycleRanking()) == [None]
-    cache.end_layer(1)  # with no layer running, from the last one run: 1 again last, then 0, 3, 2
-    assert [cache.owner[slab][0] for slab in cache.victims_by_cycle()] == [1, 1, 0, 0, 3, 3, 2, 2]
+    cache.end_layer(1)  # with no layer running, from the last one run: 1 again last, then 0, 3 (2 runs next)
+    assert [cache.owner[slab][0] for slab in cache.victims_by_cycle()] == [1, 1, 0, 0, 3, 3]
 
 
 def quantized_runtime():
@@ -184,3 +184,41 @@ def test_a_layer_that_raises_leaves_the_cache_ready_for_the_next_prompt(quantize
     cache.check_invariants()
     prompt(runtime, weights, tokens=32, seed=2, h=h, atol=2e-4)  # the next prompt (the failure no longer fires)
     assert cache.executing is None
+
+
+def test_streams_of_a_prompt_that_stopped_between_layers_do_not_block_the_next():
+    """A prompt interrupted outside a layer call (say, at a routing read) leaves what it streamed for layers that
+    never ran, at the streamed priority; the next prompt's first layer forgets them, so its streams are admitted."""
+    runtime, weights = make_runtime(slabs=3 * E)
+    prompt(runtime, weights, tokens=32, seed=1)
+    executor, cache = runtime._placement, runtime.residency.cache
+    stale = [(3, e) for e in range(E)]  # as if streamed for layer 3 by a prompt that then stopped
+    executor._streamed[3] = stale
+    cache.priority.update({key: 2.0 for key in stale if key in cache.where})
+    # the next prompt's first layer: the stale streams are gone before it streams the layer after it
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(32)])
+    runtime.run_layer(0, torch.randn(32, H, generator=generator), ids, torch.rand(32, K, generator=generator),
+                      torch.nn.SiLU())
+    assert 3 not in executor._streamed and not any(cache.priority.get(key, 0) >= 2.0 for key in stale)
+    assert 1 in executor._streamed  # what the first layer streamed for the second
+
+
+def test_a_stream_that_raises_before_its_layer_starts_leaves_no_layer_open(monkeypatch):
+    runtime, weights, h = quantized_runtime()
+    calls = []
+    real = runtime.transfers.stream
+
+    def failing(keys, priority):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user stops the prompt while a stream is issued
+        return real(keys, priority)
+
+    monkeypatch.setattr(runtime.transfers, "stream", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prompt(runtime, weights, tokens=32, seed=1, h=h, atol=2e-4)
+    cache = runtime.residency.cache
+    assert cache.executing is None and not runtime._placement._streamed
+    cache.check_invariants()
+    prompt(runtime, weights, tokens=32, seed=2, h=h, atol=2e-4)

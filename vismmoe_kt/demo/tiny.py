@@ -10,6 +10,7 @@ scripts/train_demo_model.py trained, shipped in vismmoe_kt/demo/weights/. Nothin
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sys
@@ -239,21 +240,20 @@ def demo_model_dir() -> Path:
     print(f"Assembling the demo model {DEMO_SPEC} ({spec.layers} layers x {spec.experts} experts, top-{spec.top_k}, "
           f"trained on synthetic shapes VQA) into {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(target.parent)
-    # The pid in the name lets a later run tell a staging directory whose builder was killed from one in use.
-    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-{os.getpid()}-", dir=target.parent))
-    try:
-        save_demo_model(staging)
-        (staging / ".complete").write_text("ok\n")
-        if (target / ".complete").exists():  # another process (a rank beside this one) finished it meanwhile
+    # one builder at a time (expert-parallel ranks start together): the others wait here, then find it complete
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").exists():
             return target
-        if target.exists():  # an interrupted earlier build: replace it
-            shutil.rmtree(target)
+        remove_stale_staging(target.parent)
+        # The pid in the name lets a later run tell a staging directory whose builder was killed from one in use.
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-{os.getpid()}-", dir=target.parent))
         try:
+            save_demo_model(staging)
+            (staging / ".complete").write_text("ok\n")
+            if target.exists():  # an interrupted earlier build: replace it
+                shutil.rmtree(target)
             os.replace(staging, target)  # atomic: readers never see a half-written model
-        except OSError:  # another process put its build there between the check and the move: it is the same
-            if not (target / ".complete").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -183,6 +183,17 @@ class SlabCache:
             out.append(slab)
         return out
 
+    def abandon(self, slab: int) -> None:
+        """A copy assigned to `slab` was never issued (or failed): the slab holds nothing (free), its expert no slab."""
+        if self.state[slab] is not SlabState.IN_FLIGHT:
+            raise RuntimeError(f"slab {slab} abandoned a copy it was not waiting for ({self.state[slab].value})")
+        del self.where[self.owner[slab]]
+        self._set(slab, None, SlabState.FREE)
+        self._recency.pop(slab, None)
+        self._unused_prefetch.discard(slab)
+        self.in_use.discard(slab)
+        self._free.append(slab)
+
     def complete(self, slab: int) -> None:
         if self.state[slab] is not SlabState.IN_FLIGHT:
             raise RuntimeError(f"slab {slab} completed a copy it was not waiting for ({self.state[slab].value})")
@@ -325,7 +336,8 @@ class SlabCache:
     def victims_by_cycle(self) -> Iterator[int]:
         """Evictable slabs (resident, not used by the executing layer) whose layer runs again last first, in the
         cycle of `layer_order` from the executing layer (or the last one run), which itself runs again last of all
-        (its slabs the layer does not use go first); least recent first among equals."""
+        (its slabs the layer does not use go first); least recent first among equals. The layer that runs next, the
+        one a stream brings in, gives none."""
         order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
         evictable = self._slab_resident[order]
         if self.in_use:
@@ -336,7 +348,8 @@ class SlabCache:
         here = self._position[self.executing] if self.executing is not None else self._frontier
         # layers until the slab's layer runs again: the one after `here` is 0 away, `here` itself a whole cycle
         distance = (self._position_of[self._slab_layer[order]] - here - 1) % len(self.layer_order)
-        yield from order[np.argsort(-distance, kind="stable")].tolist()
+        keep = distance > 0  # the layer that runs next is the one a stream brings in: never its own victim
+        yield from order[keep][np.argsort(-distance[keep], kind="stable")].tolist()
 
     def _next_victim(self, victims: Iterator[int], for_priority: float | None) -> int | None:
         for slab in victims:

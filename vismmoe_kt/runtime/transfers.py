@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .eviction import CycleRanking
-from .slab_cache import Key, SlabCache
+from .slab_cache import Key, SlabCache, SlabState
 from .store import ExpertStore
 
 
@@ -70,6 +70,7 @@ class Transfers:
         self._ring: list[tuple[torch.Tensor, torch.Tensor]] = []  # page-locked slots for `prefetch_later`
         self._ring_next = 0
         self._pending_list = None  # (event, values, indices, n, to_items) waiting for the worker
+        self._drops = 0  # drop_queue calls so far
         self._worker = None
         self.landed: list[int] = []  # slabs whose copies completed since the decode boundary last looked
         self.stream_victims = CycleRanking()  # whose slabs a streamed layer takes (`stream`)
@@ -102,6 +103,27 @@ class Transfers:
         Q4_K expert crosses the link in about 50 us (docs/design.md, Transfers)."""
         if not slabs:
             return
+        try:
+            self._issue(slabs, keys, urgent)
+        except BaseException:  # an error part way (out of memory dequantizing, an interrupt): nothing of the batch
+            self._abandon(slabs, urgent)  # may be taken for landed
+            raise
+
+    def _abandon(self, slabs: list[int], urgent: bool) -> None:
+        """A batch that failed: its slabs hold nothing, and on CUDA a later copy into one waits for whatever part
+        of the batch the stream still runs."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.urgent_stream if urgent else self.stream)
+        for slab in slabs:
+            self.events.pop(slab, None)
+            self.urgent.discard(slab)
+            if self.cuda:
+                self.read_done[slab] = done
+            if self.cache.state[slab] is SlabState.IN_FLIGHT:
+                self.cache.abandon(slab)
+
+    def _issue(self, slabs: list[int], keys: list[Key], urgent: bool) -> None:
         for key in keys:
             self.counters.bytes_copied += self.store.block_bytes_of(key[0])
         self.counters.copies += len(slabs)
@@ -170,6 +192,9 @@ class Transfers:
         slabs = self.cache.assign_many(keys, urgent=True)
         while None in slabs:  # every other slab is Required or in flight: let a copy land, then retry
             if not self.events:
+                for slab in slabs:  # the ones assigned so far get no copy
+                    if slab is not None:
+                        self.cache.abandon(slab)
                 raise RuntimeError("expert cache has no slab to give up; the budget is below one layer")
             slab, event = next(iter(self.events.items()))
             event.synchronize()
@@ -304,9 +329,11 @@ class Transfers:
             self._wake.notify()
 
     def drop_queue(self) -> None:
-        """Forget every queued prefetch, and a priority list still on its way (lock held)."""
+        """Forget every queued prefetch, and a priority list still on its way (lock held), also one the worker is
+        reading back right now (`_take_pending_list` sees the drop when it takes the lock again)."""
         self.queue.clear()
         self._pending_list = None
+        self._drops += 1
 
     def _take_pending_list(self) -> None:
         """Worker side of `prefetch_later` (lock held on entry and exit; released while waiting)."""
@@ -314,13 +341,15 @@ class Transfers:
         if pending is None:
             return
         event, host_values, host_index, n, to_items = pending
+        drops = self._drops
         self.lock.release()
         try:
             event.synchronize()
             items = to_items(host_values[:n].tolist(), host_index[:n].tolist())
         finally:
             self.lock.acquire()
-        self.queue = sorted(((p, k) for k, p in items if k not in self.cache.where), key=lambda x: x[0])
+        if self._drops == drops:  # not dropped meanwhile (a stream, decode leaving)
+            self.queue = sorted(((p, k) for k, p in items if k not in self.cache.where), key=lambda x: x[0])
 
     def _drain(self, limit: int) -> bool:
         """Issue up to `limit` queued prefetches (lock held). False when the cache refuses more. Only while

@@ -94,6 +94,9 @@ class PlacementExecutor:
                 if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
                     res.last_routed.clear()
                 res.switch_phase(phase)
+        if phase == "prefill" and layer == res.moe_layers[0] and self._streamed:
+            with res.lock:  # a new pass over the layers: streams of one that stopped part way are stale
+                self._forget_streams()
         counters = res.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
         self.owner.policy.observe(self.owner, layer, top_k_index)
@@ -142,7 +145,7 @@ class PlacementExecutor:
                     self.miss.observed_cpu(len(placement.on_cpu), sum(pairs_of[e] for e in placement.on_cpu), waited)
                 out = cpu_out if out is None else out + cpu_out
         except BaseException:
-            self._abandon(layer)
+            self._abandon()
             raise
         with res.lock:
             res.transfers.release(placement.slabs)
@@ -160,46 +163,54 @@ class PlacementExecutor:
         it streamed, is streamed as it starts: its copies are not overlapped, but it is not read either."""
         res = self.res
         experts = list(range(res.num_experts))
-        if phase == "prefill" and layer not in self._streamed and self._long_prompt(hidden.shape[0]):
-            self._stream(layer)  # the prompt's first offloaded layer: nothing before it streamed it
-        with res.lock:
-            streamed = phase == "prefill" and layer in self._streamed and \
-                all((layer, e) in res.cache.where for e in experts)
+        try:
+            if phase == "prefill" and layer not in self._streamed and self._long_prompt(hidden.shape[0]):
+                self._stream(layer)  # the prompt's first offloaded layer: nothing before it streamed it
+            with res.lock:
+                streamed = phase == "prefill" and layer in self._streamed and \
+                    all((layer, e) in res.cache.where for e in experts)
+                if streamed:
+                    res.transfers.poll()
+                    placed = res.cache.begin_layer(layer, experts)
+                    res.cache.spend_priorities(self._streamed.pop(layer))
+                    # every expert of the layer counts: its routing is not read, so which it used is not known
+                    counters.hits += len(placed["hit"])
+                    counters.late += len(placed["late"])
+                    slabs = [res.cache.where[(layer, e)] for e in experts]
+                    res.transfers.wait_for(slabs)
+                    res.upload_rows(layer, experts, slabs)
             if streamed:
-                res.transfers.poll()
-                placed = res.cache.begin_layer(layer, experts)
-                res.cache.spend_priorities(self._streamed.pop(layer))
-                # every expert of the layer counts: its routing is not read, so which it used is not known
-                counters.hits += len(placed["hit"])
-                counters.late += len(placed["late"])
-                slabs = [res.cache.where[(layer, e)] for e in experts]
-                res.transfers.wait_for(slabs)
-                res.upload_rows(layer, experts, slabs)
+                self._prefetch_after(layer, hidden)
+                out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights,
+                                         act)
+        except BaseException:
+            self._abandon()
+            raise
         if not streamed:
             return self._offloaded(layer, hidden, top_k_index, top_k_weights, act, phase, counters)
-        try:
-            self._prefetch_after(layer, hidden)
-            out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act)
-        except BaseException:
-            self._abandon(layer)
-            raise
         with res.lock:
             res.transfers.release(slabs)
             res.cache.end_layer(layer)
         return out
 
-    def _abandon(self, layer: int) -> None:
-        """A layer call that raised: the cache leaves the layer (else every later layer would be refused as
-        starting inside it), later copies into its slabs wait for whatever compute was already queued on them,
-        and what a prompt streamed ahead is dropped with its priorities (they would block the next prompt's)."""
+    def _abandon(self) -> None:
+        """A layer call that raised: the cache leaves the layer it was in (else every later layer would be refused
+        as starting inside it), later copies into that layer's slabs wait for whatever compute was already queued
+        on them, and what a prompt streamed ahead is dropped (`_forget_streams`)."""
         res = self.res
         with res.lock:
-            if res.cache.executing == layer:
-                res.transfers.release(sorted(res.cache.in_use))
-                res.cache.end_layer(layer)
-            for keys in self._streamed.values():
-                res.cache.spend_priorities(keys)
-            self._streamed.clear()
+            executing, in_use = res.cache.executing, sorted(res.cache.in_use)
+            if executing is not None:
+                res.cache.end_layer(executing)  # first: a release that raises too (a CUDA error) leaves no layer open
+            self._forget_streams()
+            res.transfers.release(in_use)
+
+    def _forget_streams(self) -> None:
+        """Drop what was streamed for layers that have not run, with its priorities (they would block the next
+        prompt's streams in the admission rule) (lock held)."""
+        for keys in self._streamed.values():
+            self.res.cache.spend_priorities(keys)
+        self._streamed.clear()
 
     @staticmethod
     def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
