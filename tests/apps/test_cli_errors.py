@@ -230,4 +230,5 @@ def test_demo_assembly_removes_stale_staging_but_not_a_live_one(tmp_path, monkey
     assert (target / ".complete").exists()
     assert not stale.exists()
     assert live.exists()
-    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, live.name])
+    # (and the builders' lock file)
+    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, live.name, f"{target.name}.lock"])
