@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from ..models import ModelAdapter
+from .decode_step import logits_difference
 from .graphs import State, capture_backend
 
 MAX_GRIDS = 4  # picture sizes whose graphs are kept (each holds its activations' memory in the pool)
@@ -150,8 +151,8 @@ class GraphedVisionTower:
 
 
 def _compare(graphed: State, eager: list[torch.Tensor]) -> tuple[float, str | None]:
-    """(the largest difference over the outputs, why the replay fails the check or None): each output within a
-    few units of its dtype's rounding at its own scale (the same kernels run: a correct graph differs by
+    """(the largest difference over the outputs, why the replay fails the check or None): each output within the
+    decode step's self-check tolerance at its own scale (the same kernels run: a correct graph differs by
     library-level reordering at most)."""
     if len(graphed) != len(eager):
         return float("inf"), f"the replay gave {len(graphed)} outputs, the eager tower {len(eager)}"
@@ -162,9 +163,7 @@ def _compare(graphed: State, eager: list[torch.Tensor]) -> tuple[float, str | No
                                  f"{e.dtype} {tuple(e.shape)}"
         if not e.numel():
             continue
-        scale = float(e.float().abs().max().clamp(min=1.0))
-        tolerance = 8 * torch.finfo(e.dtype).eps * scale if e.dtype.is_floating_point else 0.0
-        difference = float((g.float() - e.float()).abs().max())
+        difference, tolerance = logits_difference(g, e)
         worst = max(worst, difference)
         if difference > tolerance:
             return worst, f"output {index} of the replay differed from the eager tower by {difference:.3g} " \

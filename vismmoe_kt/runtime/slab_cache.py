@@ -303,16 +303,22 @@ class SlabCache:
         speculative.sort(key=self._priority_of)  # stable: equal priorities go least recent first
         yield from speculative
 
-    def victims_by_usage(self) -> Iterator[int]:
-        """Expired slabs by (the router's average for their expert, recency), then Speculative ones by
-        priority: RouterRanking's order once `usage` is known, over arrays (every Expired slab is ranked)."""
-        order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
-        layer, expert = self._slab_layer[order], self._slab_expert[order]
-        evictable = self._slab_resident[order]  # in flight (copies, landing reservations) is Required
+    def _held_by_recency(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the held slabs, least recent first; which of them may be evicted: resident, not used by the executing
+        layer; in flight, copies and landing reservations alike, is Required)."""
+        order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))
+        evictable = self._slab_resident[order]
         if self.in_use:
             busy = np.zeros(self.num_slabs, dtype=bool)
             busy[list(self.in_use)] = True
             evictable &= ~busy[order]
+        return order, evictable
+
+    def victims_by_usage(self) -> Iterator[int]:
+        """Expired slabs by (the router's average for their expert, recency), then Speculative ones by
+        priority: RouterRanking's order once `usage` is known, over arrays (every Expired slab is ranked)."""
+        order, evictable = self._held_by_recency()
+        layer, expert = self._slab_layer[order], self._slab_expert[order]
         ran = np.zeros(len(order), dtype=bool)
         if self.executed and len(order):
             executed = np.zeros(max(int(layer.max()), max(self.executed)) + 1, dtype=bool)
@@ -338,12 +344,7 @@ class SlabCache:
         cycle of `layer_order` from the executing layer (or the last one run), which itself runs again last of all
         (its slabs the layer does not use go first); least recent first among equals. The layer that runs next, the
         one a stream brings in, gives none."""
-        order = np.fromiter(self._recency, dtype=np.int64, count=len(self._recency))  # least recent first
-        evictable = self._slab_resident[order]
-        if self.in_use:
-            busy = np.zeros(self.num_slabs, dtype=bool)
-            busy[list(self.in_use)] = True
-            evictable &= ~busy[order]
+        order, evictable = self._held_by_recency()
         order = order[evictable]
         here = self._position[self.executing] if self.executing is not None else self._frontier
         # layers until the slab's layer runs again: the one after `here` is 0 away, `here` itself a whole cycle

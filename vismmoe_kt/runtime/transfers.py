@@ -95,6 +95,11 @@ class Transfers:
         gate_up, down = self.store.dequantized(block, layer)
         return gate_up[0], down[0]
 
+    def _copy_assigned(self, slabs: list[int | None], keys: list[Key], urgent: bool) -> None:
+        """`_copy_batch` of the keys the cache gave a slab (None: refused)."""
+        taken = [(slab, key) for slab, key in zip(slabs, keys) if slab is not None]
+        self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent)
+
     def _copy_batch(self, slabs: list[int], keys: list[Key], urgent: bool) -> None:
         """Copies of `keys` into `slabs`, issued together: on CUDA in one stream context, timed as one and
         done at one event (each slab's copy is done when the batch is), consecutive experts of a quantized
@@ -163,14 +168,12 @@ class Transfers:
         if len(self.pool) == 1:  # quantized slabs: the blocks' bytes as they are
             pool = self.pool[0]
             for layer, expert, slab, count in copy_runs(slabs, keys):
-                nbytes = self.store.block_bytes_of(layer)
-                if count > 1 and nbytes != pool.shape[1]:  # a strided target: one block at a time
+                nbytes, blocks = self.store.block_bytes_of(layer), self.store.layers[layer]
+                if nbytes == pool.shape[1]:  # contiguous rows: the run in one copy
+                    yield pool[slab:slab + count], blocks[expert:expert + count]
+                else:  # a strided target: one block at a time
                     for i in range(count):
-                        yield pool[slab + i, :nbytes], self.store.layers[layer][expert + i]
-                elif count > 1:
-                    yield pool[slab:slab + count], self.store.layers[layer][expert:expert + count]
-                else:
-                    yield pool[slab, :nbytes], self.store.layers[layer][expert]
+                        yield pool[slab + i, :nbytes], blocks[expert + i]
             return
         for slab, key in zip(slabs, keys):
             yield from zip((self.pool[0][slab], self.pool[1][slab]), self._sources(key, device))
@@ -306,9 +309,8 @@ class Transfers:
             self.drop_queue()
             missing = [key for key in keys if key not in self.cache.where]
             slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=self.stream_victims)
-            taken = [(slab, key) for slab, key in zip(slabs, missing) if slab is not None]
-            self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
-            return len(taken)
+            self._copy_assigned(slabs, missing, urgent=False)
+            return sum(slab is not None for slab in slabs)
 
     def prefetch_later(self, values: torch.Tensor, flat: torch.Tensor, to_items) -> None:
         """Queue a priority list still on the GPU: copy it to page-locked host buffers asynchronously and
@@ -364,9 +366,9 @@ class Transfers:
                 batch.append((priority, key))
         if not batch:
             return True
-        slabs = self.cache.assign_many([k for _, k in batch], [p for p, _ in batch])
-        taken = [(slab, key) for (_, key), slab in zip(batch, slabs) if slab is not None]
-        self._copy_batch([slab for slab, _ in taken], [key for _, key in taken], urgent=False)
+        keys = [k for _, k in batch]
+        slabs = self.cache.assign_many(keys, [p for p, _ in batch])
+        self._copy_assigned(slabs, keys, urgent=False)
         if None in slabs:
             self.queue.clear()  # lower priorities cannot take a slab either
             return False

@@ -147,9 +147,7 @@ class PlacementExecutor:
         except BaseException:
             self._abandon()
             raise
-        with res.lock:
-            res.transfers.release(placement.slabs)
-            res.cache.end_layer(layer)
+        self._end_layer(layer, placement.slabs)
         return out
 
     def _streamed_or_placed(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -161,37 +159,47 @@ class PlacementExecutor:
         instead of stopping at each layer's read. Anything else (decode, a short prompt, a layer the stream
         could not cover) is placed after its read. A long prompt's first offloaded layer, which no layer before
         it streamed, is streamed as it starts: its copies are not overlapped, but it is not read either."""
-        res = self.res
-        experts = list(range(res.num_experts))
         try:
-            if phase == "prefill" and layer not in self._streamed and self._long_prompt(hidden.shape[0]):
-                self._stream(layer)  # the prompt's first offloaded layer: nothing before it streamed it
-            with res.lock:
-                streamed = phase == "prefill" and layer in self._streamed and \
-                    all((layer, e) in res.cache.where for e in experts)
-                if streamed:
-                    res.transfers.poll()
-                    placed = res.cache.begin_layer(layer, experts)
-                    res.cache.spend_priorities(self._streamed.pop(layer))
-                    # every expert of the layer counts: its routing is not read, so which it used is not known
-                    counters.hits += len(placed["hit"])
-                    counters.late += len(placed["late"])
-                    slabs = [res.cache.where[(layer, e)] for e in experts]
-                    res.transfers.wait_for(slabs)
-                    res.upload_rows(layer, experts, slabs)
-            if streamed:
+            slabs = self._begin_streamed(layer, phase, hidden.shape[0], counters)
+            if slabs is not None:
                 self._prefetch_after(layer, hidden)
-                out = experts_from_slabs(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights,
-                                         act)
+                out = experts_from_slabs(self.res, self.res.plan.prefill_kernels, layer, hidden, top_k_index,
+                                         top_k_weights, act)
         except BaseException:
             self._abandon()
             raise
-        if not streamed:
+        if slabs is None:
             return self._offloaded(layer, hidden, top_k_index, top_k_weights, act, phase, counters)
-        with res.lock:
-            res.transfers.release(slabs)
-            res.cache.end_layer(layer)
+        self._end_layer(layer, slabs)
         return out
+
+    def _begin_streamed(self, layer: int, phase: str, tokens: int, counters: LayerCounters) -> list[int] | None:
+        """Start `layer` on what the stream gave it: each expert's slab (its copies waited for on the device, the
+        row map set), or None where the stream did not cover every expert (the layer is to be placed)."""
+        res = self.res
+        experts = list(range(res.num_experts))
+        if phase == "prefill" and layer not in self._streamed and self._long_prompt(tokens):
+            self._stream(layer)  # the prompt's first offloaded layer: nothing before it streamed it
+        with res.lock:
+            if phase != "prefill" or layer not in self._streamed or \
+                    not all((layer, e) in res.cache.where for e in experts):
+                return None
+            res.transfers.poll()
+            placed = res.cache.begin_layer(layer, experts)
+            res.cache.spend_priorities(self._streamed.pop(layer))
+            # every expert of the layer counts: its routing is not read, so which it used is not known
+            counters.hits += len(placed["hit"])
+            counters.late += len(placed["late"])
+            slabs = [res.cache.where[(layer, e)] for e in experts]
+            res.transfers.wait_for(slabs)
+            res.upload_rows(layer, experts, slabs)
+            return slabs
+
+    def _end_layer(self, layer: int, slabs: list[int]) -> None:
+        """The layer's compute is queued: later copies into its slabs wait for it, and the cache leaves the layer."""
+        with self.res.lock:
+            self.res.transfers.release(slabs)
+            self.res.cache.end_layer(layer)
 
     def _abandon(self) -> None:
         """A layer call that raised: the cache leaves the layer it was in (else every later layer would be refused
