@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call per line below (each stage well under the 10-minute limit of one command):
-#   bash scripts/device_session.sh check            install, then scripts/gpu_check.py (every rule file, lean decode + graphs)
+#   bash scripts/device_session.sh check            install, then scripts/gpu_check.py (every rule file, lean decode + graphs;
+#                                                   CHECK_ARGS="--only qwen3vl": the kernels, then Qwen3-VL's rule files)
 #   bash scripts/device_session.sh bench PART...    scripts/bench_h200.sh PART (synthetic routing), one after another
 #   bash scripts/device_session.sh kernel           the decode experts' kernels: resident, zero-copy from the host, copies
 #   bash scripts/device_session.sh decode [PX]      the decode benchmark at PX px (448): stock transformers, lean graphed,
@@ -150,7 +151,8 @@ rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) t
 }
 while [[ $# -gt 0 ]]; do
   case $1 in
-    check) timeout 420 python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" | tee "$OUT/gpu_check.txt"; shift ;;
+    check) timeout ${CHECK_TIMEOUT:-420} python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" ${CHECK_ARGS:-} \
+             | tee "$OUT/gpu_check.txt" || echo "check: failed (the stages after it still run)"; shift ;;  # CHECK_ARGS: e.g. "--only qwen3vl" (the kernels, then those rule files)
     kernel) timeout 400 python3 -m benchmarks.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
     decode) shift
@@ -245,8 +247,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           cat "${parts[@]}" | xz -d > /tmp/llama-bench
           chmod +x /tmp/llama-bench
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
-          # what is left of the stage's 570 s; llama-bench gets at most 200 of it (5 splits, pp and tg, 2 depths)
-          left=$(( 570 - (SECONDS - t0) ))
+          # what is left of the stage's PEER_SECONDS (570); llama-bench gets at most 200 of it (5 splits, pp and tg, 2 depths)
+          left=$(( ${PEER_SECONDS:-570} - (SECONDS - t0) ))
           timeout "$left" python3 -m benchmarks.decode_bench --out "$OUT/peer$px" --layers 48 --reps 3 \
             --image-size "$px" ${PEER_TEXT:+--text_tokens "$PEER_TEXT"} --decode-tokens 32 --routing synthetic \
             --configs ${PEER_CONFIGS:-"offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" \
