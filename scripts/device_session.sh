@@ -153,7 +153,7 @@ rows_up() {  # a decode_bench run's per-configuration rows (OUT/X/isolated/C/) t
 while [[ $# -gt 0 ]]; do
   case $1 in
     check) timeout ${CHECK_TIMEOUT:-420} python3 scripts/gpu_check.py --out "$OUT/gpu_check.json" ${CHECK_ARGS:-} \
-             | tee "$OUT/gpu_check.txt" || echo "check: failed (the stages after it still run)"; shift ;;  # CHECK_ARGS: e.g. "--only qwen3vl" (the kernels, then those rule files)
+             | tee "$OUT/gpu_check.txt" || echo "check: failed (the stages after it still run)"; shift ;;
     kernel) timeout 400 python3 -m benchmarks.decode_kernel_bench --out "$OUT" --tune | tee "$OUT/decode_kernel_bench.txt"
             shift ;;
     decode) shift
