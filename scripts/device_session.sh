@@ -126,6 +126,9 @@
 #                                                   --describe_share 0.25 --simple_steps 500";
 #                                                   a smoke run of the whole path in about a minute: ROUTING_SPEC=routing-tiny
 #                                                   ROUTING_STEPS=20 ROUTING_DIR=/tmp/routing-smoke)
+#   bash scripts/device_session.sh routingprof      #46: 4 training steps of routing-12x64 (batch 64) profiled after 3 more, in
+#                                                   float32 and with --bf16 (BF16 autocast and BF16 grouped GEMMs for the
+#                                                   experts): wall and device time a step, syncs, launches, top ops (2-3 min)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
@@ -460,6 +463,16 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                (cd "$dir/study" && tar czf "$OUT/affinity_traces.tar.gz" traces/none traces/train-none traces/*-0.5-*)
                ls -l "$OUT/affinity_traces.tar.gz"
              fi ;;
+    routingprof) shift  # #46: where a training step of routing-12x64 goes, float32 against the BF16 experts
+                 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+                 for precision in fp32 bf16; do
+                   rm -rf "/tmp/routing-profile-$precision"
+                   timeout 200 python3 scripts/train_routing_model.py --device cuda --out "/tmp/routing-profile-$precision" \
+                     --spec routing-12x64 --steps 7 --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" \
+                     --no_progress --eval_per_type 0 --watch_per_type 0 --profile_steps 4 \
+                     $([[ $precision == bf16 ]] && echo --bf16) 2>&1 | grep -v Warning \
+                     | tee "$OUT/routing_profile_$precision.txt" || echo "routingprof: $precision failed"
+                 done ;;
     fits) shift  # every decode expert resident: the offloaded step's own cost against the all-resident one
           python3 scripts/fitting_trace.py "$OUT/fits.safetensors" --working-set 32 >/dev/null
           timeout 500 python3 -m benchmarks.decode_bench --out "$OUT/fits" --layers 48 --reps 5 \

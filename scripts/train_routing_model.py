@@ -34,6 +34,7 @@ import torch
 
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.demo import scenes
+from vismmoe_kt.demo.bf16_experts import use_bf16_experts
 from vismmoe_kt.demo.routing_model import (CHECKPOINT_FILE, DEFAULT_SPEC, ROUTING_SPECS, build_routing_model,
                                            image_size, read_spec, save_model_directory, write_spec)
 from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, image_dependence,
@@ -41,6 +42,7 @@ from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, hel
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "optimize_rules" / "qwen3vl.yaml"
+PROFILE_WARMUP = 3  # steps before --profile_steps: the data workers started, the device's kernels loaded and tuned
 
 
 def conversation(seed: int, index: int, size: int, describe_share: float, simple: bool = False):
@@ -101,6 +103,51 @@ def pruned_accuracy(out: Path, keeps: list[float], prune_layer: int, per_type: i
     return results
 
 
+def profile_report(profiler, steps: int, seconds: float, on_gpu: bool) -> str:
+    """Where `steps` profiled training steps (`seconds` of wall time) went: the device's busy share, the host's
+    synchronisations and kernel launches a step, and the ops by device time (on a GPU) and by host time."""
+    from torch.autograd import DeviceType
+
+    averages = profiler.key_averages()
+    calls = {e.key: e.count for e in averages}
+    kernel_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
+    syncs = sum(n for k, n in calls.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                       "cudaEventSynchronize"))
+    launches = sum(n for k, n in calls.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                          "cuLaunchKernelEx"))
+    ops = sum(e.count for e in averages if e.key.startswith("aten::"))
+    lines = [f"{steps} profiled steps, {seconds / steps * 1000:.1f} ms a step (wall)",
+             f"a step: {ops / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
+             f"{syncs / steps:.0f} host synchronisations, {calls.get('cudaMemcpyAsync', 0) / steps:.0f} copies"]
+    if on_gpu:  # kernels' own events: each kernel's time once
+        lines.append(f"device busy {kernel_us / 1000 / steps:.1f} ms a step ({kernel_us / 1e6 / seconds:.0%} of the wall)")
+        lines += ["", "by device time:", averages.table(sort_by="self_device_time_total", row_limit=25)]
+    lines += ["", "by host time:", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+    return "\n".join(lines)
+
+
+def step_profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler, out: Path, steps: int, since: float, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - since
+    profiler.stop()
+    report = profile_report(profiler, steps, seconds, device.type == "cuda")
+    (out / "profile.txt").write_text(report + "\n")
+    print(report, f"\n--profile_steps: wrote {out / 'profile.txt'} (no checkpoint)", sep="\n", flush=True)
+    return {"profile": str(out / "profile.txt"), "ms_per_step": round(seconds / steps * 1000, 1)}
+
+
 def parse_args(argv=None):
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="training directory: checkpoint.pt, then the model and training.json")
@@ -115,8 +162,13 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="processes making batches (0: in the training process)")
     parser.add_argument("--checkpoint_every", type=int, default=200, help="steps between checkpoints")
     parser.add_argument("--bf16", action="store_true",
-                        help="the forward under bfloat16 autocast (float32 weights and optimizer): on a GPU the experts' "
-                             "grouped GEMMs run in BF16 instead of float32's one product per expert")
+                        help="the forward under bfloat16 autocast (float32 weights and optimizer), the experts' grouped "
+                             "GEMMs in BF16 too (vismmoe_kt.demo.bf16_experts: on a GPU one launch a projection, where "
+                             "float32 runs one product per expert after a device synchronisation)")
+    parser.add_argument("--profile_steps", type=int, default=0,
+                        help="profile this many steps after 3 unprofiled ones (torch.profiler): the step's wall time, "
+                             "the device's busy share, the host's synchronisations and launches, the ops by device and "
+                             "host time, printed and written to OUT/profile.txt; then stop (no checkpoint)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, step)")
     parser.add_argument("--describe_share", type=float, default=0.2, help="share of sequences that are captions")
     parser.add_argument("--simple_steps", type=int, default=0,
@@ -139,9 +191,12 @@ def parse_args(argv=None):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.workers < 0 or args.eval_per_type < 0 or args.warmup < 0 or (args.pruned_per_type or 0) < 0 \
-            or args.simple_steps < 0 or args.watch_per_type < 0:
-        parser.error("--workers, --eval_per_type, --pruned_per_type, --warmup, --simple_steps and --watch_per_type "
-                     "cannot be negative")
+            or args.simple_steps < 0 or args.watch_per_type < 0 or args.profile_steps < 0:
+        parser.error("--workers, --eval_per_type, --pruned_per_type, --warmup, --simple_steps, --watch_per_type and "
+                     "--profile_steps cannot be negative")
+    if args.profile_steps and args.profile_steps + PROFILE_WARMUP > args.steps:
+        parser.error(f"--profile_steps {args.profile_steps}: the run has {args.steps} --steps, fewer than "
+                     f"{PROFILE_WARMUP} unprofiled steps and the profiled ones")
     if args.stop_after is not None and args.stop_after <= 0:
         parser.error(f"--stop_after must be positive, got {args.stop_after}")
     if not 0.0 <= args.describe_share <= 1.0:
@@ -183,6 +238,8 @@ def train(args) -> dict:
     model, processor = build_routing_model(args.spec, args.seed)
     device = torch.device(args.device)
     model.to(device).train()
+    if args.bf16:
+        use_bf16_experts(model)
     optimizer = adamw(model, args.lr)
     settings = {"spec": args.spec, "batch": args.batch, "seed": args.seed, "describe_share": args.describe_share}
     if args.simple_steps:  # another run's data: a checkpoint of one does not resume the other
@@ -215,7 +272,10 @@ def train(args) -> dict:
     start = time.perf_counter()
     stopped, waited, ready = False, 0.0, start  # waited: seconds the GPU step waited for the data workers
     bar = tqdm(total=args.steps, initial=first_step, desc=f"Training {args.spec}", unit="step", disable=args.no_progress)
+    profiler = None
     for step, (inputs, labels) in enumerate(loader, first_step):
+        if args.profile_steps and step - first_step == PROFILE_WARMUP:
+            profiler, profiled_from = step_profiler(device), time.perf_counter()
         waited += time.perf_counter() - ready
         lr = warmup_cosine(step, args.lr, args.warmup, args.steps)
         loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr,
@@ -231,6 +291,9 @@ def train(args) -> dict:
                   f"{rate}", flush=True)
         elif done in (5, 20):  # the rate early (the first steps include the workers' start and CUDA's warm-up)
             print(f"step {step + 1}: {rate} (this run's {done} steps)", flush=True)
+        if profiler is not None and step + 1 - first_step == PROFILE_WARMUP + args.profile_steps:
+            bar.close()
+            return write_profile(profiler, out, args.profile_steps, profiled_from, device)
         stopped = args.stop_after is not None and time.perf_counter() - start >= args.stop_after and step + 1 < args.steps
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps or stopped:
             if args.watch_per_type:  # the loss alone cannot tell answers from the picture from the priors

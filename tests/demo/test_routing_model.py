@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vismmoe_kt.demo import scenes
+from vismmoe_kt.demo.bf16_experts import BF16_EXPERTS, use_bf16_experts
 from vismmoe_kt.demo.routing_model import ROUTING_SPECS, build_routing_model, image_size, load_routing_model
 from vismmoe_kt.demo.training import Labeller, question_chat
 from vismmoe_kt.errors import LoadError
@@ -87,9 +88,11 @@ def test_stop_after_checkpoints_and_a_resume_at_the_last_step_evaluates(script, 
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--resume"], "--resume: no"),
     (["--stop_after", "0"], "--stop_after must be positive"),
-    (["--pruned_per_type", "-1"], "--warmup, --simple_steps and --watch_per_type"),
-    (["--simple_steps", "-5"], "--warmup, --simple_steps and --watch_per_type"),
-    (["--watch_per_type", "-1"], "--warmup, --simple_steps and --watch_per_type"),
+    (["--pruned_per_type", "-1"], "--warmup, --simple_steps, --watch_per_type"),
+    (["--simple_steps", "-5"], "--warmup, --simple_steps, --watch_per_type"),
+    (["--watch_per_type", "-1"], "--watch_per_type and --profile_steps cannot be negative"),
+    (["--profile_steps", "-1"], "--watch_per_type and --profile_steps cannot be negative"),
+    (["--steps", "4", "--profile_steps", "2"], "--profile_steps 2: the run has 4 --steps"),
 ])
 def test_bad_arguments_are_clear_errors(script, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as stop:
@@ -128,6 +131,38 @@ def test_bf16_autocast_trains_and_a_float32_checkpoint_does_not_resume_it(script
     assert losses(fp32) != losses(out)  # the products ran in another precision
     with pytest.raises(SystemExit, match="trained with"):
         script.main(TINY + ["--out", str(fp32), "--steps", "3", "--eval_per_type", "0", "--resume", "--bf16"])
+
+
+def test_bf16_experts_compute_in_bf16_and_train_the_float32_weights(tmp_path):
+    """The products in BF16 (the output within BF16's rounding of float32's, yet not equal to it), the gradients on
+    the float32 expert weights, and nothing of the switch in the saved config."""
+    model, _ = build_routing_model("routing-tiny")
+    experts = model.model.language_model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, experts.hidden_dim, generator=generator)
+    index = torch.randint(0, experts.num_experts, (12, 2), generator=generator)
+    weights = torch.rand(12, 2, generator=generator)
+    reference = experts(x, index, weights).detach()
+    use_bf16_experts(model)
+    assert model.get_experts_implementation()["text_config"] == BF16_EXPERTS
+    out = experts(x, index, weights)
+    assert out.dtype == torch.float32 and not torch.equal(out, reference)
+    torch.testing.assert_close(out.detach(), reference, rtol=0.05, atol=0.02 * float(reference.abs().max()))
+    out.square().sum().backward()
+    assert experts.gate_up_proj.grad.dtype == torch.float32 and experts.gate_up_proj.grad.abs().sum() > 0
+    assert experts.down_proj.grad.abs().sum() > 0
+    model.save_pretrained(str(tmp_path))  # a trained model loads with transformers' own experts
+    assert BF16_EXPERTS not in (tmp_path / "config.json").read_text()
+
+
+def test_profile_steps_report_the_steps_and_stop_without_a_checkpoint(script, tmp_path, capsys):
+    out = tmp_path / "profiled"
+    result = script.train(script.parse_args(TINY + ["--out", str(out), "--steps", "5", "--profile_steps", "2"]))
+    report = (out / "profile.txt").read_text()
+    assert report.startswith("2 profiled steps,") and "aten ops" in report and "by host time:" in report
+    assert "aten::" in report and result["ms_per_step"] > 0
+    assert not (out / "checkpoint.pt").exists() and not (out / "training.json").exists()
+    assert "--profile_steps: wrote" in capsys.readouterr().out
 
 
 def test_image_dependence_tells_answers_from_the_picture_from_answers_from_priors():
