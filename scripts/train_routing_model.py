@@ -34,7 +34,7 @@ import torch
 
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.demo import scenes
-from vismmoe_kt.demo.bf16_experts import use_bf16_experts
+from vismmoe_kt.models.bf16_experts import use_bf16_experts
 from vismmoe_kt.demo.routing_model import (CHECKPOINT_FILE, DEFAULT_SPEC, ROUTING_SPECS, build_routing_model,
                                            image_size, read_spec, save_model_directory, write_spec)
 from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, image_dependence,
@@ -163,7 +163,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint_every", type=int, default=200, help="steps between checkpoints")
     parser.add_argument("--bf16", action="store_true",
                         help="the forward under bfloat16 autocast (float32 weights and optimizer), the experts' grouped "
-                             "GEMMs in BF16 too (vismmoe_kt.demo.bf16_experts: on a GPU one launch a projection, where "
+                             "GEMMs in BF16 too (vismmoe_kt.models.bf16_experts: on a GPU one launch a projection, where "
                              "float32 runs one product per expert after a device synchronisation)")
     parser.add_argument("--profile_steps", type=int, default=0,
                         help="profile this many steps after 3 unprofiled ones (torch.profiler): the step's wall time, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vismmoe_kt.demo import scenes
-from vismmoe_kt.demo.bf16_experts import BF16_EXPERTS, use_bf16_experts
+from vismmoe_kt.models.bf16_experts import BF16_EXPERTS, use_bf16_experts
 from vismmoe_kt.demo.routing_model import ROUTING_SPECS, build_routing_model, image_size, load_routing_model
 from vismmoe_kt.demo.training import Labeller, question_chat
 from vismmoe_kt.errors import LoadError

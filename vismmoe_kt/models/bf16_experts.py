@@ -1,5 +1,6 @@
 """Training's MoE experts with their products in bfloat16: transformers' grouped-GEMM experts forward, fed
-bfloat16 casts of the float32 expert weights.
+bfloat16 casts of the float32 expert weights (it reads transformers' experts attributes, hence models/; the
+training scripts use it).
 
 Why: transformers' grouped_mm experts cast the activations to the weights' dtype, so under bfloat16 autocast
 with float32 weights (mixed-precision training) the products stay float32, and torch's grouped GEMM has a
