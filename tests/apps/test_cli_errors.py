@@ -4,6 +4,7 @@ another chance in interactive chat, never a traceback from deep inside torch, ya
 import io
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -221,14 +222,18 @@ def test_demo_assembly_removes_stale_staging_but_not_a_live_one(tmp_path, monkey
     name = f"{DEMO_SPEC}-{demo_weights_digest()}-v{FORMAT_VERSION}"
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait(timeout=60)  # exited and reaped: its pid belongs to no process now
-    stale = models / f"{name}.staging-{finished.pid}-x1y2"  # a build that was killed
-    live = models / f"{name}.staging-{os.getpid()}-a1b2"  # another build under way (here: this process)
-    for path in (stale, live):
+    host = socket.gethostname()
+    stale = models / f"{name}.staging-{host}-{finished.pid}-x1y2"  # a build on this host that was killed
+    old_stale = models / f"{name}.staging-{finished.pid}-q9r8"  # the same, named before hosts were recorded
+    live = models / f"{name}.staging-{host}-{os.getpid()}-a1b2"  # another build under way (here: this process)
+    elsewhere = models / f"{name}.staging-another-host.lan-{finished.pid}-c3d4"  # another host's: its pids aren't ours
+    for path in (stale, old_stale, live, elsewhere):
         path.mkdir(parents=True)
         (path / "config.json").write_text("{}")
     target = demo_model_dir()
     assert (target / ".complete").exists()
-    assert not stale.exists()
-    assert live.exists()
+    assert not stale.exists() and not old_stale.exists()
+    assert live.exists() and elsewhere.exists()
     # (and the builders' lock file)
-    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, live.name, f"{target.name}.lock"])
+    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, live.name, elsewhere.name,
+                                                               f"{target.name}.lock"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -219,11 +220,22 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def staging_prefix(target: Path) -> str:
+    """A build's staging directory name up to mkdtemp's random part: the host and pid of its builder, which
+    tell a later run on this host whether the builder still lives (a cache may be shared by several hosts)."""
+    return f"{target.name}.staging-{socket.gethostname()}-{os.getpid()}-"
+
+
 def remove_stale_staging(models_dir: Path) -> None:
-    """Remove staging directories of builds that were killed (their process is gone); never a live build's."""
+    """Remove staging directories of builds on this host that were killed (their process is gone); never a live
+    build's, and never another host's (whose processes this host cannot see)."""
+    host = socket.gethostname()
     for path in models_dir.glob("*.staging-*-*"):
-        pid = path.name.rpartition(".staging-")[2].partition("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):  # a reused pid keeps it: erring on the safe side
+        builder, _, _ = path.name.rpartition(".staging-")[2].rpartition("-")  # HOST-PID (mkdtemp's part has no "-")
+        builder_host, _, pid = builder.rpartition("-")
+        if builder_host not in (host, "") or not pid.isdigit():  # "": a name from before hosts were recorded
+            continue
+        if not _process_alive(int(pid)):  # a reused pid keeps it: erring on the safe side
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -246,8 +258,8 @@ def demo_model_dir() -> Path:
         if (target / ".complete").exists():
             return target
         remove_stale_staging(target.parent)
-        # The pid in the name lets a later run tell a staging directory whose builder was killed from one in use.
-        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.staging-{os.getpid()}-", dir=target.parent))
+        # The host and pid in the name let a later run tell a staging directory whose builder was killed from one in use.
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(target), dir=target.parent))
         try:
             save_demo_model(staging)
             (staging / ".complete").write_text("ok\n")
