@@ -128,7 +128,8 @@
 #                                                   ROUTING_STEPS=20 ROUTING_DIR=/tmp/routing-smoke)
 #   bash scripts/device_session.sh routingprof      #46: 4 training steps of routing-12x64 (batch 64) profiled after 3 more, in
 #                                                   float32 and with --bf16 (BF16 autocast and BF16 grouped GEMMs for the
-#                                                   experts): wall and device time a step, syncs, launches, top ops (2-3 min)
+#                                                   experts): wall and device time a step, syncs, launches, top ops (2-3 min;
+#                                                   ROUTINGPROF_TIMEOUT, 150: the seconds of each)
 #   bash scripts/device_session.sh check bench 1    stages combine
 # Results go to $OUT (the device tool brings them back). kt-kernel comes from a slim copy carried in
 # .scratch/kt (its AMX and AVX-512-BF16 builds only: docs/design.md "Ecosystem facts we rely on"), if present; the gguf package from .scratch/pylib
@@ -467,7 +468,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
                  for precision in fp32 bf16; do
                    rm -rf "/tmp/routing-profile-$precision"
-                   timeout 200 python3 scripts/train_routing_model.py --device cuda --out "/tmp/routing-profile-$precision" \
+                   timeout ${ROUTINGPROF_TIMEOUT:-150} python3 scripts/train_routing_model.py --device cuda --out "/tmp/routing-profile-$precision" \
                      --spec routing-12x64 --steps 7 --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" \
                      --no_progress --eval_per_type 0 --watch_per_type 0 --profile_steps 4 \
                      $([[ $precision == bf16 ]] && echo --bf16) 2>&1 | grep -v Warning \
