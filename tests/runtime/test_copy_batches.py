@@ -1,6 +1,6 @@
 """Copies issued together (runtime/transfers.py): one batch, consecutive experts of a quantized layer into
 consecutive slabs as one copy, the rest block by block; every slab of a batch holds exactly its expert's
-bytes and is resident once the batch is done. A long prompt's next layer (`stream`) is one such batch."""
+bytes and is resident once the batch is done. A long prompt's next layer (`stream_layer`) is one such batch."""
 import threading
 
 import pytest
@@ -67,12 +67,12 @@ def test_streaming_a_layer_copies_what_has_no_slab_and_drops_the_queued_guesses(
     transfers, store, pool, cache = quantized_transfers(slabs=12)
     transfers.fetch([(1, 2)])  # already resident: not copied again
     transfers.queue = [(0.5, (0, 7))]  # a policy's guess, waiting for the link
-    issued = transfers.stream([(1, e) for e in range(E)], priority=2.0)
+    issued = transfers.stream_layer([(1, e) for e in range(E)], priority=2.0)
     assert issued == E - 1 and not transfers.queue
     assert cache.counters.prefetches == E - 1 and cache.priority[(1, 0)] == 2.0
     assert_holds(transfers, store, pool, cache, [(1, e) for e in range(E)], 0)
     # a second layer with too few slabs left: what the cache admits is copied, the rest is not
-    issued = transfers.stream([(0, e) for e in range(E)], priority=2.0)
+    issued = transfers.stream_layer([(0, e) for e in range(E)], priority=2.0)
     assert issued == 12 - E
     assert sum(1 for e in range(E) if (0, e) in cache.where) == 12 - E
 

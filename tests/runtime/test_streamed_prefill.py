@@ -207,7 +207,7 @@ def test_streams_of_a_prompt_that_stopped_between_layers_do_not_block_the_next()
 def test_a_stream_that_raises_before_its_layer_starts_leaves_no_layer_open(monkeypatch):
     runtime, weights, h = quantized_runtime()
     calls = []
-    real = runtime.transfers.stream
+    real = runtime.transfers.stream_layer
 
     def failing(keys, priority):
         calls.append(1)
@@ -215,7 +215,7 @@ def test_a_stream_that_raises_before_its_layer_starts_leaves_no_layer_open(monke
             raise KeyboardInterrupt  # the user stops the prompt while a stream is issued
         return real(keys, priority)
 
-    monkeypatch.setattr(runtime.transfers, "stream", failing)
+    monkeypatch.setattr(runtime.transfers, "stream_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         prompt(runtime, weights, tokens=32, seed=1, h=h, atol=2e-4)
     cache = runtime.residency.cache

@@ -5,7 +5,7 @@ A ranking orders the cache's evictable slabs (slab_cache.py holds the state and 
 - `RouterRanking` ("vismmoe", VisMMOE 3.4.2): Expired slabs first, by the router's averaged
   probability once table decode gives it (else by recency), then Speculative ones by priority.
 - `CycleRanking`: the slab whose layer runs again last first; only for a long prompt's streamed layers
-  (Transfers.stream), whatever ranking decode runs.
+  (Transfers.stream_layer), whatever ranking decode runs.
 The cache holds one ranking object and asks it for victims; choosing another is assigning another
 (`cache.ranking = ...`), never a mode flag tested per layer.
 
@@ -45,7 +45,7 @@ class RouterRanking:
 
 
 class CycleRanking:
-    """A long prompt's streamed layers (Transfers.stream): the slab whose layer runs again last goes first.
+    """A long prompt's streamed layers (Transfers.stream_layer): the slab whose layer runs again last goes first.
     A prompt runs the layers in a fixed cycle, one after another, and the next prompt in the same order, so
     the layer that has just run is the one needed furthest ahead: Belady's choice. By recency the cache would
     instead evict the layer the next prompt needs first, and a budget of n layers' slabs would copy every

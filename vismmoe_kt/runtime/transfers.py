@@ -4,7 +4,7 @@ On CUDA there are two copy streams. A host worker thread drains the prefetch que
 of logical experts, replaced whenever the runtime learns more) onto the transfer stream, keeping at
 most `max_in_flight` copies outstanding so that a newer list takes effect quickly. Urgent fetches
 (a needed expert that was not queued) go on a high-priority stream, ahead of the queue. A long prompt's
-next layer (`stream`) goes on the transfer stream at once, whatever is in flight. Copies issued together
+next layer (`stream_layer`) goes on the transfer stream at once, whatever is in flight. Copies issued together
 are one batch: one stream context, consecutive experts into consecutive quantized slabs as one copy, and
 one event, which stands for each slab of the batch; the compute stream waits only on the events of the
 experts it needs now. A copy into a slab first waits on the compute that last read the slab, so eviction
@@ -73,7 +73,7 @@ class Transfers:
         self._drops = 0  # drop_queue calls so far
         self._worker = None
         self.landed: list[int] = []  # slabs whose copies completed since the decode boundary last looked
-        self.stream_victims = CycleRanking()  # whose slabs a streamed layer takes (`stream`)
+        self.stream_victims = CycleRanking()  # whose slabs a streamed layer takes (`stream_layer`)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.urgent_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -298,7 +298,7 @@ class Transfers:
             else:
                 self._drain(limit=len(self.queue))
 
-    def stream(self, keys: list[Key], priority: float) -> int:
+    def stream_layer(self, keys: list[Key], priority: float) -> int:
         """Copy those of `keys` that have no slab now, as one batch on the prefetch stream, whatever else is in
         flight, and drop the prefetch queue's guesses: a long prompt's next offloaded layer, needed once the
         layer computing now is done (streamed prefill, executors/placement.py). Through the queue the worker

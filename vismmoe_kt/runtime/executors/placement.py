@@ -14,7 +14,7 @@ carries the CPU's inputs too (the hybrid mode).
 Streamed prefill (`plan.prefill == "streamed"`): a prompt of T tokens with K experts each routes to an
 expected 1 - (1 - K/E)^T of a layer's E experts: nearly all of them in a long prompt (236 tokens, 8 of
 128: all but 1e-7 of them). So after a layer is placed, the next offloaded layer's experts without a slab
-are issued to the copy stream at once, in one batch (Transfers.stream), before that layer's routing is
+are issued to the copy stream at once, in one batch (Transfers.stream_layer), before that layer's routing is
 known: they cross the link while this layer computes and the next one's attention runs, and its placement
 then finds them landed or in flight. Why: placed layer by layer, each layer's copies started only after
 its routing's host read and ended before its compute, so the link idled through every compute and every
@@ -249,7 +249,7 @@ class PlacementExecutor:
     def _stream(self, layer: int) -> None:
         """Every expert of `layer` without a slab to the copy stream now, at the streamed priority."""
         keys = self._streamed[layer] = [(layer, e) for e in range(self.res.num_experts)]
-        self.res.transfers.stream(keys, STREAM_PRIORITY)
+        self.res.transfers.stream_layer(keys, STREAM_PRIORITY)
 
     def _place(self, layer: int, pairs_of: dict[int, int], counters: LayerCounters) -> Placement:
         """hit / late / miss for each needed expert; misses fetched (waited on) or sent to the CPU."""
