@@ -55,7 +55,10 @@ class SlotKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         value_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
         self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current device: weights say cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.capacity, self.device, self.dtype = capacity, device, dtype
         self.host_lengths = [[0] * slots for _ in range(layers)]
         self.lengths = torch.zeros(layers, slots + pad, dtype=torch.long, device=device)  # device mirror, for decode
         self.positions = torch.arange(capacity, device=device)
