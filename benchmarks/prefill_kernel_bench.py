@@ -1,6 +1,6 @@
 """A prompt's routed experts on Q4_K slabs (Qwen3-VL-30B-A3B shapes, BF16 activations, K = 8): the kernels.
 
-    PYTHONPATH=. python3 -m benchmarks.prefill_kernel_bench --out DIR [--tune [all|major|int8]]
+    PYTHONPATH=. python3 -m benchmarks.prefill_kernel_bench --out DIR [--tune]
 
 T tokens (236: a 448 px picture's prompt, 512, 824: an 896 px one), each with K distinct random experts
 of E = 128 per layer (seeded), LAYERS layers each with its own slabs (every expert resident, as with a
@@ -10,15 +10,11 @@ slab for every expert). Rows, each the median of CUDA-event timings of a capture
                               slab into a bank of BF16 (kernels.dequantize), then transformers' grouped GEMM
   expert-major, block M       kernels.quantized_major: each routed expert decoded once per block of M of its
                               pairs and multiplied on tensor cores, straight from the slabs (filled prefill)
-  expert-major, int8          kernels.q4k_int8: the same blocks with the activations quantized to int8 per 32
-    activations               columns and the Q4_K nibbles multiplied as they are (integer MMA), at its tuned
-                              tiles (quantized_prefill's int8) and at block M 64
   BF16 grouped GEMM           the same pairs over a resident BF16 bank (a pinned layer): for scale
 
 Each with its error against grouped GEMM on the dequantized weights; "quarter steps": the kernels decoding a
 quarter super-block a step. `--tune`: the expert-major kernels' (block M, columns per program, warps, stages,
-piece) at T = 512, fastest first (tuning.json's quantized_prefill), and the int8 kernels' (block M, columns,
-warps, stages) (its int8 entry); `--tune major` or `--tune int8` sweeps one of the two.
+piece) at T = 512, fastest first (tuning.json's quantized_prefill).
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import torch
 from benchmarks.decode_kernel_bench import timed
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.runtime.expert_compute import bank_experts
-from vismmoe_kt.runtime.kernels import dequantize, q4k_int8, quantized_major
+from vismmoe_kt.runtime.kernels import dequantize, quantized_major
 from vismmoe_kt.runtime.kernels import tuning as kernel_tuning
 from vismmoe_kt.runtime.store import ExpertStore
 from vismmoe_kt.runtime.table_experts import combine
@@ -56,8 +52,7 @@ def routing(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, list[torch
 def main() -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for prefill_kernel_bench.json")
-    parser.add_argument("--tune", nargs="?", const="all", choices=("all", "major", "int8"),
-                        help="sweep the expert-major kernels' tiles at T = 512 (both kinds, or one)")
+    parser.add_argument("--tune", action="store_true", help="sweep the expert-major kernels' tiles at T = 512")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     torch.manual_seed(0)
@@ -95,16 +90,6 @@ def main() -> int:
                     block_m=block_m or tuned["block_m"]), w, x.dtype, True) for layer in range(LAYERS)]
             return run
 
-        def int8(block_m=None, gate_up_tiles=None, down_tiles=None):
-            tuned = kernel_tuning.get("quantized_prefill", device)["int8"]
-
-            def run():
-                return [combine(q4k_int8.experts_int8(
-                    x, ids[layer], ids[layer].reshape(-1), no_land, pools[layer], pools[layer], I, E,
-                    gate_up_tiles or tuned["gate_up"], down_tiles or tuned["down"],
-                    block_m=block_m or tuned["block_m"]), w, x.dtype, True) for layer in range(LAYERS)]
-            return run
-
         def bf16_grouped():
             return [bank_experts(x, ids[layer], w, identity, *resident[layer % 2], act) for layer in range(LAYERS)]
 
@@ -114,43 +99,34 @@ def main() -> int:
         # a quarter super-block a kernel step (fewer registers: two pipeline stages fit)
         runs += [(f"expert-major, block M {m}, quarter steps", major(m, (64, 4, 2, 64), (128, 4, 2, 64)))
                  for m in (32, 64)]
-        runs += [("expert-major, int8 activations", int8()), ("expert-major, int8 activations, block M 64", int8(64))]
         runs += [("BF16 grouped GEMM (resident bank)", bf16_grouped)]
         for name, run in runs:
-            try:
-                error = float((run()[0].float() - want).norm() / want.norm())
-                seconds = timed(run, repeats=10)
-            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile leaves the other rows
-                rows.append({"tokens": tokens, "kernel": name, "error": str(exc)[:300]})
-                print(f"T={tokens:4d} {name:42s} failed: {str(exc)[:200]}", flush=True)
-                continue
+            error = float((run()[0].float() - want).norm() / want.norm())
+            seconds = timed(run, repeats=10)
             rows.append({"tokens": tokens, "kernel": name, "us_per_layer": seconds / LAYERS * 1e6,
                          "relative_error": error})
-            print(f"T={tokens:4d} {name:42s} {seconds / LAYERS * 1e6:8.1f} us a layer  error {error:.1e}", flush=True)
+            print(f"T={tokens:4d} {name:36s} {seconds / LAYERS * 1e6:8.1f} us a layer  error {error:.1e}", flush=True)
     write(args.out, device, rows, sweep)
     if args.tune:  # after every row, so a timeout leaves them all
         x, w, ids = routing(512, device)
         no_land = torch.full((512 * K,), -1, dtype=torch.long, device=device)
-        shapes = []
-        if args.tune in ("all", "major"):
-            # whole super-blocks a step (pipelining them spills), or quarters of them with 1-3 stages
-            shapes += [(major, m, (n, w, 1, 256)) for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))]
-            shapes += [(major, m, (n, w, s, 64))
-                       for m, n, w, s in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 3))]
-        if args.tune in ("all", "int8"):  # a quarter super-block a step always; columns whole 32-column blocks
-            shapes += [(int8, m, (n, w, s)) for m, n, w, s in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 3))]
-        for kernels, block_m, tile in shapes:
+        # whole super-blocks a step (pipelining them spills), or quarters of them with 1-3 stages
+        shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))]
+        shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 3))]
+        for block_m, n, warps, stages, piece in shapes:
             for part in ("gate_up", "down"):
-                name = part if kernels is major else f"int8 {part}"
+                tiles = {f"{part}_tiles": (n, warps, stages, piece)}
                 try:
-                    seconds = timed(kernels(block_m, **{f"{part}_tiles": tile}), repeats=5)
+                    seconds = timed(major(block_m, **tiles), repeats=5)
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
-                    sweep.append({"part": name, "block_m": block_m, "tiles": tile, "error": str(exc)[:200]})
+                    sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
+                                  "error": str(exc)[:200]})
                     continue
-                sweep.append({"part": name, "block_m": block_m, "tiles": tile, "us_per_layer": seconds / LAYERS * 1e6})
-                print(f"tune {name} M={block_m} {tile} {seconds / LAYERS * 1e6:.1f} us", flush=True)
+                sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
+                              "us_per_layer": seconds / LAYERS * 1e6})
+                print(f"tune {part} M={block_m} {(n, warps, stages, piece)} {seconds / LAYERS * 1e6:.1f} us", flush=True)
         sweep.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
-        for part in sorted({r["part"] for r in sweep}):
+        for part in ("gate_up", "down"):
             best = [r for r in sweep if r["part"] == part][:4]
             print(part, [(r["block_m"], r["tiles"], round(r.get("us_per_layer", 0), 1)) for r in best], flush=True)
     write(args.out, device, rows, sweep)

@@ -99,9 +99,7 @@
 #                                                   (a `git archive`, carried; - for none) at its tuned shapes, then this tree's with
 #                                                   --tune; each format's fastest (KQ_FORMATS: q4_k,q4_k:bytes,q8_0,q5_k)
 #   bash scripts/device_session.sh prefillk         a prompt's routed experts on Q4_K slabs at 236, 512 and 824 tokens, kernels
-#                                                   alone (benchmarks/prefill_kernel_bench.py), the int8-activation kernels
-#                                                   beside the others; PK_TUNE=1 sweeps both kinds' tiles, PK_TUNE=int8 or
-#                                                   major one kind's (PK_TIMEOUT, 300 s, bounds it)
+#                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
@@ -373,10 +371,8 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                [[ $ref == - ]] || grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
                tail -n 8 "$OUT/kq-after.txt" ;;
     prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept)
-              tune=${PK_TUNE:+--tune}
-              [[ ${PK_TUNE:-} == int8 || ${PK_TUNE:-} == major ]] && tune="--tune $PK_TUNE"
               timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
-                $tune | tee "$OUT/prefillk.txt" || true ;;
+                ${PK_TUNE:+--tune} | tee "$OUT/prefillk.txt" || true ;;
     defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
               for px in "${@:-448}"; do
                 [[ $px =~ ^[0-9]+$ ]] || break

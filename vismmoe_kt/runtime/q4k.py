@@ -110,15 +110,6 @@ def kquant_dequantize(data: torch.Tensor, cols: int, dtype: torch.dtype, block_b
                       fifth_bit: bool) -> torch.Tensor:
     """Q4_K, or with `fifth_bit` Q5_K (q5k.py: qh[32] before the quants, bit s of qh[l] above weight
     32 s + l's nibble): (..., cols / 256 * block_bytes) uint8 -> (..., cols) in `dtype`."""
-    step, offset, q = kquant_codes(data, cols, block_bytes, name, fifth_bit)
-    w = step[..., None] * q.float() - offset[..., None]
-    return w.reshape(*data.shape[:-1], cols).to(dtype)
-
-
-def kquant_codes(data: torch.Tensor, cols: int, block_bytes: int = BLOCK_BYTES, name: str = "Q4_K",
-                 fifth_bit: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K's (or Q5_K's) codes, undecoded: d * scale and dmin * min per sub-block (..., nb, 8) float32 and
-    the quants (..., nb, 8, 32) int32, so weight = step * q - offset (what the int8 kernels take apart)."""
     *lead, nbytes = data.shape
     if cols % BLOCK or nbytes != cols // BLOCK * block_bytes:
         raise ValueError(f"{nbytes} bytes per row is not {name} for {cols} weights")
@@ -130,4 +121,5 @@ def kquant_codes(data: torch.Tensor, cols: int, block_bytes: int = BLOCK_BYTES, 
     if fifth_bit:
         qh = blocks[..., 16:48].to(torch.int32)[..., None, :]            # (..., nb, 1, 32)
         q = q | (((qh >> torch.arange(8, device=data.device)[:, None]) & 1) << 4)
-    return step, offset, q
+    w = step[..., None] * q.float() - offset[..., None]
+    return w.reshape(*lead, cols).to(dtype)

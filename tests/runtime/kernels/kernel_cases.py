@@ -105,22 +105,3 @@ def dequantized_reference(store: Any, ids: torch.Tensor, x: torch.Tensor, top_k:
     xs = x.float()[torch.arange(ids.numel()) // top_k]
     gate, up = torch.bmm(gate_up.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
     return torch.bmm(down.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-
-
-def scattered_pairs(store: Any) -> tuple[torch.Tensor, ...]:
-    """(top_k_index, ids, pool, staging, slots, land): 5 tokens x 3 experts of `store`'s layer 0 (expert 2 in four
-    pairs, 5 in three: every block partly empty) over slabs of rows wider than a block (the row stride
-    matters). Experts 0, 2, 3, 4 resident in slabs 3, 1, 6, 0; the misses (1, 5) not yet staged: expert 5's first
-    pair claimed landing slab 7, the others read their staging rows (both left empty for the caller)."""
-    bb = store.block_bytes_of(0)
-    top_k_index = torch.tensor([[2, 5, 0], [5, 2, 1], [2, 3, 5], [4, 2, 0], [1, 3, 4]])
-    ids = top_k_index.reshape(-1)
-    pool = torch.zeros(8, bb + 64, dtype=torch.uint8)
-    staging = torch.zeros(ids.numel(), bb + 64, dtype=torch.uint8)
-    resident = {0: 3, 2: 1, 3: 6, 4: 0}                     # expert -> slab
-    slots = torch.tensor([resident.get(int(e), -1) for e in ids])
-    land = torch.full_like(slots, -1)
-    land[1] = 7
-    for e, slab in resident.items():
-        pool[slab, :bb] = store.layers[0][e]
-    return top_k_index, ids, pool, staging, slots, land

@@ -10,7 +10,7 @@ from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
 SCRIPT = r"""
 from vismmoe_kt.runtime.kernels import quantized_major as qm, table_ops
 from vismmoe_kt.runtime.decode_table import DecodeTable
-from kernel_cases import dequantized_reference, filled_store, q6k_rows, scattered_pairs
+from kernel_cases import dequantized_reference, filled_store, q6k_rows
 
 E, H, I = 6, 256, 512
 # float16 activations: the interpreter's tl.dot misreads bfloat16 (numpy has none); the GPU runs bfloat16
@@ -18,8 +18,17 @@ for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", N
     # a Q4_K_M file's layer: down experts in Q6_K (random bytes, each super-block's d finite)
     store = filled_store(E, H, I, torch.float16, fmt, (lambda: q6k_rows(E, H, I, 0.002, 0.0001)) if down_fmt else None)
     bb = store.block_bytes_of(0)
-    # 5 tokens x 3 experts, some resident, one of expert 5's misses claiming slab 7
-    top_k_index, ids, pool, staging, slots, land = scattered_pairs(store)
+    # 5 tokens x 3 experts: expert 2 in four pairs, expert 5 in three, every block partly empty
+    top_k_index = torch.tensor([[2, 5, 0], [5, 2, 1], [2, 3, 5], [4, 2, 0], [1, 3, 4]])
+    ids = top_k_index.reshape(-1)
+    pool = torch.zeros(8, bb + 64, dtype=torch.uint8)      # rows wider than a block: the row stride matters
+    staging = torch.zeros(ids.numel(), bb + 64, dtype=torch.uint8)
+    resident = {0: 3, 2: 1, 3: 6, 4: 0}                     # expert -> slab
+    slots = torch.tensor([resident.get(int(e), -1) for e in ids])
+    land = torch.full_like(slots, -1)
+    land[1] = 7                                              # one of expert 5's misses claimed slab 7
+    for e, slab in resident.items():
+        pool[slab, :bb] = store.layers[0][e]
     # the misses' blocks staged from the "host" (here plain memory) in one launch: into slab 7, else staging rows
     qm.stage_misses(ids, slots, land, pool, staging, store.layers[0].data_ptr(), bb)
     assert torch.equal(pool[7, :bb], store.layers[0][5]) and not pool[7, bb:].any()

@@ -25,9 +25,7 @@ def test_the_h200_values_are_the_measured_ones():
     assert h200["q4_k_word_loads"] is True
     assert h200["expert_major"] == {"gate_up": (64, 128, 4, 4), "down": (64, 128, 4, 4)}
     assert h200["quantized_major"] == {"gate_up": (64, 4, 1), "down": (64, 2, 1)}
-    assert h200["quantized_prefill"] == {"block_m": 32, "gate_up": (64, 4, 1), "down": (128, 4, 1),
-                                         "int8_activations": False,  # not measured yet: its tiles a guess
-                                         "int8": {"block_m": 32, "gate_up": (64, 4, 2), "down": (64, 4, 2)}}
+    assert h200["quantized_prefill"] == {"block_m": 32, "gate_up": (64, 4, 1), "down": (128, 4, 1)}
     assert h200["prefetch_programs"] == 32
 
 

@@ -9,9 +9,7 @@ Where a slab holds every offloaded expert nothing is ever placed or evicted once
     each layer     slots = row map[top_k_index], on the device; the expert-major kernels
                    (kernels/quantized_major.py) decode each routed expert's blocks in its slab once per
                    block of its tokens and multiply on tensor cores; the K outputs of a token combined
-                   in a fixed order. Where tuning's quantized_prefill sets int8_activations and a layer's
-                   experts are Q4_K throughout, kernels/q4k_int8.py instead: the activations quantized to
-                   int8, products on integer tensor cores, the weights never decoded (off until measured)
+                   in a fixed order
 
 No host read, no lock, no bank of the model's dtype: the host queues the whole prompt's layers while the
 device computes them. Why: on the H200 a 236-token prompt on Q4_K slabs spent 55 ms decoding whole
@@ -28,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import expert_major, q4k_int8, quantized_major, tuning
+from ..kernels import expert_major, quantized_major, tuning
 from ..residency import Residency
 from ..table_experts import combine
 
@@ -61,18 +59,12 @@ def experts_from_slabs(res: Residency, use_kernels: bool, layer: int, hidden: to
         slots = row_map[top_k_index].reshape(-1)  # each pair's slab
         # a prompt's many tokens per expert take the prompt's tiles; a few rows, the batched step's
         tuned = tuning.get("quantized_prefill", hidden.device) if hidden.shape[0] > 1 else \
-            {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M, "int8_activations": False}
-        fmt, down_fmt = store.fmt, store.down_format(layer)
+            {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M}
         # every pair has a slab, so no landing slab or staging row is ever taken: the slots and the pool
         # stand in for both
-        if tuned["int8_activations"] and q4k_int8.applies(fmt, down_fmt):  # the one choice: int8 activations
-            int8 = tuned["int8"]
-            y = q4k_int8.experts_int8(hidden, top_k_index, slots, slots, pool, pool, res.inter, res.num_experts,
-                                      int8["gate_up"], int8["down"], block_m=int8["block_m"])
-        else:
-            y = quantized_major.experts_quantized_major(
-                hidden, top_k_index, slots, slots, pool, pool, fmt, down_fmt, res.inter, res.num_experts,
-                tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
+        y = quantized_major.experts_quantized_major(
+            hidden, top_k_index, slots, slots, pool, pool, store.fmt, store.down_format(layer), res.inter,
+            res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
     else:  # the same blocks, each expert's weights from its slab by the store's dequantization
         gate_up, down = store.dequantized(pool[row_map, :store.block_bytes_of(layer)], layer)
         block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), res.num_experts)

@@ -8,7 +8,6 @@ Modules: `bf16_gemv` (a decode step's experts read where they lie, slab or mappe
 as they are from the host), `dequantize` (blocks dequantized into slabs or a bank), `table_ops`
 (the decode table's lookup, combine and publish, and the prefetch's claims), `prefetch_copy` (the
 lookahead prefetch's in-graph copies), `expert_major` and `quantized_major` (a batched step's
-experts, each routed expert read once for all its tokens, on tensor cores), `q4k_int8` (the same for a
-prompt's Q4_K experts on int8 activations, integer products; opt-in), `tuning` (the tuned tile
+experts, each routed expert read once for all its tokens, on tensor cores), `tuning` (the tuned tile
 configurations per device, tuning.json), `triton_support` (Triton or None).
 """

@@ -31,13 +31,6 @@ by one program per tile, and the caller combines each token's K rows in a fixed 
 
 `experts_by_pair_blocks` is the torch twin (the CPU tests): the same plan, weights dequantized by
 the store's codecs. The tiles are tuned per device (tuning.py, key quantized_major).
-
-For a prompt on Q4_K slabs, q4k_int8.py is the opt-in alternative (tuning's quantized_prefill
-int8_activations, off until the GPU measures it): there the activations are quantized to int8 per 32
-columns and multiplied with the raw 4-bit quants on integer tensor cores (the idea of llama.cpp's MMQ), each
-sub-block's scale and minimum applied to the int32 sums, so no weight is decoded; this module's decoding,
-some four operations a weight before its product, is the suspect at a prompt's sizes (638 us a layer at
-236 tokens on the H200 against a floor of about 71 us to read the bytes).
 """
 
 from __future__ import annotations
@@ -248,16 +241,6 @@ if tl is not None:
     def _q4k_quarter(at, ok, j, R: tl.constexpr):
         """(R, 32), (R, 32) fp32: sub-blocks 2 j and 2 j + 1 (weights 64 j .. 64 j + 31 and the next 32, in
         order) of R rows' Q4_K super-blocks at `at` (R, 1): the low and high nibbles of the same 32 bytes."""
-        step_low, step_high, offset_low, offset_high, quants = _q4k_quarter_codes(at, ok, j, R)
-        low = step_low * (quants & 0xF).to(tl.float32) - offset_low
-        high = step_high * (quants >> 4).to(tl.float32) - offset_high
-        return low, high
-
-    @triton.jit
-    def _q4k_quarter_codes(at, ok, j, R: tl.constexpr):
-        """`_q4k_quarter`'s codes, undecoded: d * scale and dmin * min of sub-blocks 2 j and 2 j + 1 (R, 1)
-        each (low's step, high's step, low's offset, high's offset) and their 32 quant bytes (R, 32) int32
-        (the low nibbles sub-block 2 j's, the high ones 2 j + 1's)."""
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
         d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
         dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
@@ -272,7 +255,9 @@ if tl is not None:
         words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True) + (8 * j + w)[None, :],
                         mask=ok, other=0)                                                # (R, 8): 32 quant bytes
         quants = tl.reshape((words[:, :, None] >> (8 * b)[None, None, :]) & 0xFF, [R, 32])
-        return d * scale_low, d * scale_high, dmin * min_low, dmin * min_high, quants
+        low = d * scale_low * (quants & 0xF).to(tl.float32) - dmin * min_low
+        high = d * scale_high * (quants >> 4).to(tl.float32) - dmin * min_high
+        return low, high
 
     @triton.jit
     def _stage_kernel(ids_ptr, slots_ptr, land_ptr, pool_ptr, staging_ptr, host_addr, block_words, pool_words,

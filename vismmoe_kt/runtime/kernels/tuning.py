@@ -18,10 +18,7 @@ Keys (lists in the file, tuples here):
                      pipeline stages)
   quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
   quantized_prefill  the same kernels for a prompt's layers on filled slabs: block_m (pairs per block: a
-                     prompt has many tokens per expert) and gate_up, down as quantized_major's;
-                     int8_activations: Q4_K layers take q4k_int8.py's kernels instead (activations in int8,
-                     integer products; false until measured), with int8's block_m and gate_up, down
-                     (output rows per program, a multiple of 32; warps; pipeline stages)
+                     prompt has many tokens per expert) and gate_up, down as quantized_major's
   prefetch_programs  programs of the lookahead prefetch's copy: few, so the layers computing
                      meanwhile keep the GPU
 """
