@@ -433,8 +433,9 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                      --batch "${ROUTING_BATCH:-64}" --workers "${ROUTING_WORKERS:-14}" --checkpoint_every 500
                      --no_progress --stop_after "${ROUTING_TRAIN_SECONDS:-330}" --eval_per_type 64 --pruned_eval
                      --pruned_per_type "${ROUTING_PRUNED_PER_TYPE:-32}" --keep 0.7,0.5 --prune_layer 2
-                     ${ROUTING_BF16:+--bf16} ${ROUTING_ARGS---lr 3e-3 --describe_share 0.25 --simple_steps 500})
-               # ROUTING_BF16=1: BF16 autocast; ROUTING_ARGS: the recipe's flags, the same in every call of a run (unset:
+                     $([[ -n ${ROUTING_FP32:-} ]] || echo --bf16) ${ROUTING_ARGS---lr 3e-3 --describe_share 0.25 --simple_steps 500})
+               # --bf16 unless ROUTING_FP32=1 (a step in half float32's time on an H100, 2026-12-05); ROUTING_ARGS: the
+               # recipe's flags, the same in every call of a run (unset:
                # the recipe the CPU runs of 2026-12-04/05 found, 32,000 simple scenes first; set empty: none)
                [[ -f $dir/checkpoint.pt ]] && args+=(--resume)
                rc=0
