@@ -34,11 +34,11 @@ import torch
 
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.demo import scenes
-from vismmoe_kt.models.bf16_experts import use_bf16_experts
 from vismmoe_kt.demo.routing_model import (CHECKPOINT_FILE, DEFAULT_SPEC, ROUTING_SPECS, build_routing_model,
                                            image_size, read_spec, save_model_directory, write_spec)
 from vismmoe_kt.demo.training import (Labeller, adamw, caption_conversation, heldout_accuracy, image_dependence,
                                       qa_conversation, train_step, warmup_cosine)
+from vismmoe_kt.models.bf16_experts import use_bf16_experts
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "optimize_rules" / "qwen3vl.yaml"

@@ -125,3 +125,18 @@ def test_a_priority_list_dropped_while_the_worker_reads_it_back_stays_dropped():
     with transfers.lock:
         transfers._take_pending_list()
     assert transfers.queue == []
+
+
+def test_no_attribute_transfers_sets_hides_one_of_its_methods():
+    """On CUDA `Transfers` keeps copy streams as attributes; one named like a method hid it (`self.stream` made
+    `Transfers.stream(...)` a call of a torch Stream, on the GPU only, where the CPU tests never go). Every
+    attribute any method assigns, on any device's branch, is read from the source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(Transfers))
+    assigned = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    methods = {name for name, value in vars(Transfers).items() if callable(value) or isinstance(value, property)}
+    assert "stream" in assigned and "urgent_stream" in assigned  # the CUDA branch is read too
+    assert not assigned & methods, f"attributes hiding methods: {sorted(assigned & methods)}"
