@@ -486,9 +486,10 @@ def check_stores(out: str | None) -> int:
     for fmt, slabs in [(f, s) for s in ("dequantized", "quantized") for f in ("q8_0", "q4_0", "q4_k", "q5_k")]:
         runs = {}
         for device in ("cpu", "cuda:0"):
-            # quantized slabs: one pinned layer, slabs for 40 of the other layers' 64 experts (at least one layer's)
+            # quantized slabs: one pinned layer (its blocks), slabs for 40 of the other layers' 64 experts (at least
+            # one layer's)
             block = ExpertStore(spec.experts, spec.hidden, spec.moe_intermediate, torch.float32, False, fmt=fmt).block_bytes
-            budget = 2 * layer if slabs == "dequantized" else layer + 40 * block
+            budget = 2 * layer if slabs == "dequantized" else (spec.experts + 40) * block
             model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, store_dtype=fmt,
                                     slab_format=slabs, expert_budget=budget, pinned_layers=1, generate_device=device,
                                     prefill_device=device)
@@ -519,8 +520,8 @@ def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]
     layer in while the one before computes (the first, whole, while the pinned layer computes: computed from its
     slabs unread; the second, which the slabs cannot hold beside the first, placed after its routing's read),
     each offloaded layer computed from the slabs in place (the quantized expert-major kernels, no bank decoded);
-    its logits against the same prompt on the GPU with dequantized slabs (the same weights in BF16 banks: what
-    the kernels compute, by other kernels), and, for scale, against the CPU twin's. A BF16 forward of this tiny
+    its logits against the same prompt on the GPU with dequantized slabs (the same Q4_K weights in BF16 slabs:
+    what the kernels compute, by other kernels), and, for scale, against the CPU twin's. A BF16 forward of this tiny
     model moves its logits by percents: 3.8% between the H100's kernels and the CPU twin (2026-12-05), 1.8%
     between quantized and dequantized slabs on the CPU alone; a wrong expert or slab moves them by their own
     size. So the bound (5%) catches the kernels reading wrong blocks; their rounding is held by the kernel tests
@@ -529,9 +530,12 @@ def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]
     runs = {}
     for device, slabs in (("cpu", "quantized"), ("cuda:0", "dequantized"), ("cuda:0", "quantized")):
         model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, dtype="bfloat16",
-                                store_dtype="q4_k", slab_format=slabs,  # banks: one BF16 layer pinned, one cached
-                                expert_budget=layer // 2 + (40 * block if slabs == "quantized" else layer // 2),
-                                pinned_layers=1, generate_device=device, prefill_device=device)
+                                store_dtype="q4_k", slab_format=slabs,
+                                # quantized: one layer pinned as its blocks; dequantized: nothing pinned (lru: a
+                                # pinned bank would hold the unquantized weights), 64 BF16 slabs
+                                expert_budget=(spec.experts + 40) * block if slabs == "quantized" else layer,
+                                **(dict(pinned_layers=1) if slabs == "quantized" else dict(policy="lru")),
+                                generate_device=device, prefill_device=device)
         runtime = model.vismmoe.context.offload_runtime
         inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
         with torch.inference_mode():
@@ -562,7 +566,7 @@ def check_settled(model_dir: Path, spec, layer: int, image, results: list[dict])
     runs = {}
     for device in ("cpu", "cuda:0"):
         model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, store_dtype="q4_k",
-                                slab_format="quantized", expert_budget=layer + (2 * spec.experts + 2) * block,
+                                slab_format="quantized", expert_budget=(3 * spec.experts + 2) * block,
                                 pinned_layers=1, generate_device=device, prefill_device=device)
         runtime = model.vismmoe.context.offload_runtime
         inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)

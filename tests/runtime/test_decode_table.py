@@ -287,9 +287,9 @@ def test_a_pool_holding_every_expert_stops_missing_once_warm(tmp_path):
     spec = SPECS["tiny-3x32"]
     model_dir = save_tiny_model(tmp_path / "m", spec, seed=0)
     _, processor = build_tiny_model(spec, seed=0)
-    layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
     block = 3 * spec.hidden * spec.moe_intermediate // 256 * 144  # a Q4_K expert
-    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=layer + 66 * block,
+    # the pinned layer's Q4_K blocks, and 66 slabs
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=(spec.experts + 66) * block,
                     store_dtype="q4_k", slab_format="quantized", graphs="off", pinned_layers=1,
                     generate_device="cpu", prefill_device="cpu", progress=False)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
@@ -328,13 +328,13 @@ def test_a_prompt_on_filled_quantized_slabs_reads_no_routing_on_the_host(tmp_pat
     spec = SPECS["tiny-3x32"]
     model_dir = save_tiny_model(tmp_path / "m", spec, seed=0)
     _, processor = build_tiny_model(spec, seed=0)
-    layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
     block = 3 * spec.hidden * spec.moe_intermediate // 256 * 144  # a Q4_K expert
     prompt = processor(text=["<|im_start|>user\nwhat is this about<|im_end|>\n<|im_start|>assistant\n"],
                        return_tensors="pt")
     runs = {}
     for slabs in (64, 63):
-        model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=layer + slabs * block,
+        model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml",
+                        expert_budget=(spec.experts + slabs) * block,  # the pinned layer's blocks, and the slabs
                         store_dtype="q4_k", slab_format="quantized", graphs="off", pinned_layers=1,
                         generate_device="cpu", prefill_device="cpu", progress=False)
         runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime

@@ -172,20 +172,23 @@ def case256(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k"])
 def test_quantized_slabs_decode_as_dequantized_ones_and_hold_more_experts(case256, fmt):
-    """slab_format quantized: the GPU's slabs keep the store's blocks and the decode GEMVs decode them as
-    they read; the same numbers as slabs dequantized on arrival, in a fraction of the memory."""
+    """slab_format quantized: the GPU's slabs (and the pinned layer's bank) keep the store's blocks and the
+    decode GEMVs decode them as they read; the same numbers as slabs dequantized on arrival (every layer
+    offloaded there: a pinned bank of dequantized slabs would hold the unquantized weights), in a fraction
+    of the memory."""
     model_dir, spec, inputs = case256
     layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4  # float32 experts of one layer
     runs = {}
     for slabs, budget, graphs in (("dequantized", 3 * layer, "off"), ("quantized", None, "off"),
                                   ("quantized", None, "replay")):
-        if budget is None:  # one pinned layer, and slabs for 40 of the other layers' 64 experts
+        if budget is None:  # one pinned layer's blocks, and slabs for 40 of the other layers' 64 experts
             probe, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=3 * layer,
                             store_dtype=fmt, **CPU)
             block = next(m for m in probe.modules() if isinstance(m, VisExperts)).runtime.store.block_bytes
-            budget = layer + 40 * block
+            budget = (spec.experts + 40) * block
+        pinning = dict(pinned_layers=1) if slabs == "quantized" else dict(policy="lru")  # lru pins nothing
         model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, store_dtype=fmt,
-                        slab_format=slabs, graphs=graphs, pinned_layers=1, **CPU)
+                        slab_format=slabs, graphs=graphs, **pinning, **CPU)
         runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
         with torch.no_grad():
             logits = model(**inputs).logits
@@ -194,6 +197,7 @@ def test_quantized_slabs_decode_as_dequantized_ones_and_hold_more_experts(case25
     runtime, logits, tokens, _ = runs["quantized", "off"]
     dequantized = runs["dequantized", "off"]
     assert runtime.num_slabs == 40 and runtime.pool[0].dtype == torch.uint8 and len(runtime.pool) == 1
+    assert runtime.banks[runtime.moe_layers[0]][0].dtype == torch.uint8 and dequantized[0].pinned == set()
     assert runtime.summary()["slab_format"] == "quantized"
     torch.testing.assert_close(logits, dequantized[1], rtol=1e-4, atol=1e-5)  # the same bytes, decoded elsewhere
     assert torch.equal(tokens, dequantized[2])
@@ -305,9 +309,10 @@ def test_batched_steps_read_quantized_experts_through_the_table(case256, fmt, sl
     model_dir, spec, _ = case256
     _, processor = build_tiny_model(spec, seed=0)
     layer = spec.experts * 3 * spec.hidden * spec.moe_intermediate * 4
-    # expert-major: the pinned layer and 33 Q4_K slabs for the other two layers' 64 experts, so steps miss
+    # expert-major: the pinned layer (its Q4_K blocks) and 33 Q4_K slabs for the other two layers' 64 experts,
+    # so steps miss
     major = slabs == "quantized" and mode in ("auto", "expert-major")  # auto: expert-major on quantized slabs
-    budget = layer + 33 * 3 * spec.hidden * spec.moe_intermediate // 256 * 144 if major else 2 * layer
+    budget = (spec.experts + 33) * 3 * spec.hidden * spec.moe_intermediate // 256 * 144 if major else 2 * layer
     model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget, store_dtype=fmt,
                     slab_format=slabs, graphs=graphs, pinned_layers=1, **CPU)
     runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime

@@ -115,7 +115,7 @@ class VisExperts(BaseInjectedModule):
         from ..core.weights import read_tensor
 
         experts, names = self.orig_module, self.adapter.expert_tensors
-        if self.runtime.store.quantized and self.layer not in self.runtime.pinned:
+        if self.runtime.store.quantized:  # an offloaded layer, or one pinned as blocks (raw_down_format says)
             stored = stored_gguf_experts(self.gguf_loader, self.key, names)  # a GGUF's quantized experts
             down = self.runtime.raw_down_format(self.layer, *(kind for _, kind in stored)) if stored else None
             if down is not None:  # its bytes, as they are (a Q4_K_M file's Q6_K down too)

@@ -84,13 +84,12 @@ def valid_prefix_range(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: 
 @functools.lru_cache(maxsize=64)  # the runtime's summary asks again for the reason
 def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int, num_moe_layers: int,
                         requested: int | None = None, model: DepthModel | None = None,
-                        read_bytes: int = 0, unpriced: str | None = None) -> DepthChoice:
+                        read_bytes: int = 0) -> DepthChoice:
     """L_pinned and why: `requested` after checking it against Eq. 10, or (auto) the depth of Eq. 10's range
     that minimises predicted time per decode token (prefix_depth.py). `model` prices the depths; None: the
     shipped hit-rate curve with the H200's figures where the model has its shape, else the smallest valid
     depth (nothing to price with). `read_bytes`: what a miss reads from the host, where a quantized
-    store makes it less than an expert's slab (0: the same). `unpriced`: auto takes the smallest valid
-    depth, for this reason (where the model's prices do not apply).
+    store makes it less than an expert's slab (0: the same).
 
     A budget that holds every layer pins them all (there is nothing left to offload).
     """
@@ -114,16 +113,12 @@ def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic:
                 f"budget of {human_bytes(m_avail)} ({human_bytes(layer_bytes)} per layer, "
                 f"{human_bytes(c_safe)} kept for the cache)"
             )
-        auto = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, None, model, read_bytes,
-                                   unpriced)
+        auto = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, None, model, read_bytes)
         return DepthChoice(requested, f"pinned_layers={requested} given (Eq. 10 allows {span[0]}..{span[1]}; "
                                       f"auto would pin {auto.depth})", (), span)
     if valid.start >= num_moe_layers:
         return DepthChoice(num_moe_layers, f"L_semantic={l_semantic} covers every one of the {num_moe_layers} MoE layers",
                            (), span)
-    if unpriced is not None:
-        return DepthChoice(valid.start, f"auto: {valid.start}, the smallest depth of Eq. 10's {span[0]}..{span[1]}: "
-                                        f"{unpriced}", (), span)
     candidates = range(valid.start, min(valid.stop, num_moe_layers + 1))
     model = model if model is not None else default_model(num_moe_layers, layer_bytes, read_bytes=read_bytes)
     if model is None:
@@ -135,10 +130,10 @@ def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic:
 
 def resolve_pinned_layers(m_avail: int, layer_bytes: int, c_safe: int, l_semantic: int, num_moe_layers: int,
                           requested: int | None = None, model: DepthModel | None = None,
-                          read_bytes: int = 0, unpriced: str | None = None) -> DepthChoice:
+                          read_bytes: int = 0) -> DepthChoice:
     """pinned_depth_choice, with an automatic choice logged with its reason."""
     choice = pinned_depth_choice(m_avail, layer_bytes, c_safe, l_semantic, num_moe_layers, requested, model,
-                                 read_bytes, unpriced)
+                                 read_bytes)
     if requested is None:
         _log.info("pinned prefix: %s%s", choice.reason, f" [{choice.basis}]" if choice.basis else "")
     return choice

@@ -20,7 +20,7 @@ import torch
 from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
 from .offload_compat import check
 from .offload_settings import OffloadSettings
-from .prefix_depth import DepthChoice
+from .prefix_depth import DepthChoice, default_model
 from .store import ExpertStore
 
 # a batched step on quantized slabs goes expert-major from this many tokens: on the H200 (Q4_K,
@@ -54,7 +54,7 @@ class OffloadPlan:
     store_format: str
     quantized_slabs: bool
     slab_bytes: int             # one slab's bytes on the GPU
-    layer_bytes: int            # one pinned layer's bytes (the model's dtype)
+    layer_bytes: int            # one pinned layer's GPU bytes (the model's dtype; its blocks where pinned_blocks)
     depth: DepthChoice          # the pinned prefix and why
     num_slabs: int
     hybrid: bool                # prefill's misses may go to the CPU backend (miss_policy cpu or auto)
@@ -81,6 +81,8 @@ class OffloadPlan:
                                    # into a bank of one layer, or the torch twin)
     reservations: str = "before-step"  # table decode's landing slabs: ahead (reserved while the step before runs) |
                                        # before-step (after the records of the step before: the step waits for them)
+    pinned_blocks: bool = False  # pinned layers hold the store's blocks (quantized slabs), computed as the slabs
+                                 # are; else a bank in the model's dtype
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -100,7 +102,8 @@ class OffloadPlan:
             ("" if self.decode_cpu else " in prefill, fetched in decode")
         return [f"store: {self.store_format} ({self.why['store']})",
                 f"slabs: {self.num_slabs} {slabs} of {human_bytes(self.slab_bytes)} ({self.why['slabs']})",
-                f"pinned: {self.pinned_depth} layer(s) ({self.why['pinned']})",
+                f"pinned: {self.pinned_depth} layer(s){' as quantized blocks' if self.pinned_blocks else ''} "
+                f"({self.why['pinned']})",
                 f"misses: {misses}{', lookahead predictor' if self.lookahead else ''}",
                 f"decode: {decode} ({self.why['decode']})"] + \
             ([f"reservations: {self.reservations} ({self.why['reservations']})"] if self.table_decode else []) + [
@@ -143,8 +146,8 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     store_format, store_why = _store_format(settings, facts)
     # sizes only: a store allocates nothing until a layer fills it (and refuses rows of partial blocks)
     sizing = ExpertStore(facts.num_experts, facts.hidden, facts.inter, facts.dtype, pin_memory=False, fmt=store_format)
-    layer_bytes = facts.num_experts * sizing.slab_bytes  # GPU bytes of a pinned layer (in `dtype`)
-    budget = resolve_budget(settings.expert_budget, facts.moe_layers * layer_bytes)  # a share ("30%") -> bytes
+    model_layer_bytes = facts.num_experts * sizing.slab_bytes  # a layer's experts in `dtype`
+    budget = resolve_budget(settings.expert_budget, facts.moe_layers * model_layer_bytes)  # a share ("30%") -> bytes
     quantized_store, tiles = sizing.quantized, facts.hidden % 256 == 0 and facts.inter % 256 == 0
     misses_why = _auto_misses(settings, quantized_store)
     if misses_why:
@@ -159,13 +162,19 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     slab_bytes = max([sizing.block_bytes] + [sizing.block_bytes_with(fmt) for fmt in facts.down_formats]) \
         if quantized_slabs else sizing.slab_bytes
     c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else facts.num_experts * slab_bytes
+    # On quantized slabs a pinned layer keeps its blocks too: in the model's dtype it would take the room of
+    # E x (slab in dtype / quantized slab) slabs (about 3.6 E in Q4_K from BF16) for the same E experts, and
+    # cost the offloaded layers' cache that much (at 6 GiB of Q4_K, 455 slabs against 128)
+    pinned_blocks = quantized_slabs
+    layer_bytes = facts.num_experts * slab_bytes if pinned_blocks else model_layer_bytes
     # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
     # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
     read_bytes = sizing.block_bytes if quantized_store else 0
-    unpriced = (f"a pinned layer's {human_bytes(layer_bytes)} in {facts.dtype} would hold "
-                f"{layer_bytes // slab_bytes} quantized slabs") if quantized_slabs else None
     depth = resolve_pinned_layers(budget, layer_bytes, c_safe, settings.min_pinned_layers, facts.moe_layers,
-                                  settings.pinned_layers, read_bytes=read_bytes, unpriced=unpriced)
+                                  settings.pinned_layers,
+                                  model=default_model(facts.moe_layers, model_layer_bytes, read_bytes=read_bytes,
+                                                      slab_bytes=slab_bytes),
+                                  read_bytes=read_bytes)
     n_pinned = depth.depth
     offloaded = facts.moe_layers - n_pinned
     # (a quantized store adds K + 1 slabs and K blocks of staging beyond the budget: decode's scratch; quantized
@@ -202,7 +211,7 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, fill, prefill,
-                       kernels and facts.quantized_major_kernels, reservations, why)
+                       kernels and facts.quantized_major_kernels, reservations, pinned_blocks, why)
 
 
 def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, miss_policy: str) -> tuple[str, str]:

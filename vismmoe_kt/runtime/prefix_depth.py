@@ -251,13 +251,17 @@ def choose(model: DepthModel, budget: int, num_layers: int, valid: range) -> Dep
 
 
 def default_model(num_layers: int, layer_bytes: int, lookahead: int = 0, recall: float = 1.0,
-                  read_bytes: int = 0) -> DepthModel | None:
-    """The shipped curve with the H200 defaults, where this model has the shape the curve was measured on;
-    `read_bytes`: what a miss reads from the host where the store is quantized (0: the slab's bytes)."""
+                  read_bytes: int = 0, slab_bytes: int = 0) -> DepthModel | None:
+    """The shipped curve with the H200 defaults, where this model has the shape the curve was measured on
+    (`layer_bytes`: a layer's experts in the model's dtype); `read_bytes`: what a miss reads from the host
+    where the store is quantized (0: the slab's bytes); `slab_bytes`: what the budget holds per expert where
+    it is not the model's dtype (quantized slabs, and pinned layers as blocks): the hit rates are the
+    routing's, per expert held, whatever an expert's bytes."""
     curve = shipped_curve()
     if curve is None or curve.layers != num_layers or curve.experts * curve.expert_bytes != layer_bytes:
         return None
-    return DepthModel(curve, curve.expert_bytes, lookahead=lookahead, recall=recall, read_bytes=read_bytes)
+    return DepthModel(curve, slab_bytes or curve.expert_bytes, lookahead=lookahead, recall=recall,
+                      read_bytes=read_bytes)
 
 
 def with_measurements(model: DepthModel, **figures: tuple[float, str] | None) -> DepthModel:

@@ -1,6 +1,7 @@
 """Residency: where every expert of the offloaded model lies, and the counters of what moved.
 
-The pinned banks (each pinned layer's experts as one GPU bank), the ExpertStore (host blocks of every
+The pinned banks (each pinned layer's experts as one GPU bank: in the model's dtype, or, on quantized slabs,
+the store's blocks as a slab holds them), the ExpertStore (host blocks of every
 other layer), the slab pool and its SlabCache, the Transfers, the DecodeTable and the row maps (each
 offloaded layer's bank row per expert, for grouped GEMM over the pool), sized by the OffloadPlan. The
 decode executors (executors/) read from here and the DecodeBoundary keeps it between table steps;
@@ -34,13 +35,14 @@ class Residency:
         self.store = ExpertStore(num_experts, hidden, inter, dtype, pin_memory=torch.cuda.is_available(),
                                  fmt=plan.store_format)
         self.layer_bytes, self.slab_bytes, self.num_slabs = plan.layer_bytes, plan.slab_bytes, plan.num_slabs
-        self.quantized_slabs = plan.quantized_slabs
+        self.quantized_slabs, self.pinned_blocks = plan.quantized_slabs, plan.pinned_blocks
         self.pinned = set(self.moe_layers[:plan.pinned_depth])
         self.offloaded = [layer for layer in self.moe_layers if layer not in self.pinned]
         self.lock = threading.RLock()
         # the plan's ranking; `auto` starts with VisMMOE's until decode's trial sets one (eviction.py)
         self.cache = SlabCache(self.num_slabs, self.offloaded, "vismmoe" if plan.eviction == "auto" else plan.eviction)
-        self.banks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned layer -> (gate_up, down)
+        # pinned layer -> (gate_up, down) in the model's dtype; (blocks,) uint8 (E, block bytes) where pinned_blocks
+        self.banks: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool: tuple[torch.Tensor, ...] | None = None  # slabs: gate_up (S, 2I, H), down (S, H, I); or blocks
         self.transfers: Transfers | None = None
         self.table: DecodeTable | None = None
@@ -86,18 +88,19 @@ class Residency:
 
     # --- loading ------------------------------------------------------------------------------------
     def raw_down_format(self, layer: int, gate_type: int, up_type: int, down_type: int) -> str | None:
-        """The down part's format if `load_layer_raw` can take `layer` as a file stores it (offloaded, gate
+        """The down part's format if `load_layer_raw` can take `layer` as a file stores it (offloaded or pinned as
+        blocks, gate
         and up in the store's format, down in it or in another block format whose rows fit, e.g. a
         Q4_K_M file's Q6_K; no CPU backend wanting the model's dtype); None: dequantize and requantize."""
-        if layer in self.pinned or not self.store.quantized or self.cpu is not None:
+        if (layer in self.pinned and not self.pinned_blocks) or not self.store.quantized or self.cpu is not None:
             return None
         return raw_down_format(self.store.fmt, self.inter, gate_type, up_type, down_type)
 
     def load_layer_raw(self, layer: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        down_format: str | None = None) -> None:
-        """An offloaded layer from block bytes as a GGUF stores them ((E, I, H), (E, I, H), (E, H, I)):
-        into the store of the same format as they are (down in `down_format`, where it differs), with
-        no dequantizing and requantizing."""
+        """An offloaded layer (or one pinned as blocks) from block bytes as a GGUF stores them ((E, I, H),
+        (E, I, H), (E, H, I)): into the store of the same format as they are (down in `down_format`, where
+        it differs), with no dequantizing and requantizing; a pinned layer's then into its GPU bank."""
         self.allocate()
         block_bytes = self.store.block_bytes_with(down_format or self.store.fmt) if self.quantized_slabs else 0
         if block_bytes > self.slab_bytes:
@@ -105,6 +108,8 @@ class Residency:
                               f"experts with {down_format} down experts take {block_bytes} (the file's header did not "
                               "say so): use slab_format dequantized")
         self.store.fill_layer_raw(layer, gate, up, down, down_format)
+        if layer in self.pinned:
+            self._pin_blocks(layer)
         self.loaded.add(layer)
 
     def takes_stored(self, layer: int) -> bool:
@@ -118,7 +123,10 @@ class Residency:
         if layer not in self.moe_layers:
             raise ValueError(f"layer {layer} is not an MoE layer of this model ({self.moe_layers})")
         self.allocate()
-        if layer in self.pinned:
+        if layer in self.pinned and self.pinned_blocks:
+            self.store.fill_layer(layer, gate_up, down)
+            self._pin_blocks(layer)
+        elif layer in self.pinned:
             bank = self.bank(self.num_experts)
             bank[0].copy_(gate_up)
             bank[1].copy_(down)
@@ -132,6 +140,11 @@ class Residency:
             elif self.cpu is not None:
                 self.cpu.add_layer(layer, *block_views(self.store.layers[layer], self.inter, self.hidden))
         self.loaded.add(layer)
+
+    def _pin_blocks(self, layer: int) -> None:
+        """A pinned layer's blocks, as the store holds them, into a GPU bank of their own (the host copy goes)."""
+        blocks = self.store.take_layer(layer)
+        self.banks[layer] = (blocks.to(self.device, copy=True),)
 
     # --- per layer ----------------------------------------------------------------------------------
     def cold_experts(self) -> list[tuple[int, int]]:

@@ -151,6 +151,14 @@ class ExpertStore:
         self._buffers[layer] = buffer
         self.layers[layer] = blocks
 
+    def take_layer(self, layer: int) -> torch.Tensor:
+        """`layer`'s blocks out of the store (a pinned layer's, to be copied to the GPU whole): the host
+        buffer is unregistered and nothing of the layer stays listed but its down part's format, which the
+        pinned layer's kernels still read. The caller holds the returned tensor as long as it needs it."""
+        blocks = self.layers.pop(layer)
+        self._buffers.pop(layer).release()
+        return blocks
+
     def dequantized(self, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, block) of `layer` in this store's format -> gate_up (rows, 2I, H) and down (rows, H, I)
         in the slab dtype (views for the model format; new tensors, on the blocks' device, when quantized)."""

@@ -107,8 +107,23 @@ def quantized_slab_outputs(hidden: torch.Tensor, ids: torch.Tensor, slots: torch
         return quantized_gemv.quantized_experts(hidden, read, pool, fmt, down_fmt, store.inter, store.hidden, top_k)
     where = torch.where(need, target, pool.shape[0] - 1)
     pool[:, :block_bytes].index_copy_(0, where, host_blocks[ids.to(host_blocks.device)].to(pool.device))
-    gate_up, down = store.dequantized(pool[read, :block_bytes], layer)
-    x_pairs = hidden.float()[torch.arange(ids.numel(), device=ids.device) // top_k]
+    return _decoded_pairs(hidden, *store.dequantized(pool[read, :block_bytes], layer), act, top_k)
+
+
+def block_bank_outputs(hidden: torch.Tensor, ids: torch.Tensor, bank: torch.Tensor, store: Any, layer: int, act: Any,
+                       top_k: int, use_kernel: bool) -> torch.Tensor:
+    """(P, H) fp32 unweighted outputs of a pinned layer held as blocks (`bank`: uint8 (E, block bytes), each
+    expert's blocks at its own index): the quantized slabs' GEMVs with the experts as the slots, or their twin."""
+    if use_kernel:
+        return quantized_gemv.quantized_experts(hidden, ids, bank, store.fmt, store.down_format(layer), store.inter,
+                                                store.hidden, top_k)
+    return _decoded_pairs(hidden, *store.dequantized(bank[ids], layer), act, top_k)
+
+
+def _decoded_pairs(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Any,
+                   top_k: int) -> torch.Tensor:
+    """(P, H) fp32: each pair's token through its expert's decoded weights ((P, 2I, H), (P, H, I))."""
+    x_pairs = hidden.float()[torch.arange(gate_up.shape[0], device=hidden.device) // top_k]
     gate, up = torch.bmm(gate_up.float(), x_pairs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
     return torch.bmm(down.float(), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
 

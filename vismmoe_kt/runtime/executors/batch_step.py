@@ -2,7 +2,8 @@
 
 Pinned layers compute from their banks by the plan's `batch_pinned` (grouped GEMM; the table kernel,
 each pair reading its expert; the expert-major kernels, each routed expert read once, or their torch
-twin; or the table kernel up to `batch_table_pairs` pairs and expert-major beyond). Offloaded layers:
+twin; or the table kernel up to `batch_table_pairs` pairs and expert-major beyond); pinned layers held
+as quantized blocks as the quantized slabs are. Offloaded layers:
 with the table armed (`batch_table`), token by token through the table executor, so a miss one token
 lands is a hit for the next, or, on quantized slabs (`quantized-expert-major`), all the step's tokens
 at once, each routed expert decoded once per block of its tokens; without it, the placement path.
@@ -18,7 +19,8 @@ from ..kernels import expert_major
 from ..expert_compute import bank_experts
 from ..offload_plan import QUANTIZED_MAJOR_MIN_TOKENS, OffloadPlan
 from ..residency import Residency
-from ..table_experts import combine, pair_outputs, quantized_batch_outputs
+from ..table_experts import block_bank_outputs, combine, pair_outputs, quantized_batch_outputs
+from .filled_prefill import experts_from_blocks
 
 
 class BatchStepExecutor:
@@ -32,7 +34,8 @@ class BatchStepExecutor:
         # expert-major (asked for) from 2 tokens, auto from QUANTIZED_MAJOR_MIN_TOKENS
         self.major_from = 2 if plan.settings.batch_experts == "expert-major" else max(2, QUANTIZED_MAJOR_MIN_TOKENS)
         pinned = {"grouped-gemm": self._grouped, "table": self._table_kernel, "expert-major": self._expert_major,
-                  "table-then-expert-major": self._table_then_expert_major}[plan.batch_pinned]
+                  "table-then-expert-major": self._table_then_expert_major}[plan.batch_pinned] \
+            if not plan.pinned_blocks else self._blocks
         if table is None:
             offloaded = self._placement
         elif plan.batch_offloaded == "quantized-expert-major":
@@ -79,6 +82,18 @@ class BatchStepExecutor:
                                  top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
         way = self._table_kernel if top_k_index.numel() <= self.table_pairs else self._expert_major
         return way(layer, hidden, top_k_index, top_k_weights, act)
+
+    def _blocks(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                act: Any) -> torch.Tensor:
+        """A pinned layer held as quantized blocks: as the quantized slabs compute, pair by pair below
+        `major_from` tokens, else each routed expert decoded once per block of its tokens."""
+        res = self.res
+        if top_k_index.shape[0] < self.major_from:
+            y = block_bank_outputs(hidden, top_k_index.reshape(-1), res.banks[layer][0], res.store, layer, act,
+                                   top_k_index.shape[1], self.kernel)
+            return combine(y, top_k_weights, hidden.dtype, self.kernel)
+        return experts_from_blocks(res, self.major_kernels, layer, hidden, top_k_index, top_k_weights, act,
+                                   res.banks[layer][0], res.identity, prompt=False)
 
     # --- offloaded layers ---------------------------------------------------------------------------
     def _placement(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

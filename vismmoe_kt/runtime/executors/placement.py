@@ -6,7 +6,7 @@
          (streamed prefill) queues the next offloaded layer's missing experts instead
       -> compute: grouped GEMM over the bank rows (+ the CPU's share) -> release the slabs
 
-A pinned layer computes from its bank. The plan fixes, at construction, how an offloaded layer's
+A pinned layer computes from its bank (quantized blocks as the slabs are). The plan fixes, at construction, how an offloaded layer's
 GPU experts compute (from the pool's rows; quantized slabs in place by the expert-major kernels, or
 decoded into a bank of one layer where the kernels do not run) and whether the routing's host read
 carries the CPU's inputs too (the hybrid mode).
@@ -34,7 +34,7 @@ from ..kernels import dequantize
 from ..expert_compute import bank_experts, row_chunks
 from ..offload_stats import LayerCounters
 from ..residency import Residency
-from .filled_prefill import FilledPrefill, experts_from_slabs
+from .filled_prefill import FilledPrefill, experts_from_blocks, experts_from_slabs
 
 # a prompt streams the next layer when its tokens would reach at least this share of a layer's experts
 # under independent routing (fewer: the copies of experts nobody routes to would cost link time and slabs)
@@ -72,7 +72,8 @@ class PlacementExecutor:
             if res.device.type == "cuda" and dequantize.available(res.store.dtype) else self._decode_on_host
         # filled quantized slabs: the first prompt fills them, then its offloaded layers read the row maps
         self.filled = FilledPrefill(res, res.plan.prefill_kernels) if res.plan.prefill == "filled-slabs" else None
-        self.by_layer: dict[int, Callable] = {layer: self._pinned for layer in res.pinned}
+        pinned = self._pinned_blocks if res.pinned_blocks else self._pinned
+        self.by_layer: dict[int, Callable] = {layer: pinned for layer in res.pinned}
         self.unfill()
 
     def unfill(self) -> None:
@@ -106,6 +107,15 @@ class PlacementExecutor:
                 act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
         self._prefetch_after(layer, hidden)
         return bank_experts(hidden, top_k_index, top_k_weights, self.res.identity, *self.res.banks[layer], act)
+
+    def _pinned_blocks(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
+        """A pinned layer held as quantized blocks: the expert-major kernels (or their twin) on its bank, each
+        expert at its own row."""
+        self._prefetch_after(layer, hidden)
+        res = self.res
+        return experts_from_blocks(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act,
+                                   res.banks[layer][0], res.identity, prompt=hidden.shape[0] > 1)
 
     def _fill_first(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels import quantized_gemv, table_ops
 from ..residency import Residency
-from ..table_experts import combine, fetch_dequantized, pair_outputs, quantized_slab_outputs
+from ..table_experts import block_bank_outputs, combine, fetch_dequantized, pair_outputs, quantized_slab_outputs
 
 
 class TableStepExecutor:
@@ -32,7 +32,9 @@ class TableStepExecutor:
                       "quantized-slabs": self._read_quantized_slabs}[variant]
         self.publish_and_combine = self._combine_publishing if kernel else self._publish_then_combine
         self._look_ahead = lookahead.look_ahead if lookahead is not None else _no_look_ahead
-        pinned = self._pinned_looking_ahead if lookahead is not None else self._pinned
+        # (pinned layers held as blocks come only with quantized slabs, which a lookahead predictor never has)
+        self._pinned_step = self._pinned_blocks if res.pinned_blocks else self._pinned
+        pinned = self._pinned_looking_ahead if lookahead is not None else self._pinned_step
         # two tables: a step whose cost model sends misses to the CPU (a graph variant of its own) and one
         # that sends none, captured without the CPU's calls; `bind_step` picks one as each step is armed
         self._without_cpu: dict[int, Callable] = {layer: pinned if layer in res.pinned else self._offloaded
@@ -42,7 +44,8 @@ class TableStepExecutor:
         # a settled table (every offloaded expert in a resident slab): the slabs read straight from the table,
         # nothing claimed, recorded, staged or looked ahead
         settled = self._settled_quantized if variant == "quantized-slabs" and kernel else self._settled
-        self._settled_layers = {layer: self._pinned if layer in res.pinned else settled for layer in res.moe_layers}
+        self._settled_layers = {layer: self._pinned_step if layer in res.pinned else settled
+                                for layer in res.moe_layers}
         self.by_layer = self._without_cpu
 
     def bind_step(self) -> None:
@@ -70,6 +73,13 @@ class TableStepExecutor:
         ids = top_k_index.reshape(-1)
         y = pair_outputs(hidden, ids, ids, self.res.table.no_landing, self.res.banks[layer], None, act,
                          top_k_index.shape[1], self.kernel)
+        return combine(y, top_k_weights, hidden.dtype, self.kernel)
+
+    def _pinned_blocks(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, act: Any, offset: int | None) -> torch.Tensor:
+        """A pinned layer held as quantized blocks, every expert at its own row: the quantized slabs' GEMVs."""
+        y = block_bank_outputs(hidden, top_k_index.reshape(-1), self.res.banks[layer][0], self.res.store, layer, act,
+                               top_k_index.shape[1], self.kernel)
         return combine(y, top_k_weights, hidden.dtype, self.kernel)
 
     def _pinned_looking_ahead(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
