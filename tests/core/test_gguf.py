@@ -452,8 +452,9 @@ def test_a_q4_k_m_files_q6_k_down_experts_go_into_the_store_as_stored(tmp_path):
 
 def test_store_dtype_auto_keeps_a_ggufs_expert_format(tiny):
     """The rule files' `store_dtype: auto`: a Q8_0 GGUF's experts stay Q8_0 in the host store (its
-    bytes, half of BF16's host memory); a BF16 GGUF, safetensors, an explicit `model` or the hybrid's
-    CPU miss path keep the model's dtype."""
+    bytes, half of BF16's host memory), under the default rules too (their torch CPU backend cannot read
+    blocks: every miss is fetched); a BF16 GGUF, safetensors, an explicit `model` or a CPU share asked of
+    the torch backend keep the model's dtype."""
     from vismmoe_kt.operators.vis_experts import VisExperts
 
     root, reference, hf_dir, _ = tiny
@@ -470,9 +471,11 @@ def test_store_dtype_auto_keeps_a_ggufs_expert_format(tiny):
     full = save_tiny_model(root / "auto-st", "tiny-6x64", seed=0)
     model, _ = load(full, RULES, expert_budget="1GiB", **CPU)
     assert next(m for m in model.modules() if isinstance(m, VisExperts)).runtime.store.fmt == "model"
-    hybrid, _ = load(hf_dir, "optimize_rules/qwen3vl.yaml", gguf_path=root / "auto-q8.gguf", expert_budget="1GiB",
-                     keep_ratio=1.0, cpu_backend="torch", **CPU)
-    assert next(m for m in hybrid.modules() if isinstance(m, VisExperts)).runtime.store.fmt == "model"
+    for misses, store, hybrid in (("auto", "q8_0", False), ("cpu", "model", True)):
+        model, _ = load(hf_dir, "optimize_rules/qwen3vl.yaml", gguf_path=root / "auto-q8.gguf", expert_budget="1GiB",
+                        keep_ratio=1.0, cpu_backend="torch", miss_policy=misses, **CPU)
+        runtime = next(m for m in model.modules() if isinstance(m, VisExperts)).runtime
+        assert (runtime.store.fmt, runtime.plan.hybrid) == (store, hybrid), misses
 
 
 def test_a_written_gguf_carries_what_llama_cpp_reads_before_it_loads(tiny, tmp_path):

@@ -18,6 +18,14 @@ CPU_DTYPE = ("auto", "bf16", "int8")
 BATCH = ("auto", "table", "grouped-gemm", "expert-major")
 
 
+def auto_store(checkpoint, miss_policy, cpu_backend, lookahead):
+    """store_dtype auto: the checkpoint's format, unless the predictor runs or a CPU share would compute from the
+    model's dtype (cpu with a backend other than kt-kernel, auto with the backend left to choose)."""
+    cpu_wants_model = miss_policy != "wait" and cpu_backend != "kt-kernel" and \
+        (miss_policy == "cpu" or cpu_backend == "auto")
+    return checkpoint if checkpoint and not lookahead and not cpu_wants_model else "model"
+
+
 def expected_error(store_dtype, slab_format, miss_policy, cpu_backend, cpu_dtype, checkpoint, lookahead, tiles):
     """The rules restated plainly, in the table's order: the first message fragment that must be raised, or None."""
     hybrid = miss_policy != "wait"
@@ -27,8 +35,7 @@ def expected_error(store_dtype, slab_format, miss_policy, cpu_backend, cpu_dtype
         return f"works with miss_policy wait, not {miss_policy}"
     if cpu_dtype == "int8" and cpu_backend == "torch":
         return "cpu_dtype int8 needs cpu_backend kt-kernel"
-    store = store_dtype if store_dtype != "auto" else (checkpoint if checkpoint and not hybrid and not lookahead
-                                                       else "model")
+    store = store_dtype if store_dtype != "auto" else auto_store(checkpoint, miss_policy, cpu_backend, lookahead)
     if slab_format == "quantized" and store == "model":
         return "not store_dtype model"
     if slab_format == "quantized" and not tiles:
@@ -53,7 +60,8 @@ def test_every_combination_of_options_is_refused_or_planned_consistently(tiles):
         asked = miss_policy
         # auto with the torch backend fetches every miss of a quantized store (its blocks are quantized bytes)
         # (quantized slabs asked for beside auto are refused before, with the settings)
-        miss_policy = "wait" if asked == "auto" and cpu_backend == "torch" and store_dtype in ("q8_0", "q4_k") \
+        store = store_dtype if store_dtype != "auto" else auto_store(checkpoint, asked, cpu_backend, lookahead)
+        miss_policy = "wait" if asked == "auto" and cpu_backend == "torch" and store in ("q8_0", "q4_k") \
             and slab_format != "quantized" else asked
         want = expected_error(store_dtype, slab_format, miss_policy, cpu_backend, cpu_dtype, checkpoint, lookahead,
                               tiles)
@@ -200,3 +208,18 @@ def test_without_table_decode_the_placement_paths_decode_keeps_the_cpu():
     plan = resolve_plan(settings, PlanFacts(3, 4, 256, 256, 2, torch.bfloat16, table_kernels=False), "cuda")
     assert plan.table_decode is None and plan.hybrid and plan.decode_cpu and plan.batch_offloaded == "placement"
     assert "PCIe" not in plan.why["decode"] and plan.eviction == "vismmoe"
+
+
+def test_the_default_rules_keep_a_gguf_s_quantized_experts_as_stored():
+    """qwen3vl.yaml's miss_policy auto with the torch backend on a Q4_K GGUF: the store keeps the file's blocks
+    (in the model's dtype the budget would hold 3.6x fewer experts) and misses are fetched, since that backend
+    cannot read blocks; a CPU share asked for (cpu) keeps the model's dtype for it, kt-kernel takes the blocks."""
+    facts = PlanFacts(48, 128, 2048, 768, 8, torch.bfloat16, checkpoint_format="q4_k")
+    defaults = OffloadSettings(expert_budget="6GiB", miss_policy="auto", cpu_backend="torch")
+    plan = resolve_plan(defaults, facts, "cpu")
+    assert plan.store_format == "q4_k" and plan.quantized_slabs and not plan.hybrid
+    assert "misses are fetched" in plan.why["store"] and plan.settings.miss_policy == "wait"
+    asked = resolve_plan(OffloadSettings(expert_budget="6GiB", miss_policy="cpu", cpu_backend="torch"), facts, "cpu")
+    assert asked.store_format == "model" and "computes misses from the model's dtype" in asked.why["store"]
+    kt = resolve_plan(OffloadSettings(expert_budget="6GiB", miss_policy="cpu", cpu_backend="kt-kernel"), facts, "cpu")
+    assert kt.store_format == "q4_k" and kt.hybrid

@@ -121,10 +121,27 @@ def _store_format(settings: OffloadSettings, facts: PlanFacts) -> tuple[str, str
     fmt = facts.checkpoint_format
     if fmt is None:
         return "model", "auto: no quantized expert format in the checkpoint"
-    if settings.predictor or settings.miss_policy != "wait":  # both need the model's dtype today
-        return "model", f"auto: the checkpoint's {fmt} experts, but the predictor or a CPU miss path needs the " \
-                        "model's dtype"
+    if settings.predictor:
+        return "model", f"auto: the checkpoint's {fmt} experts, but the lookahead predictor needs the model's dtype"
+    if _cpu_reads_model_dtype(settings):
+        return "model", (f"auto: the checkpoint's {fmt} experts, but miss_policy {settings.miss_policy} with cpu_backend "
+                         f"{settings.cpu_backend} computes misses from the model's dtype")
+    if settings.miss_policy == "auto":  # and the torch backend: _auto_misses then fetches every miss
+        return fmt, (f"auto: the checkpoint's {fmt} experts as the file stores them (the torch CPU backend cannot read "
+                     "them: misses are fetched)")
     return fmt, f"auto: the checkpoint's {fmt} experts as the file stores them"
+
+
+def _cpu_reads_model_dtype(settings: OffloadSettings) -> bool:
+    """Whether the CPU miss path the settings ask for would compute from the model's dtype: a CPU share asked for
+    (cpu) of a backend that is not kt-kernel (the torch backend reads the store in place; `auto` may fall back to
+    it), or auto's split with the backend left to choose. kt-kernel takes a GGUF's blocks as stored, and auto with
+    the torch backend fetches every miss of a quantized store (_auto_misses): a GPU's decode does so with that
+    backend anyway (a torch CPU call cannot run inside the table step's stream), and the blocks hold 3.6x (Q4_K) the
+    experts a BF16 budget holds (BENCHMARKS.md: 6 GiB of Q4_K slabs decode 2x the rate of 16 GiB of BF16)."""
+    if settings.miss_policy == "wait" or settings.cpu_backend == "kt-kernel":
+        return False
+    return settings.miss_policy == "cpu" or settings.cpu_backend == "auto"
 
 
 def _slab_format(settings: OffloadSettings, quantized_store: bool, facts: PlanFacts, tiles: bool) -> tuple[bool, str]:

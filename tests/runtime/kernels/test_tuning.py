@@ -53,3 +53,16 @@ def test_overridden_values_hold_inside_the_block_only():
     assert tuning.get("q4_k_word_loads") is True
     with pytest.raises(KeyError):
         tuning.get("no such key")
+
+
+def test_a_long_prompt_takes_the_long_prefill_tiles_where_the_device_has_them():
+    """The H100's entry adds blocks of 64 pairs with quarter steps from 32 pairs per expert (measured there at 512
+    and 824 tokens); the H200 and the default have none, so every prompt keeps quantized_prefill's own tiles."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "device_name", lambda device: h100 if device == "h100" else "NVIDIA H200")
+        short, long = tuning.prefill_tiles("h100", 236 * 8 / 128), tuning.prefill_tiles("h100", 512 * 8 / 128)
+        assert short["block_m"] == 32 and short["gate_up"] == (64, 4, 1)
+        assert long["block_m"] == 64 and long["gate_up"] == (64, 4, 2, 64) and long["down"] == (128, 4, 2, 64)
+        assert tuning.prefill_tiles("h200", 10_000) == tuning.entry("NVIDIA H200")["quantized_prefill"]
+    assert tuning.prefill_tiles("cpu", 10_000)["block_m"] == 32

@@ -68,7 +68,7 @@ def experts_from_blocks(res: Residency, use_kernels: bool, layer: int, hidden: t
     store = res.store
     if use_kernels:
         slots = row_map[top_k_index].reshape(-1)  # each pair's row
-        tuned = tuning.get("quantized_prefill", hidden.device) if prompt else \
+        tuned = tuning.prefill_tiles(hidden.device, top_k_index.numel() / res.num_experts) if prompt else \
             {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M}
         # every pair has a row, so no landing slab or staging row is ever taken: the slots and the blocks
         # stand in for both

@@ -18,7 +18,9 @@ Keys (lists in the file, tuples here):
                      pipeline stages)
   quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
   quantized_prefill  the same kernels for a prompt's layers on filled slabs: block_m (pairs per block: a
-                     prompt has many tokens per expert) and gate_up, down as quantized_major's
+                     prompt has many tokens per expert) and gate_up, down as quantized_major's (with a
+                     fourth value, 64: a quarter super-block a kernel step); optionally `long`: other
+                     tiles for prompts of at least `from_pairs_per_expert` pairs per expert (`prefill_tiles`)
   prefetch_programs  programs of the lookahead prefetch's copy: few, so the layers computing
                      meanwhile keep the GPU
 """
@@ -70,6 +72,16 @@ def device_name(device: torch.device | str | None) -> str:
 def get(key: str, device: torch.device | str | None = None) -> Any:
     """The tuned value of `key` (see the module's docstring) for kernels running on `device`."""
     return _overrides[key] if key in _overrides else entry(device_name(device))[key]
+
+
+def prefill_tiles(device: torch.device | str | None, pairs_per_expert: float) -> dict[str, Any]:
+    """quantized_prefill's tiles for a prompt averaging `pairs_per_expert` (tokens x K / E): its `long` ones from
+    their threshold on, where the device has them (larger blocks decode each expert's weights fewer times, which
+    pays once a block fills: on the H100 blocks of 64 with quarter steps took 928 against 1052 us a layer at 512
+    tokens, 32 pairs per expert, and lost at 236 tokens, 15 pairs)."""
+    tuned = get("quantized_prefill", device)
+    long = tuned.get("long")
+    return long if long is not None and pairs_per_expert >= long["from_pairs_per_expert"] else tuned
 
 
 @contextlib.contextmanager
