@@ -81,13 +81,18 @@ class OffloadPlan:
                                    # into a bank of one layer, or the torch twin)
     reservations: str = "before-step"  # table decode's landing slabs: ahead (reserved while the step before runs) |
                                        # before-step (after the records of the step before: the step waits for them)
-    pinned_blocks: bool = False  # pinned layers hold the store's blocks (quantized slabs), computed as the slabs
-                                 # are; else a bank in the model's dtype
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
     def pinned_depth(self) -> int:
         return self.depth.depth
+
+    @property
+    def pinned_blocks(self) -> bool:
+        """Pinned layers hold the store's blocks, computed as the slabs are (on quantized slabs: in the model's
+        dtype a pinned layer would take the room of E x (slab in dtype / quantized slab) slabs, about 3.6 E in
+        Q4_K from BF16, for the same E experts); else a bank in the model's dtype."""
+        return self.quantized_slabs
 
     @property
     def batch_table(self) -> bool:
@@ -179,11 +184,9 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     slab_bytes = max([sizing.block_bytes] + [sizing.block_bytes_with(fmt) for fmt in facts.down_formats]) \
         if quantized_slabs else sizing.slab_bytes
     c_safe = settings.min_cache_bytes if settings.min_cache_bytes is not None else facts.num_experts * slab_bytes
-    # On quantized slabs a pinned layer keeps its blocks too: in the model's dtype it would take the room of
-    # E x (slab in dtype / quantized slab) slabs (about 3.6 E in Q4_K from BF16) for the same E experts, and
-    # cost the offloaded layers' cache that much (at 6 GiB of Q4_K, 455 slabs against 128)
-    pinned_blocks = quantized_slabs
-    layer_bytes = facts.num_experts * slab_bytes if pinned_blocks else model_layer_bytes
+    # on quantized slabs a pinned layer keeps its blocks too (OffloadPlan.pinned_blocks): at 6 GiB of Q4_K one
+    # costs 128 slabs, where a BF16 bank took the room of 455
+    layer_bytes = facts.num_experts * slab_bytes if quantized_slabs else model_layer_bytes
     # Eq. 10's range, then (auto) the depth with the least predicted time per decode token, and why
     # (a quantized store's misses read its blocks, fewer bytes than the slabs the budget holds)
     read_bytes = sizing.block_bytes if quantized_store else 0
@@ -228,7 +231,7 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, fill, prefill,
-                       kernels and facts.quantized_major_kernels, reservations, pinned_blocks, why)
+                       kernels and facts.quantized_major_kernels, reservations, why)
 
 
 def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, miss_policy: str) -> tuple[str, str]:

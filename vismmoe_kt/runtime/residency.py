@@ -88,10 +88,9 @@ class Residency:
 
     # --- loading ------------------------------------------------------------------------------------
     def raw_down_format(self, layer: int, gate_type: int, up_type: int, down_type: int) -> str | None:
-        """The down part's format if `load_layer_raw` can take `layer` as a file stores it (offloaded or pinned as
-        blocks, gate
-        and up in the store's format, down in it or in another block format whose rows fit, e.g. a
-        Q4_K_M file's Q6_K; no CPU backend wanting the model's dtype); None: dequantize and requantize."""
+        """The down part's format if `load_layer_raw` can take `layer` as a file stores it (offloaded or pinned
+        as blocks, gate and up in the store's format, down in it or in another block format whose rows fit,
+        e.g. a Q4_K_M file's Q6_K; no CPU backend wanting the model's dtype); None: dequantize and requantize."""
         if (layer in self.pinned and not self.pinned_blocks) or not self.store.quantized or self.cpu is not None:
             return None
         return raw_down_format(self.store.fmt, self.inter, gate_type, up_type, down_type)

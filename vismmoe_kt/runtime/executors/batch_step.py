@@ -19,8 +19,7 @@ from ..kernels import expert_major
 from ..expert_compute import bank_experts
 from ..offload_plan import QUANTIZED_MAJOR_MIN_TOKENS, OffloadPlan
 from ..residency import Residency
-from ..table_experts import block_bank_outputs, combine, pair_outputs, quantized_batch_outputs
-from .filled_prefill import experts_from_blocks
+from ..table_experts import block_bank_outputs, block_experts, combine, pair_outputs, quantized_batch_outputs
 
 
 class BatchStepExecutor:
@@ -92,8 +91,8 @@ class BatchStepExecutor:
             y = block_bank_outputs(hidden, top_k_index.reshape(-1), res.banks[layer][0], res.store, layer, act,
                                    top_k_index.shape[1], self.kernel)
             return combine(y, top_k_weights, hidden.dtype, self.kernel)
-        return experts_from_blocks(res, self.major_kernels, layer, hidden, top_k_index, top_k_weights, act,
-                                   res.banks[layer][0], res.identity, prompt=False)
+        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], res.identity, res.store,
+                             layer, res.num_experts, self.major_kernels, prompt=False)
 
     # --- offloaded layers ---------------------------------------------------------------------------
     def _placement(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from ..kernels import expert_major, quantized_major, tuning
 from ..residency import Residency
-from ..table_experts import combine
+from ..table_experts import block_experts
 
 
 class FilledPrefill:
@@ -54,30 +53,5 @@ def experts_from_slabs(res: Residency, use_kernels: bool, layer: int, hidden: to
                        top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
     """A layer's routed experts computed from the quantized slabs its row map names (every pair's expert must
     have one): the expert-major kernels on the device, else the same blocks from the store's dequantization."""
-    return experts_from_blocks(res, use_kernels, layer, hidden, top_k_index, top_k_weights, act, res.pool[0],
-                               res.row_map[res.index[layer]], prompt=hidden.shape[0] > 1)
-
-
-def experts_from_blocks(res: Residency, use_kernels: bool, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor, act: Any, blocks: torch.Tensor, row_map: torch.Tensor,
-                        prompt: bool) -> torch.Tensor:
-    """A layer's routed experts from rows of quantized blocks (`blocks`: uint8 (rows, block bytes or more);
-    `row_map`: each expert's row, on the device): the slab pool with a layer's row map, or a pinned layer's
-    bank with the identity. `prompt`: a prompt's many tokens per expert take the prompt's tiles; else
-    (a few rows, a batched step) the batched step's."""
-    store = res.store
-    if use_kernels:
-        slots = row_map[top_k_index].reshape(-1)  # each pair's row
-        tuned = tuning.prefill_tiles(hidden.device, top_k_index.numel() / res.num_experts) if prompt else \
-            {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M}
-        # every pair has a row, so no landing slab or staging row is ever taken: the slots and the blocks
-        # stand in for both
-        y = quantized_major.experts_quantized_major(
-            hidden, top_k_index, slots, slots, blocks, blocks, store.fmt, store.down_format(layer), res.inter,
-            res.num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
-    else:  # the same blocks, each expert's weights from its row by the store's dequantization
-        gate_up, down = store.dequantized(blocks[row_map, :store.block_bytes_of(layer)], layer)
-        block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), res.num_experts)
-        x = hidden.to(gate_up.dtype)
-        y = expert_major.experts_by_block(x, top_k_index.shape[1], block_expert, block_pairs, gate_up, down, act)
-    return combine(y, top_k_weights, hidden.dtype, use_kernels)
+    return block_experts(hidden, top_k_index, top_k_weights, act, res.pool[0], res.row_map[res.index[layer]],
+                         res.store, layer, res.num_experts, use_kernels, prompt=hidden.shape[0] > 1)

@@ -6,8 +6,8 @@
          (streamed prefill) queues the next offloaded layer's missing experts instead
       -> compute: grouped GEMM over the bank rows (+ the CPU's share) -> release the slabs
 
-A pinned layer computes from its bank (quantized blocks as the slabs are). The plan fixes, at construction, how an offloaded layer's
-GPU experts compute (from the pool's rows; quantized slabs in place by the expert-major kernels, or
+A pinned layer computes from its bank (quantized blocks as the slabs are). The plan fixes, at
+construction, how an offloaded layer's GPU experts compute (from the pool's rows; quantized slabs in place by the expert-major kernels, or
 decoded into a bank of one layer where the kernels do not run) and whether the routing's host read
 carries the CPU's inputs too (the hybrid mode).
 
@@ -34,7 +34,8 @@ from ..kernels import dequantize
 from ..expert_compute import bank_experts, row_chunks
 from ..offload_stats import LayerCounters
 from ..residency import Residency
-from .filled_prefill import FilledPrefill, experts_from_blocks, experts_from_slabs
+from ..table_experts import block_experts
+from .filled_prefill import FilledPrefill, experts_from_slabs
 
 # a prompt streams the next layer when its tokens would reach at least this share of a layer's experts
 # under independent routing (fewer: the copies of experts nobody routes to would cost link time and slabs)
@@ -114,8 +115,8 @@ class PlacementExecutor:
         expert at its own row."""
         self._prefetch_after(layer, hidden)
         res = self.res
-        return experts_from_blocks(res, res.plan.prefill_kernels, layer, hidden, top_k_index, top_k_weights, act,
-                                   res.banks[layer][0], res.identity, prompt=hidden.shape[0] > 1)
+        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], res.identity, res.store,
+                             layer, res.num_experts, res.plan.prefill_kernels, prompt=hidden.shape[0] > 1)
 
     def _fill_first(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
