@@ -274,8 +274,12 @@ def train(args) -> dict:
     print(f"{args.spec} on {args.device}: steps {first_step}..{args.steps} of batch {args.batch}, {args.workers} data "
           f"workers, transformers' experts implementation {experts!r}", flush=True)
     batches = StepBatches(processor, args.batch, size, args.describe_share, simple_steps=args.simple_steps)
+    # pinned batches copy to the GPU without the host waiting: a step's pictures are about 160 MB of float32 at
+    # batch 64, 25 ms a step as pageable copies on an H100 (2026-12-05 profile)
+    pinned = device.type == "cuda"
     loader = torch.utils.data.DataLoader(batches, batch_size=None, sampler=range(first_step, args.steps),
-                                         num_workers=args.workers, prefetch_factor=4 if args.workers else None)
+                                         num_workers=args.workers, prefetch_factor=4 if args.workers else None,
+                                         pin_memory=pinned)
     start = time.perf_counter()
     stopped, waited, ready = False, 0.0, start  # waited: seconds the GPU step waited for the data workers
     bar = tqdm(total=args.steps, initial=first_step, desc=f"Training {args.spec}", unit="step", disable=args.no_progress)
@@ -285,7 +289,8 @@ def train(args) -> dict:
             profiler, profiled_from = step_profiler(device), time.perf_counter()
         waited += time.perf_counter() - ready
         lr = warmup_cosine(step, args.lr, args.warmup, args.steps)
-        loss, aux = train_step(model, optimizer, inputs.to(device), labels.to(device), lr,
+        loss, aux = train_step(model, optimizer, inputs.to(device, non_blocking=pinned),
+                               labels.to(device, non_blocking=pinned), lr,
                                torch.bfloat16 if args.bf16 else None)
         curve.append({"step": step + 1, "loss": round(loss, 5), "aux_loss": round(aux, 4), "lr": lr,
                       "seconds": round(seconds_before + time.perf_counter() - start, 1)})
