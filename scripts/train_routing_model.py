@@ -10,8 +10,10 @@ of data workers, and the weights start from --seed; a checkpoint (weights, AdamW
 to OUT/checkpoint.pt every --checkpoint_every steps, and --resume continues from it with the same losses an
 uninterrupted run has (--stop_after stops at a step boundary with a checkpoint, for runs cut into calls of
 limited length; resuming a checkpoint of the last step goes straight to the evaluation). On a GPU float32
-matrix products use TF32 (deterministic still). The loss is the answer tokens' cross-entropy plus the router's aux loss
-(vismmoe_kt.demo.training, shared with scripts/train_demo_model.py). Each sequence is one scene with one
+matrix products use TF32 (deterministic still); the attention's backward kernels (flash and memory-efficient)
+have no deterministic form in torch, which warns: a GPU run's data and schedule are the same, its bits may
+not be. The loss is the answer tokens' cross-entropy plus the router's aux loss (vismmoe_kt.demo.training,
+shared with scripts/train_demo_model.py). Each sequence is one scene with one
 question of every type it allows plus an extra existence and count question, as turns of one chat, or (a
 --describe_share of them) its caption.
 

@@ -86,6 +86,14 @@ def test_lean_path_follows_pruned_layers(case):
     assert torch.equal(tokens, expected)
     cache = decode_engine(lean).cache
     assert cache.host_lengths[0] > cache.host_lengths[1] == cache.host_lengths[3]  # layer 0 keeps every token
+    # another picture of that size: the tower replayed with the saliency recorder's hook in it, the pruning
+    # ranked by that picture's own saliency (the tokens of the eager tower's)
+    other = {**inputs, "pixel_values": inputs["pixel_values"].flip(0)}
+    with torch.no_grad():
+        assert torch.equal(generate(lean, other, TOKENS), generate(hf, other, TOKENS))
+    stats = decoder_of(lean).stats()
+    assert stats["decode_vision_graph_replays"] == 1 and stats["decode_vision_graph_captures"] == 1
+    assert decoder_of(lean).text_forward.counters.pruned_prefills == 2
 
 
 class DeviceReads(TorchDispatchMode):

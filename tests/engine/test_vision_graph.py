@@ -100,18 +100,48 @@ def test_calls_a_replay_cannot_stand_for_run_the_tower_itself():
     pixels, grid_thw = picture([[1, 4, 6]], 0)
     with torch.no_grad():
         model(pixels, grid_thw=grid_thw, return_dict=True)
-        # the saliency recorder's hook inside the tower, while compression asks for saliency: a replay would skip it
-        recorder = SaliencyRecorder(model.blocks[-1].attn, 2, Qwen3VLMoeAdapter().attention_received)
-        recorder.enabled = True
+        # a hook inside the tower whose owner does not say what it keeps: a replay would skip it
+        seen = []
+        handle = model.blocks[-1].attn.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
         model(pixels, grid_thw=grid_thw, return_dict=True)
-        assert recorder.take() is not None and replayed.counters.replays == 0
-        recorder.enabled = False  # the hook leaves with it
+        assert len(seen) == 1 and replayed.counters.replays == 0
+        handle.remove()  # the hook leaves: replayed again
         model(pixels, grid_thw=grid_thw, return_dict=True)
-        assert replayed.counters.replays == 1 and recorder.take() is None
+        assert replayed.counters.replays == 1 and len(seen) == 1
         out = model(pixels, grid_thw=grid_thw, return_dict=True, output_hidden_states=True)  # more than the output
         assert out.hidden_states is not None and replayed.counters.replays == 1
     model(pixels, grid_thw=grid_thw, return_dict=True)  # gradients on
     assert replayed.counters.replays == 1 and replayed.counters.eager_calls == 4
+
+
+def test_the_saliency_recorders_hook_is_replayed_with_the_tower_and_gives_each_pictures_own_saliency():
+    model = tower()
+    replayed, own = graphed(model)
+    recorder = SaliencyRecorder(model.blocks[-1].attn, 2, Qwen3VLMoeAdapter().attention_received)
+    grid = [[1, 4, 6]]
+    with torch.no_grad():
+        model(*picture(grid, 0)[:1], grid_thw=torch.tensor(grid), return_dict=True)  # captured without the hook
+        recorder.enabled = True
+        got, want = [], []
+        for seed in (1, 2, 3):  # the grid captured again with the hook (its key names it), then replays
+            pixels, grid_thw = picture(grid, seed)
+            assert_same(model(pixels, grid_thw=grid_thw, return_dict=True),
+                        own(pixels, grid_thw=grid_thw, return_dict=True))
+            got.append(recorder.take())
+            own(pixels, grid_thw=grid_thw, return_dict=True)  # the tower itself, the same hook
+            want.append(recorder.take())
+        assert recorder.take() is None  # taken once
+    stats = replayed.stats()
+    assert stats["captures"] == 2 and stats["replays"] == 2 and stats["eager_calls"] == 2
+    assert stats["check_failures"] == stats["capture_failures"] == 0
+    for g, w in zip(got, want):
+        assert g.shape == (6,)  # 24 patches, merged by 2 x 2
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not torch.equal(got[1], got[2])  # each picture its own, not the graph's buffers
+    recorder.enabled = False  # the hook leaves: the grid captured without it serves again
+    with torch.no_grad():
+        model(*picture(grid, 4)[:1], grid_thw=torch.tensor(grid), return_dict=True)
+    assert replayed.counters.replays == 3 and recorder.take() is None
 
 
 class WrongReplay(ReplayCapture):

@@ -20,16 +20,19 @@ sees few picture sizes. So per grid (and pixel shape and dtype):
 
 The graphs share one memory pool and at most MAX_GRIDS of them are kept (the oldest goes). A call the graph
 cannot stand for runs the tower's own forward: gradients or training, arguments beyond `return_dict` and
-`use_cache` (attentions, hidden states asked for), or a hook on any module inside the tower (the saliency
-recorder's, while compression asks for saliency: a replay would not run it). On the CPU `graphs: replay`
-(graphs.ReplayCapture) runs the same plumbing eagerly, which is what the tests check.
+`use_cache` (attentions, hidden states asked for), or a hook on a module inside the tower that a replay would
+skip. A hook whose owner is a `RecordsInputs` (the saliency recorder, while compression asks for saliency)
+only keeps tensors the forward computes: the graph returns those beside the tower's outputs and hands a
+replay's values back to the owner, so the tower is replayed with it (a grid's key says which owners were
+hooked). On the CPU `graphs: replay` (graphs.ReplayCapture) runs the same plumbing eagerly, which is what
+the tests check.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -42,6 +45,18 @@ from .graphs import State, capture_backend
 MAX_GRIDS = 4  # picture sizes whose graphs are kept (each holds its activations' memory in the pool)
 # arguments the model's forward passes the tower that change nothing a replay computes (part of a grid's key)
 PASSIVE_ARGUMENTS = {"return_dict", "use_cache"}
+
+
+@runtime_checkable
+class RecordsInputs(Protocol):
+    """The owner of a hook inside the tower that a replay can stand for: the hook keeps tensors the forward
+    computes, launching nothing and reading nothing on the host."""
+
+    def recorded(self) -> list[torch.Tensor] | None:
+        """What the last forward kept, as tensors (None: nothing, or what it kept cannot be returned)."""
+
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        """Take `tensors` (a replay's values of what `recorded` gave) as what the last forward kept."""
 
 
 @dataclass
@@ -61,6 +76,7 @@ class _Grid:
     replay: Callable[[], None]
     outputs: State              # the tensor leaves the graph writes, in the eager output's order
     spec: Any                   # how the leaves make the tower's output again (torch pytree)
+    recorded: list[int]         # after the tower's leaves in `outputs`: how many each hook's owner kept, in order
     # the grid's tensors the graph reads (made outside its pool): held as long as the graph, or the allocator
     # would hand their memory to whatever runs next and a replay would read that
     inputs: dict[str, Any]
@@ -77,19 +93,30 @@ class GraphedVisionTower:
         self.grids: OrderedDict[tuple, _Grid | None] = OrderedDict()  # None: this grid runs eagerly
         self.counters = VisionGraphCounters()
 
-    def serves(self, kwargs: dict) -> bool:
-        """Inference with nothing asked beyond the output, and no hook inside the tower that a replay would skip."""
+    def recorders(self, kwargs: dict) -> tuple[RecordsInputs, ...] | None:
+        """The owners of the hooks inside the tower, for inference with nothing asked beyond the output; None
+        where a replay cannot stand for the call (training, gradients, more asked, a hook it would skip)."""
         if self.tower.training or torch.is_grad_enabled() or set(kwargs) - PASSIVE_ARGUMENTS:
-            return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.tower.modules() if m is not self.tower)
+            return None
+        owners = []
+        for module in self.tower.modules():
+            if module is self.tower:
+                continue
+            for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+                owner = getattr(hook, "__self__", None)
+                if not isinstance(owner, RecordsInputs):
+                    return None
+                owners.append(owner)
+        return tuple(owners)
 
     def __call__(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
-        if not self.serves(kwargs):
+        owners = self.recorders(kwargs)
+        if owners is None:
             return self._eager(hidden_states, grid_thw, kwargs)
         key = (tuple(tuple(row) for row in grid_thw.tolist()), tuple(hidden_states.shape), hidden_states.dtype,
-               tuple(sorted(kwargs.items())))
+               tuple(sorted(kwargs.items())), tuple(id(owner) for owner in owners))
         if key not in self.grids:
-            return self._first(key, hidden_states, grid_thw, kwargs)
+            return self._first(key, hidden_states, grid_thw, kwargs, owners)
         self.grids.move_to_end(key)
         grid = self.grids[key]
         if grid is None:
@@ -97,14 +124,21 @@ class GraphedVisionTower:
         grid.pixels.copy_(hidden_states)
         grid.replay()
         self.counters.replays += 1
-        return _pytree.tree_unflatten([t.clone() for t in grid.outputs], grid.spec)
+        values = [t.clone() for t in grid.outputs]
+        start = len(values) - sum(grid.recorded)
+        for owner, count in zip(owners, grid.recorded):
+            owner.restore(values[start:start + count])
+            start += count
+        return _pytree.tree_unflatten(values[:len(values) - sum(grid.recorded)], grid.spec)
 
     def _eager(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict) -> Any:
         self.counters.eager_calls += 1
         return self.own_forward(hidden_states, grid_thw=grid_thw, **kwargs)
 
-    def _first(self, key: tuple, hidden_states: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict) -> Any:
-        """A grid's first picture: eager, then the capture, checked against it."""
+    def _first(self, key: tuple, hidden_states: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict,
+               owners: tuple[RecordsInputs, ...]) -> Any:
+        """A grid's first picture: eager, then the capture, checked against it. The hooks' owners keep the eager
+        run's records whatever the capture's runs left them."""
         eager = self._eager(hidden_states, grid_thw, kwargs)
         if len(self.grids) >= MAX_GRIDS:
             self.grids.popitem(last=False)
@@ -117,13 +151,17 @@ class GraphedVisionTower:
         if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             self.counters.reason_eager = "the tower's output holds more than tensors"
             return eager
+        records = [owner.recorded() for owner in owners]
+        if any(record is None for record in records):
+            self.counters.reason_eager = "a hook inside the tower kept nothing a replay could return"
+            return eager
         with torch.inference_mode(False):  # a buffer later pictures copy into under no_grad or inference mode alike
             pixels = hidden_states.clone()
 
         def run() -> State:
             # the helpers pop what they take: a fresh dict each run
             out = self.own_forward(pixels, grid_thw=grid_thw, **kwargs, **inputs)
-            return tuple(_pytree.tree_flatten(out)[0])
+            return tuple(_pytree.tree_flatten(out)[0]) + tuple(t for owner in owners for t in owner.recorded())
 
         try:
             replay, outputs = self.backend().capture(run)
@@ -131,15 +169,21 @@ class GraphedVisionTower:
         except Exception as error:  # capture errors (a host read inside the tower): this grid stays eager
             self.counters.capture_failures += 1
             self.counters.reason_eager = f"capture failed: {type(error).__name__}: {error}"
-            return eager
+            return self._restored(eager, owners, records)
         self.counters.captures += 1
-        difference, failure = _compare(outputs, leaves)
+        difference, failure = _compare(outputs, leaves + [t for record in records for t in record])
         self.counters.check_max_difference = max(self.counters.check_max_difference, difference)
         if failure is not None:
             self.counters.check_failures += 1
             self.counters.reason_eager = failure
-            return eager
-        self.grids[key] = _Grid(pixels, replay, outputs, spec, inputs, grid_thw)
+            return self._restored(eager, owners, records)
+        self.grids[key] = _Grid(pixels, replay, outputs, spec, [len(record) for record in records], inputs, grid_thw)
+        return self._restored(eager, owners, records)
+
+    @staticmethod
+    def _restored(eager: Any, owners: tuple[RecordsInputs, ...], records: list) -> Any:
+        for owner, record in zip(owners, records):
+            owner.restore(record)
         return eager
 
     def stats(self) -> dict[str, Any]:
@@ -162,6 +206,10 @@ def _compare(graphed: State, eager: list[torch.Tensor]) -> tuple[float, str | No
             return float("inf"), f"output {index} of the replay is {g.dtype} {tuple(g.shape)}, eagerly " \
                                  f"{e.dtype} {tuple(e.shape)}"
         if not e.numel():
+            continue
+        if not e.is_floating_point():  # a hook's integer record (an image's bounds): exactly the eager run's
+            if not torch.equal(g, e):
+                return float("inf"), f"output {index} of the replay differed from the eager tower"
             continue
         difference, tolerance = logits_difference(g, e)
         worst = max(worst, difference)
