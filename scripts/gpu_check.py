@@ -231,13 +231,16 @@ def check_vision_graph() -> dict:
     """Qwen3-VL-30B-A3B's vision tower (27 blocks, hidden 1152, random weights, BF16) replayed as a CUDA graph per
     picture size (engine/vision_graph.py) against its own forward: 448 px pictures (784 patches), two of one
     size, one of another and one of the first again; every output of every picture within a few units of BF16's
-    rounding (the self-check's tolerance), one capture per size. Also how long a picture takes each way."""
+    rounding (the self-check's tolerance), one capture per size. Also how long a picture takes each way. The
+    saliency recorder hooks the last attention throughout (as while compression asks for saliency): each
+    picture's saliency from the replay within 1% of the eager tower's."""
     from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
     from vismmoe_kt.engine.vision_attention import install as fuse_vision_attention
     from vismmoe_kt.engine.vision_graph import install
     from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+    from vismmoe_kt.vision.saliency import SaliencyRecorder
 
     config = Qwen3VLMoeVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
                                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
@@ -256,13 +259,15 @@ def check_vision_graph() -> dict:
     fuse_vision_attention(adapter, model)
     own = tower.forward
     replayed = install(adapter, model, "cuda")
-    worst, ok, seconds = 0.0, replayed is not None, {"eager": [], "graphed": []}
+    recorder = SaliencyRecorder(tower.blocks[-1].attn, config.spatial_merge_size, adapter.attention_received)
+    recorder.enabled = True
+    worst, worst_saliency, ok, seconds = 0.0, 0.0, replayed is not None, {"eager": [], "graphed": []}
     with torch.inference_mode():
         for seed, side in enumerate((28, 28, 20, 28)):  # patches per side: 448 px, 320 px
             generator = torch.Generator(device="cuda").manual_seed(seed)
             pixels = torch.randn(side * side, 3 * 2 * 16 * 16, device="cuda", generator=generator).to(torch.bfloat16)
             grid = torch.tensor([[1, side, side]], device="cuda")
-            runs = {}
+            runs, saliency = {}, {}
             for name, forward in (("eager", own), ("graphed", tower)):
                 _scribble()  # a replay reading memory it does not hold would read this
                 torch.cuda.synchronize()
@@ -270,6 +275,13 @@ def check_vision_graph() -> dict:
                 runs[name] = forward(pixels, grid_thw=grid, return_dict=True)
                 torch.cuda.synchronize()
                 seconds[name].append(time.perf_counter() - start)
+                saliency[name] = recorder.take()
+            if saliency["eager"] is None or saliency["graphed"] is None:
+                ok = False
+            else:
+                difference = (saliency["graphed"] - saliency["eager"]).abs().max().item()
+                worst_saliency = max(worst_saliency, difference / saliency["eager"].abs().max().item())
+                ok &= difference <= 1e-2 * saliency["eager"].abs().max().item()
             for g, e in zip(_leaves(runs["graphed"]), _leaves(runs["eager"])):
                 scale = e.float().abs().max().clamp(min=1.0).item()
                 difference = (g.float() - e.float()).abs().max().item()
@@ -278,7 +290,7 @@ def check_vision_graph() -> dict:
     stats = replayed.stats() if replayed is not None else {}
     ok &= stats.get("captures") == 2 and stats.get("replays") == 2 and stats.get("check_failures") == 0
     return {"check": "vision tower replayed per picture size vs its own forward, BF16", **stats,
-            "max_difference_at_scale": worst, "eager_ms": [round(s * 1e3, 2) for s in seconds["eager"]],
+            "max_difference_at_scale": worst, "saliency_max_relative_difference": worst_saliency, "eager_ms": [round(s * 1e3, 2) for s in seconds["eager"]],
             "graphed_ms": [round(s * 1e3, 2) for s in seconds["graphed"]], "ok": bool(ok)}
 
 
