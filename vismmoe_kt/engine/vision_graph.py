@@ -125,11 +125,11 @@ class GraphedVisionTower:
         grid.replay()
         self.counters.replays += 1
         values = [t.clone() for t in grid.outputs]
-        start = len(values) - sum(grid.recorded)
-        for owner, count in zip(owners, grid.recorded):
+        tower_leaves = start = len(values) - sum(grid.recorded)
+        for owner, count in zip(owners, grid.recorded):  # each owner gets this picture's values of what it keeps
             owner.restore(values[start:start + count])
             start += count
-        return _pytree.tree_unflatten(values[:len(values) - sum(grid.recorded)], grid.spec)
+        return _pytree.tree_unflatten(values[:tower_leaves], grid.spec)
 
     def _eager(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, kwargs: dict) -> Any:
         self.counters.eager_calls += 1
