@@ -10,7 +10,8 @@ METHOD-KEEP-DEPTH (`affinity-0.5-1`: Algorithm 1 keeping half the visual tokens 
 folder's requests run one after another through one pool of slabs: a budget B (a share of the model's
 layers x experts) holds B x layers x experts experts, the pinned prefix's layers whole and the rest as
 slabs. In layer order the prefill copies each expert it uses that no slab holds (as the runtime's streamed
-prefill does), and each decode step its misses; a copy takes the least recently used slab. `none` is
+prefill does), and each decode step its misses; a copy takes the least recently used slab (one policy for
+every compression: the runtime's streamed prefill takes the slab whose layer runs again last). `none` is
 replayed at the depth of each pruned folder, so every row compares with the unpruned traces at its own depth.
 The first request warms the pool and is not counted.
 
@@ -86,7 +87,7 @@ def pruned_folders(root: Path) -> dict[str, tuple[str, float, int]]:
     out = {}
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         parts = folder.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[0] not in ("train",):
+        if len(parts) == 3:  # not `none` nor `train-none` (the predictor's training traces)
             try:
                 out[folder.name] = (parts[0], float(parts[1]), int(parts[2]))
             except ValueError:

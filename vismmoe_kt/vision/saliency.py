@@ -31,7 +31,7 @@ class SaliencyRecorder:
     def __init__(self, attn: nn.Module, merge: int, received: Callable[..., torch.Tensor]):
         self.attn, self.merge, self.received = attn, merge, received
         self._inputs: tuple | None = None  # (hidden, cu_seqlens, position_embeddings) of the last forward
-        self._spec = None                  # their pytree structure, as `recorded` flattened them
+        self._spec = None                  # their pytree structure (what `restore` rebuilds)
         self._handle = None
 
     @property
@@ -52,12 +52,13 @@ class SaliencyRecorder:
         hidden = args[0] if args else kwargs["hidden_states"]
         cu = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
         self._inputs = (hidden, cu, kwargs.get("position_embeddings"))
+        self._spec = _pytree.tree_structure(self._inputs)
 
     def recorded(self) -> list[torch.Tensor] | None:
         """The inputs the last forward left, as a list of tensors (None: none left, or one is not a tensor)."""
         if self._inputs is None:
             return None
-        leaves, self._spec = _pytree.tree_flatten(self._inputs)
+        leaves = _pytree.tree_leaves(self._inputs)
         return leaves if all(isinstance(leaf, torch.Tensor) for leaf in leaves) else None
 
     def restore(self, tensors: list[torch.Tensor]) -> None:
