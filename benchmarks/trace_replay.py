@@ -102,9 +102,13 @@ def study(root: Path, budgets: list[float], expert_bytes: int) -> list[dict]:
     if not pruned:
         raise SystemExit(f"{root}: no folder named METHOD-KEEP-DEPTH (affinity_study.py --keep-traces writes them)")
     traces = {name: read_folder(root / name) for name in ["none", *pruned]}
-    rows = []
+    layers, experts = traces["none"][0][0]["active"].shape
+    rows, skipped = [], []
     for budget in budgets:
         for depth in sorted({d for _, _, d in pruned.values()}):
+            if int(budget * layers * experts) - depth * experts < 1:  # the pinned prefix alone fills the budget
+                skipped.append(f"budget {budget} at depth {depth}")
+                continue
             names = ["none"] + [n for n, (_, _, d) in pruned.items() if d == depth]
             for name in names:
                 result = replay(traces[name], budget, depth)
@@ -112,6 +116,12 @@ def study(root: Path, budgets: list[float], expert_bytes: int) -> list[dict]:
                 rows.append({"budget": budget, "depth": depth, "compression": method, "keep": keep,
                              **result, "prefill_mb": round(result["prefill_mean"] * expert_bytes / 1e6, 2),
                              "decode_mb": round(result["decode_mean"] * expert_bytes / 1e6, 2)})
+    if skipped:
+        print(f"left out (the pinned prefix's {experts} experts a layer leave no slab of a {layers} x {experts} model): "
+              + ", ".join(skipped))
+    if not rows:
+        raise SystemExit(f"no budget of {budgets} holds a slab beside the pinned prefix of any depth here; "
+                         "give larger --budgets")
     return rows
 
 

@@ -81,3 +81,17 @@ def test_bad_traces_folders_say_what_is_missing(tmp_path):
     (tmp_path / "none").mkdir()
     with pytest.raises(SystemExit, match="METHOD-KEEP-DEPTH"):
         trace_replay.study(tmp_path, [0.5], 1)
+
+
+def test_a_budget_the_pinned_prefix_fills_is_left_out_with_a_note(tmp_path, capsys):
+    layers, experts = 4, 16
+    for name in ("none", "affinity-0.5-1", "affinity-0.5-3"):
+        (tmp_path / name).mkdir()
+        for r in range(2):
+            write_request(tmp_path / name / f"request-{r:06d}.safetensors", [({1: [r]}, "prefill")], layers, experts)
+    # 0.5 x 64 = 32 experts' room: depth 1 leaves 16 slabs, depth 3 would leave -16
+    rows = trace_replay.study(tmp_path, [0.5], 1)
+    assert {r["depth"] for r in rows} == {1}
+    assert "budget 0.5 at depth 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give larger --budgets"):
+        trace_replay.study(tmp_path, [0.2], 1)
