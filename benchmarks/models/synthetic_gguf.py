@@ -77,7 +77,7 @@ def write_synthetic_checkpoint(out_dir: str | Path, config: Any, processor: Any,
         split = (*shape[:1], shape[1] // len(gguf_names), *shape[2:]) if len(gguf_names) > 1 else shape
         for i, gguf_name in enumerate(gguf_names):
             kind = qtype if gguf_name.endswith(EXPERT_SUFFIXES) else rest
-            planned.append(PlannedTensor(gguf_name, split, tensor_type(split, kind),
+            planned.append(PlannedTensor(gguf_name, split, tensor_type(gguf_name, split, kind),
                                          lambda n=model_name, i=i, k=len(gguf_names): _part(reader, n, i, k)))
     gguf_file = out / f"model-{qtype}.gguf"
     # llama.cpp's hyperparameters too, so llama-bench loads the same file (its routing: the random weights' own)

@@ -51,3 +51,22 @@ def test_a_builder_waiting_for_the_lock_finds_the_model_finished_and_keeps_it(tm
         (target / ".complete").write_text("ok\n")
     waiting.join(timeout=30)
     assert results == [target] and not builds and (target / "model.safetensors").read_text() == "theirs"
+
+
+def test_the_demo_directory_names_its_architecture_as_a_saved_checkpoint_does(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py picks its converter by config.json's `architectures` (and fails without)."""
+    import json
+
+    tiny.save_demo_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+    assert config["model_type"] == "qwen3_vl_moe"
+    # the fused experts as published checkpoints store them, (E, H, 2I) and (E, I, H): llama.cpp's converter splits
+    # gate_up along the last dim
+    from safetensors import safe_open
+
+    text = config["text_config"]
+    experts, hidden, width = text["num_local_experts"], text["hidden_size"], text["moe_intermediate_size"]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [experts, hidden, 2 * width]
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.down_proj").get_shape() == [experts, width, hidden]

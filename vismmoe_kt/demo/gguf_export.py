@@ -6,8 +6,8 @@ llama.cpp's name, split along dim 1 where the model fuses several GGUF tensors (
 or as the family writes it where llama.cpp's converter does more (`ModelAdapter.gguf_parts`: MLA's
 `kv_b_proj` split into `attn_k_b` transposed and `attn_v_b`, a fused and permuted `attn_qkv`).
 2-D and 3-D weights whose rows divide into the type's blocks are written in `qtype`; the rest (norms,
-rows of other lengths) as F32, as llama.cpp keeps them. The vision tower is not written there
-(llama.cpp puts it in an mmproj file: `export_mmproj`).
+rows of other lengths, the routers and position embeddings: `ALWAYS_F32`) as F32, as llama.cpp keeps them.
+The vision tower is not written there (llama.cpp puts it in an mmproj file: `export_mmproj`).
 
 Given the model's config, the files carry what llama.cpp reads before it loads one: the text file its
 architecture's hyperparameters (`ModelAdapter.gguf_metadata`, with the vocabulary's size) and, given the
@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..models.llama_cpp_keys import ALWAYS_F32
 
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
@@ -148,7 +150,7 @@ def _write(parts, path: str | Path, qtype: str, arch: str, metadata: dict[str, A
            progress: bool = False) -> dict[str, str]:
     """(GGUF name, float tensor) pairs to a GGUF file: 2-D and larger whose rows divide into `qtype`'s
     blocks in `qtype`, the rest in F32."""
-    planned = [PlannedTensor(name, tuple(part.shape), tensor_type(tuple(part.shape), qtype), lambda part=part: part)
+    planned = [PlannedTensor(name, tuple(part.shape), tensor_type(name, tuple(part.shape), qtype), lambda part=part: part)
                for name, part in parts]
     return write_planned(planned, path, arch, progress=progress, metadata=metadata)
 
@@ -163,15 +165,16 @@ class PlannedTensor:
     make: Callable[[], torch.Tensor]
 
 
-def tensor_type(shape: tuple[int, ...], qtype: str) -> str:
-    """`qtype` for 2-D and larger tensors whose rows divide into its blocks, else F32 (as llama.cpp
-    keeps norms and odd rows)."""
+def tensor_type(name: str, shape: tuple[int, ...], qtype: str) -> str:
+    """`qtype` for 2-D and larger tensors whose rows divide into its blocks, else F32, and F32 for the tensors
+    llama.cpp always keeps so (`ALWAYS_F32`: routers, position embeddings), as llama.cpp keeps norms, odd rows
+    and those."""
     import gguf
 
     if qtype not in WRITABLE:
         raise ValueError(f"the gguf package writes {', '.join(WRITABLE)}, not {qtype}")
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
-    return qtype if len(shape) >= 2 and shape[-1] % block == 0 else "F32"
+    return qtype if len(shape) >= 2 and shape[-1] % block == 0 and not name.endswith(ALWAYS_F32) else "F32"
 
 
 def encode(values: torch.Tensor, kind: str) -> np.ndarray:

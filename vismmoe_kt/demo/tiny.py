@@ -90,7 +90,7 @@ SPECS: dict[str, TinySpec] = {
     "tiny-llama4-6x16": TinySpec(layers=6, experts=16, top_k=1, hidden=64, moe_intermediate=48, family="llama4"),
 }
 DEMO_SPEC, DEMO_SEED = "demo-4x32", 0
-FORMAT_VERSION = 3  # bump when the builder changes, so cached demo models are rebuilt
+FORMAT_VERSION = 4  # bump when the builder changes, so cached demo models are rebuilt
 
 
 def build_tokenizer():
@@ -203,10 +203,20 @@ def save_demo_model(out_dir: str | Path) -> Path:
     """The demo model directory: this module's config, tokenizer and processor + the shipped trained weights."""
     out_dir = Path(out_dir)
     model, processor = build_tiny_model(DEMO_SPEC, DEMO_SEED)  # random weights, only for config and generation config
+    # what model.save_pretrained records: converters (llama.cpp's convert_hf_to_gguf.py) pick the model by it
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(str(out_dir))
     model.generation_config.save_pretrained(str(out_dir))
     processor.save_pretrained(str(out_dir))
-    shutil.copyfile(DEMO_WEIGHTS, out_dir / "model.safetensors")
+    # the weights as the family's published checkpoints store them (the fused experts transposed), so the directory
+    # stands for a downloaded one: loaders take either layout, llama.cpp's converter only the published one
+    from safetensors.torch import load_file, save_file
+
+    from ..models import adapter_for
+
+    adapter = adapter_for(model.config.model_type)
+    tensors = {name: adapter.hub_layout(name, tensor) for name, tensor in load_file(str(DEMO_WEIGHTS)).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

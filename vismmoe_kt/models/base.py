@@ -103,6 +103,11 @@ class ModelAdapter:
         model's, where the layout depends on it)."""
         return tensor
 
+    def hub_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The model's tensor `name` as the family's published checkpoints store it (what converters such as
+        llama.cpp's expect), where that differs from the in-memory layout `save_pretrained` writes."""
+        return tensor
+
     def checkpoint_sources(self, name: str, config: Any) -> tuple[tuple[str, ...], ...] | None:
         """How the model's tensor `name` is assembled where a checkpoint does not hold it under that name:
         one row per expert (stacked along a new dim 0), each row the checkpoint tensors concatenated

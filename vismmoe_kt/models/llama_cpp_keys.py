@@ -22,6 +22,11 @@ LLAMA_CPP_CHECKED = "ggml-org/llama.cpp 0024aa7, read 2026-12-03; gguf 0.19.0"
 ALWAYS_ENDING = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
                  "</s>", "<|end_of_text|>", "<|return|>", "<|call|>")
 
+# tensors llama.cpp's converter and llama-quantize always keep in F32, whatever the file's type (its list in
+# convert_hf_to_gguf's base class, of the names our families write): the routers, whose small errors flip which
+# experts a token takes, and the learned position embeddings
+ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "position_embd.weight", "token_types.weight")
+
 
 def arch_keys(arch: str, values: dict[str, Any]) -> dict[str, Any]:
     """`gguf.Keys` templates ("{arch}.context_length") -> values, as full key names for `arch`; a None

@@ -106,6 +106,9 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
             return tensor.transpose(1, 2).contiguous()
         return tensor
 
+    def hub_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.transpose(1, 2).contiguous() if name.endswith(_EXPERT_TENSORS) and tensor.dim() == 3 else tensor
+
     def gguf_names(self, name: str) -> tuple[str, ...] | None:
         if name == "lm_head.weight":
             return ("output.weight",)

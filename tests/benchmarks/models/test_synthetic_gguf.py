@@ -36,6 +36,7 @@ def test_the_file_holds_experts_in_qtype_the_rest_in_rest_and_the_vision_tower_b
     assert types["blk.1.ffn_gate_exps.weight"] == types["blk.1.ffn_down_exps.weight"] == "Q4_K"
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32"  # the router, as llama.cpp keeps it whatever the file's type
     reader = gguf.GGUFReader(str(out / "model-Q4_K.gguf"))
     stored = {t.name: t.tensor_type.name for t in reader.tensors}
     assert stored == types

