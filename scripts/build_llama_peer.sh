@@ -10,7 +10,8 @@
 # build its metadata, which needs its build tools (the tarball stays in pip's unpack folder under TMPDIR if that fails).
 # Needs: nvcc (CUDA 13), cmake, ninja, a C++ compiler, and cuBLAS 13's headers and libraries (the nvidia-cublas
 # wheel, 13.0.x, unpacked; NVIDIA_CUBLAS=its nvidia/cu13 folder, else they must be in the CUDA root already).
-# Writes OUT (default .scratch/llama.cpp)/llama-batched-bench.xz.part-* (15 MB parts): carry .scratch/llama.cpp.
+# Writes OUT (default .scratch/llama-batched)/llama-batched-bench.xz.part-* (15 MB parts): carry that folder
+# (not with .scratch/llama.cpp, the llama-bench parts: both and the tree pass the 64 MiB a call carries).
 #
 # How it differs from llama-bench's build: made off the GPU machine, so the host code is portable x86-64 with AVX2
 # (GGML_NATIVE off; batched-bench runs every layer on the GPU, -ngl 99), and without the driver library to link,
@@ -18,7 +19,7 @@
 # mapping virtual memory; after the first batch neither allocates. Two cores take about an hour.
 set -euo pipefail
 sdist=${1:?usage: build_llama_peer.sh SDIST [OUT]}
-out=$(realpath -m "${2:-.scratch/llama.cpp}")
+out=$(realpath -m "${2:-.scratch/llama-batched}")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 t0=$SECONDS

@@ -50,7 +50,7 @@
 #                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG overrides) and
 #                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
 #                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8 (after peerbuild,
-#                                                   or with .scratch/llama.cpp/llama-batched-bench.xz.part-* carried:
+#                                                   or with .scratch/llama-batched/llama-batched-bench.xz.part-* carried:
 #                                                   scripts/build_llama_peer.sh builds them on a machine without a GPU)
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
@@ -293,12 +293,12 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     peerbatch) shift  # 8 requests together, all resident: ours and llama-batched-bench, same GGUF, one call
           px=${1:-448}
           tool=.scratch/llama-build/bin/llama-batched-bench
-          parts=(.scratch/llama.cpp/llama-batched-bench.xz.part-*)
+          parts=(.scratch/llama-batched/llama-batched-bench.xz.part-*)
           if [[ ! -x $tool && -f ${parts[0]} ]]; then  # built off the GPU machine (scripts/build_llama_peer.sh)
             cat "${parts[@]}" | xz -d > /tmp/llama-batched-bench && chmod +x /tmp/llama-batched-bench
             tool=/tmp/llama-batched-bench
           fi
-          [[ -x $tool ]] || { echo "peerbatch: no $tool and no .scratch/llama.cpp/llama-batched-bench.xz.part-* (run peerbuild on this machine first, or carry the parts)" >&2; exit 2; }
+          [[ -x $tool ]] || { echo "peerbatch: no $tool and no .scratch/llama-batched/llama-batched-bench.xz.part-* (run peerbuild on this machine first, or carry the parts)" >&2; exit 2; }
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps 3 \
             --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 \

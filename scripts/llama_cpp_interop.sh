@@ -2,6 +2,7 @@
 # Do the GGUF files travel both ways between llama.cpp and vismmoe-kt? On the embedded demo model (CPU, minutes):
 #
 #   bash scripts/llama_cpp_interop.sh LLAMA_CPP OUT [MTMD_CLI]
+#   TYPE=BF16 bash scripts/llama_cpp_interop.sh ...      # both files' type (F32, the default; F16 or BF16)
 #
 #   1. llama.cpp's own converter (LLAMA_CPP/convert_hf_to_gguf.py, with its gguf-py) writes the demo's Hugging Face
 #      directory as a text GGUF and an mmproj; vismmoe-kt answers the demo picture's questions from that pair alone.
@@ -51,11 +52,14 @@ gguf.GGUFWriter._pack_val = with_empty_arrays
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path("$llama/convert_hf_to_gguf.py", run_name="__main__")
 EOF
-theirs_text=llama-cpp-written/demo-BF16.gguf theirs_mmproj=llama-cpp-written/mmproj-demo-F16.gguf
-"$py" convert.py "$demo" --outfile "$theirs_text" --outtype bf16 > convert-text.log 2>&1
-"$py" convert.py "$demo" --mmproj --outfile "$theirs_mmproj" --outtype f16 > convert-mmproj.log 2>&1
-"$kt" convert --demo --out ours-written/ > convert-ours.log 2>&1
-ours_text=$(ls ours-written/*-BF16.gguf) ours_mmproj=$(ls ours-written/mmproj-*.gguf)
+type=${TYPE:-F32}
+case $type in F32|F16|BF16) ;; *) echo "llama_cpp_interop: TYPE=$type: F32, F16 or BF16 (both converters write it)" >&2; exit 2 ;; esac
+lower=$(tr '[:upper:]' '[:lower:]' <<< "$type")
+theirs_text=llama-cpp-written/demo-$type.gguf theirs_mmproj=llama-cpp-written/mmproj-demo-$type.gguf
+"$py" convert.py "$demo" --outfile "$theirs_text" --outtype "$lower" > convert-text.log 2>&1
+"$py" convert.py "$demo" --mmproj --outfile "$theirs_mmproj" --outtype "$lower" > convert-mmproj.log 2>&1
+"$kt" convert --demo --out ours-written/ --qtype "$type" --mmproj_qtype "$type" > convert-ours.log 2>&1
+ours_text=$(ls ours-written/demo-*-"$type".gguf) ours_mmproj=$(ls ours-written/mmproj-*.gguf)
 
 first_line() {  # a command's first line of output, whatever its status (the table shows a failure as empty)
   local text
@@ -69,8 +73,11 @@ questions=("What colour is the square?" "What colour is the circle?" "What colou
   echo "|---|---|---|---|"
 } > interop.md
 for q in "${questions[@]}"; do
-  hf=$(first_line "$kt" chat --demo --image shapes.png --prompt "$q" --greedy)
-  pair=$(first_line "$kt" chat --gguf_path "$theirs_text" --mmproj_path "$theirs_mmproj" --image shapes.png --prompt "$q" --greedy)
+  # float32 compute in every vismmoe-kt column (a GGUF pair loads in bfloat16 by default): the weights' type is the
+  # one difference between TYPE runs, as in llama.cpp, which computes in float32 whatever the weights
+  hf=$(first_line "$kt" chat --demo --image shapes.png --prompt "$q" --greedy --dtype float32)
+  pair=$(first_line "$kt" chat --gguf_path "$theirs_text" --mmproj_path "$theirs_mmproj" --image shapes.png --prompt "$q" \
+    --greedy --dtype float32)
   theirs=-
   if [[ -n $mtmd ]]; then  # greedy (--temp 0), the chat template from the GGUF, only the answer on stdout
     theirs=$("$mtmd" -m "$ours_text" --mmproj "$ours_mmproj" --image shapes.png -p "$q" --temp 0 -n 16 --jinja \
@@ -78,4 +85,16 @@ for q in "${questions[@]}"; do
   fi
   echo "| $q | $hf | $pair | $theirs |" >> interop.md
 done
+"$py" - "$ours_text" "$theirs_text" "$ours_mmproj" "$theirs_mmproj" >> interop.md <<'EOF'
+import sys
+import numpy as np
+from gguf import GGUFReader
+for ours, theirs in ((sys.argv[1], sys.argv[2]), (sys.argv[3], sys.argv[4])):
+    a = {t.name: t for t in GGUFReader(ours).tensors}
+    b = {t.name: t for t in GGUFReader(theirs).tensors}
+    same = {n for n in a if n in b and list(a[n].shape) == list(b[n].shape) and a[n].tensor_type == b[n].tensor_type
+            and np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data))}
+    print(f"\n{ours} against {theirs}: {len(same)} of {len(a)} tensors bit-identical ({len(b)} in theirs); "
+          f"the others: {sorted((set(a) | set(b)) - same)[:6]}")
+EOF
 cat interop.md

@@ -88,6 +88,21 @@ def test_the_pair_alone_generates_the_hf_directorys_tokens(qwen_pair):
         assert torch.equal(got, want)
 
 
+def test_an_mmproj_without_pixel_bounds_takes_llama_cpps(qwen_pair):
+    """llama.cpp's converter writes no image_min/max_pixels for a Qwen-VL tower; llama.cpp then takes 8 to 4096
+    merged tokens a picture, and so does the processor rebuilt here, so both see a picture as the same tokens."""
+    _, _, mmproj, _, processor = qwen_pair
+    metadata = read_metadata(mmproj)
+    assert metadata.get("clip.vision.image_max_pixels") is not None  # our writer keeps the processor's bounds
+    for key in ("clip.vision.image_min_pixels", "clip.vision.image_max_pixels"):
+        metadata.values.pop(key)
+    rebuilt = adapter_for("qwen3_vl_moe").processor_from_gguf(metadata, processor.tokenizer, processor.chat_template,
+                                                              "qwen3_vl_moe")
+    images = rebuilt.image_processor
+    token_pixels = (images.patch_size * images.merge_size) ** 2
+    assert images.size == {"shortest_edge": 8 * token_pixels, "longest_edge": 4096 * token_pixels}
+
+
 @pytest.fixture(scope="module")
 def demo_pair(tmp_path_factory):
     """`vismmoe-kt convert --demo --out DIR` and a picture of the demo's task."""

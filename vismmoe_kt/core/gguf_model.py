@@ -36,7 +36,7 @@ from ..models import REGISTRY, ModelAdapter, adapter_for
 from ..models.llama_cpp_keys import ALWAYS_ENDING
 from .gguf_checkpoint import gguf_files
 
-FORMAT_VERSION = 1  # bump when what is rebuilt changes, so cached directories are rebuilt
+FORMAT_VERSION = 2  # bump when what is rebuilt changes, so cached directories are rebuilt
 
 
 @dataclass

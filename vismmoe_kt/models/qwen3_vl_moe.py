@@ -29,6 +29,7 @@ from .transformers_layout import (MropeVision, TransformersLayout, gqa_last_toke
                                  pretrained_tokenizer_and_image_processor)
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+LLAMA_CPP_QWEN_VL_TOKENS = (8, 4096)  # llama.cpp's bounds on a Qwen-VL picture's merged tokens, where a file has none
 _TEXT = "model.language_model."
 _VISUAL = "model.visual."
 # llama.cpp's names for the text model (convert_hf_to_gguf.py, arch qwen3vlmoe); the fused gate_up
@@ -201,18 +202,23 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
 
     def processor_from_gguf(self, mmproj: Any, tokenizer: Any, chat_template: str, family: str) -> Any:
         """Qwen2-VL's PIL image processor from the `clip.*` keys: patch and merge sizes, the pixel
-        normalisation, the pixel bounds (Qwen3-VL's own, 65536 to 16777216, where the file has none)."""
+        normalisation, the pixel bounds (where the file has none, llama.cpp's: 8 to 4096 merged tokens)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         clip = "clip.vision."
+        patch, merge = int(mmproj.need(clip + "patch_size", family)), int(mmproj.need(clip + "spatial_merge_size", family))
+        # llama.cpp's converter writes no bounds for Qwen-VL towers and llama.cpp's loader reads none: it takes
+        # 8 to 4096 merged tokens a picture (clip.cpp, set_limit_image_tokens), so a pair it wrote sees the
+        # pictures here as llama.cpp sees them (a 224 px picture stays 7 x 7 tokens; the published processor's
+        # 65536-pixel floor would enlarge it to 8 x 8)
+        token_pixels = (patch * merge) ** 2
         image_processor = Qwen2VLImageProcessorPil(
-            patch_size=int(mmproj.need(clip + "patch_size", family)),
-            merge_size=int(mmproj.need(clip + "spatial_merge_size", family)),
+            patch_size=patch, merge_size=merge,
             temporal_patch_size=2 if "v.patch_embd.weight.1" in mmproj.shapes else 1,
             image_mean=[stored_float(v) for v in mmproj.need(clip + "image_mean", family)],
             image_std=[stored_float(v) for v in mmproj.need(clip + "image_std", family)],
-            size={"shortest_edge": int(mmproj.get(clip + "image_min_pixels", 65536)),
-                  "longest_edge": int(mmproj.get(clip + "image_max_pixels", 16777216))})
+            size={"shortest_edge": int(mmproj.get(clip + "image_min_pixels", LLAMA_CPP_QWEN_VL_TOKENS[0] * token_pixels)),
+                  "longest_edge": int(mmproj.get(clip + "image_max_pixels", LLAMA_CPP_QWEN_VL_TOKENS[1] * token_pixels))})
         return Qwen3VLImageTextProcessor(image_processor, tokenizer, chat_template=chat_template)
 
     def mmproj_source(self, name: str, config: Any) -> MmprojSource | None:
