@@ -193,7 +193,8 @@ def test_other_projectors_clip_keys(name, projector, tmp_path):
     model, processor = tiny(name)
     config, vision = model.config, model.config.vision_config
     mapped = {"glm4v": {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.model.fc.weight", "v.blk.0.attn_qkv.weight"},
-              "llama4": {"v.patch_embd.weight", "v.class_embd", "mm.model.mlp.2.weight", "v.blk.0.attn_q.weight"},
+              "llama4": {"v.patch_embd.weight", "v.class_embd", "mm.model.mlp.2.weight", "v.blk.0.attn_q.weight",
+                         "mm.model.fc.weight", "v.position_embd.weight"},  # where llama.cpp's clip loader looks
               "kimik25": {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.0.attn_qkv.weight", "mm.input_norm.weight",
                           "mm.1.weight", "mm.2.weight", "v.post_ln.weight"}}[projector]
     written = export_mmproj(model.state_dict(), adapter_for(config.model_type), config, tmp_path / "mm.gguf",

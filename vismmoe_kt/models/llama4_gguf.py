@@ -4,8 +4,9 @@ of `Llama4Adapter.gguf_metadata` / `mmproj_metadata`).
 
 Names: the gguf package's maps (`gguf.get_tensor_name_map`), plus the fused experts as llama.cpp's
 stacked `ffn_gate_exps` + `ffn_up_exps` / `ffn_down_exps` (in our layout, (E, 2I, H) and (E, H, I), so
-concatenated along dim 1 as stored) and the vision adapter's second linear (`mm.model.mlp.2`, which the
-map leaves out). The patch embedding stays the model's 2-D linear.
+concatenated along dim 1 as stored), the vision adapter's second linear (`mm.model.mlp.2`, which the
+map leaves out) and the projector's one linear (`multi_modal_projector.linear_1`, which the map names `mm.1`)
+as llama.cpp's converter writes it and its loader looks for it, `mm.model.fc`. The patch embedding stays the model's 2-D linear.
 
 What llama.cpp fixes for every Llama 4 and so does not write: rotary skipped every 4th layer
 (`no_rope_layer_interval`), the query/key norm on every 16-expert model (`use_qk_norm`: on unless 128
@@ -41,8 +42,12 @@ def mmproj_source(name: str, depth: int) -> MmprojSource | None:
         return None
     if name == "vision_model.vision_adapter.mlp.fc2.weight":
         return MmprojSource(("mm.model.mlp.2.weight",))
+    if name == "multi_modal_projector.linear_1.weight":  # one linear despite its number: llama.cpp's `mm.model.fc`
+        return MmprojSource(("mm.model.fc.weight",))
     if "." not in name.removeprefix("vision_model."):  # class_embedding, positional_embedding_vlm: no suffix
         mapped = name_map("MMPROJ", depth).get_name(name)
+        if mapped and name.endswith("positional_embedding_vlm"):  # llama.cpp's converter adds the suffix there,
+            mapped += ".weight"                                    # and its loader looks for `v.position_embd.weight`
         return MmprojSource((mapped,)) if mapped else None
     stem, _, suffix = name.rpartition(".")
     mapped = name_map("MMPROJ", depth).get_name(stem)
