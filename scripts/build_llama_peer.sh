@@ -24,7 +24,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 t0=$SECONDS
 
-nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1 || true)
+[[ -e $sdist ]] || { echo "build_llama_peer: $sdist: no such source distribution or folder" >&2; exit 2; }
+# the toolkit's own nvcc (a `nvcc` on PATH may be a wrapper script elsewhere), whose root holds the libraries
+nvcc=$(ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1 || true)
+[[ -n $nvcc ]] || nvcc=$(command -v nvcc || true)
 [[ -n $nvcc ]] || { echo "build_llama_peer: no nvcc (CUDA 13's compiler) on this machine" >&2; exit 2; }
 cuda=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
 if [[ -n ${NVIDIA_CUBLAS:-} ]]; then  # the wheel's cuBLAS, linked into the CUDA root where CMake looks for it
