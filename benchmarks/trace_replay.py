@@ -55,11 +55,16 @@ class SlabPool:
         return True
 
 
+def slab_count(budget: float, depth: int, layers: int, experts: int) -> int:
+    """Slabs a budget (share of the layers x experts) leaves beside `depth` pinned layers held whole."""
+    return int(budget * layers * experts) - depth * experts
+
+
 def replay(requests: list[list[dict]], budget: float, depth: int) -> dict:
     """Experts copied per request (prefill, decode; the first request not counted) for `requests` (each a list
     of trace steps) through one pool at `budget` (share of the layers x experts) with `depth` pinned layers."""
     layers, experts = requests[0][0]["active"].shape
-    slabs = int(budget * layers * experts) - depth * experts
+    slabs = slab_count(budget, depth, layers, experts)
     pool = SlabPool(slabs)
     prefill, decode = [], []
     for steps in requests:
@@ -106,7 +111,7 @@ def study(root: Path, budgets: list[float], expert_bytes: int) -> list[dict]:
     rows, skipped = [], []
     for budget in budgets:
         for depth in sorted({d for _, _, d in pruned.values()}):
-            if int(budget * layers * experts) - depth * experts < 1:  # the pinned prefix alone fills the budget
+            if slab_count(budget, depth, layers, experts) < 1:  # the pinned prefix alone fills the budget
                 skipped.append(f"budget {budget} at depth {depth}")
                 continue
             names = ["none"] + [n for n, (_, _, d) in pruned.items() if d == depth]
