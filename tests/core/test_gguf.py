@@ -514,3 +514,35 @@ def test_a_written_gguf_carries_what_llama_cpp_reads_before_it_loads(tiny, tmp_p
     with torch.no_grad():
         got, want = model(**inputs).logits, reference(**inputs).logits
     assert ((got - want).norm() / want.norm()).item() <= EXPECTED_ERROR["Q8_0"]
+
+
+def _write(path, tensors):
+    writer = gguf.GGUFWriter(str(path), arch="qwen3vlmoe")
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_without_a_dtype_a_load_follows_the_files_type(tmp_path):
+    """A file written all in F32 loads in float32 (the precision it was written in); one with BF16 or
+    quantized matrices beside F32 norms in bfloat16; the mmproj's F16 does not decide; `dtype` wins."""
+    F32, BF16, Q8_0 = (gguf.GGMLQuantizationType[name] for name in ("F32", "BF16", "Q8_0"))
+    matrix = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+    norm = np.ones(32, dtype=np.float32)
+    names = {"w": ("w",), "norm": ("norm",)}.get
+    _write(tmp_path / "f32.gguf", {"w": (matrix, F32), "norm": (norm, F32)})
+    _write(tmp_path / "mmproj-f16.gguf", {"v": (matrix.astype(np.float16), gguf.GGMLQuantizationType.F16)})
+    _write(tmp_path / "q8.gguf", {"w": (gguf.quants.quantize(matrix, Q8_0), Q8_0), "norm": (norm, F32)})
+    _write(tmp_path / "bf16.gguf", {"w": (gguf.quants.quantize(matrix, BF16), BF16), "norm": (norm, F32)})
+
+    f32 = GgufCheckpointReader(tmp_path, tmp_path / "f32.gguf", names, mmproj_path=tmp_path / "mmproj-f16.gguf")
+    assert f32.dtype == torch.float32
+    assert f32.load_tensor("w").dtype == torch.float32 and torch.equal(f32.load_tensor("w"), torch.from_numpy(matrix))
+    for quantized in ("q8.gguf", "bf16.gguf"):
+        reader = GgufCheckpointReader(tmp_path, tmp_path / quantized, names)
+        assert reader.dtype == torch.bfloat16 and reader.load_tensor("w").dtype == torch.bfloat16
+    assert GgufCheckpointReader(tmp_path, tmp_path / "f32.gguf", names, dtype=torch.float16).load_tensor("w").dtype \
+        == torch.float16

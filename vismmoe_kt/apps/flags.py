@@ -104,7 +104,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill_device", help="put every module on this device for prefill (overrides the rules)")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="replace a kwarg in every rule that has it (repeatable)")
-    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert weights (default: checkpoint dtype)")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="convert weights (default: the checkpoint's dtype; GGUF: float32 for an all-F32 file, else bfloat16)")
     group.add_argument("--cpu_infer", type=int, help=CPU_INFER_HELP)
     add_engine_flags(group)
     add_parallel_flags(group)

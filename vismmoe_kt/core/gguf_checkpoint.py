@@ -15,8 +15,10 @@ error that names it.
 Reading: the `gguf` package maps each file (memmap) and dequantizes a tensor when it is asked for
 (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to
 Q6_K), so a load holds one dequantized tensor at a time beside the model. The dequantized tensor
-is float32, then converted to the checkpoint dtype asked for (default: bfloat16, what a GGUF's
-unquantized tensors usually are).
+is float32, then converted to the checkpoint dtype asked for. By default that follows the file: float32
+when every tensor of the model's GGUF files is F32 (a file written in F32 asks for full precision, and
+llama.cpp computes it so), else bfloat16 (what a GGUF's unquantized tensors usually are, and half the
+memory of float32 for a quantized model's dequantized tensors).
 A file that is not GGUF (or is cut short), a tensor of another type, or a shape that does not
 match the model's config is a LoadError naming the file and tensor.
 """
@@ -66,7 +68,6 @@ class GgufCheckpointReader:
 
         self.model_dir = Path(model_dir)
         self.gguf_path = Path(gguf_path)
-        self.dtype = dtype if dtype is not None else torch.bfloat16
         self.layout_fix = layout_fix
         self.default_device = default_device
         self.device_map: dict[str, dict[str, Any]] = {}
@@ -77,6 +78,7 @@ class GgufCheckpointReader:
         self.from_gguf = from_gguf  # the family's inverse where llama.cpp split or permuted a tensor (ModelAdapter)
         self._tensors: dict[str, tuple[Path, Any]] = {}
         self.files = gguf_files(gguf_path)
+        self.mmproj_file = Path(mmproj_path) if mmproj_path is not None else None
         if mmproj_path is not None:
             mmproj = Path(mmproj_path)
             if not mmproj.is_file():
@@ -89,8 +91,17 @@ class GgufCheckpointReader:
                 raise LoadError(f"{file}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
             for tensor in reader.tensors:
                 self._tensors[tensor.name] = (file, tensor)
+        self.dtype = dtype if dtype is not None else self.file_dtype()
         has_safetensors = any(self.model_dir.glob("*.safetensors"))
-        self._fallback = CheckpointReader(self.model_dir, dtype, layout_fix, default_device) if has_safetensors else None
+        # tensors the GGUF lacks (a vision tower without --mmproj_path) in the same dtype: one model, one dtype
+        self._fallback = CheckpointReader(self.model_dir, self.dtype, layout_fix, default_device) if has_safetensors else None
+
+    def file_dtype(self) -> torch.dtype:
+        """The dtype a load without `dtype` converts to: float32 for a model written all in F32 (its
+        mmproj aside: llama.cpp's converter writes that in F16 by default), else bfloat16."""
+        text = [tensor for file, tensor in self._tensors.values() if file != self.mmproj_file]
+        all_f32 = bool(text) and all(tensor.tensor_type.name == "F32" for tensor in text)
+        return torch.float32 if all_f32 else torch.bfloat16
 
     # --- what the loader asks ----------------------------------------------------------------
     def __contains__(self, name: str) -> bool:

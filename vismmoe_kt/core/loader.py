@@ -147,7 +147,8 @@ def load(
     `cpu_infer` the CPU experts' worker count (default physical cores - 2), any other key replaces that kwarg in every rule that has it. `dtype` converts floating tensors
     while loading (default: keep the checkpoint's dtype). `gguf_path` (a .gguf file or a directory of
     them) reads the weights from GGUF instead, config and processor still from `model_path`
-    (core/gguf_checkpoint.py; tensors are dequantized to `dtype`, default bfloat16). `mmproj_path`
+    (core/gguf_checkpoint.py; tensors are dequantized to `dtype`, by default float32 for a file written
+    all in F32, else bfloat16). `mmproj_path`
     (with `gguf_path`): the vision tower from llama.cpp's mmproj GGUF instead of the directory.
     """
     start = time.perf_counter()
