@@ -299,6 +299,11 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             tool=/tmp/llama-batched-bench
           fi
           [[ -x $tool ]] || { echo "peerbatch: no $tool and no .scratch/llama-batched/llama-batched-bench.xz.part-* (run peerbuild on this machine first, or carry the parts)" >&2; exit 2; }
+          # built elsewhere, its runpath may not be where this image keeps CUDA 13's runtime and cuBLAS: add
+          # the toolkit's folders and torch's nvidia wheels (which carry both)
+          nvlibs=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__))" 2>/dev/null || true)
+          peerlibs=$(ls -d /usr/local/cuda*/targets/x86_64-linux/lib /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')$nvlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+          LD_LIBRARY_PATH=$peerlibs ldd "$tool" | grep "not found" || true
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps 3 \
             --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 \
@@ -308,7 +313,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           # our prompt's length (a picture's tokens and the question), else 448 px's 236
           prompt=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['prompt_tokens'])" \
             "$OUT/peerbatch$px/decode_bench.json" 2>/dev/null || echo 236)
-          timeout 200 "$tool" -m "$GGUF_DIR/model-Q4_K.gguf" -ngl 99 -fa on -t 14 -c 8192 -b 2048 -ub 512 \
+          LD_LIBRARY_PATH=$peerlibs timeout 200 "$tool" -m "$GGUF_DIR/model-Q4_K.gguf" -ngl 99 -fa on -t 14 -c 8192 -b 2048 -ub 512 \
             -npp "$prompt" -ntg 128 -npl 1,8 2>&1 | tee "$OUT/peerbatch$px-llama.txt" | tail -8 || true ;;
     qslabs) shift  # quantized slabs: the GGUF's Q4_K blocks kept on the GPU too, decoded by the decode GEMVs
             px=$1 budget=$2; shift 2
