@@ -47,7 +47,7 @@
 #                                                   binaries stay in .scratch/llama-build while the machine is held, and come
 #                                                   back xz'd in 15 MB parts
 #   bash scripts/device_session.sh peerbatch [PX]   8 requests together, every expert resident in Q4_K: ours (decode_bench
-#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG overrides) and
+#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG and PEERBATCH_REPS override) and
 #                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
 #                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8 (after peerbuild,
 #                                                   or with .scratch/llama-batched/llama-batched-bench.xz.part-* carried:
@@ -305,7 +305,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           peerlibs=$(ls -d /usr/local/cuda*/targets/x86_64-linux/lib /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')$nvlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
           LD_LIBRARY_PATH=$peerlibs ldd "$tool" | grep "not found" || true
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
-          timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps 3 \
+          timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps "${PEERBATCH_REPS:-3}" \
             --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 \
             --configs "${PEERBATCH_CONFIG:-offload:expert_budget=16GiB,gguf_path=$GGUF_DIR}" \
             | tee "$OUT/peerbatch$px.txt" || true
