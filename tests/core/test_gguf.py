@@ -76,6 +76,17 @@ def test_the_trained_demo_model_answers_the_same_from_gguf(tmp_path, qtype):
         assert torch.equal(got, want), (item.question, qtype)
 
 
+def _write(path, tensors):
+    """A GGUF file of `tensors` (name -> (data, type)), written by the gguf package."""
+    writer = gguf.GGUFWriter(str(path), arch="qwen3vlmoe")
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _k_quant_bytes(kind, rows, rng):
     """Random K-quant super-blocks (one per row) with random finite fp16 scales (the gguf package reads
     but cannot write them)."""
@@ -93,13 +104,8 @@ def test_k_quants_read_as_the_gguf_package_dequantizes_them(tmp_path, kind_name)
     kind = gguf.GGMLQuantizationType[kind_name]
     rng = np.random.default_rng(0)
     gate, up = _k_quant_bytes(kind, 6, rng), _k_quant_bytes(kind, 6, rng)
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), arch="qwen3vlmoe")
-    writer.add_tensor("gate", gate.reshape(2, 3, -1), raw_dtype=kind)  # (E 2, I 3, H 256)
-    writer.add_tensor("up", up.reshape(2, 3, -1), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    # (E 2, I 3, H 256)
+    _write(tmp_path / "k.gguf", {"gate": (gate.reshape(2, 3, -1), kind), "up": (up.reshape(2, 3, -1), kind)})
     names = {"experts.gate_up_proj": ("gate", "up")}
     reader = GgufCheckpointReader(tmp_path, tmp_path / "k.gguf", names.get, dtype=torch.float32)
     fused = reader.load_tensor("experts.gate_up_proj")
@@ -139,12 +145,7 @@ def test_unreadable_files_and_tensors_are_clear_errors(tiny, tmp_path):
 def test_an_unsupported_tensor_type_is_named(tmp_path):
     kind = gguf.GGMLQuantizationType.IQ4_NL
     block, size = gguf.GGML_QUANT_SIZES[kind]
-    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), arch="qwen3vlmoe")
-    writer.add_tensor("w", np.zeros((2, 64 // block * size), dtype=np.uint8), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write(tmp_path / "iq.gguf", {"w": (np.zeros((2, 64 // block * size), dtype=np.uint8), kind)})
     reader = GgufCheckpointReader(tmp_path, tmp_path / "iq.gguf", {"w": ("w",)}.get)
     with pytest.raises(LoadError, match=r"tensor 'w' is IQ4_NL; this loader reads F32, F16, BF16, Q8_0"):
         reader.load_tensor("w")
@@ -514,16 +515,6 @@ def test_a_written_gguf_carries_what_llama_cpp_reads_before_it_loads(tiny, tmp_p
     with torch.no_grad():
         got, want = model(**inputs).logits, reference(**inputs).logits
     assert ((got - want).norm() / want.norm()).item() <= EXPECTED_ERROR["Q8_0"]
-
-
-def _write(path, tensors):
-    writer = gguf.GGUFWriter(str(path), arch="qwen3vlmoe")
-    for name, (data, kind) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def test_without_a_dtype_a_load_follows_the_files_type(tmp_path):

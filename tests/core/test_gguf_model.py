@@ -330,10 +330,7 @@ def test_a_pair_alone_ends_where_llama_cpp_ends():
             return {"a": 0, "<|im_end|>": 1, "[EOS]": 2, "<|fim_pad|>": 3, "<|repo_name|>": 4, "<|file_sep|>": 5,
                     "<|user|>": 6, "<|fim_prefix|>": 7}
 
-    class Meta(dict):
-        pass
-
-    keys = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 6}
-    assert end_token_ids(Meta(keys), Vocab()) == [1, 6, 2, 3, 4, 5]  # a FIM prefix does not end
-    keyed = Meta(keys | {"tokenizer.ggml.fim_pad_token_id": 0})      # the key wins over the text
+    keys = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 6}  # read as GgufMetadata.get
+    assert end_token_ids(keys, Vocab()) == [1, 6, 2, 3, 4, 5]  # a FIM prefix does not end
+    keyed = keys | {"tokenizer.ggml.fim_pad_token_id": 0}      # the key wins over the text
     assert end_token_ids(keyed, Vocab()) == [1, 6, 2, 0, 4, 5]

@@ -78,7 +78,6 @@ class GgufCheckpointReader:
         self.from_gguf = from_gguf  # the family's inverse where llama.cpp split or permuted a tensor (ModelAdapter)
         self._tensors: dict[str, tuple[Path, Any]] = {}
         self.files = gguf_files(gguf_path)
-        self.mmproj_file = Path(mmproj_path) if mmproj_path is not None else None
         if mmproj_path is not None:
             mmproj = Path(mmproj_path)
             if not mmproj.is_file():
@@ -99,7 +98,8 @@ class GgufCheckpointReader:
     def file_dtype(self) -> torch.dtype:
         """The dtype a load without `dtype` converts to: float32 for a model written all in F32 (its
         mmproj aside: llama.cpp's converter writes that in F16 by default), else bfloat16."""
-        text = [tensor for file, tensor in self._tensors.values() if file != self.mmproj_file]
+        mmproj = Path(self.mmproj_path) if self.mmproj_path is not None else None
+        text = [tensor for file, tensor in self._tensors.values() if file != mmproj]
         all_f32 = bool(text) and all(tensor.tensor_type.name == "F32" for tensor in text)
         return torch.float32 if all_f32 else torch.bfloat16
 

@@ -153,8 +153,8 @@ def end_token_ids(meta: GgufMetadata, tokenizer: Any) -> list[int]:
     vocab = tokenizer.get_vocab()
     ids += [vocab[token] for token in LLAMA_CPP_END_TEXTS if token in vocab]
     for key, texts in LLAMA_CPP_FIM_ENDING.items():
-        found = [vocab[text] for text in texts if text in vocab]
-        ids += [int(meta.get(key))] if meta.get(key) is not None else found[:1]
+        keyed = meta.get(key)
+        ids += [int(keyed)] if keyed is not None else [vocab[text] for text in texts if text in vocab][:1]
     return list(dict.fromkeys(ids))
 
 
