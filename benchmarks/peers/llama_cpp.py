@@ -273,8 +273,10 @@ def markdown(table: list[dict], meta: dict) -> str:
                      f"| random weights' own router, static per layer |")
     lines += ["", f"- {PEER_ROUTING}: its speed does not depend on which experts are chosen. Our rows carry "
               f"their routing source ({meta['routing']}).",
-              "- Our prefill is the image prompt's (vision tower included); llama.cpp's pp is text tokens of the "
-              "same count, at depth 0; its tg decodes after that many tokens (-d).",
+              ("- Our prefill is the image prompt's (vision tower included); llama.cpp's pp is text tokens of the "
+               "same count" if meta.get("our_prompt", "image") == "image" else
+               "- Both prefills are text prompts of the same length; llama.cpp's pp") +
+              " at depth 0; its tg decodes after that many tokens (-d).",
               f"- llama-bench: `{' '.join(meta['command'])}` (build {meta.get('build_commit', '?')}, "
               f"{meta.get('gpu_info', '?')})."]
     return "\n".join(lines) + "\n"
@@ -298,6 +300,8 @@ def peer_report(configs: list, rows: list[dict], layout: ExpertLayout, binary: s
     first = records[0] if records else {}
     meta = {"command": command, "gguf": layout.path, "layers": layout.layers, "expert_bytes_per_layer": list(layout.per_layer),
             "decode_tokens": decode_tokens - 1, "routing": routing, "peer_routing": PEER_ROUTING,
+            # a text prompt has no vision tower's time in our prefill (`prefill_vision_s` stays 0)
+            "our_prompt": "image" if any(row.get("prefill_vision_s") for row in rows) else "text",
             **{k: first[k] for k in ("build_commit", "gpu_info", "model_type", "n_threads") if k in first}}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

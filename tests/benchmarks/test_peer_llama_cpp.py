@@ -185,6 +185,10 @@ def test_the_side_by_side_table_matches_split_and_depth_and_adds_llama_cpp_s_unm
     assert "| offload:expert_budget=6GiB,store_dtype=q4_k | synthetic | 120.00 | 36 (12 of 48 layers, 6.0 GiB) " \
            "| 80.00 ± 1.50 | 1.50 | 1000 | pp300: 2000 | 0.50 | random weights' own router, static per layer |" in lines
     assert "random weights' own router" in text and "statically per layer" in text
+    assert "the image prompt's (vision tower included)" in text  # meta names no prompt: an image's, as before
+    text_prompt = markdown(table, {"decode_tokens": 31, "layers": 48, "routing": "synthetic", "command": ["x"],
+                                   "our_prompt": "text"})
+    assert "Both prefills are text prompts" in text_prompt and "vision tower" not in text_prompt
 
 
 def test_peer_report_runs_the_splits_and_writes_json_and_markdown(tmp_path):
@@ -200,6 +204,7 @@ def test_peer_report_runs_the_splits_and_writes_json_and_markdown(tmp_path):
     assert written["table"] == table and written["records"] == RECORDS
     assert written["meta"]["build_commit"] == "abc123" and written["meta"]["layers"] == 48
     assert "| trace |" in (tmp_path / "out" / "peer_llama_cpp.md").read_text()
+    assert written["meta"]["our_prompt"] == "text"  # the rows carry no vision tower's time
 
 
 def test_a_failed_peer_run_writes_nothing(tmp_path):
