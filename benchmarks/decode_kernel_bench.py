@@ -17,8 +17,8 @@ Each with the bytes of expert weights it reads and the rate that makes. Also: ho
 page-locked host memory takes per GiB (the store's load cost). `--tune`: each kernel of the table
 path alone, resident, over (rows per program, columns per tile, warps), fastest first. Quantized
 slabs (Q8_0, Q4_0, Q4_K, Q5_K; `--formats` picks): their GEMVs with every expert resident, and with
-`--tune` over QUANTIZED_SWEEP's (rows per program, warps, load form: loop, unrolled, tile), each with its
-error. `--quantized` without `--batch`: only those (decode_kernel_bench_quantized.json), e.g.
+`--tune` over QUANTIZED_SWEEP's (rows per program, warps, load form: loop, unrolled, tile; Q4_K also shared
+and dp4a), each with its error. `--quantized` without `--batch`: only those (decode_kernel_bench_quantized.json), e.g.
 
     PYTHONPATH=. python3 -m benchmarks.decode_kernel_bench --out DIR --quantized --tune --formats q4_k,q8_0
 
@@ -27,8 +27,9 @@ random experts of a layer, LAYERS layers each with its own bank of E experts): g
 table kernels (a read per pair) and the expert-major tensor-core kernels (runtime/kernels/expert_major.py,
 a read per expert), with the distinct experts read per layer, the rate that makes, and each result's
 error against grouped GEMM; with `--tune`, the expert-major kernels' tiles at T = 8. `--batch
---quantized`: the same step on Q4_K slabs: the GEMVs token by token, all pairs in one launch, and
-the quantized expert-major kernels (runtime/kernels/quantized_major.py), with `--tune` their tiles.
+--quantized`: the same step on Q4_K slabs: the GEMVs token by token, all pairs in one launch (the
+tuned form, and the int8-input dp4a form), and the quantized expert-major kernels
+(runtime/kernels/quantized_major.py), with `--tune` their tiles.
 The tiles the kernels run with by default are the device's in runtime/kernels/tuning.json.
 """
 
@@ -114,7 +115,8 @@ QUANTIZED_SWEEP = ([(r, w, "loop") for r, w in ((4, 1), (8, 1), (8, 2), (16, 2),
                    + [(r, w, "unrolled") for r, w in ((4, 1), (8, 2), (8, 4), (16, 8), (32, 8))]
                    + [(r, w, "tile") for r, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4), (8, 4), (8, 8), (16, 8))]
                    + [(r, w, "shared") for r, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4), (16, 8),
-                                                    (32, 8))])  # Q4_K only
+                                                    (32, 8))]  # Q4_K only
+                   + [(r, w, "dp4a") for r, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (16, 4))])  # Q4_K only
 
 
 def quantized_rows(device, x, sweep: bool, formats=QUANTIZED_FORMATS) -> dict[str, dict]:
@@ -306,9 +308,11 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
             return [torch.cat([combine(quantized_gemv.quantized_experts(x[t:t + 1], ids[l][t], pools[l], fmt, fmt, I, H, K),
                                        w[t:t + 1], x.dtype, True) for t in range(tokens)]) for l in range(LAYERS)]
 
-        def one_launch():
-            return [combine(quantized_gemv.quantized_experts(x, ids[l].reshape(-1), pools[l], fmt, fmt, I, H, K),
-                            w, x.dtype, True) for l in range(LAYERS)]
+        def one_launch(config=None):  # None: the device's tuned GEMVs
+            def run():
+                return [combine(quantized_gemv.quantized_experts(x, ids[l].reshape(-1), pools[l], fmt, fmt, I, H, K,
+                                                                 config), w, x.dtype, True) for l in range(LAYERS)]
+            return run
 
         def major(gate_up_tiles=None, down_tiles=None):  # None: the device's tuned tiles
             def run():
@@ -318,8 +322,11 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
             return run
 
         want = bank_experts(x, ids[0], w, identity, *reference_bank, act).float()
-        for name, run in (("GEMVs token by token", per_token), ("GEMVs, every pair in one launch", one_launch),
-                          ("expert-major (each expert decoded once)", major())):
+        ways = [("GEMVs token by token", per_token), ("GEMVs, every pair in one launch", one_launch()),
+                ("expert-major (each expert decoded once)", major())]
+        if fmt == "q4_k":  # the int8-input GEMVs (q4k_dp4a.py), every pair in one launch, at two shapes
+            ways += [(f"GEMVs, every pair in one launch, dp4a {r}x{w}", one_launch((r, w, "dp4a"))) for r, w in ((4, 1), (8, 2))]
+        for name, run in ways:
             error = float((run()[0].float() - want).norm() / want.norm())
             seconds = timed(run)
             rows.append({"format": fmt, "tokens": tokens, "kernel": name, "us_per_layer": seconds / LAYERS * 1e6,
@@ -345,9 +352,17 @@ def main() -> int:
                              "the quantized slabs' GEMVs (see above)")
     parser.add_argument("--formats", default=",".join(QUANTIZED_FORMATS),
                         help="the quantized slabs' formats to time, comma-separated (default: all)")
+    parser.add_argument("--forms", default=None,
+                        help="with --quantized --tune: only these load forms of the sweep, comma-separated "
+                             f"({', '.join(quantized_gemv.LOAD_FORMS)}; default: all)")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     formats = args.formats.split(",")
+    if args.forms:
+        unknown = sorted(set(args.forms.split(",")) - set(quantized_gemv.LOAD_FORMS))
+        if unknown:
+            parser.error(f"--forms {args.forms}: not load forms: {', '.join(unknown)}")
+        QUANTIZED_SWEEP[:] = [c for c in QUANTIZED_SWEEP if c[2] in args.forms.split(",")]
     if args.quantized and not args.batch:  # the quantized slabs' GEMVs alone (with --tune their sweep)
         torch.manual_seed(0)
         x = torch.randn(1, H, device=device, dtype=torch.bfloat16)

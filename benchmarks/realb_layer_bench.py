@@ -5,7 +5,9 @@ under ReaLB's plan, for a batched multimodal prefill (Qwen3-VL-30B-A3B shapes, s
 
 The experts of a layer are split over `--ranks` expert-parallel ranks as the EP operator splits them
 (contiguous blocks). Each rank's share of the pairs of `--requests` prompts (each `--visual` vision and
-`--text` text tokens, routed by the synthetic router with its vision-heavy prefill) is computed on one GPU,
+`--text` text tokens, routed by the synthetic router with its vision-heavy prefill; `--image-share` of them
+with a picture, the rest text; `--affinity S`: the labelled what-if of each picture's own expert
+preference, the imbalance ReaLB targets) is computed on one GPU,
 rank after rank, the way the EP operator's rank computes it (runtime/expert_compute.precision_split_rows):
 BF16 pairs by grouped GEMM over its experts, switched pairs by the FP8 grouped GEMM over the E4M3 copy
 made at load (lb/fp8_experts.py). A layer's time on real ranks is its slowest rank's
@@ -33,7 +35,7 @@ import torch
 from vismmoe_kt.lb.controller import RealbController
 from vismmoe_kt.lb.fp8_experts import Fp8Experts
 from vismmoe_kt.parallel.replication import holders_tensor, placement_table
-from vismmoe_kt.routing import synthetic_routing
+from vismmoe_kt.routing import affinity_label, check_affinity_strength, synthetic_routing
 from vismmoe_kt.runtime.expert_compute import precision_split_rows
 
 from benchmarks.results import print_table, save_json
@@ -44,14 +46,21 @@ CONFIGS = ("bf16", "fp8-all", "realb", "fixed", "eplb")
 
 
 def routed_prefill(requests: int, visual: int, text: int, layers: int, experts: int, top_k: int,
-                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   seed: int = 0, affinity: float = 0.0,
+                   image_share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids [T, L, K], weights [T, L, K], is_visual [T]) of `requests` prompts, one after another; each
-    prompt's image tokens after its first text tokens, as a chat template puts them."""
+    prompt's image tokens after its first text tokens, as a chat template puts them. The first
+    round(image_share * requests) prompts carry an image, the others are text of the same length (a mixed
+    batch); `affinity`: the what-if strength of each image's own expert preference (routing/affinity.py),
+    which makes every picture load its own experts, the per-rank imbalance ReaLB targets."""
+    images = round(image_share * requests)
     ids, weights, masks = [], [], []
     for r in range(requests):
         mask = torch.zeros(visual + text, dtype=torch.bool)
-        mask[min(text, 8):min(text, 8) + visual] = True
-        i, w = synthetic_routing(visual + text, layers, experts, top_k, phase="prefill", modality=mask, seed=seed + r)
+        if r < images:
+            mask[min(text, 8):min(text, 8) + visual] = True
+        i, w = synthetic_routing(visual + text, layers, experts, top_k, phase="prefill", modality=mask, seed=seed + r,
+                                 affinity=affinity)
         ids.append(i), weights.append(w), masks.append(mask)
     return torch.cat(ids), torch.cat(weights), torch.cat(masks)
 
@@ -107,7 +116,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ranks = [RankExperts(gate_up, down, torch.arange(r * per_rank, (r + 1) * per_rank)) for r in range(args.ranks)]
     expert_rank = torch.arange(E) // per_rank
     act = torch.nn.functional.silu
-    ids, weights, visual = routed_prefill(args.requests, args.visual, args.text, args.layers, E, K)
+    ids, weights, visual = routed_prefill(args.requests, args.visual, args.text, args.layers, E, K,
+                                          affinity=args.affinity, image_share=args.image_share)
     tokens = ids.shape[0]
     hidden = torch.randn(tokens, H, device=device).to(dtype)
     visual_d = visual.to(device)
@@ -249,12 +259,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gate-tokens", type=int, default=2048, help="ReaLB's gate: below this many tokens per step all stays BF16")
     parser.add_argument("--fixed-threshold", type=float, default=0.7, help="M_d of the `fixed` configuration")
     parser.add_argument("--profile", action="store_true", help="rank 0 in BF16 and in FP8 under torch.profiler")
+    parser.add_argument("--affinity", default="0",
+                        help="the labelled what-if: each image's own expert preference at this strength in [0, 1] "
+                             "(0.283: the paper's +32%% concentration; default 0, the calibrated router)")
+    parser.add_argument("--image-share", type=float, default=1.0,
+                        help="the share of the prompts that carry an image; the rest are text (a mixed batch)")
     args = parser.parse_args(argv)
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} must split evenly over --ranks {args.ranks}")
+    try:
+        args.affinity = check_affinity_strength(args.affinity)
+    except ValueError as exc:
+        parser.error(f"--affinity: {exc}")
+    if not 0.0 <= args.image_share <= 1.0:
+        parser.error(f"--image-share {args.image_share}: a share must be in [0, 1]")
     result = measure(args)
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "routing": "synthetic",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "routing": affinity_label(args.affinity),
             **{k: v for k, v in vars(args).items() if k != "out"}}
     print(meta)
     print_table(["config", "tokens", "straggler ms / layer", "rank mean ms", "x bf16", "imbalance before",

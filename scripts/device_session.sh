@@ -41,7 +41,8 @@
 #                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it);
 #                                                   PEER_SECONDS (570): the stage's seconds, to share a call with others
 #   bash scripts/device_session.sh peerbatch [PX]   8 requests together, every expert resident in Q4_K: ours (decode_bench
-#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG and PEERBATCH_REPS override) and
+#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG and PEERBATCH_REPS override;
+#                                                   PEERBATCH_KERNELS=1: the batched steps' kernels profiled too) and
 #                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
 #                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8, with
 #                                                   .scratch/llama-batched/llama-batched-bench.xz.part-* carried
@@ -69,7 +70,9 @@
 #                                                   batch_experts=expert-major bash scripts/device_session.sh batchoff 448 8)
 #   bash scripts/device_session.sh realblayer       ReaLB's MoE layer on one GPU, each expert-parallel rank's compute in turn:
 #                                                   bf16, fp8-all, realb, fixed M_d for RxN (ranks x 448 px requests,
-#                                                   REALB_RUNS, default 2x16 4x16 8x16 8x32 8x64), synthetic routing
+#                                                   REALB_RUNS, default 2x16 4x16 8x16 8x32 8x64), synthetic routing;
+#                                                   REALB_ARGS="--affinity 0.283 --image-share 0.5": the labelled what-if,
+#                                                   each picture its own experts, half the prompts text
 #   bash scripts/device_session.sh epdp PX N...     (nvidia-h200-x2) expert parallelism over two GPUs: one request, then N
 #                                                   requests on every rank, data parallel (EP_CONFIGS: ep ep-graphs
 #                                                   ep-realb ep-realb-seq ep-lowprec-all); the profile has ReaLB's gate and switched pairs
@@ -272,7 +275,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           LD_LIBRARY_PATH=$peerlibs ldd "$tool" | grep "not found" || true
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps "${PEERBATCH_REPS:-3}" \
-            --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 \
+            --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 ${PEERBATCH_KERNELS:+--kernels} \
             --configs "${PEERBATCH_CONFIG:-offload:expert_budget=16GiB,gguf_path=$GGUF_DIR}" \
             | tee "$OUT/peerbatch$px.txt" || true
           # llama.cpp routes by the random weights' own router; its experts all on the GPU (-ngl 99, no -ncmoe)
@@ -315,7 +318,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
     realblayer) shift  # ReaLB's MoE layer, each EP rank's expert compute on one GPU: R ranks x N requests
               for spec in ${REALB_RUNS:-2x16 4x16 8x16 8x32 8x64}; do
                 timeout 170 python3 -m benchmarks.realb_layer_bench --out "$OUT/realblayer-$spec" \
-                  --ranks "${spec%x*}" --requests "${spec#*x}" 2>&1 | tee "$OUT/realblayer-$spec.txt" | tail -7 || true
+                  --ranks "${spec%x*}" --requests "${spec#*x}" ${REALB_ARGS:-} 2>&1 | tee "$OUT/realblayer-$spec.txt" | tail -7 || true
               done ;;
     kqbatch) shift  # the same step on Q4_K slabs: GEMVs token by token, in one launch, the quantized expert-major kernels
              timeout 500 python3 -m benchmarks.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \

@@ -108,6 +108,30 @@ def test_precision_split_computes_each_pair_once_bf16_ones_as_bf16(share):
         assert not torch.equal(got[lowprec], bf16[lowprec])  # low precision did change them
 
 
+def test_realb_layer_bench_takes_the_affinity_what_if_and_mixed_batches(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    from benchmarks import realb_layer_bench
+
+    small = ["--device", "cpu", "--experts", "8", "--hidden", "32", "--intermediate", "16", "--top-k", "2",
+             "--requests", "4", "--visual", "40", "--text", "8", "--layers", "2", "--passes", "1", "--repeats", "1",
+             "--gate-tokens", "64", "--fixed-threshold", "0.0"]
+    realb_layer_bench.main([*small, "--out", str(tmp_path), "--affinity", "0.283", "--image-share", "0"])
+    written = json.loads((tmp_path / "realb_layer_bench.json").read_text())
+    assert written["meta"]["routing"] == "synthetic:affinity=0.283" and written["meta"]["image_share"] == 0
+    rows = {r["config"]: r for r in written["rows"]}
+    assert rows["fixed"]["lowprec_share"] == 0  # text prompts only: no vision pair to switch, whatever the load
+    # half the prompts with a picture: the first two carry their 40 visual tokens, the last two none
+    ids, _, visual = realb_layer_bench.routed_prefill(4, 40, 8, 2, 8, 2, affinity=0.283, image_share=0.5)
+    assert int(visual.sum()) == 2 * 40 and not visual[2 * 48:].any()
+    for bad, why in ((["--affinity", "1.5"], "--affinity"), (["--image-share", "2"], "--image-share")):
+        with pytest.raises(SystemExit):
+            realb_layer_bench.main([*small, *bad])
+        assert why in capsys.readouterr().err
+
+
 def test_realb_layer_bench_runs_on_the_cpu(tmp_path):
     import json
 

@@ -118,6 +118,37 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
         got = quantized_gemv.quantized_experts(x, ids, reversed_pool, fmt, down_fmt or fmt, QI, QH, QK, config,
                                                table_row=table_row)
         torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {config} by expert: {m}")
+
+# the dp4a form (Q4_K only): the inputs rounded to int8 per 32 first, so it answers to its twin (the same rounding,
+# the weights dequantized) within fp32 rounding, and to the exact reference within the rounding's error
+from vismmoe_kt.runtime.kernels import q4k_dp4a
+store = filled_store(QE, QH, QI, torch.float32, "q4_k")
+pool = torch.zeros(QE, store.block_bytes_of(0) + 64, dtype=torch.uint8)
+pool[:, :store.block_bytes_of(0)] = store.layers[0]
+dequantize = lambda experts: store.dequantized(store.layers[0][experts], 0)  # noqa: E731
+want = dequantized_reference(store, ids, x, QK)
+twin = q4k_dp4a.dp4a_reference(x, ids, dequantize, QK, torch.nn.functional.silu)
+scale = want.abs().max().item()
+assert 1e-3 < (twin - want).abs().max().item() / scale < 3e-2  # int8 inputs: less exact, not wrong
+table_row = torch.arange(QE - 1, -1, -1)
+for config, slab_pool, row in (((16, 1, "dp4a"), pool, None), ((8, 2, "dp4a"), pool.flip(0).contiguous(), table_row)):
+    got = quantized_gemv.quantized_experts(x, ids, slab_pool, "q4_k", "q4_k", QI, QH, QK, config, table_row=row)
+    torch.testing.assert_close(got, twin, rtol=0, atol=2e-5 * scale, msg=lambda m: f"{config}: {m}")
+# the rounding itself: the kernel's int8 values, scales and sums are the twin's
+for rows in (x, torch.randn(3, 512) * torch.tensor([0.0, 1.0, 1e3])[:, None]):  # a row of zeros: scale 0, values 0
+    for got, want in zip(q4k_dp4a.q8_activations(rows), q4k_dp4a.q8_activations(rows, use_kernel=False)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+# a Q4_K_M layer under a tuning that names dp4a for Q4_K: gate and up in dp4a, the Q6_K down rows in their own form
+q6k_down = q6k_rows(QE, QH, QI, 0.02, 0.001, torch.Generator().manual_seed(1))
+store = filled_store(QE, QH, QI, torch.float32, "q4_k", lambda: q6k_down)
+pool = torch.zeros(QE, store.block_bytes_of(0), dtype=torch.uint8)
+pool[:] = store.layers[0]
+forms = {"q4_k": (16, 1, "dp4a"), "q6_k": (32, 1, "loop")}
+with tuning.overridden(quantized_gemv=forms):
+    got = quantized_gemv.quantized_experts(x, ids, pool, "q4_k", "q6_k", QI, QH, QK)
+twin = q4k_dp4a.dp4a_reference(x, ids, lambda e: store.dequantized(store.layers[0][e], 0), QK,
+                               torch.nn.functional.silu, down_int8=False)
+torch.testing.assert_close(got, twin, rtol=0, atol=2e-5 * twin.abs().max().item())
 """
 
 
@@ -158,7 +189,8 @@ def test_kernels_compile_for_hopper(hopper):
         kind = 44 if fmt == "q4_k words" else quantized_gemv.TILE_KINDS[fmt]
         rows, warps, tuned_form = hopper.tuned["quantized_gemv"][fmt.split()[0]]
         # each form at the H200's tuned rows and warps; the tuned form also reading the slabs through the table row
-        forms = [form for form in quantized_gemv.LOAD_FORMS if quantized_gemv.form_reads((rows, warps, form), fmt[:4])]
+        forms = [form for form in quantized_gemv.LOAD_FORMS  # dp4a's kernels are q4k_dp4a's (test below)
+                 if form != "dp4a" and quantized_gemv.form_reads((rows, warps, form), fmt[:4])]
         for form, by_expert in [(form, False) for form in forms] + [(tuned_form, True)]:
             tile = {**hopper.shapes, "KIND": kind, "SB_BYTES": block_decode.TILE_BYTES[fmt.split()[0]],
                     "BLOCK_ROWS": rows, "LOADS": quantized_gemv.LOAD_FORMS[form], "BY_EXPERT": by_expert}
@@ -168,6 +200,30 @@ def test_kernels_compile_for_hopper(hopper):
             hopper.compile(quantized_gemv._down_q_kernel, {"h_ptr": "*fp32", "y_ptr": "*fp32", "part_bytes": "i64",
                                                            **quantized},
                            {**tile, "SB_TILE": hopper.triton.next_power_of_2(I // 256)}, num_warps=warps)
+
+
+def test_the_dp4a_form_compiles_to_dp4a_for_hopper(hopper):
+    """The dp4a form's kernels at Qwen3-VL-30B-A3B's shapes: the inline `dp4a` reaches the PTX (the
+    interpreter runs its integer twin instead), in both GEMVs and through a settled table's row."""
+    import re
+
+    from vismmoe_kt.runtime.kernels import q4k_dp4a
+
+    H, I = hopper.shapes["H"], hopper.shapes["I"]
+    common = {"q_ptr": "*i32", "scale_ptr": "*fp32", "sum_ptr": "*fp32", "slots_ptr": "*i64", "table_ptr": "*i64",
+              "pool_ptr": "*u8", "slab_bytes": "i64", "H": "constexpr", "I": "constexpr", "BLOCK_ROWS": "constexpr",
+              "SB_TILE": "constexpr", "BY_EXPERT": "constexpr", "ASM": "constexpr"}
+    for by_expert in (False, True):
+        shared = {"H": H, "I": I, "BLOCK_ROWS": 4, "BY_EXPERT": by_expert, "ASM": True}
+        gate_up = hopper.compile(q4k_dp4a._gate_up_dp4a_kernel, {**common, "h_ptr": "*fp32", "TOP_K": "constexpr"},
+                                 {**shared, "TOP_K": 8, "SB_TILE": hopper.triton.next_power_of_2(H // 256)}, num_warps=1)
+        down = hopper.compile(q4k_dp4a._down_dp4a_kernel, {**common, "y_ptr": "*fp32", "part_bytes": "i64"},
+                              {**shared, "SB_TILE": hopper.triton.next_power_of_2(I // 256)}, num_warps=1)
+        for compiled in (gate_up, down):
+            assert re.search(r"\bdp4a\.u32\.s32\b", compiled.asm["ptx"])
+    hopper.compile(q4k_dp4a._q8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*fp32",
+                                         "COLS": "constexpr", "BLOCKS": "constexpr"},
+                   {"COLS": H, "BLOCKS": q4k_dp4a.Q8_BLOCKS_PER_PROGRAM})
 
 
 def test_the_q4_k_gemvs_read_their_slabs_in_16_byte_loads(hopper):

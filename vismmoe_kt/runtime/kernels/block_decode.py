@@ -1,6 +1,6 @@
 """The quantized block formats' weights decoded in Triton: jit helpers the dequantizing fetch
-(dequantize.py), the quantized GEMVs (quantized_gemv.py) and the quantized expert-major kernels
-(quantized_major.py) share. Each decodes a row tile's weights from the bytes of its blocks as the
+(dequantize.py), the quantized GEMVs (quantized_gemv.py, q4k_dp4a.py) and the quantized expert-major
+kernels (quantized_major.py) share. Each decodes a row tile's weights from the bytes of its blocks as the
 store's codecs lay them out (runtime/q4k.py, q5k.py, q6k.py); the torch codecs are their twins.
 """
 
@@ -23,6 +23,45 @@ if tl is not None:
         scale = tl.where(low[None, :], a & 63, (b & 0xF) | ((c >> 6) << 4))
         minimum = tl.where(low[None, :], b & 63, (b >> 4) | ((a >> 6) << 4))
         return scale.to(tl.float32), minimum.to(tl.float32)
+
+    @triton.jit
+    def _pair_slab(slots_ptr, table_ptr, pair, BY_EXPERT: tl.constexpr):
+        """Where a GEMV's pair reads its blocks: the slab `slots_ptr` holds for it, or with BY_EXPERT the
+        pair's expert, whose slab the layer's table row at `table_ptr` holds (a settled table: no lookup
+        launch before the GEMVs)."""
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        if BY_EXPERT:
+            slot = tl.load(table_ptr + slot).to(tl.int64)
+        return slot
+
+    @triton.jit
+    def _q4k_byte(word, k):
+        """Byte k (a tensor of 0..3, broadcast against `word`) of little-endian 32-bit words."""
+        return (word >> (8 * k)) & 0xFF
+
+    @triton.jit
+    def _q4k_scale_min(w0, w1, w2, s):
+        """Sub-blocks `s`' 6-bit scales and minimums from the 12 scale bytes as 3 words: s < 4 reads bytes
+        s and s + 4, else the values split between bytes s + 4 and s - 4 (q4k.py's `_scales_and_mins`)."""
+        k = s % 4
+        a, b, c = _q4k_byte(w0, k), _q4k_byte(w1, k), _q4k_byte(w2, k)
+        scale = tl.where(s < 4, a & 63, (c & 0xF) | ((a >> 6) << 4))
+        minimum = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return scale.to(tl.float32), minimum.to(tl.float32)
+
+    @triton.jit
+    def _q4k_header(head, k):
+        """A tile of Q4_K super-blocks' headers, each read as its first 4 words `head` (R, S, 4) (`k`: 0..3):
+        d and dmin (R, S), and the scales and minimums of sub-blocks 2j and 2j + 1, j = 0..3, as four (R, S, 4)."""
+        d_bits = tl.sum(tl.where(k == 0, head, 0), axis=2)                             # (R, S)
+        w0 = tl.sum(tl.where(k == 1, head, 0), axis=2)[:, :, None]                     # scale bytes 0-3
+        w1 = tl.sum(tl.where(k == 2, head, 0), axis=2)[:, :, None]                     # 4-7
+        w2 = tl.sum(tl.where(k == 3, head, 0), axis=2)[:, :, None]                     # 8-11
+        d = (d_bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((d_bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale_even, min_even = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :])
+        scale_odd, min_odd = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :] + 1)
+        return d, dmin, scale_even, min_even, scale_odd, min_odd
 
     @triton.jit
     def _kquant_weights(at, at8, w, ok, FIFTH_BIT: tl.constexpr):

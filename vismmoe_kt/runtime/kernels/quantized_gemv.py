@@ -17,6 +17,8 @@ How a program walks its rows' super-blocks (`_rows_dots`, LOAD_FORMS):
     tile       every super-block of the rows as one tile (rows x super-blocks flattened), decoded at once
     shared     Q4_K only (`_q4k_shared_rows`): the rows' super-blocks as one (rows, super-blocks, words)
                tile, the inputs loaded once for every row (the tile form loads them per row)
+    dp4a       Q4_K only: the shared tile against inputs rounded to int8 per 32, four nibbles times four
+               inputs an instruction (q4k_dp4a.py; about 1e-2 of the outputs' scale less accurate)
 
 The pool comes in as a pointer (a tensor), not an integer address: Triton then knows it is 16-byte
 aligned (and a launch specializes the slab bytes as a multiple of 16), so it reads blocks in 16-byte
@@ -30,17 +32,19 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_support, tuning
+from . import q4k_dp4a, triton_support, tuning
 from .block_decode import TILE_BYTES
 from .triton_support import tl, triton
 
 # each format's code path in `_dot` (Q4_K read by words is 44: `_kind`)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 4, "q5_k": 5, "q6_k": 6}
-# how a program walks its rows' super-blocks (the kernels' LOADS; the third value of a quantized_gemv tuning)
-LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2, "shared": 3}
+# how a program walks its rows' super-blocks (the kernels' LOADS; the third value of a quantized_gemv tuning);
+# `dp4a` (Q4_K only) is q4k_dp4a.py's kernels: int8 inputs, four products an instruction
+LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2, "shared": 3, "dp4a": 4}
+Q4_K_ONLY = ("shared", "dp4a")
 
 if tl is not None:
-    from .block_decode import _q6k_weights, _scales_mins
+    from .block_decode import _pair_slab, _q4k_header, _q6k_weights, _scales_mins
 
     @triton.jit
     def _kquant_dot(at, xs, ok, FIFTH_BIT: tl.constexpr):
@@ -102,11 +106,6 @@ if tl is not None:
         return tl.sum(terms, axis=1)
 
     @triton.jit
-    def _q4k_byte(word, k):
-        """Byte k (a tensor of 0..3, broadcast against `word`) of little-endian 32-bit words."""
-        return (word >> (8 * k)) & 0xFF
-
-    @triton.jit
     def _q4k_shared_rows(at, x_row, ok, up_bytes, R: tl.constexpr, SBS: tl.constexpr, SB_TILE: tl.constexpr,
                          UP: tl.constexpr):
         """Whole Q4_K rows at `at` (R, 1) (each row's first super-block; SBS of them, SB_TILE a power of two
@@ -138,29 +137,12 @@ if tl is not None:
         return first, second
 
     @triton.jit
-    def _q4k_scale_min(w0, w1, w2, s):
-        """Sub-blocks `s`' 6-bit scales and minimums from the 12 scale bytes as 3 words: s < 4 reads bytes
-        s and s + 4, else the values split between bytes s + 4 and s - 4 (q4k.py's `_scales_and_mins`)."""
-        k = s % 4
-        a, b, c = _q4k_byte(w0, k), _q4k_byte(w1, k), _q4k_byte(w2, k)
-        scale = tl.where(s < 4, a & 63, (c & 0xF) | ((a >> 6) << 4))
-        minimum = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
-        return scale.to(tl.float32), minimum.to(tl.float32)
-
-    @triton.jit
     def _q4k_shared_part(words_at, mask, x_low, x_high, sum_low, sum_high, w, k, R: tl.constexpr,
                          S: tl.constexpr):
         """`_q4k_shared_rows` for one matrix: `words_at` (R, S, 1) int32 pointers to the super-blocks."""
         head = tl.load(words_at + k[None, None, :], mask=mask, other=0)                # (R, SB_TILE, 4) words
         quants = tl.load(words_at + 4 + w[None, None, :], mask=mask, other=0)         # (R, SB_TILE, 32)
-        d_bits = tl.sum(tl.where(k == 0, head, 0), axis=2)                             # (R, SB_TILE)
-        w0 = tl.sum(tl.where(k == 1, head, 0), axis=2)[:, :, None]                     # scale bytes 0-3
-        w1 = tl.sum(tl.where(k == 2, head, 0), axis=2)[:, :, None]                     # 4-7
-        w2 = tl.sum(tl.where(k == 3, head, 0), axis=2)[:, :, None]                     # 8-11
-        d = (d_bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((d_bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        scale_even, min_even = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :])          # (R, SB_TILE, 4)
-        scale_odd, min_odd = _q4k_scale_min(w0, w1, w2, 2 * k[None, None, :] + 1)
+        d, dmin, scale_even, min_even, scale_odd, min_odd = _q4k_header(head, k)
         shifted = quants[:, :, :, None] >> (8 * k)[None, None, None, :]                  # (R, SB_TILE, 32, 4)
         low = (shifted & 0xF).to(tl.float32)
         high = ((shifted >> 4) & 0xF).to(tl.float32)
@@ -261,15 +243,6 @@ if tl is not None:
         return first, second
 
     @triton.jit
-    def _slot(slots_ptr, table_ptr, pair, BY_EXPERT: tl.constexpr):
-        """The pair's slab: `slots_ptr` holds it, or with BY_EXPERT the pair's expert, whose slab the
-        layer's table row at `table_ptr` holds (a settled table: no lookup launch before the GEMVs)."""
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        if BY_EXPERT:
-            slot = tl.load(table_ptr + slot).to(tl.int64)
-        return slot
-
-    @triton.jit
     def _gate_up_q_kernel(x_ptr, slots_ptr, table_ptr, h_ptr, pool_ptr, slab_bytes, TOP_K: tl.constexpr,
                           H: tl.constexpr, I: tl.constexpr, KIND: tl.constexpr, SB_BYTES: tl.constexpr,
                           BLOCK_ROWS: tl.constexpr, LOADS: tl.constexpr, SB_TILE: tl.constexpr,
@@ -278,7 +251,7 @@ if tl is not None:
         they are read (every pair reads a slab: misses were staged into theirs)."""
         pair = tl.program_id(0)
         row0 = tl.program_id(1) * BLOCK_ROWS
-        slot = _slot(slots_ptr, table_ptr, pair, BY_EXPERT)
+        slot = _pair_slab(slots_ptr, table_ptr, pair, BY_EXPERT)
         base = pool_ptr + tl.maximum(slot, 0) * slab_bytes
         gate, up = _rows_dots(base, row0, I, slot >= 0, x_ptr + pair // TOP_K * H, I * (H // 256) * SB_BYTES,
                               H // 256, KIND, SB_BYTES, LOADS, SB_TILE, True, BLOCK_ROWS)
@@ -293,7 +266,7 @@ if tl is not None:
         """`_down_kernel` for quantized slabs (the down part starts `part_bytes` into the slab)."""
         pair = tl.program_id(0)
         row0 = tl.program_id(1) * BLOCK_ROWS
-        slot = _slot(slots_ptr, table_ptr, pair, BY_EXPERT)
+        slot = _pair_slab(slots_ptr, table_ptr, pair, BY_EXPERT)
         base = pool_ptr + tl.maximum(slot, 0) * slab_bytes + part_bytes
         acc, _ = _rows_dots(base, row0, H, slot >= 0, h_ptr + pair * I, 0, I // 256, KIND, SB_BYTES, LOADS, SB_TILE,
                             False, BLOCK_ROWS)
@@ -319,15 +292,20 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
     rows_up, warps_up, loads_up = _launch(config or tuned[fmt], fmt)
     rows_down, warps_down, loads_down = _launch(config or tuned[down_fmt], down_fmt)
     pairs = slots.numel()
-    h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     part_bytes = 2 * inter * (hidden // 256) * TILE_BYTES[fmt]
     by_expert = table_row is not None
     table = table_row if by_expert else slots
-    _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
-        x.contiguous(), slots, table, h, pool, pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
-        KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, LOADS=loads_up,
-        SB_TILE=triton.next_power_of_2(hidden // 256), BY_EXPERT=by_expert, num_warps=warps_up)
+    if loads_up == LOAD_FORMS["dp4a"]:
+        h = q4k_dp4a.gate_up_dp4a(x, slots, table, pool, inter, hidden, top_k, rows_up, warps_up, by_expert)
+    else:
+        h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
+        _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
+            x.contiguous(), slots, table, h, pool, pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
+            KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, LOADS=loads_up,
+            SB_TILE=triton.next_power_of_2(hidden // 256), BY_EXPERT=by_expert, num_warps=warps_up)
+    if loads_down == LOAD_FORMS["dp4a"]:
+        return q4k_dp4a.down_dp4a(h, slots, table, pool, part_bytes, inter, hidden, rows_down, warps_down, by_expert)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
         h, slots, table, y, pool, pool.shape[1], part_bytes, H=hidden, I=inter,
         KIND=_kind(down_fmt, x.device), SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, LOADS=loads_down,
@@ -336,14 +314,14 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
 
 
 def form_reads(config: tuple, fmt: str) -> bool:
-    """Whether a quantized_gemv tuning's load form reads `fmt` (the shared form reads Q4_K only)."""
-    return (*config, "loop")[2] != "shared" or fmt == "q4_k"
+    """Whether a quantized_gemv tuning's load form reads `fmt` (the shared and dp4a forms read Q4_K only)."""
+    return (*config, "loop")[2] not in Q4_K_ONLY or fmt == "q4_k"
 
 
 def _launch(config: tuple, fmt: str) -> tuple[int, int, int]:
     """(rows per program, warps, LOADS) of a quantized_gemv tuning for `fmt`: (rows, warps[, load form])."""
     if not form_reads(config, fmt):
-        raise ValueError(f"quantized_gemv's shared load form reads Q4_K only, not {fmt} (config {config})")
+        raise ValueError(f"quantized_gemv's {config[2]} load form reads Q4_K only, not {fmt} (config {config})")
     rows, warps, form = (*config, "loop")[:3]
     return rows, warps, LOAD_FORMS[form]
 

@@ -11,7 +11,9 @@ Keys (lists in the file, tuples here):
   quantized_gemv     per format: (output rows per program, warps, load form) of the quantized slabs'
                      GEMVs; the form (quantized_gemv.LOAD_FORMS) is how a program walks its rows'
                      super-blocks: "loop" a step at a time, "unrolled", "tile" all at once, or (Q4_K)
-                     "shared": all at once with the inputs loaded once for every row
+                     "shared": all at once with the inputs loaded once for every row, or (Q4_K) "dp4a":
+                     the shared tile against int8 inputs (q4k_dp4a.py; less exact, no device names it
+                     until it is measured faster)
   q4_k_word_loads    Q4_K's tile and loop forms read the quant bytes as 32-bit words (else byte by byte;
                      the shared form always reads words)
   expert_major       gate_up, down: (output columns per program, input elements per loop step, warps,
