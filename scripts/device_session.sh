@@ -63,9 +63,10 @@
 #   bash scripts/device_session.sh kbatch           a batched step's resident experts, kernels alone: grouped GEMM, the
 #                                                   table kernels and the expert-major ones at 2-16 tokens, and the
 #                                                   expert-major tiles swept (decode_kernel_bench --batch --tune)
-#   bash scripts/device_session.sh kqbatch          the same step on Q4_K slabs: the GEMVs token by token and in one launch,
-#                                                   the quantized expert-major kernels, their tiles swept
-#                                                   (decode_kernel_bench --batch --quantized --tune)
+#   bash scripts/device_session.sh kqbatch          the same step on Q4_K slabs: the GEMVs token by token and in one launch
+#                                                   (the tuned form and dp4a), the quantized expert-major kernels, their
+#                                                   tiles swept (decode_kernel_bench --batch --quantized --tune;
+#                                                   KQBATCH_ARGS= runs the tuned tiles alone)
 #                                                   (end to end: BATCH_CONFIGS=offload:expert_budget=16GiB,store_dtype=q4_k,
 #                                                   batch_experts=expert-major bash scripts/device_session.sh batchoff 448 8)
 #   bash scripts/device_session.sh realblayer       ReaLB's MoE layer on one GPU, each expert-parallel rank's compute in turn:
@@ -96,7 +97,8 @@
 #                                                   (COMPARE_TIMEOUT seconds a side, default 260)
 #   bash scripts/device_session.sh kqcompare DIR    the quantized slabs' GEMVs alone (decode_kernel_bench --quantized): DIR's code
 #                                                   (a `git archive`, carried; - for none) at its tuned shapes, then this tree's with
-#                                                   --tune; each format's fastest (KQ_FORMATS: q4_k,q4_k:bytes,q8_0,q5_k)
+#                                                   --tune; each format's fastest (KQ_FORMATS: q4_k,q4_k:bytes,q8_0,q5_k; KQ_FORMS:
+#                                                   the load forms swept, e.g. shared,dp4a)
 #   bash scripts/device_session.sh prefillk         a prompt's routed experts on Q4_K slabs at 236, 512 and 824 tokens, kernels
 #                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
@@ -321,8 +323,9 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                   --ranks "${spec%x*}" --requests "${spec#*x}" ${REALB_ARGS:-} 2>&1 | tee "$OUT/realblayer-$spec.txt" | tail -7 || true
               done ;;
     kqbatch) shift  # the same step on Q4_K slabs: GEMVs token by token, in one launch, the quantized expert-major kernels
+             # KQBATCH_ARGS= (empty): the tuned tiles alone, no sweep (about a minute)
              timeout 500 python3 -m benchmarks.decode_kernel_bench --out "$OUT/kqbatch" --batch --quantized \
-               --tune > "$OUT/kqbatch.txt" 2>&1 || true
+               ${KQBATCH_ARGS---tune} > "$OUT/kqbatch.txt" 2>&1 || true
              tail -c 3000 "$OUT/kqbatch.txt" ;;
     epdp) shift  # nvidia-h200-x2: expert parallelism over both GPUs (NCCL), BF16 / ReaLB / ReaLB-seq: one request
           # (rank 0's, the other rank serving its experts), then N requests on every rank (data parallel, lockstep)
@@ -348,7 +351,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                [[ $ref == - ]] || (cd "$ref" && PYTHONPATH=. timeout ${KQ_TIMEOUT:-150} python3 -m benchmarks.decode_kernel_bench \
                   --out "$OUT/kq-before" --quantized --formats "$formats" > "$OUT/kq-before.txt") || true
                PYTHONPATH=. timeout ${KQ_TUNE_TIMEOUT:-400} python3 -m benchmarks.decode_kernel_bench --out "$OUT/kq-after" \
-                 --quantized --tune --formats "$formats" > "$OUT/kq-after.txt" || true
+                 --quantized --tune --formats "$formats" ${KQ_FORMS:+--forms "$KQ_FORMS"} > "$OUT/kq-after.txt" || true
                [[ $ref == - ]] || grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
                tail -n 8 "$OUT/kq-after.txt" ;;
     prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept)
