@@ -18,7 +18,7 @@ GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to 
 dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
 then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts); then
 in BF16 the streamed prefill on quantized slabs computed in place by the expert-major kernels, against the same
-prompt on dequantized slabs.
+prompt on dequantized slabs; and the Q4_K GEMVs' dp4a form against its twin at full size.
 
 `--gpu-prefill`: instead, the KTransformers-style rule's layerwise GPU prefill (gpu_prefill_tokens): a tiny fp32
 model's prompt with each layer's experts copied from a host copy (model dtype, Q8_0, Q4_K) a layer ahead and
@@ -524,7 +524,46 @@ def check_stores(out: str | None) -> int:
         print(json.dumps(row), flush=True)
     ok &= check_settled(model_dir, spec, layer, image, results)
     ok &= check_streamed(model_dir, spec, layer, image, results)
+    row = check_dp4a()
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    ok &= row["ok"]
     return finish(results, ok, out)
+
+
+def check_dp4a(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, experts: int = 16,
+               top_k: int = 8) -> dict:
+    """The Q4_K GEMVs' dp4a form (int8 inputs, the inline `dp4a`) at Qwen3-VL-30B-A3B's shapes against its twin
+    on the CPU (the inputs rounded the same way, the dequantized weights in fp32), directly and through a table
+    row, and, for scale, against the exact fp32 reference. Its inputs' rounding is the twin's, so the two differ
+    by fp32 sums in another order, and by an int8 value off by one where the GPU's division rounds a tie the
+    other way: the bound (1e-3 of the outputs' norm) is far below what a wrong byte or scale moves (percents)."""
+    from vismmoe_kt.runtime.kernels import q4k_dp4a, quantized_gemv
+
+    gen = torch.Generator().manual_seed(0)
+    store = ExpertStore(experts, hidden, inter, torch.float32, False, fmt="q4_k")
+    store.fill_layer(0, torch.randn(experts, 2 * inter, hidden, generator=gen) / 50,
+                     torch.randn(experts, hidden, inter, generator=gen) / 50)
+    pool = store.layers[0].to(device)  # slab e holds expert e
+    x = torch.randn(2, hidden, generator=gen)
+    ids = torch.randperm(experts, generator=gen)[:2 * top_k]  # two tokens, top_k distinct experts each
+    dequantize = lambda e: store.dequantized(store.layers[0][e], 0)  # noqa: E731
+    twin = q4k_dp4a.dp4a_reference(x, ids, dequantize, top_k, torch.nn.functional.silu)
+    gate_up, down = dequantize(ids)
+    gate, up = torch.bmm(gate_up.float(), x[torch.arange(ids.numel()) // top_k].unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+    exact = torch.bmm(down.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    relative = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
+    config = (4, 1, "dp4a")
+    direct = quantized_gemv.quantized_experts(x.to(device), ids.to(device), pool, "q4_k", "q4_k", inter, hidden, top_k,
+                                              config).cpu()
+    table_row = torch.arange(experts - 1, -1, -1, device=device)  # slab experts - 1 - e holds expert e
+    by_table = quantized_gemv.quantized_experts(x.to(device), ids.to(device), pool.flip(0).contiguous(), "q4_k", "q4_k",
+                                                inter, hidden, top_k, config, table_row=table_row).cpu()
+    row = {"check": "q4_k dp4a GEMVs vs their twin", "config": list(config),
+           "relative_error_vs_twin": relative(direct, twin), "through_a_table_row": relative(by_table, twin),
+           "twin_vs_exact": relative(twin, exact), "kernel_vs_exact": relative(direct, exact)}
+    row["ok"] = row["relative_error_vs_twin"] <= 1e-3 and row["through_a_table_row"] <= 1e-3
+    return row
 
 
 def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
