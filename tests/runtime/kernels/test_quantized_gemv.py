@@ -1,7 +1,8 @@
 """The quantized store's kernels against their torch twins, in Triton's interpreter (no GPU): a
 decode miss's blocks staged from the host (runtime/kernels/block_staging.py) and dequantized into
 its landing or scratch slab (dequantize.py), and the quantized slabs' GEMVs (quantized_gemv.py),
-which decode each format as they read it, in every load form (quantized_gemv.LOAD_FORMS); and the
+which decode each format as they read it, in every load form (quantized_gemv.LOAD_FORMS; the dp4a
+form's int8 inputs against their own twin, q4k_dp4a.py); and the
 kernels compiled for Hopper (kernel_cases.py: the fixtures, and the stores and the reference the
 scripts build).
 """
@@ -118,10 +119,19 @@ for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("
         got = quantized_gemv.quantized_experts(x, ids, reversed_pool, fmt, down_fmt or fmt, QI, QH, QK, config,
                                                table_row=table_row)
         torch.testing.assert_close(got, want, **close, msg=lambda m: f"{fmt} {down_fmt} {config} by expert: {m}")
+"""
 
+
+DP4A = r"""
+from vismmoe_kt.runtime.kernels import q4k_dp4a, quantized_gemv, tuning
+from kernel_cases import dequantized_reference, filled_store, q6k_rows
+
+# H = 768: three super-blocks a row, which the kernels pad to four (masked); I = 512: two
+QE, QH, QI, QK = 5, 768, 512, 2
+ids = torch.tensor([1, 3, 4, 0])  # tokens 0 and 1, two experts each
+x = torch.randn(2, QH)
 # the dp4a form (Q4_K only): the inputs rounded to int8 per 32 first, so it answers to its twin (the same rounding,
 # the weights dequantized) within fp32 rounding, and to the exact reference within the rounding's error
-from vismmoe_kt.runtime.kernels import q4k_dp4a
 store = filled_store(QE, QH, QI, torch.float32, "q4_k")
 pool = torch.zeros(QE, store.block_bytes_of(0) + 64, dtype=torch.uint8)
 pool[:, :store.block_bytes_of(0)] = store.layers[0]
@@ -131,7 +141,7 @@ twin = q4k_dp4a.dp4a_reference(x, ids, dequantize, QK, torch.nn.functional.silu)
 scale = want.abs().max().item()
 assert 1e-3 < (twin - want).abs().max().item() / scale < 3e-2  # int8 inputs: less exact, not wrong
 table_row = torch.arange(QE - 1, -1, -1)
-for config, slab_pool, row in (((16, 1, "dp4a"), pool, None), ((8, 2, "dp4a"), pool.flip(0).contiguous(), table_row)):
+for config, slab_pool, row in (((16, 1, "dp4a"), pool, None), ((32, 4, "dp4a"), pool.flip(0).contiguous(), table_row)):
     got = quantized_gemv.quantized_experts(x, ids, slab_pool, "q4_k", "q4_k", QI, QH, QK, config, table_row=row)
     torch.testing.assert_close(got, twin, rtol=0, atol=2e-5 * scale, msg=lambda m: f"{config}: {m}")
 # the rounding itself: the kernel's int8 values, scales and sums are the twin's
@@ -151,10 +161,10 @@ twin = q4k_dp4a.dp4a_reference(x, ids, lambda e: store.dequantized(store.layers[
 torch.testing.assert_close(got, twin, rtol=0, atol=2e-5 * twin.abs().max().item())
 """
 
-
-# the interpreter runs one program at a time: about 100-130 s each on an idle 2-core machine, so a
-# bound well above that (a loaded CI machine), not a timing assertion
-INTERPRETER_TIMEOUT = 900
+# the interpreter runs one program at a time: on an idle 2-core machine (2026-12-06) LOAD_FORMS takes about
+# 510 s, DP4A about 30 and SCRIPT a few minutes, so a bound well above that (a loaded CI machine), not a
+# timing assertion
+INTERPRETER_TIMEOUT = 1200
 
 
 def test_kernels_match_the_twin_in_the_interpreter(interpreter):
@@ -163,6 +173,10 @@ def test_kernels_match_the_twin_in_the_interpreter(interpreter):
 
 def test_every_load_form_matches_the_reference_in_the_interpreter(interpreter):
     interpreter(LOAD_FORMS, timeout=INTERPRETER_TIMEOUT)
+
+
+def test_the_dp4a_form_matches_its_twin_in_the_interpreter(interpreter):
+    interpreter(DP4A, timeout=INTERPRETER_TIMEOUT)
 
 
 def test_kernels_compile_for_hopper(hopper):
