@@ -119,18 +119,19 @@ QUANTIZED_SWEEP = ([(r, w, "loop") for r, w in ((4, 1), (8, 1), (8, 2), (16, 2),
                    + [(r, w, "dp4a") for r, w in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (16, 4))])  # Q4_K only
 
 
-def quantized_rows(device, x, sweep: bool, formats=QUANTIZED_FORMATS) -> dict[str, dict]:
+def quantized_rows(device, x, sweep: bool, formats=QUANTIZED_FORMATS, forms=None) -> dict[str, dict]:
     """The quantized slabs' GEMVs (quantized_gemv.quantized_experts), every expert resident in its slab, per
     format: microseconds per layer, the blocks' bytes read per second, and the error against the same
-    blocks dequantized and computed in fp32; `sweep`: every configuration of QUANTIZED_SWEEP."""
+    blocks dequantized and computed in fp32; `sweep`: every configuration of QUANTIZED_SWEEP (of `forms`, the
+    load forms to keep; None: all)."""
     out = {}
     for name in formats:
         with kernel_tuning.overridden(q4_k_word_loads=not name.endswith(":bytes")):
-            out[name] = quantized_format_rows(device, x, name.split(":")[0], sweep)
+            out[name] = quantized_format_rows(device, x, name.split(":")[0], sweep, forms)
     return out
 
 
-def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
+def quantized_format_rows(device, x, fmt: str, sweep: bool, forms=None) -> dict:
     """`quantized_rows` of one format."""
     from vismmoe_kt.runtime.store import ExpertStore
 
@@ -149,7 +150,8 @@ def quantized_format_rows(device, x, fmt: str, sweep: bool) -> dict:
 
     tuned = kernel_tuning.get("quantized_gemv", device)[fmt]
     results = []
-    for config in [c for c in QUANTIZED_SWEEP if quantized_gemv.form_reads(c, fmt)] if sweep else [tuned]:
+    swept = [c for c in QUANTIZED_SWEEP if quantized_gemv.form_reads(c, fmt) and (forms is None or c[2] in forms)]
+    for config in swept if sweep else [tuned]:
         def run():
             for l in range(LAYERS):
                 quantized_gemv.quantized_experts(x, slots[l], pool, fmt, fmt, I, H, K, config)
@@ -358,16 +360,15 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda:0")
     formats = args.formats.split(",")
-    if args.forms:
-        unknown = sorted(set(args.forms.split(",")) - set(quantized_gemv.LOAD_FORMS))
-        if unknown:
-            parser.error(f"--forms {args.forms}: not load forms: {', '.join(unknown)}")
-        QUANTIZED_SWEEP[:] = [c for c in QUANTIZED_SWEEP if c[2] in args.forms.split(",")]
+    forms = args.forms.split(",") if args.forms else None
+    unknown = sorted(set(forms or ()) - set(quantized_gemv.LOAD_FORMS))
+    if unknown:
+        parser.error(f"--forms {args.forms}: not load forms: {', '.join(unknown)}")
     if args.quantized and not args.batch:  # the quantized slabs' GEMVs alone (with --tune their sweep)
         torch.manual_seed(0)
         x = torch.randn(1, H, device=device, dtype=torch.bfloat16)
         out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-               "quantized_slabs": quantized_rows(device, x, args.tune, formats)}
+               "quantized_slabs": quantized_rows(device, x, args.tune, formats, forms)}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "decode_kernel_bench_quantized.json").write_text(json.dumps(out, indent=2))
         print(json.dumps(out, indent=2))
@@ -449,7 +450,7 @@ def main() -> int:
         reference[0] += w[0, k] * (host[e, 2 * I * H:].view(H, I).to(device).float() @ (act(gate) * up))
     error = float((a.float() - reference).norm() / reference.norm())
     tuning = tune(x, ids, resident, no_land, pools, host, block_bytes) if args.tune else None
-    quantized = quantized_rows(device, x, args.tune, formats)
+    quantized = quantized_rows(device, x, args.tune, formats, forms)
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "shape": {"experts": E, "hidden": H, "intermediate": I, "top_k": K, "layers_per_graph": LAYERS},
            "register_s_per_gib": register_s / (E * block_bytes / 2**30), "rows": rows,

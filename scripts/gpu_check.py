@@ -549,9 +549,8 @@ def check_dp4a(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, exp
     ids = torch.randperm(experts, generator=gen)[:2 * top_k]  # two tokens, top_k distinct experts each
     dequantize = lambda e: store.dequantized(store.layers[0][e], 0)  # noqa: E731
     twin = q4k_dp4a.dp4a_reference(x, ids, dequantize, top_k, torch.nn.functional.silu)
-    gate_up, down = dequantize(ids)
-    gate, up = torch.bmm(gate_up.float(), x[torch.arange(ids.numel()) // top_k].unsqueeze(-1)).squeeze(-1).chunk(2, -1)
-    exact = torch.bmm(down.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    exact = q4k_dp4a.dp4a_reference(x, ids, dequantize, top_k, torch.nn.functional.silu, gate_up_int8=False,
+                                    down_int8=False)  # nothing rounded: the fp32 reference
     relative = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
     config = (4, 1, "dp4a")
     direct = quantized_gemv.quantized_experts(x.to(device), ids.to(device), pool, "q4_k", "q4_k", inter, hidden, top_k,

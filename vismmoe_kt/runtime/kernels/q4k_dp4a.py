@@ -148,6 +148,7 @@ if tl is not None:
         sb_in = tl.minimum(sb, SBS - 1)  # the padding reads real inputs (its weights are 0)
         # (SB_TILE, 4, 8): runs of 8 words (32 bytes) a group, so they load as 16-byte vectors
         x_at = q_row + (sb_in * 64)[:, None, None] + (16 * k)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        # broadcast to the quants' shape: the inline asm takes its operands in one shape
         x_low = tl.reshape(tl.load(x_at), SB_TILE, 32)[None, :, :] + quants * 0          # (R, SB_TILE, 32)
         x_high = tl.reshape(tl.load(x_at + 8), SB_TILE, 32)[None, :, :] + quants * 0
         dot_low = tl.sum(tl.reshape(_dp4a(quants & 0x0F0F0F0F, x_low, ASM), R, SB_TILE, 4, 8), axis=3)
