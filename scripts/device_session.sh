@@ -41,7 +41,8 @@
 #                                                   a text-only prompt of 512 tokens instead of the picture (pp512 beside it);
 #                                                   PEER_SECONDS (570): the stage's seconds, to share a call with others
 #   bash scripts/device_session.sh peerbatch [PX]   8 requests together, every expert resident in Q4_K: ours (decode_bench
-#                                                   --concurrency 1 8 on the GGUF, PEERBATCH_CONFIG and PEERBATCH_REPS override;
+#                                                   --concurrency 1 8 on the GGUF; PEERBATCH_CONFIG: one or more configurations,
+#                                                   PEERBATCH_REPS override;
 #                                                   PEERBATCH_KERNELS=1: the batched steps' kernels profiled too) and
 #                                                   llama-batched-bench's 8 parallel sequences of a PX-px prompt's length
 #                                                   (236 tokens at 448) and 128 decoded each, -npl 1,8, with
@@ -278,7 +279,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
           [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
           timeout 330 python3 -m benchmarks.decode_bench --out "$OUT/peerbatch$px" --layers 48 --reps "${PEERBATCH_REPS:-3}" \
             --image-size "$px" --decode-tokens 128 --routing synthetic --concurrency 1 8 ${PEERBATCH_KERNELS:+--kernels} \
-            --configs "${PEERBATCH_CONFIG:-offload:expert_budget=16GiB,gguf_path=$GGUF_DIR}" \
+            --configs ${PEERBATCH_CONFIG:-offload:expert_budget=16GiB,gguf_path=$GGUF_DIR} \
             | tee "$OUT/peerbatch$px.txt" || true
           # llama.cpp routes by the random weights' own router; its experts all on the GPU (-ngl 99, no -ncmoe)
           # our prompt's length (a picture's tokens and the question), else 448 px's 236

@@ -88,10 +88,45 @@ def test_a_pinned_layer_held_as_blocks_computes_what_its_blocks_decode_to(raw):
     executors = {"placement": placement.run_layer,  # a prompt, and decode outside the table
                  "table": TableStepExecutor(res, "quantized-slabs", False, placement).token,
                  "batched": BatchStepExecutor(res, runtime.plan, placement).run_layer}
-    for name, tokens in (("placement", 5), ("placement", 1), ("table", 1), ("batched", 1), ("batched", 3)):
+    for name, tokens in (("placement", 5), ("placement", 1), ("table", 1), ("batched", 1), ("batched", 3),
+                         ("batched", 80)):  # 3 tokens' 6 pairs pair by pair, 80 tokens' 160 expert-major
         hidden = torch.randn(tokens, hidden_size, generator=gen)
         top_k_index = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
         top_k_weights = torch.rand(tokens, 2, generator=gen)
         out = executors[name](0, hidden, top_k_index, top_k_weights, act)
         torch.testing.assert_close(out.float(), _reference(reference, 0, hidden, top_k_index, top_k_weights),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}, {tokens} token(s): {m}")
+
+
+@pytest.mark.parametrize("mode, tuned, tokens, major", [
+    ("auto", 32, 16, False), ("auto", 32, 17, True), ("auto", 128, 40, False), ("table", 8, 40, False),
+    ("expert-major", 128, 2, True), ("expert-major", 128, 1, False), ("grouped-gemm", 128, 2, True)])
+def test_a_batched_step_on_pinned_blocks_goes_pair_by_pair_up_to_the_devices_crossover(mode, tuned, tokens, major,
+                                                                                       monkeypatch):
+    """Under auto, pair by pair (one launch of the GEMVs) up to the device's tuned quantized_batch_gemv_pairs
+    pairs, resolved into the plan at load; always under table; one token always; else each routed expert
+    decoded once per block of its tokens."""
+    from vismmoe_kt.runtime.executors import batch_step
+    from vismmoe_kt.runtime.kernels import tuning
+
+    experts, size, layers = 8, 256, [0, 1]
+    settings = OffloadSettings(expert_budget=10**8, store_dtype="q4_k", slab_format="quantized", pinned_layers=1,
+                               batch_experts=mode)
+    with tuning.overridden(quantized_batch_gemv_pairs=tuned):
+        runtime = OffloadRuntime(settings, layers, experts, size, size, torch.float32, "cpu", top_k=2)
+    assert ("pair by pair up to 32 pairs" in runtime.plan.why["batch"]) == (mode == "auto" and tuned == 32)
+    gen = torch.Generator().manual_seed(1)
+    for layer in layers:
+        runtime.load_layer(layer, torch.randn(experts, 2 * size, size, generator=gen) * 0.05,
+                           torch.randn(experts, size, size, generator=gen) * 0.05)
+    ways = []
+    for name in ("block_bank_outputs", "block_experts"):
+        real = getattr(batch_step, name)
+        monkeypatch.setattr(batch_step, name, lambda *a, _real=real, _name=name, **k: ways.append(_name) or _real(*a, **k))
+    placement = PlacementExecutor(runtime.residency, runtime, runtime.boundary, runtime.miss)
+    executor = BatchStepExecutor(runtime.residency, runtime.plan, placement)
+    top_k_index = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    out = executor.run_layer(0, torch.randn(tokens, size, generator=gen), top_k_index, torch.rand(tokens, 2),
+                             torch.nn.functional.silu)
+    assert out.shape == (tokens, size) and torch.isfinite(out).all()
+    assert ways == ["block_experts" if major else "block_bank_outputs"]

@@ -24,7 +24,8 @@ KWARG_NOTES = {
     ("VisExperts", "slab_format"): "quantized where it works (a quantized store, miss_policy wait, no predictor) | "
                                    "dequantized | quantized",
     ("VisExperts", "batch_experts"): "a batched step's pinned layers: auto (the table kernel up to batch_table_pairs "
-                                     "pairs, then expert-major) | table | grouped-gemm | expert-major",
+                                     "pairs, then expert-major; quantized blocks: the GEMVs up to the device's "
+                                     "tuned pairs) | table | grouped-gemm | expert-major",
     ("VisExperts", "reservations"): "each decode step's landing slabs reserved after the step before's records | "
                                     "ahead: while the step before runs (decode without a CPU share or a predictor)",
     ("VisExperts", "eviction"): "auto: decode's first steps time lru against vismmoe, keep the faster | vismmoe | lru",

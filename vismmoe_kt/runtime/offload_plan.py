@@ -13,21 +13,17 @@ Given those, the function is pure (its pinned-depth choice is logged). Options t
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .budget import BudgetError, human_bytes, resolve_budget, resolve_pinned_layers
+from .kernels import tuning
 from .offload_compat import check
 from .offload_settings import OffloadSettings
 from .prefix_depth import DepthChoice, default_model
 from .store import ExpertStore
-
-# a batched step on quantized slabs goes expert-major from this many tokens: on the H200 (Q4_K,
-# `decode_kernel_bench --batch --quantized`, 2026-12-01, tiles swept) the expert-major kernels took
-# 91 us a layer at 2 tokens against 112 for token-by-token GEMVs, 233 vs 442 at 8, 393 vs 883 at 16
-QUANTIZED_MAJOR_MIN_TOKENS = 2
-
 
 @dataclass(frozen=True)
 class PlanFacts:
@@ -68,7 +64,7 @@ class OffloadPlan:
     batch_pinned: str           # a batched step's pinned layers: grouped-gemm | table | expert-major |
                                 # table-then-expert-major (table up to batch_table_pairs pairs)
     batch_pinned_kernels: bool  # expert-major on the Triton kernels (else its torch twin)
-    batch_offloaded: str        # placement | table | quantized-expert-major (from QUANTIZED_MAJOR_MIN_TOKENS)
+    batch_offloaded: str        # placement | table | quantized-expert-major (from 2 tokens)
     batch_major_kernels: bool   # quantized expert-major on the Triton kernels
     eviction: str = "vismmoe"   # the slab cache's ranking: lru | vismmoe | auto (a trial in table decode)
     fill_slabs: bool = False    # a slab for every offloaded expert: the cold ones are copied in as table decode
@@ -81,6 +77,8 @@ class OffloadPlan:
                                    # into a bank of one layer, or the torch twin)
     reservations: str = "before-step"  # table decode's landing slabs: ahead (reserved while the step before runs) |
                                        # before-step (after the records of the step before: the step waits for them)
+    batch_block_gemv_pairs: int = 0    # a batched step's pinned blocks go pair by pair (one launch of the GEMVs) up to
+                                       # this many pairs, expert-major beyond (one token always pair by pair)
     why: dict[str, str] = field(default_factory=dict)  # choice -> a short reason
 
     @property
@@ -219,6 +217,10 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     else:
         batch_offloaded = "table"
     why["batch"] = f"batch_experts {settings.batch_experts}" + ("" if kernels else ", no Triton kernels")
+    block_gemv_pairs = _block_gemv_pairs(settings, device)
+    if quantized_slabs:
+        why["batch"] += f"; pinned blocks pair by pair up to {block_gemv_pairs} pairs" if block_gemv_pairs < sys.maxsize \
+            else "; pinned blocks pair by pair at every size"
     eviction, why["eviction"] = _eviction(settings, num_slabs, offloaded * facts.num_experts, table_decode, device)
     # a budget that holds every offloaded expert: loading the ones no prompt has routed to yet costs one copy
     # each, once (as a static split loads its layers), and then no decode step can miss (a settled table)
@@ -231,7 +233,18 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
                        kernels and facts.quantized_major_kernels, eviction, fill, prefill,
-                       kernels and facts.quantized_major_kernels, reservations, why)
+                       kernels and facts.quantized_major_kernels, reservations, block_gemv_pairs, why)
+
+
+def _block_gemv_pairs(settings: OffloadSettings, device: torch.device) -> int:
+    """Up to how many pairs a batched step computes pinned quantized blocks pair by pair (the GEMVs in one launch,
+    each pair reading its expert's blocks) before the expert-major kernels (each routed expert decoded once):
+    under auto the device's measured crossover (tuning.json `quantized_batch_gemv_pairs`), under table always,
+    under expert-major and grouped-gemm from 2 tokens on (their own meaning on banks: a blocks layer has no
+    grouped GEMM)."""
+    if settings.batch_experts == "auto":
+        return int(tuning.get("quantized_batch_gemv_pairs", device))
+    return sys.maxsize if settings.batch_experts == "table" else 0
 
 
 def _prefill(fill: bool, quantized_slabs: bool, offloaded: int, miss_policy: str) -> tuple[str, str]:

@@ -71,8 +71,11 @@ class OffloadSettings:
     # routed expert read once, runtime/kernels/expert_major.py) where they run, else grouped GEMM. H200, one
     # layer's experts, random distinct experts per token (`decode_kernel_bench --batch`), us per layer
     # table / grouped / expert-major: 2 tokens 60.6 / 118.1 / 92.6, 4: 106.5 / 169.1 / 123.4,
-    # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6. On quantized slabs, expert-major and auto
-    # run an offloaded layer's tokens at once (offload_plan.py); table and grouped-gemm token by token
+    # 8: 192.2 / 246.0 / 175.9, 16: 355.6 / 342.3 / 243.6. Pinned layers held as quantized blocks: auto
+    # takes their GEMVs in one launch up to the device's tuned pairs (tuning.json quantized_batch_gemv_pairs:
+    # on the H100 one launch beat expert-major at every batch to 16 tokens), then expert-major. On quantized
+    # slabs, expert-major and auto run an offloaded layer's tokens at once (offload_plan.py); table and
+    # grouped-gemm token by token
     batch_experts: str = "auto"
     batch_table_pairs: int = 32
 

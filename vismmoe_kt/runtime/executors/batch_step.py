@@ -3,7 +3,8 @@
 Pinned layers compute from their banks by the plan's `batch_pinned` (grouped GEMM; the table kernel,
 each pair reading its expert; the expert-major kernels, each routed expert read once, or their torch
 twin; or the table kernel up to `batch_table_pairs` pairs and expert-major beyond); pinned layers held
-as quantized blocks as the quantized slabs are. Offloaded layers:
+as quantized blocks by the quantized slabs' kernels, pair by pair (the GEMVs in one launch) up to the plan's
+`batch_block_gemv_pairs`, expert-major beyond. Offloaded layers:
 with the table armed (`batch_table`), token by token through the table executor, so a miss one token
 lands is a hit for the next, or, on quantized slabs (`quantized-expert-major`), all the step's tokens
 at once, each routed expert decoded once per block of its tokens; without it, the placement path.
@@ -17,7 +18,7 @@ import torch
 
 from ..kernels import expert_major
 from ..expert_compute import bank_experts
-from ..offload_plan import QUANTIZED_MAJOR_MIN_TOKENS, OffloadPlan
+from ..offload_plan import OffloadPlan
 from ..residency import Residency
 from ..table_experts import block_bank_outputs, block_experts, combine, pair_outputs, quantized_batch_outputs
 
@@ -30,8 +31,7 @@ class BatchStepExecutor:
         self.table_pairs = plan.settings.batch_table_pairs
         # expert-major on the Triton kernels, or their torch twin (CPU, or weights the kernels do not take)
         self._expert_major_outputs = self._expert_major_kernels if plan.batch_pinned_kernels else self._expert_major_twin
-        # expert-major (asked for) from 2 tokens, auto from QUANTIZED_MAJOR_MIN_TOKENS
-        self.major_from = 2 if plan.settings.batch_experts == "expert-major" else max(2, QUANTIZED_MAJOR_MIN_TOKENS)
+        self.gemv_pairs = plan.batch_block_gemv_pairs  # pinned blocks: pair by pair up to this many pairs
         pinned = {"grouped-gemm": self._grouped, "table": self._table_kernel, "expert-major": self._expert_major,
                   "table-then-expert-major": self._table_then_expert_major}[plan.batch_pinned] \
             if not plan.pinned_blocks else self._blocks
@@ -84,10 +84,10 @@ class BatchStepExecutor:
 
     def _blocks(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 act: Any) -> torch.Tensor:
-        """A pinned layer held as quantized blocks: as the quantized slabs compute, pair by pair below
-        `major_from` tokens, else each routed expert decoded once per block of its tokens."""
+        """A pinned layer held as quantized blocks: as the quantized slabs compute, pair by pair up to
+        `gemv_pairs` pairs (one token always), else each routed expert decoded once per block of its tokens."""
         res = self.res
-        if top_k_index.shape[0] < self.major_from:
+        if top_k_index.shape[0] == 1 or top_k_index.numel() <= self.gemv_pairs:
             y = block_bank_outputs(hidden, top_k_index.reshape(-1), res.banks[layer][0], res.store, layer, act,
                                    top_k_index.shape[1], self.kernel)
             return combine(y, top_k_weights, hidden.dtype, self.kernel)
@@ -107,9 +107,10 @@ class BatchStepExecutor:
 
     def _quantized_or_token_by_token(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                                      top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
-        """All tokens at once from `major_from` tokens (into prepare_batch's staging rows: begin_batch_step
-        refuses a step with the table that prepare_batch did not make room for)."""
-        if top_k_index.shape[0] < self.major_from:
+        """All tokens at once from 2 tokens (into prepare_batch's staging rows: begin_batch_step refuses a
+        step with the table that prepare_batch did not make room for). Token by token is a launch sequence
+        per token here, not one launch of GEMVs, so the pinned blocks' `gemv_pairs` does not apply."""
+        if top_k_index.shape[0] == 1:
             return self._token_by_token(layer, hidden, top_k_index, top_k_weights, act)
         return self._quantized_major(layer, hidden, top_k_index, top_k_weights, act)
 

@@ -12,13 +12,15 @@ Keys (lists in the file, tuples here):
                      GEMVs; the form (quantized_gemv.LOAD_FORMS) is how a program walks its rows'
                      super-blocks: "loop" a step at a time, "unrolled", "tile" all at once, or (Q4_K)
                      "shared": all at once with the inputs loaded once for every row, or (Q4_K) "dp4a":
-                     the shared tile against int8 inputs (q4k_dp4a.py; less exact, no device names it
-                     until it is measured faster)
+                     the shared tile against int8 inputs (q4k_dp4a.py; less exact: a device names it
+                     where it measured faster)
   q4_k_word_loads    Q4_K's tile and loop forms read the quant bytes as 32-bit words (else byte by byte;
                      the shared form always reads words)
   expert_major       gate_up, down: (output columns per program, input elements per loop step, warps,
                      pipeline stages)
   quantized_major    gate_up, down: (output rows per program, warps, pipeline stages)
+  quantized_batch_gemv_pairs  a batched step's pinned quantized blocks go pair by pair (the GEMVs in one
+                     launch) up to this many token x expert pairs, the quantized_major kernels beyond
   quantized_prefill  the same kernels for a prompt's layers on filled slabs: block_m (pairs per block: a
                      prompt has many tokens per expert) and gate_up, down as quantized_major's (with a
                      fourth value, 64: a quarter super-block a kernel step); optionally `long`: other
@@ -64,8 +66,9 @@ def _cuda_name(index: int) -> str:
 
 
 def device_name(device: torch.device | str | None) -> str:
-    """tuning.json's name for `device` (None or a non-CUDA device: the default)."""
-    if device is None or torch.device(device).type != "cuda":
+    """tuning.json's name for `device` (None, a non-CUDA device, or CUDA named where none is present, as a plan
+    resolved for a GPU in a test on the CPU: the default)."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return DEFAULT
     index = torch.device(device).index
     return _cuda_name(torch.cuda.current_device() if index is None else index)
