@@ -1,6 +1,6 @@
 """Where the host's time goes in a profiled request: a torch.profiler chrome trace (what `decode_bench
---kernels` writes as trace-*.json.gz) read back, the prefill window (everything before the first CUDA
-graph launch) summarized by runtime call and by top-level op, and how much of the window those ops cover
+--kernels` writes as trace-*.json.gz) read back, the prefill window (everything before decode's first CUDA
+graph launch, found from the first token's mark: kernel_timeline.decode_start) summarized by runtime call and by top-level op, and how much of the window those ops cover
 (the rest is Python between them).
 
     python -m benchmarks.host_trace OUT/trace-*.json.gz
@@ -17,9 +17,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.kernel_timeline import FIRST_TOKEN, KERNEL_LAUNCHES, decode_start
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
-HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")  # cuda_driver: Triton's launches
 PROJECT = "vismmoe_kt/"  # a Python frame of this project's code (with PROFILE_STACKS=1 the trace has them)
 
 
@@ -32,13 +33,17 @@ def load_events(path: str | Path) -> list[dict]:
 
 
 def prefill_summary(events: list[dict], top: int = 20) -> dict:
-    """The host's events before the first graph launch (all of them when there is none): the window, per
+    """The host's events before decode's first graph launch (kernel_timeline.decode_start; all of them when there
+    is none): the window, per
     category the total and the top names by time, and the top-level ops' share of the window."""
-    launches = [e["ts"] for e in events if "GraphLaunch" in e.get("name", "")]
+    launches = [(e["ts"], "GraphLaunch" in e["name"]) for e in events
+                if "GraphLaunch" in e.get("name", "") or e.get("name") in KERNEL_LAUNCHES]
+    marks = [e["ts"] for e in events if e.get("name") == FIRST_TOKEN]
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
     if not host:
         return {"window_ms": 0.0, "categories": {}, "top_level_ms": 0.0, "top_level_share": 0.0}
-    end = min(launches) if launches else max(e["ts"] + e["dur"] for e in host)
+    end = decode_start(launches, min(marks, default=None))  # decode's first replay, not the vision tower's
+    end = end if end is not None else max(e["ts"] + e["dur"] for e in host)
     host = [e for e in host if e["ts"] < end]
     start = min(e["ts"] for e in host)
     window_ms = (end - start) / 1e3

@@ -5,7 +5,11 @@ The lean path replays each decode step as one CUDA graph, so `--profile`'s per-p
 runs the pieces eagerly) cannot see inside it; CUPTI still reports every kernel a graph launches.
 "idle" is the decode wall time during which no kernel ran (host work between steps, syncs, or waits
 on copies); "overlap" is kernel time beyond the busy union (streams running at once). The kernels
-before the first replay are the prompt's prefill, summarized the same way as one "step" (`prefill`).
+launched before decode's first replay are the prompt's prefill, summarized the same way as one "step"
+(`prefill`). The prompt replays graphs of its own (the vision tower's), so decode's first replay is found
+from the first token's arrival, marked in the trace (FIRST_TOKEN): the first graph launch after the last
+eager kernel launch before it (decode steps may be launched ahead of the first token's arrival, the
+prompt's kernels cannot be).
 """
 
 from __future__ import annotations
@@ -83,12 +87,34 @@ def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 2
     }
 
 
+FIRST_TOKEN = "vismmoe-kt: first token"  # the trace's marker of the first token's arrival on the host
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def decode_start(launches: list[tuple[int, bool]], first_token_ns: int | None) -> int | None:
+    """The host time (ns) of decode's first graph launch, from the host's launches (start ns, a graph launch
+    or not) and the first token's mark: the first graph launch after the last eager launch before the mark.
+    Without a mark (a batched run), the first graph launch; None without graph launches (an eager run)."""
+    graphs = sorted(start for start, graph in launches if graph)
+    if not graphs:
+        return None
+    if first_token_ns is None:
+        return graphs[0]
+    prompt_end = max((start for start, graph in launches if not graph and start < first_token_ns), default=None)
+    after = [start for start in graphs if prompt_end is None or start > prompt_end]
+    return after[0] if after else graphs[0]
+
+
 def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path | None = None) -> dict:
     """One more request under torch.profiler; the decode window's kernels summarized (see summarize)."""
     rate: list[float] = []
 
+    def mark() -> None:
+        with torch.profiler.record_function(FIRST_TOKEN):
+            pass
+
     def run() -> int:
-        rate.append(timed_generate(model, request, decode_tokens).decode_tok_s)
+        rate.append(timed_generate(model, request, decode_tokens, on_first_token=mark).decode_tok_s)
         return decode_tokens
 
     summary = profile_run(run, trace_path)
@@ -97,8 +123,8 @@ def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path |
 
 
 def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
-    """`run()` under torch.profiler (it returns its decode steps); the kernels from its first graph
-    replay on summarized per step (see summarize)."""
+    """`run()` under torch.profiler (it returns its decode steps); the kernels from decode's first graph
+    replay on summarized per step (see summarize, decode_start), and those queued before it as the prompt's."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -106,13 +132,20 @@ def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
     with profile(activities=activities, with_stack=os.environ.get("PROFILE_STACKS") == "1") as prof:
         steps = run()
     events = prof.profiler.kineto_results.events()
-    kernels = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns()) for e in events
-                      if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0),
-                     key=lambda k: k[2])
-    # decode starts at the first graph replay (the warm-up captured every graph before this request);
-    # an eager run has no replay and is summarized whole, prefill included (the summary says so)
-    launches = [e.start_ns() for e in events if "GraphLaunch" in e.name()]
-    decode = [k for k in kernels if k[2] >= min(launches)] if launches else kernels
+    launch_events = [e for e in events if "GraphLaunch" in e.name() or e.name() in KERNEL_LAUNCHES]
+    # a kernel belongs to the launch that queued it (CUPTI's correlation id, shared by the two): the device
+    # runs behind the host, so a prompt's kernel may start after decode's first launch. A kernel no launch
+    # claims (a copy) counts by its own start
+    launched_at = {e.correlation_id(): e.start_ns() for e in launch_events}
+    rows = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns(),
+                    launched_at.get(e.correlation_id(), e.start_ns())) for e in events
+                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0), key=lambda k: k[2])
+    kernels = [row[:4] for row in rows]
+    marks = [e.start_ns() for e in events if e.name() == FIRST_TOKEN]
+    # decode starts at its first graph replay (the warm-up captured every graph before this request); an
+    # eager run has no replay and is summarized whole, prefill included (the summary says so)
+    start = decode_start([(e.start_ns(), "GraphLaunch" in e.name()) for e in launch_events], min(marks, default=None))
+    decode = kernels if start is None else [row[:4] for row in rows if row[4] >= start]
     if trace_path is not None:
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         raw = trace_path.with_suffix("")
@@ -121,7 +154,8 @@ def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
             shutil.copyfileobj(src, dst)
         raw.unlink()
     summary = summarize(decode, steps)
-    summary["window"] = "decode (from the first graph replay)" if launches else "the whole request (no graph replays)"
-    if launches:  # what ran before the first replay: the prompt's prefill (vision tower included), once
-        summary["prefill"] = summarize([k for k in kernels if k[2] < min(launches)], 1)
+    summary["window"] = "decode (from its first graph replay)" if start is not None else \
+        "the whole request (no graph replays)"
+    if start is not None:  # what was launched before decode's first replay: the prompt's prefill (vision tower included)
+        summary["prefill"] = summarize([row[:4] for row in rows if row[4] < start], 1)
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import statistics
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -35,7 +35,22 @@ class TimedGeneration(NamedTuple):
     gaps_s: list[float]        # seconds between consecutive tokens' arrivals
 
 
-def timed_generate(model, request: dict, decode_tokens: int) -> TimedGeneration:
+class _MarkingStreamer(TimingStreamer):
+    """Calls `on_first_token` as the first new token arrives (a profile marks the prompt's end with it)."""
+
+    def __init__(self, on_first_token: Callable[[], None]):
+        super().__init__(_NoText(), io.StringIO())
+        self.on_first_token = on_first_token
+
+    def put(self, value: torch.Tensor) -> None:
+        first = not self.token_times
+        super().put(value)
+        if first and self.token_times:
+            self.on_first_token()
+
+
+def timed_generate(model, request: dict, decode_tokens: int,
+                   on_first_token: Callable[[], None] | None = None) -> TimedGeneration:
     """The first token's latency and the next `decode_tokens` tokens' rate, as a client sees them.
 
     Through the product's own generation (the lean decode path where the rules have a VisDecoder),
@@ -46,7 +61,7 @@ def timed_generate(model, request: dict, decode_tokens: int) -> TimedGeneration:
     wait is not decode time: it may include work queued for a later request, such as the layerwise
     prefill's copy of the next prompt's first layer.
     """
-    streamer = TimingStreamer(_NoText(), io.StringIO())
+    streamer = TimingStreamer(_NoText(), io.StringIO()) if on_first_token is None else _MarkingStreamer(on_first_token)
     new_tokens = decode_tokens + 1  # the first token comes out of the prefill
     engine = decode_engine(model)
     if engine is not None:

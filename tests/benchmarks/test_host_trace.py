@@ -1,4 +1,4 @@
-"""The host-trace summary (benchmarks/host_trace.py): the prefill window ends at the first graph launch,
+"""The host-trace summary (benchmarks/host_trace.py): the prefill window ends at decode's first graph launch,
 ops nested in another count once toward the window's coverage, runtime calls are totalled per name; and
 it reads the trace a CPU run of decode_bench --kernels writes."""
 
@@ -32,6 +32,22 @@ def test_the_prefill_window_ends_at_the_first_graph_launch(tmp_path):
     assert runtime["calls"] == 3 and runtime["top"][0]["name"] == "cudaStreamSynchronize"
     assert {t["name"] for t in summary["categories"]["cpu_op"]["top"]} == {"aten::linear", "aten::mm", "aten::add"}
     assert main([str(path)]) == 0
+
+
+def test_the_vision_towers_replay_does_not_end_the_window_where_the_first_token_is_marked(tmp_path):
+    """The prompt replays the vision tower's graph (at 200) before its eager layers; decode's first replay
+    (1000) is the first graph launch after the last eager launch before the first token's mark (1050)."""
+    from benchmarks.kernel_timeline import FIRST_TOKEN
+
+    events = [event("cuda_runtime", "cudaLaunchKernel", 0, 10), event("cuda_runtime", "cudaGraphLaunch", 200, 20),
+              event("cpu_op", "aten::linear", 300, 400), event("cuda_driver", "cuLaunchKernel", 500, 10),
+              event("cuda_runtime", "cudaGraphLaunch", 1000, 20), event("user_annotation", FIRST_TOKEN, 1050, 1),
+              event("cuda_runtime", "cudaGraphLaunch", 1100, 20)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert prefill_summary(load_events(path))["window_ms"] == pytest.approx(1.0)   # 0 .. 1000 us, not .. 200
+    path.write_text(json.dumps({"traceEvents": events[:5] + events[6:]}))          # no mark: the first replay
+    assert prefill_summary(load_events(path))["window_ms"] == pytest.approx(0.2)
 
 
 def test_waits_are_told_by_the_op_that_issued_them(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.decode_bench import kernel_report
-from benchmarks.kernel_timeline import _busy, summarize
+from benchmarks.kernel_timeline import _busy, decode_start, summarize
 
 
 def test_busy_is_the_union_of_intervals():
@@ -55,6 +55,32 @@ def test_the_report_gives_the_prefill_before_the_first_replay():
     report = kernel_report([{"config": "c", "kernels": {**decode, "window": "decode", "prefill": prefill}}])
     assert "c, the prefill before it: 5.00 ms from its first kernel to its last, 4.00 busy, 2 kernels" in report
     assert "| `grouped_mm` | 3.000 | 1 |" in report
+
+
+def test_decode_starts_after_the_prompts_last_eager_launch_not_at_the_vision_towers_replay():
+    """Host launches (start, graph launch): the prompt's eager kernels, the vision tower's graph among them,
+    then decode's graphs, one launched ahead of the first token's arrival (the mark at 50)."""
+    launches = [(1, False), (2, False), (5, True), (10, False), (30, False), (40, True), (60, True), (70, True)]
+    assert decode_start(launches, first_token_ns=50) == 40      # not the tower's replay at 5
+    assert decode_start(launches, first_token_ns=None) == 5      # no mark (a batched run): the first replay
+    assert decode_start([(1, False), (2, False)], 50) is None    # eager: no window
+    assert decode_start([(5, True), (60, True)], 50) == 5       # no eager launch at all: the first replay
+    assert decode_start([(1, False), (5, True), (60, False)], 50) == 5  # an eager launch after the mark: decode's
+
+
+def test_the_first_token_is_marked_once_as_it_arrives():
+    """timed_generate's `on_first_token` runs once, when the first new token reaches the host (before the rest)."""
+    import torch
+
+    from benchmarks.bench.timing import _MarkingStreamer
+
+    seen = []
+    streamer = _MarkingStreamer(lambda: seen.append(len(streamer.token_times)))
+    streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt: skipped
+    assert seen == []
+    streamer.put(torch.tensor([7]))
+    streamer.put(torch.tensor([8]))
+    assert seen == [1] and len(streamer.token_times) == 2
 
 
 def test_decode_bench_kernels_on_the_cpu(tmp_path):
