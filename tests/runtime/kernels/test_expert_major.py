@@ -106,10 +106,14 @@ def test_kernels_compile_for_hopper(hopper):
     n, k, warps, stages = tuned["down"]
     hopper.compile(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
                    {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-    hopper.compile(em._blocks_chunked_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
-                                               "P": "i32", "E": "constexpr", "EP": "constexpr", "CHUNK": "constexpr",
-                                               "CHUNKS": "constexpr", "BLOCK_M": "constexpr"},
-                   {"E": 128, "EP": 128, "CHUNK": em.PLAN_CHUNK, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=8, num_stages=1)
+    hopper.compile(em._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "P": "i32", "EP": "constexpr",
+                                             "CHUNK": "constexpr"},
+                   {"EP": 128, "CHUNK": em.PLAN_CHUNK}, num_warps=4, num_stages=1)
+    hopper.compile(em._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "expert_ptr": "*i64",
+                                            "pairs_ptr": "*i64", "P": "i32", "chunks": "i32", "E": "constexpr",
+                                            "EP": "constexpr", "CHUNK": "constexpr", "CHUNKS": "constexpr",
+                                            "BLOCK_M": "constexpr"},
+                   {"E": 128, "EP": 128, "CHUNK": em.PLAN_CHUNK, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=4, num_stages=1)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
         hopper.compile(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
                                            "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
