@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.bench.timing import timed_generate
+from benchmarks.bench.timing import FIRST_TOKEN, mark_first_token, timed_generate
 
 
 def _busy(intervals: list[tuple[int, int]]) -> int:
@@ -87,14 +87,13 @@ def summarize(kernels: list[tuple[str, int, int, int]], steps: int, top: int = 2
     }
 
 
-FIRST_TOKEN = "vismmoe-kt: first token"  # the trace's marker of the first token's arrival on the host
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def decode_start(launches: list[tuple[int, bool]], first_token_ns: int | None) -> int | None:
     """The host time (ns) of decode's first graph launch, from the host's launches (start ns, a graph launch
     or not) and the first token's mark: the first graph launch after the last eager launch before the mark.
-    Without a mark (a batched run), the first graph launch; None without graph launches (an eager run)."""
+    Without a mark, the first graph launch; None without graph launches (an eager run)."""
     graphs = sorted(start for start, graph in launches if graph)
     if not graphs:
         return None
@@ -109,12 +108,8 @@ def profile_kernels(model, request: dict, decode_tokens: int, trace_path: Path |
     """One more request under torch.profiler; the decode window's kernels summarized (see summarize)."""
     rate: list[float] = []
 
-    def mark() -> None:
-        with torch.profiler.record_function(FIRST_TOKEN):
-            pass
-
     def run() -> int:
-        rate.append(timed_generate(model, request, decode_tokens, on_first_token=mark).decode_tok_s)
+        rate.append(timed_generate(model, request, decode_tokens, on_first_token=mark_first_token).decode_tok_s)
         return decode_tokens
 
     summary = profile_run(run, trace_path)

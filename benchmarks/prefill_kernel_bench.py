@@ -14,7 +14,8 @@ slab for every expert). Rows, each the median of CUDA-event timings of a capture
 
 Each with its error against grouped GEMM on the dequantized weights; "quarter steps": the kernels decoding a
 quarter super-block a step. `--tune`: the expert-major kernels' (block M, columns per program, warps, stages,
-piece) at T = 512, fastest first (tuning.json's quantized_prefill).
+piece) at T = `--tune-tokens` (512), fastest first (tuning.json's quantized_prefill); below 400 tokens (fewer
+than 25 pairs an expert) blocks of 16 and 32, else of 32 and 64.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def routing(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, list[torch
 def main() -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for prefill_kernel_bench.json")
-    parser.add_argument("--tune", action="store_true", help="sweep the expert-major kernels' tiles at T = 512")
+    parser.add_argument("--tune", action="store_true", help="sweep the expert-major kernels' tiles at T = --tune-tokens")
+    parser.add_argument("--tune-tokens", type=int, default=512, metavar="T",
+                        help="the prompt's tokens the sweep times (236: a 448 px picture's; default 512)")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     torch.manual_seed(0)
@@ -108,11 +111,15 @@ def main() -> int:
             print(f"T={tokens:4d} {name:36s} {seconds / LAYERS * 1e6:8.1f} us a layer  error {error:.1e}", flush=True)
     write(args.out, device, rows, sweep)
     if args.tune:  # after every row, so a timeout leaves them all
-        x, w, ids = routing(512, device)
-        no_land = torch.full((512 * K,), -1, dtype=torch.long, device=device)
+        if args.tune_tokens < 1:
+            parser.error(f"--tune-tokens {args.tune_tokens}: a prompt has at least one token")
+        x, w, ids = routing(args.tune_tokens, device)
+        no_land = torch.full((args.tune_tokens * K,), -1, dtype=torch.long, device=device)
+        # blocks about a short prompt's pairs an expert (236 tokens: 15), or a long one's
+        blocks = (16, 32) if args.tune_tokens < 400 else (32, 64)
         # whole super-blocks a step (pipelining them spills), or quarters of them with 1-3 stages
-        shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))]
-        shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product((32, 64), (64, 128), (4, 8), (1, 2, 3))]
+        shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product(blocks, (32, 64, 128), (4, 8))]
+        shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product(blocks, (32, 64, 128), (4, 8), (1, 2, 3))]
         for block_m, n, warps, stages, piece in shapes:
             for part in ("gate_up", "down"):
                 tiles = {f"{part}_tiles": (n, warps, stages, piece)}

@@ -102,6 +102,9 @@
 #                                                   the load forms swept, e.g. shared,dp4a)
 #   bash scripts/device_session.sh prefillk         a prompt's routed experts on Q4_K slabs at 236, 512 and 824 tokens, kernels
 #                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
+#                                                   (at PK_TUNE_TOKENS tokens, 512; 236: a 448 px prompt's)
+#   bash scripts/device_session.sh prefillcompare DIR  those rows in DIR's code (a tree before a change, carried),
+#                                                   then in this tree's, one call
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
@@ -355,9 +358,18 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                  --quantized --tune --formats "$formats" ${KQ_FORMS:+--forms "$KQ_FORMS"} > "$OUT/kq-after.txt" || true
                [[ $ref == - ]] || grep -E '"(tuned|us_per_layer|gb_s|relative_error_vs_dequantized)"|"q[0-9]' "$OUT/kq-before.txt" || true
                tail -n 8 "$OUT/kq-after.txt" ;;
-    prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept)
+    prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept
+                     # at PK_TUNE_TOKENS tokens, 512)
               timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
-                ${PK_TUNE:+--tune} | tee "$OUT/prefillk.txt" || true ;;
+                ${PK_TUNE:+--tune --tune-tokens ${PK_TUNE_TOKENS:-512}} | tee "$OUT/prefillk.txt" || true ;;
+    prefillcompare) shift  # the same kernels' rows in DIR's code (before), then in this tree's (after)
+              ref=$1; shift
+              for side in "$ref" .; do
+                name=$([[ $side == . ]] && echo after || echo before)
+                (cd "$side" && PYTHONPATH=. timeout ${PK_TIMEOUT:-150} python3 -m benchmarks.prefill_kernel_bench \
+                   --out "$OUT/prefill-$name" > "$OUT/prefill-$name.txt" 2>&1) || true
+                grep "expert-major" "$OUT/prefill-$name.txt" | sed "s/^/$name /" || true
+              done ;;
     defaults) shift  # the default rules (qwen3vl.yaml: VisMMOE whole) against lru at the same budgets, per PX
               configs=${DEFAULTS_CONFIGS:-"vismmoe:expert_budget=16GiB lru:expert_budget=16GiB vismmoe:expert_budget=32GiB
                 lru:expert_budget=32GiB vismmoe:expert_budget=6GiB,store_dtype=q4_k lru:expert_budget=6GiB,store_dtype=q4_k"}
@@ -470,6 +482,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, prefillcompare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done

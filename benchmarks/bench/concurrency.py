@@ -26,6 +26,7 @@ from PIL import Image
 from vismmoe_kt.engine.runner import PREFILL_BUDGET, BatchRequest, ModelRunner
 from vismmoe_kt.engine.inputs import build_inputs, user_turn
 from benchmarks.bench.inputs import PROMPT
+from benchmarks.bench.timing import mark_first_token
 
 
 def concurrent_requests(processor: Any, n: int, size: int, device: torch.device | str, first: int = 0) -> list[dict]:
@@ -52,14 +53,16 @@ def _agreeing(got: list[int], want: list[int]) -> float:
     return same / max(len(want), 1)
 
 
-def _run(runner: ModelRunner, requests: list[dict], tokens: int,
-         generated: list[list[int]] | None = None) -> tuple[list[list[float]], list[tuple[float, int]]]:
+def _run(runner: ModelRunner, requests: list[dict], tokens: int, generated: list[list[int]] | None = None,
+         on_first_token: Callable[[], None] | None = None) -> tuple[list[list[float]], list[tuple[float, int]]]:
     """Every request's token times and every step's (end time, decode batch size); each request's
-    tokens into `generated` if given."""
+    tokens into `generated` if given; `on_first_token` called as the run's first token arrives."""
     times: list[list[float]] = [[] for _ in requests]
     generated = [[] for _ in requests] if generated is None else generated
 
     def record(i: int, token: int) -> None:
+        if on_first_token is not None and not any(times):
+            on_first_token()
         times[i].append(time.perf_counter())
         generated[i].append(token)
 
@@ -127,7 +130,8 @@ def measure_concurrency(model: Any, requests: list[dict], tokens: int, pcie_byte
     if profile is not None:
         def run() -> int:
             runner.forget_histories()
-            return sum(1 for _, size in _run(runner, requests, tokens)[1] if size)
+            # the first token marks the prompts' end in the trace (kernel_timeline.decode_start)
+            return sum(1 for _, size in _run(runner, requests, tokens, on_first_token=mark_first_token)[1] if size)
 
         result["kernels"] = profile(run)
     return result

@@ -35,6 +35,16 @@ class TimedGeneration(NamedTuple):
     gaps_s: list[float]        # seconds between consecutive tokens' arrivals
 
 
+FIRST_TOKEN = "vismmoe-kt: first token"  # a profile's marker of the first token's arrival on the host
+
+
+def mark_first_token() -> None:
+    """Marks the first token's arrival in a running torch.profiler trace (kernel_timeline.decode_start finds
+    the prompt's end by it)."""
+    with torch.profiler.record_function(FIRST_TOKEN):
+        pass
+
+
 class _MarkingStreamer(TimingStreamer):
     """Calls `on_first_token` as the first new token arrives (a profile marks the prompt's end with it)."""
 

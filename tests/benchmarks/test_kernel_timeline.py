@@ -62,7 +62,7 @@ def test_decode_starts_after_the_prompts_last_eager_launch_not_at_the_vision_tow
     then decode's graphs, one launched ahead of the first token's arrival (the mark at 50)."""
     launches = [(1, False), (2, False), (5, True), (10, False), (30, False), (40, True), (60, True), (70, True)]
     assert decode_start(launches, first_token_ns=50) == 40      # not the tower's replay at 5
-    assert decode_start(launches, first_token_ns=None) == 5      # no mark (a batched run): the first replay
+    assert decode_start(launches, first_token_ns=None) == 5      # no mark: the first replay
     assert decode_start([(1, False), (2, False)], 50) is None    # eager: no window
     assert decode_start([(5, True), (60, True)], 50) == 5       # no eager launch at all: the first replay
     assert decode_start([(1, False), (5, True), (60, False)], 50) == 5  # an eager launch after the mark: decode's
@@ -92,3 +92,30 @@ def test_decode_bench_kernels_on_the_cpu(tmp_path):
     assert row["kernels"]["window"] == "the whole request (no graph replays)"  # no CUDA: no device kernels
     assert row["kernels"]["wall_ms_per_step"] > 0
     assert (out / "kernels.md").exists() and list(out.glob("trace-offload_expert_budget=12MiB.json.gz"))
+
+
+def test_a_batched_run_marks_its_first_token_once():
+    """The concurrency run's profile marks the prompts' end as the first token of any request arrives."""
+    from benchmarks.bench.concurrency import _run
+
+    class Runner:  # every step gives each request a token, until each has its tokens
+        def __init__(self):
+            self.requests, self.left = [], 0
+
+        def add(self, request):
+            self.requests.append(request)
+            self.left = request.max_new_tokens
+
+        @property
+        def idle(self):
+            return self.left == 0
+
+        def step(self):
+            for request in self.requests:
+                request.on_token(7)
+            self.left -= 1
+            return len(self.requests), None
+
+    marks = []
+    times, steps = _run(Runner(), [{}, {}, {}], 4, on_first_token=lambda: marks.append(True))
+    assert marks == [True] and [len(t) for t in times] == [4, 4, 4] and len(steps) == 4
