@@ -105,3 +105,14 @@ def dequantized_reference(store: Any, ids: torch.Tensor, x: torch.Tensor, top_k:
     xs = x.float()[torch.arange(ids.numel()) // top_k]
     gate, up = torch.bmm(gate_up.float(), xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
     return torch.bmm(down.float(), (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
+def assert_nibbles_by_exponent(ptx: str) -> None:
+    """The PTX turns 4-bit weights into floats by the exponent trick (block_decode._nibble_float: an OR of
+    2^23's bits), not by int-to-float conversions, an eighth of the FP32 rate on sm_90: those left are the
+    scales', a few per super-block against one OR per weight pair of nibbles."""
+    import re
+
+    conversions = re.findall(r"cvt\.rn\.f32\.[su]32", ptx)
+    exponents = re.findall(r"or\.b32\s+%r\d+, %r\d+, 1258291200;", ptx)   # | 0x4B000000
+    assert exponents and 4 * len(conversions) <= len(exponents), (len(conversions), len(exponents))

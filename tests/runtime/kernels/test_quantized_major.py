@@ -5,7 +5,7 @@ Qwen3-VL-30B-A3B's shapes (kernel_cases.py: the fixtures, and the stores and the
 
 import pytest
 
-from kernel_cases import hopper, interpreter  # noqa: F401 (fixtures)
+from kernel_cases import assert_nibbles_by_exponent, hopper, interpreter  # noqa: F401 (fixtures)
 
 SCRIPT = r"""
 from vismmoe_kt.runtime.kernels import quantized_major as qm, table_ops
@@ -137,6 +137,8 @@ def test_the_q4_k_expert_major_kernels_read_their_slabs_in_16_byte_loads(hopper,
     assert sum(1 for vector, bits in loads if vector == ".v4" and bits == "32") >= 8
     # the token rows come in the tile's order (in_tile_order): read in runs, not one BF16 element at a time
     assert sum(1 for vector, bits in loads if vector == "" and bits == "16") <= 4
+    # every weight's nibble becomes a float without an int-to-float conversion (block_decode._nibble_float)
+    assert_nibbles_by_exponent(compiled.asm["ptx"])
 
 
 def test_the_token_rows_go_in_the_tiles_column_order():
@@ -187,3 +189,4 @@ def test_the_q4_k_quarter_step_kernels_compile_for_hopper_with_vector_loads(hopp
         assert loads.count(("", "16")) <= 4
         wide = loads.count((".v4", "32")) if stages == 1 else len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
         assert wide >= 3
+        assert_nibbles_by_exponent(ptx)

@@ -13,6 +13,13 @@ TILE_BYTES = {"q8_0": 8 * 34, "q4_0": 8 * 18, "q4_k": 144, "q5_k": 176, "q6_k": 
 
 if tl is not None:
     @triton.jit
+    def _nibble_float(v):
+        """v & 0xF as fp32, exactly, without an int-to-float conversion: on sm_90 a conversion runs at an
+        eighth of the FP32 rate (16 a clock an SM against 128), and the weight decoders convert every weight;
+        2^23 (0x4B000000) with the nibble in its mantissa, less 2^23, is two full-rate instructions."""
+        return ((v & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
     def _scales_mins(at8, s, ok):
         """The k-quants' 6-bit scales and minimums of sub-blocks `s` (S,) from the 12 packed bytes after d
         and dmin, as (R, S) floats (q4k.py's `_scales_and_mins`)."""

@@ -44,7 +44,7 @@ LOAD_FORMS = {"loop": 0, "unrolled": 1, "tile": 2, "shared": 3, "dp4a": 4}
 Q4_K_ONLY = ("shared", "dp4a")
 
 if tl is not None:
-    from .block_decode import _pair_slab, _q4k_header, _q6k_weights, _scales_mins
+    from .block_decode import _nibble_float, _pair_slab, _q4k_header, _q6k_weights, _scales_mins
 
     @triton.jit
     def _kquant_dot(at, xs, ok, FIFTH_BIT: tl.constexpr):
@@ -96,8 +96,8 @@ if tl is not None:
         words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]
                         + (j[:, None] * 8 + w[None, :])[None, :, :], mask=ok[:, :, None], other=0)  # (R, 4, 8)
         shifted = words[:, :, :, None] >> (8 * b)[None, None, None, :]                  # (R, 4, 8, 4)
-        low = (shifted & 0xF).to(tl.float32)
-        high = ((shifted >> 4) & 0xF).to(tl.float32)
+        low = _nibble_float(shifted)
+        high = _nibble_float(shifted >> 4)
         dot_even = tl.sum(tl.sum(low * x_even, axis=3), axis=2)                          # (R, 4)
         dot_odd = tl.sum(tl.sum(high * x_odd, axis=3), axis=2)
         sum_even = tl.sum(tl.sum(x_even, axis=3), axis=2)                                # (1 or R, 4)
@@ -144,8 +144,8 @@ if tl is not None:
         quants = tl.load(words_at + 4 + w[None, None, :], mask=mask, other=0)         # (R, SB_TILE, 32)
         d, dmin, scale_even, min_even, scale_odd, min_odd = _q4k_header(head, k)
         shifted = quants[:, :, :, None] >> (8 * k)[None, None, None, :]                  # (R, SB_TILE, 32, 4)
-        low = (shifted & 0xF).to(tl.float32)
-        high = ((shifted >> 4) & 0xF).to(tl.float32)
+        low = _nibble_float(shifted)
+        high = _nibble_float(shifted >> 4)
         dot_low = tl.sum(tl.reshape(tl.sum(low * x_low, axis=3), R, S, 4, 8), axis=3)   # (R, SB_TILE, 4)
         dot_high = tl.sum(tl.reshape(tl.sum(high * x_high, axis=3), R, S, 4, 8), axis=3)
         scaled = tl.sum(scale_even * dot_low + scale_odd * dot_high, axis=2)

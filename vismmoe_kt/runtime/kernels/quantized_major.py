@@ -172,7 +172,7 @@ def available(dtype: torch.dtype) -> bool:
 
 
 if tl is not None:
-    from .block_decode import _kquant_weights, _q6k_weights, _scales_mins
+    from .block_decode import _kquant_weights, _nibble_float, _q6k_weights, _scales_mins
     from .expert_major import _block
 
     @triton.jit
@@ -208,8 +208,8 @@ if tl is not None:
                 lane = tl.arange(0, 32)
                 quants = tl.load(at8[:, :, None] + 16 + (j[:, None] * 32 + lane[None, :])[None, :, :],
                                  mask=ok[:, :, None], other=0).to(tl.int32)     # (R, 4, 32)
-            low = (quants & 0xF).to(tl.float32)
-            high = ((quants >> 4) & 0xF).to(tl.float32)
+            low = _nibble_float(quants)
+            high = _nibble_float(quants >> 4)
             even = (d * scale_even)[:, :, None] * low - (dmin * min_even)[:, :, None]
             odd = (d * scale_odd)[:, :, None] * high - (dmin * min_odd)[:, :, None]
             weights = tl.reshape(tl.join(even, odd), [R, 256])
@@ -255,8 +255,8 @@ if tl is not None:
         words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True) + (8 * j + w)[None, :],
                         mask=ok, other=0)                                                # (R, 8): 32 quant bytes
         quants = tl.reshape((words[:, :, None] >> (8 * b)[None, None, :]) & 0xFF, [R, 32])
-        low = d * scale_low * (quants & 0xF).to(tl.float32) - dmin * min_low
-        high = d * scale_high * (quants >> 4).to(tl.float32) - dmin * min_high
+        low = d * scale_low * _nibble_float(quants) - dmin * min_low
+        high = d * scale_high * _nibble_float(quants >> 4) - dmin * min_high
         return low, high
 
     @triton.jit
