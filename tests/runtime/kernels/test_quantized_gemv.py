@@ -95,8 +95,10 @@ LOAD_FORMS = r"""
 from vismmoe_kt.runtime.kernels import quantized_gemv, tuning
 from kernel_cases import dequantized_reference, filled_store, q6k_rows
 
-# H = 768: three super-blocks a row, which the tile form pads to four (masked); I = 512: two
-QE, QH, QI, QK = 5, 768, 512, 2
+# H = 768: three super-blocks a gate or up row, which the tile form pads to four (masked); I = 256: one a
+# down row (the interpreter walks every weight one program at a time: I = 512 made this script take 510 s on
+# an idle 2-core machine, 256 366 s)
+QE, QH, QI, QK = 5, 768, 256, 2
 ids = torch.tensor([1, 3, 4, 0])  # tokens 0 and 1, two experts each
 x = torch.randn(2, QH)
 for fmt, down_fmt, word_loads in (("q8_0", None, True), ("q4_0", None, True), ("q4_k", None, True),
@@ -162,7 +164,7 @@ torch.testing.assert_close(got, twin, rtol=0, atol=2e-5 * twin.abs().max().item(
 """
 
 # the interpreter runs one program at a time: on an idle 2-core machine (2026-12-06) LOAD_FORMS takes about
-# 510 s, DP4A about 30 and SCRIPT a few minutes, so a bound well above that (a loaded CI machine), not a
+# 370 s, DP4A about 30 and SCRIPT a few minutes, so a bound well above that (a loaded CI machine), not a
 # timing assertion
 INTERPRETER_TIMEOUT = 1200
 
