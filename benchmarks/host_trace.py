@@ -1,7 +1,7 @@
 """Where the host's time goes in a profiled request: a torch.profiler chrome trace (what `decode_bench
 --kernels` writes as trace-*.json.gz) read back, the prefill window (everything before decode's first CUDA
-graph launch, found from the first token's mark: kernel_timeline.decode_start) summarized by runtime call and by top-level op, and how much of the window those ops cover
-(the rest is Python between them).
+graph launch, found from the first token's mark: kernel_timeline.decode_start) summarized by runtime call
+and by top-level op, and how much of the window those ops cover (the rest is Python between them).
 
     python -m benchmarks.host_trace OUT/trace-*.json.gz
 
@@ -34,8 +34,8 @@ def load_events(path: str | Path) -> list[dict]:
 
 def prefill_summary(events: list[dict], top: int = 20) -> dict:
     """The host's events before decode's first graph launch (kernel_timeline.decode_start; all of them when there
-    is none): the window, per
-    category the total and the top names by time, and the top-level ops' share of the window."""
+    is none): the window, per category the total and the top names by time, and the top-level ops' share of
+    the window."""
     launches = [(e["ts"], "GraphLaunch" in e["name"]) for e in events
                 if "GraphLaunch" in e.get("name", "") or e.get("name") in KERNEL_LAUNCHES]
     marks = [e["ts"] for e in events if e.get("name") == FIRST_TOKEN]

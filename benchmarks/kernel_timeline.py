@@ -135,12 +135,11 @@ def profile_run(run: Callable[[], int], trace_path: Path | None = None) -> dict:
     rows = sorted(((e.name(), e.device_resource_id(), e.start_ns(), e.duration_ns(),
                     launched_at.get(e.correlation_id(), e.start_ns())) for e in events
                    if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0), key=lambda k: k[2])
-    kernels = [row[:4] for row in rows]
     marks = [e.start_ns() for e in events if e.name() == FIRST_TOKEN]
     # decode starts at its first graph replay (the warm-up captured every graph before this request); an
     # eager run has no replay and is summarized whole, prefill included (the summary says so)
     start = decode_start([(e.start_ns(), "GraphLaunch" in e.name()) for e in launch_events], min(marks, default=None))
-    decode = kernels if start is None else [row[:4] for row in rows if row[4] >= start]
+    decode = [row[:4] for row in rows if start is None or row[4] >= start]
     if trace_path is not None:
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         raw = trace_path.with_suffix("")

@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--tune-tokens", type=int, default=512, metavar="T",
                         help="the prompt's tokens the sweep times (236: a 448 px picture's; default 512)")
     args = parser.parse_args()
+    if args.tune_tokens < 1:  # before minutes of rows, not after them
+        parser.error(f"--tune-tokens {args.tune_tokens}: a prompt has at least one token")
     device = torch.device("cuda:0")
     torch.manual_seed(0)
     store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=FMT)
@@ -111,8 +113,6 @@ def main() -> int:
             print(f"T={tokens:4d} {name:36s} {seconds / LAYERS * 1e6:8.1f} us a layer  error {error:.1e}", flush=True)
     write(args.out, device, rows, sweep)
     if args.tune:  # after every row, so a timeout leaves them all
-        if args.tune_tokens < 1:
-            parser.error(f"--tune-tokens {args.tune_tokens}: a prompt has at least one token")
         x, w, ids = routing(args.tune_tokens, device)
         no_land = torch.full((args.tune_tokens * K,), -1, dtype=torch.long, device=device)
         # blocks about a short prompt's pairs an expert (236 tokens: 15), or a long one's
