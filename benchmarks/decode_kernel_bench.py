@@ -340,6 +340,8 @@ def batch_quantized_rows(device, sweep: bool, fmt: str = "q4_k") -> dict:
             tiles = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)))
             if fmt == "q4_k":
                 tiles += list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3), (64,)))
+                # the decoded weights first, read by the tensor cores from registers (one stage: tile_form)
+                tiles += list(itertools.product((64, 128, 256), (4, 8), (1,), (64,), ("weights",)))
             tuning = sweep_tiles(major, tiles)
     return {"quantized_rows": rows, "quantized_tuning": tuning}
 

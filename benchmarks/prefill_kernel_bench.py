@@ -13,9 +13,12 @@ slab for every expert). Rows, each the median of CUDA-event timings of a capture
   BF16 grouped GEMM           the same pairs over a resident BF16 bank (a pinned layer): for scale
 
 Each with its error against grouped GEMM on the dequantized weights; "quarter steps": the kernels decoding a
-quarter super-block a step. `--tune`: the expert-major kernels' (block M, columns per program, warps, stages,
-piece) at T = `--tune-tokens` (512), fastest first (tuning.json's quantized_prefill); below 400 tokens (fewer
-than 25 pairs an expert) blocks of 16 and 32, else of 32 and 64.
+quarter super-block a step; "weights first": the same with the decoded weights as the tensor cores' first
+operand, read from registers (quantized_major.tile_form). `--tune`: the expert-major kernels' (block M, columns
+per program, warps, stages, piece[, order]) at T = `--tune-tokens` (512), fastest first (tuning.json's
+quantized_prefill); below 400 tokens (fewer than 25 pairs an expert) blocks of 16 and 32, else of 32 and 64.
+`--adopt` then writes the fastest into this machine's copy of tuning.json (`adopt`), so the commands after it
+in the same call (decode_bench end to end) run them; the committed file changes only when its diff is committed.
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ def main() -> int:
     parser.add_argument("--tune", action="store_true", help="sweep the expert-major kernels' tiles at T = --tune-tokens")
     parser.add_argument("--tune-tokens", type=int, default=512, metavar="T",
                         help="the prompt's tokens the sweep times (236: a 448 px picture's; default 512)")
+    parser.add_argument("--adopt", action="store_true",
+                        help="with --tune: write the fastest tiles into tuning.json's entry for this GPU")
     args = parser.parse_args()
+    if args.adopt and not args.tune:
+        parser.error("--adopt writes what --tune measured: give both")
     if args.tune_tokens < 1:  # before minutes of rows, not after them
         parser.error(f"--tune-tokens {args.tune_tokens}: a prompt has at least one token")
     device = torch.device("cuda:0")
@@ -104,6 +111,9 @@ def main() -> int:
         # a quarter super-block a kernel step (fewer registers: two pipeline stages fit)
         runs += [(f"expert-major, block M {m}, quarter steps", major(m, (64, 4, 2, 64), (128, 4, 2, 64)))
                  for m in (32, 64)]
+        # the decoded weights first: the tensor cores read them from registers (one stage: see tile_form)
+        runs += [(f"expert-major, block M {m}, weights first", major(m, (128, 4, 1, 64, "weights"),
+                                                                    (128, 4, 1, 64, "weights"))) for m in (16, 32, 64)]
         runs += [("BF16 grouped GEMM (resident bank)", bf16_grouped)]
         for name, run in runs:
             error = float((run()[0].float() - want).norm() / want.norm())
@@ -120,24 +130,52 @@ def main() -> int:
         # whole super-blocks a step (pipelining them spills), or quarters of them with 1-3 stages
         shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product(blocks, (32, 64, 128), (4, 8))]
         shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product(blocks, (32, 64, 128), (4, 8), (1, 2, 3))]
-        for block_m, n, warps, stages, piece in shapes:
+        # the decoded weights first (one stage; 64 rows and more: a Hopper warp group's product is 64 rows)
+        shapes += [(m, n, w, 1, 64, "weights") for m, n, w in itertools.product(blocks, (64, 128, 256), (4, 8))]
+        for block_m, n, warps, stages, *piece in shapes:
             for part in ("gate_up", "down"):
-                tiles = {f"{part}_tiles": (n, warps, stages, piece)}
+                tiles = {f"{part}_tiles": (n, warps, stages, *piece)}
                 try:
                     seconds = timed(major(block_m, **tiles), repeats=5)
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses
-                    sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
+                    sweep.append({"part": part, "block_m": block_m, "tiles": tiles[f"{part}_tiles"],
                                   "error": str(exc)[:200]})
                     continue
-                sweep.append({"part": part, "block_m": block_m, "tiles": (n, warps, stages, piece),
+                sweep.append({"part": part, "block_m": block_m, "tiles": tiles[f"{part}_tiles"],
                               "us_per_layer": seconds / LAYERS * 1e6})
-                print(f"tune {part} M={block_m} {(n, warps, stages, piece)} {seconds / LAYERS * 1e6:.1f} us", flush=True)
+                print(f"tune {part} M={block_m} {tiles[f'{part}_tiles']} {seconds / LAYERS * 1e6:.1f} us", flush=True)
         sweep.sort(key=lambda r: (r["part"], r.get("us_per_layer", 1e9)))
         for part in ("gate_up", "down"):
             best = [r for r in sweep if r["part"] == part][:4]
             print(part, [(r["block_m"], r["tiles"], round(r.get("us_per_layer", 0), 1)) for r in best], flush=True)
+        if args.adopt:
+            name = torch.cuda.get_device_name(0)
+            print(f"adopted for {name}:", json.dumps(adopt(sweep, args.tune_tokens, name)), flush=True)
     write(args.out, device, rows, sweep)
     return 0
+
+
+def adopt(sweep: list[dict], tokens: int, device_name: str, table: Path = kernel_tuning.TABLE) -> dict:
+    """The sweep's fastest gate_up tile with its block M, and the fastest down tile at that block M, written into
+    `table`'s entry for `device_name` as its quantized_prefill tiles for a prompt of `tokens` tokens: the `long`
+    ones where the entry has them and the prompt reaches their threshold (tuning.prefill_tiles), else the
+    others. Each tile was timed beside the other kernel's tuned one, so the pair is the sweep's best guess;
+    decode_bench end to end is the judge. Returns what the entry's quantized_prefill became."""
+    timed_rows = [r for r in sweep if "us_per_layer" in r]
+    gate_up = min((r for r in timed_rows if r["part"] == "gate_up"), key=lambda r: r["us_per_layer"], default=None)
+    down = min((r for r in timed_rows if r["part"] == "down" and gate_up and r["block_m"] == gate_up["block_m"]),
+               key=lambda r: r["us_per_layer"], default=None)
+    if gate_up is None or down is None:
+        raise ValueError("the sweep timed no gate_up and down tiles at one block M: nothing to adopt")
+    data = json.loads(table.read_text(encoding="utf-8"))
+    entry = data.setdefault(device_name, {})
+    prefill = entry.setdefault("quantized_prefill", dict(data[kernel_tuning.DEFAULT]["quantized_prefill"]))
+    long = prefill.get("long")
+    target = long if long is not None and tokens * K / E >= long["from_pairs_per_expert"] else prefill
+    target.update(block_m=gate_up["block_m"], gate_up=list(gate_up["tiles"]), down=list(down["tiles"]))
+    table.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    kernel_tuning.entry.cache_clear()
+    return prefill
 
 
 def write(out_dir: str, device, rows: list, sweep: list) -> None:

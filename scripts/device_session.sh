@@ -102,7 +102,8 @@
 #                                                   the load forms swept, e.g. shared,dp4a)
 #   bash scripts/device_session.sh prefillk         a prompt's routed experts on Q4_K slabs at 236, 512 and 824 tokens, kernels
 #                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
-#                                                   (at PK_TUNE_TOKENS tokens, 512; 236: a 448 px prompt's)
+#                                                   (at PK_TUNE_TOKENS tokens, 512; 236: a 448 px prompt's); PK_ADOPT=1
+#                                                   writes the fastest into this machine's tuning.json for the later stages
 #   bash scripts/device_session.sh prefillcompare DIR  those rows in DIR's code (a tree before a change, carried),
 #                                                   then in this tree's, one call
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
@@ -360,8 +361,10 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                tail -n 8 "$OUT/kq-after.txt" ;;
     prefillk) shift  # a prompt's experts on Q4_K slabs, kernels alone (PK_TUNE=1: the expert-major tiles swept
                      # at PK_TUNE_TOKENS tokens, 512)
+              # (PK_ADOPT=1 with PK_TUNE: the fastest written into this machine's tuning.json for the stages after)
               timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
-                ${PK_TUNE:+--tune --tune-tokens ${PK_TUNE_TOKENS:-512}} | tee "$OUT/prefillk.txt" || true ;;
+                ${PK_TUNE:+--tune --tune-tokens ${PK_TUNE_TOKENS:-512} ${PK_ADOPT:+--adopt}} | tee "$OUT/prefillk.txt" \
+                || true ;;
     prefillcompare) shift  # the same kernels' rows in DIR's code (before), then in this tree's (after)
               ref=$1; shift
               for side in "$ref" .; do

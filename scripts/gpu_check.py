@@ -18,7 +18,8 @@ GPU's Triton kernels against the CPU's torch twins (which the CPU tests hold to 
 dequantization): a tiny fp32 model offloaded at its smallest budget, so decode misses read the store;
 then the same with quantized slabs (`slab_format: quantized`, slabs for 40 of the 64 offloaded experts); then
 in BF16 the streamed prefill on quantized slabs computed in place by the expert-major kernels, against the same
-prompt on dequantized slabs; and the Q4_K GEMVs' dp4a form against its twin at full size.
+prompt on dequantized slabs; and at full size the Q4_K GEMVs' dp4a form against its twin and the prompt's
+expert-major kernels in each tile form (the tokens or the weights first) against the fp32 reference.
 
 `--gpu-prefill`: instead, the KTransformers-style rule's layerwise GPU prefill (gpu_prefill_tokens): a tiny fp32
 model's prompt with each layer's experts copied from a host copy (model dtype, Q8_0, Q4_K) a layer ahead and
@@ -524,11 +525,51 @@ def check_stores(out: str | None) -> int:
         print(json.dumps(row), flush=True)
     ok &= check_settled(model_dir, spec, layer, image, results)
     ok &= check_streamed(model_dir, spec, layer, image, results)
-    row = check_dp4a()
-    results.append(row)
-    print(json.dumps(row), flush=True)
-    ok &= row["ok"]
+    for row in (check_dp4a(), check_major_forms()):
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        ok &= row["ok"]
     return finish(results, ok, out)
+
+
+def check_major_forms(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, experts: int = 16,
+                      tokens: int = 32, top_k: int = 8) -> dict:
+    """A prompt's quantized expert-major kernels (Q4_K slabs) in each tile form, whole super-blocks and quarter
+    steps with the tokens first and quarter steps with the weights first (quantized_major.tile_form), at
+    Qwen3-VL-30B-A3B's shapes against the fp32 reference on the CPU (the store's dequantized weights, expert by
+    expert). The GPU rounds the activations, the weights and h to BF16, which leaves about 5e-3 of the outputs'
+    norm (prefill_kernel_bench's error column); a wrong block, scale or nibble moves them by tens of percents, so
+    the bound is 2e-2."""
+    from vismmoe_kt.runtime.kernels import quantized_major
+
+    gen = torch.Generator().manual_seed(0)
+    store = ExpertStore(experts, hidden, inter, torch.float32, False, fmt="q4_k")
+    store.fill_layer(0, torch.randn(experts, 2 * inter, hidden, generator=gen) / 50,
+                     torch.randn(experts, hidden, inter, generator=gen) / 50)
+    gate_up, down = store.dequantized(store.layers[0], 0)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    want = torch.empty(tokens * top_k, hidden)
+    pairs = ids.reshape(-1)
+    for e in range(experts):  # the fp32 reference, expert by expert
+        at = (pairs == e).nonzero().squeeze(1)
+        gate, up = (x[at // top_k] @ gate_up[e].T).chunk(2, dim=-1)
+        want[at] = (torch.nn.functional.silu(gate) * up) @ down[e].T
+    pool = store.layers[0].to(device)  # slab e holds expert e
+    slots = pairs.to(device)
+    land = torch.full_like(slots, -1)
+    forms = {"tokens first, whole super-blocks": ((64, 4, 1), (128, 4, 1), 32),
+             "tokens first, quarter steps": ((64, 4, 2, 64), (128, 4, 2, 64), 32),
+             "weights first, block M 16": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 16),
+             "weights first, block M 32": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32)}
+    errors = {}
+    for name, (gate_up_tiles, down_tiles, block_m) in forms.items():
+        got = quantized_major.experts_quantized_major(
+            x.to(device, torch.bfloat16), ids.to(device), slots, land, pool, pool, "q4_k", "q4_k", inter, experts,
+            gate_up_tiles, down_tiles, block_m=block_m).cpu()
+        errors[name] = ((got - want).norm() / want.norm()).item()
+    return {"check": "q4_k expert-major kernels' tile forms vs the fp32 reference", "relative_errors": errors,
+            "ok": all(error <= 2e-2 for error in errors.values())}
 
 
 def check_dp4a(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, experts: int = 16,

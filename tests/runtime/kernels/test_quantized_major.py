@@ -54,6 +54,11 @@ for fmt, down_fmt in (("q4_k", None), ("q8_0", None), ("q4_0", None), ("q5_k", N
         quarters = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, fmt, I, E,
                                               (32, 4, 1, 64), (64, 4, 1, 64), block_m=32)
         torch.testing.assert_close(quarters, wide, rtol=0, atol=1e-3 * scale)
+    if fmt == "q4_k":  # the decoded weights first (quarter steps; a Q6_K down falls back to whole super-blocks)
+        rows = qm.experts_quantized_major(x, top_k_index, slots, land, pool, staging, fmt, down_fmt or fmt, I, E,
+                                          (64, 4, 1, 64, "weights"), (64, 4, 1, 64, "weights"), block_m=32)
+        torch.testing.assert_close(rows, ref, rtol=0, atol=4e-3 * scale)
+        torch.testing.assert_close(rows, got, rtol=0, atol=1e-3 * scale)
 
 # the table's lookup of several tokens in one launch (a program per token) against the twin's token
 # after token, then each token's landings published by the combine
@@ -190,3 +195,57 @@ def test_the_q4_k_quarter_step_kernels_compile_for_hopper_with_vector_loads(hopp
         wide = loads.count((".v4", "32")) if stages == 1 else len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
         assert wide >= 3
         assert_nibbles_by_exponent(ptx)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_the_weights_first_kernels_decode_in_the_tensor_cores_registers(hopper, block_m):
+    """With the decoded weights first (order "weights"), compiled for sm_90 as a launch specializes it: Hopper's
+    warp-group products read the weights from registers. The only values passing through shared memory into that
+    operand are the quant bytes (int8, two weights a byte, read from the slab in 16-byte loads) and each row's
+    constants, never a tile of decoded weights; each nibble becomes a float by an OR into 1.0's mantissa, not an
+    int-to-float conversion."""
+    import re
+
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+
+    blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*u8",
+              "slab_bytes": "i64", "staging_offset": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr",
+              "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    shapes = {**hopper.shapes, "BLOCK_M": block_m, "BLOCK_N": 128, "SB_BYTES": qm.TILE_BYTES["q4_k"]}
+    aligned = ("pool_ptr", "slab_bytes", "staging_offset", "staging_bytes")
+    kernels = [hopper.compile(qm._gate_up_q_rows, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
+                                                   "DOWN_KIND": "constexpr", **blocks},
+                              {**shapes, "TOP_K": 8, "DOWN_KIND": qm.IN_ORDER}, num_warps=4, num_stages=1,
+                              aligned=("x_ptr", "h_ptr", *aligned)),
+               hopper.compile(qm._down_q_rows, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
+                              {**shapes, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES["q4_k"]},
+                              num_warps=4, num_stages=1, aligned=("h_ptr", "y_ptr", *aligned))]
+    for compiled in kernels:
+        ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+        assert "wgmma.mma_async" in ptx
+        # each step's quant bytes in 16-byte loads, whatever the byte-wise decoding does after them
+        assert re.findall(r"ld\.global\.v4\.b32", ptx) and not re.findall(r"ld\.global\.b32", ptx)
+        # what shared memory hands the products' first operand: (rows, 32) int8 quant bytes or (rows, 1) constants
+        operands = re.findall(r"-> tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = 0", ttgir)
+        loaded = re.findall(r"ttg\.local_load [^\n]*-> tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = 0", ttgir)
+        assert operands and ("128", "32", "i8") in loaded
+        assert all(kind == "i8" or cols == "1" for _, cols, kind in loaded), loaded
+        ones = re.findall(r"or\.b32\s+%r\d+, %r\d+, 1065353216;", ptx)   # | 0x3F800000
+        conversions = re.findall(r"cvt\.rn\.f32\.[su]32", ptx)    # the scales' few, not one a weight
+        assert ones and len(ones) >= 4 * len(conversions), (len(ones), len(conversions))
+
+
+def test_a_tiles_order_is_checked_and_reaches_only_q4_k_quarter_steps():
+    """tile_form reads (N, warps, stages[, piece[, order]]); the weights-first order needs quarter steps, and any
+    other format keeps whole super-blocks with the tokens first (weights_first is false for it)."""
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+
+    assert qm.tile_form((64, 4, 1)) == (64, 4, 1, 256, "tokens")
+    form = qm.tile_form((128, 4, 1, 64, "weights"))
+    assert form == (128, 4, 1, 64, "weights")
+    assert qm.weights_first("q4_k", form) and qm.quarter_steps("q4_k", form)
+    assert not qm.weights_first("q6_k", form) and not qm.weights_first("q4_k", qm.tile_form((128, 4, 1, 64)))
+    with pytest.raises(ValueError, match="quarter super-block"):
+        qm.tile_form((128, 4, 1, 256, "weights"))
+    with pytest.raises(ValueError, match="order 'columns'"):
+        qm.tile_form((128, 4, 1, 64, "columns"))

@@ -66,22 +66,41 @@ IN_ORDER = 0  # a kernel's `_tile_position` code for columns in order
 
 
 PIECES = (256, 64)  # input columns a kernel step decodes per row: a super-block, or (Q4_K) a quarter of one
+ORDERS = ("tokens", "weights")  # which operand of the tensor cores' product comes first (see tile_form)
 
 
-def tile_form(tiles: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(BLOCK_N, warps, stages, piece) of a tuned tile: three values, or four with the piece (default 256). A
-    Q4_K step of 64 columns holds a quarter of a whole super-block's decoded weights in registers, which
-    leaves room for more rows and pipeline stages; the other formats always decode whole super-blocks."""
+def tile_form(tiles: tuple[int | str, ...]) -> tuple[int, int, int, int, str]:
+    """(BLOCK_N, warps, stages, piece, order) of a tuned tile: three values, four with the piece (default 256),
+    five with the order (default "tokens"). A Q4_K step of 64 columns holds a quarter of a whole super-block's
+    decoded weights in registers, which leaves room for more rows and pipeline stages; the other formats always
+    decode whole super-blocks. Order "tokens" multiplies the block's token rows by the decoded weights (the
+    weights, the product's second operand, go through shared memory on their way to the tensor cores);
+    "weights" (Q4_K quarter steps only) multiplies the decoded weights by the token rows, so the weights are
+    the first operand, which Hopper's tensor cores read from registers: Triton then decodes each weight where
+    the product reads it and only the quant bytes pass through shared memory (`_gate_up_q_rows`). That holds
+    with one pipeline stage; with more, Triton's pipeliner routes the decoded weights through shared memory
+    again."""
     n, warps, stages, *rest = tiles
     piece = rest[0] if rest else 256
+    order = rest[1] if len(rest) > 1 else "tokens"
     if piece not in PIECES:
         raise ValueError(f"a tile's piece of {piece} columns: the kernels decode {' or '.join(map(str, PIECES))}")
-    return n, warps, stages, piece
+    if order not in ORDERS:
+        raise ValueError(f"a tile's order {order!r}: one of {', '.join(ORDERS)}")
+    if order == "weights" and piece != 64:
+        raise ValueError(f"a tile with the weights first decodes a quarter super-block a step (piece 64), not {piece}")
+    return n, warps, stages, piece, order
 
 
-def quarter_steps(fmt: str, form: tuple[int, int, int, int]) -> bool:
+def quarter_steps(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
     """Whether a kernel of this tile form decodes `fmt` a quarter super-block a step (reading its rows in order)."""
     return fmt == "q4_k" and form[3] == 64
+
+
+def weights_first(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
+    """Whether this tile form's kernel for `fmt` puts the decoded weights first (Q4_K quarter steps; the other
+    formats decode whole super-blocks with the tokens first)."""
+    return quarter_steps(fmt, form) and form[4] == "weights"
 
 
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
@@ -91,7 +110,7 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     """(P, H) fp32 unweighted pair outputs of T tokens' K experts each (`top_k_index` (T, K)), every
     pair's expert read from quantized slab `slots[p]` of `pool` (uint8 (S, slab bytes)), or, a miss
     (slot < 0), from its landing slab `land[p]`, or, without one, from row p of `staging`; SiLU-gated.
-    H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages[, piece]) per kernel (`tile_form`;
+    H and I must be multiples of 256. The tiles: (BLOCK_N, warps, stages[, piece[, order]]) per kernel (`tile_form`;
     default: the device's tuned ones); `block_m`: pairs per block (a prompt's many tokens per expert: larger blocks
     decode each expert fewer times)."""
     tokens, top_k = top_k_index.shape
@@ -111,17 +130,28 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     # staging as an offset from the pool: the kernels read both through the pool's pointer (its alignment known)
     rows = (pool, pool.shape[1], staging.data_ptr() - pool.data_ptr(), staging.shape[1])
-    n, warps, stages, piece = gate_up_form
-    _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
-        x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter, KIND=TILE_KINDS[fmt],
-        DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
-        num_warps=warps, num_stages=stages)
-    n, warps, stages, piece = down_form
+    n, warps, stages, piece, _ = gate_up_form
+    if weights_first(fmt, gate_up_form):
+        _gate_up_q_rows[(blocks, triton.cdiv(inter, n))](
+            x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
+            DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
+            num_stages=stages)
+    else:
+        _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
+            x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
+            KIND=TILE_KINDS[fmt], DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
+            PIECE=piece, num_warps=warps, num_stages=stages)
+    n, warps, stages, piece, _ = down_form
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
-    _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
-        h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-        KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
-        num_warps=warps, num_stages=stages)
+    if weights_first(down_fmt, down_form):
+        _down_q_rows[(blocks, triton.cdiv(hidden_size, n))](
+            h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
+            SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+    else:
+        _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
+            h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
+            KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
+            num_warps=warps, num_stages=stages)
     return y
 
 
@@ -260,6 +290,99 @@ if tl is not None:
         return low, high
 
     @triton.jit
+    def _gate_up_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
+                      staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, SB_BYTES: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+        """A used block's gate_up inputs: each lane's token row, and where its expert's gate rows `cols` start (N, 1)
+        (the up rows are I rows on)."""
+        base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes, BLOCK_M)
+        row_bytes = H // 256 * SB_BYTES
+        gate_at = base + cols[:, None].to(tl.int64) * row_bytes
+        return tl.where(ok, pair // TOP_K, 0).to(tl.int64), gate_at, gate_at + I * row_bytes
+
+    @triton.jit
+    def _down_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
+                   staging_bytes, PART_BYTES: tl.constexpr, I: tl.constexpr, SB_BYTES: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        """A used block's down inputs: each lane's row of h, and where its expert's down rows `cols` start (N, 1)
+        (PART_BYTES after the gate and up rows)."""
+        base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes, BLOCK_M)
+        w_at = base + PART_BYTES + cols[:, None].to(tl.int64) * (I // 256 * SB_BYTES)
+        return tl.where(ok, pair, 0).to(tl.int64), w_at
+
+    @triton.jit
+    def _q4k_quarter_rows(at, ok, j, R: tl.constexpr):
+        """`_q4k_quarter` for the weights-first kernels: the quant bytes loaded as bytes, so every step from the
+        load to the weight is elementwise and Triton can do them in the tensor cores' operand layout (32-bit
+        words would need a reshape, which it cannot move). Each nibble n goes into the top of 1.0's mantissa,
+        1 + n / 16 exactly, and one FMA a weight gives d * scale * n - dmin * min as
+        (16 d scale) (1 + n / 16) - (16 d scale + dmin min): the constant's rounding is 2^-24 of it, far below
+        the BF16 rounding of the weight the product reads (the exponent trick needs an FMA and a subtraction)."""
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        scale, minimum = _scales_mins(at8, 2 * j + tl.arange(0, 2), ok)                 # (R, 2)
+        first = tl.arange(0, 2)[None, :] == 0
+        step_low = 16.0 * d * tl.sum(tl.where(first, scale, 0.0), axis=1)[:, None]
+        step_high = 16.0 * d * tl.sum(tl.where(first, 0.0, scale), axis=1)[:, None]
+        offset_low = step_low + dmin * tl.sum(tl.where(first, minimum, 0.0), axis=1)[:, None]
+        offset_high = step_high + dmin * tl.sum(tl.where(first, 0.0, minimum), axis=1)[:, None]
+        quants = tl.load(at8 + 16 + 32 * j + tl.arange(0, 32)[None, :], mask=ok, other=0).to(tl.int32)  # (R, 32)
+        # nibble << 19 in 0x780000 (bits 19-22, the mantissa's top), 0x3F800000: 1.0
+        low = (((quants << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        high = (((quants << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        return step_low * low - offset_low, step_high * high - offset_high
+
+    @triton.jit
+    def _gate_up_q_rows(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_ptr, slab_bytes,
+                        staging_offset, staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                        DOWN_KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        """`_gate_up_q_blocks` with the weights first (Q4_K, quarter steps): each step's (N, 32) decoded weights
+        times the block's (32, M) token rows, so the products are (N, M), transposed back as h is stored."""
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            token, gate_at, up_at = _gate_up_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes,
+                                                  staging_offset, staging_bytes, TOP_K, H, I, SB_BYTES, BLOCK_M)
+            w_ok = col_ok[:, None]
+            gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            half = tl.arange(0, 32)  # x comes in order
+            for k in range(0, H // 64):
+                at = token[None, :] * H + k * 64 + half[:, None]        # (32, M): the block's rows, transposed
+                x_low = tl.load(x_ptr + at, mask=ok[None, :], other=0.0)
+                x_high = tl.load(x_ptr + at + 32, mask=ok[None, :], other=0.0)
+                low, high = _q4k_quarter_rows(gate_at + (k // 4) * SB_BYTES, w_ok, k % 4, BLOCK_N)
+                gate = tl.dot(low.to(x_ptr.dtype.element_ty), x_low, gate)
+                gate = tl.dot(high.to(x_ptr.dtype.element_ty), x_high, gate)
+                low, high = _q4k_quarter_rows(up_at + (k // 4) * SB_BYTES, w_ok, k % 4, BLOCK_N)
+                up = tl.dot(low.to(x_ptr.dtype.element_ty), x_low, up)
+                up = tl.dot(high.to(x_ptr.dtype.element_ty), x_high, up)
+            h = gate * tl.sigmoid(gate) * up
+            # in the down format's tile order, which the second kernel reads as contiguous runs
+            tl.store(h_ptr + pair[None, :].to(tl.int64) * I + _tile_position(cols, DOWN_KIND)[:, None],
+                     h.to(h_ptr.dtype.element_ty), mask=ok[None, :] & col_ok[:, None])
+
+    @triton.jit
+    def _down_q_rows(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_ptr, slab_bytes,
+                     staging_offset, staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                     SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """`_down_q_blocks` with the weights first (Q4_K, quarter steps; h in order)."""
+        expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
+        if expert >= 0:
+            row, w_at = _down_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
+                                   staging_bytes, PART_BYTES, I, SB_BYTES, BLOCK_M)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            half = tl.arange(0, 32)
+            for k in range(0, I // 64):
+                at = row[None, :] * I + k * 64 + half[:, None]          # (32, M)
+                low, high = _q4k_quarter_rows(w_at + (k // 4) * SB_BYTES, col_ok[:, None], k % 4, BLOCK_N)
+                acc = tl.dot(low.to(h_ptr.dtype.element_ty), tl.load(h_ptr + at, mask=ok[None, :], other=0.0), acc)
+                acc = tl.dot(high.to(h_ptr.dtype.element_ty), tl.load(h_ptr + at + 32, mask=ok[None, :], other=0.0),
+                             acc)
+            tl.store(y_ptr + row[None, :] * H + cols[:, None], acc, mask=ok[None, :] & col_ok[:, None])
+
+    @triton.jit
     def _stage_kernel(ids_ptr, slots_ptr, land_ptr, pool_ptr, staging_ptr, host_addr, block_words, pool_words,
                       staging_words, CHUNK: tl.constexpr):
         """stage_misses: program (pair, chunk of words)."""
@@ -289,14 +412,10 @@ if tl is not None:
                           BLOCK_N: tl.constexpr, PIECE: tl.constexpr = 256):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
-                              BLOCK_M)
-            ROW_BYTES: tl.constexpr = H // 256 * SB_BYTES
-            token = tl.where(ok, pair // TOP_K, 0).to(tl.int64)
+            token, gate_at, up_at = _gate_up_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes,
+                                                  staging_offset, staging_bytes, TOP_K, H, I, SB_BYTES, BLOCK_M)
             lanes = tl.arange(0, 256)  # x comes in KIND's tile order (in_tile_order)
             w_ok = col_ok[:, None]
-            gate_at = base + cols[:, None].to(tl.int64) * ROW_BYTES     # (N, 1): gate rows, then up rows I on
-            up_at = gate_at + I * ROW_BYTES
             gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if KIND == 44 and PIECE == 64:  # a quarter super-block a step: a quarter of the registers
@@ -330,12 +449,9 @@ if tl is not None:
                        PIECE: tl.constexpr = 256):
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
         if expert >= 0:
-            base = _expert_at(slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset, staging_bytes,
-                              BLOCK_M)
-            ROW_BYTES: tl.constexpr = I // 256 * SB_BYTES
-            row = tl.where(ok, pair, 0).to(tl.int64)
+            row, w_at = _down_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
+                                   staging_bytes, PART_BYTES, I, SB_BYTES, BLOCK_M)
             lanes = tl.arange(0, 256)  # h is in KIND's tile order (the first kernel stored it so)
-            w_at = base + PART_BYTES + cols[:, None].to(tl.int64) * ROW_BYTES
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if KIND == 44 and PIECE == 64:  # h in order (the first kernel stored it so)
                 half = tl.arange(0, 32)
