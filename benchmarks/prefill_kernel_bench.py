@@ -61,6 +61,9 @@ def main() -> int:
                         help="the prompt's tokens the sweep times (236: a 448 px picture's; default 512)")
     parser.add_argument("--adopt", action="store_true",
                         help="with --tune: write the fastest tiles into tuning.json's entry for this GPU")
+    parser.add_argument("--profile-once", type=int, default=0, metavar="T",
+                        help="instead of the rows: each tile form (PROFILED_FORMS) twice at T tokens on one layer, "
+                             "for a profiler such as ncu to catch its launches")
     args = parser.parse_args()
     if args.adopt and not args.tune:
         parser.error("--adopt writes what --tune measured: give both")
@@ -68,6 +71,8 @@ def main() -> int:
         parser.error(f"--tune-tokens {args.tune_tokens}: a prompt has at least one token")
     device = torch.device("cuda:0")
     torch.manual_seed(0)
+    if args.profile_once:
+        return profile_once(args.profile_once, device)
     store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=FMT)
     pools = []
     for layer in range(LAYERS):  # quantized on the GPU, a layer at a time; slab e holds expert e
@@ -152,6 +157,30 @@ def main() -> int:
             name = torch.cuda.get_device_name(0)
             print(f"adopted for {name}:", json.dumps(adopt(sweep, args.tune_tokens, name)), flush=True)
     write(args.out, device, rows, sweep)
+    return 0
+
+
+# (gate_up tiles, down tiles, block M) of the forms --profile-once runs: the tokens first with whole super-blocks and
+# with quarter steps, and the weights first
+PROFILED_FORMS = {"tokens first": ((64, 4, 1), (128, 4, 1), 32),
+                  "tokens first, quarter steps": ((128, 4, 3, 64), (128, 4, 3, 64), 32),
+                  "weights first": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32)}
+
+
+def profile_once(tokens: int, device) -> int:
+    """Each of PROFILED_FORMS run twice (the second warm) on one layer of slabs at `tokens` tokens, in that order,
+    nothing timed: a profiler attached to the process (ncu -k regex:_q_) sees each form's kernels."""
+    store = ExpertStore(E, H, I, torch.bfloat16, pin_memory=False, fmt=FMT)
+    store.fill_layer(0, torch.randn(E, 2 * I, H, device=device) / 50, torch.randn(E, H, I, device=device) / 50)
+    pool = store.layers.pop(0).to(device)
+    x, _, ids = routing(tokens, device)
+    no_land = torch.full((tokens * K,), -1, dtype=torch.long, device=device)
+    for name, (gate_up, down, block_m) in PROFILED_FORMS.items():
+        for _ in range(2):
+            quantized_major.experts_quantized_major(x, ids[0], ids[0].reshape(-1), no_land, pool, pool, FMT, FMT, I, E,
+                                                    gate_up, down, block_m=block_m)
+        torch.cuda.synchronize()
+        print(f"profiled: {name} {gate_up} {down} block M {block_m}, {tokens} tokens", flush=True)
     return 0
 
 

@@ -104,6 +104,11 @@
 #                                                   alone (benchmarks/prefill_kernel_bench.py); PK_TUNE=1 sweeps the tiles
 #                                                   (at PK_TUNE_TOKENS tokens, 512; 236: a 448 px prompt's); PK_ADOPT=1
 #                                                   writes the fastest into this machine's tuning.json for the later stages
+#   bash scripts/device_session.sh prefillncu       ncu's counters for those kernels, each tile form twice at PN_TOKENS (236)
+#                                                   tokens (prefill_kernel_bench --profile-once): occupancy, issue, stalls
+#   bash scripts/device_session.sh tilesab          the resident 448 px prompt (and a 508-token text one) under the committed
+#                                                   prefill tiles and the tokens-first ones in turn, one process
+#                                                   (benchmarks/tiles_ab.py; TILESAB_ARGS overrides its flags)
 #   bash scripts/device_session.sh prefillcompare DIR  those rows in DIR's code (a tree before a change, carried),
 #                                                   then in this tree's, one call
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
@@ -365,6 +370,23 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               timeout ${PK_TIMEOUT:-300} python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillk" \
                 ${PK_TUNE:+--tune --tune-tokens ${PK_TUNE_TOKENS:-512} ${PK_ADOPT:+--adopt}} | tee "$OUT/prefillk.txt" \
                 || true ;;
+    prefillncu) shift  # ncu (the hardware counters; Firecracker machines) on the prompt's expert kernels, each
+                       # tile form twice at PN_TOKENS (236) tokens: time, occupancy, issue slots, stall reasons
+              ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+              [[ -n $ncu ]] || { echo "prefillncu: no ncu on this machine" >&2; exit 2; }
+              timeout ${PN_TIMEOUT:-200} "$ncu" --clock-control none -k regex:"_(gate_up|down)_q_" -c 12 \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section SchedulerStats --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+                python3 -m benchmarks.prefill_kernel_bench --out "$OUT/prefillncu" --profile-once ${PN_TOKENS:-236} \
+                > "$OUT/prefillncu.txt" 2>&1 || echo "prefillncu: ncu failed (its output: prefillncu.txt)"
+              grep -E "profiled:|_q_(rows|blocks)|Duration|Warp Cycles Per Issued|Occupancy|Issue Slots Busy|Registers Per|Throughput|stalled_" \
+                "$OUT/prefillncu.txt" | grep -vE " 0(\.0+)?$" | cut -c1-140 | head -150 || true ;;
+    tilesab) shift  # the resident prompt under tuning alternatives in turn, one process (benchmarks/tiles_ab.py;
+                    # TILESAB_ARGS: its --alt flags, --rounds, --text-tokens)
+             [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
+             timeout ${TILESAB_TIMEOUT:-300} python3 -m benchmarks.tiles_ab --out "$OUT/tilesab.json" \
+               --config "offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" ${TILESAB_ARGS:---text-tokens 508} \
+               | tee "$OUT/tilesab.txt" || true ;;
     prefillcompare) shift  # the same kernels' rows in DIR's code (before), then in this tree's (after)
               ref=$1; shift
               for side in "$ref" .; do

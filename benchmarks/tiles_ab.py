@@ -1,0 +1,148 @@
+"""A prompt timed under kernel-tuning alternatives in turn, in one process with one model load.
+
+    PYTHONPATH=. python3 -m benchmarks.tiles_ab --config CONFIG --out FILE [--rounds 4] [--image-size 448]
+        [--text-tokens 508] [--alt NAME=KEY:JSON ...] [--tiny NAME --device cpu]
+
+Each alternative overrides tuning.json keys (`tuning.overridden`) while the same request is prefilled. The rounds
+go A B, then B A, and so on, so a machine whose speed drifts moves every alternative alike: on a shared H100 the
+same code's resident 448 px prompt took 0.057 s in one process and 0.116 s in the next, which separate processes
+ordered A, B would have carried into the comparison. Each alternative is warmed once per request first (its
+kernels compiled, the vision tower's graph captured). The default alternatives: the device's committed
+quantized_prefill tiles, and the tokens-first tiles the H100's entry held before the weights-first ones.
+
+Routing of every figure: the configuration's, synthetic unless --routing says otherwise (printed beside the
+results). Measurement only: nothing here changes tuning.json.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import statistics
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench.inputs import make_request, text_request
+from benchmarks.bench.timing import timed_generate
+from benchmarks.configurations import parse_configuration
+from benchmarks.decode_bench import family_of, load_model
+from benchmarks.models.synthetic import DEFAULT_MODEL
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+from vismmoe_kt.demo.tiny import save_tiny_model
+from vismmoe_kt.errors import VismmoeError
+from vismmoe_kt.runtime.kernels import tuning
+
+COMMITTED = "committed"
+# what the H100's quantized_prefill held before the weights-first tiles (benchmarks/results/kernel-tuning.md)
+TOKENS_FIRST = {"block_m": 32, "gate_up": [64, 4, 1], "down": [128, 4, 1]}
+
+
+def parse_alternative(text: str) -> tuple[str, str, object]:
+    """`NAME=KEY:JSON` -> (name, tuning key, value); a wrong one raises ValueError naming what is wrong."""
+    name, equals, rest = text.partition("=")
+    key, colon, value = rest.partition(":")
+    if not (name and equals and key and colon):
+        raise ValueError(f"--alt {text!r}: expected NAME=KEY:JSON, e.g. before=quantized_prefill:{json.dumps(TOKENS_FIRST)}")
+    known = tuning.entry(tuning.DEFAULT)
+    if key not in known:
+        raise ValueError(f"--alt {text!r}: {key!r} is not a tuning key ({', '.join(sorted(known))})")
+    try:
+        return name, key, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--alt {text!r}: its value is not JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def rounds_order(names: list[str], rounds: int) -> list[str]:
+    """The alternatives' turns: every round each once, in order, reversed every other round (A B, B A, ...)."""
+    return [name for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def summarize(times: list[tuple[str, str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """(alternative, request, seconds) rows -> per request, per alternative: median, min, max, count."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for request in dict.fromkeys(r for _, r, _ in times):
+        out[request] = {}
+        for name in dict.fromkeys(n for n, _, _ in times):
+            seconds = [s for n, r, s in times if n == name and r == request]
+            if not seconds:  # not timed on this request
+                continue
+            out[request][name] = {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds),
+                                  "n": len(seconds)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    parser.add_argument("--config", required=True, help="one decode_bench configuration (NAME[:key=value,...])")
+    parser.add_argument("--out", required=True, help="the JSON file for the results")
+    parser.add_argument("--rounds", type=int, default=4, help="turns of every alternative per request (default 4)")
+    parser.add_argument("--image-size", type=int, default=448, help="the picture prompt's size in pixels (0: none)")
+    parser.add_argument("--text-tokens", type=int, default=0, help="also a text-only prompt of this many tokens")
+    parser.add_argument("--alt", action="append", default=[], metavar="NAME=KEY:JSON",
+                        help="an alternative: tuning key KEY set to JSON (repeatable; default: the committed "
+                             "quantized_prefill against the tokens-first tiles)")
+    parser.add_argument("--routing", default="synthetic", help="as decode_bench's --routing (default synthetic)")
+    parser.add_argument("--tiny", help="a tiny random model instead of the configuration's (a sanity run)")
+    parser.add_argument("--device", default="cuda:0")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least one round")
+    if not args.image_size and not args.text_tokens:
+        parser.error("--image-size 0 and no --text-tokens: no prompt to time")
+    try:
+        alternatives = {name: (key, value) for name, key, value in map(parse_alternative, args.alt)}
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not alternatives:
+        alternatives = {COMMITTED: None, "tokens first": ("quantized_prefill", TOKENS_FIRST)}
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU (--device cpu with --tiny for a sanity run)")
+    bench_args = types.SimpleNamespace(device=args.device, routing=args.routing, tiny=args.tiny, model=DEFAULT_MODEL,
+                                       tiny_dir=None)
+    if args.tiny:
+        root = tempfile.mkdtemp(prefix="tiles-ab-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        bench_args.tiny_dir = save_tiny_model(root, args.tiny, seed=0)
+    try:
+        config = parse_configuration(args.config, family_of(bench_args))
+        model, processor = load_model(bench_args, config)
+    except VismmoeError as exc:
+        parser.error(str(exc))
+    requests = {}
+    if args.image_size:
+        requests[f"{args.image_size} px"] = make_request(processor, args.image_size, args.device)
+    if args.text_tokens:
+        requests[f"text {args.text_tokens}"] = text_request(processor, args.text_tokens, args.device)
+
+    def prefill(name: str, request: dict) -> float:
+        override = alternatives[name]
+        with tuning.overridden(**({override[0]: override[1]} if override else {})):
+            return timed_generate(model, request, 1).prefill_s
+
+    times = []
+    for label, request in requests.items():
+        for name in alternatives:  # warm: compiled, captured
+            prefill(name, request)
+        for name in rounds_order(list(alternatives), args.rounds):
+            times.append((name, label, prefill(name, request)))
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
+    result = {"device": device, "config": args.config, "routing": args.routing, "rounds": args.rounds,
+              "alternatives": {name: list(override) if override else "tuning.json as committed"
+                               for name, override in alternatives.items()},
+              "committed_quantized_prefill": tuning.get("quantized_prefill", args.device),
+              "prefill_s": summarize(times), "runs": times}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for label, rows in result["prefill_s"].items():
+        print(f"{label} (routing {args.routing}): " + "; ".join(
+            f"{name} {row['median']:.4f} s (min {row['min']:.4f}, max {row['max']:.4f}, n {row['n']})"
+            for name, row in rows.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
