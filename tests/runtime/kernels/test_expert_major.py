@@ -2,6 +2,7 @@
 against grouped GEMM (bank_experts), the Triton kernels against the twin in Triton's interpreter, and
 the kernels compiled for Hopper at Qwen3-VL-30B-A3B's shapes."""
 
+import pytest
 import torch
 
 from vismmoe_kt.runtime.expert_compute import bank_experts
@@ -80,7 +81,9 @@ for pairs, experts in ((1, 4), (7, 3), (64, 128), (40, 2), (128, 128), (200, 9))
         assert torch.equal(got, want), (pairs, experts, got, want)
 # a prompt's pairs, beyond one program's comparisons: the chunked plan, blocks of 16 and of 32 (a chunk
 # boundary inside an expert's run, an expert with no pair, one with many, 128 experts like Qwen3-VL's)
-for pairs, experts, block in ((257, 5, 16), (600, 128, 32), (520, 3, 32), (300, 130, 16)):
+# (2100 and 4500 pairs: chunks of 128 and of 256)
+for pairs, experts, block in ((257, 5, 16), (600, 128, 32), (520, 3, 32), (300, 130, 16), (2100, 128, 32),
+                              (4500, 40, 16)):
     weights = torch.arange(experts, 0, -1).float() ** 2
     weights[1] = 0                                                 # expert 1 never routed to
     ids = torch.multinomial(weights, pairs, replacement=True, generator=generator)
@@ -106,16 +109,57 @@ def test_kernels_compile_for_hopper(hopper):
     n, k, warps, stages = tuned["down"]
     hopper.compile(em._down_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", **blocks},
                    {**shapes, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-    hopper.compile(em._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "P": "i32", "EP": "constexpr",
-                                             "CHUNK": "constexpr"},
-                   {"EP": 128, "CHUNK": em.PLAN_CHUNK}, num_warps=4, num_stages=1)
-    hopper.compile(em._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "expert_ptr": "*i64",
-                                            "pairs_ptr": "*i64", "P": "i32", "chunks": "i32", "E": "constexpr",
-                                            "EP": "constexpr", "CHUNK": "constexpr", "CHUNKS": "constexpr",
-                                            "BLOCK_M": "constexpr"},
-                   {"E": 128, "EP": 128, "CHUNK": em.PLAN_CHUNK, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=4, num_stages=1)
+    for chunk in (64, 128, 256):  # every chunk size plan_chunk picks, with the most chunks it leaves (32)
+        hopper.compile(em._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "P": "i32",
+                                                 "EP": "constexpr", "CHUNK": "constexpr"},
+                       {"EP": 128, "CHUNK": chunk}, num_warps=em.PLAN_WARPS, num_stages=1)
+        hopper.compile(em._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "expert_ptr": "*i64",
+                                                "pairs_ptr": "*i64", "P": "i32", "chunks": "i32", "E": "constexpr",
+                                                "EP": "constexpr", "CHUNK": "constexpr", "CHUNKS": "constexpr",
+                                                "BLOCK_M": "constexpr"},
+                       {"E": 128, "EP": 128, "CHUNK": chunk, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=em.PLAN_WARPS,
+                       num_stages=1)
     for pairs in (8, 64, 128, em.MAX_PLAN_PAIRS):  # one token's pairs up to the plan's largest
         hopper.compile(em._blocks_kernel, {"ids_ptr": "*i64", "expert_ptr": "*i64", "pairs_ptr": "*i64",
                                            "P": "constexpr", "PP": "constexpr", "BLOCK_M": "constexpr"},
                        {"P": pairs, "PP": hopper.triton.next_power_of_2(pairs), "BLOCK_M": em.BLOCK_M},
                        num_warps=4, num_stages=1)
+
+
+def test_a_prompts_plan_spreads_over_about_32_programs_of_64_to_256_pairs():
+    from vismmoe_kt.runtime.kernels import expert_major as em
+
+    pytest.importorskip("triton")
+    assert em.plan_chunk(257) == 64 and em.plan_chunk(1888) == 64   # a 448 px prompt's pairs: 30 programs
+    assert em.plan_chunk(4096) == 128 and em.plan_chunk(6592) == 256 and em.plan_chunk(10 ** 6) == 256
+    for pairs in (257, 1888, 2049, 4097, 8192):
+        assert em.PLAN_CHUNKS // 2 < -(-pairs // em.plan_chunk(pairs)) <= em.PLAN_CHUNKS or em.plan_chunk(pairs) == 64
+
+
+def test_the_plans_kernels_keep_their_registers_on_hopper(hopper):
+    """Compiled for sm_90 (ptxas) at the chunk sizes a prompt of up to 4096 pairs gets: the place kernel's one-hot
+    rows stay in registers, a few words of local memory at most (256-pair chunks with 4 warps had spilled 4 KB a
+    thread: 7658 local loads and stores). The machine code is read with the nvdisasm Triton ships."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from vismmoe_kt.runtime.kernels import expert_major as em
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("no nvdisasm in this Triton")
+    for chunk in (64, 128):
+        compiled = hopper.compile(
+            em._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "expert_ptr": "*i64", "pairs_ptr": "*i64",
+                                     "P": "i32", "chunks": "i32", "E": "constexpr", "EP": "constexpr",
+                                     "CHUNK": "constexpr", "CHUNKS": "constexpr", "BLOCK_M": "constexpr"},
+            {"E": 128, "EP": 128, "CHUNK": chunk, "CHUNKS": 32, "BLOCK_M": 32}, num_warps=em.PLAN_WARPS, num_stages=1)
+        cubin = Path(tempfile.mkdtemp()) / "place.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, timeout=60).stdout
+        assert "HGMMA" not in sass and sass.count(";") > 100   # the plan's code, read
+        assert len(re.findall(r"\b(?:LDL|STL)\b", sass)) <= 32, chunk

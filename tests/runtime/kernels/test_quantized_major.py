@@ -239,12 +239,18 @@ def test_a_tiles_order_is_checked_and_reaches_only_q4_k_quarter_steps():
     """tile_form reads (N, warps, stages[, piece[, order]]); the weights-first order needs quarter steps, and any
     other format keeps whole super-blocks with the tokens first (weights_first is false for it)."""
     from vismmoe_kt.runtime.kernels import quantized_major as qm
+    from vismmoe_kt.runtime.kernels import tuning
 
     assert qm.tile_form((64, 4, 1)) == (64, 4, 1, 256, "tokens")
     form = qm.tile_form((128, 4, 1, 64, "weights"))
     assert form == (128, 4, 1, 64, "weights")
     assert qm.weights_first("q4_k", form) and qm.quarter_steps("q4_k", form)
     assert not qm.weights_first("q6_k", form) and not qm.weights_first("q4_k", qm.tile_form((128, 4, 1, 64)))
+    # another format keeps the default entry's tokens-first prompt tiles, not 128 rows of whole super-blocks
+    assert qm.format_form("q4_k", "down", form) == form
+    assert qm.format_form("q6_k", "down", form) == qm.tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"]["down"])
+    assert qm.format_form("q5_k", "gate_up", form)[4] == "tokens"
+    assert qm.format_form("q5_k", "gate_up", qm.tile_form((128, 4, 3, 64))) == (128, 4, 3, 64, "tokens")
     with pytest.raises(ValueError, match="quarter super-block"):
         qm.tile_form((128, 4, 1, 256, "weights"))
     with pytest.raises(ValueError, match="order 'columns'"):

@@ -61,12 +61,25 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> 
 
 
 MAX_PLAN_PAIRS = 256  # the plan kernel compares every pair with every other in one program
-PLAN_CHUNK = 256      # beyond that (a prompt's pairs), a program per chunk of this many pairs
+PLAN_CHUNKS = 32      # beyond that (a prompt's pairs), about this many programs, each a chunk of the pairs
+PLAN_CHUNK_RANGE = (64, 256)  # the pairs of a chunk: a power of two in this range
+PLAN_WARPS = 16
+
+
+def plan_chunk(pairs: int) -> int:
+    """The pairs of a chunk of the chunked plan: about PLAN_CHUNKS chunks (a program each, spread over the GPU), a
+    power of two within PLAN_CHUNK_RANGE. Why not one size: a program's one-hot rows are (chunk, experts); at 256
+    pairs and 4 warps the place kernel spilled 4 KB a thread (sm_90, ptxas: 7658 local loads and stores in 21896
+    instructions), and a 236-token prompt's 1888 pairs made only 8 programs. At 64 pairs and 16 warps it is 1368
+    instructions without a spill, and 30 programs. A long prompt's chunks grow instead of their count, which
+    each program reads whole (CHUNKS x experts)."""
+    low, high = PLAN_CHUNK_RANGE
+    return min(max(triton.next_power_of_2(triton.cdiv(pairs, PLAN_CHUNKS)), low), high)
 
 
 def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """`expert_blocks` of (P,) ids on the device: up to MAX_PLAN_PAIRS pairs in one Triton program, every pair
-    against every other; beyond, a program per chunk of PLAN_CHUNK pairs counts each expert's pairs in it, then
+    against every other; beyond, a program per chunk of pairs (`plan_chunk`) counts each expert's pairs in it, then
     a program per chunk places its pairs from every chunk's counts (a few launches where the torch version takes
     some fifteen, each a gap of the host in a prompt's layer). One program walking every chunk in turn had
     taken 113 us a layer of a 236-token prompt on the H100, a tenth of its experts' time."""
@@ -74,14 +87,15 @@ def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tup
     block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
     block_pairs = torch.full((pairs, block), -1, dtype=torch.long, device=ids.device)
     if pairs > MAX_PLAN_PAIRS:
-        chunks, width = triton.cdiv(pairs, PLAN_CHUNK), triton.next_power_of_2(num_experts)
+        chunk = plan_chunk(pairs)
+        chunks, width = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts)
         counts = torch.empty(chunks, width, dtype=torch.int32, device=ids.device)
         flat = ids.reshape(-1)
-        _chunk_counts_kernel[(chunks,)](flat, counts, pairs, EP=width, CHUNK=PLAN_CHUNK, num_warps=4)
+        _chunk_counts_kernel[(chunks,)](flat, counts, pairs, EP=width, CHUNK=chunk, num_warps=PLAN_WARPS)
         # the chunks' count rounded up to a power of two (the excess masked): a compile per power, not per length
         _chunk_place_kernel[(chunks,)](flat, counts, block_expert, block_pairs, pairs, chunks, E=num_experts, EP=width,
-                                       CHUNK=PLAN_CHUNK, CHUNKS=triton.next_power_of_2(chunks), BLOCK_M=block,
-                                       num_warps=4)
+                                       CHUNK=chunk, CHUNKS=triton.next_power_of_2(chunks), BLOCK_M=block,
+                                       num_warps=PLAN_WARPS)
         return block_expert, block_pairs
     _blocks_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
                          BLOCK_M=block, num_warps=4)

@@ -97,6 +97,16 @@ def quarter_steps(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
     return fmt == "q4_k" and form[3] == 64
 
 
+def format_form(fmt: str, part: str, form: tuple[int, int, int, int, str]) -> tuple[int, int, int, int, str]:
+    """The form a kernel for `fmt` runs: a weights-first tile was tuned for Q4_K's quarter steps, and says
+    nothing of another format's whole super-blocks (128 rows of them spill a thread's registers), which take the
+    default entry's prompt tiles instead (tuning.json's "default" quantized_prefill, `part` "gate_up" or
+    "down")."""
+    if form[4] != "weights" or fmt == "q4_k":
+        return form
+    return tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"][part])
+
+
 def weights_first(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
     """Whether this tile form's kernel for `fmt` puts the decoded weights first (Q4_K quarter steps; the other
     formats decode whole super-blocks with the tokens first)."""
@@ -121,7 +131,8 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     # the blocks in use come first: an expert of c pairs takes ceil(c / M) <= c / M + 1 of them
     blocks = min(pairs, pairs // block_m + num_experts)
     tuned = tuning.get("quantized_major", hidden.device)
-    gate_up_form, down_form = tile_form(gate_up_tiles or tuned["gate_up"]), tile_form(down_tiles or tuned["down"])
+    gate_up_form = format_form(fmt, "gate_up", tile_form(gate_up_tiles or tuned["gate_up"]))
+    down_form = format_form(down_fmt, "down", tile_form(down_tiles or tuned["down"]))
     # each kernel reads its rows in the order its steps unpack the weights (quarter steps: in order); the
     # first kernel stores h in the second's
     x = in_tile_order(hidden, None if quarter_steps(fmt, gate_up_form) else fmt)
