@@ -60,7 +60,9 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> 
     return block_expert, block_pairs
 
 
-MAX_PLAN_PAIRS = 256  # the plan kernel compares every pair with every other in one program
+# the plan kernel compares every pair with every other in one program of 4 warps: up to 64 pairs (a batched step of
+# 8 tokens) without a spill; at 128 pairs ptxas spilled 4.9 KB a thread (2461 local loads and stores), at 256 7.9 KB
+MAX_PLAN_PAIRS = 64
 PLAN_CHUNKS = 32      # beyond that (a prompt's pairs), about this many programs, each a chunk of the pairs
 PLAN_CHUNK_RANGE = (64, 256)  # the pairs of a chunk: a power of two in this range
 PLAN_WARPS = 16
