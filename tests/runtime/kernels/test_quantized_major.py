@@ -105,11 +105,12 @@ def test_kernels_compile_for_hopper(hopper, fmt):
               "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
     shapes = {**hopper.shapes, "BLOCK_M": em.BLOCK_M, "KIND": qm.TILE_KINDS[fmt], "SB_BYTES": qm.TILE_BYTES[fmt]}
     tuned = hopper.tuned["quantized_major"]
-    n, warps, stages = tuned["gate_up"]
+    # each format at the tiles it runs (format_form: Q5_K and Q6_K at 8 warps and fewer rows)
+    n, warps, stages, _, _ = qm.format_form(fmt, "gate_up", qm.tile_form(tuned["gate_up"]))
     hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
                                           "DOWN_KIND": "constexpr", **blocks},
                    {**shapes, "TOP_K": 8, "BLOCK_N": n, "DOWN_KIND": shapes["KIND"]}, num_warps=warps, num_stages=stages)
-    n, warps, stages = tuned["down"]
+    n, warps, stages, _, _ = qm.format_form(fmt, "down", qm.tile_form(tuned["down"]))
     hopper.compile(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr", **blocks},
                    {**shapes, "BLOCK_N": n, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES[fmt]},
                    num_warps=warps, num_stages=stages)
@@ -248,10 +249,57 @@ def test_a_tiles_order_is_checked_and_reaches_only_q4_k_quarter_steps():
     assert not qm.weights_first("q6_k", form) and not qm.weights_first("q4_k", qm.tile_form((128, 4, 1, 64)))
     # another format keeps the default entry's tokens-first prompt tiles, not 128 rows of whole super-blocks
     assert qm.format_form("q4_k", "down", form) == form
-    assert qm.format_form("q6_k", "down", form) == qm.tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"]["down"])
-    assert qm.format_form("q5_k", "gate_up", form)[4] == "tokens"
-    assert qm.format_form("q5_k", "gate_up", qm.tile_form((128, 4, 3, 64))) == (128, 4, 3, 64, "tokens")
+    assert qm.format_form("q8_0", "down", form) == qm.tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"]["down"])
+    assert qm.format_form("q8_0", "gate_up", qm.tile_form((128, 4, 3, 64))) == (128, 4, 3, 64, "tokens")
+    # Q5_K and Q6_K: 8 warps, at most 32 rows of gate_up and 64 of down (their whole super-blocks stay in registers)
+    assert qm.format_form("q6_k", "down", form) == (64, 8, 1, 256, "tokens")
+    assert qm.format_form("q5_k", "gate_up", qm.tile_form((64, 4, 1))) == (32, 8, 1, 256, "tokens")
+    assert qm.format_form("q6_k", "down", qm.tile_form((16, 2, 1))) == (16, 8, 1, 256, "tokens")
     with pytest.raises(ValueError, match="quarter super-block"):
         qm.tile_form((128, 4, 1, 256, "weights"))
     with pytest.raises(ValueError, match="order 'columns'"):
         qm.tile_form((128, 4, 1, 64, "columns"))
+
+
+@pytest.mark.parametrize("part", ["gate_up", "down"])
+def test_q6_k_tiles_keep_their_decoding_in_registers_on_hopper(hopper, part):
+    """Q6_K (a Q4_K_M file's down experts) at the tiles format_form gives it from the prompt's and a batched step's
+    tuned ones: compiled for sm_90 (ptxas), a few words of local memory at most, where the tuned tiles themselves
+    spilled thousands of loads and stores (the prompt's down (128, 4, 1): 8601). Read with Triton's nvdisasm."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from vismmoe_kt.runtime.kernels import quantized_major as qm
+    from vismmoe_kt.runtime.kernels import tuning
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("no nvdisasm in this Triton")
+    blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*u8",
+              "slab_bytes": "i64", "staging_offset": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr",
+              "KIND": "constexpr", "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+              "PIECE": "constexpr"}
+    entry = tuning.entry("NVIDIA H200")
+    for tiles, block_m in ((entry["quantized_prefill"][part], 32), (entry["quantized_major"][part], 16)):
+        n, warps, stages, piece, _ = qm.format_form("q6_k", part, qm.tile_form(tiles))
+        shapes = {**hopper.shapes, "BLOCK_M": block_m, "BLOCK_N": n, "KIND": qm.TILE_KINDS["q6_k"],
+                  "SB_BYTES": qm.TILE_BYTES["q6_k"], "PIECE": piece}
+        if part == "gate_up":
+            compiled = hopper.compile(qm._gate_up_q_blocks, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
+                                                             "DOWN_KIND": "constexpr", **blocks},
+                                      {**shapes, "TOP_K": 8, "DOWN_KIND": shapes["KIND"]}, num_warps=warps,
+                                      num_stages=stages)
+        else:
+            compiled = hopper.compile(qm._down_q_blocks, {"h_ptr": "*bf16", "y_ptr": "*fp32", "PART_BYTES": "constexpr",
+                                                          **blocks},
+                                      {**shapes, "PART_BYTES": 2 * hopper.shapes["I"] * 8 * qm.TILE_BYTES["q4_k"]},
+                                      num_warps=warps, num_stages=stages)
+        cubin = Path(tempfile.mkdtemp()) / "q6k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, timeout=60).stdout
+        assert sass.count("HMMA") > 0                                      # the kernel's code, read
+        assert len(re.findall(r"\b(?:LDL|STL)\b", sass)) <= 32, (tiles, block_m, (n, warps))

@@ -97,14 +97,25 @@ def quarter_steps(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
     return fmt == "q4_k" and form[3] == 64
 
 
+# Q5_K and Q6_K decode a whole super-block with more live values a weight than Q4_K: beyond these rows a program
+# (8 warps) ptxas spills (sm_90, Triton 3.6: Q6_K down at the prompt's (128, 4, 1) 8601 local loads and stores, at a
+# batched step's (64, 2, 1) 6827, at (64, 8, 1) none; gate_up, two tiles a step, at (64, 8, 1) 286, at (32, 8, 1) none)
+WIDE_DECODE_ROWS = {"gate_up": 32, "down": 64}
+WIDE_DECODE_WARPS = 8
+
+
 def format_form(fmt: str, part: str, form: tuple[int, int, int, int, str]) -> tuple[int, int, int, int, str]:
-    """The form a kernel for `fmt` runs: a weights-first tile was tuned for Q4_K's quarter steps, and says
-    nothing of another format's whole super-blocks (128 rows of them spill a thread's registers), which take the
-    default entry's prompt tiles instead (tuning.json's "default" quantized_prefill, `part` "gate_up" or
-    "down")."""
-    if form[4] != "weights" or fmt == "q4_k":
-        return form
-    return tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"][part])
+    """The form a kernel for `fmt` runs (`part` "gate_up" or "down"). A weights-first tile was tuned for Q4_K's
+    quarter steps, and says nothing of another format's whole super-blocks (128 rows of them spill a thread's
+    registers): those take the default entry's prompt tiles instead (tuning.json's "default" quantized_prefill).
+    Q5_K and Q6_K then run 8 warps and at most WIDE_DECODE_ROWS rows a program, which keeps their decoding in
+    registers; the other formats' tiles are as tuned."""
+    if form[4] == "weights" and fmt != "q4_k":
+        form = tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"][part])
+    if fmt in ("q5_k", "q6_k"):
+        n, _, stages, piece, order = form
+        return min(n, WIDE_DECODE_ROWS[part]), WIDE_DECODE_WARPS, stages, piece, order
+    return form
 
 
 def weights_first(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
