@@ -29,8 +29,13 @@ block was staged into, or without one that pair's staging row (`stage_misses` co
 block first, in one launch). Every pair of one expert reads the same bytes wherever they lie. No atomics; each output row is written
 by one program per tile, and the caller combines each token's K rows in a fixed order.
 
+Q4_K may decode a quarter super-block a step instead, with the token rows first (the weights the product's
+second operand, through shared memory) or the weights first (`_gate_up_q_rows`, `_down_q_rows`: the product's
+first operand, which Hopper's tensor cores read from registers): `tile_form`.
+
 `experts_by_pair_blocks` is the torch twin (the CPU tests): the same plan, weights dequantized by
-the store's codecs. The tiles are tuned per device (tuning.py, key quantized_major).
+the store's codecs. The tiles are tuned per device (tuning.py, keys quantized_major and quantized_prefill;
+`format_form` adjusts them per format).
 """
 
 from __future__ import annotations

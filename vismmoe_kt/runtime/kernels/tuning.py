@@ -23,8 +23,10 @@ Keys (lists in the file, tuples here):
                      launch) up to this many token x expert pairs, the quantized_major kernels beyond
   quantized_prefill  the same kernels for a prompt's layers on filled slabs: block_m (pairs per block: a
                      prompt has many tokens per expert) and gate_up, down as quantized_major's (with a
-                     fourth value, 64: a quarter super-block a kernel step); optionally `long`: other
-                     tiles for prompts of at least `from_pairs_per_expert` pairs per expert (`prefill_tiles`)
+                     fourth value, 64: a quarter super-block a kernel step, and a fifth, "weights": the
+                     decoded weights as the tensor cores' first operand, quantized_major.tile_form);
+                     optionally `long`: other tiles for prompts of at least `from_pairs_per_expert` pairs
+                     per expert (`prefill_tiles`). Formats other than Q4_K adjust them (format_form)
   prefetch_programs  programs of the lookahead prefetch's copy: few, so the layers computing
                      meanwhile keep the GPU
 """
