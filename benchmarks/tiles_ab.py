@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                              "quantized_prefill against the tokens-first tiles)")
     parser.add_argument("--routing", default="synthetic", help="as decode_bench's --routing (default synthetic)")
     parser.add_argument("--tiny", help="a tiny random model instead of the configuration's (a sanity run)")
-    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--device", default="cuda:0", help="where the model runs (cpu with --tiny)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
