@@ -536,11 +536,11 @@ def check_major_forms(device: str = "cuda:0", hidden: int = 2048, inter: int = 7
                       tokens: int = 32, top_k: int = 8) -> dict:
     """A prompt's quantized expert-major kernels (Q4_K slabs) in each tile form, whole super-blocks and quarter
     steps with the tokens first and quarter steps with the weights first (quantized_major.tile_form), at
-    Qwen3-VL-30B-A3B's shapes against the fp32 reference on the CPU (the store's dequantized weights, expert by
-    expert). The GPU rounds the activations, the weights and h to BF16, which leaves about 5e-3 of the outputs'
-    norm (prefill_kernel_bench's error column); a wrong block, scale or nibble moves them by tens of percents, so
-    the bound is 2e-2."""
-    from vismmoe_kt.runtime.kernels import quantized_major
+    Qwen3-VL-30B-A3B's shapes against the fp32 reference on the CPU (the store's dequantized weights through the
+    kernels' torch twin, expert_major.experts_by_block). The GPU rounds the activations, the weights and h to
+    BF16, which leaves about 5e-3 of the outputs' norm (prefill_kernel_bench's error column); a wrong block,
+    scale or nibble moves them by tens of percents, so the bound is 2e-2."""
+    from vismmoe_kt.runtime.kernels import expert_major, quantized_major
 
     gen = torch.Generator().manual_seed(0)
     store = ExpertStore(experts, hidden, inter, torch.float32, False, fmt="q4_k")
@@ -549,12 +549,10 @@ def check_major_forms(device: str = "cuda:0", hidden: int = 2048, inter: int = 7
     gate_up, down = store.dequantized(store.layers[0], 0)
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    want = torch.empty(tokens * top_k, hidden)
     pairs = ids.reshape(-1)
-    for e in range(experts):  # the fp32 reference, expert by expert
-        at = (pairs == e).nonzero().squeeze(1)
-        gate, up = (x[at // top_k] @ gate_up[e].T).chunk(2, dim=-1)
-        want[at] = (torch.nn.functional.silu(gate) * up) @ down[e].T
+    # the fp32 reference: the kernels' torch twin, block by block on the dequantized bank
+    want = expert_major.experts_by_block(x, top_k, *expert_major.expert_blocks(pairs, experts), gate_up, down,
+                                         torch.nn.SiLU())
     pool = store.layers[0].to(device)  # slab e holds expert e
     slots = pairs.to(device)
     land = torch.full_like(slots, -1)

@@ -298,15 +298,7 @@ if tl is not None:
     def _q4k_quarter(at, ok, j, R: tl.constexpr):
         """(R, 32), (R, 32) fp32: sub-blocks 2 j and 2 j + 1 (weights 64 j .. 64 j + 31 and the next 32, in
         order) of R rows' Q4_K super-blocks at `at` (R, 1): the low and high nibbles of the same 32 bytes."""
-        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        scale, minimum = _scales_mins(at8, 2 * j + tl.arange(0, 2), ok)                 # (R, 2)
-        first = tl.arange(0, 2)[None, :] == 0
-        scale_low = tl.sum(tl.where(first, scale, 0.0), axis=1)[:, None]
-        scale_high = tl.sum(tl.where(first, 0.0, scale), axis=1)[:, None]
-        min_low = tl.sum(tl.where(first, minimum, 0.0), axis=1)[:, None]
-        min_high = tl.sum(tl.where(first, 0.0, minimum), axis=1)[:, None]
+        d, dmin, scale_low, scale_high, min_low, min_high = _q4k_quarter_constants(at, ok, j)
         w = tl.arange(0, 8)
         b = tl.arange(0, 4)
         words = tl.load((at + 16).to(tl.pointer_type(tl.int32), bitcast=True) + (8 * j + w)[None, :],
@@ -315,6 +307,20 @@ if tl is not None:
         low = d * scale_low * _nibble_float(quants) - dmin * min_low
         high = d * scale_high * _nibble_float(quants >> 4) - dmin * min_high
         return low, high
+
+    @triton.jit
+    def _q4k_quarter_constants(at, ok, j):
+        """Sub-blocks 2 j and 2 j + 1 of R rows' Q4_K super-blocks at `at` (R, 1): d, dmin, and the two scales and
+        the two minimums, six (R, 1) fp32 (a weight is d scale n - dmin min)."""
+        at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
+        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
+        scale, minimum = _scales_mins(at8, 2 * j + tl.arange(0, 2), ok)                 # (R, 2)
+        first = tl.arange(0, 2)[None, :] == 0
+        return (d, dmin, tl.sum(tl.where(first, scale, 0.0), axis=1)[:, None],
+                tl.sum(tl.where(first, 0.0, scale), axis=1)[:, None],
+                tl.sum(tl.where(first, minimum, 0.0), axis=1)[:, None],
+                tl.sum(tl.where(first, 0.0, minimum), axis=1)[:, None])
 
     @triton.jit
     def _gate_up_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
@@ -345,15 +351,10 @@ if tl is not None:
         1 + n / 16 exactly, and one FMA a weight gives d * scale * n - dmin * min as
         (16 d scale) (1 + n / 16) - (16 d scale + dmin min): the constant's rounding is 2^-24 of it, far below
         the BF16 rounding of the weight the product reads (the exponent trick needs an FMA and a subtraction)."""
+        d, dmin, scale_low, scale_high, min_low, min_high = _q4k_quarter_constants(at, ok, j)
+        step_low, step_high = 16.0 * d * scale_low, 16.0 * d * scale_high
+        offset_low, offset_high = step_low + dmin * min_low, step_high + dmin * min_high
         at8 = at.to(tl.pointer_type(tl.uint8), bitcast=True)
-        d = tl.load(at.to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        dmin = tl.load((at + 2).to(tl.pointer_type(tl.float16), bitcast=True), mask=ok, other=0.0).to(tl.float32)
-        scale, minimum = _scales_mins(at8, 2 * j + tl.arange(0, 2), ok)                 # (R, 2)
-        first = tl.arange(0, 2)[None, :] == 0
-        step_low = 16.0 * d * tl.sum(tl.where(first, scale, 0.0), axis=1)[:, None]
-        step_high = 16.0 * d * tl.sum(tl.where(first, 0.0, scale), axis=1)[:, None]
-        offset_low = step_low + dmin * tl.sum(tl.where(first, minimum, 0.0), axis=1)[:, None]
-        offset_high = step_high + dmin * tl.sum(tl.where(first, 0.0, minimum), axis=1)[:, None]
         quants = tl.load(at8 + 16 + 32 * j + tl.arange(0, 32)[None, :], mask=ok, other=0).to(tl.int32)  # (R, 32)
         # nibble << 19 in 0x780000 (bits 19-22, the mantissa's top), 0x3F800000: 1.0
         low = (((quants << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
