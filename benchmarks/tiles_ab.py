@@ -16,24 +16,15 @@ results). Measurement only: nothing here changes tuning.json.
 
 from __future__ import annotations
 
-import atexit
 import json
-import shutil
 import statistics
-import tempfile
-import types
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench.inputs import make_request, text_request
+from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
 from benchmarks.bench.timing import timed_generate
-from benchmarks.configurations import parse_configuration
-from benchmarks.decode_bench import family_of, load_model
-from benchmarks.models.synthetic import DEFAULT_MODEL
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
-from vismmoe_kt.demo.tiny import save_tiny_model
-from vismmoe_kt.errors import VismmoeError
 from vismmoe_kt.runtime.kernels import tuning
 
 COMMITTED = "committed"
@@ -77,46 +68,24 @@ def summarize(times: list[tuple[str, str, float]]) -> dict[str, dict[str, dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
-    parser.add_argument("--config", required=True, help="one decode_bench configuration (NAME[:key=value,...])")
+    add_prompt_flags(parser)
     parser.add_argument("--out", required=True, help="the JSON file for the results")
     parser.add_argument("--rounds", type=int, default=4, help="turns of every alternative per request (default 4)")
-    parser.add_argument("--image-size", type=int, default=448, help="the picture prompt's size in pixels (0: none)")
-    parser.add_argument("--text-tokens", type=int, default=0, help="also a text-only prompt of this many tokens")
     parser.add_argument("--alt", action="append", default=[], metavar="NAME=KEY:JSON",
                         help="an alternative: tuning key KEY set to JSON (repeatable; default: the committed "
                              "quantized_prefill against the tokens-first tiles)")
-    parser.add_argument("--routing", default="synthetic", help="as decode_bench's --routing (default synthetic)")
-    parser.add_argument("--tiny", help="a tiny random model instead of the configuration's (a sanity run)")
-    parser.add_argument("--device", default="cuda:0", help="where the model runs (cpu with --tiny)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
-    if not args.image_size and not args.text_tokens:
-        parser.error("--image-size 0 and no --text-tokens: no prompt to time")
+    check_prompt_flags(parser, args)
     try:
         alternatives = {name: (key, value) for name, key, value in map(parse_alternative, args.alt)}
     except ValueError as exc:
         parser.error(str(exc))
     if not alternatives:
         alternatives = {COMMITTED: None, "tokens first": ("quantized_prefill", TOKENS_FIRST)}
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU (--device cpu with --tiny for a sanity run)")
-    bench_args = types.SimpleNamespace(device=args.device, routing=args.routing, tiny=args.tiny, model=DEFAULT_MODEL,
-                                       tiny_dir=None)
-    if args.tiny:
-        root = tempfile.mkdtemp(prefix="tiles-ab-")
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        bench_args.tiny_dir = save_tiny_model(root, args.tiny, seed=0)
-    try:
-        config = parse_configuration(args.config, family_of(bench_args))
-        model, processor = load_model(bench_args, config)
-    except VismmoeError as exc:
-        parser.error(str(exc))
-    requests = {}
-    if args.image_size:
-        requests[f"{args.image_size} px"] = make_request(processor, args.image_size, args.device)
-    if args.text_tokens:
-        requests[f"text {args.text_tokens}"] = text_request(processor, args.text_tokens, args.device)
+    model, processor = load_prompt_model(parser, args, "tiles-ab-")
+    requests = prompt_requests(processor, args)
 
     def prefill(name: str, request: dict) -> float:
         override = alternatives[name]

@@ -1,0 +1,275 @@
+"""Where a prompt's time goes: the host's issue against the GPU's work, stage by stage, and the host's Python.
+
+    PYTHONPATH=. python3 -m benchmarks.prompt_timeline --config NAME[:key=value,...] --out DIR
+        [--image-size 448] [--text-tokens 508] [--rounds 3] [--profile]
+
+One model load; each prompt (a picture's and/or a text one) is generated to its first token `--rounds` times
+after a warm run, with hooks on the vision tower and on every decoder layer. Each hook notes the host's clock
+and records a CUDA event, so every stage has two times: when the host finished issuing it and when the GPU
+finished running it (ms from the request's start). Where the GPU finishes a layer right after the host issued
+it, the GPU was waiting for the host (the prompt is bound by the host's launches); where the GPU finishes long
+after, the host ran ahead and the GPU bounds it. The hooks cost a few microseconds a layer.
+
+`--split`: one more round of prompts with the host's time split by part, each part's forward (or function) timed
+on the host's clock, its callees included: a decoder layer, its attention, norms, feed-forward, router and experts
+(the family adapter's accessors), and the functions of SPLIT_FUNCTIONS; in ms a prompt and a layer. A timer costs
+about a microsecond, so the split stays close to the plain run, where cProfile slows Python down unevenly.
+`--profile`: one more prompt under cProfile (the host's Python by function: own time, and time with callees),
+what to shorten where the host bounds the prompt. Synthetic routing unless `--routing` says otherwise.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import importlib
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
+from benchmarks.bench.timing import timed_generate
+from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
+from vismmoe_kt.models import adapter_for
+
+
+class StageClock:
+    """Forward hooks noting, at each watched module's start and end, the host's time and a CUDA event."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], cuda: bool):
+        self.cuda = cuda
+        self.marks: list[tuple[str, str, float, object]] = []  # (stage, "start" | "end", host s, event)
+        self.handles = []
+        for name, module in modules.items():
+            self.handles.append(module.register_forward_pre_hook(self._hook(name, "start")))
+            self.handles.append(module.register_forward_hook(self._hook(name, "end")))
+        self.origin: tuple[float, object] | None = None
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _hook(self, name: str, edge: str):
+        def hook(*_):
+            if self.origin is not None:
+                self.marks.append((name, edge, time.perf_counter(), self._event()))
+        return hook
+
+    def start(self) -> None:
+        self.marks = []
+        self.origin = (time.perf_counter(), self._event())
+
+    def stop(self) -> list[dict]:
+        """Each mark as {stage, edge, host_ms, gpu_ms} from the start (gpu_ms None without CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        host0, event0 = self.origin
+        self.origin = None
+        return [{"stage": name, "edge": edge, "host_ms": (host - host0) * 1e3,
+                 "gpu_ms": event0.elapsed_time(event) if event is not None else None}
+                for name, edge, host, event in self.marks]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# module-level functions timed by --split ("module:name": the name looked up in that module, where its callers find it)
+SPLIT_FUNCTIONS = ("vismmoe_kt.runtime.executors.placement:block_experts",
+                   "vismmoe_kt.runtime.kernels.quantized_major:experts_quantized_major",
+                   "vismmoe_kt.runtime.kernels.quantized_major:block_plan",
+                   "vismmoe_kt.runtime.table_experts:combine",
+                   "vismmoe_kt.engine.prompt_attention:grouped_decode_attention")
+# the decoder layer's parts by the adapter's accessor
+LAYER_PARTS = ("attention", "input_norm", "post_attention_norm", "feed_forward", "router", "experts")
+
+
+class HostSplit:
+    """Each watched callable replaced by a timed one: host seconds and calls by part, callees included, counted
+    only within a decoder layer's call (the `LAYER` part): the decode steps after the prompt reach the same
+    experts and functions from the decode engine, not through the layers."""
+
+    LAYER = "layer"
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list = []
+        self._inside = 0
+
+    def _timed(self, name: str, call):
+        layer = name == self.LAYER
+
+        def timed(*args, **kwargs):
+            if not (layer or self._inside):
+                return call(*args, **kwargs)
+            self._inside += layer
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self._inside -= layer
+        return timed
+
+    def watch_forward(self, name: str, module: torch.nn.Module) -> None:
+        """The module's forward (its own, or one an operator put on the instance) timed under `name`."""
+        had = "forward" in vars(module)
+        previous = module.forward
+        module.forward = self._timed(name, previous)
+        self._undo.append(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+
+    def watch_function(self, spec: str) -> None:
+        module_name, _, attr = spec.partition(":")
+        module = importlib.import_module(module_name)
+        previous = getattr(module, attr)
+        setattr(module, attr, self._timed(attr, previous))
+        self._undo.append(lambda: setattr(module, attr, previous))
+
+    def reset(self) -> None:
+        self.seconds, self.calls = {}, {}
+
+    def remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
+def watch_layers(split: HostSplit, adapter, layers) -> None:
+    """Every decoder layer's forward and its parts' (LAYER_PARTS, where the family has them)."""
+    for layer in layers:
+        split.watch_forward(HostSplit.LAYER, layer)
+        for part in LAYER_PARTS:
+            module = getattr(adapter, part)(layer)
+            if module is not None:
+                split.watch_forward(part, module)
+
+
+def split_table(split: HostSplit, prompts: int, layers: int) -> dict[str, dict[str, float]]:
+    """{part: {ms a prompt, ms a layer, calls a prompt}}."""
+    return {name: {"ms_per_prompt": seconds * 1e3 / prompts, "ms_per_layer": seconds * 1e3 / prompts / layers,
+                   "calls_per_prompt": split.calls[name] / prompts}
+            for name, seconds in sorted(split.seconds.items(), key=lambda item: -item[1])}
+
+
+def summarize(marks: list[dict], prefill_ms: float) -> dict:
+    """One run's marks in a few numbers: when the first layer started (host, GPU), the layers' span, each
+    layer's host issue and GPU time (medians), and how many layers the GPU finished within 50 us of the host's
+    issuing them (the GPU waited for the host there)."""
+    ends = [m for m in marks if m["edge"] == "end" and m["stage"].startswith("layer")]
+    starts = [m for m in marks if m["edge"] == "start" and m["stage"].startswith("layer")]
+    out = {"prefill_ms": prefill_ms, "layers": len(ends)}
+    vision = [m for m in marks if m["stage"] == "vision"]
+    if vision:
+        out["vision_host_ms"] = [m["host_ms"] for m in vision]
+        out["vision_gpu_ms"] = [m["gpu_ms"] for m in vision]
+    if not ends:
+        return out
+    out["first_layer_start_host_ms"] = starts[0]["host_ms"]
+    out["first_layer_start_gpu_ms"] = starts[0]["gpu_ms"]
+    out["last_layer_end_host_ms"] = ends[-1]["host_ms"]
+    out["last_layer_end_gpu_ms"] = ends[-1]["gpu_ms"]
+    out["layer_host_ms_median"] = statistics.median(e["host_ms"] - s["host_ms"] for s, e in zip(starts, ends))
+    if ends[0]["gpu_ms"] is not None:
+        out["layer_gpu_ms_median"] = statistics.median(e["gpu_ms"] - s["gpu_ms"] for s, e in zip(starts, ends))
+        out["layers_gpu_waiting_for_host"] = sum(e["gpu_ms"] - e["host_ms"] < 0.05 for e in ends)
+        out["gpu_behind_host_ms_at_last_layer"] = ends[-1]["gpu_ms"] - ends[-1]["host_ms"]
+    return out
+
+
+def profile_prompt(model, request: dict, top: int) -> str:
+    """One prompt to its first token under cProfile: the top functions by own time and by time with callees."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed_generate(model, request, 1)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
+    add_prompt_flags(parser)
+    parser.add_argument("--out", required=True, help="directory for prompt_timeline.json (and profile.txt)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed prompts of each kind (default 3)")
+    parser.add_argument("--split", action="store_true",
+                        help="one more round of each prompt with the host's time split by part (decoder layer parts, "
+                             "SPLIT_FUNCTIONS)")
+    parser.add_argument("--profile", action="store_true", help="one more prompt of each kind under cProfile")
+    parser.add_argument("--top", type=int, default=30, help="functions listed by --profile in each order (30)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least one round")
+    check_prompt_flags(parser, args)
+    cuda = args.device.startswith("cuda")
+    model, processor = load_prompt_model(parser, args, "prompt-timeline-")
+    adapter = adapter_for(model.config.model_type)
+    modules = {f"layer {i}": layer for i, layer in enumerate(adapter.decoder_layers(model))}
+    if args.image_size:
+        modules["vision"] = adapter.vision_tower(model)
+    requests = prompt_requests(processor, args)
+    clock = StageClock(modules, cuda)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "config": args.config,
+              "routing": args.routing, "prompts": {}}
+    profiles = []
+    for label, request in requests.items():
+        timed_generate(model, request, 1)  # warm: compiled, captured
+        runs = []
+        for _ in range(args.rounds):
+            clock.start()
+            prefill_s = timed_generate(model, request, 1).prefill_s
+            marks = clock.stop()
+            runs.append({"summary": summarize(marks, prefill_s * 1e3)})
+        # every run's summary, and the last run's marks stage by stage
+        result["prompts"][label] = {"runs": [run["summary"] for run in runs], "last_marks": marks}
+        for run in runs:
+            s = run["summary"]
+            print(f"{label}: prefill {s['prefill_ms']:.1f} ms; first layer issued at {s.get('first_layer_start_host_ms', 0):.1f}"
+                  f" (GPU {s.get('first_layer_start_gpu_ms') or 0:.1f}); last layer issued at "
+                  f"{s.get('last_layer_end_host_ms', 0):.1f} (GPU done {s.get('last_layer_end_gpu_ms') or 0:.1f}); a layer "
+                  f"host {s.get('layer_host_ms_median', 0):.3f} ms, GPU {s.get('layer_gpu_ms_median', 0):.3f} ms; GPU "
+                  f"waiting for the host at {s.get('layers_gpu_waiting_for_host', '-')} of {s['layers']} layers; "
+                  f"vision host {s.get('vision_host_ms')}, GPU {s.get('vision_gpu_ms')}", flush=True)
+        if args.split:
+            split = HostSplit()
+            watch_layers(split, adapter, adapter.decoder_layers(model))
+            for spec in SPLIT_FUNCTIONS:
+                split.watch_function(spec)
+            try:
+                timed_generate(model, request, 1)  # the timers' first calls
+                split.reset()
+                prefill = [timed_generate(model, request, 1).prefill_s for _ in range(args.rounds)]
+                # the last token's decode step is in the split too: a few layer calls of one row each
+                table = split_table(split, args.rounds, len(modules) - bool(args.image_size))
+            finally:
+                split.remove()
+            result["prompts"][label]["split"] = {"prefill_ms": [p * 1e3 for p in prefill], "parts": table}
+            print(f"{label}, host time by part (prefill {statistics.median(prefill) * 1e3:.1f} ms with the timers):")
+            for name, row in table.items():
+                print(f"  {name:28s} {row['ms_per_prompt']:7.2f} ms a prompt {row['ms_per_layer'] * 1e3:7.1f} us a layer"
+                      f" {row['calls_per_prompt']:6.0f} calls", flush=True)
+        if args.profile:
+            profiles.append(f"== {label}\n" + profile_prompt(model, request, args.top))
+    clock.remove()
+    (out_dir / "prompt_timeline.json").write_text(json.dumps(result, indent=1))
+    if profiles:
+        (out_dir / "profile.txt").write_text("\n".join(profiles))
+        print("\n".join(profiles))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""benchmarks/prompt_timeline.py: a tiny model's prompts on the CPU, each stage marked by the hooks, and its
+summary's arithmetic on hand-made marks."""
+
+import json
+
+import pytest
+
+from benchmarks import prompt_timeline
+
+
+def test_summary_counts_the_layers_the_gpu_finished_right_after_the_host():
+    marks = []
+    for i, (host_end, gpu_end) in enumerate([(1.0, 1.02), (2.0, 3.5), (3.0, 3.03)]):
+        marks.append({"stage": f"layer {i}", "edge": "start", "host_ms": host_end - 0.5, "gpu_ms": gpu_end - 0.4})
+        marks.append({"stage": f"layer {i}", "edge": "end", "host_ms": host_end, "gpu_ms": gpu_end})
+    summary = prompt_timeline.summarize(marks, 4.0)
+    assert summary["layers"] == 3
+    assert summary["layers_gpu_waiting_for_host"] == 2  # layers 0 and 2: done within 50 us of their issue
+    assert summary["layer_host_ms_median"] == pytest.approx(0.5)
+    assert summary["layer_gpu_ms_median"] == pytest.approx(0.4)
+    assert summary["gpu_behind_host_ms_at_last_layer"] == pytest.approx(0.03)
+    assert summary["first_layer_start_host_ms"] == pytest.approx(0.5)
+
+
+def test_a_tiny_models_prompts_marked_layer_by_layer_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "timeline"
+    assert prompt_timeline.main(["--config", "offload:expert_budget=1GiB", "--out", str(out), "--tiny", "tiny-2x8",
+                                 "--device", "cpu", "--image-size", "224", "--text-tokens", "24", "--rounds", "2",
+                                 "--split", "--profile", "--top", "5"]) == 0
+    result = json.loads((out / "prompt_timeline.json").read_text())
+    assert set(result["prompts"]) == {"224 px", "text 24"}
+    picture = result["prompts"]["224 px"]
+    assert len(picture["runs"]) == 2
+    assert all(run["layers"] == 2 for run in picture["runs"])  # tiny-2x8: two decoder layers, each marked once
+    stages = [m["stage"] for m in picture["last_marks"] if m["edge"] == "end"]
+    assert stages.index("vision") < stages.index("layer 0") < stages.index("layer 1")
+    parts = result["prompts"]["text 24"]["split"]["parts"]
+    assert parts["layer"]["calls_per_prompt"] == 2  # the prompt's two layer calls; the decode step's are not counted
+    assert parts["attention"]["calls_per_prompt"] == 2
+    assert parts["layer"]["ms_per_prompt"] >= parts["attention"]["ms_per_prompt"] > 0  # callees within their caller
+    assert "vision_host_ms" not in result["prompts"]["text 24"]["runs"][0]
+    assert "Ordered by: internal time" in (out / "profile.txt").read_text()
+    assert "first layer issued at" in capsys.readouterr().out
+
+
+def test_no_prompt_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prompt_timeline.main(["--config", "lru:expert_budget=1GiB", "--out", str(tmp_path), "--image-size", "0"])
+    assert "no prompt to time" in capsys.readouterr().err
