@@ -14,7 +14,8 @@ slab for every expert). Rows, each the median of CUDA-event timings of a capture
 
 Each with its error against grouped GEMM on the dequantized weights; "quarter steps": the kernels decoding a
 quarter super-block a step; "weights first": the same with the decoded weights as the tensor cores' first
-operand, read from registers (quantized_major.tile_form). `--tune`: the expert-major kernels' (block M, columns
+operand, read from registers (quantized_major.tile_form); "weights ahead": that with each step prefetching the next
+one's bytes into L1. `--tune`: the expert-major kernels' (block M, columns
 per program, warps, stages, piece[, order]) at T = `--tune-tokens` (512), fastest first (tuning.json's
 quantized_prefill); below 400 tokens (fewer than 25 pairs an expert) blocks of 16 and 32, else of 32 and 64.
 `--adopt` then writes the fastest into this machine's copy of tuning.json (`adopt`), so the commands after it
@@ -119,6 +120,9 @@ def main() -> int:
         # the decoded weights first: the tensor cores read them from registers (one stage: see tile_form)
         runs += [(f"expert-major, block M {m}, weights first", major(m, (128, 4, 1, 64, "weights"),
                                                                     (128, 4, 1, 64, "weights"))) for m in (16, 32, 64)]
+        # and each step prefetching the next one's bytes into L1
+        runs += [(f"expert-major, block M {m}, weights ahead", major(m, (128, 4, 1, 64, "weights-ahead"),
+                                                                    (128, 4, 1, 64, "weights-ahead"))) for m in (32, 64)]
         runs += [("BF16 grouped GEMM (resident bank)", bf16_grouped)]
         for name, run in runs:
             error = float((run()[0].float() - want).norm() / want.norm())
@@ -136,7 +140,8 @@ def main() -> int:
         shapes = [(m, n, w, 1, 256) for m, n, w in itertools.product(blocks, (32, 64, 128), (4, 8))]
         shapes += [(m, n, w, s, 64) for m, n, w, s in itertools.product(blocks, (32, 64, 128), (4, 8), (1, 2, 3))]
         # the decoded weights first (one stage; 64 rows and more: a Hopper warp group's product is 64 rows)
-        shapes += [(m, n, w, 1, 64, "weights") for m, n, w in itertools.product(blocks, (64, 128, 256), (4, 8))]
+        shapes += [(m, n, w, 1, 64, order) for m, n, w, order in
+                   itertools.product(blocks, (64, 128, 256), (4, 8), quantized_major.WEIGHTS_FIRST)]
         for block_m, n, warps, stages, *piece in shapes:
             for part in ("gate_up", "down"):
                 tiles = {f"{part}_tiles": (n, warps, stages, *piece)}
@@ -164,7 +169,8 @@ def main() -> int:
 # with quarter steps, and the weights first
 PROFILED_FORMS = {"tokens first": ((64, 4, 1), (128, 4, 1), 32),
                   "tokens first, quarter steps": ((128, 4, 3, 64), (128, 4, 3, 64), 32),
-                  "weights first": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32)}
+                  "weights first": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32),
+                  "weights ahead": ((128, 4, 1, 64, "weights-ahead"), (128, 4, 1, 64, "weights-ahead"), 32)}
 
 
 def profile_once(tokens: int, device) -> int:

@@ -535,7 +535,7 @@ def check_stores(out: str | None) -> int:
 def check_major_forms(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, experts: int = 16,
                       tokens: int = 32, top_k: int = 8) -> dict:
     """A prompt's quantized expert-major kernels (Q4_K slabs) in each tile form, whole super-blocks and quarter
-    steps with the tokens first and quarter steps with the weights first (quantized_major.tile_form), at
+    steps with the tokens first and quarter steps with the weights first, prefetching or not (tile_form), at
     Qwen3-VL-30B-A3B's shapes against the fp32 reference on the CPU (the store's dequantized weights through the
     kernels' torch twin, expert_major.experts_by_block). The GPU rounds the activations, the weights and h to
     BF16, which leaves about 5e-3 of the outputs' norm (prefill_kernel_bench's error column); a wrong block,
@@ -559,7 +559,8 @@ def check_major_forms(device: str = "cuda:0", hidden: int = 2048, inter: int = 7
     forms = {"tokens first, whole super-blocks": ((64, 4, 1), (128, 4, 1), 32),
              "tokens first, quarter steps": ((64, 4, 2, 64), (128, 4, 2, 64), 32),
              "weights first, block M 16": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 16),
-             "weights first, block M 32": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32)}
+             "weights first, block M 32": ((128, 4, 1, 64, "weights"), (128, 4, 1, 64, "weights"), 32),
+             "weights ahead, block M 32": ((128, 4, 1, 64, "weights-ahead"), (128, 4, 1, 64, "weights-ahead"), 32)}
     errors = {}
     for name, (gate_up_tiles, down_tiles, block_m) in forms.items():
         got = quantized_major.experts_quantized_major(

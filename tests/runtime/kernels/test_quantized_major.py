@@ -198,13 +198,14 @@ def test_the_q4_k_quarter_step_kernels_compile_for_hopper_with_vector_loads(hopp
         assert_nibbles_by_exponent(ptx)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_the_weights_first_kernels_decode_in_the_tensor_cores_registers(hopper, block_m):
+@pytest.mark.parametrize("block_m, ahead", [(16, False), (32, False), (32, True)])
+def test_the_weights_first_kernels_decode_in_the_tensor_cores_registers(hopper, block_m, ahead):
     """With the decoded weights first (order "weights"), compiled for sm_90 as a launch specializes it: Hopper's
     warp-group products read the weights from registers. The only values passing through shared memory into that
     operand are the quant bytes (int8, two weights a byte, read from the slab in 16-byte loads) and each row's
     constants, never a tile of decoded weights; each nibble becomes a float by an OR into 1.0's mantissa, not an
-    int-to-float conversion."""
+    int-to-float conversion. `ahead` ("weights-ahead"): the same with each step prefetching the next one's bytes
+    into L1, which must leave all of that as it is."""
     import re
 
     from vismmoe_kt.runtime.kernels import quantized_major as qm
@@ -212,7 +213,8 @@ def test_the_weights_first_kernels_decode_in_the_tensor_cores_registers(hopper, 
     blocks = {"expert_ptr": "*i64", "pairs_ptr": "*i64", "slots_ptr": "*i64", "land_ptr": "*i64", "pool_ptr": "*u8",
               "slab_bytes": "i64", "staging_offset": "i64", "staging_bytes": "i64", "H": "constexpr", "I": "constexpr",
               "SB_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    shapes = {**hopper.shapes, "BLOCK_M": block_m, "BLOCK_N": 128, "SB_BYTES": qm.TILE_BYTES["q4_k"]}
+    shapes = {**hopper.shapes, "BLOCK_M": block_m, "BLOCK_N": 128, "SB_BYTES": qm.TILE_BYTES["q4_k"], "AHEAD": ahead}
+    blocks["AHEAD"] = "constexpr"
     aligned = ("pool_ptr", "slab_bytes", "staging_offset", "staging_bytes")
     kernels = [hopper.compile(qm._gate_up_q_rows, {"x_ptr": "*bf16", "h_ptr": "*bf16", "TOP_K": "constexpr",
                                                    "DOWN_KIND": "constexpr", **blocks},
@@ -234,6 +236,8 @@ def test_the_weights_first_kernels_decode_in_the_tensor_cores_registers(hopper, 
         ones = re.findall(r"or\.b32\s+%r\d+, %r\d+, 1065353216;", ptx)   # | 0x3F800000
         conversions = re.findall(r"cvt\.rn\.f32\.[su]32", ptx)    # the scales' few, not one a weight
         assert ones and len(ones) >= 4 * len(conversions), (len(ones), len(conversions))
+        prefetches = re.findall(r"prefetch\.global\.L1", ptx)
+        assert bool(prefetches) == ahead
 
 
 def test_a_tiles_order_is_checked_and_reaches_only_q4_k_quarter_steps():
@@ -257,6 +261,12 @@ def test_a_tiles_order_is_checked_and_reaches_only_q4_k_quarter_steps():
     assert qm.format_form("q6_k", "down", qm.tile_form((16, 2, 1))) == (16, 8, 1, 256, "tokens")
     with pytest.raises(ValueError, match="quarter super-block"):
         qm.tile_form((128, 4, 1, 256, "weights"))
+    # the weights first, prefetching a step ahead: the same rules
+    ahead = qm.tile_form((128, 4, 1, 64, "weights-ahead"))
+    assert qm.weights_first("q4_k", ahead) and not qm.weights_first("q6_k", ahead)
+    assert qm.format_form("q6_k", "down", ahead) == (64, 8, 1, 256, "tokens")
+    with pytest.raises(ValueError, match="quarter super-block"):
+        qm.tile_form((128, 4, 1, 256, "weights-ahead"))
     with pytest.raises(ValueError, match="order 'columns'"):
         qm.tile_form((128, 4, 1, 64, "columns"))
 

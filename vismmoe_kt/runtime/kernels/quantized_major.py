@@ -71,7 +71,10 @@ IN_ORDER = 0  # a kernel's `_tile_position` code for columns in order
 
 
 PIECES = (256, 64)  # input columns a kernel step decodes per row: a super-block, or (Q4_K) a quarter of one
-ORDERS = ("tokens", "weights")  # which operand of the tensor cores' product comes first (see tile_form)
+# which operand of the tensor cores' product comes first (see tile_form); "weights-ahead": the weights first, each
+# step asking the cache for the next step's bytes
+ORDERS = ("tokens", "weights", "weights-ahead")
+WEIGHTS_FIRST = ("weights", "weights-ahead")
 
 
 def tile_form(tiles: tuple[int | str, ...]) -> tuple[int, int, int, int, str]:
@@ -84,7 +87,11 @@ def tile_form(tiles: tuple[int | str, ...]) -> tuple[int, int, int, int, str]:
     the first operand, which Hopper's tensor cores read from registers: Triton then decodes each weight where
     the product reads it and only the quant bytes pass through shared memory (`_gate_up_q_rows`). That holds
     with one pipeline stage; with more, Triton's pipeliner routes the decoded weights through shared memory
-    again."""
+    again. "weights-ahead" is "weights" with each step prefetching the next step's quant bytes, super-block
+    constants and token rows into L1 (`_ask_l1`): the one-stage kernels otherwise wait on every step's loads (on an
+    H100, ncu: long-scoreboard stalls half of gate_up's cycles at 236 tokens, with 3 warps a scheduler), and a
+    prefetch returns no value, so the decoded weights keep their registers (a loaded value carried to the next
+    step did not: 233 registers, the weights stored to shared memory)."""
     n, warps, stages, *rest = tiles
     piece = rest[0] if rest else 256
     order = rest[1] if len(rest) > 1 else "tokens"
@@ -92,7 +99,7 @@ def tile_form(tiles: tuple[int | str, ...]) -> tuple[int, int, int, int, str]:
         raise ValueError(f"a tile's piece of {piece} columns: the kernels decode {' or '.join(map(str, PIECES))}")
     if order not in ORDERS:
         raise ValueError(f"a tile's order {order!r}: one of {', '.join(ORDERS)}")
-    if order == "weights" and piece != 64:
+    if order in WEIGHTS_FIRST and piece != 64:
         raise ValueError(f"a tile with the weights first decodes a quarter super-block a step (piece 64), not {piece}")
     return n, warps, stages, piece, order
 
@@ -115,7 +122,7 @@ def format_form(fmt: str, part: str, form: tuple[int, int, int, int, str]) -> tu
     registers): those take the default entry's prompt tiles instead (tuning.json's "default" quantized_prefill).
     Q5_K and Q6_K then run 8 warps and at most WIDE_DECODE_ROWS rows a program, which keeps their decoding in
     registers; the other formats' tiles are as tuned."""
-    if form[4] == "weights" and fmt != "q4_k":
+    if form[4] in WEIGHTS_FIRST and fmt != "q4_k":
         form = tile_form(tuning.entry(tuning.DEFAULT)["quantized_prefill"][part])
     if fmt in ("q5_k", "q6_k"):
         n, _, stages, piece, order = form
@@ -126,7 +133,7 @@ def format_form(fmt: str, part: str, form: tuple[int, int, int, int, str]) -> tu
 def weights_first(fmt: str, form: tuple[int, int, int, int, str]) -> bool:
     """Whether this tile form's kernel for `fmt` puts the decoded weights first (Q4_K quarter steps; the other
     formats decode whole super-blocks with the tokens first)."""
-    return quarter_steps(fmt, form) and form[4] == "weights"
+    return quarter_steps(fmt, form) and form[4] in WEIGHTS_FIRST
 
 
 def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slots: torch.Tensor, land: torch.Tensor,
@@ -161,8 +168,8 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     if weights_first(fmt, gate_up_form):
         _gate_up_q_rows[(blocks, triton.cdiv(inter, n))](
             x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
-            DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps,
-            num_stages=stages)
+            DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
+            AHEAD=gate_up_form[4] == "weights-ahead", num_warps=warps, num_stages=stages)
     else:
         _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
             x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
@@ -173,7 +180,8 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     if weights_first(down_fmt, down_form):
         _down_q_rows[(blocks, triton.cdiv(hidden_size, n))](
             h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-            SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+            SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, AHEAD=down_form[4] == "weights-ahead",
+            num_warps=warps, num_stages=stages)
     else:
         _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
             h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
@@ -362,12 +370,30 @@ if tl is not None:
         return step_low * low - offset_low, step_high * high - offset_high
 
     @triton.jit
+    def _ask_l1(at):
+        """Ask L1 for the line holding each address of pointer tensor `at`, for a load a step later. PTX's prefetch
+        returns nothing and waits on nothing (the dummy result only satisfies inline asm); an address outside
+        the allocation is not a fault for a prefetch, but callers stay within their rows anyway."""
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _ask_l1_quarter(at, k, SB_BYTES: tl.constexpr):
+        """Prefetch (`_ask_l1`) what quarter step k of rows at `at` (R, 1) reads: its super-block's constants (the
+        first 16 bytes) and its 32 quant bytes (both ends: the 32 bytes may straddle two 128-byte lines)."""
+        block = at + (k // 4) * SB_BYTES
+        _ask_l1(block)
+        _ask_l1(block + 16 + 32 * (k % 4))
+        _ask_l1(block + 16 + 32 * (k % 4) + 31)
+
+    @triton.jit
     def _gate_up_q_rows(x_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, h_ptr, pool_ptr, slab_bytes,
                         staging_offset, staging_bytes, TOP_K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                         DOWN_KIND: tl.constexpr, SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, AHEAD: tl.constexpr = False):
         """`_gate_up_q_blocks` with the weights first (Q4_K, quarter steps): each step's (N, 32) decoded weights
-        times the block's (32, M) token rows, so the products are (N, M), transposed back as h is stored."""
+        times the block's (32, M) token rows, so the products are (N, M), transposed back as h is stored.
+        AHEAD: each step prefetches the next one's bytes (the last step its own again)."""
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, I, BLOCK_M, BLOCK_N)
         if expert >= 0:
             token, gate_at, up_at = _gate_up_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes,
@@ -377,6 +403,11 @@ if tl is not None:
             up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             half = tl.arange(0, 32)  # x comes in order
             for k in range(0, H // 64):
+                if AHEAD:
+                    ahead = tl.minimum(k + 1, H // 64 - 1)
+                    _ask_l1_quarter(gate_at, ahead, SB_BYTES)
+                    _ask_l1_quarter(up_at, ahead, SB_BYTES)
+                    _ask_l1(x_ptr + token * H + ahead * 64)  # the 64 columns of each token row: one 128-byte line
                 at = token[None, :] * H + k * 64 + half[:, None]        # (32, M): the block's rows, transposed
                 x_low = tl.load(x_ptr + at, mask=ok[None, :], other=0.0)
                 x_high = tl.load(x_ptr + at + 32, mask=ok[None, :], other=0.0)
@@ -394,8 +425,8 @@ if tl is not None:
     @triton.jit
     def _down_q_rows(h_ptr, expert_ptr, pairs_ptr, slots_ptr, land_ptr, y_ptr, pool_ptr, slab_bytes,
                      staging_offset, staging_bytes, PART_BYTES: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                     SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """`_down_q_blocks` with the weights first (Q4_K, quarter steps; h in order)."""
+                     SB_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr = False):
+        """`_down_q_blocks` with the weights first (Q4_K, quarter steps; h in order); AHEAD as `_gate_up_q_rows`."""
         expert, pair, ok, cols, col_ok = _block(expert_ptr, pairs_ptr, H, BLOCK_M, BLOCK_N)
         if expert >= 0:
             row, w_at = _down_rows(pair, ok, cols, slots_ptr, land_ptr, pairs_ptr, pool_ptr, slab_bytes, staging_offset,
@@ -403,6 +434,10 @@ if tl is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             half = tl.arange(0, 32)
             for k in range(0, I // 64):
+                if AHEAD:
+                    ahead = tl.minimum(k + 1, I // 64 - 1)
+                    _ask_l1_quarter(w_at, ahead, SB_BYTES)
+                    _ask_l1(h_ptr + row * I + ahead * 64)
                 at = row[None, :] * I + k * 64 + half[:, None]          # (32, M)
                 low, high = _q4k_quarter_rows(w_at + (k // 4) * SB_BYTES, col_ok[:, None], k % 4, BLOCK_N)
                 acc = tl.dot(low.to(h_ptr.dtype.element_ty), tl.load(h_ptr + at, mask=ok[None, :], other=0.0), acc)
