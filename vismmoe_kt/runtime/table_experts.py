@@ -122,15 +122,17 @@ def block_bank_outputs(hidden: torch.Tensor, ids: torch.Tensor, bank: torch.Tens
 
 
 def block_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, act: Any,
-                  blocks: torch.Tensor, row_map: torch.Tensor, store: Any, layer: int, num_experts: int,
+                  blocks: torch.Tensor, row_map: torch.Tensor | None, store: Any, layer: int, num_experts: int,
                   use_kernels: bool, prompt: bool) -> torch.Tensor:
     """(T, H) routed-expert output of T tokens from rows of quantized blocks (`blocks`: uint8 (rows, block bytes or
     more); `row_map`: each expert's row, on the device; every routed expert must have one): the slab pool with a
-    layer's row map, or a pinned layer's bank with the identity. The expert-major kernels (each routed expert
-    decoded once per block of its tokens), else the same blocks from the store's dequantization. `prompt`: a
-    prompt's many tokens per expert take the prompt's tiles (tuning.prefill_tiles); else a batched step's."""
+    layer's row map, or a pinned layer's bank, whose row e is expert e (`row_map` None). The expert-major kernels
+    (each routed expert decoded once per block of its tokens), else the same blocks from the store's
+    dequantization. `prompt`: a prompt's many tokens per expert take the prompt's tiles (tuning.prefill_tiles);
+    else a batched step's."""
     if use_kernels:
-        slots = row_map[top_k_index].reshape(-1)  # each pair's row
+        # each pair's row (a bank's are the experts' own ids: no gather launch in a host-paced prompt's layer)
+        slots = row_map[top_k_index].reshape(-1) if row_map is not None else top_k_index.reshape(-1).long()
         tuned = tuning.prefill_tiles(hidden.device, top_k_index.numel() / num_experts) if prompt else \
             {"gate_up": None, "down": None, "block_m": expert_major.BLOCK_M}
         # every pair has a row, so no landing slab or staging row is ever taken: the slots and the blocks
@@ -139,7 +141,8 @@ def block_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
             hidden, top_k_index, slots, slots, blocks, blocks, store.fmt, store.down_format(layer), store.inter,
             num_experts, tuned["gate_up"], tuned["down"], block_m=tuned["block_m"])
     else:  # the same blocks, each expert's weights from its row by the store's dequantization
-        gate_up, down = store.dequantized(blocks[row_map, :store.block_bytes_of(layer)], layer)
+        rows = blocks[row_map] if row_map is not None else blocks[:num_experts]
+        gate_up, down = store.dequantized(rows[:, :store.block_bytes_of(layer)], layer)
         block_expert, block_pairs = expert_major.expert_blocks(top_k_index.reshape(-1), num_experts)
         x = hidden.to(gate_up.dtype)
         y = expert_major.experts_by_block(x, top_k_index.shape[1], block_expert, block_pairs, gate_up, down, act)

@@ -91,7 +91,7 @@ class BatchStepExecutor:
             y = block_bank_outputs(hidden, top_k_index.reshape(-1), res.banks[layer][0], res.store, layer, act,
                                    top_k_index.shape[1], self.kernel)
             return combine(y, top_k_weights, hidden.dtype, self.kernel)
-        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], res.identity, res.store,
+        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], None, res.store,
                              layer, res.num_experts, self.major_kernels, prompt=False)
 
     # --- offloaded layers ---------------------------------------------------------------------------

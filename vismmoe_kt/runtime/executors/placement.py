@@ -115,7 +115,7 @@ class PlacementExecutor:
         expert at its own row."""
         self._prefetch_after(layer, hidden)
         res = self.res
-        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], res.identity, res.store,
+        return block_experts(hidden, top_k_index, top_k_weights, act, res.banks[layer][0], None, res.store,
                              layer, res.num_experts, res.plan.prefill_kernels, prompt=hidden.shape[0] > 1)
 
     def _fill_first(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -86,8 +86,9 @@ def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tup
     some fifteen, each a gap of the host in a prompt's layer). One program walking every chunk in turn had
     taken 113 us a layer of a 236-token prompt on the H100, a tenth of its experts' time."""
     pairs = ids.numel()
-    block_expert = torch.full((pairs,), -1, dtype=torch.long, device=ids.device)
-    block_pairs = torch.full((pairs, block), -1, dtype=torch.long, device=ids.device)
+    # both -1 (unused) until placed, from one allocation: a fill launch fewer a layer of a host-paced prompt
+    plan = torch.full((pairs * (block + 1),), -1, dtype=torch.long, device=ids.device)
+    block_expert, block_pairs = plan[:pairs], plan[pairs:].view(pairs, block)
     if pairs > MAX_PLAN_PAIRS:
         chunk = plan_chunk(pairs)
         chunks, width = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts)
