@@ -7,8 +7,10 @@ Each alternative overrides tuning.json keys (`tuning.overridden`) while the same
 go A B, then B A, and so on, so a machine whose speed drifts moves every alternative alike: on a shared H100 the
 same code's resident 448 px prompt took 0.057 s in one process and 0.116 s in the next, which separate processes
 ordered A, B would have carried into the comparison. Each alternative is warmed once per request first (its
-kernels compiled, the vision tower's graph captured). The default alternatives: the device's committed
-quantized_prefill tiles, and the tokens-first tiles the H100's entry held before the weights-first ones.
+kernels compiled, the vision tower's graph captured). The default alternatives (`default_alternatives`): the
+device's committed quantized_prefill tiles, the tokens-first tiles the H100's entry held before the weights-first
+ones, the weights-first tiles (the device's, else the H100's), and those prefetching a step ahead
+("weights-ahead"), each only where it differs from the ones before it.
 
 Routing of every figure: the configuration's, synthetic unless --routing says otherwise (printed beside the
 results). Measurement only: nothing here changes tuning.json.
@@ -25,11 +27,40 @@ import torch
 from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
 from benchmarks.bench.timing import timed_generate
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
-from vismmoe_kt.runtime.kernels import tuning
+from vismmoe_kt.runtime.kernels import quantized_major, tuning
 
 COMMITTED = "committed"
 # what the H100's quantized_prefill held before the weights-first tiles (benchmarks/results/kernel-tuning.md)
 TOKENS_FIRST = {"block_m": 32, "gate_up": [64, 4, 1], "down": [128, 4, 1]}
+# the H100's weights-first tiles (kernel-tuning.md), for a device whose entry has none
+WEIGHTS_FIRST = {"block_m": 32, "gate_up": [128, 4, 1, 64, "weights"], "down": [128, 4, 1, 64, "weights"],
+                 "long": {"from_pairs_per_expert": 32, "block_m": 64, "gate_up": [128, 4, 1, 64, "weights"],
+                          "down": [128, 4, 1, 64, "weights"]}}
+
+
+def in_order(entry: dict, order: str) -> dict:
+    """A quantized_prefill entry with every weights-first tile (its `long` ones too) in `order`."""
+    out = json.loads(json.dumps(entry))
+    for tiles in (out, out.get("long") or {}):
+        for part in ("gate_up", "down"):
+            if part in tiles and len(tiles[part]) == 5 and tiles[part][4] in quantized_major.WEIGHTS_FIRST:
+                tiles[part][4] = order
+    return out
+
+
+def default_alternatives(committed: dict) -> dict[str, tuple[str, dict] | None]:
+    """The device's committed quantized_prefill, the tokens-first tiles, the weights-first ones (the device's
+    own, else the H100's) and the same prefetching a step ahead: those that differ from one before them."""
+    weights = in_order(committed if json.dumps(committed).count('"weights') else WEIGHTS_FIRST, "weights")
+    candidates = {COMMITTED: committed, "tokens first": TOKENS_FIRST, "weights first": weights,
+                  "weights ahead": in_order(weights, "weights-ahead")}
+    alternatives, seen = {}, []
+    for name, entry in candidates.items():
+        if any(json.dumps(entry, sort_keys=True) == json.dumps(other, sort_keys=True) for other in seen):
+            continue
+        seen.append(entry)
+        alternatives[name] = None if name == COMMITTED else ("quantized_prefill", entry)
+    return alternatives
 
 
 def parse_alternative(text: str) -> tuple[str, str, object]:
@@ -73,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="turns of every alternative per request (default 4)")
     parser.add_argument("--alt", action="append", default=[], metavar="NAME=KEY:JSON",
                         help="an alternative: tuning key KEY set to JSON (repeatable; default: the committed "
-                             "quantized_prefill against the tokens-first tiles)")
+                             "quantized_prefill, the tokens-first, weights-first and weights-ahead tiles: default_alternatives)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
@@ -83,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if not alternatives:
-        alternatives = {COMMITTED: None, "tokens first": ("quantized_prefill", TOKENS_FIRST)}
+        alternatives = default_alternatives(json.loads(json.dumps(tuning.get("quantized_prefill", args.device))))
     model, processor = load_prompt_model(parser, args, "tiles-ab-")
     requests = prompt_requests(processor, args)
 

@@ -107,8 +107,14 @@
 #   bash scripts/device_session.sh prefillncu       ncu's counters for those kernels, each tile form twice at PN_TOKENS (236)
 #                                                   tokens (prefill_kernel_bench --profile-once): occupancy, issue, stalls
 #   bash scripts/device_session.sh tilesab          the resident 448 px prompt (and a 508-token text one) under the committed
-#                                                   prefill tiles and the tokens-first ones in turn, one process
-#                                                   (benchmarks/tiles_ab.py; TILESAB_ARGS overrides its flags)
+#                                                   prefill tiles, the tokens-first, weights-first and weights-ahead ones
+#                                                   in turn, one process (benchmarks/tiles_ab.py; TILESAB_ARGS overrides
+#                                                   its flags)
+#   bash scripts/device_session.sh timeline         where the resident 448 px and 508-token text prompts' time goes: the
+#                                                   host's issue against the GPU layer by layer, the host's time split by
+#                                                   part (benchmarks/prompt_timeline.py --split; TIMELINE_ARGS adds flags,
+#                                                   e.g. --profile), and llama-bench's pp236/pp508 beside it when
+#                                                   .scratch/llama.cpp is carried
 #   bash scripts/device_session.sh prefillcompare DIR  those rows in DIR's code (a tree before a change, carried),
 #                                                   then in this tree's, one call
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
@@ -387,6 +393,17 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              timeout ${TILESAB_TIMEOUT:-300} python3 -m benchmarks.tiles_ab --out "$OUT/tilesab.json" \
                --config "offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" ${TILESAB_ARGS:---text-tokens 508} \
                | tee "$OUT/tilesab.txt" || true ;;
+    timeline) shift  # a resident prompt's host issue against the GPU, layer by layer, and the host's time by part
+              [[ -f "$GGUF_DIR/synthetic_gguf.json" ]] || timeout 300 python3 -m benchmarks.models.synthetic_gguf "$GGUF_DIR" --layers 48
+              parts=(.scratch/llama.cpp/llama-bench.xz.part-*)
+              if [[ -f ${parts[0]} ]]; then  # llama.cpp's prompt rates on the same file, for scale
+                cat "${parts[@]}" | xz -d > /tmp/llama-bench && chmod +x /tmp/llama-bench
+                timeout 60 /tmp/llama-bench -m "$GGUF_DIR/model-Q4_K.gguf" -ngl 99 -ncmoe 0 -fa 1 -t 14 -p 236,508 -n 0 \
+                  -r 5 2>&1 | grep -E "pp[0-9]" | tee "$OUT/timeline-llama.txt" || true
+              fi
+              timeout ${TIMELINE_TIMEOUT:-200} python3 -m benchmarks.prompt_timeline --out "$OUT/timeline" \
+                --config "offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" --text-tokens 508 --split ${TIMELINE_ARGS:-} \
+                2>&1 | grep -vE "^Writing|it/s\]" | tee "$OUT/timeline.txt" || true ;;
     prefillcompare) shift  # the same kernels' rows in DIR's code (before), then in this tree's (after)
               ref=$1; shift
               for side in "$ref" .; do

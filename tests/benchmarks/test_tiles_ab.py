@@ -16,6 +16,18 @@ def test_alternatives_parse_to_a_key_and_a_json_value_and_wrong_ones_say_why():
             tiles_ab.parse_alternative(text)
 
 
+def test_the_default_alternatives_add_the_other_orders_once_each():
+    h100 = tiles_ab.WEIGHTS_FIRST
+    alternatives = tiles_ab.default_alternatives(h100)   # a device already weights first: three, not four
+    assert list(alternatives) == ["committed", "tokens first", "weights ahead"]
+    ahead = alternatives["weights ahead"][1]
+    assert ahead["gate_up"][4] == ahead["down"][4] == ahead["long"]["down"][4] == "weights-ahead"
+    assert h100["gate_up"][4] == "weights"  # the committed entry is not changed in place
+    tokens = tiles_ab.default_alternatives(tiles_ab.TOKENS_FIRST)  # a tokens-first device: the H100's tiles to try
+    assert list(tokens) == ["committed", "weights first", "weights ahead"]
+    assert tokens["weights first"][1] == h100
+
+
 def test_rounds_alternate_their_order_and_the_summary_keeps_each_request_apart():
     assert tiles_ab.rounds_order(["a", "b"], 4) == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert tiles_ab.rounds_order(["a", "b", "c"], 1) == ["a", "b", "c"]
