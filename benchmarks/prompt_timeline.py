@@ -1,12 +1,12 @@
 """Where a prompt's time goes: the host's issue against the GPU's work, stage by stage, and the host's Python.
 
     PYTHONPATH=. python3 -m benchmarks.prompt_timeline --config NAME[:key=value,...] --out DIR
-        [--image-size 448] [--text-tokens 508] [--rounds 3] [--profile]
+        [--image-size 448] [--text-tokens 508] [--rounds 3] [--split] [--profile]
 
 One model load; each prompt (a picture's and/or a text one) is generated to its first token `--rounds` times
 after a warm run, with hooks on the vision tower and on every decoder layer. Each hook notes the host's clock
 and records a CUDA event, so every stage has two times: when the host finished issuing it and when the GPU
-finished running it (ms from the request's start). Where the GPU finishes a layer right after the host issued
+finished running it (ms from the start of the model's forward). Where the GPU finishes a layer right after the host issued
 it, the GPU was waiting for the host (the prompt is bound by the host's launches); where the GPU finishes long
 after, the host ran ahead and the GPU bounds it. The hooks cost a few microseconds a layer.
 
@@ -38,16 +38,19 @@ from vismmoe_kt.models import adapter_for
 
 
 class StageClock:
-    """Forward hooks noting, at each watched module's start and end, the host's time and a CUDA event."""
+    """Forward hooks noting, at each watched module's start and end, the host's time and a CUDA event, from the
+    start of the model's forward (`origin`: the prompt's own time, without what the caller does before it, such
+    as the synthetic routing's table made before timed_generate's clock)."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module], cuda: bool):
+    def __init__(self, origin: torch.nn.Module, modules: dict[str, torch.nn.Module], cuda: bool):
         self.cuda = cuda
         self.marks: list[tuple[str, str, float, object]] = []  # (stage, "start" | "end", host s, event)
-        self.handles = []
+        self.armed = False
+        self.origin: tuple[float, object] | None = None
+        self.handles = [origin.register_forward_pre_hook(self._begin)]
         for name, module in modules.items():
             self.handles.append(module.register_forward_pre_hook(self._hook(name, "start")))
             self.handles.append(module.register_forward_hook(self._hook(name, "end")))
-        self.origin: tuple[float, object] | None = None
 
     def _event(self):
         if not self.cuda:
@@ -56,6 +59,10 @@ class StageClock:
         event.record()
         return event
 
+    def _begin(self, *_):
+        if self.armed and self.origin is None:  # the prompt's forward (decode steps run the layers, not it)
+            self.origin = (time.perf_counter(), self._event())
+
     def _hook(self, name: str, edge: str):
         def hook(*_):
             if self.origin is not None:
@@ -63,13 +70,15 @@ class StageClock:
         return hook
 
     def start(self) -> None:
-        self.marks = []
-        self.origin = (time.perf_counter(), self._event())
+        self.marks, self.armed, self.origin = [], True, None
 
     def stop(self) -> list[dict]:
-        """Each mark as {stage, edge, host_ms, gpu_ms} from the start (gpu_ms None without CUDA)."""
+        """Each mark as {stage, edge, host_ms, gpu_ms} from the model's forward's start (gpu_ms None without CUDA)."""
         if self.cuda:
             torch.cuda.synchronize()
+        self.armed = False
+        if self.origin is None:
+            raise RuntimeError("the model's forward never ran: no prompt was timed")
         host0, event0 = self.origin
         self.origin = None
         return [{"stage": name, "edge": edge, "host_ms": (host - host0) * 1e3,
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.image_size:
         modules["vision"] = adapter.vision_tower(model)
     requests = prompt_requests(processor, args)
-    clock = StageClock(modules, cuda)
+    clock = StageClock(model, modules, cuda)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "config": args.config,

@@ -47,3 +47,21 @@ def test_no_prompt_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         prompt_timeline.main(["--config", "lru:expert_budget=1GiB", "--out", str(tmp_path), "--image-size", "0"])
     assert "no prompt to time" in capsys.readouterr().err
+
+
+def test_the_clock_counts_from_the_models_forward_and_says_when_it_never_ran():
+    import torch
+
+    model, layer = torch.nn.Sequential(torch.nn.Identity()), torch.nn.Identity()
+    clock = prompt_timeline.StageClock(model, {"layer 0": layer}, cuda=False)
+    clock.start()
+    layer(torch.zeros(1))  # before the model's forward: not the prompt's
+    model(torch.zeros(1))
+    layer(torch.zeros(1))
+    marks = clock.stop()
+    assert [(m["stage"], m["edge"]) for m in marks] == [("layer 0", "start"), ("layer 0", "end")]
+    assert all(m["host_ms"] >= 0 and m["gpu_ms"] is None for m in marks)
+    clock.start()
+    with pytest.raises(RuntimeError, match="never ran"):
+        clock.stop()
+    clock.remove()
