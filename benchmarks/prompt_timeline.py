@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     model, processor = load_prompt_model(parser, args, "prompt-timeline-")
     adapter = adapter_for(model.config.model_type)
-    modules = {f"layer {i}": layer for i, layer in enumerate(adapter.decoder_layers(model))}
+    layers = adapter.decoder_layers(model)
+    modules = {f"layer {i}": layer for i, layer in enumerate(layers)}
     if args.image_size:
         modules["vision"] = adapter.vision_tower(model)
     requests = prompt_requests(processor, args)
@@ -236,16 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     profiles = []
     for label, request in requests.items():
         timed_generate(model, request, 1)  # warm: compiled, captured
-        runs = []
+        summaries = []
         for _ in range(args.rounds):
             clock.start()
             prefill_s = timed_generate(model, request, 1).prefill_s
             marks = clock.stop()
-            runs.append({"summary": summarize(marks, prefill_s * 1e3)})
+            summaries.append(summarize(marks, prefill_s * 1e3))
         # every run's summary, and the last run's marks stage by stage
-        result["prompts"][label] = {"runs": [run["summary"] for run in runs], "last_marks": marks}
-        for run in runs:
-            s = run["summary"]
+        result["prompts"][label] = {"runs": summaries, "last_marks": marks}
+        for s in summaries:
             print(f"{label}: prefill {s['prefill_ms']:.1f} ms; first layer issued at {s.get('first_layer_start_host_ms', 0):.1f}"
                   f" (GPU {s.get('first_layer_start_gpu_ms') or 0:.1f}); last layer issued at "
                   f"{s.get('last_layer_end_host_ms', 0):.1f} (GPU done {s.get('last_layer_end_gpu_ms') or 0:.1f}); a layer "
@@ -254,15 +254,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"vision host {s.get('vision_host_ms')}, GPU {s.get('vision_gpu_ms')}", flush=True)
         if args.split:
             split = HostSplit()
-            watch_layers(split, adapter, adapter.decoder_layers(model))
+            watch_layers(split, adapter, layers)
             for spec in SPLIT_FUNCTIONS:
                 split.watch_function(spec)
             try:
                 timed_generate(model, request, 1)  # the timers' first calls
                 split.reset()
                 prefill = [timed_generate(model, request, 1).prefill_s for _ in range(args.rounds)]
-                # the last token's decode step is in the split too: a few layer calls of one row each
-                table = split_table(split, args.rounds, len(modules) - bool(args.image_size))
+                table = split_table(split, args.rounds, len(layers))
             finally:
                 split.remove()
             result["prompts"][label]["split"] = {"prefill_ms": [p * 1e3 for p in prefill], "parts": table}

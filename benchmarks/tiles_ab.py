@@ -38,28 +38,33 @@ WEIGHTS_FIRST = {"block_m": 32, "gate_up": [128, 4, 1, 64, "weights"], "down": [
                           "down": [128, 4, 1, 64, "weights"]}}
 
 
+def weights_first_tiles(entry: dict) -> list[list]:
+    """The tiles of a quantized_prefill entry (its `long` ones too) whose order puts the weights first."""
+    return [tiles[part] for tiles in (entry, entry.get("long") or {}) for part in ("gate_up", "down")
+            if len(tiles.get(part, ())) == 5 and tiles[part][4] in quantized_major.WEIGHTS_FIRST]
+
+
 def in_order(entry: dict, order: str) -> dict:
-    """A quantized_prefill entry with every weights-first tile (its `long` ones too) in `order`."""
+    """A quantized_prefill entry with every weights-first tile in `order`."""
     out = json.loads(json.dumps(entry))
-    for tiles in (out, out.get("long") or {}):
-        for part in ("gate_up", "down"):
-            if part in tiles and len(tiles[part]) == 5 and tiles[part][4] in quantized_major.WEIGHTS_FIRST:
-                tiles[part][4] = order
+    for tile in weights_first_tiles(out):
+        tile[4] = order
     return out
 
 
 def default_alternatives(committed: dict) -> dict[str, tuple[str, dict] | None]:
     """The device's committed quantized_prefill, the tokens-first tiles, the weights-first ones (the device's
     own, else the H100's) and the same prefetching a step ahead: those that differ from one before them."""
-    weights = in_order(committed if json.dumps(committed).count('"weights') else WEIGHTS_FIRST, "weights")
+    committed = json.loads(json.dumps(committed))  # tuples as JSON's lists, as the others are written
+    weights = in_order(committed if weights_first_tiles(committed) else WEIGHTS_FIRST, "weights")
     candidates = {COMMITTED: committed, "tokens first": TOKENS_FIRST, "weights first": weights,
                   "weights ahead": in_order(weights, "weights-ahead")}
-    alternatives, seen = {}, []
+    alternatives, seen = {}, set()
     for name, entry in candidates.items():
-        if any(json.dumps(entry, sort_keys=True) == json.dumps(other, sort_keys=True) for other in seen):
-            continue
-        seen.append(entry)
-        alternatives[name] = None if name == COMMITTED else ("quantized_prefill", entry)
+        key = json.dumps(entry, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            alternatives[name] = None if name == COMMITTED else ("quantized_prefill", entry)
     return alternatives
 
 
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if not alternatives:
-        alternatives = default_alternatives(json.loads(json.dumps(tuning.get("quantized_prefill", args.device))))
+        alternatives = default_alternatives(tuning.get("quantized_prefill", args.device))
     model, processor = load_prompt_model(parser, args, "tiles-ab-")
     requests = prompt_requests(processor, args)
 
