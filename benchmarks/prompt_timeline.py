@@ -6,7 +6,7 @@
 One model load; each prompt (a picture's and/or a text one) is generated to its first token `--rounds` times
 after a warm run, with hooks on the vision tower and on every decoder layer. Each hook notes the host's clock
 and records a CUDA event, so every stage has two times: when the host finished issuing it and when the GPU
-finished running it (ms from the start of the model's forward). Where the GPU finishes a layer right after the host issued
+finished running it (ms from the start of the prompt's forward). Where the GPU finishes a layer right after the host issued
 it, the GPU was waiting for the host (the prompt is bound by the host's launches); where the GPU finishes long
 after, the host ran ahead and the GPU bounds it. The hooks cost a few microseconds a layer.
 
@@ -39,15 +39,18 @@ from vismmoe_kt.models import adapter_for
 
 class StageClock:
     """Forward hooks noting, at each watched module's start and end, the host's time and a CUDA event, from the
-    start of the model's forward (`origin`: the prompt's own time, without what the caller does before it, such
-    as the synthetic routing's table made before timed_generate's clock)."""
+    start of the prompt's forward: the first of `origins` to start (the model's forward; where the runner builds a
+    picture prompt's text model inputs itself, the vision tower or the token embedding). That is the prompt's own
+    time, without what the caller does before it, such as the synthetic routing's table made before
+    timed_generate's clock, or the runner reading the prompt's ids on the host."""
 
-    def __init__(self, origin: torch.nn.Module, modules: dict[str, torch.nn.Module], cuda: bool):
+    def __init__(self, origins: list[torch.nn.Module], modules: dict[str, torch.nn.Module], cuda: bool):
         self.cuda = cuda
         self.marks: list[tuple[str, str, float, object]] = []  # (stage, "start" | "end", host s, event)
         self.armed = False
         self.origin: tuple[float, object] | None = None
-        self.handles = [origin.register_forward_pre_hook(self._begin)]
+        # the origins' hooks go first: a module that is both an origin and a stage starts the clock, then its stage
+        self.handles = [origin.register_forward_pre_hook(self._begin) for origin in origins]
         for name, module in modules.items():
             self.handles.append(module.register_forward_pre_hook(self._hook(name, "start")))
             self.handles.append(module.register_forward_hook(self._hook(name, "end")))
@@ -73,12 +76,12 @@ class StageClock:
         self.marks, self.armed, self.origin = [], True, None
 
     def stop(self) -> list[dict]:
-        """Each mark as {stage, edge, host_ms, gpu_ms} from the model's forward's start (gpu_ms None without CUDA)."""
+        """Each mark as {stage, edge, host_ms, gpu_ms} from the prompt's forward's start (gpu_ms None without CUDA)."""
         if self.cuda:
             torch.cuda.synchronize()
         self.armed = False
         if self.origin is None:
-            raise RuntimeError("the model's forward never ran: no prompt was timed")
+            raise RuntimeError("the prompt's forward never ran: no prompt was timed")
         host0, event0 = self.origin
         self.origin = None
         return [{"stage": name, "edge": edge, "host_ms": (host - host0) * 1e3,
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.image_size:
         modules["vision"] = adapter.vision_tower(model)
     requests = prompt_requests(processor, args)
-    clock = StageClock(model, modules, cuda)
+    clock = StageClock([model, model.get_input_embeddings(), *([modules["vision"]] if "vision" in modules else [])],
+                       modules, cuda)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "config": args.config,

@@ -49,18 +49,21 @@ def test_no_prompt_is_a_clear_error(tmp_path, capsys):
     assert "no prompt to time" in capsys.readouterr().err
 
 
-def test_the_clock_counts_from_the_models_forward_and_says_when_it_never_ran():
+def test_the_clock_counts_from_the_prompts_first_origin_and_says_when_it_never_ran():
     import torch
 
-    model, layer = torch.nn.Sequential(torch.nn.Identity()), torch.nn.Identity()
-    clock = prompt_timeline.StageClock(model, {"layer 0": layer}, cuda=False)
+    model, tower, layer = torch.nn.Sequential(torch.nn.Identity()), torch.nn.Identity(), torch.nn.Identity()
+    clock = prompt_timeline.StageClock([model, tower], {"vision": tower, "layer 0": layer}, cuda=False)
     clock.start()
-    layer(torch.zeros(1))  # before the model's forward: not the prompt's
-    model(torch.zeros(1))
+    layer(torch.zeros(1))  # before the prompt's forward: not the prompt's
+    tower(torch.zeros(1))  # a runner that builds the text model's inputs itself starts with the tower
     layer(torch.zeros(1))
+    model(torch.zeros(1))  # a later origin does not move the clock's start
     marks = clock.stop()
-    assert [(m["stage"], m["edge"]) for m in marks] == [("layer 0", "start"), ("layer 0", "end")]
+    assert [(m["stage"], m["edge"]) for m in marks] == [("vision", "start"), ("vision", "end"), ("layer 0", "start"),
+                                                        ("layer 0", "end")]
     assert all(m["host_ms"] >= 0 and m["gpu_ms"] is None for m in marks)
+    assert marks[0]["host_ms"] <= marks[-1]["host_ms"]
     clock.start()
     with pytest.raises(RuntimeError, match="never ran"):
         clock.stop()

@@ -749,3 +749,54 @@ def test_a_budget_short_of_every_expert_does_not_fill(case):
     decode = runtime.counters["decode"].values()
     assert sum(c.misses + c.late for c in decode) > 0  # decode still misses: nothing filled the cold experts
     assert len(runtime.cache.where) <= runtime.num_slabs
+
+
+def test_a_picture_prompt_runs_from_its_host_facts_without_reading_the_device(case, monkeypatch):
+    """A fresh picture prompt's positions and visual rows are read on the host before its forward (host_prompt.py):
+    the forward itself then reads nothing back (the model's own forward reads several times, which the same
+    detector sees), and its tokens stay the reference model's."""
+    from vismmoe_kt.engine import runner as runner_module
+
+    model_dir, inputs, expected = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), graphs="replay", **CPU)
+    watched, rows = [], []
+    forward = runner_module.ModelRunner._forward_from_host
+
+    def watching(self, inputs, host, view):
+        rows.append(self.engine.context.model_pass.prefill[0].host)
+        with DeviceReads() as mode:
+            out = forward(self, inputs, host, view)
+        watched.append(mode.syncing)
+        return out
+    monkeypatch.setattr(runner_module.ModelRunner, "_forward_from_host", watching)
+    with torch.no_grad():
+        generate(model, inputs, 2)  # the vision tower's first picture of this size: eager, then captured
+        decode_engine(model).forget()  # the prompt again, whole (not a next turn continuing the first's history)
+        tokens = generate(model, inputs, TOKENS)
+    assert torch.equal(tokens, expected)
+    assert len(watched) == 2 and watched[1] == [], watched
+    host = rows[1]  # the facts the ModelPass carried: transformers' own positions and the image tokens' rows
+    positions, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                  image_grid_thw=inputs["image_grid_thw"])
+    assert torch.equal(host.position_ids, positions) and host.rope_delta == int(delta)
+    image = torch.nonzero(inputs["input_ids"][0] == model.config.image_token_id, as_tuple=True)[0]
+    assert torch.equal(host.visual_rows, image) and host.visual_tokens == image.numel() > 0
+    with torch.no_grad(), DeviceReads() as mode:  # the model's own forward of the same prompt
+        model(**inputs, use_cache=False)
+    assert "aten::_local_scalar_dense" in mode.syncing
+
+
+def test_a_picture_prompt_whose_ids_miss_its_pictures_is_a_clear_error(case):
+    from vismmoe_kt.engine.host_prompt import host_prompt
+    from vismmoe_kt.errors import InputError
+    from vismmoe_kt.models import adapter_for
+
+    model_dir, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget=budget(4), **CPU)
+    adapter = adapter_for(model.config.model_type)
+    ids = inputs["input_ids"].clone()
+    ids[0, torch.nonzero(ids[0] == model.config.image_token_id)[0]] = 0  # one image token fewer
+    with pytest.raises(InputError, match="image tokens but its pictures' grids give"):
+        host_prompt(model, adapter, {**inputs, "input_ids": ids})
+    text = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    assert host_prompt(model, adapter, text) is None  # no picture: the model's own forward reads nothing back

@@ -214,3 +214,33 @@ def test_the_affinity_what_if_reroutes_a_pruned_prefills_survivors(tiny_dir, ima
             assert torch.equal(rows, survivors.rows(layer, keep)[0])
             changed += int((rows != table[keep, layer]).any(-1).sum())
     assert prefill and changed > 0  # some survivors moved toward their image's experts
+
+
+def test_a_prefill_gathers_its_tables_rows_once_for_every_layer(tiny_dir, image_inputs, seen):
+    """An unpruned prefill's layers route the same positions: their rows of the routing table are gathered at the
+    first layer for all (each layer's a contiguous slice), not by two gathers a layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, _ = offload(tiny_dir)
+    source = install_routing(model, "synthetic:5")
+
+    class TableReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tables = [t.untyped_storage().data_ptr() for t in (source.slot_ids, source.slot_weights) if t is not None]
+            if func._schema.name == "aten::index" and isinstance(args[0], torch.Tensor) \
+                    and args[0].untyped_storage().data_ptr() in tables:
+                self.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), TableReads() as mode:
+        generate(model, image_inputs, 1)  # the prompt alone
+    assert mode.reads == 2  # ids and weights, once each, for the model's SPEC.layers layers
+    prompt = image_inputs["input_ids"].shape[1]
+    table = source.slot_ids[0, :prompt]  # and each layer got its own column of them
+    assert [layer for layer, _ in seen] == list(range(SPEC.layers))
+    for layer, rows in seen:
+        assert torch.equal(rows, table[:, layer])

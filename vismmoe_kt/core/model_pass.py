@@ -28,16 +28,30 @@ class SlotRows(Protocol):
 
 
 @dataclass(frozen=True)
+class HostPrompt:
+    """What a whole picture prompt's forward needs from its token ids, read on the host before it starts
+    (engine/host_prompt.py), so that nothing in the forward waits for the device: the visual tokens' positions
+    `visual_rows` (N,) and the M-RoPE `position_ids` (3, 1, T), both already on the model's device; their
+    count and the decode steps' position offset as host numbers."""
+    visual_rows: torch.Tensor
+    visual_tokens: int
+    position_ids: torch.Tensor
+    rope_delta: int
+
+
+@dataclass(frozen=True)
 class PrefillRow:
     """One prompt of a prefill forward: its request (a new id is a new request), its KV slot (None:
     transformers' loop, one request), the prompt position the forward starts at, the tokens it runs,
-    the whole prompt (1, T) and the tokens the request may generate after it."""
+    the whole prompt (1, T) and the tokens the request may generate after it; `host`: its facts read on
+    the host where the forward runs without device waits (a whole picture prompt), else None."""
     request: int
     slot: int | None
     start: int
     length: int
     input_ids: torch.Tensor
     max_new_tokens: int
+    host: HostPrompt | None = None
 
 
 @dataclass(frozen=True)

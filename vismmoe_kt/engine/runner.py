@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.model_pass import ModelPass, PrefillRow
+from ..core.model_pass import HostPrompt, ModelPass, PrefillRow
 from .decoding import Decoding, decode_engine
+from .host_prompt import host_prompt
 from .prefill_group import family_per_token_inputs, group_inputs, groupable, padding_token
 from .prompt_history import ImageKeys, SlotHistory, image_keys, may_continue, reusable_prefix
 from .sampling import Sampling, continuation, eos_ids, sample
@@ -263,8 +264,9 @@ class ModelRunner:
         if [lengths[slot] for lengths in self.cache.host_lengths] == history.layer_lengths(len(ids), self.cache.num_layers):
             self.held[slot] = history
 
-    def _row(self, request: BatchRequest, start: int, length: int) -> PrefillRow:
-        return PrefillRow(request.key, request.slot, start, length, request.inputs["input_ids"], request.max_new_tokens)
+    def _row(self, request: BatchRequest, start: int, length: int, host: HostPrompt | None = None) -> PrefillRow:
+        return PrefillRow(request.key, request.slot, start, length, request.inputs["input_ids"], request.max_new_tokens,
+                          host)
 
     def _announce(self, rows: tuple[PrefillRow, ...] | None, width: int = 0) -> None:
         """What the prefill forward about to run computes (None: it ended), for operators keyed by position."""
@@ -297,12 +299,21 @@ class ModelRunner:
                 start = 0
                 self.cache.release(slot)
                 adapter.set_rope_delta(self.model, None)  # this prompt's own M-RoPE positions
-        self._announce((self._row(request, start, chunk.end - start),))
+        whole = first and chunk.end == sequence.prompt_len  # the whole prompt (or what follows the history) at once
+        # a fresh picture prompt's facts read on the host first, so that its forward never waits for the device
+        host = host_prompt(self.model, adapter, inputs) if whole and not start and self.text_forward is not None \
+            else None
+        if host is not None:  # the decode steps' offset, as the model's forward would have kept it
+            adapter.set_rope_delta(self.model, torch.tensor([[host.rope_delta]], device=self.device))
+        self._announce((self._row(request, start, chunk.end - start, host),))
         try:
-            if first and chunk.end == sequence.prompt_len:  # the whole prompt (or what follows the history) at once
+            if whole:
                 pruning = self.engine.context.pruning
                 pruned_before = pruning.pruned_prefills
-                logits = self.model(**inputs, past_key_values=view, use_cache=True, logits_to_keep=1).logits[:, -1]
+                if host is not None:
+                    logits = self._forward_from_host(inputs, host, view)
+                else:
+                    logits = self.model(**inputs, past_key_values=view, use_cache=True, logits_to_keep=1).logits[:, -1]
                 if pruning.pruned_prefills > pruned_before:  # positions of the prompt its later layers left out
                     kept = set(pruning.keep.tolist())
                     request.pruned = [p for p in range(sequence.prompt_len) if p not in kept]
@@ -316,13 +327,24 @@ class ModelRunner:
                 logits = self.lm_head(hidden[:, -1]) if chunk.end == sequence.prompt_len else None
         finally:
             self._announce(None)
-        if first:
+        if host is not None:
+            request.rope_delta = host.rope_delta
+        elif first:
             delta = adapter.rope_delta(self.model)
             request.rope_delta = int(delta.reshape(-1)[0]) if delta is not None else 0
         if logits is None:
             return None
         self._parts.pop(sequence.id, None)
         return sample(logits, request.sampling)
+
+    def _forward_from_host(self, inputs: dict[str, torch.Tensor], host: HostPrompt, view: Any) -> torch.Tensor:
+        """A whole picture prompt through the model from its host facts (host_prompt.py): the family's text model
+        inputs, then our text model's forward and the output head on the last position, as the model's forward
+        with `logits_to_keep=1` (no device read on the way)."""
+        parts = self.engine.adapter.prompt_inputs(self.model, inputs, host.visual_rows, host.visual_tokens)
+        hidden = self.text_forward(**parts, position_ids=host.position_ids, past_key_values=view,
+                                   use_cache=True).last_hidden_state
+        return self.lm_head(hidden[:, -1])
 
     def _prefill_group(self, chunks: tuple[PrefillChunk, ...]) -> dict[int, int]:
         """Fresh whole prompts through the model in one forward, right-padded to the longest, each into

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..core.context import LoadContext
+from ..core.model_pass import HostPrompt
 from ..models import ModelAdapter
 from ..vision.compression import CompressionSettings, select
 from .decode_attention import NAME as GROUPED_DECODE_ATTENTION
@@ -175,7 +176,11 @@ class TextForward:
             text_positions, position_ids = position_ids[0], position_ids[1:]
 
         prefill = past == 0 and length > 1
-        prune = self.settings.active and prefill and visual_pos_masks is not None and bool(visual_pos_masks.any())
+        host = self._host_prompt(batch, length) if prefill else None
+        # whether the prompt has visual tokens: from its host facts (host_prompt.py), else read from the device
+        has_visual = host.visual_tokens > 0 if host is not None else \
+            visual_pos_masks is not None and bool(visual_pos_masks.any())
+        prune = self.settings.active and prefill and has_visual
         if prefill:
             self.counters.prefills += 1
         grouped = isinstance(past_key_values, SlotRowsView)  # prompts prefilled together, right-padded
@@ -194,8 +199,8 @@ class TextForward:
         context.token_is_visual = visual_pos_masks.reshape(-1) if visual_pos_masks is not None and \
             visual_pos_masks.shape[:2] == inputs_embeds.shape[:2] else torch.zeros(batch * length, dtype=torch.bool,
                                                                                   device=inputs_embeds.device)
-        if prefill and visual_pos_masks is not None and bool(visual_pos_masks.any()):
-            self._visual_summary(inputs_embeds, visual_pos_masks)
+        if prefill and has_visual:
+            self._visual_summary(inputs_embeds, visual_pos_masks, host.visual_rows if host is not None else None)
         cos, sin = adapter.rotary(text, hidden, position_ids)
         prune_at = self._prune_at() if prune else None
         self._routes.clear()
@@ -205,7 +210,8 @@ class TextForward:
         self._modality_rows = modality.reshape(-1) != 0 if prune and modality is not None and self._visual_routers \
             else None
         keep = full = None
-        visual_rows = self._visual_rows(visual_pos_masks, deepstack_visual_embeds)
+        visual_rows = host.visual_rows if host is not None and deepstack_visual_embeds is not None else \
+            self._visual_rows(visual_pos_masks, deepstack_visual_embeds)
         masks: dict[tuple[int, int], torch.Tensor | None] = {}
         implicit_causal = getattr(text.config, "_attn_implementation", None) in IMPLICIT_CAUSAL
         for index, layer in enumerate(self.layers):
@@ -250,6 +256,15 @@ class TextForward:
             out[:, keep] = hidden
             hidden = out
         return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+
+    def _host_prompt(self, batch: int, length: int) -> HostPrompt | None:
+        """The host facts of the prompt this forward runs (the ModelPass's one row, whole, from its first token),
+        else None."""
+        model_pass = self.context.model_pass
+        rows = model_pass.prefill if model_pass is not None else ()
+        if batch != 1 or len(rows) != 1 or rows[0].host is None or rows[0].start or rows[0].length != length:
+            return None
+        return rows[0].host
 
     @staticmethod
     def _visual_rows(visual_pos_masks: torch.Tensor | None, deepstack: list | None) -> torch.Tensor | None:
@@ -304,11 +319,13 @@ class TextForward:
         modality = parts.get("modality")
         return {self._modality: modality[:, start:end]} if modality is not None else {}
 
-    def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor) -> None:
-        """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned)."""
+    def _visual_summary(self, inputs_embeds: torch.Tensor, visual: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """h_v for the lookahead predictor: the mean visual embedding (of the kept tokens, once pruned); `rows`: the
+        visual rows of a batch of one where known (a boolean mask's selection waits for the device)."""
         runtime = self.context.offload_runtime
         if runtime is not None:
-            runtime.set_visual_summary(inputs_embeds[visual].float().mean(dim=0))
+            embeds = inputs_embeds[visual] if rows is None else inputs_embeds.reshape(-1, inputs_embeds.shape[-1])[rows]
+            runtime.set_visual_summary(embeds.float().mean(dim=0))
 
     def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
         """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""

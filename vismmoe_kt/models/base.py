@@ -367,6 +367,18 @@ class ModelAdapter:
         runs device work only); None where this family's tower cannot take them."""
         return None
 
+    #: whether `prompt_inputs` builds a whole picture prompt's text model inputs (else the model's own forward runs)
+    builds_prompt_inputs = False
+
+    def prompt_inputs(self, model: nn.Module, inputs: dict[str, torch.Tensor], visual_rows: torch.Tensor,
+                      visual_tokens: int) -> dict[str, Any] | None:
+        """What the model's forward hands its text model for a whole picture prompt (inputs_embeds with the vision
+        tower's features at `visual_rows`, visual_pos_masks, the family's extra inputs), built as that forward
+        builds them but without reading anything back from the device: the prompt's `visual_tokens` visual rows
+        (N,) on the device were read from its token ids on the host (engine/host_prompt.py). None where this
+        family's forward is left to transformers."""
+        return None
+
     def image_token_id(self, config: Any) -> int | None:
         return None
 

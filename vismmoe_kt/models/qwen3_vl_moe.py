@@ -20,7 +20,7 @@ from transformers import vision_utils
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from ..errors import LoadError
+from ..errors import InputError, LoadError
 from .base import DecodeAttentionParts, MmprojSource, MoEShape, VisionAttentionParts
 from .gguf_tensor_names import name_map
 from .llama_cpp_keys import (arch_keys, clip_keys, common_text_keys, image_size_from_positions, rope_sections,
@@ -303,6 +303,27 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
 
     def vision_tower_replayable(self) -> bool:
         return True
+
+    builds_prompt_inputs = True
+
+    def prompt_inputs(self, model: nn.Module, inputs: dict[str, torch.Tensor], visual_rows: torch.Tensor,
+                      visual_tokens: int) -> dict[str, Any] | None:
+        # Qwen3VLMoeModel.forward's picture part, without its three reads of the device: the tower's output split by
+        # sizes read from the grid (the host then idles through the whole tower), the placeholder check's token
+        # count, the positions' token types (the runner passes positions computed on the host)
+        if "pixel_values_videos" in inputs:
+            return None
+        tower = self.vision_tower(model)
+        ids = inputs["input_ids"]
+        vision = tower(inputs["pixel_values"].type(tower.dtype), grid_thw=inputs["image_grid_thw"], return_dict=True)
+        features = vision.pooler_output  # (N, H): every picture's tokens, in the prompt's order
+        if features.shape[0] != visual_tokens:
+            raise InputError(f"the prompt has {visual_tokens} image tokens but its pictures give {features.shape[0]} "
+                             f"features: the processor's input ids and pixels do not belong together")
+        embeds = model.get_input_embeddings()(ids)
+        embeds.view(-1, embeds.shape[-1]).index_copy_(0, visual_rows, features.to(embeds.device, embeds.dtype))
+        return {"inputs_embeds": embeds, "visual_pos_masks": self.image_token_mask(model.config, ids),
+                "deepstack_visual_embeds": vision.deepstack_features}
 
     def vision_graph_inputs(self, vision_tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any] | None:
         # what Qwen3VLMoeVisionModel.forward computes from the grid, by transformers' own helpers (vision_utils),

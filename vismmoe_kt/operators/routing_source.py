@@ -140,6 +140,9 @@ class RoutingSource:
         self._prepared: tuple | None = None  # (key, table) that `prepare` made for the next request
         self._watching = False  # the modality pre-hooks are on the decoder layers
         self._step_rows: tuple | None = None  # the decode step's rows of every layer (_decode_route)
+        # a prefill forward's positions per (start, tokens) and its table's rows of every layer (_prompt_columns)
+        self._arange: tuple | None = None
+        self._columns: tuple | None = None
 
     @property
     def replaces(self) -> bool:
@@ -181,6 +184,7 @@ class RoutingSource:
         read the tables of its slots (or the single table, under transformers' loop)."""
         self._pass = model_pass
         self._slot, self._rows = None, None
+        self._arange, self._columns = None, None  # the tables may change between forwards
         if model_pass is None:
             return
         if model_pass.cache is not None and self.replaces:
@@ -414,10 +418,22 @@ class RoutingSource:
             self._routed_at[index] = (slots, at)
             return self.adapter.with_routing(output, self.slot_weights[slots, at, index],
                                              self.slot_ids[slots, at, index])
-        if self._slot is not None:  # a runner's prefill: its slot's table
-            return self.adapter.with_routing(output, self.slot_weights[self._slot, positions, index],
-                                             self.slot_ids[self._slot, positions, index])
-        return self.adapter.with_routing(output, self.weights[positions, index], self.ids[positions, index])
+        # a runner's prefill reads its slot's table, transformers' loop the single table
+        weights, ids = (self.slot_weights[self._slot], self.slot_ids[self._slot]) if self._slot is not None \
+            else (self.weights, self.ids)
+        if self._pruned or primary is not None:  # positions of this layer's own
+            return self.adapter.with_routing(output, weights[positions, index], ids[positions, index])
+        weights, ids = self._prompt_columns(weights, ids, positions)
+        return self.adapter.with_routing(output, weights[index], ids[index])
+
+    def _prompt_columns(self, weights: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Every MoE layer's rows of the table at `positions`, (L, T, k) each, gathered once for the layers that
+        route those positions (every layer of an unpruned prefill): each layer's rows are then a contiguous slice,
+        where gathering them a layer at a time took two launches, each felt in a prompt paced by the host."""
+        if self._columns is None or self._columns[0] is not positions:
+            self._columns = (positions, weights[positions].transpose(0, 1).contiguous(),
+                             ids[positions].transpose(0, 1).contiguous())
+        return self._columns[1:]
 
     def _positions(self, index: int, rows: int, device: torch.device, primary: torch.Tensor | None = None) -> torch.Tensor:
         """The sequence positions of the `rows` tokens MoE layer `index`'s router saw, and the layer's next
@@ -430,8 +446,11 @@ class RoutingSource:
         self._pruned = tokens < expected and keep is not None and keep.numel() == tokens
         if self._pruned:  # a pruned prefill's later layers
             positions = keep.to(device) + start
-        else:
-            positions = torch.arange(start, start + tokens, device=device)
+        else:  # the same tensor for every layer of the forward (_prompt_columns knows its rows by it)
+            key = (start, tokens, device)
+            if self._arange is None or self._arange[0] != key:
+                self._arange = (key, torch.arange(start, start + tokens, device=device))
+            positions = self._arange[1]
             expected = tokens
         self._next[index] = start + expected
         if primary is not None:
