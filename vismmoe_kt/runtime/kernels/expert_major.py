@@ -35,6 +35,7 @@ import torch
 
 from . import tuning
 from .triton_support import tl, triton
+from .launch import launch
 
 BLOCK_M = 16  # pairs per block: tl.dot's smallest M
 
@@ -94,14 +95,13 @@ def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tup
         chunks, width = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts)
         counts = torch.empty(chunks, width, dtype=torch.int32, device=ids.device)
         flat = ids.reshape(-1)
-        _chunk_counts_kernel[(chunks,)](flat, counts, pairs, EP=width, CHUNK=chunk, num_warps=PLAN_WARPS)
+        launch(_chunk_counts_kernel, (chunks,), flat, counts, pairs, EP=width, CHUNK=chunk, num_warps=PLAN_WARPS)
         # the chunks' count rounded up to a power of two (the excess masked): a compile per power, not per length
-        _chunk_place_kernel[(chunks,)](flat, counts, block_expert, block_pairs, pairs, chunks, E=num_experts, EP=width,
-                                       CHUNK=chunk, CHUNKS=triton.next_power_of_2(chunks), BLOCK_M=block,
-                                       num_warps=PLAN_WARPS)
+        launch(_chunk_place_kernel, (chunks,), flat, counts, block_expert, block_pairs, pairs, chunks, E=num_experts,
+               EP=width, CHUNK=chunk, CHUNKS=triton.next_power_of_2(chunks), BLOCK_M=block, num_warps=PLAN_WARPS)
         return block_expert, block_pairs
-    _blocks_kernel[(1,)](ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
-                         BLOCK_M=block, num_warps=4)
+    launch(_blocks_kernel, (1,), ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
+           BLOCK_M=block, num_warps=4)
     return block_expert, block_pairs
 
 

@@ -49,6 +49,7 @@ from .block_decode import TILE_BYTES
 from .block_staging import STAGE_CHUNK
 from .expert_major import BLOCK_M, block_plan, expert_blocks, experts_by_block
 from .triton_support import tl, triton
+from .launch import launch
 
 # each format's tile code in the kernels (`_tile`; Q4_K's quant bytes read as 32-bit words)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 44, "q5_k": 5, "q6_k": 6}
@@ -166,27 +167,27 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     rows = (pool, pool.shape[1], staging.data_ptr() - pool.data_ptr(), staging.shape[1])
     n, warps, stages, piece, _ = gate_up_form
     if weights_first(fmt, gate_up_form):
-        _gate_up_q_rows[(blocks, triton.cdiv(inter, n))](
-            x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
-            DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
-            AHEAD=gate_up_form[4] == "weights-ahead", num_warps=warps, num_stages=stages)
+        launch(_gate_up_q_rows, (blocks, triton.cdiv(inter, n)),
+               x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
+               DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
+               AHEAD=gate_up_form[4] == "weights-ahead", num_warps=warps, num_stages=stages)
     else:
-        _gate_up_q_blocks[(blocks, triton.cdiv(inter, n))](
-            x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
-            KIND=TILE_KINDS[fmt], DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
-            PIECE=piece, num_warps=warps, num_stages=stages)
+        launch(_gate_up_q_blocks, (blocks, triton.cdiv(inter, n)),
+               x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
+               KIND=TILE_KINDS[fmt], DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
+               PIECE=piece, num_warps=warps, num_stages=stages)
     n, warps, stages, piece, _ = down_form
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
     if weights_first(down_fmt, down_form):
-        _down_q_rows[(blocks, triton.cdiv(hidden_size, n))](
-            h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-            SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, AHEAD=down_form[4] == "weights-ahead",
-            num_warps=warps, num_stages=stages)
+        launch(_down_q_rows, (blocks, triton.cdiv(hidden_size, n)),
+               h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
+               SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, AHEAD=down_form[4] == "weights-ahead",
+               num_warps=warps, num_stages=stages)
     else:
-        _down_q_blocks[(blocks, triton.cdiv(hidden_size, n))](
-            h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
-            KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
-            num_warps=warps, num_stages=stages)
+        launch(_down_q_blocks, (blocks, triton.cdiv(hidden_size, n)),
+               h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
+               KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
+               num_warps=warps, num_stages=stages)
     return y
 
 

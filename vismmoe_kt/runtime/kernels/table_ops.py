@@ -15,6 +15,7 @@ import torch
 
 from . import triton_support
 from .triton_support import tl, triton
+from .launch import launch
 
 if tl is not None:
     @triton.jit
@@ -135,8 +136,8 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
     out = torch.empty(tokens, hidden, dtype=dtype, device=y.device)
     publish = table is not None
     block = 1024
-    _combine_kernel[(triton.cdiv(hidden, block), tokens)](
-        y, top_k_weights.contiguous(), out, ids if publish else y, land if publish else y,
-        table.slots if publish else y, row, hidden, E1=table.slots.shape[1] if publish else 1, K=k,
-        KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
+    launch(_combine_kernel, (triton.cdiv(hidden, block), tokens),
+           y, top_k_weights.contiguous(), out, ids if publish else y, land if publish else y,
+           table.slots if publish else y, row, hidden, E1=table.slots.shape[1] if publish else 1, K=k,
+           KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
     return out
