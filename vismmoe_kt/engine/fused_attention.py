@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from kernel_launch import launch
 
 from ..models.base import DecodeAttentionParts
 from .fused_ops import rms_norm
@@ -146,12 +147,12 @@ def heads_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: Dec
     rows = qkv.shape[0]
     keys, values = cache.keys[p.layer_index], cache.values[p.layer_index]
     query = torch.empty(rows, p.heads, p.head_dim, dtype=qkv.dtype, device=qkv.device)
-    _heads_kernel[(rows, p.heads + 2 * p.kv_heads)](
-        qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
-        p.query_norm[1], p.key_norm[1],
-        query, p.heads * p.head_dim, p.head_dim, keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
-        cache.active, cache.lengths[p.layer_index], 0, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=False,
-        num_warps=1)
+    launch(_heads_kernel, (rows, p.heads + 2 * p.kv_heads),
+           qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
+           p.query_norm[1], p.key_norm[1],
+           query, p.heads * p.head_dim, p.head_dim, keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
+           cache.active, cache.lengths[p.layer_index], 0, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=False,
+           num_warps=1)
     return query
 
 
@@ -162,11 +163,11 @@ def prompt_heads_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     (Hkv, C, D) buffers)."""
     rows = qkv.shape[0]
     query = torch.empty(1, p.heads, rows, p.head_dim, dtype=qkv.dtype, device=qkv.device)
-    _heads_kernel[(rows, p.heads + 2 * p.kv_heads)](
-        qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
-        p.query_norm[1], p.key_norm[1],
-        query, p.head_dim, rows * p.head_dim, keys, values, 0, keys.stride(0), keys.stride(1),
-        qkv, qkv, start, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=True, num_warps=1)
+    launch(_heads_kernel, (rows, p.heads + 2 * p.kv_heads),
+           qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
+           p.query_norm[1], p.key_norm[1],
+           query, p.head_dim, rows * p.head_dim, keys, values, 0, keys.stride(0), keys.stride(1),
+           qkv, qkv, start, HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, PROMPT=True, num_warps=1)
     return query
 
 

@@ -32,10 +32,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kernel_launch import launch
 
 from . import tuning
 from .triton_support import tl, triton
-from .launch import launch
 
 BLOCK_M = 16  # pairs per block: tl.dot's smallest M
 

@@ -43,13 +43,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from kernel_launch import launch
 
 from . import expert_major, tuning
 from .block_decode import TILE_BYTES
 from .block_staging import STAGE_CHUNK
 from .expert_major import BLOCK_M, block_plan, expert_blocks, experts_by_block
 from .triton_support import tl, triton
-from .launch import launch
 
 # each format's tile code in the kernels (`_tile`; Q4_K's quant bytes read as 32-bit words)
 TILE_KINDS = {"q8_0": 8, "q4_0": 40, "q4_k": 44, "q5_k": 5, "q6_k": 6}

@@ -12,10 +12,10 @@ each token's K outputs in a fixed order: deterministic.
 from __future__ import annotations
 
 import torch
+from kernel_launch import launch
 
 from . import triton_support
 from .triton_support import tl, triton
-from .launch import launch
 
 if tl is not None:
     @triton.jit

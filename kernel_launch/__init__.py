@@ -1,5 +1,7 @@
 """Triton launches with less of the host's time: once Triton has compiled a kernel for a call's specialization,
-later calls with the same one go straight to its compiled launcher.
+later calls with the same one go straight to its compiled launcher. A package below vismmoe_kt (it imports nothing
+of it), so that every stage with Triton kernels may use it: the runtime's expert kernels, the engine's norms,
+router and attention heads.
 
 Why: a prompt whose experts are all on the GPU is paced by the host's launches, layer by layer (an H100 issued
 a decoder layer in 0.83 ms while its kernels took 0.63 ms at 236 tokens), and under cProfile Triton's
@@ -20,16 +22,11 @@ from typing import Any
 
 import torch
 
-from .triton_support import triton
-
-if triton is not None:
-    try:
-        from triton import knobs
-        from triton.runtime import driver
-        from triton.runtime.jit import JITFunction
-    except ImportError:  # a Triton without them: every launch goes through Triton
-        knobs = driver = JITFunction = None
-else:
+try:
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:  # no Triton (CPU-only installs), or one without them: every launch goes through the kernel
     knobs = driver = JITFunction = None
 
 _THROUGH_TRITON = object()  # a key whose calls go through Triton every time

@@ -1,4 +1,4 @@
-"""The Triton launcher that skips the JIT's per-call Python (runtime/kernels/launch.py), on the CPU: a stand-in for a
+"""The Triton launcher that skips the JIT's per-call Python (kernel_launch/), on the CPU: a stand-in for a
 JIT kernel records which path each call took. A key's first call goes through the kernel (Triton compiles or finds
 its compiled form), later calls with the same specialization go to the compiled launcher with every argument in the
 kernel's order; anything the specialization depends on (an address's alignment, a dtype, an integer, a constexpr,
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-launch_module = pytest.importorskip("vismmoe_kt.runtime.kernels.launch")
+launch_module = pytest.importorskip("kernel_launch")
 if launch_module.driver is None:
     pytest.skip("this Triton has no driver or knobs module: every launch goes through Triton", allow_module_level=True)
 
