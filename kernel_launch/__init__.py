@@ -12,12 +12,15 @@ multiple of 16 bytes, and every other argument's type and value (a constexpr's, 
 integers on being 1 and on dividing by 16), with the launch options and the device. The first call with a key
 goes through Triton (which compiles, or finds its compiled kernel) and keeps what it returns; later calls launch
 it with the same arguments in the kernel's order. Launch hooks (a profiler's) and anything that is not a compiled
-CUDA kernel (Triton's interpreter) always go through Triton.
+CUDA kernel (Triton's interpreter) always go through Triton, and so does every launch where the environment sets
+VISMMOE_KT_KERNEL_LAUNCH=triton (read when a kernel's launcher is made: a way back should a Triton release change what
+its compiled launcher takes).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -61,7 +64,8 @@ class Launcher:
     def __init__(self, kernel: Any, direct: bool | None = None):
         """`direct`: whether calls may skip Triton's Python (default: for a JIT kernel, not the interpreter's)."""
         self.kernel = kernel
-        self.direct = driver is not None and (isinstance(kernel, JITFunction) if direct is None else direct)
+        self.direct = driver is not None and os.environ.get("VISMMOE_KT_KERNEL_LAUNCH") != "triton" \
+            and (isinstance(kernel, JITFunction) if direct is None else direct)
         parameters = inspect.signature(kernel.fn).parameters if self.direct else {}
         self.names = tuple(parameters)
         self.known = frozenset(self.names)

@@ -133,3 +133,12 @@ def test_a_compiled_kernel_with_scratch_memory_goes_through_its_launcher(kernel)
     run((2, 1, 1), 5, [1, 2])
     assert calls == [(2, 1, 1, 5, "F", "M", None, None, None, 1, 2)]
     assert launch_module.compiled_launch(types.SimpleNamespace()) is launch_module._THROUGH_TRITON
+
+
+def test_the_environment_can_send_every_launch_through_triton(kernel, monkeypatch):
+    monkeypatch.setenv("VISMMOE_KT_KERNEL_LAUNCH", "triton")
+    launcher = launch_module.Launcher(kernel, direct=True)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launcher((1,), x, y, 64, 0.5)
+    launcher((1,), x, y, 64, 0.5)
+    assert not launcher.direct and paths(kernel) == ["triton", "triton"]
