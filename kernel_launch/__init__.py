@@ -13,8 +13,8 @@ integers on being 1 and on dividing by 16), with the launch options and the devi
 goes through Triton (which compiles, or finds its compiled kernel) and keeps what it returns; later calls launch
 it with the same arguments in the kernel's order. Launch hooks (a profiler's) and anything that is not a compiled
 CUDA kernel (Triton's interpreter) always go through Triton, and so does every launch where the environment sets
-VISMMOE_KT_KERNEL_LAUNCH=triton (read when a kernel's launcher is made: a way back should a Triton release change what
-its compiled launcher takes).
+VISMMOE_KT_KERNEL_LAUNCH=triton (read when a kernel's launcher is made), and every launch under a Triton release
+other than KNOWN_TRITON's, whose compiled launcher may take its arguments differently.
 """
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ from typing import Any
 
 import torch
 
+# the Triton releases whose compiled launcher takes the arguments this module passes (read from their source)
+KNOWN_TRITON = ("3.6.",)
+
 try:
+    import triton
     from triton import knobs
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 except ImportError:  # no Triton (CPU-only installs), or one without them: every launch goes through the kernel
     knobs = driver = JITFunction = None
+else:
+    if not triton.__version__.startswith(KNOWN_TRITON):  # another release: its own path every time
+        driver = None
 
 _THROUGH_TRITON = object()  # a key whose calls go through Triton every time
 
