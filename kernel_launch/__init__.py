@@ -57,13 +57,6 @@ def _hooked() -> bool:
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
-def argument_key(value: Any) -> tuple:
-    """What a launch's specialization depends on for one argument, or finer (type and value: True is not 1)."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    return type(value), value
-
-
 class Launcher:
     """`launcher(grid, *args, **kwargs)` for a `@triton.jit` kernel: as `kernel[grid](*args, **kwargs)`, faster
     from a key's second call on."""
@@ -80,17 +73,21 @@ class Launcher:
         self.launches: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        rest = self.names[len(args):]
-        if not self.direct or _hooked() or any(name not in kwargs and name not in self.defaults for name in rest):
-            self.kernel[grid](*args, **kwargs)  # Triton's own path (and its error for a missing argument)
+        # (written for the host's time: one comprehension a step, no call per argument)
+        if not self.direct or _hooked():
+            self.kernel[grid](*args, **kwargs)
             return
-        values = [*args, *(kwargs[name] if name in kwargs else self.defaults[name] for name in rest)]
-        device = _device()
+        defaults, known = self.defaults, self.known
         try:
-            options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in self.known))
-            key = (device, options, *map(argument_key, values))
+            values = [*args, *[kwargs[name] if name in kwargs else defaults[name] for name in self.names[len(args):]]]
+            device = _device()
+            # what the specialization depends on, or finer: a tensor's dtype and 16-byte alignment, any other
+            # argument's type and value (True is not 1), the options, the device
+            key = (device, tuple(sorted((name, value) for name, value in kwargs.items() if name not in known)),
+                   *[(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor)
+                     else (type(value), value) for value in values])
             launch = self.launches.get(key)
-        except TypeError:  # an argument that cannot be part of a key (unhashable): Triton's own path
+        except (KeyError, TypeError):  # an argument missing (Triton names it) or unhashable: Triton's own path
             self.kernel[grid](*args, **kwargs)
             return
         if launch is None:
