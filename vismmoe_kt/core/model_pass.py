@@ -32,11 +32,13 @@ class HostPrompt:
     """What a whole picture prompt's forward needs from its token ids, read on the host before it starts
     (engine/host_prompt.py), so that nothing in the forward waits for the device: the visual tokens' positions
     `visual_rows` (N,) and the M-RoPE `position_ids` (3, 1, T), both already on the model's device; their
-    count and the decode steps' position offset as host numbers."""
+    count and the decode steps' position offset as host numbers; the prompt's ids (1, T) on the host, for
+    whoever else would read them back (a routing source's table)."""
     visual_rows: torch.Tensor
     visual_tokens: int
     position_ids: torch.Tensor
     rope_delta: int
+    input_ids: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -53,4 +53,5 @@ def host_prompt(model: Any, adapter: ModelAdapter, inputs: dict[str, torch.Tenso
     positions, delta = adapter.rope_index(model, host)
     device = inputs["input_ids"].device
     return HostPrompt(visual_rows=to_device(rows, device), visual_tokens=rows.numel(),
-                      position_ids=to_device(positions, device), rope_delta=int(delta.reshape(-1)[0]))
+                      position_ids=to_device(positions, device), rope_delta=int(delta.reshape(-1)[0]),
+                      input_ids=host["input_ids"])

@@ -50,6 +50,14 @@ MODES = ("model", "synthetic", "trace")
 HISTORY = 64  # requests whose tables stay for the benchmark's Belady figures (a long run must not grow without end)
 
 
+def _uploaded(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host table on `device`, copied from pinned memory without the host waiting on a GPU: a pageable copy
+    first waits for everything queued, in a prompt whose first layers are queued behind its vision tower."""
+    if device.type != "cuda" or table.device.type != "cpu":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 def parse_spec(spec: str) -> tuple[str, Any]:
     """`model` | `synthetic[:SEED][:affinity=A]` | `trace:PATH` -> (mode, argument: the seed, the path)."""
     mode, _, argument = spec.partition(":")
@@ -192,7 +200,9 @@ class RoutingSource:
         rows = model_pass.prefill
         for row in rows:
             if row.request not in self._begun:
-                self.begin(row.input_ids, row.max_new_tokens, start=row.start, slot=row.slot)
+                # a prompt's ids on the host where the runner read them (no read back before the first layer)
+                ids = row.host.input_ids if row.host is not None and row.slot is not None else row.input_ids
+                self.begin(ids, row.max_new_tokens, start=row.start, slot=row.slot)
                 self._begun[row.request] = None
                 while len(self._begun) > HISTORY:
                     del self._begun[next(iter(self._begun))]
@@ -225,15 +235,15 @@ class RoutingSource:
                 raise ValueError(f"slot {slot} with {total} positions: the runner's tables are "
                                  f"{None if self.slot_ids is None else tuple(self.slot_ids.shape[:2])}")
             device = self.slot_ids.device
-            self.slot_ids[slot, :total].copy_(ids.to(device))
-            self.slot_weights[slot, :total].copy_(weights.to(device=device, dtype=self.slot_weights.dtype))
+            self.slot_ids[slot, :total].copy_(_uploaded(ids, device))
+            self.slot_weights[slot, :total].copy_(_uploaded(weights.to(self.slot_weights.dtype), device))
             if latents is not None:
                 if self.slot_latents is None:  # made once, before any decode step is captured
                     self.slot_latents = torch.zeros(*self.slot_ids.shape[:3], latents.shape[2], device=device)
                     self._slot_tables[self._tables_of]["latents"] = self.slot_latents
-                self.slot_latents[slot, :total].copy_(latents.to(device=device, dtype=torch.float32))
+                self.slot_latents[slot, :total].copy_(_uploaded(latents.to(torch.float32), device))
             if self.slot_probabilities is not None:
-                self.slot_probabilities[slot, :total].copy_(probabilities.to(device))
+                self.slot_probabilities[slot, :total].copy_(_uploaded(probabilities, device))
             self._count(ids, prompt)
             return
         device = input_ids.device
