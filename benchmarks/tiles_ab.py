@@ -12,24 +12,31 @@ device's committed quantized_prefill tiles, the tokens-first tiles the H100's en
 ones, the weights-first tiles (the device's, else the H100's), and those prefetching a step ahead
 ("weights-ahead"), each only where it differs from the ones before it.
 
+`--launches`: instead, the committed tiles with the Triton kernels launched through their compiled launcher
+(kernel_launch, as the package runs) against every launch through Triton's own path, alternated the same way.
+
 Routing of every figure: the configuration's, synthetic unless --routing says otherwise (printed beside the
 results). Measurement only: nothing here changes tuning.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
+import kernel_launch
 from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
 from benchmarks.bench.timing import timed_generate
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.runtime.kernels import quantized_major, tuning
 
 COMMITTED = "committed"
+THROUGH_TRITON = "through Triton"  # --launches: the alternative whose launches take Triton's own path
 # what the H100's quantized_prefill held before the weights-first tiles (benchmarks/results/kernel-tuning.md)
 TOKENS_FIRST = {"block_m": 32, "gate_up": [64, 4, 1], "down": [128, 4, 1]}
 # the H100's weights-first tiles (kernel-tuning.md), for a device whose entry has none
@@ -66,6 +73,21 @@ def default_alternatives(committed: dict) -> dict[str, tuple[str, dict] | None]:
             seen.add(key)
             alternatives[name] = None if name == COMMITTED else ("quantized_prefill", entry)
     return alternatives
+
+
+@contextlib.contextmanager
+def launches_through_triton() -> Iterator[None]:
+    """Within the block every kernel launcher made so far takes Triton's own path (the warm-up, run first under the
+    direct launches, made them all)."""
+    launchers = list(kernel_launch._LAUNCHERS.values())
+    direct = [launcher.direct for launcher in launchers]
+    for launcher in launchers:
+        launcher.direct = False
+    try:
+        yield
+    finally:
+        for launcher, was in zip(launchers, direct):
+            launcher.direct = was
 
 
 def parse_alternative(text: str) -> tuple[str, str, object]:
@@ -110,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alt", action="append", default=[], metavar="NAME=KEY:JSON",
                         help="an alternative: tuning key KEY set to JSON (repeatable; default: the committed "
                              "quantized_prefill, the tokens-first, weights-first and weights-ahead tiles: default_alternatives)")
+    parser.add_argument("--launches", action="store_true",
+                        help="instead of tiles: the kernels launched through their compiled launcher against through "
+                             "Triton's own path, the committed tiles")
     args = parser.parse_args(argv)
+    if args.launches and args.alt:
+        parser.error("--launches times the launch paths with the committed tiles: give no --alt beside it")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
     check_prompt_flags(parser, args)
@@ -118,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         alternatives = {name: (key, value) for name, key, value in map(parse_alternative, args.alt)}
     except ValueError as exc:
         parser.error(str(exc))
-    if not alternatives:
+    if args.launches:
+        alternatives = {"direct launches": None, THROUGH_TRITON: THROUGH_TRITON}
+    elif not alternatives:
         alternatives = default_alternatives(tuning.get("quantized_prefill", args.device))
     model, processor = load_prompt_model(parser, args, "tiles-ab-")
     requests = prompt_requests(processor, args)
 
     def prefill(name: str, request: dict) -> float:
         override = alternatives[name]
-        with tuning.overridden(**({override[0]: override[1]} if override else {})):
+        with launches_through_triton() if override == THROUGH_TRITON else \
+                tuning.overridden(**({override[0]: override[1]} if override else {})):
             return timed_generate(model, request, 1).prefill_s
 
     times = []
@@ -136,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             times.append((name, label, prefill(name, request)))
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
     result = {"device": device, "config": args.config, "routing": args.routing, "rounds": args.rounds,
-              "alternatives": {name: list(override) if override else "tuning.json as committed"
+              "alternatives": {name: "tuning.json as committed, every launch through Triton" if override == THROUGH_TRITON
+                               else list(override) if override else "tuning.json as committed"
                                for name, override in alternatives.items()},
               "committed_quantized_prefill": tuning.get("quantized_prefill", args.device),
               "prefill_s": summarize(times), "runs": times}

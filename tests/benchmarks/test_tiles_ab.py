@@ -50,9 +50,35 @@ def test_a_tiny_models_prompt_under_two_alternatives_on_the_cpu(tmp_path, capsys
     assert "96 px (routing model): now" in capsys.readouterr().out
 
 
+def test_launches_time_the_two_launch_paths_in_turn(tmp_path):
+    out = tmp_path / "launches.json"
+    assert tiles_ab.main(["--config", "offload:expert_budget=1GiB", "--out", str(out), "--tiny", "tiny-2x8",
+                          "--device", "cpu", "--image-size", "96", "--rounds", "2", "--routing", "model",
+                          "--launches"]) == 0
+    result = json.loads(out.read_text())
+    assert [name for name, _, _ in result["runs"]] == ["direct launches", "through Triton", "through Triton",
+                                                       "direct launches"]
+    assert result["alternatives"]["through Triton"].endswith("every launch through Triton")
+
+
+def test_launches_alternate_with_every_launcher_through_triton_inside_its_turns(monkeypatch):
+    import kernel_launch
+
+    class Kernel:
+        fn = staticmethod(lambda x: None)
+
+    launcher = kernel_launch.Launcher(Kernel(), direct=True)
+    monkeypatch.setitem(kernel_launch._LAUNCHERS, "kernel", launcher)
+    direct = launcher.direct
+    with tiles_ab.launches_through_triton():
+        assert launcher.direct is False
+    assert launcher.direct is direct  # restored after the turn
+
+
 def test_bad_arguments_end_with_the_reason_not_a_traceback(tmp_path, capsys):
     for argv, why in ((["--alt", "x"], "NAME=KEY:JSON"), (["--rounds", "0"], "at least one round"),
-                      (["--image-size", "0"], "no prompt to time")):
+                      (["--image-size", "0"], "no prompt to time"),
+                      (["--launches", "--alt", "a=prefetch_programs:4"], "give no --alt beside it")):
         with pytest.raises(SystemExit) as exit_info:
             tiles_ab.main(["--config", "offload", "--out", str(tmp_path / "x.json"), "--device", "cpu", *argv])
         assert exit_info.value.code == 2 and why in capsys.readouterr().err
