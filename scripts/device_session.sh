@@ -109,7 +109,8 @@
 #   bash scripts/device_session.sh tilesab          the resident 448 px prompt (and a 508-token text one) under the committed
 #                                                   prefill tiles, the tokens-first, weights-first and weights-ahead ones
 #                                                   in turn, one process (benchmarks/tiles_ab.py; TILESAB_ARGS overrides
-#                                                   its flags)
+#                                                   its flags; "--text-tokens 508 --launches": direct Triton launches
+#                                                   against Triton's own path instead)
 #   bash scripts/device_session.sh timeline         where the resident 448 px and 508-token text prompts' time goes: the
 #                                                   host's issue against the GPU layer by layer, the host's time split by
 #                                                   part (benchmarks/prompt_timeline.py --split; TIMELINE_ARGS adds flags,
