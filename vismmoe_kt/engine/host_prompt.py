@@ -30,8 +30,9 @@ READ = ("input_ids", "mm_token_type_ids", "image_grid_thw")  # what the position
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (on the host) on `device`, copied without the host waiting: from pinned memory on a GPU."""
-    if torch.device(device).type != "cuda":
+    """`tensor` on `device`, a host tensor copied without the host waiting: from pinned memory to a GPU (a pageable
+    copy first waits for everything queued)."""
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 

@@ -43,19 +43,12 @@ from torch import nn
 
 from ..core.context import LoadContext
 from ..core.model_pass import ModelPass, SlotRows
+from ..engine.host_prompt import to_device
 from ..errors import InputError
 from ..models import ModelAdapter
 
 MODES = ("model", "synthetic", "trace")
 HISTORY = 64  # requests whose tables stay for the benchmark's Belady figures (a long run must not grow without end)
-
-
-def _uploaded(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host table on `device`, copied from pinned memory without the host waiting on a GPU: a pageable copy
-    first waits for everything queued, in a prompt whose first layers are queued behind its vision tower."""
-    if device.type != "cuda" or table.device.type != "cpu":
-        return table.to(device)
-    return table.pin_memory().to(device, non_blocking=True)
 
 
 def parse_spec(spec: str) -> tuple[str, Any]:
@@ -235,15 +228,15 @@ class RoutingSource:
                 raise ValueError(f"slot {slot} with {total} positions: the runner's tables are "
                                  f"{None if self.slot_ids is None else tuple(self.slot_ids.shape[:2])}")
             device = self.slot_ids.device
-            self.slot_ids[slot, :total].copy_(_uploaded(ids, device))
-            self.slot_weights[slot, :total].copy_(_uploaded(weights.to(self.slot_weights.dtype), device))
+            self.slot_ids[slot, :total].copy_(to_device(ids, device))
+            self.slot_weights[slot, :total].copy_(to_device(weights.to(self.slot_weights.dtype), device))
             if latents is not None:
                 if self.slot_latents is None:  # made once, before any decode step is captured
                     self.slot_latents = torch.zeros(*self.slot_ids.shape[:3], latents.shape[2], device=device)
                     self._slot_tables[self._tables_of]["latents"] = self.slot_latents
-                self.slot_latents[slot, :total].copy_(_uploaded(latents.to(torch.float32), device))
+                self.slot_latents[slot, :total].copy_(to_device(latents.to(torch.float32), device))
             if self.slot_probabilities is not None:
-                self.slot_probabilities[slot, :total].copy_(_uploaded(probabilities, device))
+                self.slot_probabilities[slot, :total].copy_(to_device(probabilities, device))
             self._count(ids, prompt)
             return
         device = input_ids.device
