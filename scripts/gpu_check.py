@@ -75,6 +75,8 @@ def main() -> int:
     print(json.dumps(prompt_attention))
     prompt_router = check_prompt_router()
     print(json.dumps(prompt_router))
+    vision_ops = check_vision_ops()
+    print(json.dumps(vision_ops))
     vision = check_vision_graph()
     print(json.dumps(vision))
     fp8 = check_fp8_grouped()
@@ -152,7 +154,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
-    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"] and prompt_router["ok"] and vision["ok"]
+    ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"] and prompt_router["ok"] and vision["ok"] and vision_ops["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -228,6 +230,73 @@ def check_prompt_attention() -> dict:
             "ok": installed == 1 and served == 2 and worst <= 2 ** -7 and caches[1].host_lengths == caches[0].host_lengths}
 
 
+def full_vision_tower():
+    """(model, adapter, tower, config): Qwen3-VL-30B-A3B's vision tower (27 blocks, hidden 1152, random weights, BF16)
+    on the GPU, inside a model where the adapter looks for it."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+
+    config = Qwen3VLMoeVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+                                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                                    deepstack_visual_indexes=[8, 16, 24])
+    config._attn_implementation = "sdpa"
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.visual = Qwen3VLMoeVisionModel(config).to("cuda", torch.bfloat16).eval()
+
+    model = Model()
+    return model, Qwen3VLMoeAdapter(), model.model.visual, config
+
+
+def check_vision_ops() -> dict:
+    """The vision tower's rotary kernel (engine/vision_rotary.py) in BF16 on the GPU equal to its torch form and to
+    transformers' apply_rotary_pos_emb_vision to the bit, at Qwen3-VL-30B-A3B's shapes (784 patches, 16 heads of 72);
+    the patch embedding as a GEMM (engine/vision_patches.py) within BF16 rounding of the Conv3d; and a 448 px
+    picture through the whole 27-block tower with both, against the tower's stock modules, within a few units
+    of BF16's rounding at the output's scale."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
+
+    from vismmoe_kt.engine.vision_attention import install as fuse_vision_attention
+    from vismmoe_kt.engine.vision_patches import install as project_patches
+    from vismmoe_kt.engine.vision_rotary import rotate, rotate_torch
+
+    torch.manual_seed(0)
+    qkv = (torch.randn(784, 3, 16, 72, device="cuda") * 2).to(torch.bfloat16)
+    angles = torch.rand(784, 36, device="cuda") * 30
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos(), emb.sin()
+    got = rotate(qkv, cos, sin)
+    want_q, want_k = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    rotary_equal = torch.equal(got, rotate_torch(qkv, cos, sin)) and torch.equal(got[0], want_q) \
+        and torch.equal(got[1], want_k)
+    model, adapter, tower, _ = full_vision_tower()
+    pixels = torch.randn(784, 3 * 2 * 16 * 16, device="cuda").to(torch.bfloat16)
+    grid = torch.tensor([[1, 28, 28]], device="cuda")
+    with torch.inference_mode():
+        stock_patches = tower.patch_embed(pixels)
+        stock = _leaves(tower(pixels, grid_thw=grid, return_dict=True))
+        installed = fuse_vision_attention(adapter, model), project_patches(adapter, model)
+        patches = tower.patch_embed(pixels)
+        fused = _leaves(tower(pixels, grid_thw=grid, return_dict=True))
+    eps = torch.finfo(torch.bfloat16).eps
+    patch_scale = stock_patches.float().abs().max().item()
+    patch_difference = (patches.float() - stock_patches.float()).abs().max().item()
+    worst, ok = 0.0, installed == (27, 1) and len(fused) == len(stock)
+    for f, s in zip(fused, stock):
+        scale = s.float().abs().max().clamp(min=1.0).item()
+        worst = max(worst, (f.float() - s.float()).abs().max().item() / scale)
+    ok &= rotary_equal and patch_difference <= 2 * eps * patch_scale and worst <= 16 * eps
+    return {"check": "vision tower's rotary kernel, patch GEMM, and the tower with both vs stock, BF16",
+            "rotary_bit_equal": rotary_equal, "installed": list(installed),
+            "patch_max_difference_at_scale": patch_difference / patch_scale, "tower_max_difference_at_scale": worst,
+            "ok": bool(ok)}
+
+
 def check_vision_graph() -> dict:
     """Qwen3-VL-30B-A3B's vision tower (27 blocks, hidden 1152, random weights, BF16) replayed as a CUDA graph per
     picture size (engine/vision_graph.py) against its own forward: 448 px pictures (784 patches), two of one
@@ -235,29 +304,15 @@ def check_vision_graph() -> dict:
     rounding (the self-check's tolerance), one capture per size. Also how long a picture takes each way. The
     saliency recorder hooks the last attention throughout (as while compression asks for saliency): each
     picture's saliency from the replay within 1% of the eager tower's."""
-    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
-
     from vismmoe_kt.engine.vision_attention import install as fuse_vision_attention
     from vismmoe_kt.engine.vision_graph import install
-    from vismmoe_kt.models.qwen3_vl_moe import Qwen3VLMoeAdapter
+    from vismmoe_kt.engine.vision_patches import install as project_patches
     from vismmoe_kt.vision.saliency import SaliencyRecorder
 
-    config = Qwen3VLMoeVisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-                                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-                                    deepstack_visual_indexes=[8, 16, 24])
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-
-    class Model(nn.Module):  # where the adapter looks for the tower
-        def __init__(self):
-            super().__init__()
-            self.model = nn.Module()
-            self.model.visual = Qwen3VLMoeVisionModel(config).to("cuda", torch.bfloat16).eval()
-
-    model, adapter = Model(), Qwen3VLMoeAdapter()
-    tower = model.model.visual
+    model, adapter, tower, config = full_vision_tower()
     fuse_vision_attention(adapter, model)
+    project_patches(adapter, model)
     own = tower.forward
     replayed = install(adapter, model, "cuda")
     recorder = SaliencyRecorder(tower.blocks[-1].attn, config.spatial_merge_size, adapter.attention_received)

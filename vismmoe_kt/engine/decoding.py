@@ -26,6 +26,7 @@ from .decode_step import DecodeStep
 from .fused_ops import fuse_norms, fuse_routers
 from .prompt_attention import install as fuse_prompt_attention
 from .vision_attention import install as fuse_vision_attention
+from .vision_patches import install as project_patches
 from .vision_graph import install as replay_vision_tower
 from .slot_cache import SlotKVCache
 
@@ -59,6 +60,8 @@ def fewer_prompt_launches(model: Any, text: nn.Module, adapter: ModelAdapter) ->
     # the vision encoder's attention: the images' lengths read once a prompt, not once a block (a device wait
     # each), the rotary embedding in half the launches (vision_attention.py; every device)
     fuse_vision_attention(adapter, model)
+    # the picture's patch embedding as a GEMM, not cuDNN's implicit-GEMM convolution (vision_patches.py)
+    project_patches(adapter, model)
 
 
 class Decoding:

@@ -9,14 +9,14 @@ Qwen3-VL vision attention, under sdpa, reads the images' lengths back from the d
 of the query and the key cast to fp32, rotated by halves, multiplied, added and cast back). Here, for the
 attentions the adapter describes (VisionAttentionParts):
     qkv        the projection, as the module runs it;
-    rotary     the query and key together: one cast, one rotation, the products and the cast back (the same
-               fp32 values, in about half the launches);
+    rotary     the query and key together (vision_rotary.py): on a GPU one kernel, elsewhere one cast, one
+               rotation, the products and the cast back (the same fp32 values either way);
     attention  sdpa inside each image, the lengths read once for all the blocks of a prompt (they share
                one cu_seqlens tensor), no concatenation for a single image;
     output     the output projection.
 The values are the module's. Every call it does not serve (training, gradients, flash or eager attention,
-no position embeddings) runs the module's own forward. Installed on every device: it is the module's
-ops in fewer calls, not a kernel of its own.
+no position embeddings) runs the module's own forward. Installed on every device: the module's ops in
+fewer calls, and on a GPU the rotary embedding's one kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..models.base import VisionAttentionParts
-from .fused_attention import rotate_half
+from .vision_rotary import rotate
 
 
 class ImageLengths:
@@ -70,7 +70,7 @@ class VisionAttention:
 
         p, patches = self.parts, hidden_states.shape[0]
         qkv = p.projection(hidden_states).reshape(patches, 3, p.heads, p.head_dim)
-        query_key = rotate(qkv[:, :2].transpose(0, 1), *position_embeddings)  # (2, S, H, D), the module's dtype
+        query_key = rotate(qkv, *position_embeddings)  # (2, S, H, D), the module's dtype (vision_rotary.py)
         # (1, H, S, D) views of contiguous (S, H, D) tensors, as the module hands them to the attention
         query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query_key[0], query_key[1], qkv[:, 2]))
         lengths = self.lengths.of(cu_seqlens)
@@ -81,15 +81,6 @@ class VisionAttention:
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         self.served += 1
         return p.output(out.reshape(patches, -1))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb_vision on x (2, S, H, D), the query and the key: in fp32, rotated by
-    halves, cast back; the result contiguous."""
-    dtype, x = x.dtype, x.to(torch.float32, memory_format=torch.contiguous_format)
-    shape = (1, cos.shape[0], 1, cos.shape[-1])
-    cos, sin = cos.reshape(shape).float(), sin.reshape(shape).float()
-    return ((x * cos) + (rotate_half(x) * sin)).to(dtype)
 
 
 def install(adapter: Any, model: nn.Module) -> int:

@@ -344,6 +344,12 @@ class ModelAdapter:
     def vision_tower(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
 
+    def vision_patch_projection(self, module: nn.Module) -> nn.Module | None:
+        """The Conv3d of `module` if it is this family's patch embedding, taking the processor's flattened patches
+        (rows of channels x frames x patch x patch values, in the conv kernel's order) to the tower's width, so
+        engine/vision_patches.py may run it as one matrix product (any module may be asked); None otherwise."""
+        return None
+
     def vision_merge_size(self, config: Any) -> int:
         """Patches merged into one visual token, per side."""
         raise NotImplementedError

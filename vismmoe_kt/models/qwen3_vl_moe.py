@@ -292,6 +292,16 @@ class Qwen3VLMoeAdapter(MropeVision, TransformersLayout):
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
 
+    def vision_patch_projection(self, module: nn.Module) -> nn.Module | None:
+        # Qwen3VLMoeVisionPatchEmbed views its input as (-1, in_channels, temporal_patch_size, patch, patch) for a
+        # Conv3d of exactly that kernel: the flattened rows are the kernel's order
+        if type(module).__name__ != "Qwen3VLMoeVisionPatchEmbed":
+            return None
+        conv = module.proj
+        kernel = (int(module.in_channels), int(module.temporal_patch_size), int(module.patch_size),
+                  int(module.patch_size))
+        return conv if tuple(conv.weight.shape[1:]) == kernel else None
+
     def add_deepstack(self, text: nn.Module, hidden: torch.Tensor, visual_rows: torch.Tensor,
                       embeds: torch.Tensor) -> torch.Tensor:
         # transformers' _deepstack_process by row index: a copy, the visual rows plus the features
