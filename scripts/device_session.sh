@@ -118,6 +118,9 @@
 #                                                   .scratch/llama.cpp is carried
 #   bash scripts/device_session.sh prefillcompare DIR  those rows in DIR's code (a tree before a change, carried),
 #                                                   then in this tree's, one call
+#   bash scripts/device_session.sh tower [DIR]      a picture's vision tower alone at 448 and 896 px (benchmarks/vision_tower_bench.py:
+#                                                   replayed and eager, its kernels by kind), in DIR's code first where given (a
+#                                                   tree before a change, carried; TOWER_ARGS adds flags, e.g. --compile)
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
@@ -405,6 +408,15 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
               timeout ${TIMELINE_TIMEOUT:-200} python3 -m benchmarks.prompt_timeline --out "$OUT/timeline" \
                 --config "offload:expert_budget=1TiB,gguf_path=$GGUF_DIR" --text-tokens 508 --split ${TIMELINE_ARGS:-} \
                 2>&1 | grep -vE "^Writing|it/s\]" | tee "$OUT/timeline.txt" || true ;;
+    tower) shift  # the vision tower alone: DIR's code (before), then this tree's (after)
+           ref=""
+           if [[ $# -gt 0 && -d $1 ]]; then ref=$1; shift; fi
+           for side in ${ref:+"$ref"} .; do
+             name=$([[ $side == . ]] && echo after || echo before)
+             (cd "$side" && PYTHONPATH=. timeout ${TOWER_TIMEOUT:-120} python3 -m benchmarks.vision_tower_bench \
+                --out "$OUT/tower-$name" --image-sizes 448 896 ${TOWER_ARGS:-} > "$OUT/tower-$name.txt" 2>&1) || true
+             grep -E "^[0-9]+ px|^==|^ +[0-9.]+ us" "$OUT/tower-$name.txt" | sed "s/^/$name /" || true
+           done ;;
     prefillcompare) shift  # the same kernels' rows in DIR's code (before), then in this tree's (after)
               ref=$1; shift
               for side in "$ref" .; do
@@ -525,6 +537,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, prefillk, prefillcompare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, tower [DIR], prefillk, prefillcompare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
   esac
 done
