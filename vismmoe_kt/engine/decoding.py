@@ -58,7 +58,7 @@ def fewer_prompt_launches(model: Any, text: nn.Module, adapter: ModelAdapter) ->
     fuse_prompt_attention(adapter, text)
     fuse_routers([adapter.router(layer) for layer in adapter.layers_of(text)], adapter)
     # the vision encoder's attention: the images' lengths read once a prompt, not once a block (a device wait
-    # each), the rotary embedding in half the launches (vision_attention.py; every device)
+    # each), the rotary embedding in one kernel on a GPU (vision_attention.py, vision_rotary.py)
     fuse_vision_attention(adapter, model)
     # the picture's patch embedding as a GEMM, not cuDNN's implicit-GEMM convolution (vision_patches.py)
     project_patches(adapter, model)
