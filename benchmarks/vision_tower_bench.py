@@ -10,9 +10,11 @@ vision attention with fewer launches (engine/vision_attention.py) and, on a GPU,
 eager forward's for scale, and one replay under torch.profiler, its kernels grouped by kind (GEMMs, attention,
 norms, element-wise) with their count and time a picture, the longest ones listed.
 
-`--compile`: then the same with every block compiled by torch.compile (inductor fuses a block's norms, rotary,
-GELU and residual adds), each picture size captured again, its output compared with the committed tower's.
-Measurement only: the package does not compile the tower.
+`--attention-backends flash efficient cudnn`: then the same with torch's sdpa held to each backend in turn
+(torch.nn.attention.sdpa_kernel; the committed run takes torch's own choice, cuDNN's flash kernel on an H100 at
+head dim 72). `--compile`: then the same with every block compiled by torch.compile (inductor fuses a block's
+norms, rotary, GELU and residual adds). Each alternative captures every picture size again and compares its
+output with the committed tower's. Measurement only: the package neither pins a backend nor compiles the tower.
 
 The tower's work does not depend on routing (no experts in it).
 """
@@ -36,6 +38,8 @@ from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.models import adapter_for
 
 RESIDENT = "offload:expert_budget=1TiB,graphs=cuda"
+# --attention-backends' names: torch.nn.attention.SDPBackend members
+BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 # kernel name fragments, first match wins: what a kernel of the tower is
 KINDS = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk")),
          ("attention", ("flash", "fmha", "attention", "softmax")),
@@ -102,7 +106,11 @@ def kernel_table(call, runs: int) -> dict:
             "count": sum(r["count"] for r in rows)}
 
 
-def measure(tower, requests: dict, reps: int, cuda: bool, graphed, reference: dict | None) -> dict:
+def measure(name: str, tower, requests: dict, reps: int, cuda: bool, graphed, reference: dict | None) -> dict:
+    """Each picture size's row (times, the graph's counters, the kernels) under alternative `name`; a reference's
+    outputs compared, or (none given) this run's outputs kept under "_outputs"."""
+    if graphed is not None:
+        graphed.grids.clear()  # each alternative captured anew
     out = {}
     for label, request in requests.items():
         pixels, grid = request["pixel_values"], request["image_grid_thw"]
@@ -125,7 +133,7 @@ def measure(tower, requests: dict, reps: int, cuda: bool, graphed, reference: di
             row["profile"] = kernel_table(call, 3)
         out[label] = row
         kinds = row.get("profile", {}).get("kinds", {})
-        print(f"{label}: replay {row['replay_ms_median']:.3f} ms ({row['tflops']:.0f} TFLOP/s of its products)"
+        print(f"{name}, {label}: replay {row['replay_ms_median']:.3f} ms ({row['tflops']:.0f} TFLOP/s of its products)"
               + (f", eager {row['eager_ms_median']:.2f} ms" if "eager_ms_median" in row else "")
               + (f", max difference {row['max_difference']:.3g} of {row['reference_max']:.3g}"
                  if "max_difference" in row else "")
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="directory for vision_tower_bench.json")
     parser.add_argument("--image-sizes", type=int, nargs="+", default=[448, 896], help="picture sizes in pixels")
     parser.add_argument("--reps", type=int, default=20, help="timed replays a picture size (20)")
+    parser.add_argument("--attention-backends", nargs="*", default=[], choices=sorted(BACKENDS),
+                        help="then sdpa held to each of these backends in turn, compared")
     parser.add_argument("--compile", action="store_true", help="then every block under torch.compile, compared")
     parser.add_argument("--top", type=int, default=15, help="kernels printed a picture size (15)")
     parser.add_argument("--tiny", help="a tiny random model instead (a sanity run, with --device cpu)")
@@ -173,24 +183,34 @@ def main(argv: list[str] | None = None) -> None:
     result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "routing": "none (no experts)",
               "committed": None}
     with torch.inference_mode():
-        committed = measure(tower, requests, args.reps, cuda, graphed, None)
+        committed = measure("committed", tower, requests, args.reps, cuda, graphed, None)
         reference = committed.pop("_outputs", {})
         result["committed"] = committed
+        for backend in args.attention_backends:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            name = f"sdpa {backend}"
+            try:
+                with sdpa_kernel(getattr(SDPBackend, BACKENDS[backend])):
+                    result[name] = measure(name, tower, requests, args.reps, cuda, graphed, reference)
+            except RuntimeError as error:  # the backend cannot take these shapes or dtype here
+                result[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+                print(f"{name}: {result[name]['error']}", flush=True)
         if args.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             # the blocks: the modules holding an attention the adapter describes
             for block in [m for m in tower.modules()
                           if any(adapter.vision_attention_parts(c) is not None for c in m.children())]:
                 block.compile()
-            if graphed is not None:
-                graphed.grids.clear()
             began = time.perf_counter()
-            compiled = measure(tower, requests, args.reps, cuda, graphed, reference)
+            compiled = measure("compiled", tower, requests, args.reps, cuda, graphed, reference)
             compiled.pop("_outputs", None)
             compiled["_first_calls_s"] = time.perf_counter() - began
             result["compiled"] = compiled
-    for name in ("committed", "compiled"):
-        for label, row in (result.get(name) or {}).items():
+    for name, rows in result.items():
+        if not isinstance(rows, dict) or "error" in rows:
+            continue
+        for label, row in rows.items():
             if isinstance(row, dict) and "profile" in row:
                 print(f"== {name}, {label}: {row['profile']['count']:.0f} kernels, {row['profile']['total_us'] / 1e3:.3f}"
                       " ms of kernels")

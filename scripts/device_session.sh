@@ -120,7 +120,8 @@
 #                                                   then in this tree's, one call
 #   bash scripts/device_session.sh tower [DIR]      a picture's vision tower alone at 448 and 896 px (benchmarks/vision_tower_bench.py:
 #                                                   replayed and eager, its kernels by kind), in DIR's code first where given (a
-#                                                   tree before a change, carried; TOWER_ARGS adds flags, e.g. --compile)
+#                                                   tree before a change, carried; TOWER_ARGS adds flags, e.g. --compile or
+#                                                   "--attention-backends flash efficient cudnn")
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
