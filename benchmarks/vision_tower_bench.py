@@ -133,7 +133,7 @@ def measure(name: str, tower, requests: dict, reps: int, cuda: bool, graphed, re
             row["profile"] = kernel_table(call, 3)
         out[label] = row
         kinds = row.get("profile", {}).get("kinds", {})
-        print(f"{name}, {label}: replay {row['replay_ms_median']:.3f} ms ({row['tflops']:.0f} TFLOP/s of its products)"
+        print(f"{name}, {label}: replay {row['replay_ms_median']:.3f} ms ({row['tflops']:.3g} TFLOP/s of its products)"
               + (f", eager {row['eager_ms_median']:.2f} ms" if "eager_ms_median" in row else "")
               + (f", max difference {row['max_difference']:.3g} of {row['reference_max']:.3g}"
                  if "max_difference" in row else "")
@@ -142,7 +142,7 @@ def measure(name: str, tower, requests: dict, reps: int, cuda: bool, graphed, re
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description=__doc__, formatter_class=RawHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for vision_tower_bench.json")
     parser.add_argument("--image-sizes", type=int, nargs="+", default=[448, 896], help="picture sizes in pixels")
@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vision_tower_bench.json").write_text(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
