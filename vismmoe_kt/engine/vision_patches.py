@@ -25,7 +25,7 @@ class PatchProjection:
     the module's contract; `conv` the module's Conv3d (kernel = stride, no padding, one group)."""
 
     def __init__(self, module: nn.Module, conv: nn.Conv3d):
-        self.module, self.conv = module, conv
+        self.conv = conv
         self.own_forward = module.forward
         self.values = conv.weight[0].numel()  # K
         self.served = 0
