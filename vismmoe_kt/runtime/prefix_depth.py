@@ -29,9 +29,13 @@ quantized store its block, a half or a quarter of the slab B the budget holds; `
         (a pinned prefix gives the first offloaded layers' copies its compute to hide behind: the
         paper's startup overlap; PCIe contention between the two kinds of reads is not modelled)
 
-Choice: the fastest depth, or, among the depths predicted within `tolerance` of it (default 2%, about
-the run-to-run spread of decode tok/s on the H200), the deepest: a deeper prefix gives the predictor
-and the compressor more routing context (VisMMOE 3.4.1, Figure 12), which this model does not price.
+Choice: the fastest depth (exact ties: the deepest). `tolerance` > 0 widens the tie to the depths
+predicted within that fraction of the fastest, the deepest of them kept: a deeper prefix gives the
+predictor and the compressor more routing context (VisMMOE 3.4.1, Figure 12), which this model does
+not price. The default is 0 because that context was not worth its slabs when measured: a 2% tolerance
+pinned 3 layers at 6 GiB of Q4_K (384 slabs fewer than 1 layer) and the default rules decoded at 0.96x
+of `lru` (H100, 448 px, synthetic routing), while the predictor (0.99x) and compression (0.95-1.01x)
+never paid in decode and the trained model's routing showed no visual-expert affinity (docs/design.md).
 
 The bandwidths and compute times are inputs. Where nothing was measured the defaults are the H200's
 (BENCHMARKS.md, 2026-11-30): zero-copy 45.7 GB/s and copy engine 53.7 GB/s (decode_kernel_bench),
@@ -125,7 +129,7 @@ class DepthModel:
     offload_overhead_seconds: float = H200_DEFAULTS["offload_overhead_seconds"][0]
     lookahead: int = 0       # W: 0 reads misses when their layer runs; >= 1 prefetches W layers ahead
     recall: float = 1.0      # with W >= 1: the fraction of misses known ahead
-    tolerance: float = 0.02  # depths within this fraction of the fastest count as equal (the deepest wins)
+    tolerance: float = 0.0   # depths within this fraction of the fastest count as equal (the deepest wins)
     read_bytes: int = 0      # bytes a miss reads from the host (a quantized store's block); 0: expert_bytes
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # figure -> where it came from
 
