@@ -264,6 +264,24 @@ class PrefillSplit:
         return out
 
 
+def _pruning(model) -> tuple[int, int, float] | None:
+    """(prefills that pruned visual tokens, the tokens they kept, the host's seconds choosing them, its waits on
+    the device included) so far, where the text model prunes; None where it cannot."""
+    text_forward = getattr(model.vismmoe.context, "text_forward", None)
+    if text_forward is None:
+        return None
+    c = text_forward.counters
+    return c.pruned_prefills, c.tokens_after, c.compression_seconds
+
+
+def _prefill_copy_seconds(runtime) -> tuple[float, float]:
+    """(the prompts' expert copies' seconds, the compute stream's waits on them) so far."""
+    if runtime is None:
+        return 0.0, 0.0
+    summary = runtime.summary()
+    return summary["prefill_copy_seconds"], summary["prefill_stall_seconds"]
+
+
 def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     spec = config.label
     if args.device.startswith("cuda"):
@@ -280,6 +298,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
     copied = decode_pcie_bytes(runtime) if runtime else 0
     # what the measured requests' prompts copied into slabs, and the routing reads the placement path made
     prompt_before = (runtime.summary()["bytes_copied_prefill"], runtime.host_reads) if runtime else None
+    copy_before = _prefill_copy_seconds(runtime)
+    pruning_before = _pruning(model)
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
     prefill, decode, gaps, tokens = [], [], [], None
     for _ in range(args.reps):
@@ -299,6 +319,11 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
            "token_gap_ms_p50": 1e3 * statistics.median(gaps) if gaps else None,
            "token_gap_ms_p95": 1e3 * percentile(gaps, 0.95) if gaps else None,
            "tokens_agreeing_with_hf": agreeing_prefix(tokens, reference), **row_split}
+    pruning_after = _pruning(model)
+    if pruning_after is not None and pruning_after[0] > pruning_before[0]:  # visual tokens pruned: how many kept, at what cost
+        pruned = pruning_after[0] - pruning_before[0]
+        row.update(prompt_tokens_kept=(pruning_after[1] - pruning_before[1]) / pruned,
+                   compression_ms=1e3 * (pruning_after[2] - pruning_before[2]) / pruned)
     if args.turns > 1:  # a conversation: later turns re-send the history (the lean path reuses its cache)
         row["turn_prompt_s"] = conversation(model, processor, args)
     backend = model.vismmoe.context.cpu_backend or (runtime.cpu if runtime is not None else None)
@@ -323,6 +348,10 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         used, wasted = summary["decode_prefetch_used"], summary["decode_prefetch_wasted"]
         row.update(prefill_gb_copied=(summary["bytes_copied_prefill"] - prompt_before[0]) / args.reps / 1e9,
                    routing_reads_per_request=(runtime.host_reads - prompt_before[1]) / args.reps)
+        # the copies' own time and the compute stream's waits on them, a prompt (what a copy-bound prompt costs)
+        copy_after = _prefill_copy_seconds(runtime)
+        row.update(prefill_copy_s=(copy_after[0] - copy_before[0]) / args.reps,
+                   prefill_stall_s=(copy_after[1] - copy_before[1]) / args.reps)
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
                    decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
@@ -579,8 +608,11 @@ def main() -> int:
             vision = r.get("lean", {})
             replayed = f", the vision tower replayed {vision['vision_graph_replays']} times" \
                 if "vision_graph_replays" in vision else ""
-            print(f"{r['config']}: a prompt copied {r['prefill_gb_copied']:.2f} GB into slabs; "
-                  f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}")
+            pruned = f"; {r['prompt_tokens_kept']:.0f} of {r['prompt_tokens']} prompt tokens kept past the prefix, " \
+                f"chosen in {r['compression_ms']:.2f} ms" if "prompt_tokens_kept" in r else ""
+            print(f"{r['config']}: a prompt copied {r['prefill_gb_copied']:.2f} GB into slabs (copies "
+                  f"{r['prefill_copy_s']:.3f} s, the layers waiting on them {r['prefill_stall_s']:.3f} s); "
+                  f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}{pruned}")
         if r.get("prefill_cpu_expert_s"):
             print(f"{r['config']}: a prefill's {r['prefill_s_median']:.3f} s: vision tower {r['prefill_vision_s']:.3f} s, "
                   f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "

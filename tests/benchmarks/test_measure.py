@@ -174,3 +174,21 @@ def test_decode_rate_is_measured_from_the_tokens_arrivals(tiny_dir, image_inputs
     assert len(syncs) == 2 and len(timed.gaps_s) == 5 and timed.tokens.shape == (6,)
     assert timed.decode_tok_s == pytest.approx(5 / sum(timed.gaps_s), rel=1e-9)
     assert timed.prefill_s > 0
+
+
+def test_decode_bench_says_what_pruning_kept_and_what_the_prompts_copies_took(tmp_path):
+    """The default rules prune visual tokens after the pinned prefix: the row says how many prompt tokens went on
+    and the host's milliseconds choosing them; every offloaded row says its copies' seconds and the waits on them."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(tmp_path), "--device", "cpu",
+                             "--tiny", "tiny-4x16", "--image-size", "96", "--decode-tokens", "4", "--reps", "1",
+                             "--configs", "vismmoe:expert_budget=50%", "lru:expert_budget=50%"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads((tmp_path / "decode_bench.json").read_text())["rows"]}
+    pruned, plain = rows["vismmoe:expert_budget=50%"], rows["lru:expert_budget=50%"]
+    assert 0 < pruned["prompt_tokens_kept"] < pruned["prompt_tokens"] and pruned["compression_ms"] > 0
+    assert "prompt_tokens_kept" not in plain  # lru prunes nothing
+    for row in (pruned, plain):
+        assert row["prefill_copy_s"] >= 0 and row["prefill_stall_s"] >= 0
+    assert re.search(r"vismmoe:expert_budget=50%: .* \d+ of \d+ prompt tokens kept past the prefix, chosen in [\d.]+ ms",
+                     result.stdout)
