@@ -265,8 +265,9 @@ class PrefillSplit:
 
 
 def _pruning(model) -> tuple[int, int, float] | None:
-    """(prefills that pruned visual tokens, the tokens they kept, the host's seconds choosing them, its waits on
-    the device included) so far, where the text model prunes; None where it cannot."""
+    """(prefills that pruned visual tokens, the tokens they kept, the host's seconds choosing them) so far, where
+    the text model prunes; None where it cannot. From a prompt's host facts the choice waits for nothing on the
+    device, so this is the host's own time; without them it includes waiting for the tower and the prefix."""
     text_forward = getattr(model.vismmoe.context, "text_forward", None)
     if text_forward is None:
         return None

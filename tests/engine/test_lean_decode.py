@@ -112,6 +112,9 @@ class DeviceReads(TorchDispatchMode):
         name = func._schema.name
         if name in self.SYNCING:
             self.syncing.append(name)
+        elif name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self.syncing.append(f"{name} by a boolean mask")  # a nonzero inside the op, on a GPU a wait
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
@@ -784,6 +787,61 @@ def test_a_picture_prompt_runs_from_its_host_facts_without_reading_the_device(ca
     with torch.no_grad(), DeviceReads() as mode:  # the model's own forward of the same prompt
         model(**inputs, use_cache=False)
     assert "aten::_local_scalar_dense" in mode.syncing
+
+
+class WindowReads(DeviceReads):
+    """DeviceReads while `open`, plus the host reads no dispatched op shows on the CPU (.tolist, .cpu, .numpy)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.open = False
+        for name in ("tolist", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, self._watching(name, getattr(torch.Tensor, name)))
+
+    def _watching(self, name, method):
+        def watched(tensor, *args, **kwargs):
+            if self.open:
+                self.syncing.append(f"Tensor.{name}")
+            return method(tensor, *args, **kwargs)
+        return watched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.open:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("compression", ["affinity", "saliency", "random"])
+def test_a_picture_prompt_prunes_from_its_host_facts_without_reading_the_device(case, monkeypatch, compression):
+    """The default rules prune visual tokens after the pinned prefix. From the prompt's host facts the prune (the
+    vision saliency, the choice, the kept rows and DeepStack features) reads nothing back, so on a GPU the host
+    goes on issuing layers instead of waiting for the tower and the prefix; it keeps what the device-reading path
+    keeps (transformers' own call of the model, no host facts)."""
+    model_dir, inputs, _ = case
+    model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), miss_policy="wait",
+                    compression=compression, **CPU)
+    forward = model.vismmoe.context.text_forward
+    reads = WindowReads(monkeypatch)
+    hosts, keep_for_real = [], forward._keep
+
+    def keep(visual, prefix, host):
+        hosts.append(host is not None)
+        reads.open = True  # until the first pruned layer starts
+        return keep_for_real(visual, prefix, host)
+
+    monkeypatch.setattr(forward, "_keep", keep)
+    forward.layers[forward._prune_at()].register_forward_pre_hook(lambda *_: setattr(reads, "open", False))
+    with torch.no_grad():
+        with reads:
+            generate(model, inputs, 2)
+        from_host = model.vismmoe.context.pruning.keep.clone()
+        model(**inputs)
+    assert hosts == [True, False] and reads.syncing == []
+    assert torch.equal(model.vismmoe.context.pruning.keep, from_host)
+    visual = inputs["input_ids"][0] == model.config.image_token_id
+    assert int(visual[from_host].sum()) == int(visual.sum()) // 2  # keep_ratio 0.5 of the rule file
+    stats = forward.stats()
+    assert 0 < stats["prefix_experts_visual_kept"] <= stats["prefix_experts_visual_all"]
 
 
 def test_a_picture_prompt_whose_ids_miss_its_pictures_is_a_clear_error(case):

@@ -43,3 +43,38 @@ def test_unknown_family_lists_supported():
     assert supported_model_types() == ["deepseek_ocr2", "ernie4_5_vl_moe", "glm4v_moe", "kimi_k25", "llama4", "qwen3_vl_moe"]
     with pytest.raises(LoadError, match=r"unsupported architecture model_type='deepseek_vl_v2'; supported: deepseek_ocr2, ernie4_5_vl_moe, glm4v_moe, kimi_k25, llama4, qwen3_vl_moe"):
         adapter_for("deepseek_vl_v2")
+
+
+def test_vision_saliency_keeps_several_pictures_apart_without_reading_the_device(reference):
+    """The attention each patch receives, head-averaged, within its own picture: computed on the device from
+    cu_seqlens (one picture: the whole attention, bit for bit as before; several: a mask of their segments)
+    against each picture's own softmax."""
+    model, _ = reference
+    adapter = adapter_for(model.config.model_type)
+    attn = model.model.visual.blocks[-1].attn
+    torch.manual_seed(0)
+    length, dim = 24, attn.qkv.in_features
+    hidden = torch.randn(length, dim)
+    rotary_dim = attn.head_dim // 2
+    angles = torch.randn(length, rotary_dim)
+    position_embeddings = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+
+    def per_picture(bounds):
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
+
+        q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        out = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()
+            probs = torch.softmax(qs @ ks.transpose(1, 2) * attn.scaling, dim=-1)  # (heads, n, n)
+            out.append(probs.mean(dim=1).mean(dim=0))
+        return torch.cat(out)
+
+    with torch.no_grad():
+        for bounds in ([0, length], [0, 8, 20, length]):
+            got = adapter.attention_received(attn, hidden, torch.tensor(bounds, dtype=torch.int32), position_embeddings)
+            assert got.shape == (length,)
+            torch.testing.assert_close(got, per_picture(bounds), rtol=1e-5, atol=1e-6)
+            sums = [float(got[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+            assert sums == pytest.approx([1.0] * (len(bounds) - 1), abs=1e-5)  # each picture's attention sums to 1

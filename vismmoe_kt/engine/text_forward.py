@@ -30,6 +30,7 @@ from ..core.model_pass import HostPrompt
 from ..models import ModelAdapter
 from ..vision.compression import CompressionSettings, select
 from .decode_attention import NAME as GROUPED_DECODE_ATTENTION
+from .host_prompt import to_device
 from .slot_cache import SlotRowsView
 
 # kernels that take is_causal themselves (grouped decode attention hands every prefill to sdpa)
@@ -49,6 +50,12 @@ class CompressionStats:
     prefix_experts_visual_all: int = 0
     prefix_experts_visual_kept: int = 0
     compression_seconds: float = 0.0
+
+
+def true_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of a 1-D `mask`'s True entries, ascending, where the host knows there are `count`: a stable
+    sort puts them first in their order, where torch.nonzero would wait for the device to learn the count."""
+    return torch.sort(mask.to(torch.uint8), descending=True, stable=True).indices[:count]
 
 
 def causal_mask(queries: int, past: int, dtype: torch.dtype, device: torch.device,
@@ -78,6 +85,7 @@ class TextForward:
         self._visual_routers = any(adapter.visual_router(layer) is not None for layer in self.layers)
         self._recording = False
         self._llm_saliency: torch.Tensor | None = None
+        self._expert_counts: torch.Tensor | None = None  # (all, kept) prefix experts of pruned prompts, on the device
         context.pruning.active = settings.active
         self._hooked: dict[int, tuple[nn.Module, Any]] = {}  # layer -> (the router hooked, the hook's handle)
         self._hook_routers()
@@ -119,11 +127,17 @@ class TextForward:
         offloaded = runtime.offloaded_layers()
         return offloaded[0] if offloaded else len(self.layers)
 
-    def _keep(self, visual: torch.Tensor, prefix_layers: list[int]) -> torch.Tensor:
-        """Sequence indices that continue: every text token and the selected visual tokens."""
+    def _keep(self, visual: torch.Tensor, prefix_layers: list[int],
+              host: HostPrompt | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence indices that continue: every text token and the selected visual tokens; the selected ones'
+        indices among the visual tokens), both ascending. With the prompt's host facts nothing here waits for the
+        device: the counts are the host's, the choice runs where the routing and saliency are."""
         s = self.settings
-        positions = torch.nonzero(visual, as_tuple=True)[0]
-        n = positions.numel()
+        if host is not None:
+            positions, n = host.visual_rows, host.visual_tokens
+        else:
+            positions = torch.nonzero(visual, as_tuple=True)[0]  # waits for the device
+            n = positions.numel()
         masks = torch.zeros(n, self.num_experts, dtype=torch.bool, device=visual.device)
         for index in prefix_layers:
             if index in self._routes:
@@ -137,14 +151,15 @@ class TextForward:
             if s.compression in ("affinity", "saliency"):
                 raise RuntimeError(f"saliency for {n} visual tokens is missing (got "
                                    f"{None if saliency is None else saliency.numel()}); was the vision tower run?")
-            saliency = torch.zeros(n)
-        kept = select(s.compression, saliency.cpu(), masks.cpu(), s.keep_ratio, s.salient_ratio, s.tradeoff,
-                      s.seed).to(visual.device)
-        self.counters.prefix_experts_visual_all += int(masks.any(dim=0).sum())
-        self.counters.prefix_experts_visual_kept += int(masks[kept].any(dim=0).sum())
+            saliency = torch.zeros(n, device=masks.device)
+        kept = select(s.compression, saliency.to(masks.device), masks, s.keep_ratio, s.salient_ratio, s.tradeoff,
+                      s.seed)
+        kept = to_device(kept, visual.device)  # `random` draws on the host
+        counts = torch.stack([masks.any(dim=0).sum(), masks[kept].any(dim=0).sum()])
+        self._expert_counts = counts if self._expert_counts is None else self._expert_counts + counts
         keep = ~visual
         keep[positions[kept]] = True
-        return torch.nonzero(keep, as_tuple=True)[0]
+        return true_rows(keep, visual.numel() - n + kept.numel()), kept
 
     # --- forward -------------------------------------------------------------------------------
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -217,26 +232,25 @@ class TextForward:
         for index, layer in enumerate(self.layers):
             if index == prune_at:
                 start = time.perf_counter()
-                keep = self._keep(visual_pos_masks[0], list(range(prune_at)))
+                keep, kept = self._keep(visual_pos_masks[0], list(range(prune_at)), host)
                 context.pruning.keep, context.pruning.prune_at = keep, prune_at
                 self._recording = False
                 full = hidden
                 hidden = hidden[:, keep]
                 cos, sin = cos[:, keep], sin[:, keep]
                 text_positions = text_positions[:, keep] if text_positions is not None else None
-                if deepstack_visual_embeds is not None:
-                    kept_visual = visual_pos_masks[0, keep]
-                    order = torch.cumsum(visual_pos_masks[0].long(), 0)[keep][kept_visual] - 1
-                    deepstack_visual_embeds = [e[order] for e in deepstack_visual_embeds]
+                if deepstack_visual_embeds is not None:  # a visual token's features follow it (kept ascends)
+                    deepstack_visual_embeds = [e[kept] for e in deepstack_visual_embeds]
                 visual_pos_masks = visual_pos_masks[:, keep]
-                visual_rows = self._visual_rows(visual_pos_masks, deepstack_visual_embeds)
+                kept_rows = true_rows(visual_pos_masks.reshape(-1), kept.numel())
+                visual_rows = kept_rows if deepstack_visual_embeds is not None else None
                 context.token_is_visual = visual_pos_masks.reshape(-1)
                 if modality is not None:  # the kept tokens' modalities, for the layers' expert sets
                     modality = kwargs[self._modality] = modality[:, keep]
                 # the kept tokens' vision-tower embeddings, as the predictor's training traces record
                 # them (not the hidden states at this layer)
-                self._visual_summary(inputs_embeds[:, keep], visual_pos_masks)
-                self._count(visual_pos_masks, full.shape[1], keep.numel(), time.perf_counter() - start)
+                self._visual_summary(inputs_embeds[:, keep], visual_pos_masks, kept_rows)
+                self._count(kept.numel(), full.shape[1], keep.numel(), time.perf_counter() - start)
             if prune and self.settings.saliency_source == "llm" and index == prune_at - 1:
                 self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
             layer_past = past_key_values.get_seq_length(index) if past_key_values is not None else 0
@@ -335,17 +349,21 @@ class TextForward:
             return adapter.last_token_attention(adapter.attention(layer), normed, position_embeddings,
                                                 torch.nonzero(visual, as_tuple=True)[0]).cpu()
 
-    def _count(self, kept_visual_mask: torch.Tensor, before: int, after: int, seconds: float) -> None:
+    def _count(self, kept_visual: int, before: int, after: int, seconds: float) -> None:
         c = self.counters
         c.pruned_prefills += 1
         self.context.pruning.pruned_prefills += 1
         c.tokens_before += before
         c.tokens_after += after
-        kept_visual = int(kept_visual_mask.sum())
         c.visual_tokens_after += kept_visual
         c.visual_tokens_before += kept_visual + (before - after)
         c.compression_seconds += seconds
 
     def stats(self) -> dict[str, Any]:
+        if self._expert_counts is not None:  # the prefix experts' counts, kept on the device until asked for
+            every, kept = self._expert_counts.tolist()
+            self.counters.prefix_experts_visual_all += every
+            self.counters.prefix_experts_visual_kept += kept
+            self._expert_counts = None
         return {"compression": self.settings.compression, "keep_ratio": self.settings.keep_ratio if self.settings.active else 1.0,
                 **asdict(self.counters)}

@@ -69,10 +69,11 @@ def _check(n: int, keep_ratio: float, salient_ratio: float | None = None) -> Non
 
 
 def normalize(saliency: torch.Tensor) -> torch.Tensor:
-    """Min-max to [0, 1]; all-equal saliency maps to all zeros."""
+    """Min-max to [0, 1]; all-equal saliency maps to all zeros. Decided on the tensor's device (nothing read
+    back: a prompt's pruning runs on a GPU without the host waiting)."""
     s = saliency.double()
-    span = s.max() - s.min()
-    return torch.zeros_like(s) if span == 0 else (s - s.min()) / span
+    low, span = s.min(), s.max() - s.min()
+    return torch.where(span > 0, (s - low) / torch.where(span > 0, span, 1.0), 0.0)
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
