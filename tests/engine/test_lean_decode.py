@@ -7,8 +7,11 @@ or offloaded, with visual tokens pruned or not. Per decode step the path may rea
 per offloaded MoE layer, and must not allocate more as the sequence grows.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vismmoe_kt import load
@@ -100,7 +103,8 @@ class DeviceReads(TorchDispatchMode):
     """Counts ops that make a CUDA device wait for the host (data-dependent shapes, scalar reads) and
     the bytes each op allocates (outputs not sharing an input's storage)."""
     SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
-               "aten::unique_dim", "aten::unique_consecutive", "aten::bincount")
+               "aten::unique_dim", "aten::unique_consecutive", "aten::bincount", "aten::equal",
+               "aten::is_nonzero")
 
     def __init__(self):
         super().__init__()
@@ -811,35 +815,50 @@ class WindowReads(DeviceReads):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-@pytest.mark.parametrize("compression", ["affinity", "saliency", "random"])
-def test_a_picture_prompt_prunes_from_its_host_facts_without_reading_the_device(case, monkeypatch, compression):
+@pytest.mark.parametrize("compression,source", [("affinity", "vision"), ("saliency", "vision"), ("random", "vision"),
+                                                ("affinity", "llm")])
+def test_a_picture_prompt_prunes_from_its_host_facts_without_reading_the_device(case, monkeypatch, compression, source):
     """The default rules prune visual tokens after the pinned prefix. From the prompt's host facts the prune (the
-    vision saliency, the choice, the kept rows and DeepStack features) reads nothing back, so on a GPU the host
-    goes on issuing layers instead of waiting for the tower and the prefix; it keeps what the device-reading path
-    keeps (transformers' own call of the model, no host facts)."""
+    saliency, vision tower's or FastV's, the choice, the kept rows and DeepStack features) reads nothing back, so on a
+    GPU the host goes on issuing layers instead of waiting for the tower and the prefix; it keeps what the
+    device-reading path keeps (transformers' own call of the model, no host facts)."""
     model_dir, inputs, _ = case
-    model, _ = load(model_dir, "optimize_rules/qwen3vl.yaml", expert_budget=budget(2), miss_policy="wait",
-                    compression=compression, **CPU)
+    rules = yaml.safe_load(Path("optimize_rules/qwen3vl.yaml").read_text())
+    for rule in rules:
+        if rule["replace"]["class"].endswith(".VisDecoder"):
+            rule["replace"]["kwargs"]["saliency_source"] = source
+    model, _ = load(model_dir, rules, expert_budget=budget(2), miss_policy="wait", compression=compression, **CPU)
     forward = model.vismmoe.context.text_forward
     reads = WindowReads(monkeypatch)
-    hosts, keep_for_real = [], forward._keep
+    hosts, chosen, keep_for_real, prefix_for_real = [], [], forward._keep, forward._prefix_attention
 
     def keep(visual, prefix, host):
         hosts.append(host is not None)
         reads.open = True  # until the first pruned layer starts
-        return keep_for_real(visual, prefix, host)
+        chosen.append(keep_for_real(visual, prefix, host))
+        return chosen[-1]
+
+    def prefix_attention(*args):  # FastV's saliency, a layer before the prune
+        reads.open = True
+        try:
+            return prefix_for_real(*args)
+        finally:
+            reads.open = False
 
     monkeypatch.setattr(forward, "_keep", keep)
+    monkeypatch.setattr(forward, "_prefix_attention", prefix_attention)
     forward.layers[forward._prune_at()].register_forward_pre_hook(lambda *_: setattr(reads, "open", False))
     with torch.no_grad():
         with reads:
             generate(model, inputs, 2)
-        from_host = model.vismmoe.context.pruning.keep.clone()
         model(**inputs)
     assert hosts == [True, False] and reads.syncing == []
-    assert torch.equal(model.vismmoe.context.pruning.keep, from_host)
+    (from_host, kept), (from_device, _) = chosen
+    assert torch.equal(from_device, from_host)
     visual = inputs["input_ids"][0] == model.config.image_token_id
     assert int(visual[from_host].sum()) == int(visual.sum()) // 2  # keep_ratio 0.5 of the rule file
+    # the kept visual tokens' indices among the visual tokens, in order: what DeepStack's features are taken by
+    assert torch.equal(kept, torch.cumsum(visual.long(), 0)[from_host][visual[from_host]] - 1)
     stats = forward.stats()
     assert 0 < stats["prefix_experts_visual_kept"] <= stats["prefix_experts_visual_all"]
 

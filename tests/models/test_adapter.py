@@ -45,19 +45,21 @@ def test_unknown_family_lists_supported():
         adapter_for("deepseek_vl_v2")
 
 
-def test_vision_saliency_keeps_several_pictures_apart_without_reading_the_device(reference):
-    """The attention each patch receives, head-averaged, within its own picture: computed on the device from
-    cu_seqlens (one picture: the whole attention, bit for bit as before; several: a mask of their segments)
-    against each picture's own softmax."""
+def test_vision_saliency_of_one_picture_reads_nothing_back_and_several_stay_apart(reference, monkeypatch):
+    """The attention each patch receives, head-averaged, within its own picture, against each picture's own
+    softmax: one picture's bounds are its patches (nothing read back from the device), several pictures'
+    are read once and computed apart."""
     model, _ = reference
     adapter = adapter_for(model.config.model_type)
     attn = model.model.visual.blocks[-1].attn
     torch.manual_seed(0)
     length, dim = 24, attn.qkv.in_features
     hidden = torch.randn(length, dim)
-    rotary_dim = attn.head_dim // 2
-    angles = torch.randn(length, rotary_dim)
+    angles = torch.randn(length, attn.head_dim // 2)
     position_embeddings = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
 
     def per_picture(bounds):
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
@@ -72,9 +74,10 @@ def test_vision_saliency_keeps_several_pictures_apart_without_reading_the_device
         return torch.cat(out)
 
     with torch.no_grad():
-        for bounds in ([0, length], [0, 8, 20, length]):
+        for bounds, read_back in (([0, length], 0), ([0, 8, 20, length], 1)):
+            reads.clear()
             got = adapter.attention_received(attn, hidden, torch.tensor(bounds, dtype=torch.int32), position_embeddings)
-            assert got.shape == (length,)
+            assert len(reads) == read_back and got.shape == (length,)
             torch.testing.assert_close(got, per_picture(bounds), rtol=1e-5, atol=1e-6)
             sums = [float(got[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
             assert sums == pytest.approx([1.0] * (len(bounds) - 1), abs=1e-5)  # each picture's attention sums to 1

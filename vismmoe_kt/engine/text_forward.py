@@ -252,7 +252,8 @@ class TextForward:
                 self._visual_summary(inputs_embeds[:, keep], visual_pos_masks, kept_rows)
                 self._count(kept.numel(), full.shape[1], keep.numel(), time.perf_counter() - start)
             if prune and self.settings.saliency_source == "llm" and index == prune_at - 1:
-                self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), visual_pos_masks[0])
+                rows = host.visual_rows if host is not None else torch.nonzero(visual_pos_masks[0], as_tuple=True)[0]
+                self._llm_saliency = self._prefix_attention(layer, hidden, (cos, sin), rows)
             layer_past = past_key_values.get_seq_length(index) if past_key_values is not None else 0
             shape = (hidden.shape[1], layer_past)
             if shape not in masks:  # layers with the same lengths share one mask
@@ -341,13 +342,13 @@ class TextForward:
             embeds = inputs_embeds[visual] if rows is None else inputs_embeds.reshape(-1, inputs_embeds.shape[-1])[rows]
             runtime.set_visual_summary(embeds.float().mean(dim=0))
 
-    def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, visual: torch.Tensor):
-        """FastV-style saliency: the last token's attention to each visual token in this prefix layer."""
+    def _prefix_attention(self, layer: nn.Module, hidden: torch.Tensor, position_embeddings, rows: torch.Tensor):
+        """FastV-style saliency: the last token's attention to each visual token (`rows`) in this prefix layer,
+        left on the device."""
         adapter = self.adapter
         with torch.no_grad():
             normed = adapter.input_norm(layer)(hidden)
-            return adapter.last_token_attention(adapter.attention(layer), normed, position_embeddings,
-                                                torch.nonzero(visual, as_tuple=True)[0]).cpu()
+            return adapter.last_token_attention(adapter.attention(layer), normed, position_embeddings, rows)
 
     def _count(self, kept_visual: int, before: int, after: int, seconds: float) -> None:
         c = self.counters

@@ -50,27 +50,22 @@ def vision_attention_received(attn: nn.Module, hidden: torch.Tensor, cu_seqlens:
                               position_embeddings: tuple[torch.Tensor, torch.Tensor], rotary) -> torch.Tensor:
     """(patches,) head-averaged attention each patch receives within its image, in a vision attention with
     a fused `qkv` (Qwen-VL's, and GLM-4.xV's after it), recomputed from its inputs; `rotary` is the
-    family's apply_rotary_pos_emb_vision. Nothing is read back from the device: one image attends whole;
-    several are kept apart by a mask of their segments (from `cu_seqlens` on the device), each patch's
-    received attention averaged over its own image's queries."""
+    family's apply_rotary_pos_emb_vision. One image reads nothing back from the device (its bounds are the
+    patches'); several read their bounds once and are computed apart (a mask over all of them would cost the
+    square of every patch together: gigabytes for a long video)."""
     length = hidden.shape[0]
     q, k, _ = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     q, k = rotary(q, k, *position_embeddings)
-    qs, ks = q.transpose(0, 1).float(), k.transpose(0, 1).float()  # (heads, L, d)
-    apart = queries = None
-    if cu_seqlens is not None and cu_seqlens.numel() > 2:  # several images (or frames): each its own segment
-        patches = torch.arange(length, device=hidden.device, dtype=cu_seqlens.dtype)
-        segment = torch.searchsorted(cu_seqlens[1:], patches, right=True)
-        apart = segment[:, None] != segment[None, :]
-        queries = (cu_seqlens[1:] - cu_seqlens[:-1])[segment].float()  # each patch's segment length
-    received = torch.zeros(length, device=hidden.device)
-    for head in range(qs.shape[0]):  # one head at a time keeps memory at L x L
-        scores = qs[head] @ ks[head].T * attn.scaling
-        if apart is None:
-            received += torch.softmax(scores, dim=-1).mean(dim=0)
-        else:
-            received += torch.softmax(scores.masked_fill_(apart, float("-inf")), dim=-1).sum(dim=0) / queries
-    return received / qs.shape[0]
+    bounds = [0, length] if cu_seqlens is None or cu_seqlens.numel() <= 2 else cu_seqlens.tolist()
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # (heads, L, d)
+        received = torch.zeros(end - start, device=hidden.device)
+        for head in range(qs.shape[0]):  # one head at a time keeps memory at L x L
+            probs = torch.softmax(qs[head] @ ks[head].T * attn.scaling, dim=-1)
+            received += probs.mean(dim=0)
+        out.append(received / qs.shape[0])
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
