@@ -8,7 +8,8 @@ went and what the operators did; exits non-zero if any rule file disagrees. Gene
 `vismmoe_kt.engine.generate`, so rule files with a VisDecoder exercise the lean decode path and its
 CUDA graphs (a capture error or a graphed step that differs from the eager one counts as a failure, and so
 does a vision tower replay that failed to capture or differed). Before them: the fused kernels against their
-twins, and Qwen3-VL-30B-A3B's vision tower replayed per picture size against its own forward (with timings).
+twins, Qwen3-VL-30B-A3B's vision tower replayed per picture size against its own forward (with timings), and
+the default rules' prune of a picture prompt under CUDA's sync debug mode (any read back from the device fails).
 The expert-parallel rule files (qwen3vl-ep.yaml, glm4v-ep.yaml, deepseek-ocr2-ep.yaml, kimi-k25-ep.yaml,
 ernie45vl-ep.yaml, llama4-ep.yaml) are left out:
 they need a torchrun launch.
@@ -84,6 +85,8 @@ def main() -> int:
     if args.fp8:
         return 0 if fp8["ok"] else 1
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-6x64", "tiny-6x64", seed=0)
+    prune = check_prune_reads(model_dir)
+    print(json.dumps(prune))
     rules = sorted(r for r in Path("optimize_rules").glob("qwen3vl*.yaml") if r.name != "qwen3vl-ep.yaml")  # ep: torchrun
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
 
@@ -155,6 +158,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                               "results": results}, indent=2))
     ok &= fused["ok"] and fp8["ok"] and fused_step["ok"] and prompt_attention["ok"] and prompt_router["ok"] and vision["ok"] and vision_ops["ok"]
+    ok &= prune["ok"]
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -658,6 +662,49 @@ def check_dp4a(device: str = "cuda:0", hidden: int = 2048, inter: int = 768, exp
            "twin_vs_exact": relative(twin, exact), "kernel_vs_exact": relative(direct, exact)}
     row["ok"] = row["relative_error_vs_twin"] <= 1e-3 and row["through_a_table_row"] <= 1e-3
     return row
+
+
+def check_prune_reads(model_dir: Path) -> dict:
+    """The default rules' prune of a picture prompt's visual tokens, from its host facts, under CUDA's sync debug
+    mode set to error from the prune's start to the first pruned layer: any read back from the device there raises
+    (the CPU's test sees the ops it dispatches; this sees what only CUDA makes wait: pageable copies, sorts, scalar
+    reads inside ops). The prompt runs twice (its first picture of this size runs the tower eagerly)."""
+    from vismmoe_kt.engine.decoding import decode_engine
+
+    spec = SPECS["tiny-6x64"]
+    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+    model, processor = load(model_dir, "optimize_rules/qwen3vl.yaml", progress=False, expert_budget=2 * layer,
+                            miss_policy="wait")
+    forward = model.vismmoe.context.text_forward
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (224, 224, 3), dtype=np.uint8))
+    inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], "cuda:0")
+    keep_for_real, watched, errors = forward._keep, [], []
+
+    def keep(visual, prefix, host):
+        watched.append(host is not None)
+        torch.cuda.set_sync_debug_mode("error")  # until the first pruned layer starts
+        return keep_for_real(visual, prefix, host)
+
+    forward._keep = keep
+    hook = forward.layers[forward._prune_at()].register_forward_pre_hook(
+        lambda *_: torch.cuda.set_sync_debug_mode("default"))
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                try:
+                    generate(model, inputs, 2)
+                except RuntimeError as exc:
+                    errors.append(str(exc).splitlines()[0][:200])
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                decode_engine(model).forget()  # the prompt again, whole
+    finally:
+        hook.remove()
+        forward._keep = keep_for_real
+    pruned = forward.counters.pruned_prefills
+    return {"check": "the default rules' prune from a picture prompt's host facts, CUDA sync debug mode: error",
+            "prompts": len(watched), "from_host_facts": watched, "pruned_prefills": pruned, "errors": errors,
+            "ok": not errors and watched == [True, True] and pruned == 2}
 
 
 def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
