@@ -163,8 +163,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lookahead", type=int, default=0, help="0: misses read when their layer runs (today's decode); "
                                                              "W: prefetched W layers ahead")
     p.add_argument("--recall", type=float, default=1.0, help="with --lookahead: the fraction of misses known ahead")
-    p.add_argument("--tolerance", type=float, default=0.02,
-                   help="depths predicted within this fraction of the fastest count as equal (the deepest wins)")
+    p.add_argument("--tolerance", type=float, default=DepthModel.tolerance,
+                   help="depths predicted within this fraction of the fastest count as equal (the deepest wins; "
+                        "default: the runtime's, 0, the fastest)")
     p.add_argument("--trace", help="a routing trace to take hit rates from instead of synthetic routing")
     p.add_argument("--requests", type=int, default=REQUESTS, help="synthetic requests (seeds) for the hit-rate curve")
     p.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
