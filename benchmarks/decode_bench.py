@@ -275,14 +275,6 @@ def _pruning(model) -> tuple[int, int, float] | None:
     return c.pruned_prefills, c.tokens_after, c.compression_seconds
 
 
-def _prefill_copy_seconds(runtime) -> tuple[float, float]:
-    """(the prompts' expert copies' seconds, the compute stream's waits on them) so far."""
-    if runtime is None:
-        return 0.0, 0.0
-    summary = runtime.summary()
-    return summary["prefill_copy_seconds"], summary["prefill_stall_seconds"]
-
-
 def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     spec = config.label
     if args.device.startswith("cuda"):
@@ -297,9 +289,11 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
     timed_generate(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
-    # what the measured requests' prompts copied into slabs, and the routing reads the placement path made
-    prompt_before = (runtime.summary()["bytes_copied_prefill"], runtime.host_reads) if runtime else None
-    copy_before = _prefill_copy_seconds(runtime)
+    # what the measured requests' prompts copied into slabs, the routing reads the placement path made, the
+    # copies' seconds and the compute stream's waits on them
+    before = runtime.summary() if runtime else None
+    prompt_before = (before["bytes_copied_prefill"], runtime.host_reads, before["prefill_copy_seconds"],
+                     before["prefill_stall_seconds"]) if runtime else None
     pruning_before = _pruning(model)
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
     prefill, decode, gaps, tokens = [], [], [], None
@@ -350,9 +344,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         row.update(prefill_gb_copied=(summary["bytes_copied_prefill"] - prompt_before[0]) / args.reps / 1e9,
                    routing_reads_per_request=(runtime.host_reads - prompt_before[1]) / args.reps)
         # the copies' own time and the compute stream's waits on them, a prompt (what a copy-bound prompt costs)
-        copy_after = _prefill_copy_seconds(runtime)
-        row.update(prefill_copy_s=(copy_after[0] - copy_before[0]) / args.reps,
-                   prefill_stall_s=(copy_after[1] - copy_before[1]) / args.reps)
+        row.update(prefill_copy_s=(summary["prefill_copy_seconds"] - prompt_before[2]) / args.reps,
+                   prefill_stall_s=(summary["prefill_stall_seconds"] - prompt_before[3]) / args.reps)
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
                    decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
