@@ -35,6 +35,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -693,8 +694,10 @@ def check_prune_reads(model_dir: Path) -> dict:
             for _ in range(2):
                 try:
                     generate(model, inputs, 2)
-                except RuntimeError as exc:
-                    errors.append(str(exc).splitlines()[0][:200])
+                except RuntimeError as exc:  # where in the package it waited: the error alone does not say
+                    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "vismmoe_kt" in f.filename]
+                    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+                    errors.append(str(exc).splitlines()[0][:200] + where)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 decode_engine(model).forget()  # the prompt again, whole

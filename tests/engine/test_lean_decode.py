@@ -794,7 +794,9 @@ def test_a_picture_prompt_runs_from_its_host_facts_without_reading_the_device(ca
 
 
 class WindowReads(DeviceReads):
-    """DeviceReads while `open`, plus the host reads no dispatched op shows on the CPU (.tolist, .cpu, .numpy)."""
+    """DeviceReads while `open`, plus the host reads no dispatched op shows on the CPU (.tolist, .cpu, .numpy), and
+    the copies a GPU makes wait that the CPU does not make at all: a Python value made a tensor (`torch.tensor`, and
+    `x[rows] = 1.0`, whose scalar CUDA copies from pageable host memory, waiting for everything queued)."""
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -812,6 +814,8 @@ class WindowReads(DeviceReads):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.open:
             return func(*args, **(kwargs or {}))
+        if func._schema.name == "aten::lift_fresh":  # a Python value made a tensor: on a GPU, a pageable copy
+            self.syncing.append("a host value made a tensor")  # that waits for the stream (`x[i] = 1.0` too)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

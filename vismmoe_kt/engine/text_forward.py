@@ -158,7 +158,7 @@ class TextForward:
         counts = torch.stack([masks.any(dim=0).sum(), masks[kept].any(dim=0).sum()])
         self._expert_counts = counts if self._expert_counts is None else self._expert_counts + counts
         keep = ~visual
-        keep[positions[kept]] = True
+        keep.index_fill_(0, positions[kept], True)  # not `keep[...] = True`: CUDA copies that scalar from the host, waiting
         return true_rows(keep, visual.numel() - n + kept.numel()), kept
 
     # --- forward -------------------------------------------------------------------------------

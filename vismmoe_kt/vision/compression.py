@@ -103,7 +103,8 @@ def affinity_select(saliency: torch.Tensor, expert_masks: torch.Tensor, keep_rat
     active = masks.sum(dim=1).clamp(min=1)
     delta = (masks & ~target).sum(dim=1).double() / active.double()
     score = s - tradeoff * delta
-    score[core] = math.inf  # the core is kept whatever its score
+    score.index_fill_(0, core, math.inf)  # the core is kept whatever its score (`score[core] = inf` would copy the
+    # scalar from host memory: on a GPU a copy that waits for everything queued)
     return torch.sort(_top(score, k_keep)).values
 
 
