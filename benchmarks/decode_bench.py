@@ -350,7 +350,8 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
                    decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
                    decode_prefetch_precision=used / (used + wasted) if used + wasted else None,
-                   decode_cpu_share=_decode_cpu_share(runtime), eviction=summary["eviction"])
+                   decode_cpu_share=_decode_cpu_share(runtime), eviction=summary["eviction"],
+                   reservations=summary["reservations"])
         trial = getattr(runtime.miss, "trial", None)
         if trial is not None and trial.describe():  # hybrid auto: kept or dropped the CPU's share, measured
             row["cpu_quota_trial"] = trial.describe()

@@ -64,7 +64,9 @@ def test_qwen3vl_default_is_hybrid_with_pruning_and_the_others_the_lean_path():
     default, hybrid = placement_rules("qwen3vl", "vismmoe"), placement_rules("qwen3vl", "hybrid")
     experts = default[2]["replace"]["kwargs"]
     assert experts["eviction"] == "auto" and hybrid[1]["replace"]["kwargs"]["eviction"] == "vismmoe"
-    experts["eviction"] = "vismmoe"  # the default times lru against VisMMOE's ranking; otherwise the hybrid
+    assert experts["reservations"] == "auto" and hybrid[1]["replace"]["kwargs"]["reservations"] == "before-step"
+    # the default times lru against VisMMOE's ranking, then before-step against ahead; otherwise the hybrid
+    experts["eviction"], experts["reservations"] = "vismmoe", "before-step"
     assert default[0]["replace"]["class"] == placements.VISION_SALIENCY and default[2:] == hybrid[1:]
     assert default[1]["replace"]["kwargs"]["compression"] == "affinity"
     for family in FAMILIES:

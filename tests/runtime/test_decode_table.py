@@ -584,8 +584,50 @@ def test_the_plan_says_when_reservations_go_ahead():
     assert lookahead.reservations == "before-step" and "lookahead" in lookahead.why["reservations"]
     untabled = resolve_plan(ahead_settings, replace(facts, table_kernels=None), "cpu")
     assert untabled.reservations == "before-step" and not any("reservations" in line for line in untabled.describe())
-    with pytest.raises(BudgetError, match="reservations 'later' is not one of: before-step, ahead"):
+    with pytest.raises(BudgetError, match="reservations 'later' is not one of: auto, before-step, ahead"):
         OffloadSettings(expert_budget="1GiB", reservations="later")
+
+
+def test_reservations_auto_change_ways_mid_decode_and_keep_the_faster():
+    """`reservations: auto` (the plan keeps it where ahead could run): the trial's runs change ways between steps of
+    one decode, each change giving the other way's reservations back and rebuilding the table; every output is the
+    reference's, every pair is counted once, no landing reservation outlives the decode, and after the trial the
+    faster way (here ahead, on a fake clock) runs for good and the stats say so."""
+    from vismmoe_kt.runtime.reservations import ReservationsTrial
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    runtime, weights = make_runtime(9, E + 3, "lru", reservations="auto")
+    assert runtime.plan.reservations == "auto" and runtime.boundary.eviction.settled  # lru: a fixed ranking
+    clock = Clock()
+    runtime.boundary.reservations = ReservationsTrial(samples=3, clock=clock)  # the real one times this machine
+    rng, gen, ways, steps = random.Random(9), torch.Generator().manual_seed(9), [], 30
+    with torch.no_grad():
+        for step in range(steps):
+            runtime.before_step()
+            check_table(runtime)
+            ways.append(runtime.boundary.ahead)
+            ids = torch.tensor([rng.sample(range(E), K)]) if step % 4 else torch.tensor([[1, 5]])
+            for layer in LAYERS:
+                hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
+                out = runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
+                torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+            runtime.after_step()
+            clock.now += 0.007 if ways[-1] else 0.008
+        assert ways[:12] == [False, False, True, True] * 3 and all(ways[12:])
+        assert "auto: kept ahead (faster)" in runtime.summary()["reservations"]
+        with runtime.lock:
+            runtime.boundary.leave()
+    runtime.cache.check_invariants()
+    assert not [key for key in runtime.cache.where if key[1] < 0], "a landing reservation outlived the decode"
+    counters = runtime.counters["decode"].values()
+    assert sum(c.calls for c in counters) == steps * len(LAYERS)
+    assert sum(c.hits + c.misses + c.late for c in counters) == steps * len(LAYERS) * K
+    assert sum(c.misses for c in counters) > 0  # the steps did reserve and land: the ways had something to do
 
 
 def test_a_decode_left_midway_ahead_keeps_nothing_reserved_and_can_change_order():

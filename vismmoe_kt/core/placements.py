@@ -120,8 +120,12 @@ def _vis_experts(facts: PlacementFacts, placement: str) -> dict[str, Any]:
     kwargs = {**GPU, "expert_budget": facts.expert_budget, **OFFLOAD_STORE, **OFFLOAD_BATCH, **OFFLOAD_DECODE}
     if placement == "lru":
         return {**kwargs, "policy": "lru"}
-    # the default placement's eviction is `auto` (never slower than recency, eviction.py); offload and hybrid keep
-    # VisMMOE's ranking, the method as published (and what benchmarks compare)
+    # the default placement's eviction is `auto` (never slower than recency, eviction.py), and so are its
+    # reservations (the ranking's host work between steps moved beside the step where that measures faster,
+    # reservations.py); offload and hybrid keep VisMMOE's ranking and the reservations before each step, the method
+    # as published (and what benchmarks compare)
+    if placement == "vismmoe":
+        kwargs = {**kwargs, "reservations": "auto"}
     eviction = {"eviction": "auto" if placement == "vismmoe" else "vismmoe"}
     return {**kwargs, **OFFLOAD_VISMMOE, **eviction, **(HYBRID if placement in ("hybrid", "vismmoe") else {})}
 

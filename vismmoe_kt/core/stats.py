@@ -47,7 +47,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append("  operators: none (stock Hugging Face modules)")
     lines += [f"  {line}" for line in summary(stats["operators"])]
     for name, entry in sorted(stats["operators"].items()):
-        fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k not in ("count", "plan", "eviction")]
+        fields = [f"{k}={_show(k, v)}" for k, v in entry.items() if k not in ("count", "plan", "eviction", "reservations")]
         lines.append(f"  {name} x{entry['count']}:")
         for start in range(0, len(fields), 6):
             lines.append("    " + ", ".join(fields[start:start + 6]))
@@ -70,6 +70,8 @@ def summary(operators: dict[str, dict[str, Any]]) -> list[str]:
             lines += [f"  {line}" for line in entry["plan"]]
         if entry.get("eviction"):  # the ranking decode ran: fixed, or what `auto`'s trial kept and why
             lines.append(f"eviction in decode: {entry['eviction']}")
+        if entry.get("reservations"):  # when decode reserved its landing slabs: fixed, or what `auto`'s trial kept
+            lines.append(f"reservations in decode: {entry['reservations']}")
         if "visual_tokens_before" in entry:
             before, after = entry["visual_tokens_before"], entry["visual_tokens_after"]
             lines.append(f"visual tokens: {before} -> {after} ({entry.get('compression')} compression, "

@@ -25,7 +25,9 @@ With the plan's `reservations: ahead` (no CPU share in decode, no lookahead) 2 t
 with t queued on the device, reads and accounts the records of t - 1, publishes finished copies and
 reserves step t + 1's landings, which come from t - 1's unused ones and victims and so never share a slab
 with t's set (a reservation is a placeholder in flight: no victim). The device runs step after step; the
-host's upkeep runs beside it, one step behind. Quiet steps need no special path there.
+host's upkeep runs beside it, one step behind. Quiet steps need no special path there. Which way a step runs
+is the reservations choice's (reservations.py: fixed, or `auto`'s trial timing both once the eviction settles),
+asked at each table step's start; a change of way gives the reservations back first (`leave`).
 
 A settled table (every layer pinned, or every offloaded expert in a resident slab as decode starts: a
 budget that holds them all, Q4_K slabs on a large GPU) has nothing to account, reserve or land: no step
@@ -49,6 +51,7 @@ from typing import Any, Callable
 
 from .decode_table import ARRIVING, CPU_PAIR, NOT_RESIDENT
 from .offload_stats import LayerCounters
+from .reservations import FixedReservations
 from .slab_cache import SlabState
 
 SPARE = 2  # landing slots beyond the layer's last miss count: room for a change of topic
@@ -73,6 +76,7 @@ class DecodeBoundary:
         # records of t - 1; then `launched` holds the landing sets of the steps queued and not accounted yet (in
         # order, at most two), and `spare` the unused slabs of sets already accounted (the next set's first)
         self.ahead = False
+        self.reservations: Any = FixedReservations(False, "given")  # which way each step runs (reservations.py)
         self.launched: deque[dict[int, list[int]]] = deque()
         self.spare: dict[int, list[int]] = {}
         # slab -> the expert a reservation evicted from it: a reservation nothing landed in still holds that
@@ -95,8 +99,8 @@ class DecodeBoundary:
         return self.table is not None and self.table.settled
 
     def set_reservations(self, ahead: bool) -> None:
-        """The plan's reservations (at build, or a replan between decodes): a decode under way gives its
-        reservations back the old way first, and the next step starts afresh."""
+        """The plan's reservations (at build, or a replan between decodes; `auto`: the way its trial holds now): a
+        decode under way gives its reservations back the old way first, and the next step starts afresh."""
         if ahead != self.ahead and self.table is not None and not self.stale:
             with self.res.lock:
                 self.leave()
@@ -113,6 +117,8 @@ class DecodeBoundary:
                     self._count_settled_step()
             self._arm()
             return
+        if not self.armed:  # (a nested self-check step runs the way its capture did)
+            self._choose_reservations()
         with rt.lock:
             nested = self.armed
             if self.ahead and not nested and not self.stale:  # its landings were reserved while the step before ran
@@ -152,6 +158,18 @@ class DecodeBoundary:
                 self.launched.append(self.reserved)
                 self.reserved = {}
             self._arm()
+
+    def _choose_reservations(self) -> None:
+        """The way this step reserves (the choice's, at the step's start); a trial changing ways mid-decode gives the
+        reservations made the other way back first, and the table is rebuilt as for a decode that resumes."""
+        ahead = self.reservations.for_step(self.eviction is None or self.eviction.settled)
+        if ahead == self.ahead:
+            return
+        if self.table is not None and not self.stale:
+            with self.res.lock:
+                self.leave(interrupt=False)  # the trial has just timed this step's start: not an interruption
+        self.launched.clear()
+        self.ahead = ahead
 
     def _launch_on_reserved(self) -> None:
         """Ahead: the step runs on the landings after_step wrote after the step before it; nothing to wait for.
@@ -213,9 +231,10 @@ class DecodeBoundary:
             self.spare.setdefault(row, []).extend(slabs)
 
     # --- leaving and entering ----------------------------------------------------------------------
-    def leave(self) -> None:
+    def leave(self, interrupt: bool = True) -> None:
         """Something other than a table step is about to use the cache (prefill, an eager decode, a
-        reset): give the landing reservations back; the table is rebuilt when decode resumes (lock held)."""
+        reset), or the reservations change ways: give the landing reservations back; the table is rebuilt when
+        decode resumes (lock held). `interrupt`: decode stops here (the trials must not time across it)."""
         self.table.settled = False  # settles again as decode resumes, if nothing was evicted
         self._account_deferred()
         if self.ahead:
@@ -224,7 +243,8 @@ class DecodeBoundary:
             records = self.table.collect()
             if records is not None:  # the last step before this: count it, keep what landed
                 self.reserved.update(self._account(records, self.reserved))
-        self._interrupted()
+        if interrupt:
+            self._interrupted()
         cache = self.res.cache
         for slabs in itertools.chain(self.reserved.values(), self.spare.values()):
             for slab in slabs:
@@ -259,6 +279,7 @@ class DecodeBoundary:
             self.miss.decode_interrupted()
         if self.eviction is not None:
             self.eviction.interrupt()
+        self.reservations.interrupt()
 
     def _enter(self) -> None:
         rt = self.res

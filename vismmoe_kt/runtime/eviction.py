@@ -77,6 +77,11 @@ class FixedEviction:
         """The ranking outside decode steps (prefill, the placement path)."""
         return self.ranking
 
+    @property
+    def settled(self) -> bool:
+        """The ranking will not change again (what the reservations' trial waits for)."""
+        return True
+
     def for_step(self) -> Any:
         return self.ranking
 
@@ -96,6 +101,11 @@ class EvictionTrial:
         self.eviction = "auto"
         self.current = self.arms[VISMMOE]  # until the trial's first step: the ranking outside decode steps
 
+    @property
+    def settled(self) -> bool:
+        """The trial has kept one ranking for good."""
+        return self.trial.settled
+
     def for_step(self) -> Any:
         """The ranking for the step about to run (called once per decode step, before its reservations)."""
         self.current = self.arms[self.trial.arm()]
@@ -105,15 +115,12 @@ class EvictionTrial:
         self.trial.interrupt()
 
     def describe(self) -> str:
-        trial = self.trial
-        if not trial.decisions:
-            timed = sum(len(t) for t in trial.times)
-            return f"auto: trying lru against vismmoe over the first decode steps ({timed} timed so far)"
-        lru, vismmoe, kept = trial.decisions[-1]
-        tied = abs(lru - vismmoe) <= TIE * max(lru, vismmoe)
-        why = f"within {TIE:.0%}: a tie keeps the simpler" if tied else "faster"
+        outcome = self.trial.outcome()
+        if outcome is None:
+            return f"auto: trying lru against vismmoe over the first decode steps ({self.trial.timed} timed so far)"
+        lru, vismmoe, kept, why = outcome
         return (f"auto: kept {self.arms[kept].name} ({why}): {1e3 * lru:.2f} ms per decode step with lru, "
-                f"{1e3 * vismmoe:.2f} with vismmoe's ranking (median of {trial.samples} timed steps each)")
+                f"{1e3 * vismmoe:.2f} with vismmoe's ranking (median of {self.trial.samples} timed steps each)")
 
 
 def eviction_choice(eviction: str, reason: str, clock: Callable[[], float] | None = None) -> Any:

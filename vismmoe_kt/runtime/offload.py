@@ -32,6 +32,7 @@ from .offload_plan import OffloadPlan, PlanFacts, built_backend_check, resolve_p
 from .offload_settings import OffloadSettings
 from .offload_stats import layer_stats, summary
 from .prefetch import HistoryPrefetch, PrefetchPolicy
+from .reservations import FixedReservations, reservations_choice
 from .residency import Residency
 from .slab_cache import Key
 from .table_experts import kernel_usable
@@ -118,7 +119,13 @@ class OffloadRuntime(EngineQueries):
         # the placement path (prefill) keeps the miss policy either way
         self.boundary.miss = self.miss if plan.decode_cpu else None
         self.boundary.fill = plan.fill_slabs
-        self.boundary.set_reservations(plan.reservations == "ahead")
+        reservations = self.boundary.reservations
+        if reservations.reservations != plan.reservations:  # a trial under way stays
+            self.boundary.reservations = reservations = reservations_choice(plan.reservations,
+                                                                            plan.why["reservations"])
+        elif isinstance(reservations, FixedReservations):  # the same way, for the plan's reason now (--stats)
+            reservations.reason = plan.why["reservations"]
+        self.boundary.set_reservations(reservations.ahead)
         self._placement = placement = PlacementExecutor(res, self, self.boundary, self.miss)
         table = TableStepExecutor(res, plan.table_decode, plan.table_kernels, placement, self.step_lookahead,
                                   self.cpu_join if plan.decode_cpu else None) if plan.table_decode else None

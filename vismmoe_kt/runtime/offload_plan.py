@@ -280,17 +280,21 @@ def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cp
     """When table decode reserves each step's landing slabs. Ahead: while step t runs, the host accounts step
     t - 1 and reserves step t + 1's slabs (disjoint from t's), so step t + 1 is queued without waiting for
     t's records; the cost is a second landing set held and reservations one step older. Before-step (also
-    where ahead was asked for and cannot be) stays where a step's own host work depends on the step before:
-    the hybrid's CPU quota per miss count, and the lookahead predictor's per-request state."""
+    where ahead or auto was asked for and cannot be) stays where a step's own host work depends on the step
+    before: the hybrid's CPU quota per miss count, and the lookahead predictor's per-request state. Auto stays
+    auto where ahead could run: decode's steps decide by timing both (reservations.py)."""
     blockers = [why for why, holds in (("decode has a CPU share, whose quota follows each step's misses", decode_cpu),
                                        ("the lookahead predictor prefetches into the landing slots", lookahead))
                 if holds]
     if settings.reservations == "before-step":
         return "before-step", "given"
+    asked = "auto" if settings.reservations == "auto" else "ahead asked for"
     if table_decode is None:
-        return "before-step", "no table decode"
+        return "before-step", f"{asked}, but no table decode"
     if blockers:  # the plan says why `ahead` could not be (--stats)
-        return "before-step", f"ahead asked for, but {'; '.join(blockers)}"
+        return "before-step", f"{asked}, but {'; '.join(blockers)}"
+    if settings.reservations == "auto":  # which is faster is the machine's to say (reservations.py)
+        return "auto", "decode's steps time before-step against ahead once the eviction settles, keep the faster"
     return "ahead", "given: the host accounts a step and reserves the next one's landings while the device runs"
 
 

@@ -14,13 +14,13 @@ from .budget import BudgetError, parse_budget, parse_bytes
 from .cost_model import CostModel
 from .eviction import EVICTIONS
 from .offload_compat import check
+from .reservations import RESERVATIONS
 from .store import FORMATS
 
 POLICIES = ("vismmoe", "lru")
 MISS_POLICIES = ("wait", "cpu", "auto")
 SLAB_FORMATS = ("auto", "dequantized", "quantized")
 BATCH_EXPERTS = ("auto", "table", "grouped-gemm", "expert-major")  # a batched step's resident experts
-RESERVATIONS = ("before-step", "ahead")  # when table decode reserves a step's landing slabs
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class OffloadSettings:
     # table decode's landing reservations (decode_boundary.py): ahead (a step's landing slabs are reserved while
     # the step before it runs, from the records of the one before that, so the next step is queued without
     # waiting for the host's upkeep; where decode has no CPU share and no lookahead, else before-step) |
-    # before-step (each step's after the records of the one before it)
+    # before-step (each step's after the records of the one before it) | auto (where ahead can run, decode's
+    # steps time both once the eviction has settled and keep the faster, a tie before-step: reservations.py)
     reservations: str = "before-step"
     pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
     min_pinned_layers: int = 1         # L_semantic of Eq. 10

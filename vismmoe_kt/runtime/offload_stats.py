@@ -55,6 +55,8 @@ def summary(runtime: Any) -> dict[str, Any]:
         "plan": runtime.plan.describe(),  # what the runtime chose and why (lines for --stats)
         # the ranking decode runs and why: the rule's, or `auto`'s trial and its two medians (eviction.py)
         "eviction": runtime.boundary.eviction.describe(),
+        # when decode reserved its landing slabs and why: the rule's, or `auto`'s trial (reservations.py)
+        "reservations": runtime.boundary.reservations.describe(),
         "slabs": runtime.num_slabs,
         # every offloaded expert in a resident slab as the last decode started: its steps had no upkeep between them
         "decode_settled": bool(getattr(runtime.table, "settled", False)),

@@ -42,6 +42,19 @@ class StepTrial:
         """The choice is final (`hold=None`): the trial will never time a step again."""
         return self.choice is not None and self.hold is None
 
+    @property
+    def timed(self) -> int:
+        """Steps timed so far in the trial under way (both arms)."""
+        return sum(len(t) for t in self.times)
+
+    def outcome(self) -> tuple[float, float, int, str] | None:
+        """The last decision (None before the first): both arms' medians, the arm kept, and why in words."""
+        if not self.decisions:
+            return None
+        first, second, kept = self.decisions[-1]
+        tied = abs(first - second) <= self.tie * max(first, second)
+        return first, second, kept, f"within {self.tie:.0%}: a tie keeps the simpler" if tied else "faster"
+
     def interrupt(self) -> None:
         """Decode stopped (a prefill, an eager step, a reset): the time to the next step is not a step's."""
         self.last = None
