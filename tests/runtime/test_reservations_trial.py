@@ -82,13 +82,19 @@ def test_the_plan_keeps_auto_only_where_ahead_could_run():
     facts = PlanFacts(layers, E, H, I, K, torch.float32, table_kernels=True)
     block = 3 * I * H * 4
 
-    def plan(facts=facts, **kwargs):
-        return resolve_plan(OffloadSettings(expert_budget=(E + 2 * E) * block, **kwargs), facts, "cpu")
+    def plan(facts=facts, device="cuda", slabs=2 * E, **kwargs):
+        return resolve_plan(OffloadSettings(expert_budget=(E + slabs) * block, pinned_layers=1, **kwargs), facts,
+                            device)
 
-    auto = plan(reservations="auto")
+    auto = plan(reservations="auto")  # what a GPU plans (planning touches no device)
     assert auto.reservations == "auto" and any(line.startswith("reservations: auto (decode's steps time")
                                                for line in auto.describe())
-    hybrid = plan(miss_policy="cpu", reservations="auto")  # on the CPU device decode has a CPU share
+    on_cpu = plan(device="cpu", reservations="auto")
+    assert on_cpu.reservations == "before-step" and "no accelerator" in on_cpu.why["reservations"]
+    every = plan(slabs=3 * E, reservations="auto")  # a slab for every offloaded expert: a settled table
+    assert plan(slabs=10 * E, reservations="auto").reservations == "before-step"  # every layer pinned
+    assert every.reservations == "before-step" and "nothing to reserve" in every.why["reservations"]
+    hybrid = plan(device="cpu", miss_policy="cpu", reservations="auto")  # on the CPU device decode has a CPU share
     assert hybrid.reservations == "before-step" and hybrid.why["reservations"].startswith("auto, but decode has")
     from dataclasses import replace
     lookahead = plan(replace(facts, lookahead=True), reservations="auto")

@@ -228,7 +228,8 @@ def resolve_plan(settings: OffloadSettings, facts: PlanFacts, device: torch.devi
     if fill:
         why["fill"] = f"{num_slabs} slabs hold all {offloaded * facts.num_experts} offloaded experts"
     prefill, why["prefill"] = _prefill(fill, quantized_slabs, offloaded, settings.miss_policy)
-    reservations, why["reservations"] = _reservations(settings, table_decode, decode_cpu, facts.lookahead)
+    reservations, why["reservations"] = _reservations(settings, table_decode, decode_cpu, facts.lookahead,
+                                                      fill or offloaded == 0, torch.device(device))
     return OffloadPlan(settings, store_format, quantized_slabs, slab_bytes, layer_bytes, depth, num_slabs, hybrid,
                        decode_cpu, facts.lookahead, kernels, table_decode, batch_pinned,
                        kernels and facts.expert_major_kernels, batch_offloaded,
@@ -275,14 +276,16 @@ def _auto_misses(settings: OffloadSettings, quantized_store: bool) -> str:
     return ""
 
 
-def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cpu: bool,
-                  lookahead: bool) -> tuple[str, str]:
+def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cpu: bool, lookahead: bool,
+                  settled: bool, device: torch.device) -> tuple[str, str]:
     """When table decode reserves each step's landing slabs. Ahead: while step t runs, the host accounts step
     t - 1 and reserves step t + 1's slabs (disjoint from t's), so step t + 1 is queued without waiting for
     t's records; the cost is a second landing set held and reservations one step older. Before-step (also
     where ahead or auto was asked for and cannot be) stays where a step's own host work depends on the step
     before: the hybrid's CPU quota per miss count, and the lookahead predictor's per-request state. Auto stays
-    auto where ahead could run: decode's steps decide by timing both (reservations.py)."""
+    auto where ahead could run and could differ: decode's steps decide by timing both (reservations.py); not
+    with a slab for every offloaded expert (a settled table reserves nothing) or without an accelerator (the
+    upkeep and the step share the cores: nothing runs beside the step)."""
     blockers = [why for why, holds in (("decode has a CPU share, whose quota follows each step's misses", decode_cpu),
                                        ("the lookahead predictor prefetches into the landing slots", lookahead))
                 if holds]
@@ -294,6 +297,10 @@ def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cp
     if blockers:  # the plan says why `ahead` could not be (--stats)
         return "before-step", f"{asked}, but {'; '.join(blockers)}"
     if settings.reservations == "auto":  # which is faster is the machine's to say (reservations.py)
+        if settled:
+            return "before-step", "auto: every layer pinned or a slab for every offloaded expert, nothing to reserve"
+        if device.type != "cuda":
+            return "before-step", "auto: no accelerator, the host's upkeep and the step share the cores"
         return "auto", "decode's steps time before-step against ahead once the eviction settles, keep the faster"
     return "ahead", "given: the host accounts a step and reserves the next one's landings while the device runs"
 
