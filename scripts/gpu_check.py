@@ -88,6 +88,8 @@ def main() -> int:
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny-6x64", "tiny-6x64", seed=0)
     prune = check_prune_reads(model_dir)
     print(json.dumps(prune))
+    reservations = check_reservations(model_dir)
+    print(json.dumps(reservations))
     rules = sorted(r for r in Path("optimize_rules").glob("qwen3vl*.yaml") if r.name != "qwen3vl-ep.yaml")  # ep: torchrun
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8))
 
@@ -708,6 +710,38 @@ def check_prune_reads(model_dir: Path) -> dict:
     return {"check": "the default rules' prune from a picture prompt's host facts, CUDA sync debug mode: error",
             "prompts": len(watched), "from_host_facts": watched, "pruned_prefills": pruned, "errors": errors,
             "ok": not errors and watched == [True, True] and pruned == 2}
+
+
+def check_reservations(model_dir: Path, tokens: int = 40, device: str = "cuda:0") -> dict:
+    """Table decode's landing reservations on the GPU, graphed, at two layers' budget (every step misses somewhere):
+    before-step, ahead, and `auto`'s trial changing ways between the steps of one decode (two timed steps a way,
+    then the faster for good), the same greedy tokens from each; the trial decided. `device` cpu: a dry run."""
+    from vismmoe_kt.runtime.reservations import ReservationsTrial
+
+    spec = SPECS["tiny-6x64"]
+    layer = spec.experts * 3 * spec.moe_intermediate * spec.hidden * 4
+    image = Image.fromarray(np.random.default_rng(2).integers(0, 256, (224, 224, 3), dtype=np.uint8))
+    runs = {}
+    for way in ("before-step", "ahead", "auto"):
+        model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", progress=False, expert_budget=2 * layer,
+                                reservations="before-step" if way == "auto" else way,
+                                graphs="cuda" if device != "cpu" else "replay", generate_device=device,
+                                prefill_device=device)
+        runtime = model.vismmoe.context.offload_runtime
+        if way == "auto":  # what `auto` plans on a GPU, with a short trial so that it decides within the decode
+            runtime.boundary.reservations = ReservationsTrial(samples=2)
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
+        with torch.inference_mode():
+            out = generate(model, inputs, tokens).cpu()
+        summary = runtime.summary()
+        misses = sum(c.misses for c in runtime.counters["decode"].values())
+        runs[way] = out, runtime.plan.reservations, summary["reservations"], misses
+    same = all(torch.equal(runs[way][0], runs["before-step"][0]) for way in runs)
+    decided = "auto: kept" in runs["auto"][2]
+    return {"check": "table decode's reservations before-step, ahead and auto's trial changing ways mid-decode, graphed",
+            "tokens_equal": same, "plans": [runs[way][1] for way in runs], "auto": runs["auto"][2],
+            "decode_misses": [runs[way][3] for way in runs],
+            "ok": same and decided and runs["ahead"][1] == "ahead" and min(r[3] for r in runs.values()) > 0}
 
 
 def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:
