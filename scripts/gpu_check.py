@@ -715,7 +715,10 @@ def check_prune_reads(model_dir: Path) -> dict:
 def check_reservations(model_dir: Path, tokens: int = 40, device: str = "cuda:0") -> dict:
     """Table decode's landing reservations on the GPU, graphed, at two layers' budget (every step misses somewhere):
     before-step, ahead, and `auto`'s trial changing ways between the steps of one decode (two timed steps a way,
-    then the faster for good), the same greedy tokens from each; the trial decided. `device` cpu: a dry run."""
+    then the faster for good), the same greedy tokens from each; the trial decided; each decode, stopped, leaves
+    the cache whole (no reservation left, every pair counted once). How many steps were launched ahead of the
+    host's read is reported (the engine chains table steps). `device` cpu: a dry run."""
+    from vismmoe_kt.engine.decoding import decode_engine
     from vismmoe_kt.runtime.reservations import ReservationsTrial
 
     spec = SPECS["tiny-6x64"]
@@ -734,14 +737,24 @@ def check_reservations(model_dir: Path, tokens: int = 40, device: str = "cuda:0"
         with torch.inference_mode():
             out = generate(model, inputs, tokens).cpu()
         summary = runtime.summary()
-        misses = sum(c.misses for c in runtime.counters["decode"].values())
-        runs[way] = out, runtime.plan.reservations, summary["reservations"], misses
+        counters = runtime.counters["decode"].values()
+        offloaded = len(runtime.offloaded_layers())
+        with runtime.lock:  # the decode stops here: its reservations go back, the cache must be whole
+            runtime.boundary.leave()
+        runtime.cache.check_invariants()
+        sound = not [key for key in runtime.cache.where if key[1] < 0] and \
+            sum(c.hits + c.misses + c.late for c in counters) == sum(c.calls for c in counters) * spec.top_k and \
+            sum(c.calls for c in counters) % offloaded == 0
+        runs[way] = (out, runtime.plan.reservations, summary["reservations"], sum(c.misses for c in counters), sound,
+                     decode_engine(model).stats()["steps_ahead"])
     same = all(torch.equal(runs[way][0], runs["before-step"][0]) for way in runs)
     decided = "auto: kept" in runs["auto"][2]
     return {"check": "table decode's reservations before-step, ahead and auto's trial changing ways mid-decode, graphed",
             "tokens_equal": same, "plans": [runs[way][1] for way in runs], "auto": runs["auto"][2],
-            "decode_misses": [runs[way][3] for way in runs],
-            "ok": same and decided and runs["ahead"][1] == "ahead" and min(r[3] for r in runs.values()) > 0}
+            "decode_misses": [runs[way][3] for way in runs], "cache_sound": [runs[way][4] for way in runs],
+            "steps_launched_ahead": [runs[way][5] for way in runs],
+            "ok": same and decided and runs["ahead"][1] == "ahead" and min(r[3] for r in runs.values()) > 0
+            and all(r[4] for r in runs.values())}
 
 
 def check_streamed(model_dir: Path, spec, layer: int, image, results: list[dict]) -> bool:

@@ -167,11 +167,20 @@ def route(rng, tokens, favourites):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10_000), slabs=st.integers(E, 2 * E), policy=st.sampled_from(["vismmoe", "lru"]),
        ops=st.lists(st.sampled_from(["decode", "decode", "decode", "prefill", "prefetch", "poll"]), min_size=5, max_size=30),
-       lookahead=st.booleans(), ahead=st.booleans())
+       lookahead=st.booleans(), ahead=st.sampled_from(["before-step", "ahead", "trial"]))
 def test_table_never_points_at_a_slab_being_written(seed, slabs, policy, ops, lookahead, ahead):
-    runtime, weights = make_runtime(seed, slabs, policy, lookahead, "ahead" if ahead else "before-step")
-    assert runtime.boundary.ahead == (ahead and not lookahead)
+    """`trial`: `reservations: auto`'s trial, never settling (it tries again every two runs, on a clock of random
+    step times), so decode keeps changing ways between its steps, prefills and prefetches."""
+    from vismmoe_kt.runtime.reservations import ReservationsTrial
+    from vismmoe_kt.runtime.step_trial import StepTrial
+
+    runtime, weights = make_runtime(seed, slabs, policy, lookahead, "ahead" if ahead == "ahead" else "before-step")
+    assert runtime.boundary.ahead == (ahead == "ahead" and not lookahead)
     rng = random.Random(seed)
+    if ahead == "trial" and not lookahead:  # (a lookahead keeps before-step: the plan never gives it the trial)
+        clock = random.Random(seed + 1).random
+        runtime.boundary.reservations = trial = ReservationsTrial(clock=clock)
+        trial.trial = StepTrial(0, samples=1, hold=2, clock=clock, run=3)
     favourites = rng.sample(range(E), 4)
     act = torch.nn.SiLU()
     with torch.no_grad():
@@ -461,8 +470,8 @@ def test_a_settled_table_skips_the_upkeep_and_counts_the_same(cold, fill):
         runtime.transfers.wait_for(range(runtime.num_slabs))
         if not settle:  # the same steps through the upkeep
             enter = runtime.boundary._enter
-            def unsettled():
-                enter()
+            def unsettled(resume=False):
+                enter(resume)
                 runtime.table.settled = False
             runtime.boundary._enter = unsettled
         calls = {"readback": 0, "reserve": 0}
@@ -588,47 +597,61 @@ def test_the_plan_says_when_reservations_go_ahead():
         OffloadSettings(expert_budget="1GiB", reservations="later")
 
 
-def test_reservations_auto_change_ways_mid_decode_and_keep_the_faster():
-    """`reservations: auto` (the plan keeps it where ahead could run): the trial's runs change ways between steps of
-    one decode, each change giving the other way's reservations back and rebuilding the table; every output is the
-    reference's, every pair is counted once, no landing reservation outlives the decode, and after the trial the
-    faster way (here ahead, on a fake clock) runs for good and the stats say so."""
+class FakeClock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("policy", ["lru", "vismmoe"])
+def test_reservations_auto_change_ways_mid_decode_and_keep_the_faster(policy):
+    """`reservations: auto` (the plan keeps it on a GPU): the trial's runs change ways between steps of one decode,
+    each change giving the other way's reservations back and rebuilding the table as the decode resumes (VisMMOE's
+    router averages stay); every output is the reference's, every pair is counted once, no landing reservation
+    outlives the decode, and after the trial the faster way (here ahead, on a fake clock) runs for good and the stats
+    say so. With `eviction: auto` too (vismmoe), the eviction's trial waits, VisMMOE's ranking untimed, until the
+    reservations' has decided, and then runs its own."""
+    from vismmoe_kt.runtime.eviction import EvictionTrial
     from vismmoe_kt.runtime.reservations import ReservationsTrial
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    runtime, weights = make_runtime(9, E + 3, "lru", reservations="auto")
-    # what `auto` plans on a GPU (on the CPU, before-step: nothing runs beside the step): the trial, on a fake clock
+    runtime, weights = make_runtime(9, E + 3, policy, reservations="auto")
+    # what `auto` plans on a GPU (on the CPU, before-step: nothing runs beside the step): the trials, on a fake clock
     assert runtime.plan.reservations == "before-step" and "no accelerator" in runtime.plan.why["reservations"]
-    assert runtime.boundary.eviction.settled  # lru: a fixed ranking
-    clock = Clock()
+    clock = FakeClock()
     runtime.boundary.reservations = ReservationsTrial(samples=3, clock=clock)
-    rng, gen, ways, steps = random.Random(9), torch.Generator().manual_seed(9), [], 30
+    if policy == "vismmoe":
+        runtime.boundary.eviction = EvictionTrial(samples=2, clock=clock)
+    rng, gen, ways, rankings, averages, steps = random.Random(9), torch.Generator().manual_seed(9), [], [], [], 40
     with torch.no_grad():
         for step in range(steps):
             runtime.before_step()
             check_table(runtime)
             ways.append(runtime.boundary.ahead)
+            rankings.append(runtime.cache.ranking.name)
+            averages.append(runtime.cache.usage is not None)
             ids = torch.tensor([rng.sample(range(E), K)]) if step % 4 else torch.tensor([[1, 5]])
-            for layer in LAYERS:
+            for row, layer in enumerate(LAYERS):
                 hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
+                runtime.observe_router(row, torch.softmax(torch.randn(1, E, generator=gen), -1))
                 out = runtime.run_layer(layer, hidden, ids, w, torch.nn.SiLU())
                 torch.testing.assert_close(out, reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
             runtime.after_step()
             clock.now += 0.007 if ways[-1] else 0.008
-        assert ways[:12] == [False, False, True, True] * 3 and all(ways[12:])
+        # runs of three a way (the third timed), three timed a way, then ahead for good
+        assert ways[:18] == ([False] * 3 + [True] * 3) * 3 and all(ways[18:])
         assert "auto: kept ahead (faster)" in runtime.summary()["reservations"]
+        if policy == "vismmoe":
+            assert set(rankings[:18]) == {"vismmoe"} and "lru" in rankings[18:]  # the eviction's trial waited
+            assert runtime.boundary.eviction.trial.decisions  # and then decided
+            assert all(averages[1:])  # the router averages survived every change of way
         with runtime.lock:
             runtime.boundary.leave()
     runtime.cache.check_invariants()
     assert not [key for key in runtime.cache.where if key[1] < 0], "a landing reservation outlived the decode"
-    counters = runtime.counters["decode"].values()
-    assert sum(c.calls for c in counters) == steps * len(LAYERS)
-    assert sum(c.hits + c.misses + c.late for c in counters) == steps * len(LAYERS) * K
+    counters, offloaded = runtime.counters["decode"].values(), len(runtime.offloaded_layers())
+    assert sum(c.calls for c in counters) == steps * offloaded
+    assert sum(c.hits + c.misses + c.late for c in counters) == steps * offloaded * K
     assert sum(c.misses for c in counters) > 0  # the steps did reserve and land: the ways had something to do
 
 

@@ -1,6 +1,6 @@
 """When table decode reserves its landing slabs: `reservations: auto` times before-step against ahead over decode's
-steps once the eviction has settled, and keeps the faster for good (a tie: before-step); the plan says when auto
-cannot be. A fake clock stands in for the steps (no timing of this machine). The runtime under the trial, switching
+first steps (before the eviction's own trial, which waits for it) and keeps the faster for good (a tie:
+before-step); the plan says when auto cannot be. A fake clock stands in for the steps (no timing of this machine). The runtime under the trial, switching
 ways mid-decode: tests/runtime/test_decode_table.py."""
 
 import pytest
@@ -21,13 +21,13 @@ class Clock:
         return self.now
 
 
-def run_trial(before_s: float, ahead_s: float, steps: int, settled_from: int = 0, samples: int = 3):
-    """`steps` steps, the eviction settled from step `settled_from` on: each step's way, and the trial."""
+def run_trial(before_s: float, ahead_s: float, steps: int, samples: int = 3):
+    """`steps` steps: each step's way, and the trial."""
     clock = Clock()
     trial = ReservationsTrial(samples=samples, clock=clock)
     ways = []
-    for step in range(steps):
-        ahead = trial.for_step(eviction_settled=step >= settled_from)
+    for _ in range(steps):
+        ahead = trial.for_step()
         ways.append("ahead" if ahead else "before")
         clock.now += ahead_s if ahead else before_s
     return trial, ways
@@ -37,9 +37,10 @@ def run_trial(before_s: float, ahead_s: float, steps: int, settled_from: int = 0
                                                    (0.0070, 0.0070, "before"), (0.00705, 0.0070, "before")])
 def test_the_faster_way_is_kept_for_good_and_a_tie_keeps_before_step(before_s, ahead_s, kept):
     trial, ways = run_trial(before_s, ahead_s, steps=100)
-    # runs of two steps, the second of each timed: three runs per way, then the decision
-    assert ways[:12] == ["before", "before", "ahead", "ahead"] * 3
-    assert set(ways[12:]) == {kept} and len(trial.trial.decisions) == 1
+    # runs of three steps (a change of way's rebuild, the launched steps' queue refilled), the third timed:
+    # three runs per way, then the decision
+    assert ways[:18] == ["before"] * 3 + ["ahead"] * 3 + ["before"] * 3 + ["ahead"] * 3 + ["before"] * 3 + ["ahead"] * 3
+    assert set(ways[18:]) == {kept} and len(trial.trial.decisions) == 1 and trial.settled
     before, ahead, arm = trial.trial.decisions[0]
     assert (before, ahead) == pytest.approx((before_s, ahead_s)) and arm == (AHEAD if kept == "ahead" else BEFORE_STEP)
     text = trial.describe()
@@ -47,22 +48,25 @@ def test_the_faster_way_is_kept_for_good_and_a_tie_keeps_before_step(before_s, a
     assert ("a tie keeps the simpler" in text) == (abs(before_s - ahead_s) < 0.0001)
 
 
-def test_the_trial_waits_for_the_eviction_to_settle():
-    """Two trials alternating at once would time each other's arms: until the eviction settles every step runs
-    before-step and nothing is timed; the steps then decide as they would from a fresh start."""
-    trial, ways = run_trial(0.0080, 0.0070, steps=60, settled_from=20)
-    assert ways[:20] == ["before"] * 20
-    assert ways[20:32] == ["before", "before", "ahead", "ahead"] * 3 and set(ways[32:]) == {"ahead"}
-    # the first timed before-step sample is the second step after the wait, not the wait's last step
-    assert trial.trial.decisions[0][:2] == pytest.approx((0.0080, 0.0070))
+def test_only_a_runs_last_step_is_timed():
+    """The first two steps of a run pay for the change of way (a rebuild, the queue of launched steps drained and
+    refilled): charged to either arm they would decide nothing about the ways themselves."""
+    clock = Clock()
+    trial = ReservationsTrial(samples=2, clock=clock)
+    for _ in range(16):  # two runs of three a way, then the decision
+        ahead = trial.for_step()
+        run_step = trial.trial.run
+        # a run's first two steps cost 50 ms whichever way; its third is the way's own time
+        clock.now += 0.050 if run_step < 3 else (0.006 if ahead else 0.008)
+    assert trial.trial.decisions[0] == pytest.approx((0.008, 0.006, AHEAD))
     assert "timing before-step against ahead" in ReservationsTrial().describe()
 
 
 def test_an_interruption_is_not_timed():
     clock = Clock()
     trial = ReservationsTrial(samples=2, clock=clock)
-    for step in range(12):
-        ahead = trial.for_step(True)
+    for step in range(20):
+        ahead = trial.for_step()
         clock.now += 0.010 if ahead else 0.020
         if step == 2:  # a prompt between two steps: seconds that are no step's
             clock.now += 30.0
@@ -70,10 +74,28 @@ def test_an_interruption_is_not_timed():
     assert trial.trial.decisions and max(trial.trial.decisions[0][:2]) < 1.0
 
 
+def test_the_eviction_trial_waits_untimed_until_told_ready():
+    """The eviction's trial runs after the reservations' (the ranking timed in the way decode keeps): not ready,
+    it gives VisMMOE's ranking and times nothing, not even across the wait."""
+    from vismmoe_kt.runtime.eviction import EvictionTrial
+
+    clock = Clock()
+    trial = EvictionTrial(samples=2, clock=clock)
+    for _ in range(20):
+        assert trial.for_step(ready=False).name == "vismmoe"
+        clock.now += 1.0  # a waiting step's time must not reach either arm
+    names = []
+    for _ in range(12):
+        names.append(trial.for_step().name)
+        clock.now += 0.010 if names[-1] == "lru" else 0.020
+    assert names[:8] == ["lru", "lru", "vismmoe", "vismmoe"] * 2 and trial.trial.decisions
+    assert max(trial.trial.decisions[0][:2]) < 0.05
+
+
 def test_a_fixed_way_is_the_rules_and_the_choice_builds_the_plans():
     fixed = reservations_choice("ahead", "given")
-    assert isinstance(fixed, FixedReservations) and fixed.for_step(False) and fixed.describe() == "ahead (given)"
-    assert not reservations_choice("before-step", "given").for_step(True)
+    assert isinstance(fixed, FixedReservations) and fixed.for_step() and fixed.settled
+    assert fixed.describe() == "ahead (given)" and not reservations_choice("before-step", "given").for_step()
     assert isinstance(reservations_choice("auto", "why"), ReservationsTrial)
 
 

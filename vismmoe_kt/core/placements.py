@@ -121,7 +121,7 @@ def _vis_experts(facts: PlacementFacts, placement: str) -> dict[str, Any]:
     if placement == "lru":
         return {**kwargs, "policy": "lru"}
     # the default placement's eviction is `auto` (never slower than recency, eviction.py), and so are its
-    # reservations (the ranking's host work between steps moved beside the step where that measures faster,
+    # reservations (the boundary's upkeep between steps moved beside the step where that measures faster,
     # reservations.py); offload and hybrid keep VisMMOE's ranking and the reservations before each step, the method
     # as published (and what benchmarks compare)
     if placement == "vismmoe":

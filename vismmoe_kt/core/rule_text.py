@@ -28,7 +28,7 @@ KWARG_NOTES = {
                                      "tuned pairs) | table | grouped-gemm | expert-major",
     ("VisExperts", "reservations"): "each decode step's landing slabs reserved after the step before's records | "
                                     "ahead: while the step before runs (decode without a CPU share or a predictor) | "
-                                    "auto: decode's steps time both once the eviction settles, keep the faster",
+                                    "auto: decode's first steps time both, keep the faster",
     ("VisExperts", "eviction"): "auto: decode's first steps time lru against vismmoe, keep the faster | vismmoe | lru",
     ("VisExperts", "predictor"): "a predictor.pt from `vismmoe-kt calibrate`; null: prefetch by routing history",
     ("SourceRouter", "routing"): "synthetic[:SEED] | trace:PATH replace the routers' choice; model keeps it",

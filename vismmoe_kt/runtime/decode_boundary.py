@@ -26,8 +26,9 @@ with t queued on the device, reads and accounts the records of t - 1, publishes 
 reserves step t + 1's landings, which come from t - 1's unused ones and victims and so never share a slab
 with t's set (a reservation is a placeholder in flight: no victim). The device runs step after step; the
 host's upkeep runs beside it, one step behind. Quiet steps need no special path there. Which way a step runs
-is the reservations choice's (reservations.py: fixed, or `auto`'s trial timing both once the eviction settles),
-asked at each table step's start; a change of way gives the reservations back first (`leave`).
+is the reservations choice's (reservations.py: fixed, or `auto`'s trial timing both before the eviction's own
+trial), asked at the start of each table step that is neither settled nor a graph's self-check; a change of way
+gives the reservations back first (`leave`) and rebuilds the table resuming the decode (`_enter`).
 
 A settled table (every layer pinned, or every offloaded expert in a resident slab as decode starts: a
 budget that holds them all, Q4_K slabs on a large GPU) has nothing to account, reserve or land: no step
@@ -84,6 +85,7 @@ class DecodeBoundary:
         self.evicted: dict[int, tuple[int, int]] = {}
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
+        self.resuming = False                      # ... for the same decode (a change of reservations' way)
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
         self.fill = False                          # the plan's fill_slabs: copy cold experts in as decode starts
         self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
@@ -117,10 +119,10 @@ class DecodeBoundary:
                     self._count_settled_step()
             self._arm()
             return
-        if not self.armed:  # (a nested self-check step runs the way its capture did)
-            self._choose_reservations()
         with rt.lock:
             nested = self.armed
+            if not nested:  # (a nested self-check step runs the way its capture did)
+                self._choose_reservations()
             if self.ahead and not nested and not self.stale:  # its landings were reserved while the step before ran
                 self._launch_on_reserved()
                 return
@@ -129,7 +131,8 @@ class DecodeBoundary:
             elif nested:
                 self.table.readback()  # (before-step: only the outer one's records are pending)
             if self.stale:
-                self._enter()
+                self._enter(resume=self.resuming)
+                self.resuming = False
                 if self.settled:
                     self._arm()
                     return
@@ -146,7 +149,7 @@ class DecodeBoundary:
                     self.reserved.update(self._account(records, self.reserved))
             self._publish_finished_copies()
             if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
-                rt.cache.ranking = self.eviction.for_step()
+                rt.cache.ranking = self.eviction.for_step(self.reservations.settled)
             if quiet is None:
                 self._reserve()
             offloaded = self._first_offloaded() if self.miss is not None else None
@@ -160,15 +163,14 @@ class DecodeBoundary:
             self._arm()
 
     def _choose_reservations(self) -> None:
-        """The way this step reserves (the choice's, at the step's start); a trial changing ways mid-decode gives the
-        reservations made the other way back first, and the table is rebuilt as for a decode that resumes."""
-        ahead = self.reservations.for_step(self.eviction is None or self.eviction.settled)
+        """The way this step reserves (the choice's, at the step's start; lock held); a trial changing ways
+        mid-decode gives the reservations made the other way back first, and the table is rebuilt resuming the
+        decode (the router averages and the request's state stay)."""
+        ahead = self.reservations.for_step()
         if ahead == self.ahead:
             return
         if self.table is not None and not self.stale:
-            with self.res.lock:
-                self.leave(interrupt=False)  # the trial has just timed this step's start: not an interruption
-        self.launched.clear()
+            self.leave(interrupt=False)  # the trial has just timed this step's start: not an interruption
         self.ahead = ahead
 
     def _launch_on_reserved(self) -> None:
@@ -176,7 +178,7 @@ class DecodeBoundary:
         The ranking `auto`'s trial picks here chooses the next step's victims (after_step's reserve): of a
         trial's run of two steps under one ranking only the second is timed, whose reservations it chose."""
         if self.eviction is not None:
-            self.res.cache.ranking = self.eviction.for_step()
+            self.res.cache.ranking = self.eviction.for_step(self.reservations.settled)
         self.launched.append(self.reserved)
         self.reserved = {}
         self._arm()
@@ -260,6 +262,7 @@ class DecodeBoundary:
         self.evicted.clear()
         self.table.discard()
         self.stale = True
+        self.resuming = not interrupt  # the same decode goes on (a change of way) or a new one will start
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
@@ -272,6 +275,7 @@ class DecodeBoundary:
         self.table.discard()
         self.deferred = None  # records of slabs that are gone
         self.stale = True
+        self.resuming = False
 
     def _interrupted(self) -> None:
         """Decode stops: the time to the next step is no step's (the trials must not count it)."""
@@ -281,7 +285,9 @@ class DecodeBoundary:
             self.eviction.interrupt()
         self.reservations.interrupt()
 
-    def _enter(self) -> None:
+    def _enter(self, resume: bool = False) -> None:
+        """Decode starts (after a prefill, a reset), or `resume`s after a change of reservations' way: the table
+        rebuilt from the cache either way; only a start forgets the router averages and starts the request's state."""
         rt = self.res
         if rt.transfers is not None:  # queued prefetches would evict slabs the table points at
             rt.transfers.drop_queue()
@@ -303,9 +309,10 @@ class DecodeBoundary:
             rows.append(row)
         self.table.rebuild(rows)
         self.table.discard()
-        self.table.usage.zero_()  # a new request's decode: its router favours other experts
-        rt.cache.usage = None
-        self.on_enter()
+        if not resume:
+            self.table.usage.zero_()  # a new request's decode: its router favours other experts
+            rt.cache.usage = None
+            self.on_enter()
         self.stale = False
         self.table.settled = all(slot >= 0 for row in self.offloaded_rows for slot in rows[row])
         if self.settled:

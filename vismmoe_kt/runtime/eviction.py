@@ -14,7 +14,8 @@ or for `auto` an EvictionTrial: over the first decode steps a StepTrial (step_tr
 quota trial's mechanism) alternates runs of steps under each ranking, times them step start to step
 start (the boundary's ranking work between steps included: VisMMOE's costs about 2 ms a step on
 thousands of slabs), and keeps the faster for good; a tie (medians within TIE) keeps `lru`, the
-simpler. The ranking only decides which experts stay cached, never what a layer computes, so tokens
+simpler. Where the reservations are `auto` too, their trial runs first and this one waits for it
+(reservations.py), so the ranking is timed in the way decode keeps. The ranking only decides which experts stay cached, never what a layer computes, so tokens
 are the same whichever runs.
 """
 
@@ -77,12 +78,7 @@ class FixedEviction:
         """The ranking outside decode steps (prefill, the placement path)."""
         return self.ranking
 
-    @property
-    def settled(self) -> bool:
-        """The ranking will not change again (what the reservations' trial waits for)."""
-        return True
-
-    def for_step(self) -> Any:
+    def for_step(self, ready: bool = True) -> Any:
         return self.ranking
 
     def interrupt(self) -> None:
@@ -101,13 +97,12 @@ class EvictionTrial:
         self.eviction = "auto"
         self.current = self.arms[VISMMOE]  # until the trial's first step: the ranking outside decode steps
 
-    @property
-    def settled(self) -> bool:
-        """The trial has kept one ranking for good."""
-        return self.trial.settled
-
-    def for_step(self) -> Any:
-        """The ranking for the step about to run (called once per decode step, before its reservations)."""
+    def for_step(self, ready: bool = True) -> Any:
+        """The ranking for the step about to run (called once per decode step, before its reservations). Not
+        `ready` (the reservations' own trial is under way: reservations.py): VisMMOE's, untimed, the trial waiting."""
+        if not ready:
+            self.trial.interrupt()  # the steps meanwhile are no run of this trial's
+            return self.current
         self.current = self.arms[self.trial.arm()]
         return self.current
 

@@ -301,7 +301,7 @@ def _reservations(settings: OffloadSettings, table_decode: str | None, decode_cp
             return "before-step", "auto: every layer pinned or a slab for every offloaded expert, nothing to reserve"
         if device.type != "cuda":
             return "before-step", "auto: no accelerator, the host's upkeep and the step share the cores"
-        return "auto", "decode's steps time before-step against ahead once the eviction settles, keep the faster"
+        return "auto", "decode's steps time before-step against ahead first, keep the faster"
     return "ahead", "given: the host accounts a step and reserves the next one's landings while the device runs"
 
 

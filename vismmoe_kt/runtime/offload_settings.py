@@ -36,7 +36,7 @@ class OffloadSettings:
     # the step before it runs, from the records of the one before that, so the next step is queued without
     # waiting for the host's upkeep; where decode has no CPU share and no lookahead, else before-step) |
     # before-step (each step's after the records of the one before it) | auto (where ahead can run, decode's
-    # steps time both once the eviction has settled and keep the faster, a tie before-step: reservations.py)
+    # first steps time both and keep the faster, a tie before-step, before the eviction trial: reservations.py)
     reservations: str = "before-step"
     pinned_layers: Any = "auto"        # auto: VisMMOE Eq. 10's choice | an int, checked against the budget
     min_pinned_layers: int = 1         # L_semantic of Eq. 10
