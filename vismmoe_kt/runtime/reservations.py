@@ -28,8 +28,6 @@ from .step_trial import SAMPLES, StepTrial
 RESERVATIONS = ("auto", "before-step", "ahead")
 BEFORE_STEP, AHEAD = 0, 1  # the trial's arms; BEFORE_STEP is the simpler
 TIE = 0.01  # medians within this share of the slower keep before-step (within a step's jitter, as eviction.py's)
-
-
 RUN = 3  # steps a run: the change of way's rebuild, the queue of launched steps refilled, the step timed
 
 
