@@ -85,7 +85,6 @@ class DecodeBoundary:
         self.evicted: dict[int, tuple[int, int]] = {}
         self.last_misses: dict[int, int] = {}      # row -> experts read from the host or prefetched at the last step
         self.stale = True                          # the table must be rebuilt before the next step
-        self.resuming = False                      # ... for the same decode (a change of reservations' way)
         self.deferred = None                       # a quiet step's records, accounted once the next step is launched
         self.fill = False                          # the plan's fill_slabs: copy cold experts in as decode starts
         self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
@@ -121,8 +120,8 @@ class DecodeBoundary:
             return
         with rt.lock:
             nested = self.armed
-            if not nested:  # (a nested self-check step runs the way its capture did)
-                self._choose_reservations()
+            # (a nested self-check step runs the way its capture did)
+            switched = not nested and self._choose_reservations()
             if self.ahead and not nested and not self.stale:  # its landings were reserved while the step before ran
                 self._launch_on_reserved()
                 return
@@ -131,8 +130,7 @@ class DecodeBoundary:
             elif nested:
                 self.table.readback()  # (before-step: only the outer one's records are pending)
             if self.stale:
-                self._enter(resume=self.resuming)
-                self.resuming = False
+                self._enter(resume=switched)
                 if self.settled:
                     self._arm()
                     return
@@ -162,16 +160,18 @@ class DecodeBoundary:
                 self.reserved = {}
             self._arm()
 
-    def _choose_reservations(self) -> None:
+    def _choose_reservations(self) -> bool:
         """The way this step reserves (the choice's, at the step's start; lock held); a trial changing ways
-        mid-decode gives the reservations made the other way back first, and the table is rebuilt resuming the
-        decode (the router averages and the request's state stay)."""
+        mid-decode gives the reservations made the other way back first, and the table is then rebuilt resuming
+        the decode (the router averages and the request's state stay). True: it changed ways mid-decode."""
         ahead = self.reservations.for_step()
         if ahead == self.ahead:
-            return
-        if self.table is not None and not self.stale:
+            return False
+        switched = self.table is not None and not self.stale
+        if switched:
             self.leave(interrupt=False)  # the trial has just timed this step's start: not an interruption
         self.ahead = ahead
+        return switched
 
     def _launch_on_reserved(self) -> None:
         """Ahead: the step runs on the landings after_step wrote after the step before it; nothing to wait for.
@@ -262,7 +262,6 @@ class DecodeBoundary:
         self.evicted.clear()
         self.table.discard()
         self.stale = True
-        self.resuming = not interrupt  # the same decode goes on (a change of way) or a new one will start
 
     def forget(self) -> None:
         """The slab cache was replaced (reset): nothing reserved, nothing to account, rebuild later."""
@@ -275,7 +274,6 @@ class DecodeBoundary:
         self.table.discard()
         self.deferred = None  # records of slabs that are gone
         self.stale = True
-        self.resuming = False
 
     def _interrupted(self) -> None:
         """Decode stops: the time to the next step is no step's (the trials must not count it)."""

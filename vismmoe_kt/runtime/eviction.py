@@ -15,8 +15,8 @@ quota trial's mechanism) alternates runs of steps under each ranking, times them
 start (the boundary's ranking work between steps included: VisMMOE's costs about 2 ms a step on
 thousands of slabs), and keeps the faster for good; a tie (medians within TIE) keeps `lru`, the
 simpler. Where the reservations are `auto` too, their trial runs first and this one waits for it
-(reservations.py), so the ranking is timed in the way decode keeps. The ranking only decides which experts stay cached, never what a layer computes, so tokens
-are the same whichever runs.
+(reservations.py), so the ranking is timed in the way decode keeps. The ranking only decides which
+experts stay cached, never what a layer computes, so tokens are the same whichever runs.
 """
 
 from __future__ import annotations
