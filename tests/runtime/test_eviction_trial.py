@@ -162,6 +162,25 @@ def test_tokens_are_the_same_whichever_ranking_runs_and_the_choice_is_reported()
     assert make_runtime("lru").router_sink() is None  # recency alone: no router averages computed
 
 
+@pytest.mark.parametrize("slow,averaged", [("vismmoe", False), ("lru", True)])
+def test_router_averages_stop_once_the_trial_keeps_lru(slow, averaged):
+    """Once `auto` keeps lru the router's averages are never read again: decode stops updating them (a lerp
+    a layer) and files its capture under another variant; kept VisMMOE, they go on, the variant unchanged."""
+    runtime, clock = make_runtime("vismmoe"), Clock()
+    runtime.boundary.eviction = EvictionTrial(samples=2, clock=clock)
+    variants = []
+    before = runtime.before_step
+    runtime.before_step = lambda: (before(), variants.append(runtime.graph_variant()))[0]
+    decode(runtime, 12, clock, slow=slow)
+    assert runtime.boundary.eviction.trial.outcome() is not None  # decided within the twelve steps
+    usage = runtime.table.usage.clone()
+    decode(runtime, 3, clock, slow=slow)
+    assert torch.equal(runtime.table.usage, usage) != averaged
+    assert variants[0] == "" and (variants[-1] == " without router averages") != averaged
+    assert runtime.boundary.eviction.reads_usage == averaged
+    assert not FixedEviction("lru", "given").reads_usage and FixedEviction("vismmoe", "given").reads_usage
+
+
 def test_no_router_averages_where_nothing_can_be_evicted():
     """Slabs for every offloaded expert (the plan fills them): VisMMOE's ranking never chooses a victim,
     so decode computes no router probabilities for it; one slab short, it does."""

@@ -74,6 +74,11 @@ class FixedEviction:
         self.eviction = name  # the plan's value this was made for
 
     @property
+    def reads_usage(self) -> bool:
+        """Whether a ranking may still order victims by the router's averages (else decode need not keep them)."""
+        return isinstance(self.ranking, RouterRanking)
+
+    @property
     def current(self) -> Any:
         """The ranking outside decode steps (prefill, the placement path)."""
         return self.ranking
@@ -96,6 +101,13 @@ class EvictionTrial:
         self.trial = StepTrial(LRU, samples, hold=None, clock=clock, tie=TIE)
         self.eviction = "auto"
         self.current = self.arms[VISMMOE]  # until the trial's first step: the ranking outside decode steps
+
+    @property
+    def reads_usage(self) -> bool:
+        """Until the trial keeps lru: VisMMOE's arm ranks by the router's averages, which every step must keep
+        up (its runs alternate with lru's), and after a decision for it, for good."""
+        decided = self.trial.outcome()
+        return decided is None or decided[2] == VISMMOE
 
     def for_step(self, ready: bool = True) -> Any:
         """The ranking for the step about to run (called once per decode step, before its reservations). Not

@@ -222,15 +222,18 @@ class OffloadRuntime(EngineQueries):
     def graph_variant(self) -> str:
         """What a captured decode step depends on beyond its tensors (read after `before_step`): "cpu
         pairs" where the hybrid mode's CPU calls are in it, "settled" where its layers read a settled
-        table (no lookup, staging or records: decode_boundary.py), else "". A layer's CPU call costs two
-        host functions and four small copies even when it has no CPU pairs, so while the cost model sends
-        no miss to the CPU the step is one captured without them (always, where the plan's decode leaves
-        the CPU to prefill)."""
+        table (no lookup, staging or records: decode_boundary.py), else ""; " without router averages"
+        added once `eviction: auto`'s trial has kept lru. A layer's CPU call costs two host functions and
+        four small copies even when it has no CPU pairs, so while the cost model sends no miss to the CPU
+        the step is one captured without them (always, where the plan's decode leaves the CPU to prefill)."""
         if not self.table_enabled:
             return ""
         if self.table.settled:
             return "settled"
-        return "cpu pairs" if self.plan.decode_cpu and self.table.cpu_active else ""
+        variant = "cpu pairs" if self.plan.decode_cpu and self.table.cpu_active else ""
+        if self.router_sink() is not None and not self._router_averaged():
+            variant += " without router averages"  # `auto` kept lru: a lerp a layer fewer (observe_router)
+        return variant
 
     def decode_capturable(self, layer: int) -> bool:
         """Whether this layer's decode forward is device work only (a CUDA graph can hold it): every
@@ -304,8 +307,14 @@ class OffloadRuntime(EngineQueries):
     def observe_router(self, moe_index: int, probabilities: torch.Tensor) -> None:
         """A decode token's router probabilities over every expert of MoE layer `moe_index` (1, E),
         from inside the step (device work only): the VisMMOE cache ranks eviction victims by their
-        average (decode_boundary.py), what the router favours beyond its top-k."""
-        self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
+        average (decode_boundary.py), what the router favours beyond its top-k. Nothing once `auto`'s trial has
+        kept lru: the averages would never be read again (the step is captured anew without them: graph_variant)."""
+        if self._router_averaged():
+            self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
+
+    def _router_averaged(self) -> bool:
+        eviction = self.boundary.eviction
+        return eviction is None or eviction.reads_usage
 
     def router_sink(self) -> Any:
         """`observe_router` where the eviction may use it (table decode with slabs to evict from, the
