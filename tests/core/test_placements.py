@@ -65,7 +65,9 @@ def test_qwen3vl_default_is_hybrid_with_pruning_and_the_others_the_lean_path():
     experts = default[2]["replace"]["kwargs"]
     assert experts["eviction"] == "auto" and hybrid[1]["replace"]["kwargs"]["eviction"] == "vismmoe"
     assert experts["reservations"] == "auto" and hybrid[1]["replace"]["kwargs"]["reservations"] == "before-step"
-    # the default times lru against VisMMOE's ranking, then before-step against ahead; otherwise the hybrid
+    assert experts.pop("min_pinned_layers") == 0 and "min_pinned_layers" not in hybrid[1]["replace"]["kwargs"]
+    # the default times lru against VisMMOE's ranking, then before-step against ahead, and may pin no layer;
+    # otherwise the hybrid
     experts["eviction"], experts["reservations"] = "vismmoe", "before-step"
     assert default[0]["replace"]["class"] == placements.VISION_SALIENCY and default[2:] == hybrid[1:]
     assert default[1]["replace"]["kwargs"]["compression"] == "affinity"

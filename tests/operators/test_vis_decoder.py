@@ -68,16 +68,21 @@ def test_half_the_visual_tokens_continue_with_their_original_positions(tiny_dir,
     assert out.logits.shape[1] == visual.numel()                    # the output keeps the input's length
 
 
-def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs):
+@pytest.mark.parametrize("pinned", [None, 0])
+def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs, pinned):
+    """The prune follows the pinned prefix, and with none (the default rules' L_semantic 0 allows it) still
+    comes after the first layer, whose routing Algorithm 1 ranks by."""
     layer = layer_bytes(SPECS["tiny-4x16"])
-    model, _ = load(tiny_dir, HYBRID, expert_budget=2 * layer, miss_policy="wait", **CPU)
+    depth = {} if pinned is None else {"pinned_layers": pinned, "min_pinned_layers": 0}
+    model, _ = load(tiny_dir, HYBRID, expert_budget=2 * layer, miss_policy="wait", **depth, **CPU)
     with torch.no_grad():
         tokens = model.generate(**image_inputs, max_new_tokens=32, do_sample=False)
     assert tokens.shape[1] == image_inputs["input_ids"].shape[1] + 32
     stats = collect_stats(model)["operators"]
     decoder = stats["VisDecoder"]
     assert decoder["pruned_prefills"] == 1 and decoder["visual_tokens_after"] == decoder["visual_tokens_before"] // 2
-    assert stats["VisExperts"]["pinned_layers"] == 1 and decoder_of(model).text_forward._prune_at() == 1
+    assert stats["VisExperts"]["pinned_layers"] == (1 if pinned is None else 0)
+    assert decoder_of(model).text_forward._prune_at() == 1
 
 
 @pytest.mark.parametrize("method,source", [("saliency", "vision"), ("random", "vision"), ("affinity", "llm"),

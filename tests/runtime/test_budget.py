@@ -184,6 +184,21 @@ def test_the_runtime_summary_says_why_it_pinned_what_it_did():
         assert runtime.summary()["pinned_layers_reason"].startswith(expected)
 
 
+def test_an_empty_prefix_where_allowed_and_predicted_faster_and_one_layer_where_nothing_prices_it():
+    """L_semantic 0 (the default rule file's): at 16 GiB of BF16 the shipped curve predicts no pinned layer faster
+    (a layer's 128 slabs buy more hits shared than pinned), at 32 GiB three layers whatever the minimum; a shape
+    without a curve keeps the paper's one layer rather than guess."""
+    assert pinned_depth_choice(16 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48).depth == 1
+    empty = pinned_depth_choice(16 * GIB, QWEN_LAYER, QWEN_LAYER, 0, 48)
+    assert empty.depth == 0 and empty.rows[0].seconds < empty.rows[1].seconds
+    assert pinned_depth_choice(32 * GIB, QWEN_LAYER, QWEN_LAYER, 0, 48).depth == \
+        pinned_depth_choice(32 * GIB, QWEN_LAYER, QWEN_LAYER, 1, 48).depth == 3
+    uncurved = pinned_depth_choice(16 * GIB, QWEN_LAYER // 2, QWEN_LAYER, 0, 48)
+    assert uncurved.depth == 1 and "no decode hit-rate curve" in uncurved.reason
+    assert pinned_depth_choice(QWEN_LAYER // 2 + QWEN_LAYER, QWEN_LAYER // 2, QWEN_LAYER, 0, 48).depth == 1
+    assert pinned_depth_choice(QWEN_LAYER + QWEN_LAYER // 4, QWEN_LAYER // 2, QWEN_LAYER, 0, 48).depth == 0  # only 0 fits
+
+
 def test_a_quantized_stores_cheaper_misses_are_priced_at_their_bytes():
     """With Q4_0 blocks (18 bytes per 32 weights, 0.28x of BF16's) a miss reads a quarter of the bytes
     while the budget still holds BF16 slabs: the same slabs per depth, fewer bytes read and less time

@@ -125,8 +125,11 @@ def _vis_experts(facts: PlacementFacts, placement: str) -> dict[str, Any]:
         return {**kwargs, "policy": "lru"}
     if placement == "hybrid":
         kwargs = {**kwargs, "reservations": "before-step"}
-    # the default placement's eviction is `auto` (never slower than recency, eviction.py); offload and hybrid keep
-    # VisMMOE's ranking, the method as published
+    # the default placement's eviction is `auto` (never slower than recency, eviction.py), and its pinned prefix may
+    # be empty where the depth model predicts that faster (16 GiB of BF16: a pinned layer's 128 slabs cost more
+    # misses than its own save); offload and hybrid keep VisMMOE's ranking and Eq. 10's L_semantic 1, as published
+    if placement == "vismmoe":
+        kwargs = {**kwargs, "min_pinned_layers": 0}
     eviction = {"eviction": "auto" if placement == "vismmoe" else "vismmoe"}
     return {**kwargs, **OFFLOAD_VISMMOE, **eviction, **(HYBRID if placement in ("hybrid", "vismmoe") else {})}
 

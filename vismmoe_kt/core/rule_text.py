@@ -41,7 +41,9 @@ KWARG_NOTES = {
     ("VisExperts", "cost_model"): "null: measure copy and CPU times at start-up",
     ("VisionExperts", "expert_budget"): "slabs the prefill's vision experts stream through (a layer's 64 hold 0.5 GB)",
     ("VisDecoder", "salient_ratio"): "null: 0.4 * keep_ratio",
-    ("VisDecoder", "prune_layer"): "after the offload runtime's pinned prefix",
+    ("VisDecoder", "prune_layer"): "after the offload runtime's pinned prefix (at least the first layer)",
+    ("VisExperts", "min_pinned_layers"): "Eq. 10's L_semantic: 0 lets pinned_layers auto pin none where that "
+                                         "predicts faster",
     ("CpuExperts", "cpu_dtype"): "a GGUF's own quantized types where kt-kernel takes them, else bf16 | bf16 | int8 | "
                                  "int4",
     ("CpuExperts", "gpu_prefill_tokens"): "KTransformers' dual prefill: prompts of at least this many tokens run each "

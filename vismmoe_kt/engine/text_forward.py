@@ -125,7 +125,8 @@ class TextForward:
             raise ValueError("prune_layer: auto needs the offload runtime's pinned prefix (VisExperts rules); "
                              "give prune_layer a layer index instead")
         offloaded = runtime.offloaded_layers()
-        return offloaded[0] if offloaded else len(self.layers)
+        # at least one layer first, even with no pinned prefix: Algorithm 1 ranks by the routing before the prune
+        return max(offloaded[0], 1) if offloaded else len(self.layers)
 
     def _keep(self, visual: torch.Tensor, prefix_layers: list[int],
               host: HostPrompt | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,10 +121,11 @@ def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic:
                            (), span)
     candidates = range(valid.start, min(valid.stop, num_moe_layers + 1))
     model = model if model is not None else default_model(num_moe_layers, layer_bytes, read_bytes=read_bytes)
-    if model is None:
-        return DepthChoice(valid.start, f"auto: {valid.start}, the smallest depth of Eq. 10's {span[0]}..{span[1]}: "
-                                        f"no decode hit-rate curve for this shape ({num_moe_layers} MoE layers of "
-                                        f"{human_bytes(layer_bytes)}) to price deeper ones with", (), span)
+    if model is None:  # nothing prices an empty prefix against the paper's one layer either: one layer it is
+        depth = max(valid.start, min(1, valid.stop - 1))
+        return DepthChoice(depth, f"auto: {depth}, the smallest depth of Eq. 10's {span[0]}..{span[1]} of at least one "
+                                  f"layer: no decode hit-rate curve for this shape ({num_moe_layers} MoE layers of "
+                                  f"{human_bytes(layer_bytes)}) to price others with", (), span)
     return choose(model, m_avail, num_moe_layers, candidates)
 
 
