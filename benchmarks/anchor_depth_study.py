@@ -61,7 +61,7 @@ def main():
         def build(**overrides):
             return load(model_dir, "optimize_rules/qwen3vl.yaml", **overrides, **common)
     budget = int(args.budget_layers * layer_bytes)
-    auto = choose_pinned_layers(budget, layer_bytes, layer_bytes, 1, layers)
+    auto = choose_pinned_layers(budget, layer_bytes, layer_bytes, 0, layers)  # the default rule file's L_semantic
     rows = []
     for depth in range(0, layers + 1):
         try:

@@ -10,7 +10,8 @@ Baselines (what users would otherwise run):
 VisMMOE's ablation (paper Table 4), each step adding one thing to the previous, in offload-only
 (`vismmoe-*`: a missing expert is fetched and waited for) and hybrid mode (`hybrid-*`: the start-up
 cost model may compute a missing expert on the CPU instead):
-    *-base       pinned prefix (Eq. 10) + slab cache with safe eviction; on-demand fetches only
+    *-base       pinned prefix (Eq. 10, at least one layer as in the paper, though the default rule file
+                 allows none) + slab cache with safe eviction; on-demand fetches only
     *+compress   + affinity-aware visual-token compression (keep_ratio 0.5, after the prefix)
     *+predict    + prediction and prefetching, shallow: the next offloaded layer, one copy in flight
     *-full       + the full pipeline orchestration: deep lookahead (window 2, or the trained
@@ -133,8 +134,8 @@ def _ladder(mode: str, miss_policy: str, what: str) -> list[BenchConfig]:
          (("prefetch_window", 1), ("max_in_flight", 1)), True),
         ("-full", "+ deep lookahead (window 2 / predictor top-B), 16 copies in flight", True, (), True),
     ]
-    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "ladder",
-                        compression=compression, expert_kwargs=(("miss_policy", miss_policy),) + kwargs,
+    return [BenchConfig(f"{mode}{step}", f"{what}: {description}", "ladder", compression=compression,
+                        expert_kwargs=(("miss_policy", miss_policy), ("min_pinned_layers", 1)) + kwargs,
                         uses_predictor=predictor)
             for step, description, compression, kwargs, predictor in steps]
 
