@@ -88,7 +88,7 @@ def pinned_depth_choice(m_avail: int, layer_bytes: int, c_safe: int, l_semantic:
     """L_pinned and why: `requested` after checking it against Eq. 10, or (auto) the depth of Eq. 10's range
     that minimises predicted time per decode token (prefix_depth.py). `model` prices the depths; None: the
     shipped hit-rate curve with the H200's figures where the model has its shape, else the smallest valid
-    depth (nothing to price with). `read_bytes`: what a miss reads from the host, where a quantized
+    depth of at least one layer (nothing to price with). `read_bytes`: what a miss reads from the host, where a quantized
     store makes it less than an expert's slab (0: the same).
 
     A budget that holds every layer pins them all (there is nothing left to offload).
