@@ -106,8 +106,7 @@ class EvictionTrial:
     def reads_usage(self) -> bool:
         """Until the trial keeps lru: VisMMOE's arm ranks by the router's averages, which every step must keep
         up (its runs alternate with lru's), and after a decision for it, for good."""
-        decided = self.trial.outcome()
-        return decided is None or decided[2] == VISMMOE
+        return not (self.trial.settled and self.trial.choice == LRU)  # read per layer in eager steps: no outcome()
 
     def for_step(self, ready: bool = True) -> Any:
         """The ranking for the step about to run (called once per decode step, before its reservations). Not
