@@ -751,7 +751,7 @@ def check_reservations(model_dir: Path, tokens: int = 40, device: str = "cuda:0"
             eviction = clock.trial = runtime.boundary.eviction = EvictionTrial(samples=2, clock=clock)
         inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [image], device)
         with torch.inference_mode():
-            out = generate(model, inputs, tokens).cpu()
+            out = generate(model, inputs, tokens, min_new_tokens=tokens).cpu()  # no EOS cuts a trial short
         summary, variant = runtime.summary(), runtime.graph_variant()
         counters = runtime.counters["decode"].values()
         offloaded = len(runtime.offloaded_layers())

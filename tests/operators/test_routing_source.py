@@ -244,3 +244,37 @@ def test_a_prefill_gathers_its_tables_rows_once_for_every_layer(tiny_dir, image_
     assert [layer for layer, _ in seen] == list(range(SPEC.layers))
     for layer, rows in seen:
         assert torch.equal(rows, table[:, layer])
+
+
+def test_once_lru_is_kept_a_routed_step_computes_no_router_probabilities(tiny_dir, image_inputs, monkeypatch):
+    """`eviction: auto` keeping lru stops the router's averages; a routing source then hands the steps no logits,
+    so no layer computes a softmax over every expert for nobody. The tokens are those of a fixed ranking."""
+    from vismmoe_kt.runtime.eviction import EvictionTrial
+
+    class LruFaster:  # the trial's clock: a step under lru 20 ms, under VisMMOE's ranking 30
+        def __init__(self):
+            self.now, self.trial = 0.0, None
+
+        def __call__(self):
+            self.now += 0.020 if self.trial.current.name == "lru" else 0.030
+            return self.now
+
+    fixed, _ = offload(tiny_dir)
+    install_routing(fixed, "synthetic")
+    with torch.no_grad():
+        expected = generate(fixed, image_inputs, 16, min_new_tokens=16)
+    model, _ = offload(tiny_dir)
+    source = install_routing(model, "synthetic")
+    runtime = model.vismmoe.context.offload_runtime
+    assert runtime.router_sink() is not None  # the offload file's VisMMOE ranking averages the router
+    clock = LruFaster()
+    trial = clock.trial = runtime.boundary.eviction = EvictionTrial(samples=2, clock=clock)
+    softmaxes = []
+    probabilities = model.vismmoe.adapter.router_probabilities
+    monkeypatch.setattr(model.vismmoe.adapter, "router_probabilities",
+                        lambda logits: (softmaxes.append(trial.reads_usage), probabilities(logits))[1])
+    with torch.no_grad():
+        assert torch.equal(generate(model, image_inputs, 16, min_new_tokens=16), expected)
+    assert trial.trial.outcome() is not None and not trial.reads_usage  # lru kept within the decode
+    assert True in softmaxes and False not in softmaxes  # softmaxes while averaging, none after
+    assert source._step_rows[4] is None and not runtime.averages_router()

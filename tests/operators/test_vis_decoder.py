@@ -85,6 +85,40 @@ def test_generation_with_pruning_and_the_offload_runtime(tiny_dir, image_inputs,
     assert decoder_of(model).text_forward._prune_at() == 1
 
 
+def test_with_no_pinned_layer_the_prune_follows_the_first_moe_layer_of_a_dense_first_family(tmp_path):
+    """GLM-4.5V's first decoder layer is dense: with no pinned layer the prune still waits for its first MoE
+    layer, so Algorithm 1 ranks the visual tokens by routing it has seen, not by empty expert sets."""
+    import yaml
+
+    from conftest import make_image
+    from vismmoe_kt.demo.tiny import save_tiny_model
+    from vismmoe_kt.engine.generation import generate
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+
+    directory = save_tiny_model(tmp_path / "glm", "tiny-glm-4x16", seed=0)
+    rules_list = yaml.safe_load(open("optimize_rules/glm4v-offload.yaml"))
+    rules_list[0]["replace"]["kwargs"].update(compression="affinity", keep_ratio=0.5, prune_layer="auto",
+                                              saliency_source="llm")
+    for rule in rules_list:  # the offload file keeps one pinned layer at least; this test asks for none
+        if rule["replace"].get("class", "").endswith("VisExperts"):
+            rule["replace"]["kwargs"]["min_pinned_layers"] = 0
+    model, processor = load(directory, rules_list, expert_budget=2 * layer_bytes(SPECS["tiny-glm-4x16"]),
+                            pinned_layers=0, graphs="off", **CPU)
+    runtime = model.vismmoe.context.offload_runtime
+    forward = decoder_of(model).text_forward
+    assert runtime.moe_layers[0] == 1 and not runtime.pinned  # layer 0 dense, nothing pinned
+    seen = {}
+    keep = forward._keep
+    forward._keep = lambda visual, prefix, host: (seen.update(routed=[i for i in prefix if i in forward._routes]),
+                                                  keep(visual, prefix, host))[1]
+    inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(160, 128, seed=1)])
+    with torch.no_grad():
+        generate(model, inputs, 2)
+    assert forward._prune_at() == 2 and seen["routed"] == [1]
+    assert forward._expert_counts.sum() > 0  # the ranking's expert sets are not empty
+    assert forward.counters.pruned_prefills == 1
+
+
 @pytest.mark.parametrize("method,source", [("saliency", "vision"), ("random", "vision"), ("affinity", "llm"),
                                            ("saliency", "llm")])
 def test_baselines_and_saliency_sources_run(tiny_dir, image_inputs, method, source):

@@ -629,7 +629,7 @@ def test_reservations_auto_change_ways_mid_decode_and_keep_the_faster(policy):
             check_table(runtime)
             ways.append(runtime.boundary.ahead)
             rankings.append(runtime.cache.ranking.name)
-            averages.append(runtime.cache.usage is not None)
+            averages.append((runtime.cache.usage is not None, runtime.averages_router()))
             ids = torch.tensor([rng.sample(range(E), K)]) if step % 4 else torch.tensor([[1, 5]])
             for row, layer in enumerate(LAYERS):
                 hidden, w = torch.randn(1, H, generator=gen), torch.rand(1, K, generator=gen)
@@ -644,7 +644,9 @@ def test_reservations_auto_change_ways_mid_decode_and_keep_the_faster(policy):
         if policy == "vismmoe":
             assert set(rankings[:18]) == {"vismmoe"} and "lru" in rankings[18:]  # the eviction's trial waited
             assert runtime.boundary.eviction.trial.decisions  # and then decided
-            assert all(averages[1:])  # the router averages survived every change of way
+            assert all(kept for kept, _ in averages[1:18])  # the router averages survived every change of way
+            # and once the eviction's trial keeps lru, the cache drops them (a prefetch then weighs nothing by them)
+            assert all(kept == live for kept, live in averages[18:])
         with runtime.lock:
             runtime.boundary.leave()
     runtime.cache.check_invariants()

@@ -178,6 +178,10 @@ def test_router_averages_stop_once_the_trial_keeps_lru(slow, averaged):
     assert torch.equal(runtime.table.usage, usage) != averaged
     assert variants[0] == "" and (variants[-1] == " without router averages") != averaged
     assert runtime.boundary.eviction.reads_usage == averaged
+    # what a prefetch's admission weighs a held expert by: the live averages, or nothing (lru's file), never frozen ones
+    assert (runtime.cache.usage is not None) == averaged
+    held = next(slab for slab, key in enumerate(runtime.cache.owner) if key is not None)
+    assert averaged or runtime.cache.classify(held) == "speculative" or runtime.cache.worth(held) == 0.0
     assert not FixedEviction("lru", "given").reads_usage and FixedEviction("vismmoe", "given").reads_usage
 
 

@@ -14,6 +14,8 @@ Members, by who calls them:
                                  runtime binds the executor for them and keeps its cache between steps
     graph_variant                what a captured decode step depends on beyond its tensors
     router_sink                  a device-side sink for each MoE layer's router probabilities, or None
+    averages_router              whether that sink still keeps averages (a routing source hands a step
+                                 no probabilities once it does not: no softmax a layer for nobody)
     decode_capturable, batch_capturable
                                  whether a layer's (batched) decode forward is device work only; the
                                  expert operators answer the engine's capture question with these
@@ -22,7 +24,8 @@ Members, by who calls them:
     batch_needs_exact_rows       a step of several rows looks each row's experts up in the decode
                                  table: no padding rows
     offloaded_layers             the MoE layers not pinned on the GPU, in order (prefill's pruning
-                                 starts at the first one: `prune_layer: auto`)
+                                 starts at the first one, or after the first MoE layer where none
+                                 is pinned: `prune_layer: auto`)
     set_visual_summary           h_v, the mean visual embedding of an image prefill (the lookahead
                                  predictor's input)
 """
@@ -44,6 +47,8 @@ class ExpertRuntime(Protocol):
     def graph_variant(self) -> Hashable: ...
 
     def router_sink(self) -> Callable[[int, torch.Tensor], None] | None: ...
+
+    def averages_router(self) -> bool: ...
 
     def decode_capturable(self, layer: int) -> bool: ...
 

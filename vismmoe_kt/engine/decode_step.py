@@ -138,6 +138,8 @@ def router_fn(adapter: ModelAdapter, gate: nn.Module, probabilities: bool = Fals
     if probabilities:
         def run(x: torch.Tensor) -> tuple:
             logits, weights, ids = gate(x)
+            if logits is None:  # a routing source with no probabilities to hand (none are averaged any more)
+                return weights, ids
             return weights, ids, adapter.router_probabilities(logits)
         return run
     return lambda x: gate(x)[1:]

@@ -2,7 +2,7 @@
 
 The VisDecoder rule replaces the language model with an operator whose forward is `TextForward`.
 Prefill with an image runs the first `prune_at` decoder layers (the pinned prefix, whose routing is
-observable at no transfer cost) on every token, recording each visual token's routed experts there.
+observable at no transfer cost; with none pinned, up to the first MoE layer) on every token, recording each visual token's routed experts there.
 Then it keeps all text tokens and the visual tokens that the compression method selects (VisMMOE
 Algorithm 1 by default), with their original M-RoPE positions, and runs the remaining layers on
 those alone: their KV caches hold only kept tokens, the prefix layers' caches hold all. Decode
@@ -125,8 +125,10 @@ class TextForward:
             raise ValueError("prune_layer: auto needs the offload runtime's pinned prefix (VisExperts rules); "
                              "give prune_layer a layer index instead")
         offloaded = runtime.offloaded_layers()
-        # at least one layer first, even with no pinned prefix: Algorithm 1 ranks by the routing before the prune
-        return max(offloaded[0], 1) if offloaded else len(self.layers)
+        # at least the first MoE layer first, even with no pinned prefix: Algorithm 1 ranks by the routing before
+        # the prune (some families' first layers are dense: nothing routed there)
+        first_routed = min(self._hooked, default=0)  # the first layer with a router
+        return max(offloaded[0], first_routed + 1) if offloaded else len(self.layers)
 
     def _keep(self, visual: torch.Tensor, prefix_layers: list[int],
               host: HostPrompt | None) -> tuple[torch.Tensor, torch.Tensor]:

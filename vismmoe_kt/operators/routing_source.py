@@ -375,7 +375,7 @@ class RoutingSource:
             positions = rows.lengths[0, slots]
             weights, ids = self.slot_weights[slots, positions], self.slot_ids[slots, positions]    # (R, L, k)
             logits = None
-            if self.slot_probabilities is not None:
+            if self.slot_probabilities is not None and self._averaged():
                 # the router's probabilities as logits the family's scorer maps back onto them (a softmax
                 # exactly; a sigmoid scorer monotonically: what ranks eviction keeps its order)
                 logits = torch.log(self.slot_probabilities[slots, positions].clamp_min(1e-30))    # (R, L, E)
@@ -384,6 +384,12 @@ class RoutingSource:
         self._routed_at[index] = (slots, positions)
         # a column is contiguous for one row (no copy); the expert kernels read several rows' ids as contiguous
         return None if logits is None else logits[:, index], weights[:, index].contiguous(), ids[:, index].contiguous()
+
+    def _averaged(self) -> bool:
+        """Whether the step's router probabilities are still averaged (read once a step): once `eviction: auto` has
+        kept lru they are not, and a step gets no logits, so it computes no softmax a layer that nobody reads."""
+        runtime = self.context.offload_runtime
+        return runtime is None or runtime.averages_router()
 
     def _modality_hook(self, index: int, name: str):
         """Keeps which of a decoder layer's tokens reach its primary (text) router: those of modality 0

@@ -147,7 +147,7 @@ class DecodeBoundary:
                     self.reserved.update(self._account(records, self.reserved))
             self._publish_finished_copies()
             if self.eviction is not None and not nested:  # a nested self-check step keeps its capture's ranking
-                rt.cache.ranking = self.eviction.for_step(self.reservations.settled)
+                self._rank_for_step()
             if quiet is None:
                 self._reserve()
             offloaded = self._first_offloaded() if self.miss is not None else None
@@ -178,10 +178,19 @@ class DecodeBoundary:
         The ranking `auto`'s trial picks here chooses the next step's victims (after_step's reserve): of a
         trial's run of two steps under one ranking only the second is timed, whose reservations it chose."""
         if self.eviction is not None:
-            self.res.cache.ranking = self.eviction.for_step(self.reservations.settled)
+            self._rank_for_step()
         self.launched.append(self.reserved)
         self.reserved = {}
         self._arm()
+
+    def _rank_for_step(self) -> None:
+        """The ranking this step's victims come by (`auto`'s trial may change it); once no average of the router
+        is kept (the trial kept lru), the cache holds none either, from this step on: a prefetch's admission
+        weighs a held expert as under the lru file, not by averages gone stale."""
+        cache = self.res.cache
+        cache.ranking = self.eviction.for_step(self.reservations.settled)
+        if not self.eviction.reads_usage:
+            cache.usage = None
 
     def _arm(self) -> None:
         self.armed = True
@@ -375,7 +384,10 @@ class DecodeBoundary:
             # recency, Expired/Speculative (a batched step's tokens may share experts: each once)
             cache.begin_layer(layer, [e for e in dict.fromkeys(ids) if (layer, e) in cache.where])
             cache.end_layer(layer)
-        cache.set_usage(rt.moe_layers, records.usage)
+        if self.eviction is None or self.eviction.reads_usage:
+            cache.set_usage(rt.moe_layers, records.usage)
+        else:  # `auto` kept lru: the averages stopped (a frozen or zeroed copy); a prefetch's admission then
+            cache.usage = None  # weighs an Expired slab at 0, as under the lru rule file, not by stale averages
         return unused
 
     def _publish_finished_copies(self) -> None:

@@ -231,7 +231,7 @@ class OffloadRuntime(EngineQueries):
         if self.table.settled:
             return "settled"
         variant = "cpu pairs" if self.plan.decode_cpu and self.table.cpu_active else ""
-        if self.router_sink() is not None and not self._router_averaged():
+        if self.router_sink() is not None and not self.averages_router():
             variant += " without router averages"  # `auto` kept lru: a lerp a layer fewer (observe_router)
         return variant
 
@@ -308,11 +308,14 @@ class OffloadRuntime(EngineQueries):
         """A decode token's router probabilities over every expert of MoE layer `moe_index` (1, E),
         from inside the step (device work only): the VisMMOE cache ranks eviction victims by their
         average (decode_boundary.py), what the router favours beyond its top-k. Nothing once `auto`'s trial has
-        kept lru: the averages would never be read again (the step is captured anew without them: graph_variant)."""
-        if self._router_averaged():
+        kept lru: the step is captured anew without them (graph_variant), and the cache drops its copy, so a
+        prefetch's admission weighs a held expert as under the lru file (0), not by averages gone stale."""
+        if self.averages_router():
             self.table.observe_router(moe_index, probabilities, ROUTER_KEEP)
 
-    def _router_averaged(self) -> bool:
+    def averages_router(self) -> bool:
+        """Whether decode steps still keep the router's averages up (false once `auto`'s trial has kept lru): a
+        routing source then hands a step no probabilities to average (routing_source.py)."""
         eviction = self.boundary.eviction
         return eviction is None or eviction.reads_usage
 
