@@ -142,3 +142,16 @@ def test_the_environment_can_send_every_launch_through_triton(kernel, monkeypatc
     launcher((1,), x, y, 64, 0.5)
     launcher((1,), x, y, 64, 0.5)
     assert not launcher.direct and paths(kernel) == ["triton", "triton"]
+
+
+def test_grid_arithmetic_in_plain_integers_is_tritons():
+    """`cdiv` and `next_power_of_2` replace Triton's host-side helpers (constexpr functions, slow to call): the
+    same values wherever the kernels' grids and block sizes use them."""
+    triton = pytest.importorskip("triton")
+    from kernel_launch import cdiv, next_power_of_2
+
+    for n in range(0, 5000, 7):
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
+        for b in (1, 3, 16, 64, 256, 4096):
+            assert cdiv(n, b) == triton.cdiv(n, b)
+    assert next_power_of_2(2**20) == 2**20 and next_power_of_2(2**20 + 1) == 2**21

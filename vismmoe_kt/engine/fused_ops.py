@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kernel_launch import launch
+from kernel_launch import launch, next_power_of_2
 
 try:
     import triton
@@ -43,7 +43,7 @@ def _rms_norm_triton(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch
     rows = x.reshape(-1, width)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     launch(_rms_norm_kernel, (rows.shape[0],), rows, weight, out, rows.stride(0), eps, N=width,
-           BLOCK=triton.next_power_of_2(width), num_warps=4 if width > 1024 else 1)
+           BLOCK=next_power_of_2(width), num_warps=4 if width > 1024 else 1)
     return out.view(*x.shape[:-1], width)
 
 
@@ -70,7 +70,7 @@ def add_rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor, residual: to
         total = torch.empty_like(rows)
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         launch(_add_rms_norm_kernel, (rows.shape[0],), rows, added, weight, total, out, rows.stride(0), added.stride(0),
-               eps, N=width, BLOCK=triton.next_power_of_2(width), num_warps=4 if width > 1024 else 1)
+               eps, N=width, BLOCK=next_power_of_2(width), num_warps=4 if width > 1024 else 1)
         return total.view(x.shape), out.view(*x.shape[:-1], width)
     total = x + residual
     return total, rms_norm(weight, eps, total)
@@ -170,7 +170,7 @@ def _route_triton(logits: torch.Tensor, top_k: int, probabilities: bool) -> tupl
     chosen = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     every = torch.empty(tokens, experts if probabilities else 1, dtype=torch.float32, device=logits.device)
     launch(_route_kernel, (tokens,), logits, logits.stride(0), weights, chosen, every, E=experts, K=top_k,
-           BLOCK=triton.next_power_of_2(experts), KBLOCK=triton.next_power_of_2(top_k), PROBABILITIES=probabilities,
+           BLOCK=next_power_of_2(experts), KBLOCK=next_power_of_2(top_k), PROBABILITIES=probabilities,
            num_warps=1 if experts <= 256 else 4)
     return (weights, chosen, every) if probabilities else (weights, chosen)
 

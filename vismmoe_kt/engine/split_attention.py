@@ -30,6 +30,7 @@ import functools
 import weakref
 
 import torch
+from kernel_launch import cdiv, next_power_of_2
 
 from ..models.base import DecodeAttentionParts
 from .slot_cache import SlotKVCache
@@ -57,7 +58,7 @@ def split_count(rows: int, kv_heads: int, span: int, device: torch.device) -> in
         if device.type == "cuda" else 8
     wanted = max(1, (2 * processors) // max(1, rows * kv_heads))
     splits = 1 << (wanted.bit_length() - 1)
-    return max(1, min(splits, MAX_SPLITS, triton.next_power_of_2(max(1, span // BLOCK_N))))
+    return max(1, min(splits, MAX_SPLITS, next_power_of_2(max(1, span // BLOCK_N))))
 
 
 class SplitWorkspace:
@@ -99,8 +100,8 @@ def attend_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: De
         qkv, qkv.stride(0), cos.contiguous(), sin.contiguous(), p.query_norm[0], p.key_norm[0],
         p.query_norm[1], p.key_norm[1], keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
         cache.active, cache.lengths[p.layer_index], space.partials, space.stats, space.counters, out, p.scaling,
-        HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, G=group, GP=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        SPLITS=splits, MAXS=MAX_SPLITS, BLOCK_N=BLOCK_N, ITERS=triton.cdiv(cache.span, splits * BLOCK_N), num_warps=4)
+        HQ=p.heads, HKV=p.kv_heads, D=p.head_dim, G=group, GP=max(MIN_GROUP_ROWS, next_power_of_2(group)),
+        SPLITS=splits, MAXS=MAX_SPLITS, BLOCK_N=BLOCK_N, ITERS=cdiv(cache.span, splits * BLOCK_N), num_warps=4)
     return out
 
 

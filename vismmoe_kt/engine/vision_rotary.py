@@ -15,7 +15,7 @@ so the same bits as the torch form.
 from __future__ import annotations
 
 import torch
-from kernel_launch import launch
+from kernel_launch import launch, next_power_of_2
 
 from .fused_attention import rotate_half
 
@@ -51,8 +51,8 @@ def _rotate_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     half = head_dim // 2
     # products and sums rounded apart, as torch's separate kernels round them (no FMA): the same bits
     launch(_rotary_kernel, (patches, 2), qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-           cos.stride(0), sin.stride(0), patches, H=heads, HALF=half, BLOCK_H=triton.next_power_of_2(heads),
-           BLOCK_HALF=triton.next_power_of_2(half), num_warps=2, enable_fp_fusion=False)
+           cos.stride(0), sin.stride(0), patches, H=heads, HALF=half, BLOCK_H=next_power_of_2(heads),
+           BLOCK_HALF=next_power_of_2(half), num_warps=2, enable_fp_fusion=False)
     return out
 
 

@@ -24,6 +24,7 @@ torch path (vismmoe_kt.runtime.table_experts).
 from __future__ import annotations
 
 import torch
+from kernel_launch import cdiv
 
 from . import triton_support, tuning
 from .triton_support import TL_DTYPES, tl, triton
@@ -115,12 +116,12 @@ def experts_where_they_lie(x: torch.Tensor, ids: torch.Tensor, slots: torch.Tens
     tuned = tuning.get("bf16_gemv", x.device)
     rows, cols, warps = gate_up_config or tuned["gate_up"]
     if parts != "down":
-        _gate_up_kernel[(pairs, triton.cdiv(inter, rows))](
+        _gate_up_kernel[(pairs, cdiv(inter, rows))](
             x.contiguous(), ids, slots, land, h, gate_up.data_ptr(), host_addr, gate_up[0].numel(), block_elems,
             TOP_K=top_k, BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps, **common)
     rows, cols, warps = down_config or tuned["down"]
     if parts != "gate_up":
-        _down_kernel[(pairs, triton.cdiv(hidden, rows))](
+        _down_kernel[(pairs, cdiv(hidden, rows))](
             h, ids, slots, land, y, down.data_ptr(), host_addr, down[0].numel(), block_elems,
             BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps, **common)
     return y

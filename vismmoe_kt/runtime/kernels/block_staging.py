@@ -5,6 +5,7 @@ quantized slabs that the quantized GEMVs read in place."""
 from __future__ import annotations
 
 import torch
+from kernel_launch import cdiv, next_power_of_2
 
 from . import triton_support
 from .triton_support import tl, triton
@@ -58,7 +59,7 @@ def staging_plan(slots: torch.Tensor, land: torch.Tensor, scratch: int,
         need = torch.empty(pairs, dtype=torch.int8, device=slots.device)
         target, read = torch.empty_like(slots), torch.empty_like(slots)
         _staging_plan_kernel[(1,)](slots, land, need, target, read, scratch, pairs,
-                                   BLOCK=triton.next_power_of_2(pairs), num_warps=1)
+                                   BLOCK=next_power_of_2(pairs), num_warps=1)
         return need, target, read
     need = slots < 0
     target = torch.where(land >= 0, land, scratch + torch.arange(slots.numel(), device=slots.device))
@@ -78,6 +79,6 @@ def stage_blocks(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, ro
     if block_bytes % 4 or rows.shape[1] % 4:
         raise ValueError(f"blocks of {block_bytes} bytes into rows of {rows.shape[1]}: not whole 4-byte words")
     words = block_bytes // 4
-    _stage_kernel[(ids.numel(), triton.cdiv(words, STAGE_CHUNK))](
+    _stage_kernel[(ids.numel(), cdiv(words, STAGE_CHUNK))](
         ids, need.to(torch.int8), target, rows.view(torch.int32), host_address, words, rows.shape[1] // 4,
         CHUNK=STAGE_CHUNK)

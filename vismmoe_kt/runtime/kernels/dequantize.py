@@ -11,6 +11,7 @@ after another.
 from __future__ import annotations
 
 import torch
+from kernel_launch import cdiv
 
 from . import triton_support
 from .triton_support import tl, triton
@@ -111,7 +112,7 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
         words = block_bytes // 4
         staging = torch.empty(p, words, dtype=torch.int32, device=ids.device)
         rows_of_staging = torch.arange(p, device=ids.device)  # pair i's block is staging row i
-        _stage_kernel[(p, triton.cdiv(words, STAGE_CHUNK))](ids, need, rows_of_staging, staging, host_address, words,
+        _stage_kernel[(p, cdiv(words, STAGE_CHUNK))](ids, need, rows_of_staging, staging, host_address, words,
                                                             words, CHUNK=STAGE_CHUNK)
         staging_address = staging.data_ptr()
     for pool, rows, cols, part_bytes, part_fmt in (
@@ -119,8 +120,8 @@ def fetch_q8(ids: torch.Tensor, need: torch.Tensor, target: torch.Tensor, pools:
             (down, hidden, inter, 2 * inter * PART_CODECS[fmt].row_bytes(hidden), down_fmt)):
         args = (rows_of_staging, need, target, pool, staging_address, block_bytes, part_bytes, pool[0].numel(), 0)
         if part_fmt in ("q4_k", "q5_k", "q6_k"):  # 256-weight super-blocks
-            _fetch_kquant_kernel[(p, triton.cdiv(rows, block_rows), cols // 256)](
+            _fetch_kquant_kernel[(p, cdiv(rows, block_rows), cols // 256)](
                 *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, KIND=int(part_fmt[1]))
         else:
-            _fetch_q8_kernel[(p, triton.cdiv(rows, block_rows), triton.cdiv(cols // 32, qblocks))](
+            _fetch_q8_kernel[(p, cdiv(rows, block_rows), cdiv(cols // 32, qblocks))](
                 *args, ROWS=rows, COLS=cols, BLOCK_ROWS=block_rows, QBLOCKS=qblocks, Q4=part_fmt == "q4_0")

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kernel_launch import launch
+from kernel_launch import cdiv, launch, next_power_of_2
 
 from . import tuning
 from .triton_support import tl, triton
@@ -77,7 +77,7 @@ def plan_chunk(pairs: int) -> int:
     instructions without a spill, and 30 programs. A long prompt's chunks grow instead of their count, which
     each program reads whole (CHUNKS x experts)."""
     low, high = PLAN_CHUNK_RANGE
-    return min(max(triton.next_power_of_2(triton.cdiv(pairs, PLAN_CHUNKS)), low), high)
+    return min(max(next_power_of_2(cdiv(pairs, PLAN_CHUNKS)), low), high)
 
 
 def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,15 +92,15 @@ def block_plan(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) -> tup
     block_expert, block_pairs = plan[:pairs], plan[pairs:].view(pairs, block)
     if pairs > MAX_PLAN_PAIRS:
         chunk = plan_chunk(pairs)
-        chunks, width = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts)
+        chunks, width = cdiv(pairs, chunk), next_power_of_2(num_experts)
         counts = torch.empty(chunks, width, dtype=torch.int32, device=ids.device)
         flat = ids.reshape(-1)
         launch(_chunk_counts_kernel, (chunks,), flat, counts, pairs, EP=width, CHUNK=chunk, num_warps=PLAN_WARPS)
         # the chunks' count rounded up to a power of two (the excess masked): a compile per power, not per length
         launch(_chunk_place_kernel, (chunks,), flat, counts, block_expert, block_pairs, pairs, chunks, E=num_experts,
-               EP=width, CHUNK=chunk, CHUNKS=triton.next_power_of_2(chunks), BLOCK_M=block, num_warps=PLAN_WARPS)
+               EP=width, CHUNK=chunk, CHUNKS=next_power_of_2(chunks), BLOCK_M=block, num_warps=PLAN_WARPS)
         return block_expert, block_pairs
-    launch(_blocks_kernel, (1,), ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=triton.next_power_of_2(pairs),
+    launch(_blocks_kernel, (1,), ids.reshape(-1), block_expert, block_pairs, P=pairs, PP=next_power_of_2(pairs),
            BLOCK_M=block, num_warps=4)
     return block_expert, block_pairs
 
@@ -137,11 +137,11 @@ def experts_expert_major(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_u
     y = torch.empty(pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     tuned = tuning.get("expert_major", hidden.device)
     n, k, warps, stages = gate_up_tiles or tuned["gate_up"]
-    _gate_up_blocks[(pairs, triton.cdiv(inter, n))](
+    _gate_up_blocks[(pairs, cdiv(inter, n))](
         x, block_expert, block_pairs, gate_up, h, TOP_K=top_k, H=hidden_size, I=inter, BLOCK_M=BLOCK_M,
         BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
     n, k, warps, stages = down_tiles or tuned["down"]
-    _down_blocks[(pairs, triton.cdiv(hidden_size, n))](
+    _down_blocks[(pairs, cdiv(hidden_size, n))](
         h, block_expert, block_pairs, down, y, H=hidden_size, I=inter, BLOCK_M=BLOCK_M, BLOCK_N=n, BLOCK_K=k,
         num_warps=warps, num_stages=stages)
     return y

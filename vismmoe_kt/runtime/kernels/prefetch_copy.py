@@ -7,6 +7,7 @@ The copy's program count is tuned per device (tuning.py, key prefetch_programs).
 from __future__ import annotations
 
 import torch
+from kernel_launch import cdiv, next_power_of_2
 
 from . import triton_support, tuning
 from .triton_support import TL_DTYPES, tl, triton
@@ -65,13 +66,13 @@ def prefetch(table, rows: torch.Tensor, ids: torch.Tensor, pools: tuple[torch.Te
     b = ids.numel()
     gate_up, down = pools
     slab = torch.empty(b, dtype=torch.long, device=ids.device)
-    bp = triton.next_power_of_2(max(b, 2))
+    bp = next_power_of_2(max(b, 2))
     experts = table.num_experts
     _prefetch_claim_kernel[(1,)](rows, ids, table.slots, table.landing, table.count, table.used, table.owner, slab, b,
                                  E=experts, R=table.landing_slots, BP=bp)
     gate_up_elems, down_elems = gate_up[0].numel(), down[0].numel()
     chunk = copy_chunk(gate_up_elems, down_elems)
-    rounds = triton.cdiv(b * triton.cdiv(gate_up_elems + down_elems, chunk), programs)
+    rounds = cdiv(b * cdiv(gate_up_elems + down_elems, chunk), programs)
     _prefetch_copy_kernel[(programs,)](
         rows, ids, slab, host_addresses, gate_up.data_ptr(), down.data_ptr(), b, gate_up_elems + down_elems, ROUNDS=rounds,
         W_DTYPE=TL_DTYPES[gate_up.dtype], ELEM_BYTES=gate_up.element_size(), GATE_UP=gate_up_elems,

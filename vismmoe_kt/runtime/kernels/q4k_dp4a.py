@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from kernel_launch import cdiv, next_power_of_2
 
 from .triton_support import tl, triton
 
@@ -47,7 +48,7 @@ def q8_activations(x: torch.Tensor, use_kernel: bool = True) -> tuple[torch.Tens
     q = torch.empty(rows, cols, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows, cols // Q8_BLOCK, dtype=torch.float32, device=x.device)
     sums = torch.empty_like(scales)
-    _q8_kernel[(rows, triton.cdiv(cols // Q8_BLOCK, Q8_BLOCKS_PER_PROGRAM))](
+    _q8_kernel[(rows, cdiv(cols // Q8_BLOCK, Q8_BLOCKS_PER_PROGRAM))](
         x.contiguous(), q, scales, sums, COLS=cols, BLOCKS=Q8_BLOCKS_PER_PROGRAM)
     return q, scales, sums
 
@@ -59,9 +60,9 @@ def gate_up_dp4a(x: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, pool
     q, scales, sums = q8_activations(x)
     pairs = slots.numel()
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-    _gate_up_dp4a_kernel[(pairs, triton.cdiv(inter, rows))](
+    _gate_up_dp4a_kernel[(pairs, cdiv(inter, rows))](
         q.view(torch.int32), scales, sums, slots, table, h, pool, pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
-        BLOCK_ROWS=rows, SB_TILE=triton.next_power_of_2(hidden // 256), BY_EXPERT=by_expert, ASM=x.is_cuda,
+        BLOCK_ROWS=rows, SB_TILE=next_power_of_2(hidden // 256), BY_EXPERT=by_expert, ASM=x.is_cuda,
         num_warps=warps)
     return h
 
@@ -73,9 +74,9 @@ def down_dp4a(h: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, pool: t
     q, scales, sums = q8_activations(h)
     pairs = slots.numel()
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
-    _down_dp4a_kernel[(pairs, triton.cdiv(hidden, rows))](
+    _down_dp4a_kernel[(pairs, cdiv(hidden, rows))](
         q.view(torch.int32), scales, sums, slots, table, y, pool, pool.shape[1], part_bytes, H=hidden, I=inter,
-        BLOCK_ROWS=rows, SB_TILE=triton.next_power_of_2(inter // 256), BY_EXPERT=by_expert, ASM=h.is_cuda,
+        BLOCK_ROWS=rows, SB_TILE=next_power_of_2(inter // 256), BY_EXPERT=by_expert, ASM=h.is_cuda,
         num_warps=warps)
     return y
 

@@ -31,6 +31,7 @@ quantized_gemv), and whether Q4_K reads words (q4_k_word_loads).
 from __future__ import annotations
 
 import torch
+from kernel_launch import cdiv, next_power_of_2
 
 from . import q4k_dp4a, triton_support, tuning
 from .block_decode import TILE_BYTES
@@ -299,17 +300,17 @@ def quantized_experts(x: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
         h = q4k_dp4a.gate_up_dp4a(x, slots, table, pool, inter, hidden, top_k, rows_up, warps_up, by_expert)
     else:
         h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-        _gate_up_q_kernel[(pairs, triton.cdiv(inter, rows_up))](
+        _gate_up_q_kernel[(pairs, cdiv(inter, rows_up))](
             x.contiguous(), slots, table, h, pool, pool.shape[1], TOP_K=top_k, H=hidden, I=inter,
             KIND=_kind(fmt, x.device), SB_BYTES=TILE_BYTES[fmt], BLOCK_ROWS=rows_up, LOADS=loads_up,
-            SB_TILE=triton.next_power_of_2(hidden // 256), BY_EXPERT=by_expert, num_warps=warps_up)
+            SB_TILE=next_power_of_2(hidden // 256), BY_EXPERT=by_expert, num_warps=warps_up)
     if loads_down == LOAD_FORMS["dp4a"]:
         return q4k_dp4a.down_dp4a(h, slots, table, pool, part_bytes, inter, hidden, rows_down, warps_down, by_expert)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    _down_q_kernel[(pairs, triton.cdiv(hidden, rows_down))](
+    _down_q_kernel[(pairs, cdiv(hidden, rows_down))](
         h, slots, table, y, pool, pool.shape[1], part_bytes, H=hidden, I=inter,
         KIND=_kind(down_fmt, x.device), SB_BYTES=TILE_BYTES[down_fmt], BLOCK_ROWS=rows_down, LOADS=loads_down,
-        SB_TILE=triton.next_power_of_2(inter // 256), BY_EXPERT=by_expert, num_warps=warps_down)
+        SB_TILE=next_power_of_2(inter // 256), BY_EXPERT=by_expert, num_warps=warps_down)
     return y
 
 

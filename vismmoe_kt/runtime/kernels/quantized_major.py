@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from kernel_launch import launch
+from kernel_launch import cdiv, launch
 
 from . import expert_major, tuning
 from .block_decode import TILE_BYTES
@@ -63,7 +63,7 @@ def stage_misses(ids: torch.Tensor, slots: torch.Tensor, land: torch.Tensor, poo
         raise ValueError(f"blocks of {block_bytes} bytes into rows of {pool.shape[1]} / {staging.shape[1]}: "
                          "not whole 4-byte words")
     words = block_bytes // 4
-    _stage_kernel[(ids.numel(), triton.cdiv(words, STAGE_CHUNK))](
+    _stage_kernel[(ids.numel(), cdiv(words, STAGE_CHUNK))](
         ids, slots, land, pool.view(torch.int32), staging.view(torch.int32), host_address, words, pool.shape[1] // 4,
         staging.shape[1] // 4, CHUNK=STAGE_CHUNK)
 
@@ -167,24 +167,24 @@ def experts_quantized_major(hidden: torch.Tensor, top_k_index: torch.Tensor, slo
     rows = (pool, pool.shape[1], staging.data_ptr() - pool.data_ptr(), staging.shape[1])
     n, warps, stages, piece, _ = gate_up_form
     if weights_first(fmt, gate_up_form):
-        launch(_gate_up_q_rows, (blocks, triton.cdiv(inter, n)),
+        launch(_gate_up_q_rows, (blocks, cdiv(inter, n)),
                x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
                DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
                AHEAD=gate_up_form[4] == "weights-ahead", num_warps=warps, num_stages=stages)
     else:
-        launch(_gate_up_q_blocks, (blocks, triton.cdiv(inter, n)),
+        launch(_gate_up_q_blocks, (blocks, cdiv(inter, n)),
                x, block_expert, block_pairs, slots, land, h, *rows, TOP_K=top_k, H=hidden_size, I=inter,
                KIND=TILE_KINDS[fmt], DOWN_KIND=h_order, SB_BYTES=TILE_BYTES[fmt], BLOCK_M=block_m, BLOCK_N=n,
                PIECE=piece, num_warps=warps, num_stages=stages)
     n, warps, stages, piece, _ = down_form
     part_bytes = 2 * inter * (hidden_size // 256) * TILE_BYTES[fmt]
     if weights_first(down_fmt, down_form):
-        launch(_down_q_rows, (blocks, triton.cdiv(hidden_size, n)),
+        launch(_down_q_rows, (blocks, cdiv(hidden_size, n)),
                h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
                SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, AHEAD=down_form[4] == "weights-ahead",
                num_warps=warps, num_stages=stages)
     else:
-        launch(_down_q_blocks, (blocks, triton.cdiv(hidden_size, n)),
+        launch(_down_q_blocks, (blocks, cdiv(hidden_size, n)),
                h, block_expert, block_pairs, slots, land, y, *rows, PART_BYTES=part_bytes, H=hidden_size, I=inter,
                KIND=TILE_KINDS[down_fmt], SB_BYTES=TILE_BYTES[down_fmt], BLOCK_M=block_m, BLOCK_N=n, PIECE=piece,
                num_warps=warps, num_stages=stages)

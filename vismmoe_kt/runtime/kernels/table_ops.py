@@ -12,7 +12,7 @@ each token's K outputs in a fixed order: deterministic.
 from __future__ import annotations
 
 import torch
-from kernel_launch import launch
+from kernel_launch import cdiv, launch, next_power_of_2
 
 from . import triton_support
 from .triton_support import tl, triton
@@ -124,7 +124,7 @@ def plan(table, row: int, ids: torch.Tensor, offset: int | None = None) -> tuple
     routed, read = table.records(offset)  # views: row r at r * stride
     _plan_kernel[(pairs // k,)](ids, table.slots, table.landing, table.count, table.used, table.owner, routed, read,
                                 slots, land, table.cpu_quota, row, E1=table.slots.shape[1], K=k,
-                                KP=triton.next_power_of_2(k), R=table.landing_slots, STRIDE=routed.stride(0))
+                                KP=next_power_of_2(k), R=table.landing_slots, STRIDE=routed.stride(0))
     return slots, land
 
 
@@ -136,8 +136,8 @@ def combine(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype, ta
     out = torch.empty(tokens, hidden, dtype=dtype, device=y.device)
     publish = table is not None
     block = 1024
-    launch(_combine_kernel, (triton.cdiv(hidden, block), tokens),
+    launch(_combine_kernel, (cdiv(hidden, block), tokens),
            y, top_k_weights.contiguous(), out, ids if publish else y, land if publish else y,
            table.slots if publish else y, row, hidden, E1=table.slots.shape[1] if publish else 1, K=k,
-           KP=triton.next_power_of_2(k), PUBLISH=publish, BLOCK=block)
+           KP=next_power_of_2(k), PUBLISH=publish, BLOCK=block)
     return out
