@@ -180,6 +180,9 @@ def test_router_averages_stop_once_the_trial_keeps_lru(slow, averaged):
     assert runtime.boundary.eviction.reads_usage == averaged
     # what a prefetch's admission weighs a held expert by: the live averages, or nothing (lru's file), never frozen ones
     assert (runtime.cache.usage is not None) == averaged
+    with runtime.lock:  # the decode stops (a prefill next, whose prefetches weigh held experts): its last step accounted
+        runtime.boundary.leave()
+    assert (runtime.cache.usage is not None) == averaged
     held = next(slab for slab, key in enumerate(runtime.cache.owner) if key is not None)
     assert averaged or runtime.cache.classify(held) == "speculative" or runtime.cache.worth(held) == 0.0
     assert not FixedEviction("lru", "given").reads_usage and FixedEviction("vismmoe", "given").reads_usage

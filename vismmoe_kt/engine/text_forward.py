@@ -2,14 +2,15 @@
 
 The VisDecoder rule replaces the language model with an operator whose forward is `TextForward`.
 Prefill with an image runs the first `prune_at` decoder layers (the pinned prefix, whose routing is
-observable at no transfer cost; with none pinned, up to the first MoE layer) on every token, recording each visual token's routed experts there.
-Then it keeps all text tokens and the visual tokens that the compression method selects (VisMMOE
-Algorithm 1 by default), with their original M-RoPE positions, and runs the remaining layers on
-those alone: their KV caches hold only kept tokens, the prefix layers' caches hold all. Decode
-steps need nothing special (positions continue from the full sequence, each layer attends to what
-its cache holds). Pruned positions leave with their prefix hidden states, so the output keeps the
-input's length. What the prefill kept goes to the load context (`pruning`), where the decode
-engine reads it. keep_ratio 1.0 gives exactly the reference model's outputs.
+observable at no transfer cost; with none pinned, up to the first MoE layer) on every token,
+recording each visual token's routed experts there. Then it keeps all text tokens and the visual
+tokens that the compression method selects (VisMMOE Algorithm 1 by default), with their original
+M-RoPE positions, and runs the remaining layers on those alone: their KV caches hold only kept
+tokens, the prefix layers' caches hold all. Decode steps need nothing special (positions continue
+from the full sequence, each layer attends to what its cache holds). Pruned positions leave with
+their prefix hidden states, so the output keeps the input's length. What the prefill kept goes to
+the load context (`pruning`), where the decode engine reads it. keep_ratio 1.0 gives exactly the
+reference model's outputs.
 
 Limitation: pruning needs batch size 1 without padding; other batches raise a clear error. Batched
 generation's prompts prefilled together (right-padded, into a `SlotRowsView`) run this loop unpruned:

@@ -189,8 +189,14 @@ class DecodeBoundary:
         weighs a held expert as under the lru file, not by averages gone stale."""
         cache = self.res.cache
         cache.ranking = self.eviction.for_step(self.reservations.settled)
-        if not self.eviction.reads_usage:
+        if not self.averages_router:
             cache.usage = None
+
+    @property
+    def averages_router(self) -> bool:
+        """Whether decode keeps the router's averages up: until `auto`'s trial keeps lru (no trial: the ranking
+        given decides whether a step averages at all, OffloadRuntime.router_sink)."""
+        return self.eviction is None or self.eviction.reads_usage
 
     def _arm(self) -> None:
         self.armed = True
@@ -384,10 +390,8 @@ class DecodeBoundary:
             # recency, Expired/Speculative (a batched step's tokens may share experts: each once)
             cache.begin_layer(layer, [e for e in dict.fromkeys(ids) if (layer, e) in cache.where])
             cache.end_layer(layer)
-        if self.eviction is None or self.eviction.reads_usage:
+        if self.averages_router:  # else the cache keeps none (_rank_for_step), not the stopped ones' stale copy
             cache.set_usage(rt.moe_layers, records.usage)
-        else:  # `auto` kept lru: the averages stopped (a frozen or zeroed copy); a prefetch's admission then
-            cache.usage = None  # weighs an Expired slab at 0, as under the lru rule file, not by stale averages
         return unused
 
     def _publish_finished_copies(self) -> None:

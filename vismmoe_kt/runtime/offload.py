@@ -316,8 +316,7 @@ class OffloadRuntime(EngineQueries):
     def averages_router(self) -> bool:
         """Whether decode steps still keep the router's averages up (false once `auto`'s trial has kept lru): a
         routing source then hands a step no probabilities to average (routing_source.py)."""
-        eviction = self.boundary.eviction
-        return eviction is None or eviction.reads_usage
+        return self.boundary.averages_router
 
     def router_sink(self) -> Any:
         """`observe_router` where the eviction may use it (table decode with slabs to evict from, the
