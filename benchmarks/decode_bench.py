@@ -52,8 +52,12 @@ Configurations used in scripts/device_session.sh (all greedy, batch 1, an image 
 The old spellings (lean:16GiB+q4k, hybrid:16GiB+cpu, kt-cpu:16+int4, ...) and their translations:
 benchmarks/results/README.md.
 
-Per configuration: load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps;
-from the tokens' arrivals), the gaps between tokens (p50 and p95 over every rep), how many greedy
+Per configuration, after warm-up requests of the measured length (again while the last one captured a decode
+graph, at most three: a trial of the default rules settling in the first request changes the decode step's
+variant, and the spans that request had passed are captured in the next), so that no rep pays a capture:
+load seconds (weights made or read, quantized, placed), prefill seconds, decode tokens/s (median and range over --reps;
+from the tokens' arrivals; each rep's too, with its prompt's seconds and its longest gap between tokens), the gaps
+between tokens (p50 and p95 over every rep), how many greedy
 tokens agree with `hf` from the start, GPU peak and host RSS, and for offloaded ones the expert bytes
 that crossed PCIe per decode token (copies, and misses the decode kernels read in place), the decode
 hit rate, and the physical bound max(bytes per token / copy bandwidth measured in this run, the time per
@@ -275,6 +279,27 @@ def _pruning(model) -> tuple[int, int, float] | None:
     return c.pruned_prefills, c.tokens_after, c.compression_seconds
 
 
+WARM_UPS = 3  # at most this many warm-up requests a configuration
+
+
+def _captured(model) -> int:
+    engine = decode_engine(model)
+    return engine.stats().get("segments_captured", 0) if engine is not None else 0  # (no runner yet: {})
+
+
+def warm_up(model, inputs: dict, decode_tokens: int) -> int:
+    """Requests of the measured length before the reps (the same cache capacity), so that the graphs are captured
+    here, not in a rep: again while the last one captured any (a trial of the default rules that settles in a
+    request changes the decode step's variant there, and the spans that request had passed get their capture in
+    the next one), at most WARM_UPS. Returns how many ran."""
+    for count in range(1, WARM_UPS + 1):
+        before = _captured(model)
+        timed_generate(model, inputs, decode_tokens)
+        if _captured(model) == before:  # (the first request captures nothing only where decode is eager)
+            break
+    return count
+
+
 def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     spec = config.label
     if args.device.startswith("cuda"):
@@ -285,8 +310,7 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         raise SystemExit(f"--configs {spec}: {exc}") from None
     inputs = text_request(processor, args.text_tokens, args.device) if args.text_tokens \
         else make_request(processor, args.image_size, args.device)
-    # warm-up of the measured length: the same cache capacity, so the capture happens here, not in a rep
-    timed_generate(model, inputs, args.decode_tokens - 1)
+    warm_ups = warm_up(model, inputs, args.decode_tokens - 1)
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
     # what the measured requests' prompts copied into slabs, the routing reads the placement path made, the
@@ -296,17 +320,21 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
                      before["prefill_stall_seconds"]) if runtime else None
     pruning_before = _pruning(model)
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
-    prefill, decode, gaps, tokens = [], [], [], None
+    prefill, decode, gaps, longest, tokens = [], [], [], [], None
     for _ in range(args.reps):
         timed = timed_generate(model, inputs, args.decode_tokens - 1)  # the first token is the prefill's
         prefill.append(timed.prefill_s)
         decode.append(timed.decode_tok_s)
         gaps += timed.gaps_s
+        longest.append(max(timed.gaps_s, default=0.0))
         tokens = timed.tokens
     row_split = split.per_prefill(args.reps)
     row = {"config": spec, "rules": config.rule_file, "settings": config.settings, "load_s": model.vismmoe.load_seconds,
            "prompt_tokens": int(inputs["input_ids"].shape[1]),
-           "decode_tok_s_reps": decode,
+           "warm_ups": warm_ups, "decode_tok_s_reps": decode, "prefill_s_reps": prefill,
+           # each rep's longest wait between tokens: a slow rep with one long gap stalled once (a capture, a
+           # collection), one without it ran every step slower
+           "token_gap_ms_max_reps": [1e3 * g for g in longest],
            "prefill_s_median": statistics.median(prefill), "prefill_s_min": min(prefill),
            "prefill_s_max": max(prefill), "decode_tok_s_median": statistics.median(decode),
            "decode_tok_s_min": min(decode), "decode_tok_s_max": max(decode),

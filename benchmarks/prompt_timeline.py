@@ -1,7 +1,7 @@
 """Where a prompt's time goes: the host's issue against the GPU's work, stage by stage, and the host's Python.
 
     PYTHONPATH=. python3 -m benchmarks.prompt_timeline --config NAME[:key=value,...] --out DIR
-        [--image-size 448] [--text-tokens 508] [--rounds 3] [--split] [--profile]
+        [--image-size 448] [--text-tokens 508] [--rounds 3] [--split] [--profile] [--decode-tokens N]
 
 One model load; each prompt (a picture's and/or a text one) is generated to its first token `--rounds` times
 after a warm run, with hooks on the vision tower and on every decoder layer. Each hook notes the host's clock
@@ -220,9 +220,15 @@ def main(argv: list[str] | None = None) -> int:
                              "SPLIT_FUNCTIONS)")
     parser.add_argument("--profile", action="store_true", help="one more prompt of each kind under cProfile")
     parser.add_argument("--top", type=int, default=30, help="functions listed by --profile in each order (30)")
+    parser.add_argument("--decode-tokens", type=int, default=0,
+                        help="before each timed (and the profiled) prompt, an untimed request decoding this many "
+                             "tokens: the prompt then starts from the cache a decode left, as decode_bench's reps do "
+                             "(default 0: prompts back to back; the split's prompts stay back to back)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
+    if args.decode_tokens < 0:
+        parser.error(f"--decode-tokens {args.decode_tokens}: a count of tokens, 0 or more")
     check_prompt_flags(parser, args)
     cuda = args.device.startswith("cuda")
     model, processor = load_prompt_model(parser, args, "prompt-timeline-")
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         timed_generate(model, request, 1)  # warm: compiled, captured
         summaries = []
         for _ in range(args.rounds):
+            if args.decode_tokens:
+                timed_generate(model, request, args.decode_tokens)
             clock.start()
             prefill_s = timed_generate(model, request, 1).prefill_s
             marks = clock.stop()
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:28s} {row['ms_per_prompt']:7.2f} ms a prompt {row['ms_per_layer'] * 1e3:7.1f} us a layer"
                       f" {row['calls_per_prompt']:6.0f} calls", flush=True)
         if args.profile:
+            if args.decode_tokens:
+                timed_generate(model, request, args.decode_tokens)
             profiles.append(f"== {label}\n" + profile_prompt(model, request, args.top))
     clock.remove()
     (out_dir / "prompt_timeline.json").write_text(json.dumps(result, indent=1))

@@ -26,6 +26,8 @@ def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", default="synthetic", help="as decode_bench's --routing (default synthetic)")
     parser.add_argument("--tiny", help="a tiny random model instead of the configuration's (a sanity run)")
     parser.add_argument("--device", default="cuda:0", help="where the model runs (cpu with --tiny)")
+    parser.add_argument("--layers", type=int, help="the synthetic model (a configuration without gguf_path): keep the "
+                                                   "first N decoder layers (default: all)")
 
 
 def check_prompt_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -39,8 +41,9 @@ def check_prompt_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
 def load_prompt_model(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str):
     """(model, processor) of the configuration (a tiny model saved under a temporary folder with `--tiny`); a
     configuration the loader refuses ends the run through the parser."""
+    # the synthetic model's full depth in BF16, where the configuration names no GGUF (decode_bench's defaults)
     bench_args = types.SimpleNamespace(device=args.device, routing=args.routing, tiny=args.tiny, model=DEFAULT_MODEL,
-                                       tiny_dir=None)
+                                       tiny_dir=None, layers=args.layers, dtype="bfloat16", narrow=False)
     if args.tiny:
         root = tempfile.mkdtemp(prefix=prefix)
         atexit.register(shutil.rmtree, root, ignore_errors=True)

@@ -68,3 +68,27 @@ def test_the_clock_counts_from_the_prompts_first_origin_and_says_when_it_never_r
     with pytest.raises(RuntimeError, match="never ran"):
         clock.stop()
     clock.remove()
+
+
+def test_decode_tokens_put_a_decode_before_each_timed_and_profiled_prompt(tmp_path, monkeypatch):
+    """`--decode-tokens N`: each timed prompt (and the profiled one) starts from the cache an N-token decode left,
+    as decode_bench's reps do; the warm prompt stays alone."""
+    calls = []
+    real = prompt_timeline.timed_generate
+
+    def recording(model, request, tokens, *args, **kwargs):
+        calls.append(tokens)
+        return real(model, request, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(prompt_timeline, "timed_generate", recording)
+    assert prompt_timeline.main(["--config", "offload:expert_budget=1GiB", "--out", str(tmp_path), "--tiny",
+                                 "tiny-2x8", "--device", "cpu", "--image-size", "224", "--rounds", "2",
+                                 "--decode-tokens", "3", "--profile", "--top", "3"]) == 0
+    assert calls == [1, 3, 1, 3, 1, 3, 1]  # warm; two rounds, each a decode then the prompt; the profiled one
+
+
+def test_a_negative_decode_count_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prompt_timeline.main(["--config", "lru:expert_budget=1GiB", "--out", str(tmp_path), "--tiny", "tiny-2x8",
+                              "--device", "cpu", "--decode-tokens", "-1"])
+    assert "--decode-tokens -1" in capsys.readouterr().err

@@ -245,6 +245,10 @@ def test_vectorised_usage_ranking_equals_the_plain_python_one(seed, num_slabs, l
     speculative = [s for s in recency if cache.classify(s) == "speculative"]
     want = sorted(expired, key=lambda s: (value(s), recency.index(s))) + sorted(speculative, key=cache._priority_of)
     assert list(cache._victims()) == want
+    # a prefetch's admission weighs one slab at a time (a scalar lookup): the same values as the ranking's arrays
+    assert [cache.worth(s) for s in expired] == [value(s) for s in expired] == \
+        cache._usage_values(*np.array([cache.owner[s] for s in expired]).T).tolist()
+    assert [cache.worth(s) for s in speculative] == [cache._priority_of(s) for s in speculative]
     assert expired and speculative  # both kinds were there to rank
     if num_slabs > 40:
         assert len(expired) > VICTIMS_HEAD  # the partition's path ran
