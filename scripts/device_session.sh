@@ -125,6 +125,11 @@
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
+#   bash scripts/device_session.sh prompts [PX]     the default rules' prompt against lru's, each after a 127-token decode (as
+#                                                   decode_bench's reps start), layer by layer (prompt_timeline, then
+#                                                   prompt_compare): at 6 GiB Q4_K, PX px (896), the default, lru, the
+#                                                   default without compression (keep 1.0) and without a pinned layer
+#                                                   (PROMPTS_CONFIGS, PROMPTS_TIMEOUT override); the timelines tarred
 #   bash scripts/device_session.sh whatif [PX BUDGET STRENGTH]  #46's sensitivity curve, one point a call: lru, VisMMOE
 #                                                   without compression (offload) and with it (vismmoe: keep 0.5) at
 #                                                   PX (1344) and BUDGET (16GiB), 128 decoded tokens, routing
@@ -439,6 +444,18 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                   --routing synthetic --configs $configs | tee "$OUT/defaults$px.txt" || true
                 rows_up "$OUT/defaults$px"
               done ;;
+    prompts) shift  # where the default rules' prompt loses to lru's: each configuration's prompt after a decode, layer by layer
+             px=896
+             if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+             q=expert_budget=6GiB,store_dtype=q4_k
+             dirs=()
+             for c in ${PROMPTS_CONFIGS:-"vismmoe:$q" "lru:$q" "vismmoe:$q,keep_ratio=1.0" "vismmoe:$q,pinned_layers=0"}; do
+               d="$OUT/prompts$px/$(tr -c 'A-Za-z0-9=.\n-' _ <<< "$c")"
+               timeout ${PROMPTS_TIMEOUT:-110} python3 -m benchmarks.prompt_timeline --out "$d" --config "$c" --image-size "$px" \
+                 --rounds 3 --decode-tokens 127 2>&1 | grep -vE "^Writing|it/s\]" | tail -3 && dirs+=("$d")
+             done
+             python3 -m benchmarks.prompt_compare "${dirs[@]}" | tee "$OUT/prompts$px.md" || true
+             tar czf "$OUT/prompts$px.tar.gz" -C "$OUT" "prompts$px" && rm -rf "$OUT/prompts$px" ;;
     whatif) shift  # #46: the affinity what-if in the bench, end to end: lru, VisMMOE without and with compression
             px=${1:-1344}; budget=${2:-16GiB}; strength=${3:-0.283}
             shift $(( $# < 3 ? $# : 3 ))
