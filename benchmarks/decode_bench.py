@@ -291,12 +291,16 @@ def warm_up(model, inputs: dict, decode_tokens: int) -> int:
     """Requests of the measured length before the reps (the same cache capacity), so that the graphs are captured
     here, not in a rep: again while the last one captured any (a trial of the default rules that settles in a
     request changes the decode step's variant there, and the spans that request had passed get their capture in
-    the next one), at most WARM_UPS. Returns how many ran."""
+    the next one), at most WARM_UPS. The requests after them replay the routing of requests WARM_UPS,
+    WARM_UPS + 1, ... whatever the count, so that every configuration's reps route alike. Returns how many ran."""
     for count in range(1, WARM_UPS + 1):
         before = _captured(model)
         timed_generate(model, inputs, decode_tokens)
         if _captured(model) == before:  # (the first request captures nothing only where decode is eager)
             break
+    source = model.vismmoe.context.routing
+    if source is not None:  # the next request's seed: the same for every configuration
+        source.requests = WARM_UPS
     return count
 
 

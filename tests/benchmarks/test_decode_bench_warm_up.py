@@ -1,7 +1,8 @@
 """benchmarks/decode_bench.py's warm-up: requests before the reps until one captures no new decode graph, so that
 no rep pays a capture (a trial settling mid-request changes the step's variant, and the spans that request had
-already passed are captured in the next one); and a prompt benchmark's configuration without a GGUF loading the
-synthetic model with decode_bench's own arguments."""
+already passed are captured in the next one), the reps then replaying the same requests' routing whatever the count;
+and a prompt benchmark's configuration without a GGUF loading the synthetic model with decode_bench's own
+arguments."""
 
 import types
 
@@ -24,12 +25,17 @@ def test_warm_up_repeats_while_a_request_captured_a_graph(monkeypatch, captured_
     def fake_generate(model, inputs, tokens):
         assert tokens == 127  # each warm-up has the measured length
         state["requests"] += 1
+        model.vismmoe.context.routing.requests += 1  # the routing source's seed moves on with every request
         state["captured"] = next(counts)
 
     monkeypatch.setattr(decode_bench, "timed_generate", fake_generate)
     monkeypatch.setattr(decode_bench, "_captured", lambda model: state["captured"])
-    assert decode_bench.warm_up(object(), {}, 127) == runs
+    routing = types.SimpleNamespace(requests=0)
+    model = types.SimpleNamespace(vismmoe=types.SimpleNamespace(context=types.SimpleNamespace(routing=routing)))
+    assert decode_bench.warm_up(model, {}, 127) == runs
     assert state["requests"] == runs
+    # whatever the count, the reps replay the same requests' routing in every configuration
+    assert routing.requests == decode_bench.WARM_UPS
 
 
 def test_a_configuration_without_a_gguf_loads_the_synthetic_model_with_decode_bench_arguments(monkeypatch):
