@@ -121,7 +121,7 @@ from vismmoe_kt import load
 from benchmarks.bench.bandwidth import measure_copy_bandwidth
 from benchmarks.bench.concurrency import concurrent_requests, decode_pcie_bytes, measure_concurrency, percentile
 from benchmarks.bench.inputs import make_request, text_request
-from benchmarks.bench.timing import profile_decode, timed_generate
+from benchmarks.bench.timing import profile_decode, timed_generate, warm_up
 from benchmarks.kernel_timeline import profile_kernels, profile_run
 from vismmoe_kt.engine.runner import PREFILL_BUDGET
 from vismmoe_kt.engine.decoding import decode_engine
@@ -279,29 +279,7 @@ def _pruning(model) -> tuple[int, int, float] | None:
     return c.pruned_prefills, c.tokens_after, c.compression_seconds
 
 
-WARM_UPS = 3  # at most this many warm-up requests a configuration
-
-
-def _captured(model) -> int:
-    engine = decode_engine(model)
-    return engine.stats().get("segments_captured", 0) if engine is not None else 0  # (no runner yet: {})
-
-
-def warm_up(model, inputs: dict, decode_tokens: int) -> int:
-    """Requests of the measured length before the reps (the same cache capacity), so that the graphs are captured
-    here, not in a rep: again while the last one captured any (a trial of the default rules that settles in a
-    request changes the decode step's variant there, and the spans that request had passed get their capture in
-    the next one), at most WARM_UPS. The requests after them replay the routing of requests WARM_UPS,
-    WARM_UPS + 1, ... whatever the count, so that every configuration's reps route alike. Returns how many ran."""
-    for count in range(1, WARM_UPS + 1):
-        before = _captured(model)
-        timed_generate(model, inputs, decode_tokens)
-        if _captured(model) == before:  # (the first request captures nothing only where decode is eager)
-            break
-    source = model.vismmoe.context.routing
-    if source is not None:  # the next request's seed: the same for every configuration
-        source.requests = WARM_UPS
-    return count
+WARM_UPS = 3  # at most this many warm-up requests a configuration: one, and two more while they capture graphs
 
 
 def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -314,7 +292,7 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         raise SystemExit(f"--configs {spec}: {exc}") from None
     inputs = text_request(processor, args.text_tokens, args.device) if args.text_tokens \
         else make_request(processor, args.image_size, args.device)
-    warm_ups = warm_up(model, inputs, args.decode_tokens - 1)
+    warm_ups = warm_up(model, inputs, args.decode_tokens - 1, at_least=1, extra=WARM_UPS - 1)
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
     # what the measured requests' prompts copied into slabs, the routing reads the placement path made, the

@@ -225,7 +225,9 @@ def build_parser():
                      metavar="PX", help="square image sizes, one short prompt each (default: 448 896)")
     run.add_argument("--decode_tokens", type=int, default=16,
                      help="decoded tokens timed per run (default: 16)")
-    run.add_argument("--warmup", type=int, default=1, help="untimed runs per image size before measuring (default: 1)")
+    run.add_argument("--warmup", type=int, default=1,
+                     help="untimed runs per image size before measuring, and up to two more while they capture decode "
+                          "graphs, so no timed run pays a capture (default: 1; 0: none)")
     run.add_argument("--repeats", type=int, default=3, help="timed runs per image size; median and spread (default: 3)")
     run.add_argument("--routing", help="which experts tokens go to: model (the router's own choice), synthetic[:SEED] "
                                        "(the calibrated synthetic router) or trace:PATH (replay); default: synthetic "

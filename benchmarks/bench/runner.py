@@ -22,7 +22,12 @@ from benchmarks.bench.configs import CUDA_REASON, GROUP_REASON, BenchConfig
 from benchmarks.bench.figures import FIGURE_KEYS, belady_decode, difference, offload_figures, runtime_counters
 from benchmarks.bench.inputs import count_tokens, make_request
 from benchmarks.bench.source import ModelSource
-from benchmarks.bench.timing import profile_decode, spread, timed_generate
+from benchmarks.bench.timing import profile_decode, spread, timed_generate, warm_up
+
+# warm-up requests beyond --warmup while they still capture decode graphs (a trial of the default rules settling
+# in a request leaves a capture for the next one)
+WARMUP_EXTRA = 2
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -53,7 +58,8 @@ class Settings:
 def empty_row(config: BenchConfig, budget: str | None, size: int) -> dict[str, Any]:
     """Every row has every key, so the JSON and the table read the same for run and skipped rows."""
     return {"config": config.name, "description": config.description, "budget": budget, "image_size": size,
-            "status": "ok", "reason": None, "prompt_tokens": None, "visual_tokens": None, "visual_tokens_kept": None,
+            "status": "ok", "reason": None, "warmup_runs": None, "prompt_tokens": None, "visual_tokens": None,
+            "visual_tokens_kept": None,
             "prefill_s": None, "decode_tok_s": None, "load_s": None, "peak_gpu_bytes": None,
             "peak_gpu_load_bytes": None, "host_rss_bytes": None, "decode_graphs": None, "pinned_layers": None, "slabs": None, "eviction": None, "placement": None, "cpu_backend": None, "decode_profile": None,
             "concurrency": None,
@@ -141,9 +147,9 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     """Warm-up and repetitions at one image size; fills `row` in place."""
     request = make_request(processor, size, settings.device)
     row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.vismmoe.adapter.image_token_id(model.config))
-    for _ in range(settings.warmup):
-        timed_generate(model, request, settings.decode_tokens)
-        progress.update(1)
+    # the warm-ups asked for, and up to two more while they capture decode graphs (a timed repeat pays none)
+    row["warmup_runs"] = warm_up(model, request, settings.decode_tokens, settings.warmup, extra=WARMUP_EXTRA,
+                                 on_request=lambda: progress.update(1))
     before = collect_stats(model)
     prefill, decode = [], []
     for _ in range(settings.repeats):

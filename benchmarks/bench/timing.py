@@ -91,6 +91,41 @@ def timed_generate(model, request: dict, decode_tokens: int,
                            out[0, request["input_ids"].shape[1]:].cpu(), gaps)
 
 
+def captured_segments(model) -> int:
+    """Decode graph segments the model's lean decode engine has captured so far (0 without one, or before its first
+    request)."""
+    engine = decode_engine(model)
+    return engine.stats().get("segments_captured", 0) if engine is not None else 0
+
+
+def warm_up(model, request: dict, decode_tokens: int, at_least: int = 1, extra: int = 2,
+            on_request: Callable[[], None] = lambda: None) -> int:
+    """Untimed requests of the measured length before the timed ones (the same cache capacity), so that a timed
+    request pays no graph capture: `at_least`, then up to `extra` more while the last one captured a decode graph.
+    Why more: a trial of the default rules that settles in a request changes the decode step's variant there, and
+    the spans that request had already passed are captured in the next one (143 ms in a rep on an H100). The
+    timed requests then replay the routing of the requests `at_least + extra` after the first warm-up's, whatever
+    number ran, so every configuration's measured requests route alike (the synthetic routing is seeded by the
+    request's number). Returns how many ran; `on_request` is called after each (a progress bar). `at_least` 0:
+    none, and the routing is left as it is."""
+    if at_least < 1:
+        return 0
+    context = context_of_model(model)
+    routing = context.routing if context is not None else None
+    first = routing.requests if routing is not None else 0
+    count = 0
+    while count < at_least + extra:
+        before = captured_segments(model)
+        timed_generate(model, request, decode_tokens)
+        count += 1
+        on_request()
+        if count >= at_least and captured_segments(model) == before:  # (captures nothing at all: eager decode)
+            break
+    if routing is not None:  # the next request's seed: the same for every configuration
+        routing.requests = first + at_least + extra
+    return count
+
+
 def profile_decode(model, request: dict, decode_tokens: int) -> dict | None:
     """One more request with each lean decode piece timed to its end: seconds per step by piece kind
     and layer (None without the lean decode path)."""

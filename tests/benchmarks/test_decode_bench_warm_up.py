@@ -9,7 +9,30 @@ import types
 import pytest
 
 from benchmarks import decode_bench
-from benchmarks.bench import prompt_setup
+from benchmarks.bench import prompt_setup, timing
+
+
+def fake_model(requests: int = 0):
+    """What warm_up reads of a loaded model: its context's routing source (the request counter seeding it)."""
+    routing = types.SimpleNamespace(requests=requests)
+    return types.SimpleNamespace(vismmoe=types.SimpleNamespace(context=types.SimpleNamespace(routing=routing)))
+
+
+def run_warm_up(monkeypatch, model, captured_after, **kwargs):
+    counts = iter(captured_after)
+    state = {"captured": 0, "requests": 0}
+
+    def fake_generate(model, inputs, tokens):
+        assert tokens == 127  # each warm-up has the measured length
+        state["requests"] += 1
+        model.vismmoe.context.routing.requests += 1  # the routing source's seed moves on with every request
+        state["captured"] = next(counts)
+
+    monkeypatch.setattr(timing, "timed_generate", fake_generate)
+    monkeypatch.setattr(timing, "captured_segments", lambda model: state["captured"])
+    ran = timing.warm_up(model, {}, 127, **kwargs)
+    assert state["requests"] == ran
+    return ran
 
 
 @pytest.mark.parametrize("captured_after,runs", [
@@ -18,24 +41,24 @@ from benchmarks.bench import prompt_setup
     ([3, 4, 4], 3),      # the trial settled in the first: the next request captured the variant's other span
     ([2, 3, 4], decode_bench.WARM_UPS),  # still capturing: stops at WARM_UPS requests
 ])
-def test_warm_up_repeats_while_a_request_captured_a_graph(monkeypatch, captured_after, runs):
-    counts = iter([0] + captured_after)
-    state = {"captured": next(counts), "requests": 0}
-
-    def fake_generate(model, inputs, tokens):
-        assert tokens == 127  # each warm-up has the measured length
-        state["requests"] += 1
-        model.vismmoe.context.routing.requests += 1  # the routing source's seed moves on with every request
-        state["captured"] = next(counts)
-
-    monkeypatch.setattr(decode_bench, "timed_generate", fake_generate)
-    monkeypatch.setattr(decode_bench, "_captured", lambda model: state["captured"])
-    routing = types.SimpleNamespace(requests=0)
-    model = types.SimpleNamespace(vismmoe=types.SimpleNamespace(context=types.SimpleNamespace(routing=routing)))
-    assert decode_bench.warm_up(model, {}, 127) == runs
-    assert state["requests"] == runs
+def test_decode_bench_warms_up_while_a_request_captured_a_graph(monkeypatch, captured_after, runs):
+    model = fake_model()
+    assert run_warm_up(monkeypatch, model, captured_after, at_least=1, extra=decode_bench.WARM_UPS - 1) == runs
     # whatever the count, the reps replay the same requests' routing in every configuration
-    assert routing.requests == decode_bench.WARM_UPS
+    assert model.vismmoe.context.routing.requests == decode_bench.WARM_UPS
+
+
+def test_the_bench_runs_its_warm_ups_then_more_while_they_capture(monkeypatch):
+    """`vismmoe-kt bench --warmup 2`: two requests even without a capture; a third and fourth while capturing; the
+    routing counted on from where the size's warm-ups began; --warmup 0 runs nothing and leaves the routing."""
+    model = fake_model(requests=5)  # an earlier image size's requests
+    assert run_warm_up(monkeypatch, model, [2, 2], at_least=2, extra=2) == 2
+    assert model.vismmoe.context.routing.requests == 5 + 4
+    model = fake_model()
+    assert run_warm_up(monkeypatch, model, [2, 3, 4, 4], at_least=2, extra=2) == 4
+    model = fake_model(requests=3)
+    assert run_warm_up(monkeypatch, model, [], at_least=0) == 0
+    assert model.vismmoe.context.routing.requests == 3
 
 
 def test_a_configuration_without_a_gguf_loads_the_synthetic_model_with_decode_bench_arguments(monkeypatch):
