@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
-from benchmarks.bench.timing import timed_generate
+from benchmarks.bench.timing import timed_generate, warm_up
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 from vismmoe_kt.models import adapter_for
 
@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="functions listed by --profile in each order (30)")
     parser.add_argument("--decode-tokens", type=int, default=0,
                         help="before each timed (and the profiled) prompt, an untimed request decoding this many "
-                             "tokens: the prompt then starts from the cache a decode left, as decode_bench's reps do "
-                             "(default 0: prompts back to back; the split's prompts stay back to back)")
+                             "tokens: the prompt then starts from the cache a decode left, as decode_bench's reps do, "
+                             "after warm-ups of that length (default 0: prompts back to back; the split's prompts "
+                             "stay back to back)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
@@ -246,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
               "routing": args.routing, "prompts": {}}
     profiles = []
     for label, request in requests.items():
-        timed_generate(model, request, 1)  # warm: compiled, captured
+        if args.decode_tokens:  # warm at the decodes' length, until they capture nothing (as decode_bench's reps)
+            warm_up(model, request, args.decode_tokens)
+        else:
+            timed_generate(model, request, 1)  # warm: compiled, captured
         summaries = []
         for _ in range(args.rounds):
             if args.decode_tokens:

@@ -455,7 +455,7 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                  --rounds 3 --decode-tokens 127 2>&1 | grep -vE "^Writing|it/s\]" | tail -3 && dirs+=("$d")
              done
              python3 -m benchmarks.prompt_compare "${dirs[@]}" | tee "$OUT/prompts$px.md" || true
-             tar czf "$OUT/prompts$px.tar.gz" -C "$OUT" "prompts$px" && rm -rf "$OUT/prompts$px" ;;
+             if [[ -d $OUT/prompts$px ]]; then tar czf "$OUT/prompts$px.tar.gz" -C "$OUT" "prompts$px" && rm -rf "$OUT/prompts$px"; fi ;;
     whatif) shift  # #46: the affinity what-if in the bench, end to end: lru, VisMMOE without and with compression
             px=${1:-1344}; budget=${2:-16GiB}; strength=${3:-0.283}
             shift $(( $# < 3 ? $# : 3 ))
@@ -555,6 +555,6 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
             | tee "$OUT/decode_fits.txt"
           timeout 200 python3 -m benchmarks.decode_bench --out "$OUT/resident448" --layers 48 --reps 5 \
             --decode-tokens 32 --configs hf "$RESIDENT" | tee "$OUT/decode_resident448.txt" ;;
-    *) echo "unknown stage $1 (check, routing, compare DIR, tower [DIR], prefillk, prefillcompare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART...)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (check, routing, compare DIR, tower [DIR], prefillk, prefillcompare DIR, hosttrace, kernel, decode [PX], predict PX BUDGET, kernels PX BUDGET, ktcpu [PX], ktquant [LAYERS], hybrid PX BUDGET, q8 PX BUDGET, stores, ggufwrite, gguf PX BUDGET, peer [PX], peerbatch [PX], qslabs PX BUDGET, batch PX N..., batchoff PX N..., kbatch, kqbatch, epdp PX N..., fits, smoke, family [PX], bench PART..., defaults PX..., prompts [PX], whatif [PX BUDGET STRENGTH], tilesab, timeline, realblayer, kqcompare DIR, ablation BUDGET, routingprof)" >&2; exit 2 ;;
   esac
 done

@@ -104,15 +104,12 @@ def warm_up(model, request: dict, decode_tokens: int, at_least: int = 1, extra: 
     request pays no graph capture: `at_least`, then up to `extra` more while the last one captured a decode graph.
     Why more: a trial of the default rules that settles in a request changes the decode step's variant there, and
     the spans that request had already passed are captured in the next one (143 ms in a rep on an H100). The
-    timed requests then replay the routing of the requests `at_least + extra` after the first warm-up's, whatever
-    number ran, so every configuration's measured requests route alike (the synthetic routing is seeded by the
-    request's number). Returns how many ran; `on_request` is called after each (a progress bar). `at_least` 0:
-    none, and the routing is left as it is."""
+    timed requests then route as they would after `at_least + extra` warm-ups, whatever number ran, so every
+    configuration's measured requests route alike (the synthetic routing is seeded by the request's number, a
+    trace is read on request by request: RoutingSource.skip). Returns how many ran; `on_request` is called after
+    each (a progress bar). `at_least` 0: none, and the routing is left as it is."""
     if at_least < 1:
         return 0
-    context = context_of_model(model)
-    routing = context.routing if context is not None else None
-    first = routing.requests if routing is not None else 0
     count = 0
     while count < at_least + extra:
         before = captured_segments(model)
@@ -121,8 +118,9 @@ def warm_up(model, request: dict, decode_tokens: int, at_least: int = 1, extra: 
         on_request()
         if count >= at_least and captured_segments(model) == before:  # (captures nothing at all: eager decode)
             break
-    if routing is not None:  # the next request's seed: the same for every configuration
-        routing.requests = first + at_least + extra
+    context = context_of_model(model)
+    if context is not None and context.routing is not None:  # as if every warm-up had run: the same next request
+        context.routing.skip(at_least + extra - count)       # in every configuration
     return count
 
 

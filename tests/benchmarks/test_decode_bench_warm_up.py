@@ -12,10 +12,21 @@ from benchmarks import decode_bench
 from benchmarks.bench import prompt_setup, timing
 
 
+class FakeRouting:
+    """A routing source's request counter (what seeds the synthetic routing), moved on by requests and by skip."""
+
+    def __init__(self, requests: int):
+        self.requests = requests
+
+    def skip(self, count: int) -> None:
+        assert count >= 0
+        self.requests += count
+
+
 def fake_model(requests: int = 0):
-    """What warm_up reads of a loaded model: its context's routing source (the request counter seeding it)."""
-    routing = types.SimpleNamespace(requests=requests)
-    return types.SimpleNamespace(vismmoe=types.SimpleNamespace(context=types.SimpleNamespace(routing=routing)))
+    """What warm_up reads of a loaded model: its context's routing source."""
+    context = types.SimpleNamespace(routing=FakeRouting(requests))
+    return types.SimpleNamespace(vismmoe=types.SimpleNamespace(context=context))
 
 
 def run_warm_up(monkeypatch, model, captured_after, **kwargs):
@@ -73,3 +84,15 @@ def test_a_configuration_without_a_gguf_loads_the_synthetic_model_with_decode_be
                                  config="lru:expert_budget=6GiB,store_dtype=q4_k")
     assert prompt_setup.load_prompt_model(None, args, "test-") == ("model", "processor")
     assert seen == {"layers": 2, "dtype": "bfloat16", "narrow": False, "rules": "optimize_rules/qwen3vl-lru.yaml"}
+
+
+@pytest.mark.parametrize("graphs,runs", [("replay", 2), ("off", 1)])
+def test_a_real_models_warm_up_stops_once_a_request_captured_nothing(tiny_dir, image_inputs, graphs, runs):
+    """On a tiny model (the engine's real counters): graphed decode captures in the first request and not in the
+    second; eager decode captures nothing, so one request is enough."""
+    from vismmoe_kt import load
+
+    model, _ = load(tiny_dir, "optimize_rules/qwen3vl-offload.yaml", expert_budget="1GiB", graphs=graphs,
+                    generate_device="cpu", prefill_device="cpu", progress=False)
+    assert timing.warm_up(model, dict(image_inputs), 3) == runs
+    assert (timing.captured_segments(model) > 0) == (graphs == "replay")

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import prompt_timeline
+from benchmarks.bench import timing
 
 
 def test_summary_counts_the_layers_the_gpu_finished_right_after_the_host():
@@ -72,7 +73,7 @@ def test_the_clock_counts_from_the_prompts_first_origin_and_says_when_it_never_r
 
 def test_decode_tokens_put_a_decode_before_each_timed_and_profiled_prompt(tmp_path, monkeypatch):
     """`--decode-tokens N`: each timed prompt (and the profiled one) starts from the cache an N-token decode left,
-    as decode_bench's reps do; the warm prompt stays alone."""
+    as decode_bench's reps do, after warm-ups of that length."""
     calls = []
     real = prompt_timeline.timed_generate
 
@@ -81,10 +82,13 @@ def test_decode_tokens_put_a_decode_before_each_timed_and_profiled_prompt(tmp_pa
         return real(model, request, tokens, *args, **kwargs)
 
     monkeypatch.setattr(prompt_timeline, "timed_generate", recording)
+    monkeypatch.setattr(timing, "timed_generate", recording)  # the warm-up's
     assert prompt_timeline.main(["--config", "offload:expert_budget=1GiB", "--out", str(tmp_path), "--tiny",
                                  "tiny-2x8", "--device", "cpu", "--image-size", "224", "--rounds", "2",
                                  "--decode-tokens", "3", "--profile", "--top", "3"]) == 0
-    assert calls == [1, 3, 1, 3, 1, 3, 1]  # warm; two rounds, each a decode then the prompt; the profiled one
+    # warm at the decodes' length (one: eager decode captures nothing); two rounds, each a decode then the prompt;
+    # the profiled one
+    assert calls == [3, 3, 1, 3, 1, 3, 1]
 
 
 def test_a_negative_decode_count_is_a_clear_error(tmp_path, capsys):

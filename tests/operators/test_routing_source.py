@@ -278,3 +278,29 @@ def test_once_lru_is_kept_a_routed_step_computes_no_router_probabilities(tiny_di
     assert trial.trial.outcome() is not None and not trial.reads_usage  # lru kept within the decode
     assert True in softmaxes and False not in softmaxes  # softmaxes while averaging, none after
     assert source._step_rows[4] is None and not runtime.averages_router()
+
+
+@pytest.mark.parametrize("routing", ["synthetic:4", "trace"])
+def test_skipping_requests_routes_the_next_as_if_they_had_run(tiny_dir, image_inputs, tmp_path, routing):
+    """`skip(n)`: a benchmark whose configurations ran different numbers of warm-up requests replays the same
+    measured request in each: the synthetic seed moves on, and a trace without request ids is read on by n
+    requests as long as the last one."""
+    if routing == "trace":
+        prompt = image_inputs["input_ids"].shape[1]
+        path = tmp_path / "trace.safetensors"
+        save_trace(path, synthetic_trace(7 * (prompt + TOKENS) + 5, layers=SPEC.layers, experts=SPEC.experts,
+                                         top_k=SPEC.top_k, seed=3))
+        routing = f"trace:{path}"
+    ran, skipped = offload(tiny_dir)[0], offload(tiny_dir)[0]
+    sources = [install_routing(ran, routing), install_routing(skipped, routing)]
+    with torch.no_grad():
+        for _ in range(3):
+            generate(ran, image_inputs, TOKENS)
+        generate(skipped, image_inputs, TOKENS)
+        sources[1].skip(2)
+        generate(ran, image_inputs, TOKENS)
+        generate(skipped, image_inputs, TOKENS)
+    assert torch.equal(sources[0].history[-1]["ids"], sources[1].history[-1]["ids"])
+    assert not torch.equal(sources[0].history[-1]["ids"], sources[1].history[0]["ids"])  # a request of its own
+    with pytest.raises(ValueError, match="a count of requests, 0 or more, not -1"):
+        sources[1].skip(-1)

@@ -114,6 +114,7 @@ class RoutingSource:
                                  f"{int(trace.ids.max())}); this model has {self.layers} MoE layers x "
                                  f"{self.experts} experts, top-{self.top_k}")
             self._trace_cursor = 0
+        self._trace_rows_cut = 0  # the rows the last request took of a trace without request ids (`skip`)
         self.ids: torch.Tensor | None = None      # (capacity, L, k) long, on the model's device
         self.weights: torch.Tensor | None = None  # (capacity, L, k)
         self.latents: torch.Tensor | None = None  # (capacity, L, D) float32, synthetic mode only
@@ -258,6 +259,17 @@ class RoutingSource:
         visual = self.adapter.image_token_mask(self.config, input_ids[0]).cpu()
         self._prepared = (self._table_key(total, visual), self._table(total, visual))
 
+    def skip(self, count: int) -> None:
+        """The next `count` requests are not made: the next one routes as the one after them would have (a
+        benchmark whose configurations ran different numbers of warm-up requests replays the same measured
+        requests in each): the synthetic seed and a trace's request number move on by `count`, a trace without
+        request ids by `count` requests as long as the last one."""
+        if count < 0:
+            raise ValueError(f"skip: a count of requests, 0 or more, not {count}")
+        self.requests += count
+        if self.trace is not None and self.trace.request_ids is None:
+            self._trace_cursor = (self._trace_cursor + count * self._trace_rows_cut) % self.trace.tokens
+
     def _table_key(self, total: int, visual: torch.Tensor) -> tuple:
         """What a request's table depends on: its seed (the request count), length and visual positions."""
         return self.requests, total, visual.numpy().tobytes()
@@ -319,6 +331,7 @@ class RoutingSource:
         else:
             rows = (torch.arange(total) + self._trace_cursor) % trace.tokens
             self._trace_cursor = int(rows[-1]) + 1
+            self._trace_rows_cut = total
         rows = rows[torch.arange(total) % len(rows)]
         ids = trace.ids[rows].long()
         weights = trace.weights[rows].float() if trace.weights is not None \
