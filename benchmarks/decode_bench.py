@@ -222,6 +222,9 @@ def batched_run(model, processor, args, n: int, spec: str) -> dict:
     def alone(i: int, request: dict, tokens: int) -> list[int]:
         if source is not None:
             source.requests = timed + i  # the table request i had in the timed run
+        engine = decode_engine(model)
+        if engine is not None:  # prefill cold: a prompt equal to the reps' would reuse their KV, routed by their tables
+            engine.forget()
         with torch.inference_mode():
             out = generate(model, dict(request), tokens, min_new_tokens=tokens)
         return out[0, request["input_ids"].shape[1]:].tolist()
