@@ -274,6 +274,9 @@ def test_cache_reuse_across_requests_and_growth(case):
     # one capture in the first cache; in the larger one, one per attention span the longer request reached
     assert engine.stats()["captured_shapes"] == [(1, 256), (1, 512)]
     assert engine.stats()["segments_captured"] == 3
+    steps = engine.stats()["steps"]
+    engine.discard(engine.single)  # as a failed step leaves it: no live runner until the next request
+    assert engine.stats()["segments_captured"] == 3 and engine.stats()["steps"] == steps  # the totals stay
 
 
 def test_a_slot_refuses_overflow_and_tracks_layers_apart():

@@ -128,16 +128,22 @@ class Decoding:
                                                      for kind, column in self.step.counters.profile.items()}}
 
     def stats(self) -> dict[str, Any]:
-        """The single-request runner's counters, totalled over every runner it replaced."""
+        """The single-request runner's counters, totalled over every runner it replaced (with no live runner,
+        after a failed step discarded it: the replaced runners' totals alone; none ever: nothing)."""
         if self.single is None:
-            return {}
-        out = self.single.stats()
+            if not self.retired:
+                return {}
+            out = {key: 0 for key in COUNTERS}
+            out["check_max_difference"] = 0.0
+        else:
+            out = self.single.stats()
         for old in self.retired:
             for key in COUNTERS:
                 out[key] += old[key]
             out["check_max_difference"] = max(out["check_max_difference"], old["check_max_difference"])
-        out["cache_capacity"] = self.single.capacity
-        out["cache_bytes"] = self.single.cache.nbytes()
+        if self.single is not None:
+            out["cache_capacity"] = self.single.capacity
+            out["cache_bytes"] = self.single.cache.nbytes()
         if self.vision is not None:  # the vision tower's replays (vision_graph.py)
             out.update({f"vision_graph_{key}": value for key, value in self.vision.stats().items()})
         return out
