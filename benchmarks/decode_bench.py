@@ -282,9 +282,6 @@ def _pruning(model) -> tuple[int, int, float] | None:
     return c.pruned_prefills, c.tokens_after, c.compression_seconds
 
 
-WARM_UPS = 3  # at most this many warm-up requests a configuration: one, and two more while they capture graphs
-
-
 def run_config(config: Configuration, args, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     spec = config.label
     if args.device.startswith("cuda"):
@@ -295,7 +292,7 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         raise SystemExit(f"--configs {spec}: {exc}") from None
     inputs = text_request(processor, args.text_tokens, args.device) if args.text_tokens \
         else make_request(processor, args.image_size, args.device)
-    warm_ups = warm_up(model, inputs, args.decode_tokens - 1, at_least=1, extra=WARM_UPS - 1)
+    warm_ups = warm_up(model, inputs, args.decode_tokens - 1)  # one, and more while they capture graphs
     runtime = runtime_of(model)
     copied = decode_pcie_bytes(runtime) if runtime else 0
     # what the measured requests' prompts copied into slabs, the routing reads the placement path made, the

@@ -100,8 +100,8 @@ def concurrency_table(rows: list[dict[str, Any]]) -> str:
 def describe_meta(meta: dict[str, Any]) -> str:
     bandwidth = meta["copy_bandwidth"]
     lines = [f"model: {meta['model']}", f"device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
-             f"batch 1, prompt {meta['prompt']!r}, images {meta['image_sizes']} px; {meta['warmup']} warm-up (more while capturing) and "
-             f"{meta['repeats']} measured runs of prefill + {meta['decode_tokens']} decoded tokens per image size",
+             f"batch 1, prompt {meta['prompt']!r}, images {meta['image_sizes']} px; {meta['warmup']} warm-up "
+             f"(more while capturing) and {meta['repeats']} measured runs of prefill + {meta['decode_tokens']} decoded tokens per image size",
              f"copy bandwidth ({bandwidth['kind']}): {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s",
              f"routing: {meta.get('routing', 'model')}",
              f"host load average (1 min) at start / end: {' / '.join(map(str, meta['load_average']))}"]

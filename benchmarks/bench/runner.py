@@ -24,10 +24,6 @@ from benchmarks.bench.inputs import count_tokens, make_request
 from benchmarks.bench.source import ModelSource
 from benchmarks.bench.timing import profile_decode, spread, timed_generate, warm_up
 
-# warm-up requests beyond --warmup while they still capture decode graphs (a trial of the default rules settling
-# in a request leaves a capture for the next one)
-WARMUP_EXTRA = 2
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -148,7 +144,7 @@ def measure_size(model, processor, size: int, settings: Settings, row: dict[str,
     request = make_request(processor, size, settings.device)
     row["prompt_tokens"], row["visual_tokens"] = count_tokens(request, model.vismmoe.adapter.image_token_id(model.config))
     # the warm-ups asked for, and up to two more while they capture decode graphs (a timed repeat pays none)
-    row["warmup_runs"] = warm_up(model, request, settings.decode_tokens, settings.warmup, extra=WARMUP_EXTRA,
+    row["warmup_runs"] = warm_up(model, request, settings.decode_tokens, settings.warmup,
                                  on_request=lambda: progress.update(1))
     before = collect_stats(model)
     prefill, decode = [], []

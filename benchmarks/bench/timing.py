@@ -98,7 +98,11 @@ def captured_segments(model) -> int:
     return engine.stats().get("segments_captured", 0) if engine is not None else 0
 
 
-def warm_up(model, request: dict, decode_tokens: int, at_least: int = 1, extra: int = 2,
+# warm-up requests beyond those asked for, while they still capture decode graphs
+EXTRA_WARM_UPS = 2
+
+
+def warm_up(model, request: dict, decode_tokens: int, at_least: int = 1, extra: int = EXTRA_WARM_UPS,
             on_request: Callable[[], None] = lambda: None) -> int:
     """Untimed requests of the measured length before the timed ones (the same cache capacity), so that a timed
     request pays no graph capture: `at_least`, then up to `extra` more while the last one captured a decode graph.

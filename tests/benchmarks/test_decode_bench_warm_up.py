@@ -8,7 +8,6 @@ import types
 
 import pytest
 
-from benchmarks import decode_bench
 from benchmarks.bench import prompt_setup, timing
 
 
@@ -50,13 +49,13 @@ def run_warm_up(monkeypatch, model, captured_after, **kwargs):
     ([0], 1),            # eager decode: nothing is ever captured, one request suffices
     ([2, 2], 2),         # every variant captured in the first request: the second captures nothing
     ([3, 4, 4], 3),      # the trial settled in the first: the next request captured the variant's other span
-    ([2, 3, 4], decode_bench.WARM_UPS),  # still capturing: stops at WARM_UPS requests
+    ([2, 3, 4], 1 + timing.EXTRA_WARM_UPS),  # still capturing: stops after the extra ones
 ])
 def test_decode_bench_warms_up_while_a_request_captured_a_graph(monkeypatch, captured_after, runs):
     model = fake_model()
-    assert run_warm_up(monkeypatch, model, captured_after, at_least=1, extra=decode_bench.WARM_UPS - 1) == runs
+    assert run_warm_up(monkeypatch, model, captured_after, at_least=1, extra=timing.EXTRA_WARM_UPS) == runs
     # whatever the count, the reps replay the same requests' routing in every configuration
-    assert model.vismmoe.context.routing.requests == decode_bench.WARM_UPS
+    assert model.vismmoe.context.routing.requests == 1 + timing.EXTRA_WARM_UPS
 
 
 def test_the_bench_runs_its_warm_ups_then_more_while_they_capture(monkeypatch):

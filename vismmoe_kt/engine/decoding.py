@@ -130,13 +130,10 @@ class Decoding:
     def stats(self) -> dict[str, Any]:
         """The single-request runner's counters, totalled over every runner it replaced (with no live runner,
         after a failed step discarded it: the replaced runners' totals alone; none ever: nothing)."""
-        if self.single is None:
-            if not self.retired:
-                return {}
-            out = {key: 0 for key in COUNTERS}
-            out["check_max_difference"] = 0.0
-        else:
-            out = self.single.stats()
+        if self.single is None and not self.retired:
+            return {}
+        out = self.single.stats() if self.single is not None else \
+            {**dict.fromkeys(COUNTERS, 0), "check_max_difference": 0.0}
         for old in self.retired:
             for key in COUNTERS:
                 out[key] += old[key]
