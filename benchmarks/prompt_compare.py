@@ -20,6 +20,10 @@ from benchmarks.results import print_table
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
 
 LAYERS = (0, 1, 2, 4, 8, 16, 24, 32, 40, 47)
+# the link's figures (prompt_timeline's `link` of each run, medians over the runs), as the table names them
+LINK_ROWS = {"first_copy_ms": "link: first copy starts", "last_copy_end_ms": "link: last copy ends",
+             "busy_ms": "link: busy", "idle_host_ms": "link: idle, next copy not issued yet",
+             "idle_waiting_ms": "link: idle, next copy waiting on compute"}
 
 
 def layer_ends(path: str | Path, prompt: str | None = None) -> tuple[str, dict]:
@@ -35,8 +39,10 @@ def layer_ends(path: str | Path, prompt: str | None = None) -> tuple[str, dict]:
         raise SystemExit(f"{file}: no prompt {label!r} (it has {', '.join(prompts) or 'none'})")
     timed = prompts[label]
     ends = {m["stage"]: (m["host_ms"], m["gpu_ms"]) for m in timed["last_marks"] if m["edge"] == "end"}
+    links = [r["link"] for r in timed["runs"] if r.get("link", {}).get("batches")]
+    link = {key: statistics.median(link[key] for link in links) for key in LINK_ROWS} if links else {}
     return result.get("config", str(path)), {"prefill_ms": statistics.median(r["prefill_ms"] for r in timed["runs"]),
-                                             "ends": ends}
+                                             "ends": ends, "link": link}
 
 
 def compare(paths: list[str], prompt: str | None = None,
@@ -52,6 +58,9 @@ def compare(paths: list[str], prompt: str | None = None,
             host, gpu = run["ends"].get(stage, (None, None))
             cells.append("-" if host is None else f"{host:.1f} / {gpu:.1f}" if gpu is not None else f"{host:.1f} / -")
         rows.append([f"{stage} ends, host / GPU"] + cells)
+    if any(run["link"] for _, run in runs):  # streamed or fetched experts: where the link sat idle
+        for key, label in LINK_ROWS.items():
+            rows.append([label] + [f"{run['link'][key]:.1f}" if run["link"] else "-" for _, run in runs])
     return [name for name, _ in runs], rows
 
 

@@ -8,7 +8,11 @@ after a warm run, with hooks on the vision tower and on every decoder layer. Eac
 and records a CUDA event, so every stage has two times: when the host finished issuing it and when the GPU
 finished running it (ms from the start of the prompt's forward). Where the GPU finishes a layer right after the host issued
 it, the GPU was waiting for the host (the prompt is bound by the host's launches); where the GPU finishes long
-after, the host ran ahead and the GPU bounds it. The hooks cost a few microseconds a layer.
+after, the host ran ahead and the GPU bounds it. The hooks cost a few microseconds a layer. Where the prompt copies
+experts (an offloaded configuration), each run also logs the link (benchmarks/bench/link_log.py): every batch of
+copies, when the host issued it and when the copy stream ran it, and so how long the link sat idle between the
+first copy and the last, because the host had not issued the next batch yet or the batch waited for the compute
+still reading its slabs.
 
 `--split`: one more round of prompts with the host's time split by part, each part's forward (or function) timed
 on the host's clock, its callees included: a decoder layer, its attention, norms, feed-forward, router and experts
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench.link_log import LinkLog, link_summary
 from benchmarks.bench.prompt_setup import add_prompt_flags, check_prompt_flags, load_prompt_model, prompt_requests
 from benchmarks.bench.timing import timed_generate, warm_up
 from vismmoe_kt.apps.arguments import FlagParser, RawHelpFormatter
@@ -49,6 +54,7 @@ class StageClock:
         self.marks: list[tuple[str, str, float, object]] = []  # (stage, "start" | "end", host s, event)
         self.armed = False
         self.origin: tuple[float, object] | None = None
+        self.last_origin: tuple[float, object] | None = None  # the stopped prompt's, for the link's batches
         # the origins' hooks go first: a module that is both an origin and a stage starts the clock, then its stage
         self.handles = [origin.register_forward_pre_hook(self._begin) for origin in origins]
         for name, module in modules.items():
@@ -82,7 +88,7 @@ class StageClock:
         self.armed = False
         if self.origin is None:
             raise RuntimeError("the prompt's forward never ran: no prompt was timed")
-        host0, event0 = self.origin
+        host0, event0 = self.last_origin = self.origin
         self.origin = None
         return [{"stage": name, "edge": edge, "host_ms": (host - host0) * 1e3,
                  "gpu_ms": event0.elapsed_time(event) if event is not None else None}
@@ -197,6 +203,15 @@ def summarize(marks: list[dict], prefill_ms: float) -> dict:
     return out
 
 
+def link_line(link: dict) -> str:
+    """The link's part of a run's line ("" where the prompt copied nothing)."""
+    if not link.get("batches"):
+        return ""
+    return (f"; link: {link['copies']} copies in {link['batches']} batches, {link['first_copy_ms']:.1f}-"
+            f"{link['last_copy_end_ms']:.1f} ms, busy {link['busy_ms']:.1f}, idle {link['idle_ms']:.1f} (host late "
+            f"{link['idle_host_ms']:.1f}, waiting on compute {link['idle_waiting_ms']:.1f})")
+
+
 def profile_prompt(model, request: dict, top: int) -> str:
     """One prompt to its first token under cProfile: the top functions by own time and by time with callees."""
     profiler = cProfile.Profile()
@@ -241,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = prompt_requests(processor, args)
     clock = StageClock([model, model.get_input_embeddings(), *([modules["vision"]] if "vision" in modules else [])],
                        modules, cuda)
+    context = getattr(getattr(model, "vismmoe", None), "context", None)
+    link = LinkLog(getattr(getattr(context, "offload_runtime", None), "transfers", None))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "config": args.config,
@@ -256,18 +273,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.decode_tokens:
                 timed_generate(model, request, args.decode_tokens)
             clock.start()
+            link.start()
             prefill_s = timed_generate(model, request, 1).prefill_s
             marks = clock.stop()
-            summaries.append(summarize(marks, prefill_s * 1e3))
-        # every run's summary, and the last run's marks stage by stage
-        result["prompts"][label] = {"runs": summaries, "last_marks": marks}
+            batches = link.stop(clock.last_origin)
+            summaries.append({**summarize(marks, prefill_s * 1e3), "link": link_summary(batches)})
+        # every run's summary, and the last run's marks stage by stage and its copy batches
+        result["prompts"][label] = {"runs": summaries, "last_marks": marks, "last_link": batches}
         for s in summaries:
             print(f"{label}: prefill {s['prefill_ms']:.1f} ms; first layer issued at {s.get('first_layer_start_host_ms', 0):.1f}"
                   f" (GPU {s.get('first_layer_start_gpu_ms') or 0:.1f}); last layer issued at "
                   f"{s.get('last_layer_end_host_ms', 0):.1f} (GPU done {s.get('last_layer_end_gpu_ms') or 0:.1f}); a layer "
                   f"host {s.get('layer_host_ms_median', 0):.3f} ms, GPU {s.get('layer_gpu_ms_median', 0):.3f} ms; GPU "
                   f"waiting for the host at {s.get('layers_gpu_waiting_for_host', '-')} of {s['layers']} layers; "
-                  f"vision host {s.get('vision_host_ms')}, GPU {s.get('vision_gpu_ms')}", flush=True)
+                  f"vision host {s.get('vision_host_ms')}, GPU {s.get('vision_gpu_ms')}{link_line(s['link'])}", flush=True)
         if args.split:
             split = HostSplit()
             watch_layers(split, adapter, layers)
@@ -290,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 timed_generate(model, request, args.decode_tokens)
             profiles.append(f"== {label}\n" + profile_prompt(model, request, args.top))
     clock.remove()
+    link.remove()
     (out_dir / "prompt_timeline.json").write_text(json.dumps(result, indent=1))
     if profiles:
         (out_dir / "profile.txt").write_text("\n".join(profiles))

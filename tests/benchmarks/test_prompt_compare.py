@@ -38,3 +38,22 @@ def test_a_missing_file_or_prompt_is_a_clear_error(tmp_path):
     a = timeline(tmp_path / "a", "lru:expert_budget=6GiB", [200.0], {0: (1.0, 2.0)})
     with pytest.raises(SystemExit, match="no prompt 'text 508' \\(it has 448 px\\)"):
         prompt_compare.layer_ends(a, "text 508")
+
+
+def test_the_links_rows_where_a_configuration_copied(tmp_path):
+    a = timeline(tmp_path / "a", "vismmoe:expert_budget=6GiB", [210.0, 230.0], {0: (7.2, 7.6)})
+    b = timeline(tmp_path / "b", "lru:expert_budget=6GiB", [200.0], {0: (7.2, 11.5)})
+    file = tmp_path / "a" / "prompt_timeline.json"
+    result = json.loads(file.read_text())
+    links = [{"batches": 40, "first_copy_ms": 4.0, "last_copy_end_ms": 200.0, "busy_ms": 190.0, "idle_host_ms": 1.0,
+              "idle_waiting_ms": w} for w in (5.0, 9.0)]
+    for run, link in zip(result["prompts"]["448 px"]["runs"], links):
+        run["link"] = link
+    file.write_text(json.dumps(result))
+    _, rows = prompt_compare.compare([a, b], layers=(0,))
+    by_label = {row[0]: row[1:] for row in rows}
+    assert by_label["link: idle, next copy waiting on compute"] == ["7.0", "-"]  # the runs' median; b copied nothing
+    assert by_label["link: busy"] == ["190.0", "-"]
+    # neither copied: no link rows at all
+    _, rows = prompt_compare.compare([b], layers=(0,))
+    assert not any(row[0].startswith("link") for row in rows)

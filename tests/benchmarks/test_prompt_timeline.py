@@ -96,3 +96,74 @@ def test_a_negative_decode_count_is_a_clear_error(tmp_path, capsys):
         prompt_timeline.main(["--config", "lru:expert_budget=1GiB", "--out", str(tmp_path), "--tiny", "tiny-2x8",
                               "--device", "cpu", "--decode-tokens", "-1"])
     assert "--decode-tokens -1" in capsys.readouterr().err
+
+
+def test_the_links_idle_time_is_split_by_whether_the_next_copy_was_issued():
+    from benchmarks.bench.link_log import link_summary
+
+    batches = [
+        {"layers": [1], "copies": 10, "issued_ms": 0.5, "start_ms": 1.0, "end_ms": 3.0},
+        # issued long before the link went idle at 3.0, started at 4.0: it waited on the device (compute)
+        {"layers": [2], "copies": 8, "issued_ms": 1.5, "start_ms": 4.0, "end_ms": 6.0},
+        # issued at 7.0, after the link went idle at 6.0: the host was late
+        {"layers": [3], "copies": 8, "issued_ms": 7.0, "start_ms": 7.5, "end_ms": 9.0},
+        # the urgent stream beside it: overlapping time is counted once
+        {"layers": [3], "copies": 1, "issued_ms": 7.6, "start_ms": 8.0, "end_ms": 9.5},
+        # right after the last (within GAP_MS): no gap
+        {"layers": [4], "copies": 4, "issued_ms": 8.0, "start_ms": 9.51, "end_ms": 10.0},
+    ]
+    link = link_summary(batches)
+    assert link["batches"] == 5 and link["copies"] == 31
+    assert link["first_copy_ms"] == 1.0 and link["last_copy_end_ms"] == 10.0
+    assert link["busy_ms"] == pytest.approx(2.0 + 2.0 + 1.5 + 0.5 + 0.49)
+    assert link["idle_waiting_ms"] == pytest.approx(1.0)
+    assert link["idle_host_ms"] == pytest.approx(1.5)
+    assert link["idle_ms"] == pytest.approx(9.0 - link["busy_ms"])
+    assert [(g["before_layers"], g["cause"]) for g in link["longest_gaps"]] == [([3], "host"), ([2], "waiting")]
+    assert link_summary([]) == {"batches": 0, "copies": 0}
+
+
+def test_an_offloaded_prompts_copies_are_logged_batch_by_batch(tmp_path, capsys):
+    """A budget of a layer's experts: every prompt streams most of each layer again, and the log holds each batch
+    the runtime issued, on the prompt's clock (the CPU's: copies run as they are issued)."""
+    out = tmp_path / "timeline"
+    assert prompt_timeline.main(["--config", "lru:expert_budget=50%", "--out", str(out), "--tiny", "tiny-2x8",
+                                 "--device", "cpu", "--image-size", "0", "--text-tokens", "48", "--rounds", "2"]) == 0
+    result = json.loads((out / "prompt_timeline.json").read_text())
+    prompt = result["prompts"]["text 48"]
+    for run in prompt["runs"]:
+        link = run["link"]
+        assert link["copies"] > 0 and link["busy_ms"] > 0
+        assert 0 <= link["first_copy_ms"] < link["last_copy_end_ms"] <= run["prefill_ms"]
+    batches = prompt["last_link"]
+    assert sum(b["copies"] for b in batches) == prompt["runs"][-1]["link"]["copies"]
+    assert all(set(b["layers"]) <= {0, 1} and b["start_ms"] <= b["end_ms"] for b in batches)
+    assert "; link: " in capsys.readouterr().out
+
+
+def test_the_link_log_wraps_the_runtimes_issuers_only_while_installed():
+    from types import SimpleNamespace
+
+    from benchmarks.bench.link_log import LinkLog
+
+    class Transfers:
+        cuda = False
+
+        def __init__(self):
+            self.counters = SimpleNamespace(copy_events=[])
+            self.issued = []
+
+        def _issue(self, slabs, keys, urgent):
+            self.issued.append(list(keys))
+
+    transfers = Transfers()
+    log = LinkLog(transfers)
+    transfers._issue([0], [(1, 3)], False)  # not armed: passed through, not logged
+    log.start()
+    transfers._issue([1, 2], [(2, 0), (2, 5)], True)
+    batches = log.stop((0.0, None))
+    assert [(b["layers"], b["copies"]) for b in batches] == [([2], 2)]
+    assert transfers.issued == [[(1, 3)], [(2, 0), (2, 5)]]
+    log.remove()
+    assert "_issue" not in vars(transfers)  # the class's own method again
+    assert LinkLog(None).stop((0.0, None)) == []
