@@ -103,7 +103,9 @@ def _layers(keys) -> tuple[int, ...]:
 def link_summary(batches: list[dict], gap_ms: float = GAP_MS) -> dict:
     """The link's busy time (the union of the batches' spans: the urgent and the prefetch stream may overlap),
     the span from the first copy's start to the last one's end, the idle time inside it split by cause, and the
-    longest gaps (the layer of the batch after each, when it was issued, how long the link sat idle before it)."""
+    longest gaps (the layer of the batch after each, when it was issued, how long the link sat idle before it).
+    The cause compares a host time with a device time: both count from the prompt's start, where the device is
+    idle (the request before ended reading its last token), so the two clocks start together."""
     if not batches:
         return {"batches": 0, "copies": 0}
     ordered = sorted(batches, key=lambda b: b["start_ms"])
