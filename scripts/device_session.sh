@@ -129,7 +129,10 @@
 #                                                   decode_bench's reps start), layer by layer (prompt_timeline, then
 #                                                   prompt_compare): at 6 GiB Q4_K, PX px (896), the default, lru, the
 #                                                   default without compression (keep 1.0) and without a pinned layer
-#                                                   (PROMPTS_CONFIGS, PROMPTS_TIMEOUT override); the timelines tarred
+#                                                   (PROMPTS_CONFIGS, PROMPTS_TIMEOUT override; at 16 GiB BF16 give each
+#                                                   120 s); each prompt's copies logged too, so the comparison says where
+#                                                   the link sat idle and why (next copy not issued, or waiting on
+#                                                   compute); the timelines tarred
 #   bash scripts/device_session.sh whatif [PX BUDGET STRENGTH]  #46's sensitivity curve, one point a call: lru, VisMMOE
 #                                                   without compression (offload) and with it (vismmoe: keep 0.5) at
 #                                                   PX (1344) and BUDGET (16GiB), 128 decoded tokens, routing
