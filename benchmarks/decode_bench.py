@@ -173,6 +173,17 @@ def _decode_hit_rate(runtime) -> float | None:
     return sum(c.hits + c.late for c in counters) / needed if needed else None
 
 
+PLACEMENTS = ("hits", "late", "misses", "cpu", "cpu_seconds")  # LayerCounters' fields, summed over the layers
+
+
+def _prefill_placements(runtime) -> dict[str, float]:
+    """The prompts' offloaded experts so far, by how each was placed: resident (hits), landed from a copy the
+    layer waited on (late: a streamed layer's), fetched after the routing read (misses), computed by the CPU
+    (the hybrid mode's share, and the host's wait on it)."""
+    counters = list(runtime.counters["prefill"].values())
+    return {field: sum(getattr(c, field) for c in counters) for field in PLACEMENTS}
+
+
 def _decode_cpu_share(runtime) -> float | None:
     """Hybrid mode: the share of offloaded layers' decode pairs the CPU computed."""
     counters = list(runtime.counters["decode"].values())
@@ -299,7 +310,7 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
     # copies' seconds and the compute stream's waits on them
     before = runtime.summary() if runtime else None
     prompt_before = (before["bytes_copied_prefill"], runtime.host_reads, before["prefill_copy_seconds"],
-                     before["prefill_stall_seconds"]) if runtime else None
+                     before["prefill_stall_seconds"], _prefill_placements(runtime)) if runtime else None
     pruning_before = _pruning(model)
     split = PrefillSplit(model)  # where the measured prefills' time goes (vision tower, CPU experts)
     prefill, decode, gaps, longest, tokens = [], [], [], [], None
@@ -356,6 +367,10 @@ def run_config(config: Configuration, args, reference: torch.Tensor | None) -> t
         # the copies' own time and the compute stream's waits on them, a prompt (what a copy-bound prompt costs)
         row.update(prefill_copy_s=(summary["prefill_copy_seconds"] - prompt_before[2]) / args.reps,
                    prefill_stall_s=(summary["prefill_stall_seconds"] - prompt_before[3]) / args.reps)
+        # a prompt's experts by placement: the default rules and lru copy alike, so a prompt slower than lru's
+        # shows here whether it waited on the CPU's share or fetched what the stream did not cover
+        row["prefill_placements"] = {field: (count - prompt_before[4][field]) / args.reps
+                                     for field, count in _prefill_placements(runtime).items()}
         row.update(pinned_layers=summary["pinned_layers"], slabs=summary["slabs"], store=runtime.store.fmt,
                    decode_bytes_per_token=(decode_pcie_bytes(runtime) - copied) / (args.reps * (args.decode_tokens - 1)),
                    decode_hit_rate=_decode_hit_rate(runtime), decode_prefetches=summary["decode_prefetches"],
@@ -615,9 +630,13 @@ def main() -> int:
                 if "vision_graph_replays" in vision else ""
             pruned = f"; {r['prompt_tokens_kept']:.0f} of {r['prompt_tokens']} prompt tokens kept past the prefix, " \
                 f"chosen in {r['compression_ms']:.2f} ms" if "prompt_tokens_kept" in r else ""
+            placed = r.get("prefill_placements") or {}
+            placed = f"; its experts {placed['hits']:.0f} resident, {placed['late']:.0f} landed late, " \
+                f"{placed['misses']:.0f} fetched, {placed['cpu']:.0f} on the CPU ({placed['cpu_seconds']:.3f} s " \
+                f"waiting on it)" if placed else ""
             print(f"{r['config']}: a prompt copied {r['prefill_gb_copied']:.2f} GB into slabs (copies "
                   f"{r['prefill_copy_s']:.3f} s, the layers waiting on them {r['prefill_stall_s']:.3f} s); "
-                  f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}{pruned}")
+                  f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}{pruned}{placed}")
         if r.get("prefill_cpu_expert_s"):
             print(f"{r['config']}: a prefill's {r['prefill_s_median']:.3f} s: vision tower {r['prefill_vision_s']:.3f} s, "
                   f"CPU experts {r['prefill_cpu_expert_s']:.3f} s ({r.get('prefill_cpu_expert_gb_s', 0):.1f} GB/s of "

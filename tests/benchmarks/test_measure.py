@@ -77,6 +77,30 @@ def test_decode_bench_isolated_configurations_report_like_in_process_ones(tmp_pa
     # 4 MiB holds every expert of tiny-4x16, in since the warm-up request: the measured prompts copy nothing and
     # read no routing back
     assert offload["prefill_gb_copied"] == 0 and offload["routing_reads_per_request"] == 0
+    # and so no expert of a prompt landed late, was fetched or was computed by the CPU (with a slab for every
+    # expert, the layers run from the filled slabs without placing anything)
+    placed = offload["prefill_placements"]
+    assert set(placed) == {"hits", "late", "misses", "cpu", "cpu_seconds"}
+    assert placed["late"] == placed["misses"] == placed["cpu"] == placed["cpu_seconds"] == 0
+    assert runs["inline"]["offload:expert_budget=4MiB"]["prefill_placements"] == placed
+
+
+def test_decode_bench_rows_say_how_a_prompts_experts_were_placed(tmp_path):
+    """A budget of about one layer's experts: lru's prompts copy what they need (fetched, or streamed and landed
+    late), while with every miss on the CPU (miss_policy cpu) the same prompt copies nothing and waits on the
+    CPU's share instead."""
+    out = tmp_path / "out"
+    cpu = "vismmoe:expert_budget=17%,miss_policy=cpu,keep_ratio=1.0"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.decode_bench", "--out", str(out), "--device", "cpu",
+                             "--tiny", "tiny-6x64", "--image-size", "96", "--decode-tokens", "3", "--reps", "1",
+                             "--configs", "lru:expert_budget=17%", cpu], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads((out / "decode_bench.json").read_text())["rows"]}
+    lru, on_cpu = rows["lru:expert_budget=17%"]["prefill_placements"], rows[cpu]["prefill_placements"]
+    assert lru["cpu"] == 0 and lru["late"] + lru["misses"] > 0 and rows["lru:expert_budget=17%"]["prefill_gb_copied"] > 0
+    assert on_cpu["cpu"] > 0 and on_cpu["misses"] == on_cpu["late"] == 0 and on_cpu["cpu_seconds"] > 0
+    assert rows[cpu]["prefill_gb_copied"] == 0
+    assert f"{on_cpu['cpu']:.0f} on the CPU" in result.stdout
 
 
 def test_decode_bench_gguf_configurations_load_the_checkpoint_in_gguf(tmp_path):
