@@ -630,10 +630,10 @@ def main() -> int:
                 if "vision_graph_replays" in vision else ""
             pruned = f"; {r['prompt_tokens_kept']:.0f} of {r['prompt_tokens']} prompt tokens kept past the prefix, " \
                 f"chosen in {r['compression_ms']:.2f} ms" if "prompt_tokens_kept" in r else ""
-            placed = r.get("prefill_placements") or {}
-            placed = f"; its experts {placed['hits']:.0f} resident, {placed['late']:.0f} landed late, " \
-                f"{placed['misses']:.0f} fetched, {placed['cpu']:.0f} on the CPU ({placed['cpu_seconds']:.3f} s " \
-                f"waiting on it)" if placed else ""
+            counts = r.get("prefill_placements")
+            placed = f"; its experts {counts['hits']:.0f} resident, {counts['late']:.0f} landed late, " \
+                f"{counts['misses']:.0f} fetched, {counts['cpu']:.0f} on the CPU ({counts['cpu_seconds']:.3f} s " \
+                f"waiting on it)" if counts else ""
             print(f"{r['config']}: a prompt copied {r['prefill_gb_copied']:.2f} GB into slabs (copies "
                   f"{r['prefill_copy_s']:.3f} s, the layers waiting on them {r['prefill_stall_s']:.3f} s); "
                   f"{r['routing_reads_per_request']:.0f} routing reads a request{replayed}{pruned}{placed}")

@@ -51,15 +51,12 @@ class LinkLog:
         def issue(slabs, keys, *args, **kwargs):
             if not self.armed:
                 return original(slabs, keys, *args, **kwargs)
-            counters = transfers.counters
-            events_before, listed_before = counters.copy_events, len(counters.copy_events)
+            listed_before = len(transfers.counters.copy_events)  # the issuers append; only a summary resolves them
             issued = time.perf_counter()
             result = original(slabs, keys, *args, **kwargs)
             returned = time.perf_counter()
-            appended = counters.copy_events[listed_before:] if counters.copy_events is events_before else \
-                counters.copy_events  # resolved meanwhile: the list was replaced by the still-pending ones
             if transfers.cuda:
-                for begin, done, *copies in appended:
+                for begin, done, *copies in transfers.counters.copy_events[listed_before:]:
                     self.batches.append(Batch(_layers(keys), copies[0] if copies else len(slabs), issued, returned,
                                               (begin, done)))
             elif slabs:
