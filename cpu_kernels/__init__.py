@@ -26,10 +26,11 @@ CPU_DTYPES = ("bf16", "int8", "int4")
 
 
 def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: str = "bf16",
-                 model_dir: Any = None, sources: Any = ()):
+                 model_dir: Any = None, sources: Any = (), model_on_cpu: bool = False):
     """One CPU backend for a model's experts (`shape`: the adapter's MoEShape; `threads`: kt-kernel's
     workers, `--cpu_infer`, default physical cores - 2: cpu_kernels/threads.py; `dtype`: the experts'
-    precision there, quantized copies cached under `model_dir`, fingerprinting it and `sources`)."""
+    precision there, quantized copies cached under `model_dir`, fingerprinting it and `sources`; `model_on_cpu`:
+    the model runs on the CPU too, so the torch backend computes in the caller's thread: torch_backend.py)."""
     from .isa import choose_backend
     from .kt_backend import kt_kernel_supports
 
@@ -44,4 +45,4 @@ def make_backend(requested: str, shape: Any, threads: int | None = None, dtype: 
         raise ValueError(f"cpu_dtype {dtype} needs kt-kernel, which cannot run on this CPU")
     from .torch_backend import TorchCpuBackend
 
-    return TorchCpuBackend()
+    return TorchCpuBackend(in_caller=model_on_cpu)

@@ -4,6 +4,11 @@ It copies nothing: given views into the ExpertStore's page-locked blocks, it rea
 hybrid mode keeps one host copy of the experts. torch releases the GIL inside its kernels, so the
 worker runs while the main thread keeps the GPU busy. Threads: torch's intra-op pool
 (`torch.set_num_threads`, which `--cpu_infer` sets).
+
+Where the model itself runs on the CPU there is nothing to overlap (both shares compute on the same cores),
+and a worker thread costs: once it has run a torch op it keeps an OpenMP team of its own, whose threads spin
+on the cores the main thread's parallel ops then wait for (on a 2-core machine a grouped GEMM of the main
+thread went from about 1 ms to 2-7 ms). There (`in_caller`) the backend computes in the submitting thread.
 """
 
 from __future__ import annotations
@@ -36,18 +41,32 @@ class _FutureTask:
         return self.future.result()
 
 
+class _DoneTask:
+    """A share computed in the caller's thread at submit."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def wait(self) -> torch.Tensor:
+        return self.out
+
+
 class TorchCpuBackend:
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, in_caller: bool = False):
+        """`in_caller`: compute in the thread that submits (the model runs on the CPU: see above)."""
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismmoe-cpu-experts")
+        self.in_caller = in_caller
+        self.pool = None if in_caller else ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismmoe-cpu-experts")
 
     def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.layers[layer] = (gate_up, down)
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> _FutureTask:
         gate_up, down = self.layers[layer]
+        if self.pool is None:
+            return _DoneTask(pair_experts(hidden, expert_ids, weights, gate_up, down))
         return _FutureTask(self.pool.submit(pair_experts, hidden, expert_ids, weights, gate_up, down))
 
     @property
@@ -55,4 +74,5 @@ class TorchCpuBackend:
         return 0  # reads the tensors it was given
 
     def describe(self) -> str:
-        return f"torch ({torch.get_num_threads()} threads, reads the expert store in place)"
+        where = "in the caller's thread" if self.in_caller else "on a worker thread"
+        return f"torch ({torch.get_num_threads()} threads {where}, reads the expert store in place)"

@@ -5,6 +5,7 @@ import torch
 
 from cpu_kernels.base import reference_experts
 from cpu_kernels.isa import kt_kernel_installed
+from cpu_kernels import torch_backend
 from cpu_kernels.torch_backend import TorchCpuBackend
 
 E, K, H, I = 16, 4, 128, 64
@@ -56,6 +57,32 @@ def test_torch_backend_reads_weights_in_place(experts):
     after = backend.submit(0, hidden, ids, weights).wait()
     assert not torch.allclose(before, after)
     assert backend.host_bytes == 0
+
+
+def test_torch_backend_for_a_model_on_the_cpu_computes_in_the_callers_thread(experts):
+    """Where the model runs on the CPU, a worker thread would keep an OpenMP team of its own spinning on the
+    cores the model's ops need: the share is computed at submit, in the caller's thread, with the same result."""
+    import threading
+
+    gate_up, down = experts
+    seen = []
+    hidden, ids, weights = torch.randn(3, H).bfloat16(), torch.tensor([[0, 1, 2, 3], [4, 5, -1, 6], [7, 0, 1, -1]]), \
+        torch.full((3, K), 0.25)
+    results = {}
+    for in_caller in (False, True):
+        backend = TorchCpuBackend(in_caller=in_caller)
+        backend.add_layer(0, gate_up, down)
+        original = torch_backend.pair_experts
+        torch_backend.pair_experts = lambda *a: (seen.append((in_caller, threading.current_thread())), original(*a))[1]
+        try:
+            task = backend.submit(0, hidden, ids, weights)
+            results[in_caller] = task.wait()
+        finally:
+            torch_backend.pair_experts = original
+    assert [caller for caller, _ in seen] == [False, True]
+    assert seen[0][1] is not threading.current_thread() and seen[1][1] is threading.current_thread()
+    assert torch.equal(results[False], results[True])
+    assert "caller's thread" in TorchCpuBackend(in_caller=True).describe()
 
 
 @needs_kt

@@ -427,6 +427,7 @@ def test_a_plan_that_leaves_the_cpu_to_prefill_decodes_its_misses_over_the_host_
     for layer in LAYERS:
         runtime.load_layer(layer, *weights[layer])
     assert runtime.enable_table(torch.nn.SiLU()) and runtime.plan.decode_cpu == decode_cpu
+    assert runtime.cpu.in_caller  # the model runs on the CPU: its CPU share too, in this thread (no worker's team)
     calls = []
     submit = runtime.cpu.submit
     runtime.cpu.submit = lambda layer, *args: (calls.append((runtime.phase, layer)), submit(layer, *args))[1]

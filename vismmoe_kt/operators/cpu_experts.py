@@ -57,12 +57,13 @@ class CpuExperts(BaseInjectedModule):
             model_dir = getattr(gguf_loader, "model_dir", None)  # a checkpoint directory: the quantized cache
             sources = getattr(gguf_loader, "weight_files", list)()  # weights from elsewhere (GGUF files)
             dtype = "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype
-            self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config),
-                                                    self.context.cpu_threads, dtype, model_dir, sources)
             # the model's device (the rule places only the experts here); unknown under upstream's loop:
             # a GPU machine serves a CUDA model
             device = self.context.model_device
             serves_cuda = torch.device(device).type == "cuda" if device else torch.cuda.is_available()
+            self.context.cpu_backend = make_backend(settings.cpu_backend, self.adapter.moe_shape(config),
+                                                    self.context.cpu_threads, dtype, model_dir, sources,
+                                                    model_on_cpu=not serves_cuda)
             if getattr(self.context.cpu_backend, "streams", False) and serves_cuda:
                 leave_cores_to_workers()
         self.backend = self.context.cpu_backend

@@ -20,7 +20,8 @@ from .quota_trial import QuotaTrial
 class MissPolicy:
     def __init__(self, settings: OffloadSettings, num_experts: int, hidden: int, inter: int, top_k: int,
                  offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None, model_dir=None,
-                 sources=()):
+                 sources=(), model_on_cpu: bool = False):
+        """`model_on_cpu`: the model computes on the CPU too (the torch backend then runs in the caller's thread)."""
         self.mode = settings.miss_policy
         self.top_k = top_k
         self.cost = CostTracker(CostModel(*settings.cost_model), pinned=True) if settings.cost_model else None
@@ -30,12 +31,12 @@ class MissPolicy:
         self.trial = QuotaTrial() if self.mode == "auto" else None
         self.cpu = None if self.mode == "wait" else self._make_cpu_backend(
             settings.cpu_backend, num_experts, hidden, inter, top_k, offloaded_layers, layer_bytes, cpu_threads,
-            "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype, model_dir, sources)
+            "bf16" if settings.cpu_dtype == "auto" else settings.cpu_dtype, model_dir, sources, model_on_cpu)
 
     @staticmethod
     def _make_cpu_backend(requested: str, num_experts: int, hidden: int, inter: int, top_k: int,
                           offloaded_layers: int, layer_bytes: int, cpu_threads: int | None = None,
-                          dtype: str = "bf16", model_dir=None, sources=()):
+                          dtype: str = "bf16", model_dir=None, sources=(), model_on_cpu: bool = False):
         """kt-kernel keeps its own copy of every expert it serves, which on top of the page-locked
         store doubles host memory: refuse it where that cannot fit."""
         import psutil
@@ -47,7 +48,7 @@ class MissPolicy:
         if name == "torch":
             from cpu_kernels.torch_backend import TorchCpuBackend
 
-            return TorchCpuBackend()
+            return TorchCpuBackend(in_caller=model_on_cpu)
         from cpu_kernels.kt_backend import BYTES_PER_WEIGHT, KtKernelBackend
 
         needed = offloaded_layers * (layer_bytes + num_experts * 3 * inter * hidden * BYTES_PER_WEIGHT[dtype])

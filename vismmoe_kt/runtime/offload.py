@@ -80,7 +80,8 @@ class OffloadRuntime(EngineQueries):
                                          top_k)
         self.pinned = res.pinned
         self.miss = MissPolicy(self.settings, num_experts, hidden, inter, top_k, len(res.offloaded),
-                               num_experts * res.store.block_bytes, cpu_threads, model_dir, sources)
+                               num_experts * res.store.block_bytes, cpu_threads, model_dir, sources,
+                               model_on_cpu=self.device.type == "cpu")
         self.cpu = res.cpu = self.miss.cpu
         built_backend_check(self.plan, getattr(self.cpu, "name", None))  # `auto` may have fallen back to torch
         if getattr(self.cpu, "streams", False) and self.device.type == "cuda":
