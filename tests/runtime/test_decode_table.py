@@ -455,6 +455,41 @@ def test_a_plan_that_leaves_the_cpu_to_prefill_decodes_its_misses_over_the_host_
     assert variants == {"cpu pairs" if decode_cpu else ""}
 
 
+def test_the_hybrids_prompt_reads_its_rows_to_the_host_only_for_a_cpu_share(monkeypatch):
+    """The hybrid mode's routing read: a decode step's rows ride along (one read); a prompt's layer reads only its
+    routing, and its rows and weights after that only where the placement sends experts to the CPU (a prompt's
+    rows are MiBs a layer at full size, and a streamed prompt's layers rarely have a CPU share). Outputs are the
+    reference's either way."""
+    torch.manual_seed(0)
+    runtime = OffloadRuntime(OffloadSettings(expert_budget=2 * E * 3 * I * H * 4, policy="lru", miss_policy="cpu",
+                                             pinned_layers=0), LAYERS, E, H, I, torch.float32, "cpu", top_k=K)
+    weights = {layer: (torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4) for layer in LAYERS}
+    for layer in LAYERS:
+        runtime.load_layer(layer, *weights[layer])
+    res, reads = runtime.residency, []
+    to_host = res.to_host
+    monkeypatch.setattr(res, "to_host", lambda *t: (reads.append(tuple(x.shape for x in t)), to_host(*t))[1])
+    act = torch.nn.SiLU()
+
+    def prompt(tokens, experts):
+        reads.clear()
+        for layer in LAYERS:
+            hidden = torch.randn(tokens, H)
+            ids, w = torch.tensor([experts[:K] for _ in range(tokens)]), torch.rand(tokens, K)
+            torch.testing.assert_close(runtime.run_layer(layer, hidden, ids, w, act),
+                                       reference(weights[layer], hidden, ids, w), rtol=1e-5, atol=1e-5)
+        return list(reads)
+
+    with torch.no_grad():
+        on_cpu = runtime.miss.on_cpu
+        monkeypatch.setattr(runtime.miss, "on_cpu", lambda *args: set())  # every miss fetched: no CPU share
+        assert prompt(3, [0, 1]) == [((3, K),)] * len(LAYERS)
+        monkeypatch.setattr(runtime.miss, "on_cpu", on_cpu)
+        assert prompt(3, [2, 3]) == [((3, K),), ((3, H), (3, K))] * len(LAYERS)  # misses on the CPU: a second read
+        assert prompt(1, [4, 5]) == [((1, K), (1, H), (1, K))] * len(LAYERS)  # decode, eager: one read
+    assert sum(c.cpu for c in runtime.counters["prefill"].values()) == K * len(LAYERS)
+
+
 @pytest.mark.parametrize("cold,fill", [(0, True), (1, True), (1, False)])
 def test_a_settled_table_skips_the_upkeep_and_counts_the_same(cold, fill):
     """Every offloaded expert in a resident slab as decode starts: no step can miss, so the boundary

@@ -135,8 +135,8 @@ class PlacementExecutor:
     def _offloaded(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
         res = self.res
-        # the layer's one device->host read: the routing (and, when the CPU may compute, its inputs)
-        host = res.to_host(*self._cpu_inputs(top_k_index, hidden, top_k_weights))
+        # the layer's device->host read: the routing (and, in decode, where the CPU may compute, its inputs)
+        host = res.to_host(*self._cpu_inputs(top_k_index, hidden, top_k_weights, phase))
         experts, pairs = torch.unique(host[0], return_counts=True)  # on the host: no further sync
         pairs_of = dict(zip(experts.tolist(), pairs.tolist()))
         try:
@@ -144,7 +144,8 @@ class PlacementExecutor:
             self._prefetch_after(layer, hidden)
             if phase == "decode":  # decode history only: a prompt routes to most experts, replaying it would
                 res.last_routed[layer] = list(pairs_of)  # prefetch whole layers for the first decode token
-            task = self._submit_cpu(layer, *host, placement.on_cpu, counters) if placement.on_cpu else None
+            task = self._submit_cpu(layer, *self._with_host_inputs(host, hidden, top_k_weights), placement.on_cpu,
+                                    counters) if placement.on_cpu else None
             out = self._compute_on_gpu(layer, hidden, top_k_index, top_k_weights, act, placement, pairs_of) \
                 if placement.on_gpu else None
             if task is not None:
@@ -232,12 +233,24 @@ class PlacementExecutor:
         self._streamed.clear()
 
     @staticmethod
-    def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
+    def _routing_only(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                      phase: str) -> tuple:
         return (top_k_index,)
 
     @staticmethod
-    def _with_cpu_inputs(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> tuple:
-        return top_k_index, hidden, top_k_weights
+    def _with_cpu_inputs(top_k_index: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                         phase: str) -> tuple:
+        """The hybrid mode: a decode step's few rows ride along with its routing (one sync, a few KiB); a prompt's
+        do not. A prompt's layer is mostly covered by slabs (streamed, or fetched in one batch), so its CPU share
+        is usually empty, and its rows are MiBs (824 x 2048 BF16 at 896 px: 3.4 MB a layer) that the read would
+        copy to the host on every offloaded layer for nothing; `_with_host_inputs` reads them where the
+        placement did send experts to the CPU."""
+        return (top_k_index, hidden, top_k_weights) if phase == "decode" else (top_k_index,)
+
+    def _with_host_inputs(self, host: list[torch.Tensor], hidden: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> list[torch.Tensor]:
+        """The routing and the CPU share's inputs on the host: read with the routing, or now (a second read)."""
+        return host if len(host) == 3 else [host[0], *self.res.to_host(hidden, top_k_weights)]
 
     def _policy_after_layer(self, layer: int, hidden: torch.Tensor) -> None:
         """The coming layers' experts, as the prefetch policy sees them."""
