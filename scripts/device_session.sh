@@ -132,7 +132,8 @@
 #                                                   (PROMPTS_CONFIGS, PROMPTS_TIMEOUT override; at 16 GiB BF16 give each
 #                                                   120 s); each prompt's copies logged too, so the comparison says where
 #                                                   the link sat idle and why (next copy not issued, or waiting on
-#                                                   compute); the timelines tarred
+#                                                   compute); the timelines tarred; PROMPTS_BEFORE=DIR (a `git archive`
+#                                                   of an earlier tree, carried): the first configuration in DIR's code too
 #   bash scripts/device_session.sh whatif [PX BUDGET STRENGTH]  #46's sensitivity curve, one point a call: lru, VisMMOE
 #                                                   without compression (offload) and with it (vismmoe: keep 0.5) at
 #                                                   PX (1344) and BUDGET (16GiB), 128 decoded tokens, routing
@@ -452,10 +453,14 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
              if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
              q=expert_budget=6GiB,store_dtype=q4_k
              dirs=()
-             for c in ${PROMPTS_CONFIGS:-"vismmoe:$q" "lru:$q" "vismmoe:$q,keep_ratio=1.0" "vismmoe:$q,pinned_layers=0"}; do
+             configs=(${PROMPTS_CONFIGS:-"vismmoe:$q" "lru:$q" "vismmoe:$q,keep_ratio=1.0" "vismmoe:$q,pinned_layers=0"})
+             # PROMPTS_BEFORE=DIR: the first configuration in DIR's code first (a tree before a change, carried)
+             for c in ${PROMPTS_BEFORE:+"before:${configs[0]}"} "${configs[@]}"; do
+               side=.; [[ $c == before:* ]] && side=$PROMPTS_BEFORE
                d="$OUT/prompts$px/$(tr -c 'A-Za-z0-9=.\n-' _ <<< "$c")"
-               timeout ${PROMPTS_TIMEOUT:-110} python3 -m benchmarks.prompt_timeline --out "$d" --config "$c" --image-size "$px" \
-                 --rounds 3 --decode-tokens 127 2>&1 | grep -vE "^Writing|it/s\]" | tail -3 && dirs+=("$d")
+               (cd "$side" && PYTHONPATH=.:$PYTHONPATH timeout ${PROMPTS_TIMEOUT:-110} python3 -m benchmarks.prompt_timeline \
+                  --out "$d" --config "${c#before:}" --image-size "$px" --rounds 3 --decode-tokens 127 2>&1 \
+                  | grep -vE "^Writing|it/s\]" | tail -3) && dirs+=("$d")
              done
              python3 -m benchmarks.prompt_compare "${dirs[@]}" | tee "$OUT/prompts$px.md" || true
              if [[ -d $OUT/prompts$px ]]; then tar czf "$OUT/prompts$px.tar.gz" -C "$OUT" "prompts$px" && rm -rf "$OUT/prompts$px"; fi ;;
