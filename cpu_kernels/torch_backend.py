@@ -57,8 +57,11 @@ class TorchCpuBackend:
     def __init__(self, in_caller: bool = False):
         """`in_caller`: compute in the thread that submits (the model runs on the CPU: see above)."""
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.in_caller = in_caller
         self.pool = None if in_caller else ThreadPoolExecutor(max_workers=1, thread_name_prefix="vismmoe-cpu-experts")
+
+    @property
+    def in_caller(self) -> bool:
+        return self.pool is None
 
     def add_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.layers[layer] = (gate_up, down)

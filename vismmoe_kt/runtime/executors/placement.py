@@ -68,7 +68,8 @@ class PlacementExecutor:
         self._next_offloaded = {layer: next((o for o in later if res.index[o] > res.index[layer]), None)
                                 for layer in res.moe_layers}
         self._streamed: dict[int, list] = {}  # layer -> the keys a streamed prompt queued for it
-        self._streams = res.plan.prefill == "streamed" and bool(res.num_slabs)
+        self._stream_first = self._stream_unstreamed if res.plan.prefill == "streamed" and res.num_slabs \
+            else _no_first_stream
         self._observe_copies = miss.observed_copies if miss.mode == "auto" else _no_observation
         self._decode_into_bank = self._decode_on_device \
             if res.device.type == "cuda" and dequantize.available(res.store.dtype) else self._decode_on_host
@@ -266,13 +267,13 @@ class PlacementExecutor:
             return
         self._stream(ahead)
 
-    def _stream_first(self, layer: int, phase: str, tokens: int) -> None:
+    def _stream_unstreamed(self, layer: int, phase: str, tokens: int) -> None:
         """Streamed prefill: a long prompt's first offloaded layer, which no layer before it streamed, is streamed as
         it starts, before its routing is read, so its placement finds its experts in flight as every later layer's.
         Why: placed after the read, its experts were misses, and under `miss_policy: auto` the cost model sent
         some to the CPU, whose wait held the host from streaming the next layer (16 GiB BF16, 896 px, H100: the
         link sat idle 31 ms before layer 2's copies, the default's prompt 836 ms against lru's 810)."""
-        if self._streams and phase == "prefill" and layer not in self._streamed and self._long_prompt(tokens):
+        if phase == "prefill" and layer not in self._streamed and self._long_prompt(tokens):
             self._stream(layer)
 
     def _long_prompt(self, tokens: int) -> bool:
@@ -381,6 +382,10 @@ class PlacementExecutor:
 
 def _no_prefetch(layer: int, hidden: torch.Tensor) -> None:
     """No slabs: every expert is pinned or read from the host."""
+
+
+def _no_first_stream(layer: int, phase: str, tokens: int) -> None:
+    """Prefill placed layer by layer (or no slabs): nothing is streamed."""
 
 
 def _no_observation(counters: Any) -> None:
