@@ -15,11 +15,13 @@ E, H, I, K = 8, 16, 8, 2
 LAYERS = [0, 1, 2, 3]
 
 
-def make_runtime(slabs, miss_policy="wait"):
+def make_runtime(slabs, miss_policy="wait", pinned=0):
+    """`slabs` slabs for the offloaded layers, the first `pinned` layers pinned (VisMMOE's policy then: lru pins
+    none)."""
     torch.manual_seed(0)
     block = 3 * I * H * 4
-    settings = OffloadSettings(expert_budget=slabs * block, policy="lru", pinned_layers=0, prefetch_window=1,
-                               miss_policy=miss_policy)
+    settings = OffloadSettings(expert_budget=(pinned * E + slabs) * block, policy="vismmoe" if pinned else "lru",
+                               pinned_layers=pinned, prefetch_window=1, miss_policy=miss_policy)
     runtime = OffloadRuntime(settings, LAYERS, E, H, I, torch.float32, "cpu", top_k=K)
     weights = {}
     for layer in LAYERS:
@@ -226,3 +228,92 @@ def test_a_stream_that_raises_before_its_layer_starts_leaves_no_layer_open(monke
     assert cache.executing is None and not runtime._placement._streamed
     cache.check_invariants()
     prompt(runtime, weights, tokens=32, seed=2, h=h, atol=2e-4)
+
+
+@pytest.mark.parametrize("pinned", [0, 1])
+def test_a_begun_prompt_streams_its_first_offloaded_layer_before_any_layer_runs(pinned):
+    """The engine says a prompt begins before its vision tower runs: the first offloaded layer's experts are
+    copied from then on, and the prompt's layers find every expert copied, the first offloaded one's streamed
+    once (not again when its layer, or the pinned one before it, starts)."""
+    runtime, weights = make_runtime(slabs=(3 - pinned) * E, pinned=pinned)  # a layer fewer than offloaded
+    assert runtime.plan.pinned_depth == pinned and runtime.plan.prefill == "streamed"
+    first = LAYERS[pinned]
+    cache, copies = runtime.residency.cache, runtime.transfers.counters.copies
+    runtime.begin_prompt(32)
+    assert sorted(e for layer, e in cache.where if layer == first) == list(range(E))
+    assert runtime.transfers.counters.copies - copies == E and set(runtime._placement._streamed) == {first}
+    prompt(runtime, weights, tokens=32, seed=1)
+    offloaded = LAYERS[pinned:]
+    counters = runtime.residency.counters["prefill"]
+    assert [counters[layer].misses for layer in offloaded] == [0] * len(offloaded)
+    assert runtime.residency.cache_counters["prefill"].prefetches == len(offloaded) * E  # each expert once
+    # a second prompt begun after a decode step: its first offloaded layer is streamed again where it is missing
+    generator = torch.Generator().manual_seed(5)
+    for layer in LAYERS:
+        runtime.run_layer(layer, torch.randn(1, H, generator=generator), torch.randperm(E, generator=generator)[:K][None],
+                          torch.rand(1, K, generator=generator), torch.nn.SiLU())
+    assert runtime.residency.phase == "decode"
+    runtime.begin_prompt(32)
+    assert runtime.residency.phase == "prefill"
+    assert all((first, e) in cache.where for e in range(E))
+    prompt(runtime, weights, tokens=32, seed=2)
+    assert sum(counters[layer].misses for layer in offloaded) == 0
+    cache.check_invariants()
+
+
+def test_a_begun_short_prompt_streams_nothing_and_a_begun_prompt_forgets_stale_streams():
+    runtime, weights = make_runtime(slabs=3 * E)
+    copies = runtime.transfers.counters.copies
+    runtime.begin_prompt(2)  # 2 tokens x 2 of 8: about 44% of a layer's experts, placed after its read instead
+    assert runtime.transfers.counters.copies == copies and not runtime._placement._streamed
+    prompt(runtime, weights, tokens=2, seed=3)
+    executor, cache = runtime._placement, runtime.residency.cache
+    stale = [(3, e) for e in range(E)]  # as if streamed for layer 3 by a prompt that stopped
+    executor._streamed[3] = stale
+    cache.priority.update({key: 2.0 for key in stale if key in cache.where})
+    runtime.begin_prompt(32)
+    assert set(executor._streamed) == {0} and not any(cache.priority.get(key, 0) >= 2.0 for key in stale)
+    before = prefill_counts(runtime)
+    prompt(runtime, weights, tokens=32, seed=4)
+    assert [after[0] - earlier[0] for after, earlier in zip(prefill_counts(runtime), before)] == [0, 0, 0, 0]
+
+
+def test_the_runner_begins_a_picture_prompts_copies_before_its_vision_tower(tmp_path_factory):
+    """Through the engine: when the vision tower starts, the first offloaded layer's experts already have slabs
+    (their copies issued), and the request's tokens equal those of the same rules with everything resident."""
+    from conftest import layer_bytes, tiny_case
+    from vismmoe_kt import load
+    from vismmoe_kt.demo.tiny import SPECS
+    from vismmoe_kt.engine.runner import BatchRequest, ModelRunner
+    from vismmoe_kt.engine.sampling import Sampling
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+    from vismmoe_kt.core.context import context_of_model
+    from vismmoe_kt.models import adapter_for
+    from conftest import make_image
+
+    model_dir, _, _ = tiny_case(tmp_path_factory, "tiny-4x16", 1, "Describe the image.", (160, 128), 2)
+    cpu = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
+    tokens = {}
+    for layers in (4, 2):  # every layer pinned; two layers' worth (the others offloaded, streamed)
+        model, processor = load(model_dir, "optimize_rules/qwen3vl-offload.yaml", graphs="off",
+                                expert_budget=int(layer_bytes(SPECS["tiny-4x16"]) * layers), **cpu)
+        runtime = context_of_model(model).offload_runtime
+        offloaded = runtime.offloaded_layers()
+        seen = []
+        if offloaded:
+            assert runtime.plan.prefill == "streamed"
+            cache = runtime.residency.cache
+            tower = adapter_for(model.config.model_type).vision_tower(model)
+            tower.register_forward_pre_hook(lambda *_: seen.append(
+                {e for layer, e in cache.where if layer == offloaded[0]}))
+        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(160, 128, seed=1)])
+        runner = ModelRunner(model, max_batch=1, capacity=512, max_queue=2)
+        request = BatchRequest(dict(inputs), 6, Sampling(), min_new_tokens=6)
+        runner.add(request)
+        with torch.no_grad():
+            while not runner.idle:
+                runner.step()
+        tokens[layers] = request.sequence.generated
+        if offloaded:
+            assert seen and seen[0] == set(range(SPECS["tiny-4x16"].experts)), seen
+    assert tokens[2] == tokens[4]

@@ -269,8 +269,12 @@ class ModelRunner:
                           host)
 
     def _announce(self, rows: tuple[PrefillRow, ...] | None, width: int = 0) -> None:
-        """What the prefill forward about to run computes (None: it ended), for operators keyed by position."""
-        self.engine.context.model_pass = None if rows is None else ModelPass(rows, width, cache=self.cache)
+        """What the prefill forward about to run computes (None: it ended), for operators keyed by position; the
+        expert runtime hears of a prompt before its vision tower runs (its copies may start now)."""
+        context = self.engine.context
+        context.model_pass = None if rows is None else ModelPass(rows, width, cache=self.cache)
+        if rows and context.offload_runtime is not None:  # the tokens its layers run, padding included
+            context.offload_runtime.begin_prompt(width * len(rows) if width else sum(row.length for row in rows))
 
     def _prefill(self, chunk: PrefillChunk) -> int | None:
         """A chunk of a sequence's prompt through the model into its slot; at the prompt's end, the token

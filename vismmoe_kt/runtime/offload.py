@@ -210,6 +210,11 @@ class OffloadRuntime(EngineQueries):
                   top_k_weights: torch.Tensor, act: Any) -> torch.Tensor:
         return self._serve(layer, hidden, top_k_index, top_k_weights, act)
 
+    def begin_prompt(self, tokens: int) -> None:
+        """A prefill forward of `tokens` tokens is about to run (the engine says so before its vision tower): the
+        placement path may start copying the prompt's first offloaded layer (executors/placement.py)."""
+        self._placement.begin_prompt(tokens)
+
     @property
     def table_armed(self) -> bool:
         return self.boundary.armed

@@ -68,8 +68,10 @@ class PlacementExecutor:
         self._next_offloaded = {layer: next((o for o in later if res.index[o] > res.index[layer]), None)
                                 for layer in res.moe_layers}
         self._streamed: dict[int, list] = {}  # layer -> the keys a streamed prompt queued for it
-        self._stream_first = self._stream_unstreamed if res.plan.prefill == "streamed" and res.num_slabs \
-            else _no_first_stream
+        streams = res.plan.prefill == "streamed" and res.num_slabs
+        self._stream_first = self._stream_unstreamed if streams else _no_first_stream
+        self._first_offloaded = later[0] if streams and later else None  # what a prompt streams before its forward
+        self._begun = False  # the prompt under way was begun by `begin_prompt` (its streams are this pass's)
         self._observe_copies = miss.observed_copies if miss.mode == "auto" else _no_observation
         self._decode_into_bank = self._decode_on_device \
             if res.device.type == "cuda" and dequantize.available(res.store.dtype) else self._decode_on_host
@@ -93,18 +95,39 @@ class PlacementExecutor:
         res = self.res
         phase = "prefill" if hidden.shape[0] > 1 and not batched else "decode"
         if phase != res.phase or not self.boundary.stale:
-            with res.lock:
-                self.boundary.leave()
-                if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
-                    res.last_routed.clear()
-                res.switch_phase(phase)
-        if phase == "prefill" and layer == res.moe_layers[0] and self._streamed:
-            with res.lock:  # a new pass over the layers: streams of one that stopped part way are stale
-                self._forget_streams()
+            self._enter_phase(phase)
+        if phase == "prefill" and layer == res.moe_layers[0]:
+            if self._streamed and not self._begun:
+                with res.lock:  # a new pass over the layers: streams of one that stopped part way are stale
+                    self._forget_streams()
+            self._begun = False
         counters = res.counters[phase].setdefault(layer, LayerCounters())
         counters.calls += 1
         self.owner.policy.observe(self.owner, layer, top_k_index)
         return self.by_layer[layer](layer, hidden, top_k_index, top_k_weights, act, phase, counters)
+
+    def _enter_phase(self, phase: str) -> None:
+        """Leave the decode boundary's upkeep and switch the residency to `phase`."""
+        res = self.res
+        with res.lock:
+            self.boundary.leave()
+            if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
+                res.last_routed.clear()
+            res.switch_phase(phase)
+
+    def begin_prompt(self, tokens: int) -> None:
+        """A prefill forward of `tokens` tokens is about to run, before its vision tower and first layers: a long
+        prompt's first offloaded layer is streamed now. Why: streamed as that layer (or the pinned layer before
+        it) started, its copies waited for the picture's vision tower and the layers before it, while a streamed
+        prompt is bound by the link from its first copy to its last (the link's first copy 6.8-8.0 ms into an
+        896 px prompt at 16 GiB BF16, H100). What earlier passes streamed and never ran is forgotten first."""
+        if self._first_offloaded is None:
+            return
+        self._enter_phase("prefill")
+        with self.res.lock:
+            self._forget_streams()
+        self._begun = True
+        self._stream_unstreamed(self._first_offloaded, "prefill", tokens)
 
     def _pinned(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 act: Any, phase: str, counters: LayerCounters) -> torch.Tensor:
