@@ -45,9 +45,11 @@ from vismmoe_kt.models import adapter_for
 class StageClock:
     """Forward hooks noting, at each watched module's start and end, the host's time and a CUDA event, from the
     start of the prompt's forward: the first of `origins` to start (the model's forward; where the runner builds a
-    picture prompt's text model inputs itself, the vision tower or the token embedding). That is the prompt's own
-    time, without what the caller does before it, such as the synthetic routing's table made before
-    timed_generate's clock, or the runner reading the prompt's ids on the host."""
+    picture prompt's text model inputs itself, the vision tower or the token embedding), or of a call `watch_call`
+    names (the expert runtime's `begin_prompt`, which the runner calls just before the forward and which may
+    start the prompt's copies). That is the prompt's own time, without what the caller does before it, such as
+    the synthetic routing's table made before timed_generate's clock, or the runner reading the prompt's ids on
+    the host."""
 
     def __init__(self, origins: list[torch.nn.Module], modules: dict[str, torch.nn.Module], cuda: bool):
         self.cuda = cuda
@@ -57,6 +59,7 @@ class StageClock:
         self.last_origin: tuple[float, object] | None = None  # the stopped prompt's, for the link's batches
         # the origins' hooks go first: a module that is both an origin and a stage starts the clock, then its stage
         self.handles = [origin.register_forward_pre_hook(self._begin) for origin in origins]
+        self._wrapped: list[tuple[object, str]] = []
         for name, module in modules.items():
             self.handles.append(module.register_forward_pre_hook(self._hook(name, "start")))
             self.handles.append(module.register_forward_hook(self._hook(name, "end")))
@@ -94,9 +97,22 @@ class StageClock:
                  "gpu_ms": event0.elapsed_time(event) if event is not None else None}
                 for name, edge, host, event in self.marks]
 
+    def watch_call(self, owner: object, name: str) -> None:
+        """`owner.name(...)` starts the clock too (an instance attribute in front of the method; `remove` drops it)."""
+        call = getattr(owner, name)
+
+        def begin_then_call(*args, **kwargs):
+            self._begin()
+            return call(*args, **kwargs)
+        setattr(owner, name, begin_then_call)
+        self._wrapped.append((owner, name))
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for owner, name in self._wrapped:
+            delattr(owner, name)
+        self._wrapped = []
 
 
 # module-level functions timed by --split ("module:name": the name looked up in that module, where its callers find it)
@@ -257,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     clock = StageClock([model, model.get_input_embeddings(), *([modules["vision"]] if "vision" in modules else [])],
                        modules, cuda)
     context = getattr(getattr(model, "vismmoe", None), "context", None)
-    link = LinkLog(getattr(getattr(context, "offload_runtime", None), "transfers", None))
+    runtime = getattr(context, "offload_runtime", None)
+    if runtime is not None:  # a prompt's copies may begin there, before the forward
+        clock.watch_call(runtime, "begin_prompt")
+    link = LinkLog(getattr(runtime, "transfers", None))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0) if cuda else args.device, "config": args.config,
