@@ -278,18 +278,19 @@ def test_a_begun_short_prompt_streams_nothing_and_a_begun_prompt_forgets_stale_s
     assert [after[0] - earlier[0] for after, earlier in zip(prefill_counts(runtime), before)] == [0, 0, 0, 0]
 
 
-def test_the_runner_begins_a_picture_prompts_copies_before_its_vision_tower(tmp_path_factory):
-    """Through the engine: when the vision tower starts, the first offloaded layer's experts already have slabs
-    (their copies issued), and the request's tokens equal those of the same rules with everything resident."""
-    from conftest import layer_bytes, tiny_case
+@pytest.mark.parametrize("together", [1, 2])
+def test_the_runner_begins_a_picture_prompts_copies_before_its_vision_tower(tmp_path_factory, together):
+    """Through the engine, a prompt alone and two prefilled together (one vision-tower call): when the vision tower
+    first starts, the first offloaded layer's experts already have slabs (their copies issued), and the requests'
+    tokens equal those of the same rules with everything resident."""
+    from conftest import layer_bytes, make_image, tiny_case
     from vismmoe_kt import load
+    from vismmoe_kt.core.context import context_of_model
     from vismmoe_kt.demo.tiny import SPECS
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
     from vismmoe_kt.engine.runner import BatchRequest, ModelRunner
     from vismmoe_kt.engine.sampling import Sampling
-    from vismmoe_kt.engine.inputs import build_inputs, user_turn
-    from vismmoe_kt.core.context import context_of_model
     from vismmoe_kt.models import adapter_for
-    from conftest import make_image
 
     model_dir, _, _ = tiny_case(tmp_path_factory, "tiny-4x16", 1, "Describe the image.", (160, 128), 2)
     cpu = {"generate_device": "cpu", "prefill_device": "cpu", "progress": False}
@@ -306,14 +307,17 @@ def test_the_runner_begins_a_picture_prompts_copies_before_its_vision_tower(tmp_
             tower = adapter_for(model.config.model_type).vision_tower(model)
             tower.register_forward_pre_hook(lambda *_: seen.append(
                 {e for layer, e in cache.where if layer == offloaded[0]}))
-        inputs = build_inputs(processor, [user_turn("Describe the image.", 1)], [make_image(160, 128, seed=1)])
-        runner = ModelRunner(model, max_batch=1, capacity=512, max_queue=2)
-        request = BatchRequest(dict(inputs), 6, Sampling(), min_new_tokens=6)
-        runner.add(request)
+        requests = [BatchRequest(build_inputs(processor, [user_turn(question, 1)], [make_image(*size, seed=seed)]), 6,
+                                 Sampling(), min_new_tokens=6)
+                    for question, size, seed in (("Describe the image.", (160, 128), 1), ("Two shapes?", (128, 128), 3))]
+        runner = ModelRunner(model, max_batch=together, capacity=512, max_queue=2)
+        for request in requests:
+            runner.add(request)
         with torch.no_grad():
             while not runner.idle:
                 runner.step()
-        tokens[layers] = request.sequence.generated
+        tokens[layers] = [request.sequence.generated for request in requests]
+        assert (runner.prefill_groups == 1) == (together == 2)
         if offloaded:
             assert seen and seen[0] == set(range(SPECS["tiny-4x16"].experts)), seen
     assert tokens[2] == tokens[4]

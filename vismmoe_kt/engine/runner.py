@@ -367,10 +367,11 @@ class ModelRunner:
                               per_token=family_per_token_inputs(adapter))
         view = self.cache.rows_view(slots, lengths)
         adapter.set_rope_delta(model, None)  # the prompts' own M-RoPE positions
-        parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
-                                                              logits_to_keep=1))
+        # before the vision tower (prefill_parts runs it, the text model not): the expert runtime may start copying
         self._announce(tuple(self._row(r, 0, n) for r, n in zip(requests, lengths)), width=max(lengths))
         try:
+            parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
+                                                                  logits_to_keep=1))
             hidden = self.text_forward(inputs_embeds=parts["inputs_embeds"], position_ids=parts["position_ids"],
                                        past_key_values=view, use_cache=True,
                                        visual_pos_masks=parts["visual_pos_masks"],
