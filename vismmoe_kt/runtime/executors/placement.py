@@ -94,8 +94,7 @@ class PlacementExecutor:
         """`batched`: a batched decode step's rows (decode, whatever their number)."""
         res = self.res
         phase = "prefill" if hidden.shape[0] > 1 and not batched else "decode"
-        if phase != res.phase or not self.boundary.stale:
-            self._enter_phase(phase)
+        self._enter_phase(phase)
         if phase == "prefill" and layer == res.moe_layers[0]:
             if self._streamed and not self._begun:
                 with res.lock:  # a new pass over the layers: streams of one that stopped part way are stale
@@ -107,8 +106,11 @@ class PlacementExecutor:
         return self.by_layer[layer](layer, hidden, top_k_index, top_k_weights, act, phase, counters)
 
     def _enter_phase(self, phase: str) -> None:
-        """Leave the decode boundary's upkeep and switch the residency to `phase`."""
+        """Leave the decode boundary's upkeep and switch the residency to `phase` (nothing where the phase is
+        already `phase` and the boundary left: a prompt's layers after `begin_prompt`, or after its first)."""
         res = self.res
+        if phase == res.phase and self.boundary.stale:
+            return
         with res.lock:
             self.boundary.leave()
             if phase == "prefill":  # a new prompt: the last decode's routing says nothing about it
