@@ -115,12 +115,19 @@ class StageClock:
         self._wrapped = []
 
 
-# module-level functions timed by --split ("module:name": the name looked up in that module, where its callers find it)
+# functions timed by --split ("module:name", looked up where its callers find it; "module:Class.method" for a method)
 SPLIT_FUNCTIONS = ("vismmoe_kt.runtime.executors.placement:block_experts",
                    "vismmoe_kt.runtime.kernels.quantized_major:experts_quantized_major",
                    "vismmoe_kt.runtime.kernels.quantized_major:block_plan",
                    "vismmoe_kt.runtime.table_experts:combine",
-                   "vismmoe_kt.engine.prompt_attention:grouped_decode_attention")
+                   "vismmoe_kt.engine.prompt_attention:grouped_decode_attention",
+                   # a streamed prompt's offloaded layer: its start on the streamed slabs, the next layer's copies
+                   "vismmoe_kt.runtime.executors.placement:PlacementExecutor._begin_streamed",
+                   "vismmoe_kt.runtime.executors.placement:experts_from_slabs",
+                   "vismmoe_kt.runtime.residency:Residency.upload_rows",
+                   "vismmoe_kt.runtime.transfers:Transfers.stream_layer",
+                   "vismmoe_kt.runtime.transfers:Transfers._copy_batch",
+                   "vismmoe_kt.runtime.slab_cache:SlabCache.assign_many")
 # the decoder layer's parts by the adapter's accessor
 LAYER_PARTS = ("attention", "input_norm", "post_attention_norm", "feed_forward", "router", "experts")
 
@@ -162,11 +169,15 @@ class HostSplit:
         self._undo.append(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
 
     def watch_function(self, spec: str) -> None:
-        module_name, _, attr = spec.partition(":")
-        module = importlib.import_module(module_name)
-        previous = getattr(module, attr)
-        setattr(module, attr, self._timed(attr, previous))
-        self._undo.append(lambda: setattr(module, attr, previous))
+        """"module:function", or "module:Class.method" (timed for every instance, under "Class.method")."""
+        module_name, _, path = spec.partition(":")
+        owner = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        previous = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+        setattr(owner, attr, self._timed(path, previous))
+        self._undo.append(lambda: setattr(owner, attr, previous))
 
     def reset(self) -> None:
         self.seconds, self.calls = {}, {}

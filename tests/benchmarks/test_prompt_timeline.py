@@ -167,3 +167,29 @@ def test_the_link_log_wraps_the_runtimes_issuers_only_while_installed():
     log.remove()
     assert "_issue" not in vars(transfers)  # the class's own method again
     assert LinkLog(None).stop((0.0, None)) == []
+
+
+def test_the_split_times_a_method_for_every_instance_inside_a_layer_and_puts_it_back(monkeypatch):
+    """"module:Class.method": the class's method timed under "Class.method" (the streamed path's runtime methods),
+    counted only within a layer's call, and the original restored by `remove`."""
+    import sys
+    import types
+
+    module = types.ModuleType("fake_runtime")
+
+    class Copier:
+        def copy(self, n):
+            return n + 1
+
+    module.Copier = Copier
+    monkeypatch.setitem(sys.modules, "fake_runtime", module)
+    original = Copier.copy
+    split = prompt_timeline.HostSplit()
+    split.watch_function("fake_runtime:Copier.copy")
+    layer = split._timed(split.LAYER, lambda: Copier().copy(1) + Copier().copy(2))
+    assert Copier().copy(5) == 6 and split.calls == {}  # outside a layer: not counted
+    assert layer() == 5
+    assert split.calls == {"Copier.copy": 2, "layer": 1}
+    assert split.seconds["layer"] >= split.seconds["Copier.copy"] > 0
+    split.remove()
+    assert Copier.copy is original
