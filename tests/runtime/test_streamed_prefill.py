@@ -321,3 +321,23 @@ def test_the_runner_begins_a_picture_prompts_copies_before_its_vision_tower(tmp_
         if offloaded:
             assert seen and seen[0] == set(range(SPECS["tiny-4x16"].experts)), seen
     assert tokens[2] == tokens[4]
+
+
+@pytest.mark.parametrize("in_slab_order", [False, True])
+def test_a_streamed_layer_takes_its_slabs_in_slab_order_so_its_copies_are_runs(in_slab_order):
+    """Victims come in the ranking's order (here the least recent first: slabs 7 down to 0); a layer's stream pairs its
+    experts with them in slab order, so consecutive experts going into consecutive slabs copy as one run."""
+    from vismmoe_kt.runtime.transfers import copy_runs
+
+    cache = SlabCache(8, LAYERS, "lru")
+    for e in range(8):
+        assert cache.assign((0, e), urgent=True) == e
+        cache.complete(e)
+    cache.begin_layer(0, list(range(7, -1, -1)))  # used 7 first: slab 7 is the least recent
+    cache.end_layer(0)
+    keys = [(1, e) for e in range(8)]
+    slabs = cache.assign_in_slab_order(keys, 1.0) if in_slab_order else cache.assign_many(keys, [1.0] * 8)
+    assert sorted(slabs) == list(range(8))
+    assert [cache.where[key] for key in keys] == slabs
+    assert len(copy_runs(slabs, keys)) == (1 if in_slab_order else 8)
+    cache.check_invariants()

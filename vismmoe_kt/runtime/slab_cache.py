@@ -183,6 +183,19 @@ class SlabCache:
             out.append(slab)
         return out
 
+    def assign_in_slab_order(self, keys: list[Key], priority: float, ranking: Any = None) -> list[int | None]:
+        """`assign_many` for keys of one priority (a long prompt's stream of a layer), the slabs it takes given out
+        in ascending order: consecutive experts then land in consecutive slabs wherever the slabs taken are
+        consecutive, one copy a run (Transfers._copies), where victims in the ranking's order scattered a layer's
+        experts over about as many copies as experts (about 80 `copy_` calls a layer, 5.1 ms of host a layer on
+        an H100 host that paced its prompts)."""
+        slabs = self.assign_many(keys, [priority] * len(keys), ranking=ranking)
+        taken = [slab for slab in slabs if slab is not None]  # the keys' first len(taken) got them, in order
+        for key, slab in zip(keys, sorted(taken)):  # same priority and state: only the pairing changes
+            self._set(slab, key, SlabState.IN_FLIGHT)
+            self.where[key] = slab
+        return sorted(taken) + slabs[len(taken):]
+
     def abandon(self, slab: int) -> None:
         """A copy assigned to `slab` was never issued (or failed): the slab holds nothing (free), its expert no slab."""
         if self.state[slab] is not SlabState.IN_FLIGHT:

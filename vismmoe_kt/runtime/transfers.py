@@ -308,7 +308,7 @@ class Transfers:
         with self.lock:
             self.drop_queue()
             missing = [key for key in keys if key not in self.cache.where]
-            slabs = self.cache.assign_many(missing, [priority] * len(missing), ranking=self.stream_victims)
+            slabs = self.cache.assign_in_slab_order(missing, priority, ranking=self.stream_victims)
             self._copy_assigned(slabs, missing, urgent=False)
             return sum(slab is not None for slab in slabs)
 
