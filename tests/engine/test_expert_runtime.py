@@ -12,9 +12,11 @@ MEMBERS = {name for name in vars(ExpertRuntime) if not name.startswith("_")}
 
 
 def is_runtime(node: ast.AST) -> bool:
-    """`runtime`, `self.runtime`, `context.offload_runtime`, ...: an expression naming the expert runtime."""
-    return (isinstance(node, ast.Name) and "runtime" in node.id) or \
-        (isinstance(node, ast.Attribute) and "runtime" in node.attr)
+    """`runtime`, `self.runtime`, `context.offload_runtime`, ...: an expression naming the expert runtime. A name in
+    the plural (`context.expert_set_runtimes`) is a mapping of them: its own methods are the dict's, and each runtime
+    taken from it is a name again (`for runtime in ...`), checked as one."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "runtime" in name and not name.endswith("runtimes")
 
 
 def engine_trees():
@@ -37,7 +39,8 @@ def test_the_engine_uses_the_runtime_only_through_the_protocol():
 
 
 def test_the_probe_check_sees_a_probe():
-    tree = ast.parse("ok = hasattr(context.offload_runtime, 'begin_step')\nrows = runtime.pinned")
+    tree = ast.parse("ok = hasattr(context.offload_runtime, 'begin_step')\nrows = runtime.pinned\n"
+                     "sets = context.expert_set_runtimes.values()")
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
     assert any(is_runtime(part) for part in ast.walk(call.args[0]))
     assert [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and is_runtime(n.value)] == ["pinned"]

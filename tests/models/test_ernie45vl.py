@@ -111,6 +111,58 @@ def test_vision_experts_stream_in_the_prefill_and_never_in_decode(case, tmp_path
     assert vision["prefill_hits"] == vision["prefill_misses"] == vision["bytes_copied"] == 0
 
 
+@pytest.mark.parametrize("together", [1, 2])
+def test_the_runner_begins_each_expert_sets_runtime_with_the_tokens_its_routers_see(case, tmp_path, together):
+    """Through the engine (a prompt alone, and two prefilled together): the text experts' runtime is begun with the
+    tokens of text modality, padding included, and the vision experts' runtime with the image tokens (counted
+    together, a prompt of few text tokens streamed a layer of text experts its routers barely used); the vision
+    experts' first offloaded layer has its slabs when the vision tower starts; greedy tokens are the reference's."""
+    from vismmoe_kt.engine.inputs import build_inputs, user_turn
+    from vismmoe_kt.engine.runner import BatchRequest, ModelRunner
+    from vismmoe_kt.engine.sampling import Sampling
+    from conftest import make_image
+
+    model_dir, ref, inputs, _ = case
+    spec = SPECS[NAME]
+    vision_layer = spec.experts * 3 * (spec.moe_intermediate // 3) * spec.hidden * 4  # fp32
+    rules = tmp_path / "offload.yaml"
+    rules.write_text(open("optimize_rules/ernie45vl-offload.yaml").read().replace(
+        'expert_budget: "2GiB"', f"expert_budget: {2 * vision_layer}"))
+    model, processor = load(model_dir, str(rules), **CPU)
+    context = model.vismmoe.context
+    text, vision = context.offload_runtime, context.expert_set_runtimes[VISION_SET]
+    begun = {"text": [], "vision": []}
+    for name, runtime in (("text", text), ("vision", vision)):
+        real = runtime.begin_prompt
+        runtime.begin_prompt = lambda tokens, name=name, real=real: (begun[name].append(tokens), real(tokens))[1]
+    first = vision.offloaded_layers()[0]
+    seen = []
+    adapter_for(model.config.model_type).vision_tower(model).register_forward_pre_hook(lambda *_: seen.append(
+        {e for layer, e in vision.residency.cache.where if layer == first}))
+    prompts = [build_inputs(processor, [user_turn(question, 1)], [make_image(*size, seed=seed)])
+               for question, size, seed in (("What is in the picture?", (160, 128), 1), ("Two?", (128, 128), 3))]
+    runner = ModelRunner(model, max_batch=together, capacity=512, max_queue=2)
+    requests = [BatchRequest(p, TOKENS, Sampling(), min_new_tokens=TOKENS) for p in prompts]
+    for request in requests:
+        runner.add(request)
+    with torch.no_grad():
+        while not runner.idle:
+            runner.step()
+    kinds = [p["moe_mm_token_type_ids"][0] for p in prompts]
+    images = [int((k != 0).sum()) for k in kinds]
+    if together == 2:  # one forward, right-padded to the longer prompt: the padding is text
+        width = max(len(k) for k in kinds)
+        assert begun == {"text": [2 * width - sum(images)], "vision": [sum(images)]}
+    else:
+        assert begun == {"text": [len(k) - n for k, n in zip(kinds, images)], "vision": images}
+    assert all(n > 0 for n in begun["vision"])  # the prompt's tokens less its image ones reach the text runtime
+    assert seen and seen[0] == set(range(spec.experts))
+    with torch.no_grad():
+        for prompt, request in zip(prompts, requests):
+            want = ref.generate(**prompt, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+            assert request.sequence.generated == want[0, prompt["input_ids"].shape[1]:].tolist()
+
+
 def test_a_vision_rule_on_the_text_experts_is_refused(case, tmp_path):
     model_dir = case[0]
     rules = tmp_path / "wrong.yaml"

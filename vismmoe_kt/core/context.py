@@ -63,7 +63,6 @@ from .expert_runtime import ExpertRuntime
 if TYPE_CHECKING:  # runtime/ is below core: its classes are named as they are (not imported at run time: heavy)
     from cpu_kernels.base import CpuExpertBackend
     from ..runtime.layerwise_prefill import LayerwisePrefill
-    from ..runtime.offload import OffloadRuntime
 
 DECODE_MODES = ("lean", "hf")
 GRAPH_MODES = ("auto", "cuda", "replay", "off")
@@ -96,7 +95,7 @@ class PruningState:
 class LoadContext:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     offload_runtime: ExpertRuntime | None = None  # runtime.offload.OffloadRuntime, as the engine sees it
-    expert_set_runtimes: dict[str, OffloadRuntime] = field(default_factory=dict)  # a second expert set's (VisionExperts)
+    expert_set_runtimes: dict[str, ExpertRuntime] = field(default_factory=dict)  # a second expert set's (VisionExperts)
     cpu_backend: CpuExpertBackend | None = None
     gpu_prefill: LayerwisePrefill | None = None
     cpu_threads: int | None = None

@@ -10,9 +10,10 @@ no effect (False, None, nothing offloaded), never by lacking it: the engine does
 
 Members, by who calls them:
     prepare_steps                before any decode step: steps of up to `max_rows` tokens will run
-    begin_prompt                 a prefill forward of `tokens` tokens is about to run, before its vision
-                                 tower: a runtime that copies experts in may start on the prompt's first
-                                 offloaded layer
+    begin_prompt                 a prefill forward whose routers of this runtime's experts will see `tokens`
+                                 tokens is about to run, before its vision tower: a runtime that copies
+                                 experts in may start on the prompt's first offloaded layer (the runner
+                                 begins each expert set's runtime: context.expert_set_runtimes too)
     begin_step, end_step         around every decode step of `rows` tokens (one request: one row): the
                                  runtime binds the executor for them and keeps its cache between steps
     graph_variant                what a captured decode step depends on beyond its tensors

@@ -268,13 +268,30 @@ class ModelRunner:
         return PrefillRow(request.key, request.slot, start, length, request.inputs["input_ids"], request.max_new_tokens,
                           host)
 
-    def _announce(self, rows: tuple[PrefillRow, ...] | None, width: int = 0) -> None:
-        """What the prefill forward about to run computes (None: it ended), for operators keyed by position; the
-        expert runtime hears of a prompt before its vision tower runs (its copies may start now)."""
+    def _announce(self, rows: tuple[PrefillRow, ...] | None, width: int = 0,
+                  modality: torch.Tensor | None = None) -> None:
+        """What the prefill forward about to run computes (None: it ended), for operators keyed by position; each
+        expert runtime hears of a prompt before its vision tower runs (its copies may start now), with the tokens
+        its routers will see, padding included. `modality`: the forward's tokens' modality where the family splits
+        its experts by it (`adapter.modality_argument()`: ERNIE-4.5-VL): tokens of a nonzero one reach the second
+        expert set's runtime (its vision experts), the rest the primary one's. Why: the primary (text) runtime
+        decides whether to stream a layer by how many tokens its routers see; counted with the picture's, a
+        prompt of a few text tokens streamed a whole layer of text experts that its routers then barely used."""
         context = self.engine.context
         context.model_pass = None if rows is None else ModelPass(rows, width, cache=self.cache)
-        if rows and context.offload_runtime is not None:  # the tokens its layers run, padding included
-            context.offload_runtime.begin_prompt(width * len(rows) if width else sum(row.length for row in rows))
+        if not rows:
+            return
+        tokens = width * len(rows) if width else sum(row.length for row in rows)
+        second = 0 if modality is None else int(torch.count_nonzero(modality))
+        if context.offload_runtime is not None:
+            context.offload_runtime.begin_prompt(tokens - second)
+        for runtime in context.expert_set_runtimes.values() if second else ():  # none of its layers will run
+            runtime.begin_prompt(second)
+
+    def _modality(self, inputs: dict[str, torch.Tensor], start: int = 0, end: int | None = None) -> torch.Tensor | None:
+        """Positions [start, end) of the forward's modality row(s) (`_announce`), None where the family has none."""
+        name = self.engine.adapter.modality_argument()
+        return inputs[name][:, start:end] if name and name in inputs else None
 
     def _prefill(self, chunk: PrefillChunk) -> int | None:
         """A chunk of a sequence's prompt through the model into its slot; at the prompt's end, the token
@@ -309,7 +326,8 @@ class ModelRunner:
             else None
         if host is not None:  # the decode steps' offset, as the model's forward would have kept it
             adapter.set_rope_delta(self.model, torch.tensor([[host.rope_delta]], device=self.device))
-        self._announce((self._row(request, start, chunk.end - start, host),))
+        self._announce((self._row(request, start, chunk.end - start, host),),
+                       modality=self._modality(request.inputs, start, chunk.end))
         try:
             if whole:
                 pruning = self.engine.context.pruning
@@ -368,7 +386,8 @@ class ModelRunner:
         view = self.cache.rows_view(slots, lengths)
         adapter.set_rope_delta(model, None)  # the prompts' own M-RoPE positions
         # before the vision tower (prefill_parts runs it, the text model not): the expert runtime may start copying
-        self._announce(tuple(self._row(r, 0, n) for r, n in zip(requests, lengths)), width=max(lengths))
+        self._announce(tuple(self._row(r, 0, n) for r, n in zip(requests, lengths)), width=max(lengths),
+                       modality=self._modality(inputs))
         try:
             parts = self.text_forward.prefill_parts(lambda: model(**inputs, past_key_values=view, use_cache=True,
                                                                   logits_to_keep=1))
