@@ -276,7 +276,9 @@ class ModelRunner:
         its experts by it (`adapter.modality_argument()`: ERNIE-4.5-VL): tokens of a nonzero one reach the second
         expert set's runtime (its vision experts), the rest the primary one's. Why: the primary (text) runtime
         decides whether to stream a layer by how many tokens its routers see; counted with the picture's, a
-        prompt of a few text tokens streamed a whole layer of text experts that its routers then barely used."""
+        prompt of a few text tokens streamed a whole layer of text experts that its routers then barely used. The
+        count is read back from the device: such a family's forward reads its modality ids back anyway (its
+        layers split the tokens between the sets by boolean masks)."""
         context = self.engine.context
         context.model_pass = None if rows is None else ModelPass(rows, width, cache=self.cache)
         if not rows:
