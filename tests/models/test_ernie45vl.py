@@ -155,7 +155,7 @@ def test_the_runner_begins_each_expert_sets_runtime_with_the_tokens_its_routers_
         assert begun == {"text": [2 * width - sum(images)], "vision": [sum(images)]}
     else:
         assert begun == {"text": [len(k) - n for k, n in zip(kinds, images)], "vision": images}
-    assert all(n > 0 for n in begun["vision"])  # the prompt's tokens less its image ones reach the text runtime
+    assert all(n > 0 for n in begun["vision"])  # picture prompts: the vision runtime is begun with their image tokens
     assert seen and seen[0] == set(range(spec.experts))
     with torch.no_grad():
         for prompt, request in zip(prompts, requests):

@@ -287,8 +287,9 @@ class ModelRunner:
         second = 0 if modality is None else int(torch.count_nonzero(modality))
         if context.offload_runtime is not None:
             context.offload_runtime.begin_prompt(tokens - second)
-        for runtime in context.expert_set_runtimes.values() if second else ():  # none of its layers will run
-            runtime.begin_prompt(second)
+        if second:  # without such tokens none of the second set's layers run
+            for runtime in context.expert_set_runtimes.values():
+                runtime.begin_prompt(second)
 
     def _modality(self, inputs: dict[str, torch.Tensor], start: int = 0, end: int | None = None) -> torch.Tensor | None:
         """Positions [start, end) of the forward's modality row(s) (`_announce`), None where the family has none."""
