@@ -196,6 +196,10 @@ def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
     if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
         raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
     rules, placement = args.optimize_config_path, getattr(args, "placement", None)
+    rule_kwargs = sorted(set(parse_set(args.set)) - set(DEVICE_KEYS))
+    if rule_kwargs and not (rules or placement or default_rules):  # else the loader's "not a kwarg of any rule"
+        raise InputError(f"--set {rule_kwargs[0]}: no rules to set it in (the stock modules take no kwargs); name a "
+                         f"rule file with --optimize_config_path (e.g. optimize_rules/qwen3vl.yaml) or --placement")
     if placement:  # the family from the checkpoint (the demo's is Qwen3-VL-MoE), before anything loads
         from ..core.placements import family_of_model, placement_rules
 
