@@ -125,6 +125,12 @@
 #   bash scripts/device_session.sh defaults PX...   the default rules (qwen3vl.yaml) against lru at 16 and 32 GiB BF16 and
 #                                                   6 GiB Q4_K, 128 decoded tokens, synthetic routing, per PX
 #                                                   (DEFAULTS_CONFIGS, DEFAULTS_TOKENS, DEFAULTS_TIMEOUT override)
+#   bash scripts/device_session.sh promptab [PX]    lru's and the default rules' prompts and decodes in turn in one process
+#                                                   (benchmarks/prompt_ab.py: both models loaded, ABBA rounds, each
+#                                                   prompt after a 127-token decode, ratios paired by round): 6 GiB
+#                                                   Q4_K, PX px (896); PROMPTAB_CONFIGS (the first the baseline),
+#                                                   PROMPTAB_ROUNDS (4), PROMPTAB_TIMEOUT (560) override. Both stores
+#                                                   must fit the host: Q4_K ones do, two BF16 ones (58 GiB each) do not
 #   bash scripts/device_session.sh prompts [PX]     the default rules' prompt against lru's, each after a 127-token decode (as
 #                                                   decode_bench's reps start), layer by layer (prompt_timeline, then
 #                                                   prompt_compare): at 6 GiB Q4_K, PX px (896), the default, lru, the
@@ -448,6 +454,13 @@ LookaheadPredictor(PredictorConfig(num_layers=6, num_experts=64, hidden_size=32,
                   --routing synthetic --configs $configs | tee "$OUT/defaults$px.txt" || true
                 rows_up "$OUT/defaults$px"
               done ;;
+    promptab) shift  # lru's and the default rules' prompts and decodes in turn, one process (the host's drift cancels)
+              px=896
+              if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi
+              q=expert_budget=6GiB,store_dtype=q4_k
+              timeout ${PROMPTAB_TIMEOUT:-560} python3 -m benchmarks.prompt_ab --out "$OUT/promptab$px.json" \
+                --configs ${PROMPTAB_CONFIGS:-"lru:$q" "vismmoe:$q"} --image-size "$px" --rounds ${PROMPTAB_ROUNDS:-4} \
+                --decode-tokens 127 2>&1 | grep -vE "^Writing|it/s\]" | tee "$OUT/promptab$px.txt" || true ;;
     prompts) shift  # where the default rules' prompt loses to lru's: each configuration's prompt after a decode, layer by layer
              px=896
              if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then px=$1; shift; fi

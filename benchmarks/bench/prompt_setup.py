@@ -19,8 +19,13 @@ from vismmoe_kt.demo.tiny import save_tiny_model
 from vismmoe_kt.errors import VismmoeError
 
 
-def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="one decode_bench configuration (NAME[:key=value,...])")
+def add_prompt_flags(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """The prompt benchmarks' flags; `several`: `--configs`, two or more configurations, instead of `--config`."""
+    if several:
+        parser.add_argument("--configs", nargs="+", required=True, metavar="CONFIG",
+                            help="two or more decode_bench configurations (NAME[:key=value,...]), the first the baseline")
+    else:
+        parser.add_argument("--config", required=True, help="one decode_bench configuration (NAME[:key=value,...])")
     parser.add_argument("--image-size", type=int, default=448, help="the picture prompt's size in pixels (0: none)")
     parser.add_argument("--text-tokens", type=int, default=0, help="also a text-only prompt of this many tokens")
     parser.add_argument("--routing", default="synthetic", help="as decode_bench's --routing (default synthetic)")
@@ -38,9 +43,10 @@ def check_prompt_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--device cuda needs a CUDA GPU (--device cpu with --tiny for a sanity run)")
 
 
-def load_prompt_model(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str):
-    """(model, processor) of the configuration (a tiny model saved under a temporary folder with `--tiny`); a
-    configuration the loader refuses ends the run through the parser."""
+def load_prompt_model(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str,
+                      configuration: str | None = None):
+    """(model, processor) of the configuration (`configuration`, else `args.config`; a tiny model saved under a
+    temporary folder with `--tiny`); a configuration the loader refuses ends the run through the parser."""
     # the synthetic model's full depth in BF16, where the configuration names no GGUF (decode_bench's defaults)
     bench_args = types.SimpleNamespace(device=args.device, routing=args.routing, tiny=args.tiny, model=DEFAULT_MODEL,
                                        tiny_dir=None, layers=args.layers, dtype="bfloat16", narrow=False)
@@ -49,7 +55,7 @@ def load_prompt_model(parser: argparse.ArgumentParser, args: argparse.Namespace,
         atexit.register(shutil.rmtree, root, ignore_errors=True)
         bench_args.tiny_dir = save_tiny_model(root, args.tiny, seed=0)
     try:
-        config = parse_configuration(args.config, family_of(bench_args))
+        config = parse_configuration(configuration or args.config, family_of(bench_args))
         return load_model(bench_args, config)
     except VismmoeError as exc:
         parser.error(str(exc))
