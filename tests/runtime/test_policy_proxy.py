@@ -24,8 +24,8 @@ def proxy(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("proxy"), "proxy-48x128", seed=0)
 
 
-def run(model_dir, rules, tokens, table=True):
-    model, processor = load(model_dir, rules, expert_budget=BUDGET_16_OF_54, **CPU)
+def run(model_dir, rules, tokens, table=True, budget=BUDGET_16_OF_54):
+    model, processor = load(model_dir, rules, expert_budget=budget, **CPU)
     install_routing(model, "synthetic:0")
     runtime = model.vismmoe.context.offload_runtime
     runtime.table_enabled = table
@@ -67,3 +67,27 @@ def test_prefill_routing_is_not_replayed_as_decode_prefetch(proxy):
     assert first <= offloaded * SPEC.top_k  # at most one token's experts per layer (was whole layers)
     assert counters.prefetches - first <= 4 * offloaded * SPEC.top_k * runtime.settings.prefetch_window
     runtime.close()
+
+
+def test_a_budget_below_a_tokens_experts_still_hits_in_decode(proxy, monkeypatch):
+    """384 slabs (3 of the 48 layers' experts): a token's landings (48 layers x its misses and spares) wanted every
+    slab, so each step's reservations evicted what the step before had used, which the next token partly reuses,
+    and decode hit nothing at all. A step's landings now take at most LANDING_SHARE of the slabs."""
+    from vismmoe_kt.runtime import decode_boundary
+
+    held = []
+    reserve = decode_boundary.DecodeBoundary._reserve
+
+    def counted(self):
+        reserve(self)
+        held.append(sum(len(slabs) for slabs in self.reserved.values()))
+
+    monkeypatch.setattr(decode_boundary.DecodeBoundary, "_reserve", counted)
+    runtime = run(proxy, "optimize_rules/qwen3vl-lru.yaml", 12, budget=3 * LAYER_BYTES)
+    decode = runtime.counters["decode"].values()
+    hits, misses = sum(c.hits for c in decode), sum(c.misses for c in decode)
+    slabs = runtime.num_slabs
+    runtime.close()
+    assert slabs == 3 * SPEC.experts and len(held) >= 11
+    assert max(held) <= slabs * decode_boundary.LANDING_SHARE  # without the cap: every slab, every step
+    assert misses > 2000 and hits / (hits + misses) > 0.15, (hits, misses)  # without the cap: 0 hits

@@ -60,6 +60,16 @@ SPARE = 2  # landing slots beyond the layer's last miss count: room for a change
 # (the 48 x 128 CPU proxy at 2427 slabs, lru, 48 steps: decode hits 86.1% with one, 85.9% with two, against
 # 87.0% before-step with two)
 SPARE_AHEAD = 1
+# A step's landings evict at most this share of the slabs (free slabs besides). Where a step wants more (every
+# offloaded layer's misses and spares: 48 x 10 landings a token when nearly everything misses), its reservations took
+# every slab, each step evicting the experts the last one used, which the next token reuses (44% of its top-8 on
+# synthetic routing), so decode hit nothing at all; a miss without a landing costs the same bytes, read once. Decode
+# hits on the 48 x 128 CPU proxy (`python -m benchmarks.boundary_upkeep --slabs N`, 32 tokens, before-step), lru /
+# the default rules, without the cap and with a quarter: 128 slabs 0% / 0% -> 14.0% / 14.4%; 384: 0% / 0% -> 33.1% /
+# 25.3%; 640: 37.0% / 22.3% -> 47.0% / 42.2%; 1152: 65.3% / 65.5% -> 65.0% / 65.3%; 2427: 83.4% / 84.9%, unchanged
+# (an eighth was within a point of a quarter, a sixteenth 7 points below at 384). It binds only where the landings
+# wanted pass it.
+LANDING_SHARE = 0.25
 
 
 class DecodeBoundary:
@@ -89,6 +99,7 @@ class DecodeBoundary:
         self.fill = False                          # the plan's fill_slabs: copy cold experts in as decode starts
         self.offloaded_rows = [residency.row_of(layer) for layer in residency.offloaded]  # the table rows that record
         self._names = itertools.count()
+        self._landing_turn = 0  # the row a round of landings cut to LANDING_SHARE starts at (_within_landing_share)
 
     @property
     def table(self):
@@ -394,6 +405,28 @@ class DecodeBoundary:
             cache.set_usage(rt.moe_layers, records.usage)
         return unused
 
+    def _within_landing_share(self, wanted: list[tuple[int, int]], num_slabs: int) -> list[tuple[int, int]]:
+        """`wanted` ((row, how many more) landings) cut to the free slabs and LANDING_SHARE of the slabs, less the
+        landings held already: a landing a row at a time, round the rows from one further each step, so no row is
+        always the one left without (its misses are read from the host and not kept). A free slab evicts nothing,
+        so a cold cache fills as fast as before."""
+        room = int(num_slabs * LANDING_SHARE) + self.res.cache.free_slabs - \
+            sum(len(slabs) for slabs in self.reserved.values())
+        if sum(n for _, n in wanted) <= room:
+            return wanted
+        self._landing_turn = (self._landing_turn + 1) % max(len(wanted), 1)
+        rows = wanted[self._landing_turn:] + wanted[:self._landing_turn]
+        given = dict.fromkeys((row for row, _ in wanted), 0)
+        while room > 0:
+            before = room
+            for row, n in rows:
+                if room > 0 and given[row] < n:
+                    given[row] += 1
+                    room -= 1
+            if room == before:  # every row has what it wanted
+                break
+        return [(row, given[row]) for row, _ in wanted if given[row]]
+
     def _publish_finished_copies(self) -> None:
         rt = self.res
         if rt.transfers is None:
@@ -427,6 +460,7 @@ class DecodeBoundary:
                 cache.release(have.pop())
             if len(have) < want:
                 wanted.append((row, want - len(have)))
+        wanted = self._within_landing_share(wanted, cache.num_slabs)
         keys = [(rt.moe_layers[row], -1 - next(self._names)) for row, n in wanted for _ in range(n)]
         if cache.num_slabs >= len(cache.layer_order) * rt.num_experts:
             # a slab for every offloaded expert: landings take free slabs only. A reservation that evicted
