@@ -181,6 +181,7 @@ def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
         raise InputError(f"--cpu_infer must be at least 1, got {args.cpu_infer}")
     torch.set_num_threads(args.cpu_infer or default_cpu_threads())
     overrides = parse_set(args.set)  # bad flags fail before the (demo) model is assembled or loaded
+    rule_kwargs = sorted(set(overrides) - set(DEVICE_KEYS))  # what --set gives the rules themselves
     if args.cpu_infer is not None:
         overrides["cpu_infer"] = args.cpu_infer
     for flag in DEVICE_KEYS:
@@ -196,7 +197,6 @@ def load_from_args(args: argparse.Namespace, default_rules: Path | None = None):
     if args.optimize_config_path and not Path(args.optimize_config_path).is_file():
         raise InputError(f"--optimize_config_path {args.optimize_config_path}: no such rule file")
     rules, placement = args.optimize_config_path, getattr(args, "placement", None)
-    rule_kwargs = sorted(set(parse_set(args.set)) - set(DEVICE_KEYS))
     if rule_kwargs and not (rules or placement or default_rules):  # else the loader's "not a kwarg of any rule"
         raise InputError(f"--set {rule_kwargs[0]}: no rules to set it in (the stock modules take no kwargs); name a "
                          f"rule file with --optimize_config_path (e.g. optimize_rules/qwen3vl.yaml) or --placement")
